@@ -1,0 +1,214 @@
+"""NumPy fused kernels for small backward/elementwise helpers, plus shared kernel plumbing.
+
+Public kernels (spec `fused-ops.md` §10, §15, §16 and Appendix H):
+
+* `reduce_max_to_backward(x, grad)`  -- REDUCE_MAX_TO_BACKWARD (id 10), torch `amax` semantics.
+* `powi_backward(x, grad, *, exp)`    -- POWI_BACKWARD (id 15), `exp == 0` gives zeros (H.18).
+* `inplace_affine(x, *, mul, add)`    -- INPLACE_AFFINE (id 16), writes through `x`.
+
+Private plumbing shared by the sibling kernel modules (`norm`, `rope`, `loss`, ...):
+`acc_dtype` (float32 for 16/32-bit floats, float64 for float64), `row_spans` and `run_spans`,
+which process a 2-D row view in chunks, split over a small thread pool (NumPy releases the GIL
+inside ufunc loops, so two cores give up to ~2x on large arrays). Every per-row result is
+independent of the chunking and of the thread count, so kernels stay bit-stable on one machine.
+`FUELGRAPH_NUM_THREADS=1` in the environment disables the pool.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from fuelgraph.errors import FuelGraphError
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+#: elements per chunk (2 MiB of float32). Chunks are large on purpose: each NumPy call costs
+#: ~1 us of GIL-holding Python and every GIL hand-off between threads a wake-up, so small
+#: chunks lose more than they gain from L2 residency (the machine's L3 holds these arrays).
+CHUNK_ELEMS = 1 << 19
+#: below this many elements a kernel runs on the calling thread only
+PARALLEL_MIN_ELEMS = 1 << 18
+try:
+    NUM_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+except AttributeError:  # pragma: no cover - non-Linux
+    NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
+NUM_THREADS = int(os.environ.get("FUELGRAPH_NUM_THREADS", NUM_THREADS))
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def acc_dtype(dt) -> np.dtype:
+    """Accumulation dtype: float64 for float64 inputs, float32 for float32/float16/bfloat16."""
+    return _F64 if np.dtype(dt) == _F64 else _F32
+
+
+def row_spans(nrows: int, row_elems: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """Split `nrows` rows of `row_elems` elements into consecutive `(r0, r1)` spans of about
+    `chunk` elements (at least one row each, at least `NUM_THREADS` spans for large jobs)."""
+    step = max(1, (chunk or CHUNK_ELEMS) // max(1, row_elems))
+    if NUM_THREADS > 1 and nrows * row_elems >= PARALLEL_MIN_ELEMS:
+        step = min(step, -(-nrows // NUM_THREADS))
+    return [(r, min(r + step, nrows)) for r in range(0, nrows, step)]
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(NUM_THREADS - 1, thread_name_prefix="fuelgraph-np")
+        return _pool
+
+
+def run_spans(fn, spans, total_elems: int) -> None:
+    """Call `fn(r0, r1)` for every span. Large jobs are cut into `NUM_THREADS` contiguous groups
+    of spans; the calling thread runs one group and pool threads the rest. Exceptions propagate."""
+    def group(part):
+        for r0, r1 in part:
+            fn(r0, r1)
+
+    nthr = min(NUM_THREADS, len(spans))
+    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:
+        group(spans)
+        return
+    bounds = [len(spans) * i // nthr for i in range(nthr + 1)]
+    parts = [spans[bounds[i]:bounds[i + 1]] for i in range(nthr)]
+    futures = [_get_pool().submit(group, p) for p in parts[1:]]
+    try:
+        group(parts[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def run_flat(fn, n: int) -> None:
+    """`run_spans` over a flat buffer of `n` elements: `fn(i0, i1)` handles elements [i0, i1)."""
+    run_spans(fn, row_spans(n, 1), n)
+
+
+def reduce_max_to_backward(x, grad):
+    """Backward of the primitive `ReduceMaxTo` (spec §10, H.15): torch `amax` semantics.
+
+    x: [d0, ..., dk]; grad: same rank, `grad.shape[i] == 1` where axis i was reduced
+    (`x.shape[i] != 1`), `grad.shape[i] == x.shape[i]` elsewhere. Returns dx, shape/dtype of x:
+    `dx = (grad / count) * mask`, `mask = (x == max over the reduced axes)`, `count` = number of
+    tied maxima in the window (ties share evenly). A window whose max is NaN has an empty mask
+    and count 0, so -- exactly like torch's amax backward -- every element of that window is NaN
+    (whatever grad is). Computed in float32 for 16/32-bit inputs, float64 for float64.
+    """
+    op = "reduce_max_to_backward"
+    if grad.ndim != x.ndim or any(g not in (1, s) for g, s in zip(grad.shape, x.shape)):
+        raise FuelGraphError(f"{op}: input 'grad' has shape {grad.shape}, expected the keepdim "
+                             f"shape of a max over x of shape {x.shape}")
+    acc = acc_dtype(x.dtype)
+    axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, x.shape)) if g == 1 and s != 1)
+    xa = x if x.dtype == acc else x.astype(acc)
+    ga = grad if grad.dtype == acc else grad.astype(acc)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if axes and axes == tuple(range(x.ndim - len(axes), x.ndim)) and xa.size:
+            # reduced axes are trailing: rows of a 2-D view, chunked and threaded
+            w = int(np.prod([x.shape[i] for i in axes]))
+            x2, g1 = xa.reshape(-1, w), ga.reshape(-1)
+            out = np.empty(x2.shape, acc)
+
+            def work(r0, r1):
+                xc, oc = x2[r0:r1], out[r0:r1]
+                m = xc.max(axis=1, keepdims=True)
+                mask = np.equal(xc, m)
+                scale = g1[r0:r1, None] / np.count_nonzero(mask, axis=1, keepdims=True)
+                np.multiply(mask, scale, out=oc)
+
+            run_spans(work, row_spans(x2.shape[0], w), x2.size)
+            out = out.reshape(x.shape)
+        else:
+            m = xa.max(axis=axes, keepdims=True) if xa.size else xa
+            mask = np.equal(xa, m)
+            cnt = np.count_nonzero(mask, axis=axes, keepdims=True) if axes else mask
+            out = np.multiply(mask, ga / cnt, dtype=acc)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+def _powi_inplace(a, e: int, scratch):
+    """Return a**e (e >= 1) by binary exponentiation, as compiler-rt `__powisf2` does;
+    `a` is overwritten (it holds the running square)."""
+    r = None
+    while True:
+        if e & 1:
+            if r is None:
+                np.copyto(scratch, a)
+                r = scratch
+            else:
+                np.multiply(r, a, out=r)
+        e >>= 1
+        if e == 0:
+            return r
+        np.multiply(a, a, out=a)
+
+
+def powi_backward(x, grad, *, exp):
+    """Backward of `PowI(exp)` (spec §15, H.18): `dx = (exp * powi(x, exp - 1)) * grad`.
+
+    x, grad: same shape and dtype; returns dx of that shape/dtype. `powi` is integer power by
+    repeated multiplication (binary exponentiation, like LLVM `powi`): `x**0 == 1` for every x,
+    a negative power is `1 / x**|m|` (so x = 0 gives +-inf). `exp` is a Python int, negative
+    allowed; `exp == 0` returns zeros (derivative of a constant). Evaluated left to right in
+    float32 (16/32-bit inputs) or float64.
+    """
+    exp = int(exp)
+    if x.shape != grad.shape:
+        raise FuelGraphError(f"powi_backward: input 'grad' has shape {grad.shape}, "
+                             f"expected {x.shape} (shape of x)")
+    if exp == 0:
+        return np.zeros(x.shape, x.dtype)
+    acc = acc_dtype(x.dtype)
+    m = exp - 1
+    coef = acc.type(exp)
+    xf, gf = x.reshape(-1), grad.reshape(-1)
+    out = np.empty(x.size, x.dtype)
+
+    def work(i0, i1):
+        g = gf[i0:i1] if gf.dtype == acc else gf[i0:i1].astype(acc)
+        if m == 0:                                     # exp == 1: dx = 1 * 1 * g
+            p = g
+        else:
+            a = xf[i0:i1].astype(acc)                  # private copy, squared in place
+            p = _powi_inplace(a, abs(m), np.empty_like(a))
+            if m < 0:
+                np.divide(acc.type(1), p, out=p)
+            np.multiply(p, coef, out=p)
+            np.multiply(p, g, out=p)
+        out[i0:i1] = p
+
+    with np.errstate(all="ignore"):
+        run_flat(work, x.size)
+    return out.reshape(x.shape)
+
+
+def inplace_affine(x, *, mul, add):
+    """INPLACE_AFFINE (spec §16): `x <- mul * x + add` written INTO x; returns x (same object).
+
+    x: any shape, C-contiguous and writable. mul/add are narrowed to float32 for
+    float32/float16/bfloat16 inputs (float64 kept for float64). The product and the sum are
+    rounded separately in the accumulation dtype (no FMA); halves are widened to float32 and
+    rounded to nearest-even once on store.
+    """
+    if not (x.flags.c_contiguous and x.flags.writeable):
+        raise FuelGraphError("inplace_affine: input 'x' must be a writable C-contiguous array")
+    acc = acc_dtype(x.dtype)
+    mul_a, add_a = acc.type(mul), acc.type(add)
+    flat = x.reshape(-1)
+    native = x.dtype == acc
+
+    def work(i0, i1):
+        c = flat[i0:i1]
+        t = c if native else c.astype(acc)
+        np.multiply(t, mul_a, out=t)
+        np.add(t, add_a, out=t)
+        if not native:
+            c[...] = t
+
+    with np.errstate(all="ignore"):
+        run_flat(work, flat.size)
+    return x

@@ -1,0 +1,1 @@
+"""The graph IR: primitive ops, hash-consed nodes and the lazy Tensor."""

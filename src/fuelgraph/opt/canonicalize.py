@@ -1,0 +1,115 @@
+"""Canonicalization: equivalent spellings meet one form so that one pattern per op suffices.
+Forms chosen: `a / b` (not `a * (1/b)` or `a * rsqrt(..)` -> `a / sqrt(..)`), constants as
+`x * c` (not `x / k`), keepdim reductions, `x * x` for `x ** 2`, commutative operands
+ordered, no identity movement ops."""
+from __future__ import annotations
+
+import math
+
+from ..ir import ops
+from ..ir.node import Node, Value, apply
+from .engine import Pass
+
+COMMUTATIVE = {"add", "mul", "maximum", "minimum", "and", "or", "xor"}
+
+
+def _full_value(v: Value):
+    op = v.node.op
+    return op.value if isinstance(op, ops.Full) else None
+
+
+def _unwrap_bcast(v: Value):
+    """(inner, shape) when v = BroadcastTo(inner), else (v, None)."""
+    if isinstance(v.node.op, ops.BroadcastTo):
+        return v.node.srcs[0], v.shape
+    return v, None
+
+
+def _rewrap(v: Value, shape):
+    return v if shape is None else apply(ops.BroadcastTo(shape), v)
+
+
+def movement(n: Node):
+    op, srcs = n.op, n.srcs
+    if isinstance(op, (ops.Reshape, ops.BroadcastTo)):
+        x = srcs[0]
+        if x.shape == op.shape:
+            return x
+        if isinstance(x.node.op, ops.Full):
+            f = x.node.op
+            return apply(ops.Full(op.shape, f.value, f.dtype, f.device))
+        if type(x.node.op) is type(op):
+            return apply(type(op)(op.shape), x.node.srcs[0])
+        if isinstance(op, ops.BroadcastTo) and isinstance(x.node.op, ops.Reshape) \
+                and op.shape == x.node.srcs[0].shape:
+            return None
+    if isinstance(op, ops.Permute):
+        if op.perm == tuple(range(len(op.perm))):
+            return srcs[0]
+        if isinstance(srcs[0].node.op, ops.Permute):
+            inner = srcs[0].node.op.perm
+            return apply(ops.Permute(tuple(inner[p] for p in op.perm)), srcs[0].node.srcs[0])
+    if isinstance(op, ops.Cast) and srcs[0].dtype == op.dtype:
+        return srcs[0]
+    if isinstance(op, ops.Reduce) and not op.keepdim:
+        kept = apply(ops.Reduce(op.kind, op.axes, True), srcs[0])
+        return apply(ops.Reshape(n.shapes[0]), kept)
+    return None
+
+
+def arithmetic(n: Node):
+    op, srcs = n.op, n.srcs
+    if isinstance(op, ops.Binary) and srcs[0].dtype.is_float:
+        a, b = srcs
+        if op.kind == "div":
+            if _full_value(a) == 1:
+                return apply(ops.Unary("recip"), b)
+            c = _full_value(b)
+            if c is not None and c != 0 and math.isfinite(c):
+                return apply(ops.Binary("mul"), a, apply(ops.Full(b.shape, 1.0 / c, b.dtype, b.node.device)))
+        if op.kind == "mul":
+            for x, y in ((a, b), (b, a)):
+                inner, shape = _unwrap_bcast(y)
+                k = inner.node.op
+                if isinstance(k, ops.Unary) and k.kind in ("recip", "rsqrt"):
+                    den = inner.node.srcs[0]
+                    if k.kind == "rsqrt":
+                        den = apply(ops.Unary("sqrt"), den)
+                    return apply(ops.Binary("div"), x, _rewrap(den, shape))
+                if _full_value(y) == -1:
+                    return apply(ops.Unary("neg"), x)
+        if op.kind == "sub" and _full_value(a) == 0 and not math.copysign(1, _full_value(a)) < 0:
+            return apply(ops.Unary("neg"), b)
+        if op.kind == "pow":
+            e = _full_value(b)
+            simple = {1: None, 2: "sq", 0.5: "sqrt", -1: "recip", -0.5: "rsqrt"}
+            if e in simple:
+                if e == 1:
+                    return a
+                if e == 2:
+                    return apply(ops.Binary("mul"), a, a)
+                return apply(ops.Unary(simple[e]), a)
+    if isinstance(op, ops.Unary):
+        x = srcs[0]
+        if op.kind == "neg" and isinstance(x.node.op, ops.Unary) and x.node.op.kind == "neg":
+            return x.node.srcs[0]
+        if op.kind == "recip" and isinstance(x.node.op, ops.Unary) and x.node.op.kind == "sqrt":
+            return apply(ops.Unary("rsqrt"), x.node.srcs[0])
+    return None
+
+
+def _order_key(v: Value):
+    return (isinstance(v.node.op, ops.Full), v.node.uid, v.slot)
+
+
+def commutative(n: Node):
+    op = n.op
+    if isinstance(op, (ops.Binary, ops.Compare)) and op.kind in COMMUTATIVE | {"eq", "ne"}:
+        a, b = n.srcs
+        if _order_key(b) < _order_key(a):
+            return apply(type(op)(op.kind), b, a)
+    return None
+
+
+CANONICALIZE = Pass("canonicalize", [("movement", movement), ("arithmetic", arithmetic),
+                                     ("commutative", commutative)])

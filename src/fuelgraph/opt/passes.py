@@ -1,0 +1,93 @@
+"""The fuse and lower passes and the optimizer pipeline:
+canonicalize -> fuse (patterns of ops the backend has a kernel for) -> lower (fused ops with
+no kernel, or all of them with lower_all) -> CSE/DCE (free: nodes are hash-consed and a graph
+is what its outputs reach). Ordering of destructive inputs and kernel selection happen when the
+runtime plans the optimized graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import ops
+from ..ir.node import Node, Value, consumers, make_node, toposort
+from ..ir.tensor import Tensor
+from ..registry.core import default_registry
+from ..registry.pattern import Match, Miss, _op_sig, try_match
+from .canonicalize import CANONICALIZE
+from .engine import Pass, RewriteLog, run_pass
+
+
+def has_kernel(op_id, backend: str) -> bool:
+    from ..backends.base import kernels_for
+    return bool(kernels_for(int(op_id), backend))
+
+
+@dataclass
+class OptResult:
+    outputs: list[Value]
+    log: RewriteLog
+    misses: dict[str, Miss] = field(default_factory=dict)   # op name -> best near-miss
+    lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
+
+
+def fuse(outputs: list[Value], backend: str, log: RewriteLog, misses: dict) -> list[Value]:
+    reg = default_registry()
+    by_sig: dict = {}
+    for e in reg:
+        if e.has_pattern and has_kernel(e.id, backend):
+            for p in e.patterns():
+                by_sig.setdefault(p.root_key, []).append((e, p))
+    if not by_sig:
+        return outputs
+    nodes = toposort(outputs)
+    users = consumers(nodes)
+    matches: dict[Node, tuple] = {}
+    claimed: set = set()
+    for n in reversed(nodes):       # roots first: the largest pattern at a node wins
+        if n in claimed or n.nout != 1:
+            continue
+        for e, p in by_sig.get(_op_sig(n.op), ()):
+            r = try_match(p, e, n.out(0), users)
+            if isinstance(r, Match):
+                matches[n] = (e, r)
+                claimed |= r.interior
+                break
+            best = misses.get(e.name)
+            if best is None or r.matched > best.matched:
+                misses[e.name] = r
+    memo: dict[Node, Node] = {}
+    for n in nodes:
+        if n in matches:
+            e, m = matches[n]
+            new = make_node(ops.Fused(e.id, e.params(**m.params)),
+                            tuple(Value(memo[c.node], c.slot) for c in m.captures))
+            log.events.append(("fuse", e.name, repr(n)))
+        else:
+            srcs = tuple(Value(memo[s.node], s.slot) for s in n.srcs)
+            new = n if srcs == n.srcs else make_node(n.op, srcs)
+        memo[n] = new
+    for name in {e.name for e, _ in matches.values()}:
+        misses.pop(name, None)
+    return [Value(memo[v.node], v.slot) for v in outputs]
+
+
+def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
+    def lower(n: Node):
+        if not isinstance(n.op, ops.Fused):
+            return None
+        if not lower_all and has_kernel(n.op.id, backend):
+            return None
+        e = default_registry().entry(n.op.id)
+        counts[e.name] = counts.get(e.name, 0) + 1
+        return [t.value for t in e.lower([Tensor(s) for s in n.srcs], n.op.params)]
+    return Pass("lower", [("lower_fused", lower)])
+
+
+def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptResult:
+    """Optimize the graph under `outputs` (values or tensors) for `backend`."""
+    vals = [o.value if isinstance(o, Tensor) else o for o in outputs]
+    log, misses, lowered = RewriteLog(), {}, {}
+    vals = run_pass(vals, CANONICALIZE, log)
+    if not lower_all:
+        vals = fuse(vals, backend, log, misses)
+    vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
+    return OptResult(vals, log, misses, lowered)

@@ -1,0 +1,264 @@
+"""The fused-op registry: ids, entries (every facet of an op in one declaration), backward
+kinds and run-time registration."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ..errors import FuelGraphError
+
+RUNTIME_BASE = 0x8000
+
+
+class FusedOpId(int):
+    """A fused-op id. 0 is UNASSIGNED; ids >= 0x8000 are registered at run time."""
+
+    def is_runtime(self) -> bool:
+        return self >= RUNTIME_BASE
+
+    def __repr__(self) -> str:
+        e = default_registry().get(self)
+        return f"FusedOpId({int(self)}{', ' + e.name if e else ''})"
+
+
+class FusedOps:
+    """The 25 well-known ids (values fixed by DESIGN §4)."""
+    UNASSIGNED = FusedOpId(0)
+    SOFTMAX_LAST_DIM = FusedOpId(1)
+    FUSED_LINEAR = FusedOpId(2)
+    RMS_NORM_LAST_DIM = FusedOpId(3)
+    LAYER_NORM_LAST_DIM = FusedOpId(4)
+    ROPE = FusedOpId(5)
+    CONV2D = FusedOpId(6)
+    SOFTMAX_LAST_DIM_BACKWARD = FusedOpId(7)
+    LAYER_NORM_LAST_DIM_BACKWARD = FusedOpId(8)
+    RMS_NORM_LAST_DIM_BACKWARD = FusedOpId(9)
+    REDUCE_MAX_TO_BACKWARD = FusedOpId(10)
+    CONV_TRANSPOSE2D = FusedOpId(11)
+    FLASH_ATTN = FusedOpId(12)
+    PAGED_ATTN = FusedOpId(13)
+    QMATMUL = FusedOpId(14)
+    POWI_BACKWARD = FusedOpId(15)
+    INPLACE_AFFINE = FusedOpId(16)
+    FUSED_SOFTMAX_CROSS_ENTROPY = FusedOpId(17)
+    CAUSAL_CONV1D = FusedOpId(18)
+    SELECTIVE_SCAN = FusedOpId(19)
+    SSD_CHUNK_SCAN = FusedOpId(20)
+    NF4_MATMUL = FusedOpId(21)
+    FLASH_ATTN_BACKWARD_Q = FusedOpId(22)
+    FLASH_ATTN_BACKWARD_K = FusedOpId(23)
+    FLASH_ATTN_BACKWARD_V = FusedOpId(24)
+    AWQ_MATMUL = FusedOpId(25)
+
+    @classmethod
+    def well_known(cls) -> dict[str, FusedOpId]:
+        return {k: v for k, v in vars(cls).items() if isinstance(v, FusedOpId) and v != 0}
+
+
+@dataclass(frozen=True)
+class BackwardKind:
+    """How autograd differentiates a fused op: `fused(id)` emits helper op `id` through the
+    entry's `vjp`; DECOMPOSE differentiates the recipe; NOT_DIFFERENTIABLE raises."""
+    kind: str
+    helper: int | None = None
+
+    @staticmethod
+    def fused(helper_id: int) -> "BackwardKind":
+        return BackwardKind("fused", FusedOpId(helper_id))
+
+    def __str__(self) -> str:
+        if self.kind == "fused":
+            e = default_registry().get(self.helper)
+            return f"fused({e.name if e else self.helper})"
+        return self.kind
+
+
+BackwardKind.DECOMPOSE = BackwardKind("decompose")
+BackwardKind.NOT_DIFFERENTIABLE = BackwardKind("not_differentiable")
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """Params of ops without parameters."""
+
+
+@dataclass
+class FusedOpEntry:
+    """Everything about one fused op, declared in one place.
+
+    shape_rule(shapes, params) -> list of output shapes; dtype_rule(dtypes, params) -> list of
+    output dtypes; validate(srcs, params) raises FuelGraphError (srcs expose .shape/.dtype);
+    decompose(*tensors, **params) is the recipe over primitives (returns a Tensor or a tuple);
+    pattern_variants lists the discrete-param settings whose recipes the fuser matches;
+    extra_patterns are alternative spellings (same signature as decompose); vjp(ins, outs,
+    grads, params) builds the backward for BackwardKind.fused; sample(rng) returns example
+    input arrays used to derive patterns and by the registry-wide tests."""
+    id: FusedOpId
+    name: str
+    family: str
+    params: type
+    shape_rule: Callable
+    dtype_rule: Callable
+    validate: Callable
+    decompose: Callable
+    backward: BackwardKind
+    sample: Callable
+    outputs: tuple[str, ...] = ("out",)
+    destructive_inputs: tuple[int, ...] = ()
+    pattern_variants: tuple[dict, ...] | None = ({},)
+    extra_patterns: tuple[Callable, ...] = ()
+    vjp: Callable | None = None
+    doc: str = ""
+    _patterns: Any = field(default=None, repr=False)
+
+    def infer(self, srcs, params):
+        self.validate(srcs, params)
+        shapes = self.shape_rule([s.shape for s in srcs], params)
+        dtypes = self.dtype_rule([s.dtype for s in srcs], params)
+        return shapes, dtypes
+
+    @property
+    def has_pattern(self) -> bool:
+        return bool(self.pattern_variants) or bool(self.extra_patterns)
+
+    def patterns(self):
+        """Patterns derived from the recipe (and extra spellings); built lazily, cached."""
+        if self._patterns is None:
+            from .pattern import derive_patterns
+            self._patterns = derive_patterns(self)
+        return self._patterns
+
+    def lower(self, srcs, params):
+        """Run the recipe on tensors `srcs`; returns a tuple of output tensors."""
+        out = self.decompose(*srcs, **dataclasses.asdict(params))
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+class FusedOpRegistry:
+    """Id -> entry. Iteration is in id order; ids are never reused."""
+
+    def __init__(self):
+        self._entries: dict[int, FusedOpEntry] = {}
+        self._by_name: dict[str, int] = {}
+        self._next_runtime = RUNTIME_BASE
+        self._runtime_keys: dict[Any, FusedOpId] = {}
+        self._lock = threading.Lock()
+
+    def add(self, entry: FusedOpEntry) -> FusedOpEntry:
+        if entry.id in self._entries or entry.name in self._by_name:
+            raise FuelGraphError(f"registry: id {entry.id} or name {entry.name!r} already registered")
+        self._entries[int(entry.id)] = entry
+        self._by_name[entry.name] = int(entry.id)
+        return entry
+
+    def get(self, key) -> FusedOpEntry | None:
+        if isinstance(key, str):
+            key = self._by_name.get(key.lower())
+            if key is None:
+                return None
+        return self._entries.get(int(key)) if key is not None else None
+
+    def entry(self, key) -> FusedOpEntry:
+        e = self.get(key)
+        if e is None:
+            raise FuelGraphError(f"registry: no fused op registered for {key!r}")
+        return e
+
+    def __iter__(self) -> Iterator[FusedOpEntry]:
+        return iter([self._entries[k] for k in sorted(self._entries)])
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __contains__(self, key):
+        return self.get(key) is not None
+
+    def register(self, name: str, recipe: Callable, sample: Callable, *, family="forward",
+                 backward: BackwardKind = BackwardKind.DECOMPOSE, kernels=None,
+                 doc: str = "") -> FusedOpId:
+        """Register a run-time fused op defined by `recipe(*tensors)` (primitives only, no
+        params). `sample(rng)` returns example input arrays. Returns a fresh id >= 0x8000, or
+        the existing id when a structurally identical recipe is already registered. The op
+        then fuses from its idiom and runs through its recipe unless `kernels` maps a backend
+        name to a kernel function(*arrays)."""
+        from .pattern import recipe_structure_key, trace_recipe
+        key = recipe_structure_key(recipe, sample)
+        with self._lock:
+            if key in self._runtime_keys:
+                return self._runtime_keys[key]
+            if name.lower() in self._by_name:
+                raise FuelGraphError(f"registry.register: name {name!r} is already taken")
+            fid = FusedOpId(self._next_runtime)
+            self._next_runtime += 1
+            traced = trace_recipe(recipe, sample)
+            out_meta = [(o.shape, o.dtype) for o in traced.outputs]
+            in_meta = [(p.shape, p.dtype) for p in traced.inputs]
+
+            def validate(srcs, params, _in=in_meta, _n=name):
+                if len(srcs) != len(_in):
+                    raise FuelGraphError(f"{_n}: expected {len(_in)} inputs, got {len(srcs)}")
+                for i, (s, (shp, d)) in enumerate(zip(srcs, _in)):
+                    if s.dtype != d or len(s.shape) != len(shp):
+                        raise FuelGraphError(f"{_n}: input {i} is {s.shape} {s.dtype.name}, "
+                                             f"expected rank {len(shp)} {d.name}")
+
+            def shape_rule(shapes, params, _r=recipe):
+                return [o.shape for o in _trace_meta(_r, shapes, in_meta)]
+
+            def dtype_rule(dtypes, params, _o=out_meta):
+                return [d for _, d in _o]
+
+            entry = FusedOpEntry(
+                id=fid, name=name.lower(), family=family, params=NoParams, shape_rule=shape_rule,
+                dtype_rule=dtype_rule, validate=validate,
+                decompose=lambda *xs, _r=recipe: _r(*xs), backward=backward, sample=sample,
+                outputs=tuple(f"out{i}" for i in range(len(out_meta))),
+                doc=doc or (recipe.__doc__ or f"run-time fused op {name}"))
+            self.add(entry)
+            self._runtime_keys[key] = fid
+        if kernels:
+            from ..backends.base import register_kernel
+            for backend, fn in kernels.items():
+                register_kernel(fid, backend, lambda *a, _f=fn, **_: _f(*a))
+        return fid
+
+
+def _trace_meta(recipe, shapes, in_meta):
+    from ..ir.tensor import tensor
+    import numpy as np
+    xs = [tensor(np.zeros(s, d.np)) for s, (_, d) in zip(shapes, in_meta)]
+    out = recipe(*xs)
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+_DEFAULT: FusedOpRegistry | None = None
+
+
+def default_registry() -> FusedOpRegistry:
+    """The process-wide registry, with every built-in family loaded."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = FusedOpRegistry()
+        from . import families  # noqa: F401  (declares the built-in entries)
+        families.declare_all(_DEFAULT)
+    return _DEFAULT
+
+
+def call_fused(op_id, *srcs, **params):
+    """Build a fused node on tensors `srcs`; returns a Tensor or a tuple for multi-output ops."""
+    from ..ir import ops
+    from ..ir.node import make_node
+    from ..ir.tensor import Tensor
+    e = default_registry().entry(op_id)
+    for i, s in enumerate(srcs):
+        if not isinstance(s, Tensor):
+            raise FuelGraphError(f"{e.name}: input {i} must be a Tensor, got {type(s).__name__}")
+    try:
+        p = e.params(**params)
+    except TypeError as exc:
+        raise FuelGraphError(f"{e.name}: bad parameters {params}: {exc}") from None
+    node = make_node(ops.Fused(e.id, p), tuple(s.value for s in srcs))
+    outs = tuple(Tensor(node.out(i)) for i in range(node.nout))
+    return outs[0] if len(outs) == 1 else outs

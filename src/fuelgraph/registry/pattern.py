@@ -1,0 +1,228 @@
+"""Patterns derived from recipes. A pattern is the canonicalized DAG of an op's recipe traced on
+placeholder inputs: placeholders are captures, Full nodes carrying a sentinel are parameter
+slots. Matching is structural (op kinds, shared sub-terms bind once, commutative operands in
+either order, shape-only Reshape/BroadcastTo may be skipped on either side); every match is
+then re-checked exactly by re-tracing the recipe on the captured inputs with the recovered
+params: the canonical result must be the very same (hash-consed) node. So lowering and fusion
+cannot drift, and constants and shapes are always checked."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import FuelGraphError
+from ..ir import ops
+from ..ir.node import Node, Value, toposort
+
+_SKIPPABLE = (ops.Reshape, ops.BroadcastTo)
+_COMMUTATIVE = {"add", "mul", "maximum", "minimum", "and", "or", "xor", "eq", "ne"}
+
+
+@dataclass
+class Traced:
+    inputs: list[Value]
+    outputs: list[Value]
+
+
+@dataclass
+class Pattern:
+    """One derived pattern: `root` (a value of the traced recipe DAG), `placeholders` in input
+    order, `slots` {pattern Full node: param name}, `fixed` discrete params of this variant."""
+    name: str
+    root: Value
+    placeholders: list[Node]
+    slots: dict
+    fixed: dict
+    recipe: object
+    root_key: tuple = ()
+
+
+@dataclass
+class Match:
+    captures: list[Value]
+    params: dict
+    interior: set = field(default_factory=set)
+
+
+@dataclass
+class Miss:
+    """A failed attempt: how many pattern nodes matched before `reason`."""
+    op: str
+    node: str
+    matched: int
+    reason: str
+
+
+def _placeholders(sample):
+    from ..ir.tensor import tensor
+    rng = np.random.default_rng(0)
+    return [tensor(a) for a in sample(rng)]
+
+
+def trace_recipe(recipe, sample, params=None) -> Traced:
+    """Trace `recipe` on fresh placeholder inputs shaped like `sample(rng)`; canonicalized."""
+    from ..opt.canonicalize import CANONICALIZE
+    from ..opt.engine import run_pass
+    xs = _placeholders(sample)
+    out = recipe(*xs, **(params or {}))
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return Traced([x.value for x in xs], run_pass([o.value for o in outs], CANONICALIZE))
+
+
+def recipe_structure_key(recipe, sample) -> tuple:
+    """Structure of a traced recipe with placeholders abstracted: equal for identical recipes."""
+    t = trace_recipe(recipe, sample)
+    from ..runtime.plan import structural_key
+    return structural_key(t.outputs, order_inputs=t.inputs)
+
+
+def _sentinel(i: int) -> float:
+    return 1.2345678e-3 + i * 1.1e-5
+
+
+def _op_sig(op):
+    return (type(op), getattr(op, "kind", None))
+
+
+def derive_patterns(entry) -> list[Pattern]:
+    """Patterns of `entry`: one per pattern variant of its recipe, plus its extra spellings."""
+    pats = []
+    fields = [f for f in dataclasses.fields(entry.params)]
+    recipes = ([(entry.decompose, v) for v in (entry.pattern_variants or ())] +
+               [(r, {}) for r in entry.extra_patterns])
+    for k, (recipe, fixed) in enumerate(recipes):
+        params, sentinels = {}, {}
+        for i, f in enumerate(fields):
+            if f.name in fixed:
+                params[f.name] = fixed[f.name]
+            elif f.type in (float, "float"):
+                params[f.name] = sentinels[f.name] = _sentinel(i)
+            elif f.default is not dataclasses.MISSING:
+                params[f.name] = f.default
+            else:
+                raise FuelGraphError(f"{entry.name}: cannot derive a pattern; param {f.name} "
+                                     f"needs a value in pattern_variants")
+        traced = trace_recipe(recipe, entry.sample, params)
+        slots = {}
+        for n in toposort(traced.outputs):
+            if isinstance(n.op, ops.Full):
+                for name, s in sentinels.items():
+                    if n.op.value == s:
+                        slots[n] = name
+        missing = set(sentinels) - set(slots.values())
+        if missing:
+            raise FuelGraphError(f"{entry.name}: params {sorted(missing)} do not appear as "
+                                 f"constants in the recipe; cannot derive its pattern")
+        fixed_all = {k2: v for k2, v in params.items() if k2 not in sentinels}
+        root = traced.outputs[0]
+        pats.append(Pattern(f"{entry.name}#{k}", root, [p.node for p in traced.inputs], slots,
+                            fixed_all, recipe, _op_sig(root.node.op)))
+    return pats
+
+
+class _Matcher:
+    def __init__(self, pat: Pattern):
+        self.pat = pat
+        self.bind: dict[Node, Value] = {}
+        self.params: dict = {}
+        self.count = 0
+        self.reason = ""
+
+    def match(self, p: Value, g: Value) -> bool:
+        pn, gn = p.node, g.node
+        if pn in self.bind:
+            if self.bind[pn] == g:
+                return True
+            self.reason = f"shared term {pn.op!r} binds two different values"
+            return False
+        if pn in self.pat.placeholders:
+            self.bind[pn] = g
+            return True
+        if isinstance(pn.op, ops.Full):
+            if not isinstance(gn.op, ops.Full):
+                if isinstance(gn.op, _SKIPPABLE):
+                    return self.match(p, gn.srcs[0])
+                self.reason = f"expected a constant at %{gn.uid}, found {gn.op.name}"
+                return False
+            if pn in self.pat.slots:
+                name = self.pat.slots[pn]
+                if name in self.params and self.params[name] != gn.op.value:
+                    self.reason = f"param {name} has two values"
+                    return False
+                self.params[name] = gn.op.value
+            self.bind[pn] = g
+            self.count += 1
+            return True
+        if _op_sig(pn.op) != _op_sig(gn.op) or p.slot != g.slot or len(pn.srcs) != len(gn.srcs):
+            if isinstance(pn.op, _SKIPPABLE):
+                return self.match(pn.srcs[0], g)
+            if isinstance(gn.op, _SKIPPABLE):
+                return self.match(p, gn.srcs[0])
+            self.reason = f"expected {pn.op.name} at %{gn.uid}, found {gn.op.name}"
+            return False
+        self.count += 1
+        saved = (dict(self.bind), dict(self.params), self.count)
+        if self._srcs(pn.srcs, gn.srcs):
+            self.bind[pn] = g
+            return True
+        kind = getattr(pn.op, "kind", None)
+        if kind in _COMMUTATIVE and len(pn.srcs) == 2:
+            why = self.reason
+            self.bind, self.params, self.count = dict(saved[0]), dict(saved[1]), saved[2]
+            if self._srcs(pn.srcs[::-1], gn.srcs):
+                self.bind[pn] = g
+                return True
+            self.reason = why
+        return False
+
+    def _srcs(self, ps, gs) -> bool:
+        return all(self.match(p, g) for p, g in zip(ps, gs))
+
+
+def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
+    """Match `pat` at `root`; on success the recipe is re-traced on the captures to verify."""
+    from ..ir.tensor import Tensor
+    from ..opt.canonicalize import CANONICALIZE
+    from ..opt.engine import run_pass
+    m = _Matcher(pat)
+    if not m.match(pat.root, root):
+        return Miss(entry.name, repr(root), m.count, m.reason)
+    caps = [m.bind.get(p) for p in pat.placeholders]
+    if any(c is None for c in caps):
+        return Miss(entry.name, repr(root), m.count, "recipe input not reached by the match")
+    cap_nodes = {c.node for c in caps}
+    interior = _region(root.node, cap_nodes)
+    for n in interior:
+        outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node]
+        if outside:
+            return Miss(entry.name, repr(root), m.count,
+                        f"intermediate %{n.uid} ({n.op.name}) has another consumer "
+                        f"(%{outside[0].uid}); fusing would duplicate it")
+    params = {**pat.fixed, **m.params}
+    try:
+        p = entry.params(**params)
+        entry.validate(caps, p)
+        out = pat.recipe(*(Tensor(c) for c in caps), **dataclasses.asdict(p))
+    except FuelGraphError as e:
+        return Miss(entry.name, repr(root), m.count, f"captured inputs rejected: {e}")
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    got = run_pass([out.value], CANONICALIZE)[0]
+    if got != root:
+        return Miss(entry.name, repr(root), m.count,
+                    "structure matched but the recipe re-traced on the captured inputs differs "
+                    "(a constant, axis or shape does not fit)")
+    return Match(caps, params, interior)
+
+
+def _region(root: Node, stop: set) -> set:
+    """Non-constant nodes strictly between `root` and the capture nodes `stop`."""
+    out, stack = set(), [s.node for s in root.srcs]
+    while stack:
+        n = stack.pop()
+        if n in stop or n in out or not n.srcs:
+            continue
+        out.add(n)
+        stack.extend(s.node for s in n.srcs)
+    return out

@@ -1,0 +1,42 @@
+"""SOFTMAX_LAST_DIM (id 1) and its backward helper SOFTMAX_LAST_DIM_BACKWARD (id 7)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams, call_fused
+from .rules import pair_float_rowwise, same_as_input0, unary_float_rowwise
+
+
+def softmax_recipe(x):
+    m = x.max(-1, keepdim=True)
+    e = (x - m).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def softmax_backward_recipe(y, grad):
+    return y * (grad - (grad * y).sum(-1, keepdim=True))
+
+
+def _row_sample(rng):
+    return [rng.standard_normal((2, 3, 8)).astype(np.float32)]
+
+
+def declare(reg):
+    reg.add(FusedOpEntry(
+        id=FusedOps.SOFTMAX_LAST_DIM, name="softmax_last_dim", family="forward", params=NoParams,
+        shape_rule=same_as_input0, dtype_rule=same_as_input0,
+        validate=unary_float_rowwise("softmax_last_dim"),
+        decompose=softmax_recipe,
+        backward=BackwardKind.fused(FusedOps.SOFTMAX_LAST_DIM_BACKWARD),
+        vjp=lambda xs, ys, gs, p: [call_fused(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, ys[0], gs[0])],
+        sample=_row_sample,
+        doc="y[..., j] = exp(x[..., j] - max x[..., :]) / sum_k exp(x[..., k] - max x[..., :]). "
+            "x [..., n] float (rank >= 1) -> y, same shape and dtype."))
+    reg.add(FusedOpEntry(
+        id=FusedOps.SOFTMAX_LAST_DIM_BACKWARD, name="softmax_last_dim_backward", family="backward",
+        params=NoParams, shape_rule=same_as_input0, dtype_rule=same_as_input0,
+        validate=pair_float_rowwise("softmax_last_dim_backward", ("y", "grad")),
+        decompose=softmax_backward_recipe, backward=BackwardKind.DECOMPOSE,
+        sample=lambda rng: _row_sample(rng) * 2,
+        doc="dx = y * (grad - sum(grad * y, -1, keepdim)). y is the softmax OUTPUT [..., n], "
+            "grad the upstream gradient (same shape and dtype)."))

@@ -1,0 +1,219 @@
+"""Plans: a topological schedule of an optimized graph with kernels pre-resolved, buffer
+lifetimes (free after last use) and in-place decisions for destructive inputs. A plan is
+cached by the structural key of the graph it was built for, with Input leaves abstracted to
+their position, shape and dtype, so re-running the same model on new data skips optimization."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import FuelGraphError
+from ..ir import ops
+from ..ir.node import Node, Value, consumers, toposort
+
+
+def structural_key(outputs, order_inputs=None) -> tuple:
+    """Hashable structure of the graph under `outputs`; Input leaves become ("in", position,
+    shape, dtype, device) in first-visit order (or in `order_inputs` order when given)."""
+    nodes = toposort([v.node for v in outputs])
+    index = {n: i for i, n in enumerate(nodes)}
+    inputs = {}
+    if order_inputs is not None:
+        inputs = {v.node: i for i, v in enumerate(order_inputs)}
+    parts = []
+    for n in nodes:
+        if isinstance(n.op, ops.Input):
+            pos = inputs.setdefault(n, len(inputs))
+            parts.append(("in", pos, n.op.shape, n.op.dtype, n.op.device))
+        else:
+            parts.append((n.op, tuple((index[s.node], s.slot) for s in n.srcs)))
+    return (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
+
+
+def input_nodes(outputs) -> list[Node]:
+    """Input leaves in the order structural_key numbers them."""
+    return [n for n in toposort([v.node for v in outputs]) if isinstance(n.op, ops.Input)]
+
+
+@dataclass
+class Step:
+    node: Node
+    fn: object                 # bound kernel: fn(*buffers) -> buffer or tuple
+    srcs: tuple[int, ...]      # buffer slots read
+    outs: tuple[int, ...]      # buffer slots written
+    free: tuple[int, ...]      # slots dead after this step
+    inplace: int | None = None  # for a destructive op: index of the input it overwrites
+    copy_first: bool = False   # ordering could not prove the overwrite safe: copy the input
+    contiguous: bool = True    # kernel wants contiguous inputs
+    name: str = ""
+
+
+@dataclass
+class Plan:
+    backend: object
+    steps: list[Step]
+    input_slots: list[int]     # slot of each Input in structural order
+    const_slots: dict[int, object]
+    output_slots: list[int]
+    n_slots: int
+    stats: dict = field(default_factory=dict)
+
+    def run(self, inputs: list) -> list:
+        env: list = [None] * self.n_slots
+        for slot, buf in zip(self.input_slots, inputs):
+            if slot >= 0:
+                env[slot] = buf
+        for slot, buf in self.const_slots.items():
+            env[slot] = buf
+        be = self.backend
+        for st in self.steps:
+            args = [env[i] for i in st.srcs]
+            if st.contiguous:
+                args = [be.contiguous(a) for a in args]
+            if st.inplace is not None:
+                k = st.inplace
+                if st.copy_first or be.writable_copy_needed(args[k]):
+                    args[k] = be.copy(args[k])
+                    self.stats["inplace_copies"] = self.stats.get("inplace_copies", 0) + 1
+                else:
+                    self.stats["inplace_reused"] = self.stats.get("inplace_reused", 0) + 1
+            r = st.fn(*args)
+            if len(st.outs) == 1:
+                env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
+            else:
+                for i, o in enumerate(st.outs):
+                    env[o] = r[i]
+            for i in st.free:
+                env[i] = None
+        return [env[i] for i in self.output_slots]
+
+
+def _bind(impl, node: Node):
+    k = impl.kernel
+    if isinstance(node.op, ops.Fused):
+        kw = dataclasses.asdict(node.op.params) if dataclasses.is_dataclass(node.op.params) else {}
+    else:
+        kw = {"op": node.op}
+    return (lambda *a: k(*a, **kw)) if kw else k
+
+
+def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
+               view_ops=()) -> Plan:
+    """Schedule the optimized graph under `outputs` for `backend`; buffers of the Input nodes
+    are passed to `Plan.run` in `input_order` (inputs the optimized graph no longer reads are
+    ignored)."""
+    from ..backends.base import op_identity, select_kernel
+    from ..registry.core import default_registry
+    nodes = toposort([v.node for v in outputs])
+    users = consumers(nodes)
+    order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops)
+    slot_of: dict[tuple[Node, int], int] = {}
+    n_slots = 0
+    for n in order:
+        for i in range(n.nout):
+            slot_of[(n, i)] = n_slots
+            n_slots += 1
+    last_use: dict[int, int] = {}
+    for pos, n in enumerate(order):
+        for s in n.srcs:
+            last_use[slot_of[(s.node, s.slot)]] = pos
+    keep = {slot_of[(v.node, v.slot)] for v in outputs}
+    input_slots, const_slots, steps = [], {}, []
+    for pos, n in enumerate(order):
+        op = n.op
+        if isinstance(op, ops.Input):
+            continue
+        impl = select_kernel(op_identity(op), backend_name, [s.shape for s in n.srcs],
+                             [s.dtype for s in n.srcs], op)
+        if impl is None:
+            raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
+                                 f"{[s.dtype.name for s in n.srcs]}")
+        fn = _bind(impl, n)
+        if not n.srcs and isinstance(op, (ops.Const, ops.Full, ops.Iota)):
+            buf = fn()
+            if hasattr(buf, "flags"):
+                buf.flags.writeable = False  # shared by every run of the plan
+            const_slots[slot_of[(n, 0)]] = buf
+            continue
+        srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
+        free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
+        d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
+        steps.append(Step(n, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
+                          d[0] if d else None, bool(d) and n not in inplace_ok,
+                          not impl.strided_input, impl.name or op.name))
+    input_slots = [slot_of.get((n, 0), -1) for n in input_order]
+    return Plan(backend, steps, input_slots, const_slots,
+                [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
+
+
+def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set]:
+    """Topological order in which every destructive op runs after all other readers of the
+    buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
+    leaf, a graph output, or read after the op by something that depends on it) the op is
+    marked to copy instead (left out of the returned set)."""
+    from ..registry.core import default_registry
+    extra: dict[Node, set] = {}
+    ok: set = set()
+    out_nodes = {v.node for v in outputs}
+    for n in nodes:
+        if not isinstance(n.op, ops.Fused):
+            continue
+        d = default_registry().entry(n.op.id).destructive_inputs
+        if not d:
+            continue
+        root = n.srcs[d[0]].node
+        group = {root}
+        while isinstance(root.op, view_ops):    # walk up to the owner of the storage
+            root = root.srcs[0].node
+            group.add(root)
+        if not root.srcs or root in out_nodes or any(g in out_nodes for g in group):
+            continue
+        stack = [root]                          # every view derived from the owner aliases it
+        while stack:
+            for u in users.get(id(stack.pop()), ()):
+                if isinstance(u.op, view_ops) and u not in group:
+                    group.add(u)
+                    stack.append(u)
+        readers = {u for g in group for u in users.get(id(g), ()) if u is not n and u not in group}
+        after = _descendants(n, users)
+        if readers & after or any(isinstance(g.op, ops.Input) for g in group):
+            continue
+        extra[n] = readers
+        ok.add(n)
+    return (_toposort_with(nodes, extra) if extra else nodes), ok
+
+
+def _descendants(n: Node, users) -> set:
+    out, stack = set(), [n]
+    while stack:
+        for u in users.get(id(stack.pop()), ()):
+            if u not in out:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def _toposort_with(nodes: list[Node], extra: dict[Node, set]) -> list[Node]:
+    """Kahn's algorithm over src edges plus `extra` (node -> nodes that must run first),
+    keeping the original relative order where free."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    deps = {n: {s.node for s in n.srcs} | extra.get(n, set()) for n in nodes}
+    rev: dict[Node, list] = {n: [] for n in nodes}
+    for n, ds in deps.items():
+        for d in ds:
+            rev[d].append(n)
+    indeg = {n: len(ds) for n, ds in deps.items()}
+    import heapq
+    ready = [(pos[n], n.uid, n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in rev[n]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (pos[u], u.uid, u))
+    if len(out) != len(nodes):
+        raise FuelGraphError("ordering: destructive-input constraints form a cycle")
+    return out
