@@ -202,7 +202,13 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True) -> list[Tensor]
         if not o.dtype.is_float:
             raise FuelGraphError(f"grad: output dtype {o.dtype.name} is not a float dtype")
     in_vals = {t.value for t in ins}
-    nodes = toposort([o.value for o in outs])
+    out_vals = [o.value for o in outs]
+    if all(isinstance(v.node.op, ops.Input) for v in in_vals):
+        # differentiate the fused form: idioms then use their fused backward helpers, and
+        # the forward graph realized beside the gradients fuses to the very same nodes
+        from .opt.passes import prefuse
+        out_vals = prefuse(out_vals)
+    nodes = toposort(out_vals)
     dep: set = set()
     for n in nodes:
         if any(s in in_vals or s.node in dep for s in n.srcs):
@@ -214,9 +220,9 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True) -> list[Tensor]
             g = g.astype(v.dtype)
         ct[v] = ct[v] + g if v in ct else g
 
-    for o, go in zip(outs, gos):
+    for v, go in zip(out_vals, gos):
         if go is not None:
-            add(o.value, go)
+            add(v, go)
     for n in reversed(nodes):
         if n not in dep:
             continue

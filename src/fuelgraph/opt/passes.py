@@ -29,11 +29,13 @@ class OptResult:
     lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
 
 
-def fuse(outputs: list[Value], backend: str, log: RewriteLog, misses: dict) -> list[Value]:
+def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dict) -> list[Value]:
+    """Replace recipe idioms by fused nodes; backend None fuses every op that has a pattern
+    (lowering later expands those a backend has no kernel for)."""
     reg = default_registry()
     by_sig: dict = {}
     for e in reg:
-        if e.has_pattern and has_kernel(e.id, backend):
+        if e.has_pattern and (backend is None or has_kernel(e.id, backend)):
             for p in e.patterns():
                 by_sig.setdefault(p.root_key, []).append((e, p))
     if not by_sig:
@@ -91,3 +93,11 @@ def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptRes
         vals = fuse(vals, backend, log, misses)
     vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
     return OptResult(vals, log, misses, lowered)
+
+
+def prefuse(outputs: list[Value]) -> list[Value]:
+    """Canonicalize and fuse for every backend; autograd runs this on a forward graph so that
+    hand-written idioms are differentiated through their fused ops' backward kinds."""
+    log = RewriteLog()
+    vals = run_pass(outputs, CANONICALIZE, log)
+    return fuse(vals, None, log, {})

@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: timing, records, result files. Each bench_<family>.py builds its
+cases and calls `run_cases`; `python bench/run.py` runs them all."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if "model name" in l)
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown cpu"
+    return f"{platform.node()} {cpu} x{os.cpu_count()}"
+
+
+def timeit(fn, *, min_time=0.2, repeat=5, warmup=1) -> float:
+    """Median milliseconds per call of fn() over `repeat` batches of >= min_time/repeat each."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    n = max(1, int(min_time / repeat / one))
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(samples)
+
+
+def record(op, impl, shape, dtype, ms, device="cpu", **extra) -> dict:
+    r = {"op": op, "impl": impl, "device": device, "shape": list(shape), "dtype": str(dtype),
+         "ms": round(ms, 5), "date": _dt.date.today().isoformat()}
+    r.update(extra)
+    return r
+
+
+def write_results(name: str, records: list[dict]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}_{_dt.date.today().isoformat()}.json"
+    doc = {"machine": machine(), "command": " ".join([Path(sys.executable).name] + sys.argv),
+           "date": _dt.datetime.now().isoformat(timespec="seconds"), "records": records}
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def print_table(records: list[dict], base_impl="fuelgraph"):
+    """One line per (op, shape, dtype): each impl's ms and its ratio to `base_impl`."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["op"], tuple(r["shape"]), r["dtype"]), []).append(r)
+    for (op, shape, dtype), rs in groups.items():
+        base = next((r["ms"] for r in rs if r["impl"] == base_impl), None)
+        cells = ", ".join(f"{r['impl']} {r['ms']:.3f} ms" + (f" ({r['ms'] / base:.2f}x)" if base else "")
+                          for r in rs)
+        print(f"{op:32s} {str(shape):22s} {dtype:9s} {cells}")
+
+
+def fg_case(build, inputs):
+    """A realize-only closure over a prebuilt graph: build(*tensors) -> tensor; the plan is
+    compiled on the first call and cached, so the timed calls measure execution."""
+    import fuelgraph as fg
+    from fuelgraph.runtime.executor import compile_plan
+    from fuelgraph.ir.tensor import bound_data
+
+    def make(lower_all):
+        ts = [fg.tensor(a) for a in inputs]
+        out = build(*ts)
+        plan, _, ins = compile_plan([out.value], lower_all)
+        bufs = [bound_data(n) for n in ins]
+        return lambda: plan.run(bufs)
+    return make
