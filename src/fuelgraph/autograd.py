@@ -9,7 +9,7 @@ import weakref
 from . import dtype as dt
 from .errors import FuelGraphError
 from .ir import ops
-from .ir.node import Value, toposort
+from .ir.node import Value, apply, toposort
 from .ir.tensor import Tensor, full, where, zeros_like
 
 _GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -86,8 +86,15 @@ def _reduce(n, x, y, g):
     if op.kind in ("max", "min"):
         from .registry.core import FusedOps, call_fused
         return [call_fused(FusedOps.REDUCE_MAX_TO_BACKWARD, x if op.kind == "max" else -x, gk)]
-    yk = _keep(y, x, op.axes, op.keepdim)
-    return [(gk * yk).broadcast_to(x.shape) / x]  # prod: undefined where x == 0
+    # prod: d/dx_i = product of the other elements, also where some x are 0 (as torch):
+    # no zero in the window -> y / x; exactly one -> at the zero, the product of the rest;
+    # two or more -> 0
+    zero = x == 0.0
+    nz = where(zero, 1.0, x)
+    p_nz = nz._new(ops.Reduce("prod", op.axes, True), nz).broadcast_to(x.shape)
+    n_zero = where(zero, 1.0, 0.0).astype(x.dtype).sum(op.axes, keepdim=True).broadcast_to(x.shape)
+    others = where(n_zero == 0.0, p_nz / nz, where(zero & (n_zero == 1.0), p_nz, 0.0))
+    return [gk.broadcast_to(x.shape) * others]
 
 
 def _slice_grad(n, x, g):
@@ -134,6 +141,9 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
     g = gs[0]
     if isinstance(op, ops.Fused):
         return _fused_vjp(n, xs, ys, gs)
+    if isinstance(op, ops.Scan):  # multi-output: gs[0] may be None while later slots are not
+        from .scan_grad import scan_vjp
+        return scan_vjp(n, xs, ys, gs)
     if g is None:
         return [None] * len(xs)
     if isinstance(op, ops.Unary): return _unary(n, xs[0], ys[0], g)
@@ -157,9 +167,6 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
     if isinstance(op, ops.Take): return _take_grad(n, xs[0], xs[1], g)
     if isinstance(op, ops.ScatterAdd): return [g, None, g.gather(op.axis, xs[1])]
     if isinstance(op, ops.MatMul): return [g @ xs[1].mT, xs[0].mT @ g]
-    if isinstance(op, ops.Scan):
-        from .scan_grad import scan_vjp
-        return scan_vjp(n, xs, ys, gs)
     return [None] * len(xs)  # compare, bitwise, bitcast, leaves: no gradient
 
 
@@ -173,16 +180,32 @@ def _fused_vjp(n, xs, ys, gs):
     gs = [g if g is not None else zeros_like(y) for g, y in zip(gs, ys)]
     if kind == "fused":
         return list(e.vjp(xs, ys, gs, n.op.params))
+    xs = _distinct(xs)
     outs = e.lower(xs, n.op.params)
     wrt = [i for i, x in enumerate(xs) if x.dtype.is_float]
-    got = grad(list(outs), [xs[i] for i in wrt], gs, _allow_unused=True)
+    # partial derivatives: the inputs are independent variables here (one may depend on
+    # another, e.g. a helper's `grad` input computed from its `x`): stop at them
+    got = grad(list(outs), [xs[i] for i in wrt], gs, _allow_unused=True, _stop_at_inputs=True)
     res = [None] * len(xs)
     for i, r in zip(wrt, got):
         res[i] = r
     return res
 
 
-def grad(outputs, inputs, grad_outputs=None, _allow_unused=True) -> list[Tensor]:
+def _distinct(xs: list[Tensor]) -> list[Tensor]:
+    """The same value passed as two inputs of a fused op gets one partial derivative per
+    position: later repeats are wrapped in an identity reshape (a distinct node)."""
+    seen, out = set(), []
+    for x in xs:
+        if x.value in seen:
+            x = Tensor(apply(ops.Reshape(x.shape), x.value))
+        seen.add(x.value)
+        out.append(x)
+    return out
+
+
+def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
+         _stop_at_inputs=False) -> list[Tensor]:
     """d(outputs)/d(inputs) as lazy tensors (themselves differentiable).
     outputs: Tensor or list; inputs: list of Tensors (any values of the graph);
     grad_outputs: cotangents shaped like outputs (default: 1 for scalar outputs)."""
@@ -203,7 +226,7 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True) -> list[Tensor]
             raise FuelGraphError(f"grad: output dtype {o.dtype.name} is not a float dtype")
     in_vals = {t.value for t in ins}
     out_vals = [o.value for o in outs]
-    if all(isinstance(v.node.op, ops.Input) for v in in_vals):
+    if not _stop_at_inputs and all(isinstance(v.node.op, ops.Input) for v in in_vals):
         # differentiate the fused form: idioms then use their fused backward helpers, and
         # the forward graph realized beside the gradients fuses to the very same nodes
         from .opt.passes import prefuse
@@ -225,6 +248,8 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True) -> list[Tensor]
             add(v, go)
     for n in reversed(nodes):
         if n not in dep:
+            continue
+        if _stop_at_inputs and any(Value(n, i) in in_vals for i in range(n.nout)):
             continue
         gs = [ct.get(Value(n, i)) for i in range(n.nout)]
         if all(g is None for g in gs):

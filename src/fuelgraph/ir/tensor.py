@@ -21,7 +21,11 @@ _INPUT_UID = itertools.count()
 
 def bound_data(node: Node):
     """The buffer bound to an Input node."""
-    return _DATA[node]
+    try:
+        return _DATA[node]
+    except KeyError:
+        raise FuelGraphError(f"realize: input %{node.uid} {node.op.shape} has no data (a traced "
+                             f"placeholder, e.g. inside a scan body, cannot be realized)") from None
 
 
 def _normalize_device(device) -> str:
@@ -121,6 +125,11 @@ class Tensor:
         return _leaf(get_backend(device).from_any(data, device), self.dtype, device,
                      self.requires_grad)
 
+    def to_torch(self):
+        """Realize and return a torch tensor (zero-copy where possible)."""
+        from ..backends.interop import to_torch
+        return to_torch(self)
+
     def detach(self) -> "Tensor":
         return Tensor(self.value)
 
@@ -186,6 +195,13 @@ class Tensor:
 
     def maximum(self, o): return self._binary("maximum", o)
     def minimum(self, o): return self._binary("minimum", o)
+    # torch-style method spellings of the operators
+    def add(self, o): return self.__add__(o)
+    def sub(self, o): return self.__sub__(o)
+    def mul(self, o): return self.__mul__(o)
+    def div(self, o): return self.__truediv__(o)
+    def pow(self, o): return self.__pow__(o)
+    def neg(self): return self.__neg__()
 
     def _float(self) -> "Tensor":
         return self if self.dtype.is_float else self.astype(dt.float32)
@@ -364,17 +380,18 @@ class Tensor:
     def gather(self, axis, index: "Tensor") -> "Tensor":
         """torch.gather: out[i][j] = self[i][index[i][j]] (for axis=1)."""
         axis = self._axes(axis, "gather")[0]
-        return self._new(ops.Gather(axis), self, _as_index(index, self.device))
+        return self._new(ops.Gather(axis), self, _as_index(index, self.device, "gather"))
 
     def take(self, index, axis=0) -> "Tensor":
         """index_select along `axis` (np.take)."""
         axis = self._axes(axis, "take")[0]
-        return self._new(ops.Take(axis), self, _as_index(index, self.device))
+        return self._new(ops.Take(axis), self, _as_index(index, self.device, "take"))
     index_select = lambda self, axis, index: self.take(index, axis)  # noqa: E731
 
     def scatter_add(self, axis, index, src) -> "Tensor":
         axis = self._axes(axis, "scatter_add")[0]
-        return self._new(ops.ScatterAdd(axis), self, _as_index(index, self.device), src)
+        return self._new(ops.ScatterAdd(axis), self, _as_index(index, self.device, "scatter_add"),
+                         src)
 
     def where(self, cond, other) -> "Tensor":
         return where(cond, self, other)
@@ -390,10 +407,11 @@ def _shape_arg(shape) -> tuple[int, ...]:
         raise FuelGraphError(f"shape: expected integers, got {shape!r}") from None
 
 
-def _as_index(index, device) -> Tensor:
+def _as_index(index, device, op="index") -> Tensor:
     t = index if isinstance(index, Tensor) else tensor(np.asarray(index), device=device)
     if not t.dtype.is_int:
-        raise FuelGraphError(f"index: expected an integer tensor, got {t.dtype.name}")
+        raise FuelGraphError(f"{op}: index (input 1) must be an integer tensor, got "
+                             f"{t.dtype.name} of shape {t.shape}")
     return t
 
 
@@ -514,7 +532,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     b2 = b.reshape(b.shape[0], 1) if b.ndim == 1 else b
     if a2.shape[-1] != b2.shape[-2]:
         raise FuelGraphError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
-    batch = broadcast_shapes(a2.shape[:-2], b2.shape[:-2], op="matmul")
+    batch = broadcast_shapes(a2.shape[:-2], b2.shape[:-2],
+                             op=f"matmul: batch dims of {a.shape} @ {b.shape}")
     a2 = a2.broadcast_to(batch + a2.shape[-2:])
     b2 = b2.broadcast_to(batch + b2.shape[-2:])
     out = a2._new(ops.MatMul(), a2, b2)

@@ -29,19 +29,34 @@ class OptResult:
     lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
 
 
+class _GraphOutput:
+    """Pseudo-consumer standing for 'is an output of the graph being optimized'."""
+    uid = "output"
+
+
+_GRAPH_OUTPUT = _GraphOutput()
+
+
 def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dict) -> list[Value]:
     """Replace recipe idioms by fused nodes; backend None fuses every op that has a pattern
     (lowering later expands those a backend has no kernel for)."""
     reg = default_registry()
     by_sig: dict = {}
     for e in reg:
-        if e.has_pattern and (backend is None or has_kernel(e.id, backend)):
+        if e.has_pattern and (has_kernel(e.id, backend) if backend is not None else
+                              # prefuse for autograd: never turn a differentiable idiom into
+                              # an op that refuses to be differentiated
+                              e.backward.kind != "not_differentiable"):
             for p in e.patterns():
                 by_sig.setdefault(p.root_key, []).append((e, p))
+    for cands in by_sig.values():   # the larger pattern wins at a root (layer norm before RMS
+        cands.sort(key=lambda ep: -ep[1].size)   # norm, which matches its tail); stable sort
     if not by_sig:
         return outputs
     nodes = toposort(outputs)
     users = consumers(nodes)
+    for v in outputs:   # a graph output is a consumer too: fusing over it would duplicate it
+        users.setdefault(id(v.node), []).append(_GRAPH_OUTPUT)
     matches: dict[Node, tuple] = {}
     claimed: set = set()
     for n in reversed(nodes):       # roots first: the largest pattern at a node wins

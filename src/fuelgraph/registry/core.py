@@ -92,7 +92,8 @@ class FusedOpEntry:
     output dtypes; validate(srcs, params) raises FuelGraphError (srcs expose .shape/.dtype);
     decompose(*tensors, **params) is the recipe over primitives (returns a Tensor or a tuple);
     pattern_variants lists the discrete-param settings whose recipes the fuser matches;
-    extra_patterns are alternative spellings (same signature as decompose); vjp(ins, outs,
+    extra_patterns are alternative spellings (same signature as decompose), each a function
+    or a (function, discrete params dict) pair like one pattern variant; vjp(ins, outs,
     grads, params) builds the backward for BackwardKind.fused; sample(rng) returns example
     input arrays used to derive patterns and by the registry-wide tests."""
     id: FusedOpId
@@ -108,7 +109,7 @@ class FusedOpEntry:
     outputs: tuple[str, ...] = ("out",)
     destructive_inputs: tuple[int, ...] = ()
     pattern_variants: tuple[dict, ...] | None = ({},)
-    extra_patterns: tuple[Callable, ...] = ()
+    extra_patterns: tuple = ()   # Callable | (Callable, dict)
     vjp: Callable | None = None
     doc: str = ""
     _patterns: Any = field(default=None, repr=False)

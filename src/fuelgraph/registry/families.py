@@ -3,6 +3,6 @@ from __future__ import annotations
 
 
 def declare_all(reg):
-    from . import helpers, softmax
-    for family in (softmax, helpers):
+    from . import affine, helpers, linear, loss, norm, rope, softmax
+    for family in (softmax, helpers, norm, rope, linear, loss, affine):
         family.declare(reg)

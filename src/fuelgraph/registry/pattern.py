@@ -37,6 +37,7 @@ class Pattern:
     fixed: dict
     recipe: object
     root_key: tuple = ()
+    size: int = 0          # operation nodes in the pattern: larger patterns are tried first
 
 
 @dataclass
@@ -91,7 +92,7 @@ def derive_patterns(entry) -> list[Pattern]:
     pats = []
     fields = [f for f in dataclasses.fields(entry.params)]
     recipes = ([(entry.decompose, v) for v in (entry.pattern_variants or ())] +
-               [(r, {}) for r in entry.extra_patterns])
+               [(r, {}) if callable(r) else (r[0], dict(r[1])) for r in entry.extra_patterns])
     for k, (recipe, fixed) in enumerate(recipes):
         params, sentinels = {}, {}
         for i, f in enumerate(fields):
@@ -117,8 +118,10 @@ def derive_patterns(entry) -> list[Pattern]:
                                  f"constants in the recipe; cannot derive its pattern")
         fixed_all = {k2: v for k2, v in params.items() if k2 not in sentinels}
         root = traced.outputs[0]
+        holes = {p.node for p in traced.inputs}
+        size = sum(1 for n in toposort([root]) if n not in holes and n.srcs)
         pats.append(Pattern(f"{entry.name}#{k}", root, [p.node for p in traced.inputs], slots,
-                            fixed_all, recipe, _op_sig(root.node.op)))
+                            fixed_all, recipe, _op_sig(root.node.op), size))
     return pats
 
 
@@ -135,7 +138,12 @@ class _Matcher:
         if pn in self.bind:
             if self.bind[pn] == g:
                 return True
-            self.reason = f"shared term {pn.op!r} binds two different values"
+            old = self.bind[pn].node.op
+            if isinstance(old, ops.Full) and isinstance(gn.op, ops.Full):
+                self.reason = (f"the recipe uses one constant in two places, the graph has "
+                               f"{old.value!r} and {gn.op.value!r} (%{gn.uid})")
+            else:
+                self.reason = f"shared term {pn.op!r} binds two different values"
             return False
         if pn in self.pat.placeholders:
             self.bind[pn] = g
@@ -196,7 +204,7 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
     interior = _region(root.node, cap_nodes)
     for n in interior:
         outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node]
-        if outside:
+        if outside and not _view_of_captures(n, cap_nodes):
             return Miss(entry.name, repr(root), m.count,
                         f"intermediate %{n.uid} ({n.op.name}) has another consumer "
                         f"(%{outside[0].uid}); fusing would duplicate it")
@@ -212,8 +220,33 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
     if got != root:
         return Miss(entry.name, repr(root), m.count,
                     "structure matched but the recipe re-traced on the captured inputs differs "
-                    "(a constant, axis or shape does not fit)")
+                    f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
     return Match(caps, params, interior)
+
+
+def _first_difference(want: Value, got: Value) -> str:
+    """The first node (depth first) where the re-traced recipe `want` and the graph `got` part."""
+    stack, seen = [(want, got)], set()
+    while stack:
+        a, b = stack.pop()
+        if a == b or (a, b) in seen:
+            continue
+        seen.add((a, b))
+        if a.node.op != b.node.op or a.slot != b.slot or len(a.node.srcs) != len(b.node.srcs):
+            return f"the recipe has {a.node.op!r} where the graph has {b.node.op!r} (%{b.node.uid})"
+        stack.extend(reversed(list(zip(a.node.srcs, b.node.srcs))))
+    return "different structure"
+
+
+def _view_of_captures(n: Node, caps: set) -> bool:
+    """True when `n` is a chain of shape-only ops (Reshape/BroadcastTo) over captured inputs or
+    constants: another consumer may keep it without duplicating any computation (e.g. one
+    broadcast cos table read by the RoPE of q and of k)."""
+    while isinstance(n.op, _SKIPPABLE):
+        n = n.srcs[0].node
+        if n in caps or not n.srcs:
+            return True
+    return False
 
 
 def _region(root: Node, stop: set) -> set:

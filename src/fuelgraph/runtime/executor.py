@@ -1,6 +1,7 @@
 """Realization: optimize once per graph structure, plan, cache, run."""
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 from ..backends import backend_name, get_backend
@@ -34,12 +35,28 @@ def _device_of(vals) -> str:
     return devs.pop()
 
 
+_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _key_and_inputs(vals: list[Value]):
+    """Structural key and Input nodes of the graph under `vals`, memoized on the first output
+    node (nodes are immutable, so a graph's structure never changes)."""
+    per = _KEYS.get(vals[0].node)
+    if per is None:
+        per = _KEYS[vals[0].node] = {}
+    k = tuple(vals)
+    hit = per.get(k)
+    if hit is None:
+        hit = per[k] = (structural_key(vals), input_nodes(vals))
+    return hit
+
+
 def compile_plan(vals: list[Value], lower_all: bool = False):
     """(plan, optimizer result, input nodes in plan order) for the graph under `vals`."""
     device = _device_of(vals)
     bname = backend_name(device)
-    key = (structural_key(vals), bname, lower_all)
-    inputs = input_nodes(vals)
+    skey, inputs = _key_and_inputs(vals)
+    key = (skey, bname, lower_all)
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
@@ -62,16 +79,23 @@ def realize_raw(outputs, lower_all: bool = False) -> list:
     if not vals:
         return []
     plan, _, inputs = compile_plan(vals, lower_all)
-    outs = plan.run([bound_data(n) for n in inputs])
-    return [_owned(plan, b) for b in outs]
+    bufs = [bound_data(n) for n in inputs]
+    outs = plan.run(bufs)
+    shared = {id(b) for b in bufs} | {id(b) for b in plan.const_slots.values()}
+    res = []
+    for b in outs:
+        res.append(plan.backend.copy(b) if _aliased(b, shared) or id(b) in {id(r) for r in res} else b)
+    return res
 
 
-def _owned(plan: Plan, buf):
-    """Outputs never alias constants, inputs or another output's storage."""
-    base = getattr(buf, "base", None)
-    if base is not None or not getattr(getattr(buf, "flags", None), "writeable", True):
-        return plan.backend.copy(buf)
-    return buf
+def _aliased(buf, shared) -> bool:
+    """True when an output buffer is (a view of) an input, a constant or another buffer."""
+    if id(buf) in shared:
+        return True
+    if getattr(buf, "_base", None) is not None:              # torch view
+        return True
+    return getattr(buf, "base", None) is not None or \
+        not getattr(getattr(buf, "flags", None), "writeable", True)
 
 
 def realize(outputs, lower_all: bool = False) -> list:
@@ -84,17 +108,16 @@ def realize(outputs, lower_all: bool = False) -> list:
     return [be.to_numpy(b) for b in realize_raw(vals, lower_all)]
 
 
-_BODY_PLANS: dict = {}
+_BODY_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def run_body(body, args: list) -> list:
     """Run a Scan body (a closed sub-graph) on concrete buffers."""
-    key = id(body)
-    hit = _BODY_PLANS.get(key)
-    if hit is None or hit[0] is not body:
+    hit = _BODY_PLANS.get(body)
+    if hit is None:
         vals = list(body.outputs)
         plan, _, inputs = compile_plan(vals)
         order = [next(i for i, p in enumerate(body.inputs) if p.node is n) for n in inputs]
-        hit = _BODY_PLANS[key] = (body, plan, order)
-    _, plan, order = hit
+        hit = _BODY_PLANS[body] = (plan, order)
+    plan, order = hit
     return plan.run([args[i] for i in order])

@@ -59,6 +59,13 @@ class Plan:
     stats: dict = field(default_factory=dict)
 
     def run(self, inputs: list) -> list:
+        ctx = getattr(self.backend, "run_context", None)
+        if ctx is None:
+            return self._run(inputs)
+        with ctx():
+            return self._run(inputs)
+
+    def _run(self, inputs: list) -> list:
         env: list = [None] * self.n_slots
         for slot, buf in zip(self.input_slots, inputs):
             if slot >= 0:
@@ -69,7 +76,7 @@ class Plan:
         for st in self.steps:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
-                args = [be.contiguous(a) for a in args]
+                args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
             if st.inplace is not None:
                 k = st.inplace
                 if st.copy_first or be.writable_copy_needed(args[k]):
@@ -153,6 +160,7 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
     marked to copy instead (left out of the returned set)."""
     from ..registry.core import default_registry
     extra: dict[Node, set] = {}
+    before: dict[Node, set] = {}                # reader -> destructive ops ordered after it
     ok: set = set()
     out_nodes = {v.node for v in outputs}
     for n in nodes:
@@ -166,27 +174,37 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
         while isinstance(root.op, view_ops):    # walk up to the owner of the storage
             root = root.srcs[0].node
             group.add(root)
-        if not root.srcs or root in out_nodes or any(g in out_nodes for g in group):
+        if not root.srcs:
             continue
-        stack = [root]                          # every view derived from the owner aliases it
-        while stack:
+        stack = list(group)                     # every view derived from the owner (or from a
+        while stack:                            # view between it and n) aliases it
             for u in users.get(id(stack.pop()), ()):
                 if isinstance(u.op, view_ops) and u not in group:
                     group.add(u)
                     stack.append(u)
+        # a graph output that is the value or any view of it (e.g. x.reshape(-1)) needs the old
+        # contents after the run
+        if any(g in out_nodes or isinstance(g.op, ops.Input) for g in group):
+            continue
         readers = {u for g in group for u in users.get(id(g), ()) if u is not n and u not in group}
-        after = _descendants(n, users)
-        if readers & after or any(isinstance(g.op, ops.Input) for g in group):
+        # readers that must come after n, through data or through the ordering edges granted
+        # so far (another destructive op on the same buffer, or on a buffer n's readers feed)
+        if readers & _descendants(n, users, before):
             continue
         extra[n] = readers
+        for r in readers:
+            before.setdefault(r, set()).add(n)
         ok.add(n)
     return (_toposort_with(nodes, extra) if extra else nodes), ok
 
 
-def _descendants(n: Node, users) -> set:
+def _descendants(n: Node, users, before=None) -> set:
+    """Nodes that run after `n`: its data descendants, following the ordering edges `before`
+    (node -> nodes ordered after it) too."""
     out, stack = set(), [n]
     while stack:
-        for u in users.get(id(stack.pop()), ()):
+        m = stack.pop()
+        for u in list(users.get(id(m), ())) + list((before or {}).get(m, ())):
             if u not in out:
                 out.add(u)
                 stack.append(u)

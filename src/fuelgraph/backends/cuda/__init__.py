@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import functools
 
+# fused ids with a CUDA kernel (Triton, or cuBLAS for FUSED_LINEAR); kept here so listing them
+# needs neither torch nor a GPU
+FUSED_KERNEL_IDS = frozenset({1, 2, 3, 4, 5, 7, 8, 9, 10, 15, 16, 17})
+
 
 @functools.lru_cache(maxsize=None)
 def cuda_unavailable_reason() -> str | None:

@@ -33,8 +33,13 @@ class NumpyBackend:
             register_kernel(op_cls.__name__, "numpy", fn, cost=cost, strided_input=True,
                             name=f"numpy.{fn.__name__}")
         for op_id, fn, flops in _fused_kernels():
-            register_kernel(op_id, "numpy", fn, dtypes=None, cost=_row_cost(flops),
+            cost = flops if callable(flops) else _row_cost(flops)   # a Cost function, or
+            register_kernel(op_id, "numpy", fn, dtypes=None, cost=cost,   # flops per element
                             name=f"numpy.{fn.__name__}")
+
+    @staticmethod
+    def run_context():
+        return np.errstate(all="ignore")
 
     @staticmethod
     def from_any(data, device="cpu"):

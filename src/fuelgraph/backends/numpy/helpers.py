@@ -40,6 +40,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:                 # a forked child has no pool threads: start afresh
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def acc_dtype(dt) -> np.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 for float32/float16/bfloat16."""
     return _F64 if np.dtype(dt) == _F64 else _F32
@@ -50,7 +59,7 @@ def row_spans(nrows: int, row_elems: int, chunk: int | None = None) -> list[tupl
     `chunk` elements (at least one row each, at least `NUM_THREADS` spans for large jobs)."""
     step = max(1, (chunk or CHUNK_ELEMS) // max(1, row_elems))
     if NUM_THREADS > 1 and nrows * row_elems >= PARALLEL_MIN_ELEMS:
-        step = min(step, -(-nrows // NUM_THREADS))
+        step = max(1, min(step, -(-nrows // NUM_THREADS)))
     return [(r, min(r + step, nrows)) for r in range(0, nrows, step)]
 
 
@@ -64,10 +73,14 @@ def _get_pool() -> ThreadPoolExecutor:
 
 def run_spans(fn, spans, total_elems: int) -> None:
     """Call `fn(r0, r1)` for every span. Large jobs are cut into `NUM_THREADS` contiguous groups
-    of spans; the calling thread runs one group and pool threads the rest. Exceptions propagate."""
+    of spans; the calling thread runs one group and pool threads the rest. The caller's
+    `np.errstate` applies in every thread. Exceptions propagate."""
+    err = np.geterr()
+
     def group(part):
-        for r0, r1 in part:
-            fn(r0, r1)
+        with np.errstate(**err):
+            for r0, r1 in part:
+                fn(r0, r1)
 
     nthr = min(NUM_THREADS, len(spans))
     if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:

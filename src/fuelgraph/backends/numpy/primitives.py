@@ -51,18 +51,17 @@ _COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equ
 _REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
+# floating-point warnings are silenced once per plan run (Plan.run), not per kernel
 def unary(x, *, op):
-    with np.errstate(all="ignore"):
-        return _down(_UNARY[op.kind](_up(x)), x.dtype)
+    return _down(_UNARY[op.kind](_up(x)), x.dtype)
 
 
 def binary(a, b, *, op):
-    with np.errstate(all="ignore"):
-        if op.kind == "div" and a.dtype.kind in "iu":
-            return np.floor_divide(a, b)
-        if op.kind == "pow" and a.dtype.kind in "iu" and (b < 0).any():
-            raise FuelGraphError("pow: negative integer exponent on an integer tensor")
-        return _down(_BINARY[op.kind](_up(a), _up(b)), a.dtype)
+    if op.kind == "div" and a.dtype.kind in "iu":
+        return np.floor_divide(a, b)
+    if op.kind == "pow" and a.dtype.kind in "iu" and (b < 0).any():
+        raise FuelGraphError("pow: negative integer exponent on an integer tensor")
+    return _down(_BINARY[op.kind](_up(a), _up(b)), a.dtype)
 
 
 def compare(a, b, *, op):
@@ -74,8 +73,7 @@ def where(c, a, b, *, op):
 
 
 def cast(x, *, op):
-    with np.errstate(all="ignore"):
-        return x.astype(op.dtype.np)
+    return x.astype(op.dtype.np)
 
 
 def bitcast(x, *, op):
@@ -194,4 +192,4 @@ PRIMITIVES = {
     ops.MatMul: matmul, ops.Full: full, ops.Iota: iota, ops.Const: const, ops.Scan: scan,
 }
 # numpy returns views for these: the planner treats their outputs as aliases of input 0
-VIEW_OPS = (ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice)
+VIEW_OPS = (ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice, ops.Bitcast)

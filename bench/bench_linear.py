@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""FUSED_LINEAR (a @ b + bias) on the NumPy backend: the fused kernel ("fuelgraph"), the same
+graph lowered to primitives ("fuelgraph lowered": matmul, then a broadcast add) and torch CPU
+eager ("torch eager": torch.addmm for 2-D a, matmul + bias otherwise), float32; forward, and
+forward+backward (out and the grads of a, b, bias through fg.grad vs torch.autograd.grad).
+
+    python bench/bench_linear.py [--quick]
+
+Writes bench/results/linear_<date>.json and prints one line per case with ratios to "fuelgraph".
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import fuelgraph as fg  # noqa: E402
+import fuelgraph.functional as F  # noqa: E402
+from bench_norm import check, fg_case_multi  # noqa: E402
+from common import print_table, record, timeit, write_results  # noqa: E402
+
+# (a shape, b shape): a square GEMM, a batched activation with a shared weight, an MLP-ish one
+SHAPES = [((1024, 1024), (1024, 1024)), ((8, 256, 1024), (1024, 1024)),
+          ((2048, 512), (512, 2048))]
+
+
+def cases(sa, sb, rng):
+    a = rng.standard_normal(sa).astype(np.float32)
+    b = (rng.standard_normal(sb) / np.sqrt(sb[0])).astype(np.float32)
+    c = rng.standard_normal(sb[-1]).astype(np.float32)
+    g = rng.standard_normal(sa[:-1] + sb[-1:]).astype(np.float32)
+    ta, tb, tc, tg = map(torch.from_numpy, (a, b, c, g))
+
+    def t_fwd():
+        if ta.ndim == 2:
+            return torch.addmm(tc, ta, tb)
+        return torch.matmul(ta, tb) + tc
+
+    tvars = [t.clone().requires_grad_(True) for t in (ta, tb, tc)]
+
+    def t_fwd_bwd():
+        y = torch.matmul(tvars[0], tvars[1]) + tvars[2]
+        return (y,) + torch.autograd.grad(y, tvars, tg)
+
+    def fwd_bwd(at, bt, ct, gt):
+        y = F.fused_linear(at, bt, ct)
+        return [y] + fg.grad([y], [at, bt, ct], [gt])
+
+    yield "fused_linear", fg_case_multi(F.fused_linear, [a, b, c]), t_fwd
+    yield "fused_linear+backward", fg_case_multi(fwd_bwd, [a, b, c, g]), t_fwd_bwd
+
+
+def main(quick=False):
+    rng = np.random.default_rng(0)
+    records = []
+    kw = dict(min_time=0.05, repeat=3) if quick else dict(min_time=0.5, repeat=5)
+    for sa, sb in SHAPES:
+        for name, make, torch_run in cases(sa, sb, rng):
+            check(make, torch_run)
+            shape = list(sa) + [sb[-1]]
+            for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
+                             ("torch eager", torch_run)):
+                records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
+                                      torch_threads=torch.get_num_threads()))
+    path = write_results("linear", records)
+    print_table(records)
+    print(f"wrote {path}")
+    return records
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)

@@ -1,0 +1,377 @@
+"""FUSED_SOFTMAX_CROSS_ENTROPY (spec §17, Appendix H.3) forward and backward on Triton.
+
+The logits are streamed once in ``BLOCK``-wide chunks with an online (running max, rescaled
+sum) log-sum-exp; no logits-sized buffer is ever allocated. Rows are split over several programs
+(partial max/sum per split, combined afterwards) only when there are too few rows to fill the GPU.
+
+Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the spec's fuel CPU
+kernel uses float64; the float32 chunked reduction lands ~1e-6 relative); the mean/sum over rows
+is accumulated in float64 in a single-program reduction kernel, then stored as float32.
+
+Targets outside ``[0, V)`` that are not ``ignore_index``: the kernels never read out of bounds
+(the gather index is clamped) and give that row a NaN loss (so a mean/sum becomes NaN) and a NaN
+gradient row; they cannot raise cheaply on the GPU. Set ``CHECK_TARGETS = True`` in this module
+(or ``FUELGRAPH_CHECK_TARGETS=1`` in the environment) to have the Python wrapper run one torch
+reduction over ``targets`` first and raise ``FuelGraphError`` instead (costs a device sync).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fuelgraph.errors import fail
+
+from .helpers import check_float, next_pow2, num_sms, use_triton
+
+__all__ = ["fused_softmax_cross_entropy", "fused_softmax_cross_entropy_backward"]
+
+CHECK_TARGETS = os.environ.get("FUELGRAPH_CHECK_TARGETS", "0") == "1"
+
+_REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
+CE_BLOCK = 4096          # chunk of the V loop
+CE_WARPS = 8
+CE_STAGES = 3            # software-pipelining depth of the V loops
+CE_EVICT = "evict_first"
+MIN_SPLIT_CHUNK = 16384  # fewest logits one split program streams
+
+
+@triton.jit
+def _row_valid(t, ignore_index, HAS_IGNORE: tl.constexpr):
+    if HAS_IGNORE:
+        valid = t != ignore_index
+    else:
+        valid = t == t
+    return valid
+
+
+@triton.jit
+def _lse_chunk(x_ptr, base, start, end, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+               STAGES: tl.constexpr):
+    """Running (max, sum exp(x - max)) over x[base + start : base + end]."""
+    m = float("-inf")
+    s = 0.0
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < end, other=float("-inf"),
+                    eviction_policy=EVICT).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, mpart_ptr, spart_ptr, V, CHUNK, NSPLIT, ignore_index,
+                   HAS_IGNORE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                   EVICT: tl.constexpr, STAGES: tl.constexpr):
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = tl.load(t_ptr + r)
+    valid = _row_valid(t, ignore_index, HAS_IGNORE)
+    base = r.to(tl.int64) * V
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    end = tl.where(valid, end, start)          # ignored rows stream nothing
+    m, s = _lse_chunk(x_ptr, base, start, end, BLOCK, EVICT, STAGES)
+    if SPLIT:
+        tl.store(mpart_ptr + r * NSPLIT + sp, m)
+        tl.store(spart_ptr + r * NSPLIT + sp, s)
+    else:
+        in_range = (t >= 0) & (t < V)
+        tc = tl.minimum(tl.maximum(t, 0), V - 1)
+        xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
+        loss = m + tl.log(s) - xt
+        loss = tl.where(in_range, loss, float("nan"))
+        tl.store(loss_ptr + r, tl.where(valid, loss, 0.0))
+
+
+@triton.jit
+def _combine_partials(mpart_ptr, spart_ptr, r, NSPLIT, BLOCK_SPLIT: tl.constexpr):
+    idx = tl.arange(0, BLOCK_SPLIT)
+    pm = tl.load(mpart_ptr + r * NSPLIT + idx, mask=idx < NSPLIT, other=float("-inf"))
+    ps = tl.load(spart_ptr + r * NSPLIT + idx, mask=idx < NSPLIT, other=0.0)
+    m = tl.max(pm, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(ps * tl.exp(pm - m_safe), 0)
+    return m + tl.log(s)
+
+
+@triton.jit
+def _ce_combine_kernel(x_ptr, t_ptr, loss_ptr, mpart_ptr, spart_ptr, V, NSPLIT, ignore_index,
+                       HAS_IGNORE: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    r = tl.program_id(0)
+    t = tl.load(t_ptr + r)
+    valid = _row_valid(t, ignore_index, HAS_IGNORE)
+    lse = _combine_partials(mpart_ptr, spart_ptr, r, NSPLIT, BLOCK_SPLIT)
+    in_range = (t >= 0) & (t < V)
+    tc = tl.minimum(tl.maximum(t, 0), V - 1)
+    xt = tl.load(x_ptr + r.to(tl.int64) * V + tc, mask=valid, other=0.0).to(tl.float32)
+    loss = tl.where(in_range, lse - xt, float("nan"))
+    tl.store(loss_ptr + r, tl.where(valid, loss, 0.0))
+
+
+@triton.jit
+def _ce_reduce_kernel(loss_ptr, t_ptr, out_ptr, R, ignore_index,
+                      HAS_IGNORE: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), tl.float64)
+    cnt = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, R, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < R
+        acc += tl.load(loss_ptr + idx, mask=mask, other=0.0).to(tl.float64)
+        if MEAN:
+            t = tl.load(t_ptr + idx, mask=mask, other=0)
+            valid = _row_valid(t, ignore_index, HAS_IGNORE) & mask
+            cnt += valid.to(tl.int32)
+    total = tl.sum(acc, 0)
+    if MEAN:
+        n = tl.sum(cnt, 0)
+        total = tl.where(n > 0, total / tl.maximum(n, 1).to(tl.float64), 0.0)
+    tl.store(out_ptr, total.to(tl.float32))
+
+
+@triton.jit
+def _ce_bwd_kernel(x_ptr, t_ptr, g_ptr, n_ptr, dx_ptr, mpart_ptr, spart_ptr, R, V, CHUNK, NSPLIT,
+                   ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                   STAGES: tl.constexpr):
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    t = tl.load(t_ptr + r)
+    valid = _row_valid(t, ignore_index, HAS_IGNORE)
+    base = r.to(tl.int64) * V
+    if REDUCTION == 2:
+        w = tl.load(g_ptr + r).to(tl.float32)
+    else:
+        w = tl.load(g_ptr).to(tl.float32)
+    if REDUCTION == 0:
+        if HAS_IGNORE:
+            w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
+        else:
+            w = w / R
+    if SPLIT:
+        lse = _combine_partials(mpart_ptr, spart_ptr, r, NSPLIT, BLOCK_SPLIT)
+    else:
+        # first pass keeps the row in L2 for the second (the write pass streams it out)
+        m, s = _lse_chunk(x_ptr, base, 0, tl.where(valid, V, 0), BLOCK, "", STAGES)
+        lse = m + tl.log(s)
+    in_range = (t >= 0) & (t < V)
+    lse = tl.where(in_range, lse, float("nan"))
+    start = sp * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < end
+        x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        p = tl.exp(x - lse)
+        d = w * (p - (cols == t).to(tl.float32))
+        d = tl.where(valid, d, 0.0)
+        tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(op, logits, targets, reduction, ignore_index):
+    check_float(op, "logits", logits)
+    if not isinstance(targets, torch.Tensor):
+        raise fail(op, f"targets must be a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise fail(op, f"targets must be int64 class indices, got {targets.dtype}")
+    if logits.dim() < 1:
+        raise fail(op, "logits must have rank >= 1 ([..., V])")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise fail(op, f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] = "
+                       f"{tuple(logits.shape[:-1])}")
+    if targets.device != logits.device:
+        raise fail(op, f"targets is on {targets.device}, logits on {logits.device}")
+    if reduction not in _REDUCTIONS:
+        raise fail(op, f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise fail(op, f"ignore_index must be an int or None, got {ignore_index!r}")
+
+
+def _check_targets(op, t, V, ignore_index):
+    bad = (t < 0) | (t >= V)
+    if ignore_index is not None:
+        bad &= t != ignore_index
+    if bool(bad.any()):
+        raise fail(op, f"a target is outside [0, {V}) and is not ignore_index={ignore_index}")
+
+
+def _split_plan(R: int, V: int, device: torch.device, splits=None):
+    """(NSPLIT, CHUNK): split rows over programs only when R alone cannot fill the GPU."""
+    if splits is None:
+        want = 4 * num_sms(device)
+        splits = 1 if R >= want else min(triton.cdiv(V, MIN_SPLIT_CHUNK), triton.cdiv(want, R))
+    splits = max(1, min(int(splits), triton.cdiv(V, CE_BLOCK)))
+    chunk = triton.cdiv(triton.cdiv(V, splits), CE_BLOCK) * CE_BLOCK
+    return triton.cdiv(V, chunk), chunk
+
+
+def _fsce_torch(x, t, reduction, ignore_index):
+    acc = torch.float64
+    xf = x.reshape(-1, x.shape[-1]).to(acc)
+    tf = t.reshape(-1)
+    valid = torch.ones_like(tf, dtype=torch.bool) if ignore_index is None else tf != ignore_index
+    V = xf.shape[1]
+    nll = torch.zeros(xf.shape[0], dtype=acc, device=x.device)
+    if V > 0 and xf.shape[0] > 0:
+        lse = torch.logsumexp(xf, -1)
+        tc = tf.clamp(0, V - 1)
+        xt = xf.gather(1, tc[:, None])[:, 0]
+        in_range = (tf >= 0) & (tf < V)
+        nll = torch.where(valid, torch.where(in_range, lse - xt, float("nan")), 0.0)
+    if reduction == "none":
+        return nll.reshape(t.shape).to(torch.float32)
+    total = nll.sum()
+    if reduction == "mean":
+        n = valid.sum()
+        total = torch.where(n > 0, total / n.clamp(min=1), 0.0)
+    return total.to(torch.float32)
+
+
+def _fsce_bwd_torch(x, t, grad, reduction, ignore_index):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.reshape(-1, x.shape[-1]).to(acc)
+    tf = t.reshape(-1)
+    R, V = xf.shape
+    valid = torch.ones_like(tf, dtype=torch.bool) if ignore_index is None else tf != ignore_index
+    g = torch.as_tensor(grad, device=x.device).to(acc)
+    if reduction == "none":
+        w = g.reshape(-1)
+    elif reduction == "sum":
+        w = g.reshape(()).expand(R)
+    else:
+        w = (g.reshape(()) / valid.sum().clamp(min=1)).expand(R)
+    w = torch.where(valid, w, 0.0)
+    if V == 0 or R == 0:
+        return torch.zeros_like(x)
+    p = torch.softmax(xf, -1)
+    in_range = (tf >= 0) & (tf < V)
+    onehot = torch.zeros_like(p)
+    onehot.scatter_(1, tf.clamp(0, V - 1)[:, None], 1.0)
+    d = w[:, None] * (p - onehot)
+    d = torch.where((valid & ~in_range)[:, None], float("nan"), d)
+    d = torch.where(valid[:, None], d, 0.0)
+    return d.reshape(x.shape).to(x.dtype)
+
+
+def _fsce_forward(logits, targets, reduction, ignore_index, *, splits=None, block=None,
+                  num_warps=None, stages=CE_STAGES, evict=CE_EVICT):
+    x = logits.contiguous()
+    V = x.shape[-1]
+    R = x.numel() // V if V > 0 else targets.numel()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    dev = x.device
+    red = _REDUCTIONS[reduction]
+    if R == 0 or V == 0:
+        if red == 2:
+            return torch.zeros(targets.shape, dtype=torch.float32, device=dev)
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    has_ignore = ignore_index is not None
+    ii = int(ignore_index) if has_ignore else 0
+    blk = block or CE_BLOCK
+    nw = num_warps or CE_WARPS
+    nsplit, chunk = _split_plan(R, V, dev, splits)
+    loss = torch.empty(R, dtype=torch.float32, device=dev)
+    if nsplit == 1:
+        _ce_fwd_kernel[(R, 1)](x, t, loss, loss, loss, V, V, 1, ii, HAS_IGNORE=has_ignore,
+                               SPLIT=False, BLOCK=blk, EVICT=evict, STAGES=stages,
+                               num_warps=nw)
+    else:
+        mpart = torch.empty(R * nsplit, dtype=torch.float32, device=dev)
+        spart = torch.empty(R * nsplit, dtype=torch.float32, device=dev)
+        _ce_fwd_kernel[(R, nsplit)](x, t, loss, mpart, spart, V, chunk, nsplit, ii,
+                                    HAS_IGNORE=has_ignore, SPLIT=True, BLOCK=blk, EVICT=evict,
+                                    STAGES=stages, num_warps=nw)
+        _ce_combine_kernel[(R,)](x, t, loss, mpart, spart, V, nsplit, ii, HAS_IGNORE=has_ignore,
+                                 BLOCK_SPLIT=next_pow2(nsplit), num_warps=1)
+    if red == 2:
+        return loss.reshape(targets.shape)
+    out = torch.empty((), dtype=torch.float32, device=dev)
+    _ce_reduce_kernel[(1,)](loss, t, out, R, ii, HAS_IGNORE=has_ignore, MEAN=(red == 0),
+                            BLOCK=1024, num_warps=4)
+    return out
+
+
+def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=None, block=None,
+                   num_warps=None, stages=CE_STAGES):
+    x = logits.contiguous()
+    V = x.shape[-1]
+    dx = torch.empty_like(x)
+    if x.numel() == 0:
+        return dx
+    R = x.numel() // V
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    dev = x.device
+    red = _REDUCTIONS[reduction]
+    g = torch.as_tensor(grad, device=dev)
+    g = g.to(torch.float32).reshape(-1).contiguous()
+    has_ignore = ignore_index is not None
+    ii = int(ignore_index) if has_ignore else 0
+    n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
+    blk = block or CE_BLOCK
+    nw = num_warps or CE_WARPS
+    nsplit, chunk = _split_plan(R, V, dev, splits)
+    if nsplit == 1:
+        _ce_bwd_kernel[(R, 1)](x, t, g, n_valid, dx, g, g, R, V, V, 1, ii,
+                               HAS_IGNORE=has_ignore, REDUCTION=red, SPLIT=False, BLOCK=blk,
+                               BLOCK_SPLIT=1, STAGES=stages, num_warps=nw)
+    else:
+        mpart = torch.empty(R * nsplit, dtype=torch.float32, device=dev)
+        spart = torch.empty(R * nsplit, dtype=torch.float32, device=dev)
+        _ce_fwd_kernel[(R, nsplit)](x, t, mpart, mpart, spart, V, chunk, nsplit, ii,
+                                    HAS_IGNORE=has_ignore, SPLIT=True, BLOCK=blk, EVICT="",
+                                    STAGES=stages, num_warps=nw)
+        _ce_bwd_kernel[(R, nsplit)](x, t, g, n_valid, dx, mpart, spart, R, V, chunk, nsplit, ii,
+                                    HAS_IGNORE=has_ignore, REDUCTION=red, SPLIT=True, BLOCK=blk,
+                                    BLOCK_SPLIT=next_pow2(nsplit), STAGES=stages, num_warps=nw)
+    return dx
+
+
+def fused_softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str,
+                                ignore_index: int | None) -> torch.Tensor:
+    """Softmax cross-entropy of ``logits [..., V]`` against int64 ``targets [...]``.
+
+    ``reduction``: "mean" (over non-ignored rows; 0 when all are ignored), "sum" or "none"
+    (shape ``targets.shape``, 0 on ignored rows). Output is float32.
+    """
+    op = "fused_softmax_cross_entropy"
+    _check(op, logits, targets, reduction, ignore_index)
+    V = logits.shape[-1]
+    if CHECK_TARGETS and targets.numel() and V:
+        _check_targets(op, targets, V, ignore_index)
+    if not use_triton(logits):
+        return _fsce_torch(logits, targets, reduction, ignore_index)
+    return _fsce_forward(logits, targets, reduction, ignore_index)
+
+
+def fused_softmax_cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor,
+                                         grad, *, reduction: str,
+                                         ignore_index: int | None) -> torch.Tensor:
+    """``dlogits = w_r * (softmax(logits_r) - onehot(t_r))`` in the logits dtype, with
+    ``w_r = grad / N_valid`` (mean), ``grad`` (sum) or ``grad[r]`` (none); 0 on ignored rows."""
+    op = "fused_softmax_cross_entropy_backward"
+    _check(op, logits, targets, reduction, ignore_index)
+    gshape = tuple(targets.shape) if reduction == "none" else ()
+    if isinstance(grad, torch.Tensor):
+        if tuple(grad.shape) != gshape and not (reduction != "none" and grad.numel() == 1):
+            raise fail(op, f"grad shape {tuple(grad.shape)} must be {gshape} for reduction "
+                           f"{reduction!r}")
+        if grad.device != logits.device:
+            raise fail(op, f"grad is on {grad.device}, logits on {logits.device}")
+    elif reduction == "none":
+        raise fail(op, "grad must be a tensor of targets.shape for reduction 'none'")
+    V = logits.shape[-1]
+    if CHECK_TARGETS and targets.numel() and V:
+        _check_targets(op, targets, V, ignore_index)
+    if not use_triton(logits):
+        return _fsce_bwd_torch(logits, targets, grad, reduction, ignore_index)
+    return _fsce_backward(logits, targets, grad, reduction, ignore_index)

@@ -1,0 +1,358 @@
+"""RMS_NORM_LAST_DIM (§3), LAYER_NORM_LAST_DIM (§4) and their backwards (§9, §8) on Triton.
+
+No weight / affine (the "bare" norms of the spec). ``eps`` is narrowed to float32 (§3), all
+statistics are float32, the output has the input dtype. Backward kernels recompute the row
+statistics from ``x`` (nothing is cached), in one pass over ``x`` and ``grad`` for rows held in
+registers. Rows wider than ``MAX_FUSED_N`` use looped kernels (2 or 3 passes per row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuelgraph.errors import fail
+
+from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
+                      num_sms, row_config, use_triton)
+
+__all__ = [
+    "rms_norm_last_dim",
+    "layer_norm_last_dim",
+    "rms_norm_last_dim_backward",
+    "layer_norm_last_dim_backward",
+]
+
+
+# ----------------------------------------------------------------------------- whole-row kernels
+
+
+@triton.jit
+def _rms_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                         EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    ms = tl.sum(x * x, 1) * (1.0 / N)
+    r = 1.0 / tl.sqrt_rn(ms + eps)
+    tl.store(y_ptr + offs, (x * r[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                        EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    inv_n = 1.0 / N
+    mean = tl.sum(x, 1) * inv_n
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, 1) * inv_n
+    r = 1.0 / tl.sqrt_rn(var + eps)
+    tl.store(y_ptr + offs, (xc * r[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    den = tl.sum(x * x, 1) * (1.0 / N) + eps
+    r = 1.0 / tl.sqrt_rn(den)
+    c = tl.sum(g * x, 1) / (N * den)
+    dx = r[:, None] * (g - x * c[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    inv_n = 1.0 / N
+    mean = tl.sum(x, 1) * inv_n
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    r = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, 1) * inv_n + eps)
+    xhat = xc * r[:, None]
+    mg = tl.sum(g, 1) * inv_n
+    mgx = tl.sum(g * xhat, 1) * inv_n
+    dx = r[:, None] * (g - mg[:, None] - xhat * mgx[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_persist_kernel(x_ptr, y_ptr, R, N, eps, LAYER: tl.constexpr, BLOCK_N: tl.constexpr,
+                             EVICT: tl.constexpr, STAGES: tl.constexpr):
+    """Grid-stride variant of the forward row kernels (one row per iteration)."""
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    inv_n = 1.0 / N
+    for row in tl.range(tl.program_id(0), R, tl.num_programs(0), num_stages=STAGES):
+        offs = tl.cast(row, tl.int64) * N + cols
+        x = tl.load(x_ptr + offs, mask=cmask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        if LAYER:
+            x = tl.where(cmask, x - tl.sum(x, 0) * inv_n, 0.0)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) * inv_n + eps)
+        tl.store(y_ptr + offs, (x * r).to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+# ----------------------------------------------------------------------------- looped kernels
+
+
+@triton.jit
+def _rms_fwd_loop_kernel(x_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    r = 1.0 / tl.sqrt_rn(tl.sum(acc, 0) * (1.0 / N) + eps)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + base + cols, (x * r).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_fwd_loop_kernel(x_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    inv_n = 1.0 / N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, 0) * inv_n
+    acc2 = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean, 0.0)
+        acc2 += xc * xc
+    r = 1.0 / tl.sqrt_rn(tl.sum(acc2, 0) * inv_n + eps)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + base + cols, ((x - mean) * r).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_bwd_loop_kernel(x_ptr, g_ptr, dx_ptr, N, eps, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    acc_xx = tl.zeros((BLOCK,), tl.float32)
+    acc_gx = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        acc_xx += x * x
+        acc_gx += g * x
+    den = tl.sum(acc_xx, 0) * (1.0 / N) + eps
+    r = 1.0 / tl.sqrt_rn(den)
+    c = tl.sum(acc_gx, 0) / (N * den)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + base + cols, (r * (g - x * c)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_bwd_loop_kernel(x_ptr, g_ptr, dx_ptr, N, eps, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    inv_n = 1.0 / N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + base + cols, mask=cols < N, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, 0) * inv_n
+    acc_cc = tl.zeros((BLOCK,), tl.float32)
+    acc_g = tl.zeros((BLOCK,), tl.float32)
+    acc_gc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean, 0.0)
+        acc_cc += xc * xc
+        acc_g += g
+        acc_gc += g * xc
+    r = 1.0 / tl.sqrt_rn(tl.sum(acc_cc, 0) * inv_n + eps)
+    mg = tl.sum(acc_g, 0) * inv_n
+    mgx = tl.sum(acc_gc, 0) * inv_n * r            # mean(g * xhat)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat = (x - mean) * r
+        dx = r * (g - mg - xhat * mgx)
+        tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- torch references
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.dtype == torch.float64 else t.float()
+
+
+def _eps(t: torch.Tensor, eps: float) -> float:
+    # §3: eps is narrowed to float32 in the float32/bf16/f16 kernels, used as-is in float64
+    return float(eps) if t.dtype == torch.float64 else float(torch.tensor(eps, dtype=torch.float32))
+
+
+def _rms_torch(x, eps):
+    xf = _acc(x)
+    r = 1.0 / torch.sqrt((xf * xf).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + _eps(x, eps))
+    return (xf * r).to(x.dtype)
+
+
+def _ln_torch(x, eps):
+    xf = _acc(x)
+    n = x.shape[-1]
+    xc = xf - xf.sum(-1, keepdim=True) * (1.0 / n)
+    r = 1.0 / torch.sqrt((xc * xc).sum(-1, keepdim=True) * (1.0 / n) + _eps(x, eps))
+    return (xc * r).to(x.dtype)
+
+
+def _rms_bwd_torch(x, g, eps):
+    xf, gf = _acc(x), _acc(g)
+    n = x.shape[-1]
+    den = (xf * xf).sum(-1, keepdim=True) * (1.0 / n) + _eps(x, eps)
+    r = 1.0 / torch.sqrt(den)
+    s = (gf * xf).sum(-1, keepdim=True)
+    return (r * (gf - xf * s / (n * den))).to(x.dtype)
+
+
+def _ln_bwd_torch(x, g, eps):
+    xf, gf = _acc(x), _acc(g)
+    n = x.shape[-1]
+    xc = xf - xf.mean(-1, keepdim=True)
+    r = 1.0 / torch.sqrt((xc * xc).mean(-1, keepdim=True) + _eps(x, eps))
+    xhat = xc * r
+    dx = r * (gf - gf.mean(-1, keepdim=True) - xhat * (gf * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+_FWD = {"rms": (_rms_fwd_rows_kernel, _rms_fwd_loop_kernel),
+        "ln": (_ln_fwd_rows_kernel, _ln_fwd_loop_kernel)}
+_BWD = {"rms": (_rms_bwd_rows_kernel, _rms_bwd_loop_kernel),
+        "ln": (_ln_bwd_rows_kernel, _ln_bwd_loop_kernel)}
+
+
+def _norm_fwd(kind: str, x: torch.Tensor, eps: float, *, block_r=None, num_warps=None,
+              target=4096, evict=ROW_EVICT, persistent=None) -> torch.Tensor:
+    """``persistent=(programs_per_sm, stages)`` selects the grid-stride kernel (tuning only)."""
+    x, r, n = flat_rows(x)
+    y = torch.empty_like(x)
+    if r == 0:
+        return y
+    rows_k, loop_k = _FWD[kind]
+    if n <= MAX_FUSED_N:
+        br, bn, nw = row_config(n, target=target)
+        if persistent:
+            per_sm, stages = persistent
+            grid = (min(r, per_sm * num_sms(x.device)),)
+            _norm_fwd_persist_kernel[grid](x, y, r, n, eps, LAYER=(kind == "ln"), BLOCK_N=bn,
+                                           EVICT=evict, STAGES=stages,
+                                           num_warps=num_warps or max(nw // br, 1))
+            return y
+        br = block_r or br
+        rows_k[(triton.cdiv(r, br),)](x, y, r, n, eps, BLOCK_R=br, BLOCK_N=bn, EVICT=evict,
+                                      num_warps=num_warps or nw)
+    else:
+        loop_k[(r,)](x, y, n, eps, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    return y
+
+
+def _norm_bwd(kind: str, x: torch.Tensor, grad: torch.Tensor, eps: float, *, block_r=None,
+              num_warps=None, target=4096, evict=ROW_EVICT) -> torch.Tensor:
+    x, r, n = flat_rows(x)
+    g = grad.contiguous()
+    dx = torch.empty_like(x)
+    if r == 0:
+        return dx
+    rows_k, loop_k = _BWD[kind]
+    if n <= MAX_FUSED_N:
+        br, bn, nw = row_config(n, target=target)
+        br = block_r or br
+        rows_k[(triton.cdiv(r, br),)](x, g, dx, r, n, eps, BLOCK_R=br, BLOCK_N=bn, EVICT=evict,
+                                      num_warps=num_warps or nw)
+    else:
+        loop_k[(r,)](x, g, dx, n, eps, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    return dx
+
+
+def _check(op: str, x: torch.Tensor, eps) -> float:
+    check_float(op, "x", x)
+    if x.dim() == 0:
+        raise fail(op, "x must have rank >= 1")
+    if x.shape[-1] == 0:
+        raise fail(op, "the last axis of x must be non-empty")
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise fail(op, f"eps must be a float, got {eps!r}") from None
+    return eps
+
+
+def rms_norm_last_dim(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``y = x / sqrt(mean(x**2, -1) + eps)`` (no weight)."""
+    eps = _check("rms_norm_last_dim", x, eps)
+    if not use_triton(x):
+        return _rms_torch(x, eps)
+    return _norm_fwd("rms", x, eps)
+
+
+def layer_norm_last_dim(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``y = (x - mean) / sqrt(var + eps)``, population variance, no affine."""
+    eps = _check("layer_norm_last_dim", x, eps)
+    if not use_triton(x):
+        return _ln_torch(x, eps)
+    return _norm_fwd("ln", x, eps)
+
+
+def rms_norm_last_dim_backward(x: torch.Tensor, grad: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``dx = r * (g - x * sum(g*x) / (n * (mean(x**2) + eps)))``, ``r = 1/sqrt(mean(x**2)+eps)``."""
+    op = "rms_norm_last_dim_backward"
+    eps = _check(op, x, eps)
+    check_same(op, "x", x, "grad", grad)
+    if not use_triton(x):
+        return _rms_bwd_torch(x, grad, eps)
+    return _norm_bwd("rms", x, grad, eps)
+
+
+def layer_norm_last_dim_backward(x: torch.Tensor, grad: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``dx = r * (g - mean(g) - xhat * mean(g * xhat))`` with stats recomputed from ``x``."""
+    op = "layer_norm_last_dim_backward"
+    eps = _check(op, x, eps)
+    check_same(op, "x", x, "grad", grad)
+    if not use_triton(x):
+        return _ln_bwd_torch(x, grad, eps)
+    return _norm_bwd("ln", x, grad, eps)

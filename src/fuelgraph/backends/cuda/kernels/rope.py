@@ -1,0 +1,191 @@
+"""ROPE (spec §5) forward and backward on Triton, rotate-half and interleaved (GPT-J) layouts.
+
+``x`` is ``[..., S, D]`` (D even) and ``cos``/``sin`` are ``[S, D]`` tables that broadcast over
+the leading dims. Tables need not repeat their halves (or pair entries): the backward uses the
+general transpose of the forward (Appendix H.13).
+
+rotate-half (``interleaved=False``), ``h = D/2``, ``i < h``::
+
+    y[i]   = x[i]   cos[i]   - x[i+h] sin[i]          dx[i]   = g[i]   cos[i]   + g[i+h] sin[i+h]
+    y[i+h] = x[i+h] cos[i+h] + x[i]   sin[i+h]        dx[i+h] = g[i+h] cos[i+h] - g[i]   sin[i]
+
+interleaved (``interleaved=True``), pairs ``(2i, 2i+1)``::
+
+    y[2i]   = x[2i]   cos[2i]   - x[2i+1] sin[2i]     dx[2i]   = g[2i]   cos[2i]   + g[2i+1] sin[2i+1]
+    y[2i+1] = x[2i+1] cos[2i+1] + x[2i]   sin[2i+1]   dx[2i+1] = g[2i+1] cos[2i+1] - g[2i]   sin[2i]
+
+Each program owns ``BLOCK_S`` positions and ``OUTER_PER`` leading (batch*head) slices: it loads
+its cos/sin rows once and reuses them for every slice, so table traffic is ``1/OUTER_PER`` of the
+``x`` traffic. Compute is float32; output dtype = dtype of ``x``/``grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuelgraph.errors import fail
+
+from .helpers import check_float, next_pow2, use_triton
+
+__all__ = ["rope", "rope_backward"]
+
+
+@triton.jit
+def _rope_half_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, OUTER, S, D, H, N_SBLK,
+                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, OUTER_PER: tl.constexpr,
+                      BACKWARD: tl.constexpr):
+    pid = tl.program_id(0)
+    sb = pid % N_SBLK
+    ob = pid // N_SBLK
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    h = tl.arange(0, BLOCK_H)
+    tmask = (s < S)[:, None] & (h < H)[None, :]
+    toff = s.to(tl.int64)[:, None] * D + h[None, :]
+    c1 = tl.load(cos_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + toff + H, mask=tmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + toff + H, mask=tmask, other=0.0).to(tl.float32)
+    for i in tl.static_range(OUTER_PER):
+        o = ob * OUTER_PER + i
+        mask = tmask & (o < OUTER)
+        off = o.to(tl.int64) * S * D + toff
+        a1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        a2 = tl.load(x_ptr + off + H, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:
+            b1 = a1 * c1 + a2 * s2
+            b2 = a2 * c2 - a1 * s1
+        else:
+            b1 = a1 * c1 - a2 * s1
+            b2 = a2 * c2 + a1 * s2
+        tl.store(y_ptr + off, b1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + off + H, b2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_pair_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, OUTER, S, D, N_SBLK,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, OUTER_PER: tl.constexpr,
+                      BACKWARD: tl.constexpr):
+    pid = tl.program_id(0)
+    sb = pid % N_SBLK
+    ob = pid // N_SBLK
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    tmask = (s < S)[:, None] & (d < D)[None, :]
+    toff = s.to(tl.int64)[:, None] * D + d[None, :]
+    c = tl.load(cos_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+    ce, co = tl.split(tl.reshape(c, (BLOCK_S, BLOCK_D // 2, 2)))
+    se, so = tl.split(tl.reshape(sn, (BLOCK_S, BLOCK_D // 2, 2)))
+    for i in tl.static_range(OUTER_PER):
+        o = ob * OUTER_PER + i
+        mask = tmask & (o < OUTER)
+        off = o.to(tl.int64) * S * D + toff
+        a = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        ae, ao = tl.split(tl.reshape(a, (BLOCK_S, BLOCK_D // 2, 2)))
+        if BACKWARD:
+            be = ae * ce + ao * so
+            bo = ao * co - ae * se
+        else:
+            be = ae * ce - ao * se
+            bo = ao * co + ae * so
+        b = tl.reshape(tl.join(be, bo), (BLOCK_S, BLOCK_D))
+        tl.store(y_ptr + off, b.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _rope_torch(x, cos, sin, interleaved, backward):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    a, c, s = x.to(acc), cos.to(acc), sin.to(acc)
+    if interleaved:
+        ae, ao = a[..., 0::2], a[..., 1::2]
+        ce, co, se, so = c[..., 0::2], c[..., 1::2], s[..., 0::2], s[..., 1::2]
+        if backward:
+            be, bo = ae * ce + ao * so, ao * co - ae * se
+        else:
+            be, bo = ae * ce - ao * se, ao * co + ae * so
+        out = torch.stack((be, bo), dim=-1).flatten(-2)
+    else:
+        h = x.shape[-1] // 2
+        a1, a2 = a[..., :h], a[..., h:]
+        c1, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+        if backward:
+            out = torch.cat((a1 * c1 + a2 * s2, a2 * c2 - a1 * s1), dim=-1)
+        else:
+            out = torch.cat((a1 * c1 - a2 * s1, a2 * c2 + a1 * s2), dim=-1)
+    return out.to(x.dtype)
+
+
+def _rope_config(s: int, d: int, outer: int):
+    """(BLOCK_S, OUTER_PER, num_warps): ~2048 x elements per unrolled step (two half tiles of
+    1024 for rotate-half), 8 elements (16 bytes of bf16) per thread and load, 8 slices a program."""
+    bd = max(2, next_pow2(d))
+    block_s = max(1, min(next_pow2(s), 2048 // bd))
+    outer_per = min(8, next_pow2(outer))
+    num_warps = max(1, min(8, (block_s * bd) // 512))
+    return block_s, outer_per, num_warps
+
+
+def _rope_launch(x, cos, sin, interleaved, backward, *, block_s=None, outer_per=None,
+                 num_warps=None):
+    x = x.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    S, D = x.shape[-2], x.shape[-1]
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    outer = x.numel() // (S * D)
+    bs, op_, nw = _rope_config(S, D, outer)
+    bs = block_s or bs
+    op_ = outer_per or op_
+    nw = num_warps or nw
+    n_sblk = triton.cdiv(S, bs)
+    grid = (n_sblk * triton.cdiv(outer, op_),)
+    if interleaved:
+        _rope_pair_kernel[grid](x, cos, sin, y, outer, S, D, n_sblk, BLOCK_S=bs,
+                                BLOCK_D=max(2, next_pow2(D)), OUTER_PER=op_, BACKWARD=backward,
+                                num_warps=nw)
+    else:
+        _rope_half_kernel[grid](x, cos, sin, y, outer, S, D, D // 2, n_sblk, BLOCK_S=bs,
+                                BLOCK_H=next_pow2(D // 2), OUTER_PER=op_, BACKWARD=backward,
+                                num_warps=nw)
+    return y
+
+
+def _check(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved) -> None:
+    check_float(op, "x", x)
+    check_float(op, "cos", cos)
+    check_float(op, "sin", sin)
+    if not isinstance(interleaved, bool):
+        raise fail(op, f"interleaved must be a bool, got {interleaved!r}")
+    if x.dim() < 2:
+        raise fail(op, f"x must have rank >= 2 ([..., S, D]), got shape {tuple(x.shape)}")
+    S, D = x.shape[-2], x.shape[-1]
+    if D % 2:
+        raise fail(op, f"head_dim must be even, got D={D}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (S, D):
+            raise fail(op, f"{name} must have shape [S, D] = {[S, D]}, got {list(t.shape)}")
+        if t.device != x.device:
+            raise fail(op, f"{name} is on {t.device}, x on {x.device}")
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of ``x [..., S, D]`` with tables ``cos``/``sin`` ``[S, D]``."""
+    _check("rope", x, cos, sin, interleaved)
+    if not use_triton(x):
+        return _rope_torch(x, cos, sin, interleaved, False)
+    return _rope_launch(x, cos, sin, interleaved, False)
+
+
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  interleaved: bool) -> torch.Tensor:
+    """``dx`` of :func:`rope` for upstream ``grad [..., S, D]`` (general-table formula)."""
+    _check("rope_backward", grad, cos, sin, interleaved)
+    if not use_triton(grad):
+        return _rope_torch(grad, cos, sin, interleaved, True)
+    return _rope_launch(grad, cos, sin, interleaved, True)

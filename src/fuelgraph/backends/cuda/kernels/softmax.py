@@ -1,0 +1,179 @@
+"""SOFTMAX_LAST_DIM (spec §1) and SOFTMAX_LAST_DIM_BACKWARD (§7) as Triton kernels.
+
+Rows up to ``MAX_FUSED_N`` wide are held whole in registers (several short rows per program);
+wider rows use a two-pass looped kernel (online max/sum, then write). Compute is float32; the
+output has the input dtype. Edge behaviour follows §1: an all ``-inf`` row and any ``+inf``
+give NaN, a NaN poisons its row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
+                      num_sms, row_config, use_triton)
+
+__all__ = ["softmax_last_dim", "softmax_last_dim_backward"]
+
+
+@triton.jit
+def _softmax_fwd_rows_kernel(x_ptr, y_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                             EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+    m = tl.max(x, 1)
+    e = tl.exp(x - m[:, None])
+    inv = 1.0 / tl.sum(e, 1)
+    y = e * inv[:, None]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_persist_kernel(x_ptr, y_ptr, R, N, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
+                                STAGES: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    for row in tl.range(tl.program_id(0), R, tl.num_programs(0), num_stages=STAGES):
+        offs = tl.cast(row, tl.int64) * N + cols
+        x = tl.load(x_ptr + offs, mask=cmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+        e = tl.exp(x - tl.max(x, 0))
+        y = e * (1.0 / tl.sum(e, 0))
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _softmax_fwd_loop_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    m = float("-inf")
+    s = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+        m = m_new
+    inv = 1.0 / s
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        y = tl.exp(x - m) * inv
+        tl.store(y_ptr + base + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_rows_kernel(y_ptr, g_ptr, dx_ptr, R, N,
+                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dot = tl.sum(y * g, 1)
+    dx = y * (g - dot[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_loop_kernel(y_ptr, g_ptr, dx_ptr, N, BLOCK: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += y * g
+    dot = tl.sum(acc, 0)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + base + cols, (y * (g - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _softmax_torch(x: torch.Tensor) -> torch.Tensor:
+    xf = x.double() if x.dtype == torch.float64 else x.float()
+    m = xf.amax(-1, keepdim=True)
+    e = torch.exp(xf - m)
+    return (e * (1.0 / e.sum(-1, keepdim=True))).to(x.dtype)
+
+
+def _softmax_fwd(x: torch.Tensor, *, block_r=None, num_warps=None, target=4096, evict=ROW_EVICT,
+                 persistent=None) -> torch.Tensor:
+    """``persistent=(programs_per_sm, stages)`` selects the grid-stride kernel (tuning only)."""
+    x, r, n = flat_rows(x)
+    y = torch.empty_like(x)
+    if r == 0 or n == 0:
+        return y
+    if n <= MAX_FUSED_N:
+        br, bn, nw = row_config(n, target=target)
+        if persistent:
+            per_sm, stages = persistent
+            grid = (min(r, per_sm * num_sms(x.device)),)
+            _softmax_fwd_persist_kernel[grid](x, y, r, n, BLOCK_N=bn, EVICT=evict, STAGES=stages,
+                                              num_warps=num_warps or max(nw // br, 1))
+            return y
+        br = block_r or br
+        _softmax_fwd_rows_kernel[(triton.cdiv(r, br),)](
+            x, y, r, n, BLOCK_R=br, BLOCK_N=bn, EVICT=evict, num_warps=num_warps or nw)
+    else:
+        _softmax_fwd_loop_kernel[(r,)](x, y, n, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    return y
+
+
+def _softmax_bwd(y: torch.Tensor, grad: torch.Tensor, *, block_r=None, num_warps=None,
+                 target=4096, evict=ROW_EVICT) -> torch.Tensor:
+    y, r, n = flat_rows(y)
+    g = grad.contiguous()
+    dx = torch.empty_like(y)
+    if r == 0 or n == 0:
+        return dx
+    if n <= MAX_FUSED_N:
+        br, bn, nw = row_config(n, target=target)
+        br = block_r or br
+        _softmax_bwd_rows_kernel[(triton.cdiv(r, br),)](
+            y, g, dx, r, n, BLOCK_R=br, BLOCK_N=bn, EVICT=evict, num_warps=num_warps or nw)
+    else:
+        _softmax_bwd_loop_kernel[(r,)](y, g, dx, n, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    return dx
+
+
+def softmax_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis: ``exp(x - max) / sum(exp(x - max))``, float32 compute."""
+    op = "softmax_last_dim"
+    check_float(op, "x", x)
+    if x.dim() == 0:
+        from fuelgraph.errors import fail
+        raise fail(op, "x must have rank >= 1")
+    if not use_triton(x):
+        return _softmax_torch(x)
+    return _softmax_fwd(x)
+
+
+def softmax_last_dim_backward(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``dx = y * (grad - sum(grad * y, -1, keepdim=True))`` from the forward output ``y``."""
+    op = "softmax_last_dim_backward"
+    check_float(op, "y", y)
+    check_same(op, "y", y, "grad", grad)
+    if y.dim() == 0:
+        from fuelgraph.errors import fail
+        raise fail(op, "y must have rank >= 1")
+    if not use_triton(y):
+        yf = y.double() if y.dtype == torch.float64 else y.float()
+        gf = grad.to(yf.dtype)
+        return (yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
+    return _softmax_bwd(y, grad)

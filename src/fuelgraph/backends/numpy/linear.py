@@ -1,0 +1,71 @@
+"""NumPy fused kernel for FUSED_LINEAR (spec §2, Appendix H.14): `a @ b + bias`.
+
+The matrix product goes to BLAS (`np.matmul`) in the accumulation dtype (float32 for
+float32/float16/bfloat16 -- NumPy has no BLAS path for halves, so they are widened first --
+float64 for float64); the bias is added to the accumulator in place and the result is narrowed
+once (round to nearest even) to the input dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fuelgraph.errors import FuelGraphError
+
+from .helpers import acc_dtype, row_spans, run_spans
+
+_OP = "fused_linear"
+
+
+def _check(a, b, bias):
+    if a.ndim < 2:
+        raise FuelGraphError(f"{_OP}: input 'a' must have rank >= 2 ([..., M, K]), got {a.shape}")
+    if b.ndim < 2:
+        raise FuelGraphError(f"{_OP}: input 'b' must have rank >= 2 ([..., K, N]), got {b.shape}")
+    if a.shape[-1] != b.shape[-2]:
+        raise FuelGraphError(f"{_OP}: input 'b' has K = {b.shape[-2]} (shape {b.shape}), "
+                             f"expected K = {a.shape[-1]} from 'a' (shape {a.shape})")
+    if bias.shape != (b.shape[-1],):
+        raise FuelGraphError(f"{_OP}: input 'bias' has shape {bias.shape}, "
+                             f"expected ({b.shape[-1]},)")
+    for name, t in (("b", b), ("bias", bias)):
+        if t.dtype != a.dtype:
+            raise FuelGraphError(f"{_OP}: input '{name}' has dtype {t.dtype}, "
+                                 f"expected {a.dtype} (dtype of 'a')")
+    try:
+        return np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise FuelGraphError(f"{_OP}: batch dims of 'a' {a.shape[:-2]} and 'b' {b.shape[:-2]} "
+                             f"do not broadcast") from None
+
+
+def fused_linear(a, b, bias):
+    """FUSED_LINEAR: `out = a @ b + bias`.
+
+    a: [..., M, K]; b: [K, N] or [..., K, N] (K x N orientation, not nn.Linear's [N, K]);
+    bias: [N]; all one float dtype. Batch dims broadcast NumPy-style, so the result has shape
+    `broadcast(a.shape[:-2], b.shape[:-2]) + [M, N]` and the dtype of `a`. (The as-built kernel's
+    "GQA-style" repeat of b batches, B_d % C_d == 0 with C_d > 1, is not NumPy broadcasting and
+    is rejected.)
+    """
+    batch = _check(a, b, bias)
+    dt, acc = a.dtype, acc_dtype(a.dtype)
+    if dt != acc:
+        a, b, bias = a.astype(acc), b.astype(acc), bias.astype(acc)
+    m, n = a.shape[-2], b.shape[-1]
+    if b.ndim == 2:
+        # one big GEMM over all leading rows of a (a is C-contiguous)
+        rows = int(np.prod(a.shape[:-1]))
+        out = np.matmul(a.reshape(rows, a.shape[-1]), b).reshape(*a.shape[:-1], n)
+    else:
+        out = np.matmul(a, b)
+    res = out if dt == acc else np.empty(out.shape, dt)
+    o2, r2 = out.reshape(-1, n), res.reshape(-1, n)
+
+    def work(r0, r1):
+        np.add(o2[r0:r1], bias, out=o2[r0:r1])
+        if r2 is not o2:
+            r2[r0:r1] = o2[r0:r1]
+
+    if o2.size:
+        run_spans(work, row_spans(o2.shape[0], n), o2.size)
+    return res

@@ -1,0 +1,175 @@
+"""NumPy fused kernels for last-dim normalisations without affine parameters (spec §3, §4, §8, §9).
+
+Every kernel views its input as rows `[R, n]` (n = last extent), computes in the accumulation
+dtype (float32 for float32/float16/bfloat16 -- eps is narrowed to float32 there -- float64 for
+float64) and returns the input dtype. Rows are processed in L2-sized chunks, possibly on two
+threads (`helpers.run_spans`); per-row results do not depend on the chunking. Row reductions
+use `np.vecdot` (BLAS dot per row; a row sum is a dot with ones), all in the accumulation dtype.
+Backward kernels recompute the statistics from `x` (nothing is cached).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fuelgraph.errors import FuelGraphError
+
+from .helpers import acc_dtype, row_spans, run_spans
+
+
+def _rows(op, x, *others):
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise FuelGraphError(f"{op}: input 'x' must have rank >= 1 and a non-empty last axis, "
+                             f"got shape {x.shape}")
+    for o in others:
+        if o.shape != x.shape:
+            raise FuelGraphError(f"{op}: input 'grad' has shape {o.shape}, expected {x.shape}")
+    n = x.shape[-1]
+    acc = acc_dtype(x.dtype)
+    return n, acc, [a.reshape(-1, n) for a in (x,) + others]
+
+
+def _chunk(a, r0, r1, acc):
+    c = a[r0:r1]
+    return c if c.dtype == acc else c.astype(acc)
+
+
+def _run(work, rows, n):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        run_spans(work, row_spans(rows, n), rows * n)
+
+
+def rms_norm_last_dim(x, *, eps):
+    """RMS_NORM_LAST_DIM (§3): x [..., n] -> y of the same shape/dtype.
+
+    `ms = (sum_j x_j^2) * (1/n)`, `r = 1 / sqrt(ms + eps)`, `y_j = x_j * r` (no weight).
+    eps = 0 with an all-zero row gives NaN (0 * inf), as specified.
+    """
+    n, acc, (x2,) = _rows("rms_norm_last_dim", x)
+    out = np.empty(x.shape, x.dtype)
+    o2 = out.reshape(-1, n)
+    inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
+
+    def work(r0, r1):
+        xc = _chunk(x2, r0, r1, acc)
+        r = np.vecdot(xc, xc)
+        r *= inv_n
+        r += eps_a
+        np.sqrt(r, out=r)
+        np.divide(one, r, out=r)
+        if o2.dtype == acc:
+            np.multiply(xc, r[:, None], out=o2[r0:r1])
+        else:
+            np.multiply(xc, r[:, None], out=xc)
+            o2[r0:r1] = xc
+
+    _run(work, x2.shape[0], n)
+    return out
+
+
+def layer_norm_last_dim(x, *, eps):
+    """LAYER_NORM_LAST_DIM (§4): x [..., n] -> y of the same shape/dtype (no gamma/beta).
+
+    Two-pass, population variance: `mu = sum(x) * (1/n)`, `var = sum((x - mu)^2) * (1/n)`,
+    `y = (x - mu) * (1 / sqrt(var + eps))`.
+    """
+    n, acc, (x2,) = _rows("layer_norm_last_dim", x)
+    out = np.empty(x.shape, x.dtype)
+    o2 = out.reshape(-1, n)
+    inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
+    ones = np.ones(n, acc)
+
+    def work(r0, r1):
+        native = o2.dtype == acc
+        xc = _chunk(x2, r0, r1, acc)
+        mu = np.vecdot(xc, ones)
+        mu *= inv_n
+        c = np.subtract(xc, mu[:, None], out=o2[r0:r1] if native else xc)
+        r = np.vecdot(c, c)
+        r *= inv_n
+        r += eps_a
+        np.sqrt(r, out=r)
+        np.divide(one, r, out=r)
+        np.multiply(c, r[:, None], out=c)
+        if not native:
+            o2[r0:r1] = c
+
+    _run(work, x2.shape[0], n)
+    return out
+
+
+def rms_norm_last_dim_backward(x, grad, *, eps):
+    """RMS_NORM_LAST_DIM_BACKWARD (§9): x, grad [..., n] -> dx of x's shape/dtype.
+
+    Per row: `den = sum(x^2)/n + eps`, `r = 1/sqrt(den)`, `s = sum(grad * x)`,
+    `dx = r * (grad - x * s / (n * den))`, evaluated as `grad * r - x * (r * s / (n * den))`.
+    """
+    n, acc, (x2, g2) = _rows("rms_norm_last_dim_backward", x, grad)
+    out = np.empty(x.shape, x.dtype)
+    o2 = out.reshape(-1, n)
+    inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
+
+    def work(r0, r1):
+        native = o2.dtype == acc
+        xc, gc = _chunk(x2, r0, r1, acc), _chunk(g2, r0, r1, acc)
+        den = np.vecdot(xc, xc)
+        den *= inv_n
+        den += eps_a
+        s = np.vecdot(gc, xc)
+        r = np.sqrt(den)
+        np.divide(one, r, out=r)
+        s *= r
+        s *= inv_n
+        s /= den                                   # s := r * s / (n * den)
+        oc = o2[r0:r1] if native else gc
+        t = np.multiply(xc, s[:, None], out=np.empty_like(xc) if native else xc)
+        np.multiply(gc, r[:, None], out=oc)
+        np.subtract(oc, t, out=oc)
+        if not native:
+            o2[r0:r1] = oc
+
+    _run(work, x2.shape[0], n)
+    return out
+
+
+def layer_norm_last_dim_backward(x, grad, *, eps):
+    """LAYER_NORM_LAST_DIM_BACKWARD (§8): x, grad [..., n] -> dx of x's shape/dtype.
+
+    Per row: `mu = mean(x)`, `var = mean((x - mu)^2)`, `r = 1/sqrt(var + eps)`,
+    `xhat = (x - mu) * r`, `dx = r * (grad - mean(grad) - xhat * mean(grad * xhat))`, evaluated as
+    `grad * r - ((x - mu) * (r^3 * mean(grad * (x - mu))) + r * mean(grad))`.
+    """
+    n, acc, (x2, g2) = _rows("layer_norm_last_dim_backward", x, grad)
+    out = np.empty(x.shape, x.dtype)
+    o2 = out.reshape(-1, n)
+    inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
+    ones = np.ones(n, acc)
+
+    def work(r0, r1):
+        native = o2.dtype == acc
+        xc, gc = _chunk(x2, r0, r1, acc), _chunk(g2, r0, r1, acc)
+        mu = np.vecdot(xc, ones)
+        mu *= inv_n
+        c = np.subtract(xc, mu[:, None], out=np.empty_like(xc) if native else xc)
+        r = np.vecdot(c, c)
+        r *= inv_n
+        r += eps_a
+        np.sqrt(r, out=r)
+        np.divide(one, r, out=r)
+        mg = np.vecdot(gc, ones)
+        mg *= inv_n
+        mg *= r                                    # r * mean(g)
+        k = np.vecdot(gc, c)
+        k *= inv_n
+        k *= r
+        k *= r
+        k *= r                                     # r^3 * mean(g * (x - mu))
+        np.multiply(c, k[:, None], out=c)
+        np.add(c, mg[:, None], out=c)
+        oc = o2[r0:r1] if native else gc
+        np.multiply(gc, r[:, None], out=oc)
+        np.subtract(oc, c, out=oc)
+        if not native:
+            o2[r0:r1] = oc
+
+    _run(work, x2.shape[0], n)
+    return out

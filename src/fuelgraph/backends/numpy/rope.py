@@ -1,0 +1,99 @@
+"""NumPy fused kernel for ROPE (spec §5): rotary position embedding with explicit cos/sin tables.
+
+Both layouts are written as `y = x * cos + rot(x) * sin`, evaluated per element in the
+accumulation dtype (float32 for float32/float16/bfloat16, float64 for float64) and narrowed once
+to x's dtype. The sign of `rot` is folded into a signed copy of the (small) sin table, so the
+big array only sees contiguous multiplies/adds plus one pair-swapping copy:
+
+* rotate-half (GPT-NeoX / HF, `interleaved=False`): pairs feature i with i + D/2,
+  `rot(x) = concat(-x[..., D/2:], x[..., :D/2])`;
+* interleaved (GPT-J, `interleaved=True`): pairs features 2i and 2i+1,
+  `rot(x)[2i] = -x[2i+1]`, `rot(x)[2i+1] = x[2i]`.
+
+The tables broadcast over every leading dim of x (no per-batch positions).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fuelgraph.errors import FuelGraphError
+
+from . import helpers as _h
+from .helpers import acc_dtype, run_spans
+
+_OP = "rope"
+
+
+def _spans(batch: int, s: int, d: int) -> list[tuple[int, int]]:
+    """Row spans over the [batch * s, d] view that either stay inside one sequence or cover
+    whole sequences (so the tables are a plain slice or a broadcast of the full table)."""
+    per, nthr = max(1, _h.CHUNK_ELEMS // d), _h.NUM_THREADS
+    if per >= s:                                         # several whole sequences per span
+        k = max(1, min(per // s, -(-batch // nthr)))
+        return [(b * s, min(b + k, batch) * s) for b in range(0, batch, k)]
+    if batch < nthr:
+        per = min(per, -(-s // nthr))
+    return [(b * s + i, b * s + min(i + per, s)) for b in range(batch) for i in range(0, s, per)]
+
+
+def rope(x, cos, sin, *, interleaved):
+    """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [S, D] -> y, shape/dtype of x.
+
+    interleaved=False (rotate-half, the op of spec §5), for i < h = D/2:
+        y[i]     = x[i]     * cos[i]     - x[i + h] * sin[i]
+        y[i + h] = x[i + h] * cos[i + h] + x[i]     * sin[i + h]
+    interleaved=True (GPT-J pairs):
+        y[2i]     = x[2i]     * cos[2i]     - x[2i + 1] * sin[2i]
+        y[2i + 1] = x[2i + 1] * cos[2i + 1] + x[2i]     * sin[2i + 1]
+    Each output element is `x*cos + (+-x_partner)*sin`: two products and one sum, rounded in
+    the accumulation dtype.
+    """
+    if x.ndim < 2:
+        raise FuelGraphError(f"{_OP}: input 'x' must have rank >= 2 ([..., S, D]), got {x.shape}")
+    s, d = x.shape[-2], x.shape[-1]
+    if d % 2:
+        raise FuelGraphError(f"{_OP}: input 'x' has head_dim D = {d}; D must be even")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (s, d):
+            raise FuelGraphError(f"{_OP}: input '{name}' has shape {t.shape}, expected {(s, d)}")
+    dt, acc = x.dtype, acc_dtype(x.dtype)
+    out = np.empty(x.shape, dt)
+    if x.size == 0:
+        return out
+    h = d // 2
+    cs = np.ascontiguousarray(cos, dtype=acc)
+    sn = np.array(sin, dtype=acc)                       # private copy, sign folded in below
+    if interleaved:
+        sn[:, 0::2] *= -1
+    else:
+        sn[:, :h] *= -1
+    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
+    batch = x2.shape[0] // s
+
+    def work(r0, r1):
+        s0, n = r0 % s, r1 - r0
+        if s0 + n <= s:                                  # inside one sequence
+            c, sg, shp = cs[s0:s0 + n], sn[s0:s0 + n], (n, d)
+        else:                                            # whole sequences: broadcast tables
+            c, sg, shp = cs, sn, (n // s, s, d)
+        xc = x2[r0:r1].reshape(shp)
+        if dt != acc:
+            xc = xc.astype(acc)
+        y = o2[r0:r1].reshape(shp) if dt == acc else np.empty(shp, acc)
+        t = np.empty(shp, acc)
+        np.multiply(xc, c, out=y)
+        if interleaved:                                  # t = pair-swapped x
+            t[..., 0::2] = xc[..., 1::2]
+            t[..., 1::2] = xc[..., 0::2]
+            np.multiply(t, sg, out=t)
+        else:                                            # t = half-swapped x * signed sin
+            hv = shp[:-1] + (2, h)
+            np.multiply(xc.reshape(hv)[..., ::-1, :], sg.reshape(sg.shape[:-1] + (2, h)),
+                        out=t.reshape(hv))
+        np.add(y, t, out=y)
+        if dt != acc:
+            o2[r0:r1] = y.reshape(n, d)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        run_spans(work, _spans(batch, s, d), x.size)
+    return out
