@@ -144,15 +144,11 @@ def bench_softmax(args, dtype=torch.bfloat16, shape=(32768, 4096)):
     run("softmax_last_dim_backward", "fuelgraph", shape, dtype,
         lambda: K.softmax_last_dim_backward(y, g), 3 * nb(x))
     if args.sweep:
-        for br, nw in [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]:
+        for br, nw in [(1, 4), (2, 8), (2, 16), (4, 16)]:
             run("softmax_last_dim", f"fuelgraph[br={br},w={nw}]", shape, dtype,
                 lambda: _softmax._softmax_fwd(x, block_r=br, num_warps=nw), byts)
-        run("softmax_last_dim", "fuelgraph[br=1,w=8,no-evict]", shape, dtype,
-            lambda: _softmax._softmax_fwd(x, block_r=1, num_warps=8, evict=""), byts)
-        for per_sm, st, nw in [(4, 2, 8), (8, 2, 8), (2, 3, 16), (4, 3, 8)]:
-            run("softmax_last_dim", f"fuelgraph[persist={per_sm}/sm,st={st},w={nw}]", shape,
-                dtype, lambda: _softmax._softmax_fwd(x, num_warps=nw, persistent=(per_sm, st)),
-                byts)
+        run("softmax_last_dim", "fuelgraph[br=1,w=8,evict_first]", shape, dtype,
+            lambda: _softmax._softmax_fwd(x, block_r=1, num_warps=8, evict="evict_first"), byts)
     return out
 
 
@@ -198,18 +194,14 @@ def bench_rms(args, dtype=torch.bfloat16, shape=(32768, 4096), eps=1e-6):
     run("rms_norm_last_dim_backward", "fuelgraph", shape, dtype,
         lambda: K.rms_norm_last_dim_backward(x, g, eps=eps), 3 * nb(x))
     if args.sweep:
-        for br, nw in [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]:
+        for br, nw in [(1, 4), (2, 8), (2, 16), (4, 16)]:
             run("rms_norm_last_dim", f"fuelgraph[br={br},w={nw}]", shape, dtype,
                 lambda: _norm._norm_fwd("rms", x, eps, block_r=br, num_warps=nw), byts)
-        run("rms_norm_last_dim", "fuelgraph[br=1,w=8,no-evict]", shape, dtype,
-            lambda: _norm._norm_fwd("rms", x, eps, block_r=1, num_warps=8, evict=""), byts)
-        for per_sm, st, nw in [(4, 2, 8), (8, 2, 8), (2, 3, 16), (4, 3, 8)]:
-            run("rms_norm_last_dim", f"fuelgraph[persist={per_sm}/sm,st={st},w={nw}]", shape,
-                dtype, lambda: _norm._norm_fwd("rms", x, eps, num_warps=nw,
-                                               persistent=(per_sm, st)), byts)
-        for br, nw in [(1, 4), (1, 8), (1, 16), (2, 16)]:
+        for br, nw in [(1, 4), (1, 16), (2, 8)]:
             run("rms_norm_last_dim_backward", f"fuelgraph[br={br},w={nw}]", shape, dtype,
                 lambda: _norm._norm_bwd("rms", x, g, eps, block_r=br, num_warps=nw), 3 * nb(x))
+        run("rms_norm_last_dim_backward", "fuelgraph[br=1,w=8,evict_first]", shape, dtype,
+            lambda: _norm._norm_bwd("rms", x, g, eps, evict="evict_first"), 3 * nb(x))
     return out, out_fb
 
 
@@ -235,13 +227,9 @@ def bench_ln(args, dtype=torch.bfloat16, shape=(32768, 4096), eps=1e-5):
     run("layer_norm_last_dim_backward", "fuelgraph", shape, dtype,
         lambda: K.layer_norm_last_dim_backward(x, g, eps=eps), 3 * nb(x))
     if args.sweep:
-        for br, nw in [(1, 4), (1, 8), (1, 16), (2, 16)]:
+        for br, nw in [(1, 4), (2, 16)]:
             run("layer_norm_last_dim", f"fuelgraph[br={br},w={nw}]", shape, dtype,
                 lambda: _norm._norm_fwd("ln", x, eps, block_r=br, num_warps=nw), byts)
-        for per_sm, st, nw in [(4, 2, 8), (8, 2, 8)]:
-            run("layer_norm_last_dim", f"fuelgraph[persist={per_sm}/sm,st={st},w={nw}]", shape,
-                dtype, lambda: _norm._norm_fwd("ln", x, eps, num_warps=nw,
-                                               persistent=(per_sm, st)), byts)
     return out
 
 
@@ -286,8 +274,7 @@ def bench_rope(args, dtype=torch.bfloat16, shape=(8, 32, 4096, 128)):
         lambda: (K.rope(q, cos, sin, interleaved=True), K.rope(k, cos, sin, interleaved=True)),
         byts)
     if args.sweep:
-        for bs, op_, nw in [(16, 4, 4), (16, 8, 4), (16, 16, 4), (32, 8, 8), (8, 8, 2),
-                            (16, 8, 8)]:
+        for bs, op_, nw in [(16, 2, 4), (32, 2, 4), (32, 4, 8), (8, 4, 2), (16, 8, 4)]:
             run("rope_q_and_k", f"fuelgraph[bs={bs},op={op_},w={nw}]", shape, dtype,
                 lambda: (_rope._rope_launch(q, cos, sin, False, False, block_s=bs,
                                             outer_per=op_, num_warps=nw),
@@ -322,17 +309,15 @@ def bench_ce(args, dtype=torch.bfloat16, shape=(8192, 128256)):
                                                        ignore_index=-100),
         2 * nb(logits) + nb(t))
     if args.sweep:
-        for blk, nw, st in [(2048, 4, 3), (4096, 4, 3), (4096, 8, 1), (4096, 8, 2), (4096, 8, 4),
-                            (8192, 8, 3), (8192, 16, 3), (16384, 16, 2)]:
+        for blk, nw, st in [(4096, 4, 1), (4096, 4, 2), (4096, 2, 3), (2048, 4, 3), (8192, 4, 3),
+                            (4096, 8, 3)]:
             run("cross_entropy_fwd", f"fuelgraph[blk={blk},w={nw},st={st}]", shape, dtype,
                 lambda: _loss._fsce_forward(logits, t, "mean", -100, block=blk, num_warps=nw,
                                             stages=st), byts)
-        run("cross_entropy_fwd", "fuelgraph[no-evict]", shape, dtype,
-            lambda: _loss._fsce_forward(logits, t, "mean", -100, evict=""), byts)
-        for st in (1, 2):
-            run("cross_entropy_bwd", f"fuelgraph[st={st}]", shape, dtype,
-                lambda: _loss._fsce_backward(logits, t, gr, "mean", -100, stages=st),
-                2 * nb(logits) + nb(t))
+        for nw, st in [(8, 3), (4, 1)]:
+            run("cross_entropy_bwd", f"fuelgraph[w={nw},st={st}]", shape, dtype,
+                lambda: _loss._fsce_backward(logits, t, gr, "mean", -100, num_warps=nw,
+                                             stages=st), 2 * nb(logits) + nb(t))
     return out
 
 

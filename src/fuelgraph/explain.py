@@ -22,6 +22,7 @@ class ExplainReport:
     lowered: dict[str, int]
     backend: str
     rewrites: list = field(default_factory=list)
+    matched: dict[str, int] = field(default_factory=dict)   # idioms fused (before lowering)
 
     def __str__(self) -> str:
         lines = [f"fuelgraph explain (backend {self.backend})",
@@ -32,6 +33,10 @@ class ExplainReport:
             lines += [f"    {name} x{n}" for name, n in sorted(self.fused_ops.items())]
         else:
             lines.append("  fused: nothing")
+        extra = {k: n for k, n in self.matched.items() if k not in self.fused_ops}
+        if extra:
+            lines.append("  idioms recognized, then lowered (no kernel on this backend):")
+            lines += [f"    {name} x{n}" for name, n in sorted(extra.items())]
         if self.lowered:
             lines.append("  lowered to primitives (no kernel on this backend, or lower_all):")
             lines += [f"    {name} x{n}" for name, n in sorted(self.lowered.items())]
@@ -60,5 +65,6 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
     after, fused = _count(res.outputs)
     misses = {k: f"{m.reason} (matched {m.matched} nodes at {m.node})"
               for k, m in res.misses.items() if m.matched >= min_matched}
+    matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     return ExplainReport(fused, after - sum(fused.values()), before, after, misses, res.lowered,
-                         bname, res.log.events)
+                         bname, res.log.events, dict(matched))

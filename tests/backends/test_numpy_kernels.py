@@ -93,7 +93,8 @@ def check(ours, ref, dt, same=None, out_dt=None, rtol=None, scale=None, cond=Fal
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("ash,bsh", [((4, 8), (8, 3)), ((1, 1), (1, 1)), ((2, 3, 5, 8), (8, 4)),
                                      ((2, 1, 5, 8), (3, 8, 4)), ((5, 8), (2, 8, 4)),
-                                     ((2, 3, 5, 8), (2, 3, 8, 4)), ((3, 0), (0, 2))])
+                                     ((2, 3, 5, 8), (2, 3, 8, 4)), ((3, 0), (0, 2)),
+                                     ((2, 3, 4), (4, 0))])
 def test_fused_linear(dt, ash, bsh, chunking):
     rng = np.random.default_rng(1)
     a, b, bias = rand(rng, ash, dt), rand(rng, bsh, dt), rand(rng, bsh[-1:], dt)
@@ -263,6 +264,14 @@ def test_cross_entropy_all_ignored(reduction):
     assert dx.dtype == np.float32 and dx.shape == x.shape and not dx.any()
 
 
+def test_cross_entropy_empty_class_axis():
+    x = np.zeros((3, 0), np.float32)
+    out = loss.fused_softmax_cross_entropy(x, np.full(3, -100), reduction="none", ignore_index=-100)
+    assert out.shape == (3,) and not out.any()
+    with pytest.raises(FuelGraphError, match="'targets'"):
+        loss.fused_softmax_cross_entropy(x, np.zeros(3, np.int64), reduction="sum", ignore_index=-100)
+
+
 @pytest.mark.parametrize("t,ignore_index,bad", [([0, 7, 1], -100, 7), ([0, -1, 1], -100, -1),
                                                 ([0, -100, 1], None, -100), ([0, 2, 9], 2, 9)])
 def test_cross_entropy_bad_target(t, ignore_index, bad):
@@ -357,20 +366,49 @@ def test_inplace_affine_rejects_readonly():
 
 
 # ----------------------------------------------------------------------------- bit stability
-@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
-def test_chunking_is_bit_stable(dt, monkeypatch):
+@pytest.mark.parametrize("dt", ["float32", "bfloat16", "float16"])
+def test_chunking_is_bit_stable_and_inputs_untouched(dt, monkeypatch):
     rng = np.random.default_rng(11)
     x, g = rand(rng, (37, 300), dt), rand(rng, (37, 300), dt)
     t = rng.integers(0, 300, 37)
-    runs = [lambda: norm.rms_norm_last_dim(x, eps=1e-6), lambda: norm.layer_norm_last_dim(x, eps=1e-6),
+    runs = [lambda: linear.fused_linear(x, g.T.copy(), g[0, :37].copy()),
+            lambda: helpers.reduce_max_to_backward(x, g[:, :1].copy()),
+            lambda: helpers.powi_backward(x, g, exp=-3),
+            lambda: helpers.inplace_affine(x.copy(), mul=0.3, add=2.0),
+            lambda: norm.rms_norm_last_dim(x, eps=1e-6),
+            lambda: norm.layer_norm_last_dim(x, eps=1e-6),
             lambda: norm.layer_norm_last_dim_backward(x, g, eps=1e-6),
             lambda: norm.rms_norm_last_dim_backward(x, g, eps=1e-6),
             lambda: rope.rope(x.reshape(1, 37, 300), x[:, ::-1].copy(), g, interleaved=True),
             lambda: loss.fused_softmax_cross_entropy(x, t, reduction="none", ignore_index=-100),
             lambda: loss.fused_softmax_cross_entropy_backward(x, t, np.float32(2), reduction="sum",
                                                               ignore_index=-100)]
+    x0, g0 = x.copy(), g.copy()
     base = [f() for f in runs]
     monkeypatch.setattr(helpers, "CHUNK_ELEMS", 700)
     monkeypatch.setattr(helpers, "PARALLEL_MIN_ELEMS", 0)
     for f, b in zip(runs, base):
         np.testing.assert_array_equal(f(), b)
+    np.testing.assert_array_equal(x, x0)                       # inputs are never written
+    np.testing.assert_array_equal(g, g0)
+
+
+# ----------------------------------------------------------------------------- float16 casts
+def test_float16_casts_match_numpy():
+    """helpers' integer-op float16 <-> float32 casts are bit-identical to NumPy's."""
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    ref, got = h.astype(np.float32), helpers.to_acc(h, np.dtype(np.float32))
+    nan = np.isnan(ref)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    bits = np.random.default_rng(12).integers(0, 1 << 32, 1 << 18, dtype=np.uint64)
+    edge = np.array([0.0, -0.0, 65504, 65519.99, 65520, 1e9, np.inf, -np.inf, 2.0 ** -24,
+                     2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -14 * (1 - 2.0 ** -11), -1e-8], np.float32)
+    f = np.concatenate([bits.astype(np.uint32).view(np.float32), edge])
+    with np.errstate(all="ignore"):
+        ref = f.astype(np.float16)
+    got = np.empty(f.shape, np.float16)
+    helpers.store(got, f)
+    nan = np.isnan(ref)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan].view(np.uint16), ref[~nan].view(np.uint16))

@@ -59,6 +59,20 @@ def test_rms_norm_idiom_fuses_in_every_float_dtype():
         assert y.dtype == dt
 
 
+def test_hf_llama_rms_norm_with_upcast_fuses():
+    """HF LlamaRMSNorm: upcast to float32, pow(2).mean, rsqrt, multiply, cast back."""
+    a = rand((3, 16)).astype(fg.bfloat16.np)
+    x = fg.tensor(a)
+    h = x.astype(fg.float32)
+    y = (h * (h.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()).astype(fg.bfloat16)
+    assert fg.explain(y).fused_ops == {"rms_norm_last_dim": 1}
+    (node,) = fused_nodes(y)
+    assert node.op.params.eps == 1e-6 and node.srcs[0].dtype == fg.float32
+    t = torch.tensor(a.astype(np.float32))
+    want = TF.rms_norm(t, (16,), eps=1e-6).to(torch.bfloat16).float().numpy()
+    np.testing.assert_allclose(y.numpy().astype(np.float32), want, rtol=1e-2, atol=1e-2)
+
+
 def test_rms_norm_idiom_gradient_uses_the_helper():
     a = rand((3, 8), dtype=np.float64)
     x = fg.tensor(a, requires_grad=True)

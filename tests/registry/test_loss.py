@@ -214,8 +214,28 @@ def test_build_time_errors(logits, targets, kw, match):
 def test_entry_facets():
     e = fg.default_registry().entry(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY)
     assert e.name == "fused_softmax_cross_entropy"
-    assert e.backward.kind == "fused" and e.backward.helper == FusedOps.SOFTMAX_LAST_DIM
-    # the backward goes through the fused softmax kernel
+    helper = fg.default_registry().entry("fused_softmax_cross_entropy_backward")
+    assert e.backward.kind == "fused" and e.backward.helper == helper.id
+    assert helper.id >= 0x8000 and helper.id.is_runtime()
+    # the backward is one fused helper node (one kernel pass over the logits)
     xt = fg.tensor(np.random.default_rng(0).standard_normal((4, 6)), requires_grad=True)
     (gx,) = fg.grad([F.fused_softmax_cross_entropy(xt, fg.tensor(np.arange(4)))], [xt])
-    assert fg.explain(gx).fused_ops.get("softmax_last_dim") == 1
+    assert fg.explain(gx).fused_ops == {"fused_softmax_cross_entropy_backward": 1}
+    # and its recipe goes through the fused softmax
+    assert fg.explain(gx, lower_all=True).fused_ops == {}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape,v", [((), 6), ((4,), 1), ((2, 3), 1)])
+def test_gradients_rank1_and_single_class(shape, v, reduction):
+    rng = np.random.default_rng(12)
+    x, t = _case(rng, shape, v, "float64")
+    xt = fg.tensor(x, requires_grad=True)
+    out = F.fused_softmax_cross_entropy(xt, fg.tensor(t), reduction=reduction)
+    g = rng.standard_normal(out.shape)
+    (gx,) = fg.grad([out], [xt], [fg.tensor(g)])
+    tx = torch.tensor(x, requires_grad=True)
+    torch_ce_autograd(tx, np.asarray(t), reduction).backward(torch.tensor(g))
+    np.testing.assert_allclose(gx.numpy(), tx.grad.numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(fg.realize([gx], lower_all=True)[0], tx.grad.numpy(), rtol=1e-12,
+                               atol=1e-14)

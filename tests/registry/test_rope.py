@@ -172,7 +172,7 @@ def test_validation_errors():
 def test_registry_entry():
     e = fg.default_registry().entry("rope")
     assert int(e.id) == 5 and e.family == "forward"
-    assert e.backward == BackwardKind.DECOMPOSE
+    assert e.backward == BackwardKind.fused(5)  # dx is rope(g, cos, -swap(sin))
     assert "[..., S, D]" in e.doc and "[S, D]" in e.doc
     assert {p.fixed["interleaved"] for p in e.patterns()} == {False, True}
 

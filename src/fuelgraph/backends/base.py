@@ -38,7 +38,11 @@ KERNELS: dict[tuple, list[BackendImpl]] = {}
 
 
 def register_kernel(identity, backend: str, kernel: Callable, **kw) -> BackendImpl:
+    """identity: primitive op class name, fused id, or ("fused", registry name)."""
     impl = BackendImpl(kernel, **kw)
+    if isinstance(identity, tuple):
+        from ..registry.core import default_registry
+        identity = default_registry().entry(identity[1]).id
     key = (int(identity) if not isinstance(identity, str) else identity, backend)
     KERNELS.setdefault(key, []).append(impl)
     return impl

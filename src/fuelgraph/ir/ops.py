@@ -215,6 +215,17 @@ class Bitcast(Op):
         return [srcs[0].shape], [self.dtype], _device("bitcast", srcs)
 
 
+@dataclass(frozen=True)
+class Detach(Op):
+    """Identity whose gradient is zero (stop-gradient). Kept until lowering so autograd sees
+    it; the lower pass removes it before execution."""
+    arity = 1
+
+    def infer(self, srcs):
+        self.check_arity(srcs)
+        return [srcs[0].shape], [srcs[0].dtype], _device("detach", srcs)
+
+
 # ---- reductions and movement ---------------------------------------------------------------
 @dataclass(frozen=True)
 class Reduce(Op):

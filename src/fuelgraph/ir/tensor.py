@@ -131,7 +131,8 @@ class Tensor:
         return to_torch(self)
 
     def detach(self) -> "Tensor":
-        return Tensor(self.value)
+        """The same values with no gradient flowing back (torch's detach / jax stop_gradient)."""
+        return self._new(ops.Detach(), self)
 
     def backward(self, grad: "Tensor | None" = None):
         """Reverse-mode: accumulate d(self)/d(leaf) into `.grad` of every leaf with

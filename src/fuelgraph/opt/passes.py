@@ -39,11 +39,14 @@ _GRAPH_OUTPUT = _GraphOutput()
 
 def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dict) -> list[Value]:
     """Replace recipe idioms by fused nodes; backend None fuses every op that has a pattern
-    (lowering later expands those a backend has no kernel for)."""
+    (lowering later expands those a backend has no kernel for). Run-time registered ops always
+    fuse from their idiom (and are lowered again where they have no kernel), so explain shows
+    that they were recognized."""
     reg = default_registry()
     by_sig: dict = {}
     for e in reg:
-        if e.has_pattern and (has_kernel(e.id, backend) if backend is not None else
+        if e.has_pattern and (has_kernel(e.id, backend) or e.id.is_runtime()
+                              if backend is not None else
                               # prefuse for autograd: never turn a differentiable idiom into
                               # an op that refuses to be differentiated
                               e.backward.kind != "not_differentiable"):
@@ -89,6 +92,8 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
 
 def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
     def lower(n: Node):
+        if isinstance(n.op, ops.Detach):   # gradients are built by now: identity
+            return n.srcs[0]
         if not isinstance(n.op, ops.Fused):
             return None
         if not lower_all and has_kernel(n.op.id, backend):

@@ -176,6 +176,13 @@ class FusedOpRegistry:
     def __contains__(self, key):
         return self.get(key) is not None
 
+    def next_runtime_id(self) -> FusedOpId:
+        """Allocate the next id >= 0x8000 (append-only, never reused)."""
+        with self._lock:
+            fid = FusedOpId(self._next_runtime)
+            self._next_runtime += 1
+        return fid
+
     def register(self, name: str, recipe: Callable, sample: Callable, *, family="forward",
                  backward: BackwardKind = BackwardKind.DECOMPOSE, kernels=None,
                  doc: str = "") -> FusedOpId:

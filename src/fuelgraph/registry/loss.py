@@ -15,10 +15,10 @@ logits) or float64, and honours ignore_index exactly like the kernel: ignored ro
 safe index 0 and are masked afterwards, so an ignored target is never read.
 
 Backward: `dlogits = w * (softmax(x) - onehot(t))` with w = g / N_valid (mean), g (sum), g[r]
-(none), and w = 0 on ignored rows. Declared `BackwardKind.fused(SOFTMAX_LAST_DIM)`: the vjp runs
-the fused softmax kernel once and adds -w at the target column with one scatter_add, instead of
-differentiating the log-softmax/gather recipe (several more passes over [R, V]). Built from
-differentiable ops, so it can be differentiated again.
+(none), and w = 0 on ignored rows. It is its own fused helper, `fused_softmax_cross_entropy_backward`
+(no well-known id: it takes the first run-time id, 0x8000, at import), whose kernels make one
+pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
+is differentiable, so second order works.
 
 Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
 primitives (`s = x - x.max(-1, keepdim=True); s - s.exp().sum(-1, keepdim=True).log()`, which
@@ -114,17 +114,20 @@ def _dtype_rule(dtypes, params):
     return [dtypes[0].acc]
 
 
-def _vjp(xs, ys, gs, p):
+BACKWARD_NAME = _NAME + "_backward"
+
+
+def backward_recipe(logits, targets, grad, reduction="mean", ignore_index=-100):
     """dlogits = w * (softmax(x) - onehot(t)); w per reduction, 0 on ignored rows."""
-    x, t = xs
+    x, t = logits, targets
     acc = x.dtype.acc
-    g = gs[0].astype(acc)
+    g = grad.astype(acc)
     sm = call_fused(FusedOps.SOFTMAX_LAST_DIM, x.astype(acc))
-    valid = None if p.ignore_index is None else t != p.ignore_index
+    valid = None if ignore_index is None else t != ignore_index
     safe = t if valid is None else where(valid, t, 0)
-    if p.reduction == "none":
+    if reduction == "none":
         w = g
-    elif p.reduction == "sum":
+    elif reduction == "sum":
         w = g.broadcast_to(t.shape)
     else:
         n = float(max(math.prod(t.shape), 1)) if valid is None else \
@@ -134,7 +137,22 @@ def _vjp(xs, ys, gs, p):
         w = where(valid, w, 0.0)
     wk = w.unsqueeze(-1)
     dx = (sm * wk).scatter_add(-1, safe.unsqueeze(-1), -wk)
-    return [dx.astype(x.dtype), None]
+    return dx.astype(x.dtype)
+
+
+def _vjp(xs, ys, gs, p):
+    return [call_fused(BACKWARD_NAME, xs[0], xs[1], gs[0], reduction=p.reduction,
+                       ignore_index=p.ignore_index), None]
+
+
+def _validate_backward(srcs, params):
+    check_arity(BACKWARD_NAME, srcs, 3)
+    _validate(srcs[:2], params)
+    want = () if params.reduction != "none" else tuple(srcs[1].shape)
+    if tuple(srcs[2].shape) != want:
+        raise FuelGraphError(f"{BACKWARD_NAME}: grad has shape {tuple(srcs[2].shape)}, expected "
+                             f"{want} (the loss's shape for reduction={params.reduction!r})")
+    check_float(BACKWARD_NAME, srcs, which=[2], labels=["logits", "targets", "grad"])
 
 
 def _sample(rng):
@@ -144,12 +162,24 @@ def _sample(rng):
 
 
 def declare(reg):
+    # the backward helper has no well-known id: it takes the first id >= 0x8000 at import
+    bwd_id = reg.next_runtime_id()
+    reg.add(FusedOpEntry(
+        id=bwd_id, name=BACKWARD_NAME, family="backward", params=CrossEntropyParams,
+        shape_rule=lambda shapes, p: [tuple(shapes[0])], dtype_rule=lambda dts, p: [dts[0]],
+        validate=_validate_backward, decompose=backward_recipe, backward=BackwardKind.DECOMPOSE,
+        pattern_variants=None,
+        sample=lambda rng: _sample(rng) + [np.asarray(rng.standard_normal(), np.float32)],
+        doc="Gradient of fused_softmax_cross_entropy w.r.t. logits: logits [..., V], targets "
+            "[...] int64, grad shaped like the loss ([] for mean/sum, targets.shape for none) "
+            "-> dlogits [..., V] in the logits dtype = w * (softmax(x) - onehot(t)), w = grad / "
+            "N_valid (mean), grad (sum), grad[r] (none), 0 on ignored rows."))
     variants = tuple({"reduction": r, "ignore_index": None} for r in REDUCTIONS)
     reg.add(FusedOpEntry(
         id=FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, name=_NAME, family="forward",
         params=CrossEntropyParams, shape_rule=_shape_rule, dtype_rule=_dtype_rule,
         validate=_validate, decompose=cross_entropy_recipe,
-        backward=BackwardKind.fused(FusedOps.SOFTMAX_LAST_DIM), vjp=_vjp,
+        backward=BackwardKind.fused(bwd_id), vjp=_vjp,
         pattern_variants=variants,
         extra_patterns=tuple((_negated_reduction, {"reduction": r, "ignore_index": None})
                              for r in ("mean", "sum")),

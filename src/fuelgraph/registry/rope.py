@@ -9,9 +9,9 @@ Appendix H.13).
   rot(x) = stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2).
 
 The tables broadcast over every leading dim of x (positions are baked into them) and need not
-repeat their halves. Backward is DECOMPOSE: differentiating the recipe gives the general formula
-for dx (exact for arbitrary tables, unlike the as-built `rope(g, cos, -sin)`) and gradients for
-cos and sin (summed over the leading dims). Both layouts fuse from their idioms (the recipes)."""
+repeat their halves. Backward emits ROPE again: dx = rope(g, cos, -swap(sin)) is the general
+formula (exact for arbitrary tables, unlike the as-built `rope(g, cos, -sin)`); cos and sin get
+gradients too (summed over the leading dims). Both layouts fuse from their idioms (the recipes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +46,32 @@ def rope_recipe(x, cos, sin, interleaved=False):
     return x * cos + rot * sin
 
 
+def swap_halves(t):
+    h = t.shape[-1] // 2
+    return cat([t[..., h:], t[..., :h]], -1)
+
+
+def swap_pairs(t):
+    return stack([t[..., 1::2], t[..., 0::2]], -1).reshape(t.shape)
+
+
+def _vjp(xs, ys, gs, p):
+    """dx is itself a rotation of g: rope(g, cos, -swap(sin)) is exactly the general formula
+    (dx[i] = g[i]cos[i] + g[i+h]sin[i+h], dx[i+h] = g[i+h]cos[i+h] - g[i]sin[i] for
+    rotate-half; swap pairs instead of halves for GPT-J). dcos/dsin sum over leading dims."""
+    from .core import call_fused
+    x, cos, sin = xs
+    g = gs[0]
+    swap = swap_pairs if p.interleaved else swap_halves
+    dx = call_fused(FusedOps.ROPE, g, cos, -swap(sin), interleaved=p.interleaved)
+    lead = tuple(range(x.ndim - 2))
+    rot = rotate_every_two(x) if p.interleaved else rotate_half(x)
+    dcos, dsin = g * x, g * rot
+    if lead:
+        dcos, dsin = dcos.sum(lead), dsin.sum(lead)
+    return [dx, dcos, dsin]
+
+
 def _validate(srcs, params):
     name = "rope"
     check_arity(name, srcs, 3)
@@ -75,7 +101,7 @@ def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.ROPE, name="rope", family="forward", params=RopeParams,
         shape_rule=same_as_input0, dtype_rule=same_as_input0, validate=_validate,
-        decompose=rope_recipe, backward=BackwardKind.DECOMPOSE,
+        decompose=rope_recipe, backward=BackwardKind.fused(FusedOps.ROPE), vjp=_vjp,
         pattern_variants=({"interleaved": False}, {"interleaved": True}),
         sample=_sample,
         doc="Rotary embedding y = x * cos + rot(x) * sin. x [..., S, D] float (rank >= 2, D "

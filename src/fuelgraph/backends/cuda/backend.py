@@ -50,6 +50,7 @@ FUSED = [
     (F.POWI_BACKWARD, K.powi_backward, 4),
     (F.INPLACE_AFFINE, K.inplace_affine, 2),
     (F.FUSED_SOFTMAX_CROSS_ENTROPY, K.fused_softmax_cross_entropy, 6),
+    (("fused", "fused_softmax_cross_entropy_backward"), K.fused_softmax_cross_entropy_backward, 6),
 ]
 
 

@@ -142,4 +142,4 @@ PRIMITIVES = {
     ops.Pad: pad, ops.Gather: gather, ops.Take: take, ops.ScatterAdd: scatter_add,
     ops.MatMul: matmul, ops.Full: full, ops.Iota: iota, ops.Const: const, ops.Scan: scan,
 }
-VIEW_OPS = (ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice)
+VIEW_OPS = (ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice, ops.Bitcast)

@@ -33,6 +33,7 @@ class NumpyBackend:
             register_kernel(op_cls.__name__, "numpy", fn, cost=cost, strided_input=True,
                             name=f"numpy.{fn.__name__}")
         for op_id, fn, flops in _fused_kernels():
+            op_id = ("fused", op_id) if isinstance(op_id, str) else op_id
             cost = flops if callable(flops) else _row_cost(flops)   # a Cost function, or
             register_kernel(op_id, "numpy", fn, dtypes=None, cost=cost,   # flops per element
                             name=f"numpy.{fn.__name__}")

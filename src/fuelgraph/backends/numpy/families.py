@@ -1,5 +1,5 @@
-"""(fused id, NumPy kernel, flops per element -- or a cost function (shapes, params) -> Cost)
-for the families beyond softmax."""
+"""(fused id -- or registry name for ids allocated at import --, NumPy kernel, flops per element
+-- or a cost function (shapes, params) -> Cost) for the families beyond softmax."""
 from __future__ import annotations
 
 import math
@@ -29,5 +29,6 @@ KERNELS = [
     (F.ROPE, rope.rope, 4),
     (F.FUSED_LINEAR, linear.fused_linear, _linear_cost),
     (F.FUSED_SOFTMAX_CROSS_ENTROPY, loss.fused_softmax_cross_entropy, 6),
+    ("fused_softmax_cross_entropy_backward", loss.fused_softmax_cross_entropy_backward, 6),
     (F.INPLACE_AFFINE, helpers.inplace_affine, 2),
 ]

@@ -11,7 +11,7 @@ import numpy as np
 
 from fuelgraph.errors import FuelGraphError
 
-from .helpers import acc_dtype, row_spans, run_spans
+from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
 
 _OP = "fused_linear"
 
@@ -47,11 +47,11 @@ def fused_linear(a, b, bias):
     "GQA-style" repeat of b batches, B_d % C_d == 0 with C_d > 1, is not NumPy broadcasting and
     is rejected.)
     """
-    batch = _check(a, b, bias)
+    _check(a, b, bias)
     dt, acc = a.dtype, acc_dtype(a.dtype)
     if dt != acc:
-        a, b, bias = a.astype(acc), b.astype(acc), bias.astype(acc)
-    m, n = a.shape[-2], b.shape[-1]
+        a, b, bias = to_acc(a, acc), to_acc(b, acc), to_acc(bias, acc)
+    n = b.shape[-1]
     if b.ndim == 2:
         # one big GEMM over all leading rows of a (a is C-contiguous)
         rows = int(np.prod(a.shape[:-1]))
@@ -59,13 +59,14 @@ def fused_linear(a, b, bias):
     else:
         out = np.matmul(a, b)
     res = out if dt == acc else np.empty(out.shape, dt)
+    if out.size == 0:
+        return res
     o2, r2 = out.reshape(-1, n), res.reshape(-1, n)
 
     def work(r0, r1):
         np.add(o2[r0:r1], bias, out=o2[r0:r1])
         if r2 is not o2:
-            r2[r0:r1] = o2[r0:r1]
+            store(r2[r0:r1], o2[r0:r1])
 
-    if o2.size:
-        run_spans(work, row_spans(o2.shape[0], n), o2.size)
+    run_spans(work, row_spans(o2.shape[0], n), o2.size)
     return res

@@ -22,7 +22,7 @@ import numpy as np
 
 from fuelgraph.errors import FuelGraphError
 
-from .helpers import acc_dtype, row_spans, run_spans
+from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
 
 _OP = "fused_softmax_cross_entropy"
 _F64 = np.dtype(np.float64)
@@ -47,7 +47,7 @@ def _prepare(op, logits, targets, reduction, ignore_index):
     if bad.any():
         raise FuelGraphError(f"{op}: input 'targets' holds class index {int(t[bad][0])}, "
                              f"outside [0, {v}) and not ignore_index={ignore_index}")
-    return logits.reshape(-1, v), t, valid
+    return logits.reshape(t.size, v), t, valid
 
 
 #: per acc dtype, the row-max window in which exp(x) needs no shift: no overflow even summed
@@ -59,7 +59,7 @@ def _softmax_parts(xc, acc, out=None):
     """For a row chunk: `(e, rows, am, m, emax, rest)`: `am` the argmax (first if tied), `m` the
     max (acc dtype), `e = exp(x - shift)` (acc; written into `out` when given) with the argmax
     entry set to 0, `emax = exp(m - shift)` and `rest = sum(e) / emax`, both float64."""
-    e = xc if xc.dtype == acc else xc.astype(acc)
+    e = to_acc(xc, acc)
     rows = np.arange(e.shape[0])
     am = e.argmax(axis=1)
     m = e[rows, am]
@@ -168,7 +168,7 @@ def fused_softmax_cross_entropy_backward(logits, targets, grad, *, reduction, ig
         if any_ignored:
             e[~valid[r0:r1]] = 0
         if dt != acc:
-            o2[r0:r1] = e
+            store(o2[r0:r1], e)
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         run_spans(work, row_spans(r, v), r * v)

@@ -1,4 +1,4 @@
-"""NumPy fused kernels for last-dim normalisations without affine parameters (spec §3, §4, §8, §9).
+"""NumPy fused kernels for last-dim norms without affine parameters (spec §3, §4, §8, §9).
 
 Every kernel views its input as rows `[R, n]` (n = last extent), computes in the accumulation
 dtype (float32 for float32/float16/bfloat16 -- eps is narrowed to float32 there -- float64 for
@@ -13,7 +13,7 @@ import numpy as np
 
 from fuelgraph.errors import FuelGraphError
 
-from .helpers import acc_dtype, row_spans, run_spans
+from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
 
 
 def _rows(op, x, *others):
@@ -29,8 +29,7 @@ def _rows(op, x, *others):
 
 
 def _chunk(a, r0, r1, acc):
-    c = a[r0:r1]
-    return c if c.dtype == acc else c.astype(acc)
+    return to_acc(a[r0:r1], acc)
 
 
 def _run(work, rows, n):
@@ -60,7 +59,7 @@ def rms_norm_last_dim(x, *, eps):
             np.multiply(xc, r[:, None], out=o2[r0:r1])
         else:
             np.multiply(xc, r[:, None], out=xc)
-            o2[r0:r1] = xc
+            store(o2[r0:r1], xc)
 
     _run(work, x2.shape[0], n)
     return out
@@ -91,7 +90,7 @@ def layer_norm_last_dim(x, *, eps):
         np.divide(one, r, out=r)
         np.multiply(c, r[:, None], out=c)
         if not native:
-            o2[r0:r1] = c
+            store(o2[r0:r1], c)
 
     _run(work, x2.shape[0], n)
     return out
@@ -125,7 +124,7 @@ def rms_norm_last_dim_backward(x, grad, *, eps):
         np.multiply(gc, r[:, None], out=oc)
         np.subtract(oc, t, out=oc)
         if not native:
-            o2[r0:r1] = oc
+            store(o2[r0:r1], oc)
 
     _run(work, x2.shape[0], n)
     return out
@@ -169,7 +168,7 @@ def layer_norm_last_dim_backward(x, grad, *, eps):
         np.multiply(gc, r[:, None], out=oc)
         np.subtract(oc, c, out=oc)
         if not native:
-            o2[r0:r1] = oc
+            store(o2[r0:r1], oc)
 
     _run(work, x2.shape[0], n)
     return out

@@ -19,7 +19,7 @@ import numpy as np
 from fuelgraph.errors import FuelGraphError
 
 from . import helpers as _h
-from .helpers import acc_dtype, run_spans
+from .helpers import acc_dtype, run_spans, store, to_acc
 
 _OP = "rope"
 
@@ -61,8 +61,8 @@ def rope(x, cos, sin, *, interleaved):
     if x.size == 0:
         return out
     h = d // 2
-    cs = np.ascontiguousarray(cos, dtype=acc)
-    sn = np.array(sin, dtype=acc)                       # private copy, sign folded in below
+    cs = np.ascontiguousarray(to_acc(cos, acc))
+    sn = np.array(to_acc(sin, acc))                     # private copy, sign folded in below
     if interleaved:
         sn[:, 0::2] *= -1
     else:
@@ -76,9 +76,7 @@ def rope(x, cos, sin, *, interleaved):
             c, sg, shp = cs[s0:s0 + n], sn[s0:s0 + n], (n, d)
         else:                                            # whole sequences: broadcast tables
             c, sg, shp = cs, sn, (n // s, s, d)
-        xc = x2[r0:r1].reshape(shp)
-        if dt != acc:
-            xc = xc.astype(acc)
+        xc = to_acc(x2[r0:r1], acc).reshape(shp)
         y = o2[r0:r1].reshape(shp) if dt == acc else np.empty(shp, acc)
         t = np.empty(shp, acc)
         np.multiply(xc, c, out=y)
@@ -92,7 +90,7 @@ def rope(x, cos, sin, *, interleaved):
                         out=t.reshape(hv))
         np.add(y, t, out=y)
         if dt != acc:
-            o2[r0:r1] = y.reshape(n, d)
+            store(o2[r0:r1], y.reshape(n, d))
 
     with np.errstate(over="ignore", invalid="ignore"):
         run_spans(work, _spans(batch, s, d), x.size)

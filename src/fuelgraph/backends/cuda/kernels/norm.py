@@ -15,7 +15,7 @@ import triton.language as tl
 from fuelgraph.errors import fail
 
 from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
-                      num_sms, row_config, use_triton)
+                      row_config, use_triton)
 
 __all__ = [
     "rms_norm_last_dim",
@@ -95,22 +95,6 @@ def _ln_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
     mgx = tl.sum(g * xhat, 1) * inv_n
     dx = r[:, None] * (g - mg[:, None] - xhat * mgx[:, None])
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_fwd_persist_kernel(x_ptr, y_ptr, R, N, eps, LAYER: tl.constexpr, BLOCK_N: tl.constexpr,
-                             EVICT: tl.constexpr, STAGES: tl.constexpr):
-    """Grid-stride variant of the forward row kernels (one row per iteration)."""
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    inv_n = 1.0 / N
-    for row in tl.range(tl.program_id(0), R, tl.num_programs(0), num_stages=STAGES):
-        offs = tl.cast(row, tl.int64) * N + cols
-        x = tl.load(x_ptr + offs, mask=cmask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        if LAYER:
-            x = tl.where(cmask, x - tl.sum(x, 0) * inv_n, 0.0)
-        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) * inv_n + eps)
-        tl.store(y_ptr + offs, (x * r).to(y_ptr.dtype.element_ty), mask=cmask)
 
 
 # ----------------------------------------------------------------------------- looped kernels
@@ -266,23 +250,24 @@ _BWD = {"rms": (_rms_bwd_rows_kernel, _rms_bwd_loop_kernel),
         "ln": (_ln_bwd_rows_kernel, _ln_bwd_loop_kernel)}
 
 
+# RMS forward packs ~16384 elements per program for rows >= 2048 wide (4 rows of 4096, 16 warps):
+# on an H200 (2026-11-30, bf16 32768x4096) that launch ran at 4093 GB/s against 3997 for one row
+# and 8 warps (and led the same sweep with the evict_first hint, 3896 vs 3801). Softmax and
+# layer norm showed no such gain (1% or less) and keep one 4096-wide row per program.
+RMS_FWD_WIDE_TARGET = 16384
+
+
 def _norm_fwd(kind: str, x: torch.Tensor, eps: float, *, block_r=None, num_warps=None,
-              target=4096, evict=ROW_EVICT, persistent=None) -> torch.Tensor:
-    """``persistent=(programs_per_sm, stages)`` selects the grid-stride kernel (tuning only)."""
+              target=None, evict=ROW_EVICT) -> torch.Tensor:
     x, r, n = flat_rows(x)
     y = torch.empty_like(x)
     if r == 0:
         return y
+    if target is None:
+        target = RMS_FWD_WIDE_TARGET if (kind == "rms" and n >= 2048) else 4096
     rows_k, loop_k = _FWD[kind]
     if n <= MAX_FUSED_N:
         br, bn, nw = row_config(n, target=target)
-        if persistent:
-            per_sm, stages = persistent
-            grid = (min(r, per_sm * num_sms(x.device)),)
-            _norm_fwd_persist_kernel[grid](x, y, r, n, eps, LAYER=(kind == "ln"), BLOCK_N=bn,
-                                           EVICT=evict, STAGES=stages,
-                                           num_warps=num_warps or max(nw // br, 1))
-            return y
         br = block_r or br
         rows_k[(triton.cdiv(r, br),)](x, y, r, n, eps, BLOCK_R=br, BLOCK_N=bn, EVICT=evict,
                                       num_warps=num_warps or nw)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
-                      num_sms, row_config, use_triton)
+                      row_config, use_triton)
 
 __all__ = ["softmax_last_dim", "softmax_last_dim_backward"]
 
@@ -32,19 +32,6 @@ def _softmax_fwd_rows_kernel(x_ptr, y_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N:
     inv = 1.0 / tl.sum(e, 1)
     y = e * inv[:, None]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _softmax_fwd_persist_kernel(x_ptr, y_ptr, R, N, BLOCK_N: tl.constexpr, EVICT: tl.constexpr,
-                                STAGES: tl.constexpr):
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    for row in tl.range(tl.program_id(0), R, tl.num_programs(0), num_stages=STAGES):
-        offs = tl.cast(row, tl.int64) * N + cols
-        x = tl.load(x_ptr + offs, mask=cmask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-        e = tl.exp(x - tl.max(x, 0))
-        y = e * (1.0 / tl.sum(e, 0))
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -112,21 +99,14 @@ def _softmax_torch(x: torch.Tensor) -> torch.Tensor:
     return (e * (1.0 / e.sum(-1, keepdim=True))).to(x.dtype)
 
 
-def _softmax_fwd(x: torch.Tensor, *, block_r=None, num_warps=None, target=4096, evict=ROW_EVICT,
-                 persistent=None) -> torch.Tensor:
-    """``persistent=(programs_per_sm, stages)`` selects the grid-stride kernel (tuning only)."""
+def _softmax_fwd(x: torch.Tensor, *, block_r=None, num_warps=None, target=4096,
+                 evict=ROW_EVICT) -> torch.Tensor:
     x, r, n = flat_rows(x)
     y = torch.empty_like(x)
     if r == 0 or n == 0:
         return y
     if n <= MAX_FUSED_N:
         br, bn, nw = row_config(n, target=target)
-        if persistent:
-            per_sm, stages = persistent
-            grid = (min(r, per_sm * num_sms(x.device)),)
-            _softmax_fwd_persist_kernel[grid](x, y, r, n, BLOCK_N=bn, EVICT=evict, STAGES=stages,
-                                              num_warps=num_warps or max(nw // br, 1))
-            return y
         br = block_r or br
         _softmax_fwd_rows_kernel[(triton.cdiv(r, br),)](
             x, y, r, n, BLOCK_R=br, BLOCK_N=bn, EVICT=evict, num_warps=num_warps or nw)
