@@ -68,11 +68,57 @@ def plan_vs_kernel():
             record("softmax_via_plan", "kernel direct", t.shape, "bfloat16", _sync_time(lambda: K.softmax_last_dim(t)), "cuda")]
 
 
+def linear_vs_addmm():
+    """FUSED_LINEAR through a fuelgraph plan vs torch.addmm, bf16 8192x4096x4096."""
+    m = k = n = 4096
+    m = 8192
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = F.fused_linear(fg.from_torch(a), fg.from_torch(b), fg.from_torch(bias))
+    plan, _, ins = compile_plan([y.value])
+    bufs = [bound_data(nd) for nd in ins]
+    flops = 2 * m * n * k
+    ms_fg = _sync_time(lambda: plan.run(bufs))
+    ms_t = _sync_time(lambda: torch.addmm(bias, a, b))
+    return [record("fused_linear", impl, (m, k, n), "bfloat16", ms, "cuda", tflops=flops / ms / 1e9)
+            for impl, ms in (("fuelgraph", ms_fg), ("torch.addmm", ms_t))]
+
+
+def cross_entropy_memory():
+    """Peak GPU memory of cross-entropy forward+backward: fuelgraph (fused op + its fused
+    backward helper) vs torch eager F.cross_entropy, bf16 8192x128256."""
+    r, v = 8192, 128256
+    logits = torch.randn(r, v, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, v, (r,), device="cuda")
+    x = fg.from_torch(logits)
+    x.requires_grad = True
+    loss = F.fused_softmax_cross_entropy(x, fg.from_torch(t))
+    (gx,) = fg.grad(loss, [x])
+    plan, _, ins = compile_plan([loss.value, gx.value])
+    bufs = [bound_data(nd) for nd in ins]
+    out = []
+    for impl, fn in (("fuelgraph", lambda: plan.run(bufs)),
+                     ("torch eager", lambda: torch.autograd.grad(
+                         torch.nn.functional.cross_entropy(lt, t), [lt]))):
+        lt = logits.detach().requires_grad_()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ms = _sync_time(fn, reps=5)
+        peak = torch.cuda.max_memory_allocated() - base
+        out.append(record("cross_entropy_fwd_bwd", impl, (r, v), "bfloat16", ms, "cuda",
+                          peak_extra_mib=round(peak / 2**20, 1),
+                          logits_mib=round(logits.numel() * 2 / 2**20, 1)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="also copy the JSON here")
     args = ap.parse_args()
-    recs = chain_overhead() + plan_vs_kernel()
+    recs = chain_overhead() + plan_vs_kernel() + linear_vs_addmm() + cross_entropy_memory()
     print_table(recs)
     path = write_results("cuda_graph", recs)
     if args.out:

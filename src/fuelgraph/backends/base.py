@@ -26,7 +26,7 @@ def elementwise_cost(shapes, params=None, itemsize=4, flops_per_elem=1) -> Cost:
 class BackendImpl:
     """kernel(*arrays, **params) -> array or tuple of arrays."""
     kernel: Callable
-    dtypes: tuple | None = None            # None: any dtype
+    dtypes: tuple | None = None            # float dtypes it takes (None: any)
     cost: Callable = elementwise_cost      # (input shapes, params) -> Cost
     precision: str = "acc(T)"              # how it accumulates, for reports
     strided_input: bool = False            # True: takes non-contiguous inputs
@@ -58,11 +58,16 @@ def kernels_for(identity, backend: str) -> list[BackendImpl]:
     return KERNELS.get((identity, backend), [])
 
 
+def accepts(k: BackendImpl, dtypes) -> bool:
+    """A kernel's dtype list constrains its float inputs (index inputs are always allowed)."""
+    return k.dtypes is None or all(d in k.dtypes for d in dtypes if d.is_float)
+
+
 def select_kernel(identity, backend: str, in_shapes, dtypes, params=None) -> BackendImpl | None:
     """Cheapest registered kernel that accepts these dtypes, or None."""
     best, best_t = None, math.inf
     for k in kernels_for(identity, backend):
-        if k.dtypes is not None and any(d not in k.dtypes for d in dtypes):
+        if not accepts(k, dtypes):
             continue
         t = k.cost(in_shapes, params).time()
         if t < best_t:

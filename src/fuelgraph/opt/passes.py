@@ -16,9 +16,11 @@ from .canonicalize import CANONICALIZE
 from .engine import Pass, RewriteLog, run_pass
 
 
-def has_kernel(op_id, backend: str) -> bool:
-    from ..backends.base import kernels_for
-    return bool(kernels_for(int(op_id), backend))
+def has_kernel(op_id, backend: str, dtypes=None) -> bool:
+    """Whether `backend` has a kernel for fused op `op_id` (taking `dtypes`, when given)."""
+    from ..backends.base import accepts, kernels_for
+    ks = kernels_for(int(op_id), backend)
+    return any(accepts(k, dtypes) for k in ks) if dtypes is not None else bool(ks)
 
 
 @dataclass
@@ -96,7 +98,7 @@ def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
             return n.srcs[0]
         if not isinstance(n.op, ops.Fused):
             return None
-        if not lower_all and has_kernel(n.op.id, backend):
+        if not lower_all and has_kernel(n.op.id, backend, [s.dtype for s in n.srcs]):
             return None
         e = default_registry().entry(n.op.id)
         counts[e.name] = counts.get(e.name, 0) + 1

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from ... import dtype as dt
 from ...registry.core import FusedOps as F
 from ..base import Cost, elementwise_cost, register_kernel
 from . import kernels as K
@@ -49,9 +50,11 @@ FUSED = [
     (F.REDUCE_MAX_TO_BACKWARD, K.reduce_max_to_backward, 4),
     (F.POWI_BACKWARD, K.powi_backward, 4),
     (F.INPLACE_AFFINE, K.inplace_affine, 2),
-    (F.FUSED_SOFTMAX_CROSS_ENTROPY, K.fused_softmax_cross_entropy, 6),
-    (("fused", "fused_softmax_cross_entropy_backward"), K.fused_softmax_cross_entropy_backward, 6),
 ]
+# the Triton cross-entropy keeps its log-sum-exp in float32: float64 logits run the recipe
+CE = [(F.FUSED_SOFTMAX_CROSS_ENTROPY, K.fused_softmax_cross_entropy, 6),
+      (("fused", "fused_softmax_cross_entropy_backward"), K.fused_softmax_cross_entropy_backward, 6)]
+HALF_AND_F32 = (dt.float32, dt.bfloat16, dt.float16)
 
 
 class CudaBackend:
@@ -64,6 +67,9 @@ class CudaBackend:
                             name=f"torch.{fn.__name__}")
         for op_id, fn, flops in FUSED:
             register_kernel(op_id, "cuda", fn, cost=_row_cost(flops), name=f"triton.{fn.__name__}")
+        for op_id, fn, flops in CE:
+            register_kernel(op_id, "cuda", fn, cost=_row_cost(flops), dtypes=HALF_AND_F32,
+                            name=f"triton.{fn.__name__}")
         register_kernel(F.FUSED_LINEAR, "cuda", _gemm, cost=_gemm_cost, name="cublas.addmm",
                         precision="fp32 accumulate")
 
