@@ -21,26 +21,10 @@ import torch.nn.functional as TF  # noqa: E402
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
-from common import print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, print_table, record, timeit, write_results  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 4096)]
 EPS = {"rms_norm_last_dim": 1e-6, "layer_norm_last_dim": 1e-5}
-
-
-def fg_case_multi(build, inputs):
-    """Like common.fg_case, for a build returning several tensors: make(lower_all) -> closure
-    running the cached plan only."""
-    from fuelgraph.ir.tensor import bound_data
-    from fuelgraph.runtime.executor import compile_plan
-
-    def make(lower_all):
-        ts = [fg.tensor(a) for a in inputs]
-        outs = build(*ts)
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        plan, res, ins = compile_plan([o.value for o in outs], lower_all)
-        bufs = [bound_data(n) for n in ins]
-        return lambda: plan.run(bufs)
-    return make
 
 
 def fg_fn(op):
@@ -75,8 +59,8 @@ def cases(op, shape, rng):
         (dx,) = torch.autograd.grad(y, txg, tg)
         return y, dx
 
-    yield op, fg_case_multi(fwd, [x]), lambda: tf_(tx)
-    yield op + "+backward", fg_case_multi(fwd_bwd, [x, g]), torch_fwd_bwd
+    yield op, fg_case(fwd, [x]), lambda: tf_(tx)
+    yield op + "+backward", fg_case(fwd_bwd, [x, g]), torch_fwd_bwd
 
 
 def check(make, torch_run):

@@ -48,10 +48,10 @@ def cmd_registry(args) -> int:
     return 0
 
 
-def _demo_graph(batch=2):
+def _demo_graph(batch=4):
     import fuelgraph as fg
     from .nn import TinyBlock
-    model = TinyBlock()
+    model = TinyBlock(d=256, heads=4, hidden=512, vocab=2048, seq=128)
     x, t = model.example(batch)
     logits = model(x)
     loss = model.loss(logits, t)

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Run every CPU benchmark (bench_<family>.py main()) in one process; results go to
+bench/results/<family>_<date>.json. GPU benchmarks (bench_cuda_*.py) run on the device.
+
+    python bench/run.py [--quick] [family ...]
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+CPU_FAMILIES = ["softmax", "norm", "rope", "linear", "loss", "affine"]
+
+
+def main(argv):
+    quick = "--quick" in argv
+    names = [a for a in argv if not a.startswith("-")] or CPU_FAMILIES
+    for name in names:
+        print(f"== bench_{name}")
+        importlib.import_module(f"bench_{name}").main(quick=quick)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
