@@ -25,8 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import fuelgraph.functional as F  # noqa: E402
-from bench_norm import check, fg_case_multi  # noqa: E402
-from common import print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, run_cases  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 4096)]
 MUL, ADD = 1.5, -0.25
@@ -35,27 +34,17 @@ MUL, ADD = 1.5, -0.25
 def cases(shape, rng):
     x = rng.standard_normal(shape).astype(np.float32)
     tx = torch.from_numpy(x)
-    yield "inplace_affine(input)", fg_case_multi(lambda t: F.inplace_affine(t, MUL, ADD), [x]), \
+    yield "inplace_affine(input)", fg_case(lambda t: F.inplace_affine(t, MUL, ADD), [x]), \
         lambda: torch.mul(tx, MUL).add_(ADD)
-    yield "inplace_affine(-x)", fg_case_multi(lambda t: F.inplace_affine(-t, MUL, ADD), [x]), \
+    yield "inplace_affine(-x)", fg_case(lambda t: F.inplace_affine(-t, MUL, ADD), [x]), \
         lambda: torch.neg(tx).mul_(MUL).add_(ADD)
 
 
 def main(quick=False):
     rng = np.random.default_rng(0)
-    records = []
-    kw = dict(min_time=0.05, repeat=3) if quick else dict(min_time=0.5, repeat=5)
-    for shape in SHAPES:
-        for name, make, torch_run in cases(shape, rng):
-            check(make, torch_run)
-            for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
-                             ("torch eager", torch_run)):
-                records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                      torch_threads=torch.get_num_threads()))
-    path = write_results("affine", records)
-    print_table(records)
-    print(f"wrote {path}")
-    return records
+    return run_cases("affine", ((name, shape, make, tr) for shape in SHAPES
+                                for name, make, tr in cases(shape, rng)),
+                     quick, min_time=0.5, repeat=5)
 
 
 if __name__ == "__main__":

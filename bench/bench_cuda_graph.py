@@ -40,6 +40,8 @@ def chain_overhead(n_ops=600):
     plan, _, ins = compile_plan([y.value])
     bufs = [bound_data(n) for n in ins]
     ms_fg = _sync_time(lambda: plan.run(bufs))
+    from fuelgraph.runtime.executor import realize_raw
+    ms_fg_graph = _sync_time(lambda: realize_raw([y], cuda_graph=True))
 
     def eager():
         z = t
@@ -53,6 +55,7 @@ def chain_overhead(n_ops=600):
     ms_graph = _sync_time(g.replay)
     steps = len(plan.steps)
     return [record("chain_per_node_us", "fuelgraph", (steps,), "float32", ms_fg / steps * 1e3, "cuda"),
+            record("chain_per_node_us", "fuelgraph cuda_graph", (steps,), "float32", ms_fg_graph / steps * 1e3, "cuda"),
             record("chain_per_node_us", "torch eager", (steps,), "float32", ms_t / steps * 1e3, "cuda"),
             record("chain_per_node_us", "torch cuda graph", (steps,), "float32", ms_graph / steps * 1e3, "cuda")]
 

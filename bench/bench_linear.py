@@ -21,8 +21,7 @@ import torch  # noqa: E402
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
-from bench_norm import check, fg_case_multi  # noqa: E402
-from common import print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, run_cases  # noqa: E402
 
 # (a shape, b shape): a square GEMM, a batched activation with a shared weight, an MLP-ish one
 SHAPES = [((1024, 1024), (1024, 1024)), ((8, 256, 1024), (1024, 1024)),
@@ -51,26 +50,15 @@ def cases(sa, sb, rng):
         y = F.fused_linear(at, bt, ct)
         return [y] + fg.grad([y], [at, bt, ct], [gt])
 
-    yield "fused_linear", fg_case_multi(F.fused_linear, [a, b, c]), t_fwd
-    yield "fused_linear+backward", fg_case_multi(fwd_bwd, [a, b, c, g]), t_fwd_bwd
+    yield "fused_linear", fg_case(F.fused_linear, [a, b, c]), t_fwd
+    yield "fused_linear+backward", fg_case(fwd_bwd, [a, b, c, g]), t_fwd_bwd
 
 
 def main(quick=False):
     rng = np.random.default_rng(0)
-    records = []
-    kw = dict(min_time=0.05, repeat=3) if quick else dict(min_time=0.5, repeat=5)
-    for sa, sb in SHAPES:
-        for name, make, torch_run in cases(sa, sb, rng):
-            check(make, torch_run)
-            shape = list(sa) + [sb[-1]]
-            for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
-                             ("torch eager", torch_run)):
-                records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                      torch_threads=torch.get_num_threads()))
-    path = write_results("linear", records)
-    print_table(records)
-    print(f"wrote {path}")
-    return records
+    return run_cases("linear", ((name, list(sa) + [sb[-1]], make, tr) for sa, sb in SHAPES
+                                for name, make, tr in cases(sa, sb, rng)),
+                     quick, min_time=0.5, repeat=5)
 
 
 if __name__ == "__main__":

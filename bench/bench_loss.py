@@ -23,8 +23,7 @@ import torch.nn.functional as TF  # noqa: E402
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
-from bench_norm import check, fg_case_multi  # noqa: E402
-from common import print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, run_cases  # noqa: E402
 
 SHAPES = [(2048, 8192), (8192, 2048)]
 
@@ -46,26 +45,16 @@ def cases(shape, rng):
         loss = F.fused_softmax_cross_entropy(xt, tt_)
         return [loss] + fg.grad([loss], [xt])
 
-    yield "fused_softmax_cross_entropy", fg_case_multi(F.fused_softmax_cross_entropy, [x, t]), \
+    yield "fused_softmax_cross_entropy", fg_case(F.fused_softmax_cross_entropy, [x, t]), \
         lambda: TF.cross_entropy(tx, tt)
-    yield "fused_softmax_cross_entropy+backward", fg_case_multi(fwd_bwd, [x, t]), t_fwd_bwd
+    yield "fused_softmax_cross_entropy+backward", fg_case(fwd_bwd, [x, t]), t_fwd_bwd
 
 
 def main(quick=False):
     rng = np.random.default_rng(0)
-    records = []
-    kw = dict(min_time=0.05, repeat=3) if quick else dict(min_time=0.5, repeat=5)
-    for shape in SHAPES:
-        for name, make, torch_run in cases(shape, rng):
-            check(make, torch_run)
-            for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
-                             ("torch eager", torch_run)):
-                records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                      torch_threads=torch.get_num_threads()))
-    path = write_results("loss", records)
-    print_table(records)
-    print(f"wrote {path}")
-    return records
+    return run_cases("loss", ((name, shape, make, tr) for shape in SHAPES
+                              for name, make, tr in cases(shape, rng)),
+                     quick, min_time=0.5, repeat=5)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.nn.functional as TF  # noqa: E402
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
-from common import fg_case, print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, run_cases  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 4096)]
 EPS = {"rms_norm_last_dim": 1e-6, "layer_norm_last_dim": 1e-5}
@@ -63,32 +63,10 @@ def cases(op, shape, rng):
     yield op + "+backward", fg_case(fwd_bwd, [x, g]), torch_fwd_bwd
 
 
-def check(make, torch_run):
-    """The fused and lowered plans agree with torch before they are timed."""
-    want = torch_run()
-    want = [w.detach().numpy() for w in (want if isinstance(want, tuple) else (want,))]
-    for lower_all in (False, True):
-        got = make(lower_all)()
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
-
-
 def main(quick=False):
     rng = np.random.default_rng(0)
-    records = []
-    kw = dict(min_time=0.05, repeat=3) if quick else {}
-    for op in EPS:
-        for shape in SHAPES:
-            for name, make, torch_run in cases(op, shape, rng):
-                check(make, torch_run)
-                for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
-                                 ("torch eager", torch_run)):
-                    records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                          torch_threads=torch.get_num_threads()))
-    path = write_results("norm", records)
-    print_table(records)
-    print(f"wrote {path}")
-    return records
+    return run_cases("norm", ((name, shape, make, tr) for op in EPS for shape in SHAPES
+                              for name, make, tr in cases(op, shape, rng)), quick)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import torch  # noqa: E402
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
-from bench_norm import check, fg_case_multi  # noqa: E402
-from common import print_table, record, timeit, write_results  # noqa: E402
+from common import fg_case, run_cases  # noqa: E402
 
 SHAPES = [(4, 8, 512, 64), (1, 32, 2048, 128)]
 
@@ -65,26 +64,15 @@ def cases(shape, interleaved, rng):
         (dx,) = torch.autograd.grad(y, txg, tg)
         return y, dx
 
-    yield name, fg_case_multi(fwd, [x, c, sn]), lambda: torch_rope(tx, tc, ts, interleaved)
-    yield name + "+backward", fg_case_multi(fwd_bwd, [x, c, sn, g]), torch_fwd_bwd
+    yield name, fg_case(fwd, [x, c, sn]), lambda: torch_rope(tx, tc, ts, interleaved)
+    yield name + "+backward", fg_case(fwd_bwd, [x, c, sn, g]), torch_fwd_bwd
 
 
 def main(quick=False):
     rng = np.random.default_rng(0)
-    records = []
-    kw = dict(min_time=0.05, repeat=3) if quick else {}
-    for shape in SHAPES:
-        for interleaved in (False, True):
-            for name, make, torch_run in cases(shape, interleaved, rng):
-                check(make, torch_run)
-                for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
-                                 ("torch eager", torch_run)):
-                    records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                          torch_threads=torch.get_num_threads()))
-    path = write_results("rope", records)
-    print_table(records)
-    print(f"wrote {path}")
-    return records
+    return run_cases("rope", ((name, shape, make, tr) for shape in SHAPES
+                              for interleaved in (False, True)
+                              for name, make, tr in cases(shape, interleaved, rng)), quick)
 
 
 if __name__ == "__main__":

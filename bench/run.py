@@ -7,7 +7,12 @@ bench/results/<family>_<date>.json. GPU benchmarks (bench_cuda_*.py) run on the 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+# torch's OpenMP threads otherwise busy-wait after each parallel region and steal the two
+# cores from the next timed case (fuelgraph's NumPy thread pool included); must precede torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

@@ -7,7 +7,6 @@ import numpy as np
 import torch
 
 import fuelgraph as fg
-import fuelgraph.functional as F
 
 
 def test_softmax_idiom_fuses_and_matches_torch():

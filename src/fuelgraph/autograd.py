@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import weakref
 
-from . import dtype as dt
 from .errors import FuelGraphError
 from .ir import ops
 from .ir.node import Value, apply, toposort
@@ -110,11 +109,9 @@ def _slice_grad(n, x, g):
 
 
 def _pad_grad(n, x, g):
-    op = n.op
-    starts = op.lo
-    steps = tuple(i + 1 for i in op.interior)
-    stops = tuple(l + (d - 1) * s + 1 if d else l for l, d, s in zip(op.lo, x.shape, steps))
-    return [g._new(ops.Slice(starts, stops, steps), g)]
+    sl = n.op.placement(x.shape)
+    return [g._new(ops.Slice(tuple(s.start for s in sl), tuple(s.stop for s in sl),
+                             tuple(s.step for s in sl)), g)]
 
 
 def _concat_grad(n, xs, g):

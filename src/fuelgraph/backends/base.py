@@ -30,6 +30,7 @@ class BackendImpl:
     cost: Callable = elementwise_cost      # (input shapes, params) -> Cost
     precision: str = "acc(T)"              # how it accumulates, for reports
     strided_input: bool = False            # True: takes non-contiguous inputs
+    takes_out: bool = False                # destructive kernels: accepts out= (a fresh buffer)
     revision: int = 1
     name: str = ""
 

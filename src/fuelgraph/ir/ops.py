@@ -342,15 +342,22 @@ class Pad(Op):
     def __hash__(self):
         return hash(self._key())
 
+    def out_shape(self, shape) -> tuple[int, ...]:
+        return tuple(l + n + max(n - 1, 0) * i + h
+                     for l, n, i, h in zip(self.lo, shape, self.interior, self.hi))
+
+    def placement(self, shape) -> tuple[slice, ...]:
+        """Where the input's elements land in the output (for kernels: out[placement] = x)."""
+        return tuple(slice(l, l + (n - 1) * (i + 1) + 1 if n else l, i + 1)
+                     for l, n, i in zip(self.lo, shape, self.interior))
+
     def infer(self, srcs):
         self.check_arity(srcs)
         x = srcs[0]
         if not len(self.lo) == len(self.hi) == len(self.interior) == len(x.shape) or \
                 min(self.lo + self.hi + self.interior, default=0) < 0:
             raise _err("pad", f"needs non-negative (lo, hi, interior) per axis of {x.shape}")
-        shape = tuple(l + n + max(n - 1, 0) * i + h
-                      for l, n, i, h in zip(self.lo, x.shape, self.interior, self.hi))
-        return [shape], [x.dtype], _device("pad", srcs)
+        return [self.out_shape(x.shape)], [x.dtype], _device("pad", srcs)
 
 
 # ---- indexing ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from ..errors import FuelGraphError
 from ..ir.node import Value
 from ..ir.tensor import Tensor, bound_data
 from ..opt import optimize
-from .plan import Plan, build_plan, input_nodes, structural_key
+from .plan import build_plan, input_nodes, structural_key
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 MAX_PLANS = 256
@@ -73,13 +73,24 @@ def compile_plan(vals: list[Value], lower_all: bool = False):
     return plan, res, inputs
 
 
-def realize_raw(outputs, lower_all: bool = False) -> list:
-    """Run the graph; returns backend buffers (NumPy arrays or torch tensors)."""
+_GRAPHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def realize_raw(outputs, lower_all: bool = False, cuda_graph: bool = False) -> list:
+    """Run the graph; returns backend buffers (NumPy arrays or torch tensors). With
+    cuda_graph=True (cuda only) the cached plan is captured once into a CUDA graph and
+    replayed, which removes the per-node host overhead for graphs of many small kernels."""
     vals = _values(outputs)
     if not vals:
         return []
     plan, _, inputs = compile_plan(vals, lower_all)
     bufs = [bound_data(n) for n in inputs]
+    if cuda_graph and plan.backend.name == "cuda":
+        graphed = _GRAPHED.get(plan)
+        if graphed is None:
+            from ..backends.cuda.backend import GraphedPlan
+            graphed = _GRAPHED[plan] = GraphedPlan(plan, bufs)
+        return graphed.run(bufs)
     outs = plan.run(bufs)
     shared = {id(b) for b in bufs} | {id(b) for b in plan.const_slots.values()}
     res = []
@@ -98,14 +109,15 @@ def _aliased(buf, shared) -> bool:
         not getattr(getattr(buf, "flags", None), "writeable", True)
 
 
-def realize(outputs, lower_all: bool = False) -> list:
+def realize(outputs, lower_all: bool = False, cuda_graph: bool = False) -> list:
     """Run the graph under `outputs` (Tensors) and return NumPy arrays. With lower_all=True
-    every fused op runs as its primitive recipe (the reference mode)."""
+    every fused op runs as its primitive recipe (the reference mode); cuda_graph=True replays
+    a CUDA graph of the plan (cuda only)."""
     vals = _values(outputs)
     if not vals:
         return []
     be = get_backend(_device_of(vals))
-    return [be.to_numpy(b) for b in realize_raw(vals, lower_all)]
+    return [be.to_numpy(b) for b in realize_raw(vals, lower_all, cuda_graph)]
 
 
 _BODY_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -121,3 +133,19 @@ def run_body(body, args: list) -> list:
         hit = _BODY_PLANS[body] = (plan, order)
     plan, order = hit
     return plan.run([args[i] for i in order])
+
+
+def run_scan(op, args, alloc) -> tuple:
+    """The Scan primitive on any backend: loop over t, running the body's cached plan;
+    `alloc(shape, dtype)` makes the stacked ys buffers."""
+    nc, nx = op.n_carry, op.n_xs
+    carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
+    y_meta = op.body.outputs[nc:]
+    ys = [alloc((op.length,) + y.shape, y.dtype) for y in y_meta]
+    steps = range(op.length - 1, -1, -1) if op.reverse else range(op.length)
+    for t in steps:
+        outs = run_body(op.body, carries + [x[t] for x in xs] + consts)
+        carries = list(outs[:nc])
+        for buf, y in zip(ys, outs[nc:]):
+            buf[t] = y
+    return tuple(carries) + tuple(ys)

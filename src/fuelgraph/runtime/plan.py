@@ -44,11 +44,12 @@ class Step:
     free: tuple[int, ...]      # slots dead after this step
     inplace: int | None = None  # for a destructive op: index of the input it overwrites
     copy_first: bool = False   # ordering could not prove the overwrite safe: copy the input
+    takes_out: bool = False    # ...or, if the kernel can, have it write a fresh buffer
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class Plan:
     backend: object
     steps: list[Step]
@@ -77,14 +78,18 @@ class Plan:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
                 args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
+            kw = {}
             if st.inplace is not None:
                 k = st.inplace
                 if st.copy_first or be.writable_copy_needed(args[k]):
-                    args[k] = be.copy(args[k])
+                    if st.takes_out:
+                        kw["out"] = be.empty_like(args[k])
+                    else:
+                        args[k] = be.copy(args[k])
                     self.stats["inplace_copies"] = self.stats.get("inplace_copies", 0) + 1
                 else:
                     self.stats["inplace_reused"] = self.stats.get("inplace_reused", 0) + 1
-            r = st.fn(*args)
+            r = st.fn(*args, **kw)
             if len(st.outs) == 1:
                 env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
             else:
@@ -101,7 +106,7 @@ def _bind(impl, node: Node):
         kw = dataclasses.asdict(node.op.params) if dataclasses.is_dataclass(node.op.params) else {}
     else:
         kw = {"op": node.op}
-    return (lambda *a: k(*a, **kw)) if kw else k
+    return (lambda *a, **extra: k(*a, **kw, **extra)) if kw else k
 
 
 def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
@@ -147,7 +152,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
         steps.append(Step(n, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d[0] if d else None, bool(d) and n not in inplace_ok,
-                          not impl.strided_input, impl.name or op.name))
+                          impl.takes_out, not impl.strided_input, impl.name or op.name))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)

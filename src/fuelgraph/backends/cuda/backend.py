@@ -103,5 +103,35 @@ class CudaBackend:
         return not buf.is_contiguous()
 
     @staticmethod
+    def empty_like(buf):
+        return torch.empty_like(buf, memory_format=torch.contiguous_format)
+
+    @staticmethod
     def copy(buf):
         return buf.clone(memory_format=torch.contiguous_format)
+
+
+class GraphedPlan:
+    """A plan captured into a CUDA graph: inputs are copied into static buffers, the graph is
+    replayed (one launch for the whole plan instead of one host round per node) and outputs
+    are cloned out of the graph's pool. Built after one eager run, so every Triton kernel is
+    compiled before capture."""
+
+    def __init__(self, plan, inputs):
+        self.static_in = [b.clone() for b in inputs]
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up on a side stream, as capture requires
+            plan.run(self.static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = plan.run(self.static_in)
+
+    def run(self, inputs):
+        for dst, src in zip(self.static_in, inputs):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.graph.replay()
+        return [o.clone() for o in self.static_out]

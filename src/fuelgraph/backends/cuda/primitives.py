@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import FuelGraphError
 from ...ir import ops
 
 _UNARY = {
@@ -86,11 +85,8 @@ def concat(*xs, op):
 
 
 def pad(x, *, op):
-    shape = tuple(l + n + max(n - 1, 0) * i + h
-                  for l, n, i, h in zip(op.lo, x.shape, op.interior, op.hi))
-    out = torch.full(shape, op.value, dtype=x.dtype, device=x.device)
-    out[tuple(slice(l, l + (n - 1) * (i + 1) + 1 if n else l, i + 1)
-              for l, n, i in zip(op.lo, x.shape, op.interior))] = x
+    out = torch.full(op.out_shape(x.shape), op.value, dtype=x.dtype, device=x.device)
+    out[op.placement(x.shape)] = x
     return out
 
 
@@ -132,7 +128,9 @@ def const(*, op):
 
 
 def scan(*args, op):
-    raise FuelGraphError("scan: not available on the cuda backend yet; realize it on the CPU")
+    from ...runtime.executor import run_scan
+    dev = args[0].device if args else torch.device("cuda")
+    return run_scan(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev))
 
 
 PRIMITIVES = {

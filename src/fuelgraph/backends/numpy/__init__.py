@@ -1,6 +1,7 @@
 """The NumPy backend (CPU): every primitive plus a fused kernel per registered op."""
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -36,7 +37,8 @@ class NumpyBackend:
             op_id = ("fused", op_id) if isinstance(op_id, str) else op_id
             cost = flops if callable(flops) else _row_cost(flops)   # a Cost function, or
             register_kernel(op_id, "numpy", fn, dtypes=None, cost=cost,   # flops per element
-                            name=f"numpy.{fn.__name__}")
+                            name=f"numpy.{fn.__name__}",
+                            takes_out="out" in inspect.signature(fn).parameters)
 
     @staticmethod
     def run_context():
@@ -59,6 +61,10 @@ class NumpyBackend:
     @staticmethod
     def writable_copy_needed(buf) -> bool:
         return not (buf.flags.writeable and buf.flags.c_contiguous)
+
+    @staticmethod
+    def empty_like(buf):
+        return np.empty(buf.shape, buf.dtype)
 
     @staticmethod
     def copy(buf):

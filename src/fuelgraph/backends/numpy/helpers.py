@@ -265,29 +265,32 @@ def powi_backward(x, grad, *, exp):
     return out.reshape(x.shape)
 
 
-def inplace_affine(x, *, mul, add):
+def inplace_affine(x, *, mul, add, out=None):
     """INPLACE_AFFINE (spec §16): `x <- mul * x + add` written INTO x; returns x (same object).
+    With `out` (a fresh array shaped like x) the result goes there and x is only read: the
+    runtime uses this when it may not overwrite x, instead of copying x first.
 
     x: any shape, C-contiguous and writable. mul/add are narrowed to float32 for
     float32/float16/bfloat16 inputs (float64 kept for float64). The product and the sum are
     rounded separately in the accumulation dtype (no FMA); halves are widened to float32 and
     rounded to nearest-even once on store.
     """
-    if not (x.flags.c_contiguous and x.flags.writeable):
+    if out is None and not (x.flags.c_contiguous and x.flags.writeable):
         raise FuelGraphError("inplace_affine: input 'x' must be a writable C-contiguous array")
+    dst = x if out is None else out
     acc = acc_dtype(x.dtype)
     mul_a, add_a = acc.type(mul), acc.type(add)
-    flat = x.reshape(-1)
+    src, flat = x.reshape(-1), dst.reshape(-1)
     native = x.dtype == acc
 
     def work(i0, i1):
-        c = flat[i0:i1]
-        t = c if native else to_acc(c, acc)
-        np.multiply(t, mul_a, out=t)
+        d = flat[i0:i1]
+        t = d if native else to_acc(src[i0:i1], acc)
+        np.multiply(src[i0:i1] if native else t, mul_a, out=t)
         np.add(t, add_a, out=t)
         if not native:
-            store(c, t)
+            store(d, t)
 
     with np.errstate(all="ignore"):
         run_flat(work, flat.size)
-    return x
+    return dst

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 
-from ...dtype import as_dtype
 from ...errors import FuelGraphError
 from ...ir import ops
 
@@ -110,11 +109,8 @@ def concat(*xs, op):
 
 
 def pad(x, *, op):
-    shape = tuple(l + n + max(n - 1, 0) * i + h
-                  for l, n, i, h in zip(op.lo, x.shape, op.interior, op.hi))
-    out = np.full(shape, op.value, dtype=x.dtype)
-    out[tuple(slice(l, l + (n - 1) * (i + 1) + 1 if n else l, i + 1)
-              for l, n, i in zip(op.lo, x.shape, op.interior))] = x
+    out = np.full(op.out_shape(x.shape), op.value, dtype=x.dtype)
+    out[op.placement(x.shape)] = x
     return out
 
 
@@ -164,24 +160,8 @@ def const(*, op):
 
 
 def scan(*args, op):
-    from ...runtime.executor import run_body
-    nc, nx = op.n_carry, op.n_xs
-    carries, xs, consts = list(args[:nc]), args[nc:nc + nx], args[nc + nx:]
-    n_out = len(op.body.outputs) - nc
-    ys = [None] * n_out
-    steps = range(op.length - 1, -1, -1) if op.reverse else range(op.length)
-    for t in steps:
-        outs = run_body(op.body, carries + [x[t] for x in xs] + list(consts))
-        carries = outs[:nc]
-        for i, y in enumerate(outs[nc:]):
-            if ys[i] is None:
-                ys[i] = np.empty((op.length,) + y.shape, y.dtype)
-            ys[i][t] = y
-    for i in range(n_out):
-        if ys[i] is None:
-            o = op.body.outputs[nc + i]
-            ys[i] = np.empty((op.length,) + o.shape, o.dtype.np)
-    return tuple(carries) + tuple(ys)
+    from ...runtime.executor import run_scan
+    return run_scan(op, args, lambda shape, d: np.empty(shape, d.np))
 
 
 PRIMITIVES = {

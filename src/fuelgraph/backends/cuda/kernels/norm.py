@@ -234,7 +234,6 @@ def _rms_bwd_torch(x, g, eps):
 
 def _ln_bwd_torch(x, g, eps):
     xf, gf = _acc(x), _acc(g)
-    n = x.shape[-1]
     xc = xf - xf.mean(-1, keepdim=True)
     r = 1.0 / torch.sqrt((xc * xc).mean(-1, keepdim=True) + _eps(x, eps))
     xhat = xc * r
