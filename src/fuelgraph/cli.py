@@ -14,7 +14,7 @@ def _registry_rows():
     from .opt.passes import has_kernel
     from .registry.core import FusedOps, default_registry
     reg = default_registry()
-    cuda_ids = getattr(cuda_backend, "FUSED_KERNEL_IDS", frozenset())
+    cuda_names = cuda_backend.FUSED_KERNEL_NAMES
     rows = []
     for const, fid in sorted(FusedOps.well_known().items(), key=lambda kv: kv[1]):
         e = reg.get(fid)
@@ -23,12 +23,13 @@ def _registry_rows():
             continue
         rows.append((int(fid), e.name, e.family, "yes",
                      "yes" if has_kernel(fid, "numpy") else "recipe",
-                     "yes" if int(fid) in cuda_ids else "recipe",
+                     "yes" if e.name in cuda_names else "recipe",
                      "yes", "yes" if e.has_pattern else "no", str(e.backward)))
     for e in reg:
         if e.id >= 0x8000:
             rows.append((int(e.id), e.name, e.family, "yes (run time)",
-                         "yes" if has_kernel(e.id, "numpy") else "recipe", "recipe", "yes",
+                         "yes" if has_kernel(e.id, "numpy") else "recipe",
+                         "yes" if e.name in cuda_names else "recipe", "yes",
                          "yes" if e.has_pattern else "no", str(e.backward)))
     return rows
 
@@ -42,9 +43,14 @@ def cmd_registry(args) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
-    impl = sum(1 for r in rows[1:] if r[3].startswith("yes"))
-    print(f"\n{impl} of {len(rows) - 1} ids implemented; kernels: 'yes' = fused kernel, "
-          f"'recipe' = runs its primitive decomposition on that backend")
+    known = [r for r in rows[1:] if int(r[0]) < 0x8000]
+    impl = sum(1 for r in known if r[3] == "yes")
+    print(f"\n{impl} of the {len(known)} well-known ids implemented, plus {len(rows) - 1 - len(known)} "
+          f"run-time id(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
+          f"decomposition on that backend")
+    from .backends import available_backends
+    for name, why in available_backends().items():
+        print(f"backend {name}: " + ("available" if why is None else f"unavailable ({why})"))
     return 0
 
 

@@ -163,3 +163,13 @@ def test_cuda_graph_replay_matches_eager_and_tracks_new_data():
     x2 = fg.from_torch(torch.randn(64, 32, device="cuda"))   # same structure, other input
     y2 = F.softmax_last_dim((x2 * 2.0).tanh()) + x2.mean()
     torch.testing.assert_close(realize_raw([y2], cuda_graph=True)[0], realize_raw([y2])[0])
+
+
+def test_listed_cuda_kernels_match_the_kernel_table():
+    from fuelgraph.backends import get_backend_by_name
+    from fuelgraph.backends.base import KERNELS
+    from fuelgraph.backends.cuda import FUSED_KERNEL_NAMES
+    get_backend_by_name("cuda")
+    reg = fg.default_registry()
+    have = {reg.entry(k[0]).name for k in KERNELS if k[1] == "cuda" and isinstance(k[0], int)}
+    assert have == set(FUSED_KERNEL_NAMES)

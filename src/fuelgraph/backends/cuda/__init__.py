@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import functools
 
-# fused ids with a CUDA kernel (Triton, or cuBLAS for FUSED_LINEAR); kept here so listing them
-# needs neither torch nor a GPU
-FUSED_KERNEL_IDS = frozenset({1, 2, 3, 4, 5, 7, 8, 9, 10, 15, 16, 17})
+# fused ops with a CUDA kernel (Triton, or cuBLAS for FUSED_LINEAR), by registry name; kept
+# here so listing them needs neither torch nor a GPU (tests check it against backend.py)
+FUSED_KERNEL_NAMES = frozenset({
+    "softmax_last_dim", "fused_linear", "rms_norm_last_dim", "layer_norm_last_dim", "rope",
+    "softmax_last_dim_backward", "layer_norm_last_dim_backward", "rms_norm_last_dim_backward",
+    "reduce_max_to_backward", "powi_backward", "inplace_affine", "fused_softmax_cross_entropy",
+    "fused_softmax_cross_entropy_backward"})
 
 
 @functools.lru_cache(maxsize=None)
