@@ -37,7 +37,7 @@ def chain_overhead(n_ops=600):
     y = x
     for i in range(n_ops // 3):
         y = (y * 1.0001).exp().log()
-    plan, _, ins = compile_plan([y.value])
+    plan, ins = compile_plan([y.value])
     bufs = [bound_data(n) for n in ins]
     ms_fg = _sync_time(lambda: plan.run(bufs))
     from fuelgraph.runtime.executor import realize_raw
@@ -65,7 +65,7 @@ def plan_vs_kernel():
     t = torch.randn(32768, 4096, device="cuda", dtype=torch.bfloat16)
     x = fg.from_torch(t)
     y = F.softmax_last_dim(x)
-    plan, _, ins = compile_plan([y.value])
+    plan, ins = compile_plan([y.value])
     bufs = [bound_data(n) for n in ins]
     return [record("softmax_via_plan", "fuelgraph", t.shape, "bfloat16", _sync_time(lambda: plan.run(bufs)), "cuda"),
             record("softmax_via_plan", "kernel direct", t.shape, "bfloat16", _sync_time(lambda: K.softmax_last_dim(t)), "cuda")]
@@ -79,7 +79,7 @@ def linear_vs_addmm():
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = F.fused_linear(fg.from_torch(a), fg.from_torch(b), fg.from_torch(bias))
-    plan, _, ins = compile_plan([y.value])
+    plan, ins = compile_plan([y.value])
     bufs = [bound_data(nd) for nd in ins]
     flops = 2 * m * n * k
     ms_fg = _sync_time(lambda: plan.run(bufs))
@@ -98,7 +98,7 @@ def cross_entropy_memory():
     x.requires_grad = True
     loss = F.fused_softmax_cross_entropy(x, fg.from_torch(t))
     (gx,) = fg.grad(loss, [x])
-    plan, _, ins = compile_plan([loss.value, gx.value])
+    plan, ins = compile_plan([loss.value, gx.value])
     bufs = [bound_data(nd) for nd in ins]
     out = []
     for impl, fn in (("fuelgraph", lambda: plan.run(bufs)),

@@ -78,7 +78,7 @@ def fg_case(build, inputs):
         ts = [fg.tensor(a) for a in inputs]
         outs = build(*ts)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        plan, _, ins = compile_plan([o.value for o in outs], lower_all)
+        plan, ins = compile_plan([o.value for o in outs], lower_all)
         bufs = [bound_data(n) for n in ins]
         return lambda: plan.run(bufs)
     return make

@@ -438,3 +438,17 @@ def test_runtime_op_gradient_decomposes(gelu_ops):
     tx = torch.tensor(a, requires_grad=True)
     torch.nn.functional.gelu(tx, approximate="tanh").sum().backward()
     np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_plan_cache_keeps_no_input_data_alive():
+    import gc
+    import weakref
+
+    from fuelgraph.ir.tensor import bound_data
+    x = fg.tensor(np.ones((64, 64), np.float32))
+    ref = weakref.ref(bound_data(x.node))
+    y = F.softmax_last_dim(x * 2.0)
+    y.numpy()
+    del x, y
+    gc.collect()
+    assert ref() is None

@@ -83,10 +83,10 @@ def _run_capturing(outs, producer_kind):
     """Run the plan of `outs`, capturing the buffer produced by the (single) Unary node of
     kind `producer_kind`. Returns (results, captured buffer, stats delta)."""
     vals = [o.value for o in outs]
-    plan, _, inputs = compile_plan(vals)
+    plan, inputs = compile_plan(vals)
     captured = []
     step = next(s for s in plan.steps
-                if isinstance(s.node.op, ops.Unary) and s.node.op.kind == producer_kind)
+                if isinstance(s.op, ops.Unary) and s.op.kind == producer_kind)
     orig = step.fn
 
     def spy(*a):
@@ -171,7 +171,7 @@ def test_copied_when_it_cannot_be_reused(case):
         outs = [F.inplace_affine(x, 2.0, 1.0), F.inplace_affine(x, 3.0, 1.0)]
         refs = [2 * ex + 1, 3 * ex + 1]
     vals = [o.value for o in outs]
-    plan, _, inputs = compile_plan(vals)
+    plan, inputs = compile_plan(vals)
     before = dict(plan.stats)
     got = fg.realize(outs)
     for g, r in zip(got, refs):

@@ -40,19 +40,25 @@ _KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _key_and_inputs(vals: list[Value]):
     """Structural key and Input nodes of the graph under `vals`, memoized on the first output
-    node (nodes are immutable, so a graph's structure never changes)."""
+    node (nodes are immutable, so a graph's structure never changes). The memo holds only weak
+    references, so it keeps neither the graph nor its data alive."""
     per = _KEYS.get(vals[0].node)
     if per is None:
         per = _KEYS[vals[0].node] = {}
-    k = tuple(vals)
+    k = tuple((weakref.ref(v.node), v.slot) for v in vals)
     hit = per.get(k)
-    if hit is None:
-        hit = per[k] = (structural_key(vals), input_nodes(vals))
-    return hit
+    if hit is not None:
+        inputs = [r() for r in hit[1]]
+        if all(n is not None for n in inputs):
+            return hit[0], inputs
+    skey, inputs = structural_key(vals), input_nodes(vals)
+    per[k] = (skey, [weakref.ref(n) for n in inputs])
+    return skey, inputs
 
 
 def compile_plan(vals: list[Value], lower_all: bool = False):
-    """(plan, optimizer result, input nodes in plan order) for the graph under `vals`."""
+    """(plan, input nodes in the order Plan.run takes their buffers) for the graph under
+    `vals`. Plans are cached by structure and hold no nodes, so the cache keeps no data alive."""
     device = _device_of(vals)
     bname = backend_name(device)
     skey, inputs = _key_and_inputs(vals)
@@ -61,16 +67,16 @@ def compile_plan(vals: list[Value], lower_all: bool = False):
     if hit is not None:
         _PLANS.move_to_end(key)
         STATS["plan_hits"] += 1
-        return hit[0], hit[1], inputs
+        return hit, inputs
     STATS["plan_misses"] += 1
     be = get_backend(device)
     res = optimize(vals, bname, lower_all)
     from ..backends.numpy.primitives import VIEW_OPS
     plan = build_plan(res.outputs, be, bname, inputs, getattr(be, "view_ops", VIEW_OPS))
-    _PLANS[key] = (plan, res)
+    _PLANS[key] = plan
     if len(_PLANS) > MAX_PLANS:
         _PLANS.popitem(last=False)
-    return plan, res, inputs
+    return plan, inputs
 
 
 _GRAPHED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -83,7 +89,7 @@ def realize_raw(outputs, lower_all: bool = False, cuda_graph: bool = False) -> l
     vals = _values(outputs)
     if not vals:
         return []
-    plan, _, inputs = compile_plan(vals, lower_all)
+    plan, inputs = compile_plan(vals, lower_all)
     bufs = [bound_data(n) for n in inputs]
     if cuda_graph and plan.backend.name == "cuda":
         graphed = _GRAPHED.get(plan)
@@ -128,7 +134,7 @@ def run_body(body, args: list) -> list:
     hit = _BODY_PLANS.get(body)
     if hit is None:
         vals = list(body.outputs)
-        plan, _, inputs = compile_plan(vals)
+        plan, inputs = compile_plan(vals)
         order = [next(i for i, p in enumerate(body.inputs) if p.node is n) for n in inputs]
         hit = _BODY_PLANS[body] = (plan, order)
     plan, order = hit

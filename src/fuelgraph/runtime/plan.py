@@ -37,7 +37,8 @@ def input_nodes(outputs) -> list[Node]:
 
 @dataclass
 class Step:
-    node: Node
+    """One kernel call. Holds its op but no graph nodes, so a cached plan keeps no data alive."""
+    op: object
     fn: object                 # bound kernel: fn(*buffers) -> buffer or tuple
     srcs: tuple[int, ...]      # buffer slots read
     outs: tuple[int, ...]      # buffer slots written
@@ -150,7 +151,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
-        steps.append(Step(n, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
+        steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d[0] if d else None, bool(d) and n not in inplace_ok,
                           impl.takes_out, not impl.strided_input, impl.name or op.name))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
