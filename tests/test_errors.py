@@ -201,3 +201,34 @@ def test_runtime_op_validates_its_inputs():
         call_fused(fid, _t((2, 3), np.float32))
     with pytest.raises(fg.FuelGraphError, match="test_errors_xy_plus_x.*input 1"):
         call_fused(fid, _t((2, 3), np.float32), _t((2, 3), np.int32))
+
+
+# ---- bad calls found in review: every one is a FuelGraphError at build time ------------------
+BAD_CALLS = {
+    "ragged data": lambda: fg.tensor([[1, 2], [3]]),
+    "sum over a float axis": lambda: fg.tensor(np.ones((2, 3))).sum(1.0),
+    "full with a string": lambda: fg.full((2,), "a"),
+    "arange step 0": lambda: fg.arange(0, 1, 0),
+    "int32 plus a too-large int": lambda: fg.tensor(np.ones(2, np.int32)) + 2 ** 40,
+    "grad wrt a float": lambda: fg.grad(fg.tensor([1.0]).sum(), [1.0]),
+    "grad with a float cotangent": lambda: (lambda x: fg.grad(x.sum(), [x], [1.0]))(
+        fg.tensor([1.0], requires_grad=True)),
+    "unhashable param": lambda: F.inplace_affine(fg.tensor([1.0]), [1.0], 0.0),
+    "unsqueeze out of range": lambda: fg.tensor(np.ones((2, 3))).unsqueeze(10),
+    "bool index": lambda: fg.tensor(np.ones((2, 3)))[True],
+    "powi with a fractional exp": lambda: F.powi_backward(fg.tensor([4.0]), fg.tensor([1.0]), 1.5),
+    "rope interleaved as a string": lambda: F.rope(fg.tensor(np.ones((2, 4))), fg.tensor(np.ones((2, 4))),
+                                                   fg.tensor(np.ones((2, 4))), interleaved="False"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_call_raises_fuelgraph_error(case):
+    with pytest.raises(fg.FuelGraphError):
+        BAD_CALLS[case]()
+
+
+def test_python_bool_condition_and_array_operands_are_accepted():
+    x = fg.tensor(np.arange(3.0))
+    np.testing.assert_array_equal(fg.where(True, x, -x).numpy(), np.arange(3.0))
+    np.testing.assert_array_equal(fg.cat([x, np.ones(2)]).numpy(), np.r_[np.arange(3.0), 1, 1])

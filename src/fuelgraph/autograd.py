@@ -29,10 +29,6 @@ def _keep(g: Tensor, x: Tensor, axes, keepdim) -> Tensor:
     return g if keepdim else g.reshape(tuple(1 if i in axes else d for i, d in enumerate(x.shape)))
 
 
-def _trunc(q: Tensor) -> Tensor:
-    return where(q < 0, -((-q).floor()), q.floor())
-
-
 def _unary(n, x, y, g):
     k = n.op.kind
     if k == "neg": return [-g]
@@ -73,7 +69,7 @@ def _binary(n, a, b, y, g):
         tie = a == b
         ga = where(win, g, where(tie, g * 0.5, 0.0))
         return [ga, g - ga]
-    if k == "rem": return [g, -(g * _trunc(a / b))]
+    if k == "rem": return [g, -(g * (a / b).floor())]  # floor remainder, as Python's %
     return [None, None]
 
 
@@ -207,8 +203,11 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
     outputs: Tensor or list; inputs: list of Tensors (any values of the graph);
     grad_outputs: cotangents shaped like outputs (default: 1 for scalar outputs)."""
     outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    single = isinstance(inputs, Tensor)
-    ins = [inputs] if single else list(inputs)
+    ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    for what, ts in (("outputs", outs), ("inputs", ins)):
+        bad = [type(t).__name__ for t in ts if not isinstance(t, Tensor)]
+        if bad:
+            raise FuelGraphError(f"grad: {what} must be Tensors, got {bad[0]}")
     if grad_outputs is None:
         for o in outs:
             if o.shape != ():
@@ -216,6 +215,9 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
                                      f"grad_outputs")
         grad_outputs = [full((), 1.0, o.dtype, o.device) for o in outs]
     gos = [grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs)
+    if len(gos) != len(outs) or any(g is not None and not isinstance(g, Tensor) for g in gos):
+        raise FuelGraphError(f"grad: grad_outputs must be one Tensor (or None) per output, got "
+                             f"{[type(g).__name__ for g in gos]} for {len(outs)} output(s)")
     for o, go in zip(outs, gos):
         if go is not None and go.shape != o.shape:
             raise FuelGraphError(f"grad: grad_output shape {go.shape} != output shape {o.shape}")

@@ -24,7 +24,7 @@ def reduce_max_to_backward(x, grad):
 
 def powi_backward(x, grad, exp: int):
     """Gradient of x ** exp for an integer exp: exp * x**(exp-1) * grad (zeros for exp == 0)."""
-    return call_fused(FusedOps.POWI_BACKWARD, x, grad, exp=int(exp))
+    return call_fused(FusedOps.POWI_BACKWARD, x, grad, exp=exp)
 
 
 def _real(v):
@@ -52,7 +52,7 @@ def rope(x, cos, sin, interleaved: bool = False):
     exactly [S, D] with x's dtype (HF layout, broadcast over the leading dims) -> shape and dtype
     of x. interleaved=False: rotate-half (NeoX / HF), rot(x) = cat(-x[..., D/2:], x[..., :D/2]);
     interleaved=True: GPT-J pairs (2i, 2i+1)."""
-    return call_fused(FusedOps.ROPE, x, cos, sin, interleaved=bool(interleaved))
+    return call_fused(FusedOps.ROPE, x, cos, sin, interleaved=interleaved)
 
 
 def layer_norm_last_dim_backward(x, grad, eps: float):

@@ -117,7 +117,7 @@ def _rem_operands(sa, sb, rng):
     a = rng.uniform(-4, 4, sa)
     b = rng.uniform(0.6, 1.7, sb) * rng.choice([-1.0, 1.0], sb)
     q = np.broadcast_to(a, np.broadcast_shapes(sa, sb)) / np.broadcast_to(b, np.broadcast_shapes(sa, sb))
-    # keep a/b away from integers (fmod is discontinuous there)
+    # keep a/b away from integers (the remainder is discontinuous there)
     assert np.abs(q - np.round(q)).min() > 1e-4
     return a, b
 
@@ -130,7 +130,7 @@ BINARY = {
     "pow": (lambda a, b: a ** b, lambda a, b: a ** b),
     "maximum": (lambda a, b: a.maximum(b), torch.maximum),
     "minimum": (lambda a, b: a.minimum(b), torch.minimum),
-    "rem": (lambda a, b: a % b, torch.fmod),
+    "rem": (lambda a, b: a % b, torch.remainder),  # Python floor remainder, as torch
 }
 SHAPE_PAIRS = [((3, 4), (3, 4)), ((3, 1), (1, 4)), ((2, 3, 4), (4,)), ((4,), (2, 3, 4)),
                ((), (3,)), ((2, 1, 4), (3, 1)), ((5,), ())]
@@ -178,7 +178,7 @@ SCALAR_CASES = [
     ("s**x", lambda x: 2.0 ** x, lambda x: 2.0 ** x),
     ("max(x,s)", lambda x: x.maximum(0.25), lambda x: torch.clamp_min(x, 0.25)),
     ("min(x,s)", lambda x: x.minimum(0.25), lambda x: torch.clamp_max(x, 0.25)),
-    ("x%s", lambda x: x % 0.7, lambda x: torch.fmod(x, 0.7)),
+    ("x%s", lambda x: x % 0.7, lambda x: torch.remainder(x, 0.7)),
     ("npscalar*x", lambda x: np.float64(3.0) * x, lambda x: 3.0 * x),
     ("x*npscalar", lambda x: x * np.float64(3.0), lambda x: x * 3.0),
 ]
@@ -534,7 +534,7 @@ SECOND = [
      lambda x, y: (torch.gather(x, 1, torch.tensor([[0, 2], [3, 3], [1, 0]])).exp()
                    * y[:, :2]).sum() + (y * y + 1.0).log().mean()),
     ("erf_recip_rem", lambda x, y: (x.erf() * (y.abs() + 1.0).reciprocal() + (x % 0.9) * y).sum(),
-     lambda x, y: (x.erf() * (y.abs() + 1.0).reciprocal() + torch.fmod(x, 0.9) * y).sum()),
+     lambda x, y: (x.erf() * (y.abs() + 1.0).reciprocal() + torch.remainder(x, 0.9) * y).sum()),
 ]
 
 

@@ -83,10 +83,13 @@ class Tensor:
 
     # ---- realization ---------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """Realize and return a NumPy array (a copy from the device for GPU tensors)."""
+        """Realize and return a NumPy array (a copy from the device for GPU tensors). The
+        array is read-only, as in JAX: tensors are values, and it is cached for later calls."""
         if self._cache is None:
             from ..runtime.executor import realize
-            self._cache = realize([self])[0]
+            a = realize([self])[0]
+            a.flags.writeable = False
+            self._cache = a
         return self._cache
 
     def realize(self) -> "Tensor":
@@ -226,7 +229,7 @@ class Tensor:
 
     # sugar over the basis
     def square(self): return self * self
-    def relu(self): return self.maximum(0.0)
+    def relu(self): return where(self <= 0, 0.0, self)  # grad 0 at 0 (torch); NaN stays NaN
     def sigmoid(self): return 1.0 / (1.0 + (-self).exp())
     def silu(self): return self * self.sigmoid()
     def softplus(self): return self.relu() + (1.0 + (-self.abs()).exp()).log()
@@ -251,7 +254,11 @@ class Tensor:
     def _axes(self, axis, name) -> tuple[int, ...]:
         if axis is None:
             return tuple(range(self.ndim))
-        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        axes = (axis,) if isinstance(axis, (int, np.integer)) else \
+            tuple(axis) if isinstance(axis, (tuple, list)) else None
+        if axes is None or any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
+                               for a in axes):
+            raise FuelGraphError(f"{name}: axis must be an int or a tuple of ints, got {axis!r}")
         r = self.ndim
         for a in axes:
             if not -r <= a < r:
@@ -275,9 +282,13 @@ class Tensor:
     amax, amin = max, min
 
     def mean(self, axis=None, keepdim=False):
+        """Mean over `axis`; 16-bit floats are summed and divided in float32 (no overflow of
+        the intermediate sum), then rounded back."""
         x = self._float()
         axes = x._axes(axis, "mean")
         n = math.prod(x.shape[a] for a in axes)
+        if x.dtype.itemsize < 4:
+            return (x.astype(dt.float32).sum(axis, keepdim) / float(n)).astype(x.dtype)
         return x.sum(axis, keepdim) / float(n)
 
     def var(self, axis=None, keepdim=False, correction=1):
@@ -339,6 +350,8 @@ class Tensor:
     expand = broadcast_to
 
     def unsqueeze(self, axis) -> "Tensor":
+        if not isinstance(axis, (int, np.integer)) or not -self.ndim - 1 <= axis <= self.ndim:
+            raise FuelGraphError(f"unsqueeze: axis {axis!r} out of range for shape {self.shape}")
         axis = axis % (self.ndim + 1)
         return self.reshape(self.shape[:axis] + (1,) + self.shape[axis:])
 
@@ -433,7 +446,12 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
         t = from_torch(data)
         return t.astype(dtype) if dtype is not None else t
     d = dt.as_dtype(dtype) if dtype is not None else None
-    a = np.asarray(data)
+    try:
+        a = np.asarray(data)
+    except (TypeError, ValueError) as e:
+        raise FuelGraphError(f"tensor: cannot make an array of {type(data).__name__}: {e}") from None
+    if a.dtype == object:
+        raise FuelGraphError(f"tensor: data of type {type(data).__name__} is not numeric")
     if d is None:
         d = dt.float32 if a.dtype == np.float64 and not isinstance(data, np.ndarray) else \
             dt.int64 if a.dtype.kind in "iu" and not isinstance(data, np.ndarray) else dt.as_dtype(a.dtype)
@@ -448,9 +466,15 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
 
 
 def full(shape, value, dtype=dt.float32, device="cpu") -> Tensor:
+    """A tensor of `shape` filled with the scalar `value` (checked to fit `dtype`)."""
     d = dt.as_dtype(dtype)
-    v = bool(value) if d is dt.bool_ else int(value) if d.is_int else float(value)
-    return Tensor(apply(ops.Full(tuple(int(s) for s in shape), v, d, _normalize_device(device))))
+    try:
+        v = bool(value) if d is dt.bool_ else int(value) if d.is_int else float(value)
+    except (TypeError, ValueError):
+        raise FuelGraphError(f"full: value {value!r} is not a {d.name} scalar") from None
+    if d.is_int and not np.iinfo(d.np).min <= v <= np.iinfo(d.np).max:
+        raise FuelGraphError(f"full: value {value!r} does not fit {d.name}")
+    return Tensor(apply(ops.Full(_shape_arg((shape,)), v, d, _normalize_device(device))))
 
 
 def zeros(shape, dtype=dt.float32, device="cpu"): return full(shape, 0, dtype, device)
@@ -471,6 +495,8 @@ def iota(n, dtype=dt.int64, device="cpu") -> Tensor:
 def arange(start, stop=None, step=1, dtype=dt.int64, device="cpu") -> Tensor:
     if stop is None:
         start, stop = 0, start
+    if step == 0:
+        raise FuelGraphError("arange: step must not be zero")
     n = max(0, -(-(stop - start) // step))
     t = iota(n, dtype, device)
     if step != 1:
@@ -516,7 +542,8 @@ def where(cond, a, b) -> Tensor:
     b = (a if isinstance(a, Tensor) else ref)._lift(b) if not isinstance(b, Tensor) else b
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         raise FuelGraphError("where: a and b must be tensors or scalars")
-    cond = ref._lift(cond)
+    cond = full((), cond, dt.bool_, ref.device) if isinstance(cond, (bool, np.bool_)) \
+        else ref._lift(cond)
     if cond.dtype is not dt.bool_:
         raise FuelGraphError(f"where: condition must be bool, got {cond.dtype.name}")
     a, b = promote(a, b, "where")
@@ -548,8 +575,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 def cat(tensors: Sequence[Tensor], axis=0) -> Tensor:
     """Concatenate along `axis` (dtypes promoted)."""
     ts = list(tensors)
-    if not ts:
-        raise FuelGraphError("cat: needs at least one tensor")
+    ref = next((t for t in ts if isinstance(t, Tensor)), None)
+    if ref is None:
+        raise FuelGraphError("cat: needs at least one Tensor")
+    ts = [t if isinstance(t, Tensor) else ref._lift(t) for t in ts]
     for t in ts[1:]:
         if t.ndim != ts[0].ndim:
             raise FuelGraphError(f"cat: rank mismatch {ts[0].shape} vs {t.shape}")
@@ -609,7 +638,7 @@ def _getitem(x: Tensor, idx) -> Tensor:
             else:
                 starts.append(a); stops.append(a + (cnt - 1) * s + 1 if cnt else a); steps.append(s)
                 out_shape.append(cnt)
-        elif isinstance(i, (int, np.integer)):
+        elif isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)):
             j = int(i)
             if not -n <= j < n:
                 raise FuelGraphError(f"getitem: index {j} out of range for axis {ax} of size {n}")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..ir import ops
 from ..ir.node import Node, Value, apply
 from .engine import Pass
 
-COMMUTATIVE = {"add", "mul", "maximum", "minimum", "and", "or", "xor"}
+COMMUTATIVE = {"add", "mul", "maximum", "minimum", "and", "or", "xor", "eq", "ne"}
 
 
 def _full_value(v: Value):
@@ -65,7 +67,7 @@ def arithmetic(n: Node):
             if _full_value(a) == 1:
                 return apply(ops.Unary("recip"), b)
             c = _full_value(b)
-            if c is not None and c != 0 and math.isfinite(c):
+            if c is not None and _exact_enough_reciprocal(c, b.dtype):
                 return apply(ops.Binary("mul"), a, apply(ops.Full(b.shape, 1.0 / c, b.dtype, b.node.device)))
         if op.kind == "mul":
             for x, y in ((a, b), (b, a)):
@@ -78,8 +80,8 @@ def arithmetic(n: Node):
                     return apply(ops.Binary("div"), x, _rewrap(den, shape))
                 if _full_value(y) == -1:
                     return apply(ops.Unary("neg"), x)
-        if op.kind == "sub" and _full_value(a) == 0 and not math.copysign(1, _full_value(a)) < 0:
-            return apply(ops.Unary("neg"), b)
+        if op.kind == "sub" and _full_value(a) == 0 and math.copysign(1, _full_value(a)) < 0:
+            return apply(ops.Unary("neg"), b)  # exact only for -0.0: +0.0 - (+0.0) is +0.0
         if op.kind == "pow":
             e = _full_value(b)
             simple = {1: None, 2: "sq", 0.5: "sqrt", -1: "recip", -0.5: "rsqrt"}
@@ -98,13 +100,23 @@ def arithmetic(n: Node):
     return None
 
 
+def _exact_enough_reciprocal(c, d) -> bool:
+    """x / c -> x * (1/c) changes a result by at most an ulp only when 1/c (and c) are normal
+    numbers of the dtype; otherwise the reciprocal over- or underflows."""
+    if c == 0 or not math.isfinite(c):
+        return False
+    info = np.finfo(d.np)
+    r = abs(1.0 / c)
+    return float(info.tiny) <= r <= float(info.max) and float(info.tiny) <= abs(c)
+
+
 def _order_key(v: Value):
     return (isinstance(v.node.op, ops.Full), v.node.uid, v.slot)
 
 
 def commutative(n: Node):
     op = n.op
-    if isinstance(op, (ops.Binary, ops.Compare)) and op.kind in COMMUTATIVE | {"eq", "ne"}:
+    if isinstance(op, (ops.Binary, ops.Compare)) and op.kind in COMMUTATIVE:
         a, b = n.srcs
         if _order_key(b) < _order_key(a):
             return apply(type(op)(op.kind), b, a)

@@ -145,7 +145,7 @@ class FusedOpRegistry:
         self._by_name: dict[str, int] = {}
         self._next_runtime = RUNTIME_BASE
         self._runtime_keys: dict[Any, FusedOpId] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def add(self, entry: FusedOpEntry) -> FusedOpEntry:
         if entry.id in self._entries or entry.name in self._by_name:
@@ -198,8 +198,7 @@ class FusedOpRegistry:
                 return self._runtime_keys[key]
             if name.lower() in self._by_name:
                 raise FuelGraphError(f"registry.register: name {name!r} is already taken")
-            fid = FusedOpId(self._next_runtime)
-            self._next_runtime += 1
+            fid = self.next_runtime_id()
             traced = trace_recipe(recipe, sample)
             out_meta = [(o.shape, o.dtype) for o in traced.outputs]
             in_meta = [(p.shape, p.dtype) for p in traced.inputs]
@@ -234,9 +233,9 @@ class FusedOpRegistry:
 
 
 def _trace_meta(recipe, shapes, in_meta):
-    from ..ir.tensor import tensor
-    import numpy as np
-    xs = [tensor(np.zeros(s, d.np)) for s, (_, d) in zip(shapes, in_meta)]
+    """Output values of `recipe` traced on data-free placeholders of the given shapes."""
+    from ..ir.scan import placeholder
+    xs = [placeholder(s, d) for s, (_, d) in zip(shapes, in_meta)]
     out = recipe(*xs)
     return out if isinstance(out, (tuple, list)) else (out,)
 
@@ -267,6 +266,10 @@ def call_fused(op_id, *srcs, **params):
         p = e.params(**params)
     except TypeError as exc:
         raise FuelGraphError(f"{e.name}: bad parameters {params}: {exc}") from None
+    try:
+        hash(p)
+    except TypeError:
+        raise FuelGraphError(f"{e.name}: parameters must be scalars, got {params}") from None
     node = make_node(ops.Fused(e.id, p), tuple(s.value for s in srcs))
     outs = tuple(Tensor(node.out(i)) for i in range(node.nout))
     return outs[0] if len(outs) == 1 else outs

@@ -41,6 +41,13 @@ class PowIParams:
     exp: int
 
 
+def _validate_powi(srcs, params):
+    pair_float_rowwise("powi_backward", ("x", "grad"), min_rank=0)(srcs, params)
+    e = params.exp
+    if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)):
+        raise FuelGraphError(f"powi_backward: param exp must be an integer, got {e!r}")
+
+
 def powi_backward_recipe(x, grad, exp):
     if exp == 0:
         return zeros_like(x)
@@ -61,7 +68,7 @@ def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.POWI_BACKWARD, name="powi_backward", family="backward", params=PowIParams,
         shape_rule=same_as_input0, dtype_rule=same_as_input0,
-        validate=pair_float_rowwise("powi_backward", ("x", "grad"), min_rank=0),
+        validate=_validate_powi,
         decompose=powi_backward_recipe, backward=BackwardKind.DECOMPOSE, pattern_variants=None,
         sample=lambda rng: [rng.standard_normal((3, 5)).astype(np.float32)] * 2,
         doc="dx = exp * x**(exp-1) * grad for an integer exp (negative allowed); exp == 0 gives "

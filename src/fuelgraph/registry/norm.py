@@ -56,15 +56,34 @@ def _pair_validate(name):
 
 
 # ---- recipes (primitives only, through the Tensor builders) --------------------------------
-def rms_norm_recipe(x, eps):
+def _in_acc(recipe):
+    """Run a norm recipe in acc(T) (float32 for 16-bit inputs) and round once at the end, as the
+    kernels do: a 16-bit x * x or row sum would overflow otherwise."""
+    def wrapped(*xs, eps):
+        d = xs[0].dtype
+        return recipe(*(x.astype(d.acc) for x in xs), eps=eps).astype(d)
+    wrapped.__name__ = wrapped.__qualname__ = recipe.__name__
+    wrapped.__doc__ = recipe.__doc__
+    return wrapped
+
+
+def rms_norm_math(x, eps):
+    """The idiom in x's own dtype: also a fusion pattern, so a 16-bit RMS norm written without
+    an upcast fuses too (the kernel then computes it in float32)."""
     return x / ((x * x).mean(-1, keepdim=True) + eps).sqrt()
 
 
-def layer_norm_recipe(x, eps):
+def layer_norm_math(x, eps):
+    """As rms_norm_math, for layer norm."""
     xc = x - x.mean(-1, keepdim=True)
     return xc / ((xc * xc).mean(-1, keepdim=True) + eps).sqrt()
 
 
+rms_norm_recipe = _in_acc(rms_norm_math)
+layer_norm_recipe = _in_acc(layer_norm_math)
+
+
+@_in_acc
 def layer_norm_backward_recipe(x, grad, eps):
     """dx = r * (g - mean(g) - xhat * mean(g * xhat)), r = 1/sqrt(var + eps), xhat = (x-mu)*r."""
     xc = x - x.mean(-1, keepdim=True)
@@ -73,6 +92,7 @@ def layer_norm_backward_recipe(x, grad, eps):
     return istd * (grad - grad.mean(-1, keepdim=True) - xhat * (grad * xhat).mean(-1, keepdim=True))
 
 
+@_in_acc
 def rms_norm_backward_recipe(x, grad, eps):
     """dx = r * (g - x * sum(g*x) / (n * den)), den = mean(x*x) + eps, r = 1/sqrt(den)."""
     n = x.shape[-1]
@@ -98,7 +118,7 @@ def declare(reg):
         id=FusedOps.RMS_NORM_LAST_DIM, name="rms_norm_last_dim", family="norm", params=NormParams,
         shape_rule=same_as_input0, dtype_rule=same_as_input0,
         validate=_unary_validate("rms_norm_last_dim"),
-        decompose=rms_norm_recipe,
+        decompose=rms_norm_recipe, extra_patterns=(rms_norm_math,),
         backward=BackwardKind.fused(FusedOps.RMS_NORM_LAST_DIM_BACKWARD),
         vjp=_vjp(FusedOps.RMS_NORM_LAST_DIM_BACKWARD),
         sample=_row_sample,
@@ -110,7 +130,7 @@ def declare(reg):
         id=FusedOps.LAYER_NORM_LAST_DIM, name="layer_norm_last_dim", family="norm",
         params=NormParams, shape_rule=same_as_input0, dtype_rule=same_as_input0,
         validate=_unary_validate("layer_norm_last_dim"),
-        decompose=layer_norm_recipe,
+        decompose=layer_norm_recipe, extra_patterns=(layer_norm_math,),
         backward=BackwardKind.fused(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD),
         vjp=_vjp(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD),
         sample=_row_sample,

@@ -17,7 +17,10 @@ from ..ir import ops
 from ..ir.node import Node, Value, toposort
 
 _SKIPPABLE = (ops.Reshape, ops.BroadcastTo)
-_COMMUTATIVE = {"add", "mul", "maximum", "minimum", "and", "or", "xor", "eq", "ne"}
+# the structural matcher may also step over casts (e.g. the float32 accumulation a 16-bit mean
+# inserts); the exact re-trace check decides whether they belong to the recipe
+_MATCH_SKIPPABLE = _SKIPPABLE + (ops.Cast,)
+from ..opt.canonicalize import COMMUTATIVE as _COMMUTATIVE
 
 
 @dataclass
@@ -150,7 +153,7 @@ class _Matcher:
             return True
         if isinstance(pn.op, ops.Full):
             if not isinstance(gn.op, ops.Full):
-                if isinstance(gn.op, _SKIPPABLE):
+                if isinstance(gn.op, _MATCH_SKIPPABLE):
                     return self.match(p, gn.srcs[0])
                 self.reason = f"expected a constant at %{gn.uid}, found {gn.op.name}"
                 return False
@@ -164,9 +167,9 @@ class _Matcher:
             self.count += 1
             return True
         if _op_sig(pn.op) != _op_sig(gn.op) or p.slot != g.slot or len(pn.srcs) != len(gn.srcs):
-            if isinstance(pn.op, _SKIPPABLE):
+            if isinstance(pn.op, _MATCH_SKIPPABLE):
                 return self.match(pn.srcs[0], g)
-            if isinstance(gn.op, _SKIPPABLE):
+            if isinstance(gn.op, _MATCH_SKIPPABLE):
                 return self.match(p, gn.srcs[0])
             self.reason = f"expected {pn.op.name} at %{gn.uid}, found {gn.op.name}"
             return False

@@ -13,7 +13,7 @@ _UNARY = {
 }
 _BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
-    "maximum": torch.maximum, "minimum": torch.minimum, "rem": torch.fmod,
+    "maximum": torch.maximum, "minimum": torch.minimum, "rem": torch.remainder,
     "and": torch.bitwise_and, "or": torch.bitwise_or, "xor": torch.bitwise_xor,
     "shl": torch.bitwise_left_shift, "shr": torch.bitwise_right_shift,
 }

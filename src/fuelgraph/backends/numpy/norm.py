@@ -32,9 +32,9 @@ def _chunk(a, r0, r1, acc):
     return to_acc(a[r0:r1], acc)
 
 
-def _run(work, rows, n):
+def _run(work, rows, n, row_bufsize=False):
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        run_spans(work, row_spans(rows, n), rows * n)
+        run_spans(work, row_spans(rows, n), rows * n, row_elems=n if row_bufsize else None)
 
 
 def rms_norm_last_dim(x, *, eps):
@@ -92,7 +92,7 @@ def layer_norm_last_dim(x, *, eps):
         if not native:
             store(o2[r0:r1], c)
 
-    _run(work, x2.shape[0], n)
+    _run(work, x2.shape[0], n, row_bufsize=True)
     return out
 
 
@@ -148,7 +148,7 @@ def layer_norm_last_dim_backward(x, grad, *, eps):
         xc, gc = _chunk(x2, r0, r1, acc), _chunk(g2, r0, r1, acc)
         mu = np.vecdot(xc, ones)
         mu *= inv_n
-        c = np.subtract(xc, mu[:, None], out=np.empty_like(xc) if native else xc)
+        c = np.subtract(xc, mu[:, None], out=o2[r0:r1] if native else xc)   # x - mu
         r = np.vecdot(c, c)
         r *= inv_n
         r += eps_a
@@ -162,13 +162,12 @@ def layer_norm_last_dim_backward(x, grad, *, eps):
         k *= r
         k *= r
         k *= r                                     # r^3 * mean(g * (x - mu))
+        t = np.multiply(gc, r[:, None], out=None if native else gc)   # g * r
         np.multiply(c, k[:, None], out=c)
         np.add(c, mg[:, None], out=c)
-        oc = o2[r0:r1] if native else gc
-        np.multiply(gc, r[:, None], out=oc)
-        np.subtract(oc, c, out=oc)
+        np.subtract(t, c, out=c)
         if not native:
-            store(o2[r0:r1], oc)
+            store(o2[r0:r1], c)
 
-    _run(work, x2.shape[0], n)
+    _run(work, x2.shape[0], n, row_bufsize=True)
     return out

@@ -42,7 +42,7 @@ _UNARY = {
 }
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power,
-    "maximum": np.maximum, "minimum": np.minimum, "rem": np.fmod, "and": np.bitwise_and,
+    "maximum": np.maximum, "minimum": np.minimum, "rem": np.remainder, "and": np.bitwise_and,
     "or": np.bitwise_or, "xor": np.bitwise_xor, "shl": np.left_shift, "shr": np.right_shift,
 }
 _COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,

@@ -12,7 +12,7 @@ def _rowwise(work, x):
     n = x.shape[-1]
     rows = x.size // n
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        run_spans(work, row_spans(rows, n), rows * n)
+        run_spans(work, row_spans(rows, n), rows * n, row_elems=n)
 
 
 def softmax_last_dim(x):
@@ -25,13 +25,14 @@ def softmax_last_dim(x):
     x2 = x.reshape(-1, n)
     out = np.empty(x.shape, x.dtype)
     o2 = out.reshape(-1, n)
+    ones = np.ones(n, acc)
 
     def work(r0, r1):
         xc = to_acc(x2[r0:r1], acc)
         buf = o2[r0:r1] if o2.dtype == acc else (xc if xc is not x2[r0:r1] else np.empty_like(xc))
         np.subtract(xc, xc.max(axis=1, keepdims=True), out=buf)
         np.exp(buf, out=buf)
-        s = buf.sum(axis=1, keepdims=True)
+        s = np.vecdot(buf, ones)[:, None]           # row sums (BLAS dot with ones)
         np.divide(acc.type(1), s, out=s)
         np.multiply(buf, s, out=buf)
         if buf is not o2[r0:r1] and buf.base is not o2:
