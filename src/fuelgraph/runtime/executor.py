@@ -98,21 +98,27 @@ def realize_raw(outputs, lower_all: bool = False, cuda_graph: bool = False) -> l
             graphed = _GRAPHED[plan] = GraphedPlan(plan, bufs)
         return graphed.run(bufs)
     outs = plan.run(bufs)
-    shared = {id(b) for b in bufs} | {id(b) for b in plan.const_slots.values()}
+    shared = {id(_storage(b)) for b in bufs} | {id(_storage(b)) for b in plan.const_slots.values()}
+    seen: set = set()
     res = []
     for b in outs:
-        res.append(plan.backend.copy(b) if _aliased(b, shared) or id(b) in {id(r) for r in res} else b)
+        root = _storage(b)
+        own = id(root) not in shared and id(root) not in seen and \
+            getattr(getattr(b, "flags", None), "writeable", True)
+        res.append(b if own else plan.backend.copy(b))
+        seen.add(id(_storage(res[-1])))
     return res
 
 
-def _aliased(buf, shared) -> bool:
-    """True when an output buffer is (a view of) an input, a constant or another buffer."""
-    if id(buf) in shared:
-        return True
-    if getattr(buf, "_base", None) is not None:              # torch view
-        return True
-    return getattr(buf, "base", None) is not None or \
-        not getattr(getattr(buf, "flags", None), "writeable", True)
+def _storage(buf):
+    """The buffer owning `buf`'s memory (NumPy .base / torch ._base chain)."""
+    while True:
+        base = getattr(buf, "_base", None)
+        if base is None:
+            base = getattr(buf, "base", None)
+        if base is None or not hasattr(base, "shape"):
+            return buf
+        buf = base
 
 
 def realize(outputs, lower_all: bool = False, cuda_graph: bool = False) -> list:
