@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fuelgraph as fg
+from oracle import assert_close_dtype
 import fuelgraph.functional as F
 from fuelgraph import FuelGraphError, FusedOps
 
@@ -34,21 +35,6 @@ def _torch_linear(a, b, c, dtype):
     return torch.matmul(ta, tb) + tc
 
 
-def assert_close_dtype(ours, ref64, same_dtype_ref, dtype):
-    """float64 tight, float32 ~1e-5 relative to the largest magnitude, 16-bit: within 2x the
-    error of torch run in that dtype (both vs the float64 reference)."""
-    ours = np.asarray(ours, np.float64)
-    ref64 = np.asarray(ref64, np.float64)
-    assert ours.shape == ref64.shape
-    scale = max(np.abs(ref64).max(initial=0.0), 1.0)
-    err = np.abs(ours - ref64).max(initial=0.0)
-    if dtype == "float64":
-        assert err <= 1e-12 * scale, err
-    elif dtype == "float32":
-        assert err <= 1e-5 * scale, err
-    else:
-        terr = np.abs(np.asarray(same_dtype_ref, np.float64) - ref64).max(initial=0.0)
-        assert err <= 2 * terr + 1e-6 * scale, (err, terr)
 
 
 @pytest.mark.parametrize("dtype", list(NP))
