@@ -9,7 +9,7 @@ from ..errors import FuelGraphError
 from ..ir.node import Value
 from ..ir.tensor import Tensor, bound_data
 from ..opt import optimize
-from .plan import build_plan, input_nodes, structural_key
+from .plan import build_plan, key_and_inputs
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 MAX_PLANS = 256
@@ -51,7 +51,7 @@ def _key_and_inputs(vals: list[Value]):
         inputs = [r() for r in hit[1]]
         if all(n is not None for n in inputs):
             return hit[0], inputs
-    skey, inputs = structural_key(vals), input_nodes(vals)
+    skey, inputs = key_and_inputs(vals)
     per[k] = (skey, [weakref.ref(n) for n in inputs])
     return skey, inputs
 

@@ -15,11 +15,14 @@ from ..ir.node import Node, Value, consumers, toposort
 def structural_key(outputs, order_inputs=None) -> tuple:
     """Hashable structure of the graph under `outputs`; Input leaves become ("in", position,
     shape, dtype, device) in first-visit order (or in `order_inputs` order when given)."""
+    return key_and_inputs(outputs, order_inputs)[0]
+
+
+def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
+    """(structural key, Input nodes in the order the key numbers them), in one walk."""
     nodes = toposort([v.node for v in outputs])
     index = {n: i for i, n in enumerate(nodes)}
-    inputs = {}
-    if order_inputs is not None:
-        inputs = {v.node: i for i, v in enumerate(order_inputs)}
+    inputs = {v.node: i for i, v in enumerate(order_inputs)} if order_inputs is not None else {}
     parts = []
     for n in nodes:
         if isinstance(n.op, ops.Input):
@@ -27,12 +30,13 @@ def structural_key(outputs, order_inputs=None) -> tuple:
             parts.append(("in", pos, n.op.shape, n.op.dtype, n.op.device))
         else:
             parts.append((n.op, tuple((index[s.node], s.slot) for s in n.srcs)))
-    return (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
+    key = (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
+    return key, sorted(inputs, key=inputs.get)
 
 
 def input_nodes(outputs) -> list[Node]:
     """Input leaves in the order structural_key numbers them."""
-    return [n for n in toposort([v.node for v in outputs]) if isinstance(n.op, ops.Input)]
+    return key_and_inputs(outputs)[1]
 
 
 @dataclass
