@@ -34,11 +34,6 @@ def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
     return key, sorted(inputs, key=inputs.get)
 
 
-def input_nodes(outputs) -> list[Node]:
-    """Input leaves in the order structural_key numbers them."""
-    return key_and_inputs(outputs)[1]
-
-
 @dataclass
 class Step:
     """One kernel call. Holds its op but no graph nodes, so a cached plan keeps no data alive."""
