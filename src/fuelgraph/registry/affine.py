@@ -6,7 +6,8 @@ The value semantics are functional: every tensor reads the value it would read i
 in place. The in-place-ness is a memory contract carried by `destructive_inputs=(0,)`: the
 runtime plan (runtime/plan.py `_order_destructive`) lets the kernel overwrite input 0's buffer
 only when it can order every other reader of that buffer (and of its views) first; when the
-buffer is a graph input or output, a constant, or is read after the op, it copies first.
+buffer is a graph input or output, a constant, or is read after the op, the kernel writes a fresh
+buffer instead (kernels that cannot, copy the input first).
 
 Params `mul`, `add` (floats; the float32/16-bit kernels narrow them to float32). Backward is
 DECOMPOSE (dx = mul * g). The recipe is the idiom: `x * mul + add` (either operand order, and
@@ -52,6 +53,6 @@ def declare(reg):
         sample=lambda rng: [rng.standard_normal((3, 5)).astype(np.float32)],
         doc="out = mul * x + add, elementwise, computed in x's buffer. x any shape, float -> "
             "same shape and dtype; params mul, add (floats). Functional value semantics; input 0 "
-            "is destructive (reused when no later reader needs it, else copied). Product and "
+            "is destructive (reused when no later reader needs it, else a fresh buffer). Product and "
             "sum rounded separately in float32 (16/32-bit) or float64. Backward DECOMPOSE. "
             "Fuses from x * mul + add."))
