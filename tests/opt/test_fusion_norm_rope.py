@@ -307,3 +307,16 @@ def test_block_fuses_norm_and_rope():
     tq = (tx @ torch.tensor(wq)).reshape(b, s, h, dh).transpose(1, 2)
     tcos, tsin = torch.tensor(np.concatenate([c, c], -1)), torch.tensor(np.concatenate([sn, sn], -1))
     np.testing.assert_allclose(qe.numpy(), torch_rope(tq, tcos, tsin).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_norms_fuse_from_squeezed_means_unsqueezed_again():
+    a = rand((3, 16))
+    x = fg.tensor(a)
+    y = x / ((x * x).mean(-1)[..., None] + 1e-6).sqrt()
+    xc = x - x.mean(-1).unsqueeze(-1)
+    z = xc / ((xc * xc).mean(-1).unsqueeze(-1) + 1e-5).sqrt()
+    assert fg.explain([y]).fused_ops == {"rms_norm_last_dim": 1}
+    assert fg.explain([z]).fused_ops == {"layer_norm_last_dim": 1}
+    t = torch.tensor(a)
+    np.testing.assert_allclose(y.numpy(), TF.rms_norm(t, (16,), eps=1e-6).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(z.numpy(), TF.layer_norm(t, (16,), eps=1e-5).numpy(), rtol=1e-5, atol=1e-6)

@@ -42,9 +42,8 @@ def movement(n: Node):
             return apply(ops.Full(op.shape, f.value, f.dtype, f.device))
         if type(x.node.op) is type(op):
             return apply(type(op)(op.shape), x.node.srcs[0])
-        if isinstance(op, ops.BroadcastTo) and isinstance(x.node.op, ops.Reshape) \
-                and op.shape == x.node.srcs[0].shape:
-            return None
+        if isinstance(op, ops.Reshape):
+            return _undo_reshape_through_scalar_op(op, x)
     if isinstance(op, ops.Permute):
         if op.perm == tuple(range(len(op.perm))):
             return srcs[0]
@@ -57,6 +56,26 @@ def movement(n: Node):
         kept = apply(ops.Reduce(op.kind, op.axes, True), srcs[0])
         return apply(ops.Reshape(n.shapes[0]), kept)
     return None
+
+
+def _undo_reshape_through_scalar_op(op, x: Value):
+    """Reshape(f(Reshape(r), c)) -> f(r, c) when the outer reshape restores r's shape and c is a
+    constant: `x.mean(-1)[..., None]` (a squeezed reduction, scaled, unsqueezed again) meets the
+    keepdim spelling `x.mean(-1, keepdim=True)`. Elementwise and value-preserving; it only moves
+    work onto the same (reduced) element count."""
+    node = x.node
+    if not isinstance(node.op, (ops.Binary, ops.Unary)):
+        return None
+    inner = [s for s in node.srcs if not isinstance(s.node.op, ops.Full)]
+    if len(inner) != 1 or not isinstance(inner[0].node.op, ops.Reshape):
+        return None
+    r = inner[0].node.srcs[0]
+    if r.shape != op.shape:
+        return None
+    srcs = tuple(r if s is inner[0] else apply(ops.Full(op.shape, s.node.op.value, s.dtype,
+                                                         s.node.device))
+                 for s in node.srcs)
+    return apply(node.op, *srcs)
 
 
 def arithmetic(n: Node):
