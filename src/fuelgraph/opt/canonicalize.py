@@ -59,10 +59,11 @@ def movement(n: Node):
 
 
 def _undo_reshape_through_scalar_op(op, x: Value):
-    """Reshape(f(Reshape(r), c)) -> f(r, c) when the outer reshape restores r's shape and c is a
-    constant: `x.mean(-1)[..., None]` (a squeezed reduction, scaled, unsqueezed again) meets the
-    keepdim spelling `x.mean(-1, keepdim=True)`. Elementwise and value-preserving; it only moves
-    work onto the same (reduced) element count."""
+    """Reshape(f(Reshape(r), c)) -> f(r, c) when r is a reduction, the outer reshape restores
+    its shape and c is a constant: `x.mean(-1)[..., None]` (a squeezed reduction, scaled,
+    unsqueezed again) meets the keepdim spelling `x.mean(-1, keepdim=True)`. Elementwise and
+    value-preserving; limited to reduced tensors so that a duplicate of f (when its squeezed
+    result has other readers) costs next to nothing."""
     node = x.node
     if not isinstance(node.op, (ops.Binary, ops.Unary)):
         return None
@@ -70,7 +71,7 @@ def _undo_reshape_through_scalar_op(op, x: Value):
     if len(inner) != 1 or not isinstance(inner[0].node.op, ops.Reshape):
         return None
     r = inner[0].node.srcs[0]
-    if r.shape != op.shape:
+    if r.shape != op.shape or not isinstance(r.node.op, ops.Reduce):
         return None
     srcs = tuple(r if s is inner[0] else apply(ops.Full(op.shape, s.node.op.value, s.dtype,
                                                          s.node.device))
