@@ -39,6 +39,20 @@ def _run(work, rows, n):
         run_spans(work, row_spans(rows, n), rows * n, row_elems=n)
 
 
+def _center_rstd(xc, out, ones, inv_n, eps_a, one):
+    """Per row of the chunk xc: c = x - mean(x) (written into `out`) and r = 1/sqrt(var + eps)
+    (population variance, two-pass)."""
+    mu = np.vecdot(xc, ones)
+    mu *= inv_n
+    c = np.subtract(xc, mu[:, None], out=out)
+    r = np.vecdot(c, c)
+    r *= inv_n
+    r += eps_a
+    np.sqrt(r, out=r)
+    np.divide(one, r, out=r)
+    return c, r
+
+
 def rms_norm_last_dim(x, *, eps):
     """RMS_NORM_LAST_DIM (§3): x [..., n] -> y of the same shape/dtype.
 
@@ -82,14 +96,7 @@ def layer_norm_last_dim(x, *, eps):
     def work(r0, r1):
         native = o2.dtype == acc
         xc = _chunk(x2, r0, r1, acc)
-        mu = np.vecdot(xc, ones)
-        mu *= inv_n
-        c = np.subtract(xc, mu[:, None], out=o2[r0:r1] if native else xc)
-        r = np.vecdot(c, c)
-        r *= inv_n
-        r += eps_a
-        np.sqrt(r, out=r)
-        np.divide(one, r, out=r)
+        c, r = _center_rstd(xc, o2[r0:r1] if native else xc, ones, inv_n, eps_a, one)
         np.multiply(c, r[:, None], out=c)
         if not native:
             store(o2[r0:r1], c)
@@ -148,14 +155,7 @@ def layer_norm_last_dim_backward(x, grad, *, eps):
     def work(r0, r1):
         native = o2.dtype == acc
         xc, gc = _chunk(x2, r0, r1, acc), _chunk(g2, r0, r1, acc)
-        mu = np.vecdot(xc, ones)
-        mu *= inv_n
-        c = np.subtract(xc, mu[:, None], out=o2[r0:r1] if native else xc)   # x - mu
-        r = np.vecdot(c, c)
-        r *= inv_n
-        r += eps_a
-        np.sqrt(r, out=r)
-        np.divide(one, r, out=r)
+        c, r = _center_rstd(xc, o2[r0:r1] if native else xc, ones, inv_n, eps_a, one)
         mg = np.vecdot(gc, ones)
         mg *= inv_n
         mg *= r                                    # r * mean(g)

@@ -114,15 +114,38 @@ def flat_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 # --------------------------------------------------------------------------------------------
 
 
+def launch_rows(rows_kernel, loop_kernel, ptrs, n_rows, n, scalars=(), *, block_r=None,
+                num_warps=None, target=4096, evict=None):
+    """Run a row-wise op over `n_rows` rows of `n` elements: the whole-row-in-registers kernel
+    over tiles of rows when a row fits (n <= MAX_FUSED_N), else the looped kernel, one program
+    per row. Kernel signatures: rows(*ptrs, R, N, *scalars, BLOCK_R, BLOCK_N, EVICT) and
+    loop(*ptrs, N, *scalars, BLOCK)."""
+    if n <= MAX_FUSED_N:
+        br, bn, nw = row_config(n, target=target)
+        br = block_r or br
+        rows_kernel[(triton.cdiv(n_rows, br),)](
+            *ptrs, n_rows, n, *scalars, BLOCK_R=br, BLOCK_N=bn,
+            EVICT=ROW_EVICT if evict is None else evict, num_warps=num_warps or nw)
+    else:
+        loop_kernel[(n_rows,)](*ptrs, n, *scalars, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+
+
+@triton.jit
+def row_tile(R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_R, BLOCK_N] tile of a row-major [R, N] array that this program owns: (mask,
+    int64 element offsets). Shared by every whole-row-in-registers kernel."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    return mask, rows.to(tl.int64)[:, None] * N + cols[None, :]
+
+
 @triton.jit
 def _rmax_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N,
                           BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    mask = rmask[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
     g = tl.load(g_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     isnan = (x != x).to(tl.int32)

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from fuelgraph.errors import fail
 
-from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
-                      row_config, use_triton)
+from .helpers import (ROW_EVICT, check_float, check_same, flat_rows, launch_rows, row_tile,
+                      use_triton)
 
 __all__ = [
     "rms_norm_last_dim",
@@ -31,11 +31,7 @@ __all__ = [
 @triton.jit
 def _rms_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                          EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     ms = tl.sum(x * x, 1) * (1.0 / N)
     r = 1.0 / tl.sqrt_rn(ms + eps)
@@ -45,11 +41,7 @@ def _rms_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N
 @triton.jit
 def _ln_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                         EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     inv_n = 1.0 / N
     mean = tl.sum(x, 1) * inv_n
@@ -62,11 +54,7 @@ def _ln_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N:
 @triton.jit
 def _rms_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     den = tl.sum(x * x, 1) * (1.0 / N) + eps
@@ -79,11 +67,7 @@ def _rms_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
 @triton.jit
 def _ln_bwd_rows_kernel(x_ptr, g_ptr, dx_ptr, R, N, eps,
                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     inv_n = 1.0 / N
@@ -264,14 +248,8 @@ def _norm_fwd(kind: str, x: torch.Tensor, eps: float, *, block_r=None, num_warps
         return y
     if target is None:
         target = RMS_FWD_WIDE_TARGET if (kind == "rms" and n >= 2048) else 4096
-    rows_k, loop_k = _FWD[kind]
-    if n <= MAX_FUSED_N:
-        br, bn, nw = row_config(n, target=target)
-        br = block_r or br
-        rows_k[(triton.cdiv(r, br),)](x, y, r, n, eps, BLOCK_R=br, BLOCK_N=bn, EVICT=evict,
-                                      num_warps=num_warps or nw)
-    else:
-        loop_k[(r,)](x, y, n, eps, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    launch_rows(*_FWD[kind], (x, y), r, n, (eps,), block_r=block_r, num_warps=num_warps,
+                target=target, evict=evict)
     return y
 
 
@@ -282,14 +260,8 @@ def _norm_bwd(kind: str, x: torch.Tensor, grad: torch.Tensor, eps: float, *, blo
     dx = torch.empty_like(x)
     if r == 0:
         return dx
-    rows_k, loop_k = _BWD[kind]
-    if n <= MAX_FUSED_N:
-        br, bn, nw = row_config(n, target=target)
-        br = block_r or br
-        rows_k[(triton.cdiv(r, br),)](x, g, dx, r, n, eps, BLOCK_R=br, BLOCK_N=bn, EVICT=evict,
-                                      num_warps=num_warps or nw)
-    else:
-        loop_k[(r,)](x, g, dx, n, eps, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    launch_rows(*_BWD[kind], (x, g, dx), r, n, (eps,), block_r=block_r, num_warps=num_warps,
+                target=target, evict=evict)
     return dx
 
 

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .helpers import (LOOP_BLOCK, MAX_FUSED_N, ROW_EVICT, check_float, check_same, flat_rows,
-                      row_config, use_triton)
+from .helpers import (ROW_EVICT, check_float, check_same, flat_rows, launch_rows, row_tile,
+                      use_triton)
 
 __all__ = ["softmax_last_dim", "softmax_last_dim_backward"]
 
@@ -21,11 +21,7 @@ __all__ = ["softmax_last_dim", "softmax_last_dim_backward"]
 @triton.jit
 def _softmax_fwd_rows_kernel(x_ptr, y_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                              EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
     m = tl.max(x, 1)
     e = tl.exp(x - m[:, None])
@@ -58,11 +54,7 @@ def _softmax_fwd_loop_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
 @triton.jit
 def _softmax_bwd_rows_kernel(y_ptr, g_ptr, dx_ptr, R, N,
                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
     y = tl.load(y_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     dot = tl.sum(y * g, 1)
@@ -105,13 +97,8 @@ def _softmax_fwd(x: torch.Tensor, *, block_r=None, num_warps=None, target=4096,
     y = torch.empty_like(x)
     if r == 0 or n == 0:
         return y
-    if n <= MAX_FUSED_N:
-        br, bn, nw = row_config(n, target=target)
-        br = block_r or br
-        _softmax_fwd_rows_kernel[(triton.cdiv(r, br),)](
-            x, y, r, n, BLOCK_R=br, BLOCK_N=bn, EVICT=evict, num_warps=num_warps or nw)
-    else:
-        _softmax_fwd_loop_kernel[(r,)](x, y, n, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    launch_rows(_softmax_fwd_rows_kernel, _softmax_fwd_loop_kernel, (x, y), r, n,
+                block_r=block_r, num_warps=num_warps, target=target, evict=evict)
     return y
 
 
@@ -122,13 +109,8 @@ def _softmax_bwd(y: torch.Tensor, grad: torch.Tensor, *, block_r=None, num_warps
     dx = torch.empty_like(y)
     if r == 0 or n == 0:
         return dx
-    if n <= MAX_FUSED_N:
-        br, bn, nw = row_config(n, target=target)
-        br = block_r or br
-        _softmax_bwd_rows_kernel[(triton.cdiv(r, br),)](
-            y, g, dx, r, n, BLOCK_R=br, BLOCK_N=bn, EVICT=evict, num_warps=num_warps or nw)
-    else:
-        _softmax_bwd_loop_kernel[(r,)](y, g, dx, n, BLOCK=LOOP_BLOCK, num_warps=num_warps or 8)
+    launch_rows(_softmax_bwd_rows_kernel, _softmax_bwd_loop_kernel, (y, g, dx), r, n,
+                block_r=block_r, num_warps=num_warps, target=target, evict=evict)
     return dx
 
 
