@@ -4,19 +4,12 @@ entry's BackwardKind."""
 from __future__ import annotations
 
 import math
-import weakref
 
 from .errors import FuelGraphError
 from .ir import ops
 from .ir.node import Value, apply, toposort
+from .ir.tensor import GRAD_LEAVES as _GRAD_LEAVES
 from .ir.tensor import Tensor, full, where, zeros_like
-
-_GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def track_leaf(t: Tensor):
-    """Remember a requires_grad leaf so backward() can fill its .grad."""
-    _GRAD_LEAVES[t.value] = t
 
 
 def _unbroadcast(g: Tensor, shape) -> Tensor:

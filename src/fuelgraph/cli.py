@@ -10,28 +10,22 @@ import numpy as np
 
 
 def _registry_rows():
-    from .backends import cuda as cuda_backend
+    from .backends.cuda import declared_fused_ids
     from .opt.passes import has_kernel
     from .registry.core import FusedOps, default_registry
     reg = default_registry()
-    cuda_names = cuda_backend.FUSED_KERNEL_NAMES
+    cuda_ids = declared_fused_ids()
     rows = []
     for const, fid in sorted(FusedOps.well_known().items(), key=lambda kv: kv[1]):
-        e = reg.get(fid)
-        if e is None:
+        if reg.get(fid) is None:
             rows.append((int(fid), const.lower(), "-", "no", "-", "-", "-", "-", "-"))
-            continue
-        rows.append((int(fid), e.name, e.family, "yes",
-                     "yes" if has_kernel(fid, "numpy") else "recipe",
-                     "yes" if e.name in cuda_names else "recipe",
-                     "yes", "yes" if e.has_pattern else "no", str(e.backward)))
     for e in reg:
-        if e.id >= 0x8000:
-            rows.append((int(e.id), e.name, e.family, "yes (run time)",
-                         "yes" if has_kernel(e.id, "numpy") else "recipe",
-                         "yes" if e.name in cuda_names else "recipe", "yes",
-                         "yes" if e.has_pattern else "no", str(e.backward)))
-    return rows
+        kind = "yes (run time)" if e.id.is_runtime() else "yes"
+        rows.append((int(e.id), e.name, e.family, kind,
+                     "yes" if has_kernel(e.id, "numpy") else "recipe",
+                     "yes" if int(e.id) in cuda_ids else "recipe", "yes",
+                     "yes" if e.has_pattern else "no", str(e.backward)))
+    return sorted(rows, key=lambda r: r[0])
 
 
 def cmd_registry(args) -> int:
@@ -43,10 +37,11 @@ def cmd_registry(args) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
-    known = [r for r in rows[1:] if int(r[0]) < 0x8000]
+    known = [r for r in rows[1:] if int(r[0]) <= 25]
     impl = sum(1 for r in known if r[3] == "yes")
-    print(f"\n{impl} of the {len(known)} well-known ids implemented, plus {len(rows) - 1 - len(known)} "
-          f"run-time id(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
+    extra = [r for r in rows[1:] if 25 < int(r[0]) < 0x8000]
+    print(f"\n{impl} of the {len(known)} well-known ids implemented, {len(extra)} further "
+          f"built-in op(s), {len(rows) - 1 - len(known) - len(extra)} run-time op(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
           f"decomposition on that backend")
     from .backends import available_backends
     for name, why in available_backends().items():

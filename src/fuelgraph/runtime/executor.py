@@ -145,19 +145,3 @@ def run_body(body, args: list) -> list:
         hit = _BODY_PLANS[body] = (plan, order)
     plan, order = hit
     return plan.run([args[i] for i in order])
-
-
-def run_scan(op, args, alloc) -> tuple:
-    """The Scan primitive on any backend: loop over t, running the body's cached plan;
-    `alloc(shape, dtype)` makes the stacked ys buffers."""
-    nc, nx = op.n_carry, op.n_xs
-    carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
-    y_meta = op.body.outputs[nc:]
-    ys = [alloc((op.length,) + y.shape, y.dtype) for y in y_meta]
-    steps = range(op.length - 1, -1, -1) if op.reverse else range(op.length)
-    for t in steps:
-        outs = run_body(op.body, carries + [x[t] for x in xs] + consts)
-        carries = list(outs[:nc])
-        for buf, y in zip(ys, outs[nc:]):
-            buf[t] = y
-    return tuple(carries) + tuple(ys)

@@ -9,29 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, consumers, toposort
-
-
-def structural_key(outputs, order_inputs=None) -> tuple:
-    """Hashable structure of the graph under `outputs`; Input leaves become ("in", position,
-    shape, dtype, device) in first-visit order (or in `order_inputs` order when given)."""
-    return key_and_inputs(outputs, order_inputs)[0]
-
-
-def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
-    """(structural key, Input nodes in the order the key numbers them), in one walk."""
-    nodes = toposort([v.node for v in outputs])
-    index = {n: i for i, n in enumerate(nodes)}
-    inputs = {v.node: i for i, v in enumerate(order_inputs)} if order_inputs is not None else {}
-    parts = []
-    for n in nodes:
-        if isinstance(n.op, ops.Input):
-            pos = inputs.setdefault(n, len(inputs))
-            parts.append(("in", pos, n.op.shape, n.op.dtype, n.op.device))
-        else:
-            parts.append((n.op, tuple((index[s.node], s.slot) for s in n.srcs)))
-    key = (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
-    return key, sorted(inputs, key=inputs.get)
+from ..ir.node import Node, Value, consumers, key_and_inputs, structural_key, toposort  # noqa: F401
 
 
 @dataclass
@@ -104,6 +82,10 @@ def _bind(impl, node: Node):
     k = impl.kernel
     if isinstance(node.op, ops.Fused):
         kw = dataclasses.asdict(node.op.params) if dataclasses.is_dataclass(node.op.params) else {}
+    elif isinstance(node.op, ops.Scan):
+        from .executor import run_body
+        body = node.op.body
+        kw = {"op": node.op, "run_body": lambda args: run_body(body, args)}
     else:
         kw = {"op": node.op}
     return (lambda *a, **extra: k(*a, **kw, **extra)) if kw else k
@@ -136,7 +118,8 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         if isinstance(op, ops.Input):
             continue
         impl = select_kernel(op_identity(op), backend_name, [s.shape for s in n.srcs],
-                             [s.dtype for s in n.srcs], op)
+                             [s.dtype for s in n.srcs],
+                             op.params if isinstance(op, ops.Fused) else op)
         if impl is None:
             raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
                                  f"{[s.dtype.name for s in n.srcs]}")

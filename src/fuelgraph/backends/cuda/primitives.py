@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...ir import ops
+from ..base import scan_loop
 
 _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
@@ -127,10 +128,10 @@ def const(*, op):
     return torch.from_numpy(a.copy()).to(_dev(op))
 
 
-def scan(*args, op):
-    from ...runtime.executor import run_scan
+def scan(*args, op, run_body):
     dev = args[0].device if args else torch.device("cuda")
-    return run_scan(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev))
+    return scan_loop(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev),
+                     run_body)
 
 
 PRIMITIVES = {
