@@ -8,11 +8,17 @@ import time
 
 import numpy as np
 
+import fuelgraph as fg
+
+from .backends import available_backends
+from .backends.cuda import declared_fused_ids
+from .nn import TinyBlock
+from .opt.passes import has_kernel
+from .registry.core import FusedOps, default_registry
+from .runtime.executor import realize
+
 
 def _registry_rows():
-    from .backends.cuda import declared_fused_ids
-    from .opt.passes import has_kernel
-    from .registry.core import FusedOps, default_registry
     reg = default_registry()
     cuda_ids = declared_fused_ids()
     rows = []
@@ -43,15 +49,12 @@ def cmd_registry(args) -> int:
     print(f"\n{impl} of the {len(known)} well-known ids implemented, {len(extra)} further "
           f"built-in op(s), {len(rows) - 1 - len(known) - len(extra)} run-time op(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
           f"decomposition on that backend")
-    from .backends import available_backends
     for name, why in available_backends().items():
         print(f"backend {name}: " + ("available" if why is None else f"unavailable ({why})"))
     return 0
 
 
 def _demo_graph(batch=4):
-    import fuelgraph as fg
-    from .nn import TinyBlock
     model = TinyBlock(d=256, heads=4, hidden=512, vocab=2048, seq=128)
     x, t = model.example(batch)
     logits = model(x)
@@ -69,8 +72,6 @@ def _time(fn, n=5):
 
 
 def cmd_demo(args) -> int:
-    import fuelgraph as fg
-    from .runtime.executor import realize
     print("fuelgraph demo: a Llama-style block (RMS norm, RoPE, causal attention, SiLU MLP,")
     print("cross-entropy) written in plain tensor ops, with its backward pass, on the CPU.\n")
     _, outs = _demo_graph()
@@ -90,7 +91,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    import fuelgraph as fg
     _, outs = _demo_graph()
     print(fg.explain(outs, lower_all=args.lower_all))
     return 0

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..ir import ops
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -104,34 +106,12 @@ def declared_kernels(package_dir: Path, backend: str) -> dict[str, str]:
     return out
 
 
-def _ensure_loaded(backend: str):
-    from . import get_backend_by_name
-    get_backend_by_name(backend)
-
-
-def kernels_for(identity, backend: str) -> list[BackendImpl]:
-    _ensure_loaded(backend)
-    return KERNELS.get((identity, backend), [])
-
-
 def accepts(k: BackendImpl, dtypes, shapes=None, params=None) -> bool:
     """A kernel's dtype list constrains its float inputs (index inputs are always allowed);
     its `supports` predicate, when given shapes, decides the rest."""
     if k.dtypes is not None and not all(d in k.dtypes for d in dtypes if d.is_float):
         return False
     return k.supports is None or shapes is None or bool(k.supports(shapes, dtypes, params))
-
-
-def select_kernel(identity, backend: str, in_shapes, dtypes, params=None) -> BackendImpl | None:
-    """Cheapest registered kernel that accepts this call, or None."""
-    best, best_t = None, math.inf
-    for k in kernels_for(identity, backend):
-        if not accepts(k, dtypes, in_shapes, params):
-            continue
-        t = k.cost(in_shapes, params).time()
-        if t < best_t:
-            best, best_t = k, t
-    return best
 
 
 def scan_loop(op, args, alloc, run_body) -> tuple:
@@ -151,5 +131,4 @@ def scan_loop(op, args, alloc, run_body) -> tuple:
 
 
 def op_identity(op):
-    from ..ir import ops
     return int(op.id) if isinstance(op, ops.Fused) else type(op).__name__

@@ -8,6 +8,7 @@ import weakref
 from typing import NamedTuple
 
 from ..dtype import DType
+from .ops import Input
 
 _INTERN: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 _UID = itertools.count()
@@ -116,7 +117,6 @@ def structural_key(outputs, order_inputs=None) -> tuple:
 
 def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
     """(structural key, Input nodes in the order the key numbers them), in one walk."""
-    from .ops import Input
     nodes = toposort([v.node for v in outputs])
     index = {n: i for i, n in enumerate(nodes)}
     inputs = {v.node: i for i, v in enumerate(order_inputs)} if order_inputs is not None else {}

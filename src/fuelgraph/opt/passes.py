@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..backends.base import accepts, kernels_for
+from ..backends import kernels_for
+from ..backends.base import accepts
 from ..ir import ops
 from ..ir.node import Node, Value, consumers, toposort
 from ..ir.tensor import Tensor

@@ -97,6 +97,14 @@ def _sentinel(i: int) -> float:
     return 1.2345678e-3 + i * 1.1e-5
 
 
+def _int_sentinel(i: int) -> int:
+    return -987_654_321 - i
+
+
+_FLOAT_TYPES = (float, "float")
+_INT_TYPES = (int, "int", "int | None")
+
+
 def _op_sig(op):
     return (type(op), getattr(op, "kind", None))
 
@@ -112,8 +120,10 @@ def derive_patterns(entry) -> list[Pattern]:
         for i, f in enumerate(fields):
             if f.name in fixed:
                 params[f.name] = fixed[f.name]
-            elif f.type in (float, "float"):
+            elif f.type in _FLOAT_TYPES:
                 params[f.name] = sentinels[f.name] = _sentinel(i)
+            elif f.type in _INT_TYPES:     # an int constant of the graph (e.g. ignore_index)
+                params[f.name] = sentinels[f.name] = _int_sentinel(i)
             elif f.default is not dataclasses.MISSING:
                 params[f.name] = f.default
             else:

@@ -9,7 +9,8 @@ from ..errors import FuelGraphError
 from ..ir.node import Value
 from ..ir.tensor import Tensor, bound_data
 from ..opt import optimize
-from .plan import build_plan, key_and_inputs
+from ..ir.node import key_and_inputs
+from .plan import build_plan
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 MAX_PLANS = 256
@@ -71,8 +72,7 @@ def compile_plan(vals: list[Value], lower_all: bool = False):
     STATS["plan_misses"] += 1
     be = get_backend(device)
     res = optimize(vals, bname, lower_all)
-    from ..backends.numpy.primitives import VIEW_OPS
-    plan = build_plan(res.outputs, be, bname, inputs, getattr(be, "view_ops", VIEW_OPS))
+    plan = build_plan(res.outputs, be, bname, inputs, be.view_ops, run_body)
     _PLANS[key] = plan
     if len(_PLANS) > MAX_PLANS:
         _PLANS.popitem(last=False)

@@ -5,11 +5,15 @@ their position, shape and dtype, so re-running the same model on new data skips 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass, field
 
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, consumers, key_and_inputs, structural_key, toposort  # noqa: F401
+from ..backends import select_kernel
+from ..backends.base import op_identity
+from ..ir.node import Node, Value, consumers, toposort
+from ..registry.core import default_registry
 
 
 @dataclass
@@ -78,12 +82,11 @@ class Plan:
         return [env[i] for i in self.output_slots]
 
 
-def _bind(impl, node: Node):
+def _bind(impl, node: Node, run_body):
     k = impl.kernel
     if isinstance(node.op, ops.Fused):
         kw = dataclasses.asdict(node.op.params) if dataclasses.is_dataclass(node.op.params) else {}
     elif isinstance(node.op, ops.Scan):
-        from .executor import run_body
         body = node.op.body
         kw = {"op": node.op, "run_body": lambda args: run_body(body, args)}
     else:
@@ -92,12 +95,10 @@ def _bind(impl, node: Node):
 
 
 def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
-               view_ops=()) -> Plan:
+               view_ops=(), run_body=None) -> Plan:
     """Schedule the optimized graph under `outputs` for `backend`; buffers of the Input nodes
     are passed to `Plan.run` in `input_order` (inputs the optimized graph no longer reads are
-    ignored)."""
-    from ..backends.base import op_identity, select_kernel
-    from ..registry.core import default_registry
+    ignored). `run_body(body, buffers)` runs a Scan body (the executor's cached body plans)."""
     nodes = toposort([v.node for v in outputs])
     users = consumers(nodes)
     order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops)
@@ -123,7 +124,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         if impl is None:
             raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
                                  f"{[s.dtype.name for s in n.srcs]}")
-        fn = _bind(impl, n)
+        fn = _bind(impl, n, run_body)
         if not n.srcs and isinstance(op, (ops.Const, ops.Full, ops.Iota)):
             buf = fn()
             if hasattr(buf, "flags"):
@@ -146,7 +147,6 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
     buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
     leaf, a graph output, or read after the op by something that depends on it) the op is
     marked to copy instead (left out of the returned set)."""
-    from ..registry.core import default_registry
     extra: dict[Node, set] = {}
     before: dict[Node, set] = {}                # reader -> destructive ops ordered after it
     ok: set = set()
@@ -209,7 +209,6 @@ def _toposort_with(nodes: list[Node], extra: dict[Node, set]) -> list[Node]:
         for d in ds:
             rev[d].append(n)
     indeg = {n: len(ds) for n, ds in deps.items()}
-    import heapq
     ready = [(pos[n], n.uid, n) for n in nodes if indeg[n] == 0]
     heapq.heapify(ready)
     out = []

@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from ...registry.core import id_by_label
+from ..base import declared_kernels
+
 
 @functools.lru_cache(maxsize=None)
 def cuda_unavailable_reason() -> str | None:
@@ -24,14 +27,7 @@ def cuda_unavailable_reason() -> str | None:
 def declared_fused_ids() -> set[int]:
     """Ids of the fused ops that have a CUDA kernel, read from the kernel modules' `@kernel`
     declarations without importing them (listing needs neither torch nor a GPU)."""
-    from ...registry.core import id_by_label
-    from ..base import declared_kernels
     labels = declared_kernels(Path(__file__).parent / "kernels", "cuda")
     return {int(i) for i in map(id_by_label, labels) if i is not None}
 
 
-def __getattr__(name):
-    if name == "CudaBackend":
-        from .backend import CudaBackend
-        return CudaBackend
-    raise AttributeError(name)

@@ -2,6 +2,7 @@
 computed the way torch computes them (float32 internally, one rounding per op)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...ir import ops
@@ -121,7 +122,6 @@ def iota(*, op):
 
 
 def const(*, op):
-    import numpy as np
     a = op.array
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(_dev(op))
