@@ -537,16 +537,21 @@ def _category(d: DType) -> int:
 
 
 def promote(a: Tensor, b: Tensor, op: str = "op") -> tuple[Tensor, Tensor]:
-    """The common dtype of a binary op (torch's promotion: see `dtype.result_type`). A 0-d
-    constant (a Python scalar) of the other operand's category adopts its dtype."""
+    """The common dtype of a binary op, torch's rules: categories bool < int < float; a 0-d
+    operand (a Python scalar, or any 0-d tensor) beside a dimensioned one of the same category
+    takes the dimensioned operand's dtype, of a higher category keeps its own; otherwise
+    `dtype.result_type`."""
     if a.dtype == b.dtype:
         return a, b
+    d = None
     for x, y in ((a, b), (b, a)):
-        if isinstance(x.node.op, ops.Full) and x.shape == () and \
-                _category(x.dtype) == _category(y.dtype):
-            w = full((), x.node.op.value, y.dtype, y.device)
-            return (w, b) if x is a else (a, w)
-    d = dt.result_type(a.dtype, b.dtype)
+        if x.ndim == 0 and y.ndim > 0:
+            d = y.dtype if _category(x.dtype) <= _category(y.dtype) else x.dtype
+            if isinstance(x.node.op, ops.Full) and d == y.dtype:   # a scalar: retype, no cast
+                w = full((), x.node.op.value, d, y.device)
+                return (w, b) if x is a else (a, w)
+    if d is None:
+        d = dt.result_type(a.dtype, b.dtype)
     return a.astype(d), b.astype(d)
 
 
