@@ -83,8 +83,10 @@ def ss_inputs(B, L, D, N, dt, d=False, z=False, bias=False, softplus=False, seed
         r["d"] = rng.standard_normal(D)
     if z:
         r["z"] = rng.standard_normal((B, L, D))
-    if bias:
+    if bias:   # keeps dt > 0 without softplus (a growing state would overflow)
         r["delta_bias"] = rng.standard_normal(D) * 0.3
+        if not softplus:
+            r["delta_bias"] = np.abs(r["delta_bias"])
     return {k: v.astype(dt.np).astype(np.float64) for k, v in r.items()}
 
 
@@ -107,6 +109,8 @@ def ssd_inputs(B, L, H, P, N, dt, d=None, z=False, bias=False, softplus=False, i
         r["z"] = rng.standard_normal((B, L, H, P))
     if bias:
         r["dt_bias"] = rng.standard_normal(H) * 0.3
+        if not softplus:
+            r["dt_bias"] = np.abs(r["dt_bias"])
     if init:
         r["initial_states"] = rng.standard_normal((B, H, P, N))
     return {k: v.astype(dt.np).astype(np.float64) for k, v in r.items()}
