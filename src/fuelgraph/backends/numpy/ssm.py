@@ -221,7 +221,7 @@ def selective_scan_backward(u, delta, a, b, c, *rest, delta_softplus, has_d, has
             _ss_block(_tm(dt, t0, t1, d0, d1), _tm(ua, t0, t1, d0, d1), a_s, _tm(ba, t0, t1),
                       h, dA[:n], H[:n])
             h[...] = H[n - 1]
-        carry = np.ascontiguousarray(gla[:, d0:d1])       # dL/dh_t from later steps
+        carry = gla[:, d0:d1].copy()                      # dL/dh_t from later steps
         da_s = np.zeros((Ds, N), acc)
         for i in range(len(starts) - 1, -1, -1):
             t0 = starts[i]
