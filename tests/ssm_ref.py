@@ -140,19 +140,3 @@ def torch_grads(ref, inputs, order, gy, gl, dtype=None, in_dtype=torch.float64, 
 def fg_dtype_tensors(inputs, dt):
     return {k: fg.tensor(v.astype(dt.np), dtype=dt) for k, v in inputs.items()}
 
-
-def ensure_registered():
-    """Declare the ssm entries and NumPy kernels when the registry does not discover them by
-    itself yet (no-op once it does)."""
-    from fuelgraph.backends.base import register_kernel
-    from fuelgraph.backends.numpy import ssm as K
-    from fuelgraph.registry import ssm as R
-    reg = fg.default_registry()
-    if "selective_scan" in reg:
-        return
-    R.declare(reg)
-    for op, fn in ((R.FusedOps.SELECTIVE_SCAN, K.selective_scan),
-                   (R.SELECTIVE_SCAN_BACKWARD, K.selective_scan_backward),
-                   (R.FusedOps.SSD_CHUNK_SCAN, K.ssd_chunk_scan),
-                   (R.SSD_CHUNK_SCAN_BACKWARD, K.ssd_chunk_scan_backward)):
-        register_kernel(op, "numpy", fn, name=f"numpy.{fn.__name__}")

@@ -9,13 +9,11 @@ import torch
 
 import fuelgraph as fg
 from fuelgraph import FuelGraphError
-from fuelgraph.registry import ssm as R
 from oracle import assert_flash_rule
-from ssm_ref import (SS_ORDER, SSD_ORDER, ensure_registered, ordered, selective_scan_ref,
-                     ss_inputs, ssd_inputs, ssd_ref, torch_grads)
+import fuelgraph.functional as F
+from ssm_ref import (SS_ORDER, SSD_ORDER, ordered, selective_scan_ref, ss_inputs, ssd_inputs,
+                     ssd_ref, torch_grads)
 
-ensure_registered()
-F = R   # the builders (also re-exported by fuelgraph.functional)
 DTYPES = [fg.float32, fg.float64, fg.bfloat16, fg.float16]
 SLACK = {fg.bfloat16: 1e-2, fg.float16: 2e-3}
 SS_OPTS = [dict(), dict(d=True, z=True, bias=True, softplus=True), dict(z=True, softplus=True),

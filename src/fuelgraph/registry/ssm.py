@@ -457,7 +457,7 @@ def _ss_sample(rng, B=2, L=5, D=3, N=4, grads=False):
     return xs
 
 
-def _ssd_sample(rng, B=2, L=4, H=3, P=2, N=4, grads=False):
+def _ssd_sample(rng, B=1, L=64, H=2, P=2, N=3, grads=False):   # L: the default chunk_size
     f = np.float32
     xs = [rng.standard_normal((B, L, H, P)).astype(f),
           np.abs(0.5 * rng.standard_normal((B, L, H))).astype(f),

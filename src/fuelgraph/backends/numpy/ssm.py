@@ -25,7 +25,10 @@ import math
 
 import numpy as np
 
-from .helpers import NUM_THREADS, acc_dtype, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ...registry.ssm import SELECTIVE_SCAN_BACKWARD, SSD_CHUNK_SCAN_BACKWARD
+from ..base import Cost, kernel
+from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
 
 # elements of one time block's [T, B, Dspan, N] arrays (selective scan): about L2-sized
 SS_BLOCK_ELEMS = 1 << 17
@@ -103,6 +106,19 @@ def _spans(n, parts):
     return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i + 1] > bounds[i]]
 
 
+def ss_cost(shapes, params=None, itemsize=4):
+    """About ten flops per (b, t, d, n) step; every [B, L, *] input read and y written once."""
+    (B, L, D), N = shapes[0], shapes[2][1]
+    return Cost(10 * B * L * D * N, itemsize * (sum(math.prod(s) for s in shapes) + B * L * D))
+
+
+def ssd_cost(shapes, params=None, itemsize=4, q=64):
+    """Chunked SSD: 2q(N + P) flops per step for the within-chunk matmuls, 4PN for the state."""
+    (B, L, H, P), N = shapes[0], shapes[3][3]
+    flops = 2 * B * L * H * (q * (N + P) + 2 * P * N)
+    return Cost(flops, itemsize * (sum(math.prod(s) for s in shapes) + B * L * H * P))
+
+
 # ---- selective scan --------------------------------------------------------------------------
 def _ss_prepare(u, delta, a, b, c, opt, delta_softplus, acc):
     dt, pre = _step_size(delta, opt.get("bias"), delta_softplus, acc)
@@ -138,6 +154,7 @@ def _ss_block(dt_b, u_b, a_s, b_b, h, dA, H):
     _ss_states(h, dA, H)
 
 
+@kernel(FusedOps.SELECTIVE_SCAN, "numpy", cost=ss_cost)
 def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_delta_bias):
     """SELECTIVE_SCAN: u, delta [B, L, D], a [D, N], b, c [B, L, N], then the optional
     d [D], z [B, L, D], delta_bias [D] -> (y [B, L, D], last_state [B, D, N])."""
@@ -175,6 +192,7 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     return _out(y, u.dtype), _out(last, u.dtype)
 
 
+@kernel(SELECTIVE_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ss_cost(s[:5], p))
 def selective_scan_backward(u, delta, a, b, c, *rest, delta_softplus, has_d, has_z,
                             has_delta_bias):
     """Backward of SELECTIVE_SCAN: the forward inputs, then grad_y [B, L, D] and
@@ -361,6 +379,7 @@ def _d_b(H, P):
     return lambda v: v[:, None] if v.ndim == 1 else v
 
 
+@kernel(FusedOps.SSD_CHUNK_SCAN, "numpy", cost=ssd_cost)
 def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, has_dt_bias,
                    has_initial_states):
     """SSD_CHUNK_SCAN: x [B, L, H, P], dt [B, L, H], a [H], b, c [B, L, H, N], then the optional
@@ -455,6 +474,7 @@ def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
             dC.reshape(G, Lp, N), dh0)
 
 
+@kernel(SSD_CHUNK_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ssd_cost(s[:5], p))
 def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_d, has_z,
                             has_dt_bias, has_initial_states):
     """Backward of SSD_CHUNK_SCAN: the forward inputs, then grad_y [B, L, H, P] and

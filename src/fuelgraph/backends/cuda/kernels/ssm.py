@@ -19,6 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ....registry.core import FusedOps
+from ....registry.ssm import SELECTIVE_SCAN_BACKWARD
+from ...base import Cost, kernel
+from .common import HALF_AND_F32
+
+
+def _cost(shapes, params=None):
+    """Bandwidth-bound: every input read once, y written once (2-byte elements assumed)."""
+    (B, L, D), N = shapes[0], shapes[2][1]
+    n = sum(int(torch.Size(s).numel()) for s in shapes) + B * L * D
+    return Cost(10 * B * L * D * N, 2 * n)
+
 __all__ = ["selective_scan", "selective_scan_backward"]
 
 
@@ -121,6 +133,8 @@ def _ss_opts(u, opt, has_d, has_z, has_delta_bias):
     return d, z, bias
 
 
+@kernel(FusedOps.SELECTIVE_SCAN, "cuda", dtypes=HALF_AND_F32, cost=_cost,
+        precision="fp32 state and sums")
 def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_delta_bias,
                    config=None):
     """SELECTIVE_SCAN: u, delta [B, L, D], a [D, N], b, c [B, L, N] (contiguous CUDA tensors,
@@ -274,6 +288,8 @@ def _ss_bwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, g
         tl.store(dbias_ptr + pid_b * D + offs_d, dbias_acc, mask=dmask)
 
 
+@kernel(SELECTIVE_SCAN_BACKWARD, "cuda", dtypes=HALF_AND_F32,
+        cost=lambda s, p=None: _cost(s[:5], p), precision="fp32 state and sums")
 def selective_scan_backward(u, delta, a, b, c, *rest, delta_softplus, has_d, has_z,
                             has_delta_bias, config=None):
     """Backward of SELECTIVE_SCAN: the forward inputs, then grad_y [B, L, D] and

@@ -26,6 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ....registry.core import FusedOps
+from ....registry.ssm import SSD_CHUNK_SCAN_BACKWARD
+from ...base import Cost, kernel
+from .common import HALF_AND_F32
 from .ssm import sigmoid_f32, softplus_f32
 
 __all__ = ["ssd_chunk_scan", "ssd_chunk_scan_backward"]
@@ -47,6 +51,13 @@ def ssd_config(B, L, H, P, N, backward=False):
     if not backward and B * H < 264 and bp >= 64:
         bp //= 2
     return q, bp, 8 if backward or _p2(N) * bp >= 8192 else 4
+
+
+def _cost(shapes, params=None, q=64):
+    (B, L, H, P), N = shapes[0], shapes[3][3]
+    flops = 2 * B * L * H * (q * (N + P) + 2 * P * N)
+    n = sum(int(torch.Size(s).numel()) for s in shapes) + B * L * H * P
+    return Cost(flops, 2 * n)
 
 
 def _strides3(t):
@@ -153,16 +164,18 @@ def _launch_fwd(x, dt, a, b, c, d, z, bias, h0, y, hl, st, flags, cfg, prec):
         PREC=prec, num_warps=warps)
 
 
+@kernel(FusedOps.SSD_CHUNK_SCAN, "cuda", dtypes=HALF_AND_F32, cost=_cost, strided_input=True,
+        precision="fp32 state; tf32 (16-bit) / tf32x3 (fp32) dots")
 def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, has_dt_bias,
                    has_initial_states, config=None):
     """SSD_CHUNK_SCAN: x [B, L, H, P], dt [B, L, H], a [H], b, c [B, L, H, N] (N >= 1; CUDA tensors,
     float32 / bfloat16 / float16, strided along batch, time and head allowed), then d [H] or
     [H, P], z [B, L, H, P], dt_bias [H], initial_states [B, H, P, N] as flagged ->
     (y [B, L, H, P], last_state [B, H, P, N]) in x's dtype."""
-    x, b, c = _last_contig(x), _last_contig(b), _last_contig(c)
+    x, b, c, a = _last_contig(x), _last_contig(b), _last_contig(c), a.contiguous()
     d, z, bias, h0 = _ssd_opts(x, opt, has_d, has_z, has_dt_bias, has_initial_states)
     z = _last_contig(z)
-    d, h0 = d.contiguous(), h0.contiguous()
+    d, h0, bias = d.contiguous(), h0.contiguous(), bias.contiguous()
     B, L, H, P = x.shape
     N = b.shape[3]
     y = torch.empty((B, L, H, P), dtype=x.dtype, device=x.device)
@@ -295,15 +308,18 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
         tl.store(dd_ptr + pid_bh * P + offs_p, dd_acc, mask=pmask)
 
 
+@kernel(SSD_CHUNK_SCAN_BACKWARD, "cuda", dtypes=HALF_AND_F32, strided_input=True,
+        cost=lambda s, p=None: _cost(s[:5], p),
+        precision="fp32 state; tf32 (16-bit) / tf32x3 (fp32) dots")
 def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_d, has_z,
                             has_dt_bias, has_initial_states, config=None):
     """Backward of SSD_CHUNK_SCAN: the forward inputs, then grad_y [B, L, H, P] and
     grad_last_state [B, H, P, N] -> one gradient per forward input (its shape and dtype)."""
     gy, gl = _last_contig(rest[-2]), rest[-1].contiguous()
-    x, b, c = _last_contig(x), _last_contig(b), _last_contig(c)
+    x, b, c, a = _last_contig(x), _last_contig(b), _last_contig(c), a.contiguous()
     d, z, bias, h0 = _ssd_opts(x, rest[:-2], has_d, has_z, has_dt_bias, has_initial_states)
     z = _last_contig(z)
-    d, h0 = d.contiguous(), h0.contiguous()
+    d, h0, bias = d.contiguous(), h0.contiguous(), bias.contiguous()
     B, L, H, P = x.shape
     N = b.shape[3]
     BH = B * H
