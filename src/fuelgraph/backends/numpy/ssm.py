@@ -444,11 +444,11 @@ def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
     Hin = Hs[:, :nc]
     CBm = CB * Lm                                                    # [t, s], s <= t
     # x: dt_s * (sum_t CBm[t, s] gy_t + wend_s * B_s Dend^T)
-    QB = np.matmul(Bc, Dend.swapaxes(-1, -2))                        # [G, nc, Q, P]
+    QB = np.matmul(Bc, np.ascontiguousarray(Dend.swapaxes(-1, -2)))  # [G, nc, Q, P]
     gB = np.matmul(CBm.swapaxes(-1, -2), Yg)
     gB += wend[..., None] * QB
     dX = gB * dtc[..., None]
-    ddt = np.einsum("gcqp,gcqp->gcq", gB, Xc)
+    ddt = np.vecdot(gB, Xc)
     # b: dt_s * (sum_t W[t, s] C_t + wend_s * X_s Dend)
     W = np.matmul(Yg, Xc.swapaxes(-1, -2))                           # [t, s] = gy_t . x_s
     W *= Lm
@@ -463,10 +463,10 @@ def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
     # d loss / d Acum
     W *= CB                                                          # Z
     dAc = W.sum(-1) - W.sum(-2)
-    dAc += eA * np.einsum("gcqn,gcqn->gcq", yoff, Cc)                # yoff . c = gy . Yoff
-    r = wend * dtc * np.einsum("gcqp,gcqp->gcq", Xc, QB)
+    dAc += eA * np.vecdot(yoff, Cc)                                  # gy . Yoff
+    r = wend * dtc * np.vecdot(Xc, QB)
     dAc -= r
-    dAc[..., -1] += r.sum(-1) + dec * np.einsum("gcpn,gcpn->gc", Dend, Hin)
+    dAc[..., -1] += r.sum(-1) + dec * np.vecdot(Dend.reshape(G, nc, -1), Hin.reshape(G, nc, -1))
     ds = np.flip(np.cumsum(np.flip(dAc, -1), -1), -1)               # d loss / d (dt * a)
     ddt += ds * aa[:, None, None]
     da = (ds * dtc).sum((1, 2))
