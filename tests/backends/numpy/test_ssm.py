@@ -60,6 +60,7 @@ def test_selective_scan_blocks_and_spans(monkeypatch, dt, tol, opts):
                                                init=True)], ids=["plain", "all"])
 def test_ssd_chunks_groups_and_padding(monkeypatch, dt, tol, opts):
     monkeypatch.setattr(K, "SSD_CHUNK", 8)                 # 45 steps: 6 chunks, padded tail
+    monkeypatch.setattr(K, "SSD_CHUNK_BWD", 16)
     monkeypatch.setattr(K, "SSD_GROUP_ELEMS", 200)         # several head groups
     sp = opts.get("softplus", False)
     inputs = ssd_inputs(2, 45, 3, 4, 5, dt, d=opts.get("d"), z=opts.get("z", False),

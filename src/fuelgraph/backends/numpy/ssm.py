@@ -32,8 +32,9 @@ from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
 
 # elements of one time block's [T, B, Dspan, N] arrays (selective scan): about L2-sized
 SS_BLOCK_ELEMS = 1 << 17
-# SSD: chunk length and elements of one group's [G, nc, Q, Q] arrays
+# SSD: chunk length (forward, backward) and elements of one group's [G, nc, Q, Q] arrays
 SSD_CHUNK = 64
+SSD_CHUNK_BWD = 32
 SSD_GROUP_ELEMS = 1 << 20
 
 
@@ -303,13 +304,13 @@ def selective_scan_backward(u, delta, a, b, c, *rest, delta_softplus, has_d, has
 
 
 # ---- SSD (chunked) ---------------------------------------------------------------------------
-def _ssd_prepare(x, dt, a, b, c, o, softplus, acc):
+def _ssd_prepare(x, dt, a, b, c, o, softplus, acc, chunk=None):
     """Head-major, chunk-padded arrays: X [BH, Lp, P], DT [BH, Lp], Bm/Cm [BH, Lp, N], a [BH],
     plus dt and its pre-activation in [B, L, H]."""
     B, L, H, P = x.shape
     N = b.shape[3]
     dtv, pre = _step_size(dt, o.get("bias"), softplus, acc)
-    Q = min(SSD_CHUNK, max(1, L))
+    Q = min(chunk or SSD_CHUNK, max(1, L))
     Lp = -(-L // Q) * Q
 
     def hm(t, last):                     # [B, L, H, *last] -> [B*H, Lp, *last]
@@ -495,7 +496,8 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
             dt_softplus=dt_softplus, has_d=False, has_z=False, has_dt_bias="bias" in o,
             has_initial_states="init" in o)[0], acc)
     g, dz, dd, dx_skip = _gate_backward(gy, xa, y_ssm, o.get("d"), o.get("z"), acc, _d_b(H, P))
-    X, DT, aa, Bm, Cm, Q, Lp, dtv, pre = _ssd_prepare(x, dt, a, b, c, o, dt_softplus, acc)
+    X, DT, aa, Bm, Cm, Q, Lp, dtv, pre = _ssd_prepare(x, dt, a, b, c, o, dt_softplus, acc,
+                                                      SSD_CHUNK_BWD)
     BH = B * H
 
     def hm(t, last):
