@@ -154,3 +154,29 @@ def test_ssd_groups_broadcast_over_heads():
     y2, h2 = KD.ssd_chunk_scan(x, dt, a, b1.expand(B, L, H, N).contiguous(),
                                c1.expand(B, L, H, N).contiguous(), **kw)
     assert torch.equal(y1, y2) and torch.equal(h1, h2)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16, fg.float64], ids=lambda d: d.name)
+def test_through_the_api_on_cuda(dt):
+    """Both ops and their backward helpers run on the CUDA backend (float64: the recipe on the
+    GPU) and agree with the CPU (NumPy) run."""
+    import fuelgraph.functional as F
+    ss = ss_inputs(2, 40, 24, 8, dt, d=True, z=True, bias=True, softplus=True)
+    sd = ssd_inputs(2, 32, 3, 16, 8, dt, d="h", z=True, bias=True, softplus=True, init=True)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        T = {k: fg.tensor(v.astype(dt.np), dtype=dt, device=dev, requires_grad=True)
+             for k, v in {**ss, **{"s_" + k: v for k, v in sd.items()}}.items()}
+        y, h = F.selective_scan(T["u"], T["delta"], T["a"], T["b"], T["c"], d=T["d"], z=T["z"],
+                                delta_bias=T["delta_bias"], delta_softplus=True)
+        y2, h2 = F.ssd_chunk_scan(T["s_x"], T["s_dt"], T["s_a"], T["s_b"], T["s_c"],
+                                  chunk_size=16, d=T["s_d"], z=T["s_z"], dt_bias=T["s_dt_bias"],
+                                  dt_softplus=True, initial_states=T["s_initial_states"])
+        loss = (y.astype(fg.float32) * y.astype(fg.float32)).sum() + h.astype(fg.float32).sum() \
+            + (y2.astype(fg.float32) * 0.5).sum() + h2.astype(fg.float32).sum()
+        grads = fg.grad([loss], list(T.values()))
+        res[dev] = [t.numpy().astype(np.float64) for t in [y, h, y2, h2] + list(grads)]
+    tol = {fg.float64: 1e-9, fg.float32: 1e-3, fg.bfloat16: 5e-2}[dt]
+    for a, b in zip(res["cpu"], res["cuda"]):
+        assert np.abs(a - b).max() <= tol * max(np.abs(a).max(), 1.0)
