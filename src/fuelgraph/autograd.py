@@ -7,7 +7,7 @@ import math
 
 from .errors import FuelGraphError
 from .ir import ops
-from .ir.node import Value, apply, toposort
+from .ir.node import Value, apply, built_at, toposort
 from .ir.tensor import GRAD_LEAVES as _GRAD_LEAVES
 from .ir.tensor import Tensor, full, where, zeros_like
 from .opt.passes import prefuse
@@ -256,7 +256,9 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
             continue
         xs = [Tensor(s) for s in n.srcs]
         ys = [Tensor(Value(n, i)) for i in range(n.nout)]
-        for s, g in zip(n.srcs, vjp(n, xs, ys, gs)):
+        with built_at(n.site):          # gradient nodes report the forward op's line
+            gx = vjp(n, xs, ys, gs)
+        for s, g in zip(n.srcs, gx):
             if g is not None and s.dtype.is_float and (s in in_vals or s.node in dep):
                 add(s, g)
     return [ct[t.value] if t.value in ct else zeros_like(t) for t in ins]
@@ -271,3 +273,4 @@ def backward(t: Tensor, g: Tensor | None = None):
     gs = grad([t], leaves, None if g is None else [g])
     for leaf, gl in zip(leaves, gs):
         leaf.grad = gl if leaf.grad is None else leaf.grad + gl
+    return leaves

@@ -4,6 +4,8 @@ for free and a "graph" is simply the set of nodes reachable from some outputs.""
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import weakref
 from typing import NamedTuple
 
@@ -14,13 +16,55 @@ _INTERN: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionar
 _UID = itertools.count()
 
 
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: while set (a site tuple), nodes built get this site instead of the caller's line: passes and
+#: autograd set it to the site of the node they rewrite or differentiate
+SITE = [None]
+
+
+def user_site() -> tuple | None:
+    """(file, line, function) of the innermost caller outside the fuelgraph package (the user's
+    line that built a node): a few frame hops, no traceback objects (cheap enough per node)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    return None if f is None else (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
+
+
+class built_at:
+    """Context: nodes built inside get `site` (the node being rewritten or differentiated)
+    unless an outer context already set one."""
+    __slots__ = ("site", "prev")
+
+    def __init__(self, site):
+        self.site = site
+
+    def __enter__(self):
+        self.prev = SITE[0]
+        if self.prev is None:
+            SITE[0] = self.site
+        return self
+
+    def __exit__(self, *exc):
+        SITE[0] = self.prev
+
+
+def format_site(site) -> str:
+    """'file:line in function' for a node's site, or '' when unknown."""
+    if not site:
+        return ""
+    return f"{site[0]}:{site[1]} in {site[2]}"
+
+
 class Node:
-    """One operation applied to source values. `shapes`/`dtypes` hold one entry per output slot."""
-    __slots__ = ("op", "srcs", "shapes", "dtypes", "device", "uid", "__weakref__")
+    """One operation applied to source values. `shapes`/`dtypes` hold one entry per output slot;
+    `site` is where it was built (the user's source line), for error messages and reports."""
+    __slots__ = ("op", "srcs", "shapes", "dtypes", "device", "uid", "site", "__weakref__")
 
     def __init__(self, op, srcs, shapes, dtypes, device):
         self.op, self.srcs, self.shapes, self.dtypes, self.device = op, srcs, shapes, dtypes, device
         self.uid = next(_UID)
+        self.site = SITE[0] or user_site()
 
     @property
     def nout(self) -> int:

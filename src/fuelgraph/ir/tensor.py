@@ -18,6 +18,15 @@ from .node import Node, Value, apply, make_node
 _DATA: "weakref.WeakKeyDictionary[Node, object]" = weakref.WeakKeyDictionary()
 #: graph value -> the requires_grad tensor holding it (what backward() fills .grad of)
 GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+#: node -> {slot: Input node bound to the computed buffer}: values already computed. Realizing
+#: keeps them, and later graphs read the buffer instead of recomputing (nodes are immutable
+#: values, so a computed value never goes stale)
+REALIZED: "weakref.WeakKeyDictionary[Node, dict]" = weakref.WeakKeyDictionary()
+#: Input node -> (tensor, "value" | "grad"): the mutable tensor (a parameter, optimizer state,
+#: a gradient) that currently holds this leaf; what a traced step reads and rebinds
+OWNER: "weakref.WeakKeyDictionary[Node, tuple]" = weakref.WeakKeyDictionary()
+#: the active trace (fuelgraph.jit) or None; it records rebinds of tensors that existed before
+TRACE: list = [None]
 _INPUT_UID = itertools.count()
 
 
@@ -40,15 +49,55 @@ def _normalize_device(device) -> str:
 
 
 class Tensor:
-    """A lazy tensor. `value` is its graph value; `grad` is filled by `backward()`."""
-    __slots__ = ("value", "_requires_grad", "grad", "_cache", "__weakref__")
+    """A lazy tensor: a handle on one immutable graph value (`value`). In-place operations
+    (`x += 1`, `x[i] = v`, `x.copy_(y)`) rebind the handle to a new value; other tensors that
+    were computed from the old value keep it. `grad` is filled by `backward()`."""
+    __slots__ = ("value", "_requires_grad", "_grad", "_cache", "__weakref__")
     __array_priority__ = 1000  # numpy scalars defer to our reflected operators
 
     def __init__(self, value: Value, requires_grad: bool = False):
-        self.value, self.grad, self._cache = value, None, None
+        self.value, self._grad, self._cache = value, None, None
         self._requires_grad = False
         if requires_grad:
             self.requires_grad = True
+
+    @property
+    def grad(self):
+        """The gradient accumulated by `backward()` (None before). Only leaves get one: reading
+        `.grad` of a tensor computed from tensors that require grad raises, naming the fix."""
+        g = self._grad
+        if g is None and self._requires_grad is False and not self.is_leaf and \
+                _depends_on_grad_leaf(self.value):
+            raise FuelGraphError(
+                "grad: this tensor is not a leaf: it was computed from tensors that require grad "
+                "(e.g. `w = w - lr * w.grad` builds a new tensor, and backward() fills the .grad "
+                "of the original leaf). Update parameters in place instead (`w -= lr * w.grad`, "
+                "`w.copy_(...)`, or an optimizer from fuelgraph.optim), or start a new leaf with "
+                "`w = (w - lr * w.grad).detach().requires_grad_()`")
+        return g
+
+    @grad.setter
+    def grad(self, g):
+        if g is not None and not isinstance(g, Tensor):
+            raise FuelGraphError(f"grad: expected a Tensor or None, got {type(g).__name__}")
+        if g is not None and g.shape != self.shape:
+            raise FuelGraphError(f"grad: shape {g.shape} differs from the tensor's {self.shape}")
+        self._grad = g
+        tr = TRACE[0]
+        if tr is not None:
+            tr.rebound(self, "grad")
+        if g is not None and isinstance(g.value.node.op, ops.Input):
+            OWNER[g.value.node] = (self, "grad")
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors made from data (fuelgraph.tensor, parameters), False for results of
+        operations."""
+        return isinstance(self.value.node.op, ops.Input)
+
+    def requires_grad_(self, flag: bool = True) -> "Tensor":
+        self.requires_grad = flag
+        return self
 
     @property
     def requires_grad(self) -> bool:
@@ -69,15 +118,31 @@ class Tensor:
     ndim = property(lambda self: len(self.value.shape))
     node = property(lambda self: self.value.node)
 
-    def size(self, axis=None):
-        return math.prod(self.shape) if axis is None else self.shape[axis]
+    def size(self, dim=None):
+        """The shape (torch's `size()`), or the extent of axis `dim`."""
+        if dim is None:
+            return Size(self.shape)
+        return self.shape[self._axes(dim, "size")[0]]
+
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+    nelement = numel
+
+    def dim(self) -> int:
+        """Number of axes (torch's `dim()`; also `ndim`)."""
+        return len(self.shape)
+    ndimension = dim
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
 
     def __len__(self):
         if not self.shape:
             raise FuelGraphError("len: tensor is 0-d")
         return self.shape[0]
 
-    def __repr__(self):
+    def __repr__(self):   # fuelgraph.api binds the value-showing repr
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device!r})"
 
     __hash__ = object.__hash__
@@ -112,6 +177,11 @@ class Tensor:
             return full((), v, d, self.device)
         if isinstance(other, np.ndarray):
             return tensor(other, device=self.device)
+        if type(other).__module__.startswith("torch"):
+            raise FuelGraphError(
+                f"operand: cannot combine a fuelgraph Tensor with a {type(other).__name__}: "
+                f"convert it first with fuelgraph.from_torch(t) (shares its memory) or "
+                f"fuelgraph.tensor(t) (copies); fuelgraph results go back with .to_torch()")
         raise FuelGraphError(f"operand: cannot combine a Tensor with {type(other).__name__}")
 
     def _binary(self, kind, other, reverse=False, cls=ops.Binary):
@@ -288,9 +358,9 @@ class Tensor:
             raise FuelGraphError(f"reshape: more than one -1 in {shape}")
         if -1 in shape:
             known = math.prod(d for d in shape if d != -1)
-            if known == 0 or self.size() % known:
+            if known == 0 or self.numel() % known:
                 raise FuelGraphError(f"reshape: cannot infer -1 reshaping {self.shape} to {shape}")
-            shape = tuple(self.size() // known if d == -1 else d for d in shape)
+            shape = tuple(self.numel() // known if d == -1 else d for d in shape)
         if shape == self.shape:
             return self
         return self._new(ops.Reshape(tuple(shape)), self)
@@ -405,6 +475,32 @@ class Tensor:
 
 
 # ---- module-level builders -----------------------------------------------------------------
+class Size(tuple):
+    """A shape, as torch's `torch.Size`: a tuple of ints with `numel()`."""
+
+    def numel(self) -> int:
+        return math.prod(self)
+
+
+def _depends_on_grad_leaf(value: Value) -> bool:
+    """Whether a requires_grad leaf is under `value` (only walked when .grad of a non-leaf is
+    read, an error path)."""
+    seen, stack = set(), [value.node]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n.op, ops.Input):
+            if Value(n, 0) in GRAD_LEAVES:
+                return True
+            continue
+        if isinstance(n.op, ops.Detach):
+            continue
+        stack.extend(s.node for s in n.srcs)
+    return False
+
+
 def _shape_arg(shape) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = shape[0]

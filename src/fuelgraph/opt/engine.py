@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..ir import ops
-from ..ir.node import Node, Value, make_node
+from ..ir.node import Node, Value, built_at, make_node
 from ..registry.core import fused_node
 
 Rule = Callable[[Node], "Sequence[Value] | Value | None"]
@@ -31,9 +31,10 @@ def rebuild(node: Node, srcs: tuple[Value, ...]) -> Node:
     """`node`'s op applied to new sources (the same node when they are unchanged)."""
     if srcs == node.srcs:
         return node
-    if isinstance(node.op, ops.Fused):
-        return fused_node(node.op, srcs)
-    return make_node(node.op, srcs)
+    with built_at(node.site):
+        if isinstance(node.op, ops.Fused):
+            return fused_node(node.op, srcs)
+        return make_node(node.op, srcs)
 
 
 def run_pass(outputs: Sequence[Value], p: Pass, log: RewriteLog | None = None,
@@ -58,7 +59,8 @@ def run_pass(outputs: Sequence[Value], p: Pass, log: RewriteLog | None = None,
 
     def finish(n: Node) -> tuple[Value, ...]:
         for rname, rule in p.rules:
-            r = rule(n)
+            with built_at(n.site):      # replacements report the user's line of n
+                r = rule(n)
             if r is None:
                 continue
             r = (r,) if isinstance(r, Value) else tuple(r)

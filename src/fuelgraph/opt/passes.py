@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..backends import kernels_for
 from ..backends.base import accepts
 from ..ir import ops
-from ..ir.node import Node, Value, consumers, toposort
+from ..ir.node import Node, Value, built_at, consumers, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import default_registry, fused_node
 from .canonicalize import CANONICALIZE
@@ -82,8 +82,9 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     for n in nodes:
         if n in matches:
             e, m = matches[n]
-            new = fused_node(ops.Fused(e.id, e.params(**m.params)),
-                             tuple(Value(memo[c.node], c.slot) for c in m.captures))
+            with built_at(n.site):
+                new = fused_node(ops.Fused(e.id, e.params(**m.params)),
+                                 tuple(Value(memo[c.node], c.slot) for c in m.captures))
             log.events.append(("fuse", e.name, repr(n)))
         else:
             srcs = tuple(Value(memo[s.node], s.slot) for s in n.srcs)

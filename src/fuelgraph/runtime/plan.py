@@ -13,7 +13,7 @@ from ..errors import FuelGraphError
 from ..ir import ops
 from ..backends import select_kernel
 from ..backends.base import op_identity
-from ..ir.node import Node, Value, consumers, toposort
+from ..ir.node import Node, Value, consumers, format_site, toposort
 from ..registry.core import default_registry
 
 
@@ -25,12 +25,15 @@ class Step:
     srcs: tuple[int, ...]      # buffer slots read
     outs: tuple[int, ...]      # buffer slots written
     free: tuple[int, ...]      # slots dead after this step
-    inplace: int | None = None  # for a destructive op: index of the input it overwrites
-    copy_first: bool = False   # ordering could not prove the overwrite safe: copy the input
-    takes_out: bool = False    # ...or, if the kernel can, have it write a fresh buffer
+    inplace: tuple[int, ...] = ()   # destructive op: indices of the inputs it overwrites
+    copy_first: tuple[bool, ...] = ()  # per destructive input: ordering could not prove the
+    #                                    overwrite safe, so copy that input first
+    takes_out: bool = False    # ...or, if the kernel can (one destructive input), have it write
+    #                            a fresh buffer instead
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
     live_after: tuple[int, ...] = ()   # destructive steps: slots still read after this one
+    site: tuple | None = None  # the user's source line that built the op (for errors)
 
 
 @dataclass(eq=False)
@@ -63,9 +66,8 @@ class Plan:
             if st.contiguous:
                 args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
             kw = {}
-            if st.inplace is not None:
-                k = st.inplace
-                if st.copy_first or be.writable_copy_needed(args[k]) or \
+            for k, static_copy in zip(st.inplace, st.copy_first):
+                if static_copy or be.writable_copy_needed(args[k]) or \
                         self._aliased(args[k], env, st.live_after):
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
@@ -74,7 +76,10 @@ class Plan:
                     self.stats["inplace_copies"] = self.stats.get("inplace_copies", 0) + 1
                 else:
                     self.stats["inplace_reused"] = self.stats.get("inplace_reused", 0) + 1
-            r = st.fn(*args, **kw)
+            try:
+                r = st.fn(*args, **kw)
+            except Exception as e:
+                raise _run_error(st, e) from e
             if len(st.outs) == 1:
                 env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
             else:
@@ -97,6 +102,17 @@ class Plan:
         return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
 
 
+def _run_error(st: Step, e: Exception) -> FuelGraphError:
+    """The error of a kernel that failed while a plan ran, naming the op and the user's line
+    that built it."""
+    where = format_site(st.site)
+    msg = str(e)
+    head = f"{st.op.name}" + (f" (built at {where})" if where else "")
+    if isinstance(e, FuelGraphError) and msg.startswith(f"{st.op.name}:"):
+        msg = msg[len(st.op.name) + 1:].lstrip()
+    return FuelGraphError(f"{head}: {msg} [kernel {st.name}]")
+
+
 def _bind(impl, node: Node, run_body):
     k = impl.kernel
     if isinstance(node.op, ops.Fused):
@@ -110,13 +126,16 @@ def _bind(impl, node: Node, run_body):
 
 
 def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
-               view_ops=(), run_body=None) -> Plan:
+               view_ops=(), run_body=None, donated=()) -> Plan:
     """Schedule the optimized graph under `outputs` for `backend`; buffers of the Input nodes
     are passed to `Plan.run` in `input_order` (inputs the optimized graph no longer reads are
-    ignored). `run_body(body, buffers)` runs a Scan body (the executor's cached body plans)."""
+    ignored). `run_body(body, buffers)` runs a Scan body (the executor's cached body plans).
+    `donated`: positions in `input_order` whose buffers destructive ops may overwrite (the
+    caller hands them over: optimizer state and parameters updated in place)."""
     nodes = toposort([v.node for v in outputs])
     users = consumers(nodes)
-    order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops)
+    donated_nodes = {input_order[i] for i in donated}
+    order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops, donated_nodes)
     slot_of: dict[tuple[Node, int], int] = {}
     n_slots = 0
     for n in order:
@@ -150,12 +169,13 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
             continue
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
-        d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
+        d = _destructive(n)
         live = tuple(sorted(j for j, last in last_use.items() if last > pos) +
                      sorted(keep | set(const_slots))) if d else ()
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
-                          d[0] if d else None, bool(d) and n not in inplace_ok,
-                          impl.takes_out, not impl.strided_input, impl.name or op.name, live))
+                          d, tuple((n, k) not in inplace_ok for k in d),
+                          impl.takes_out and len(d) == 1, not impl.strided_input,
+                          impl.name or op.name, live, n.site))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
@@ -180,47 +200,59 @@ def _check_size(n: Node, backend, is_output: bool) -> None:
                                  f"this device has")
 
 
-def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set]:
+def _destructive(n: Node) -> tuple[int, ...]:
+    """Indices of the inputs fused node `n` overwrites (only those the node has: optional
+    inputs may be absent)."""
+    if not isinstance(n.op, ops.Fused):
+        return ()
+    return tuple(k for k in default_registry().entry(n.op.id).destructive_inputs
+                 if k < len(n.srcs))
+
+
+def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) -> tuple[list[Node], set]:
     """Topological order in which every destructive op runs after all other readers of the
     buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
-    leaf, a graph output, or read after the op by something that depends on it) the op is
-    marked to copy instead (left out of the returned set)."""
+    leaf that was not donated, a graph output, or read after the op by something that depends
+    on it) the op is marked to copy that input instead. Returns the order and the set of
+    (node, input index) pairs that may overwrite."""
     extra: dict[Node, set] = {}
     before: dict[Node, set] = {}                # reader -> destructive ops ordered after it
     ok: set = set()
     out_nodes = {v.node for v in outputs}
     for n in nodes:
-        if not isinstance(n.op, ops.Fused):
-            continue
-        d = default_registry().entry(n.op.id).destructive_inputs
-        if not d:
-            continue
-        root = n.srcs[d[0]].node
-        group = {root}
-        while isinstance(root.op, view_ops):    # walk up to the owner of the storage
-            root = root.srcs[0].node
-            group.add(root)
-        if not root.srcs:
-            continue
-        stack = list(group)                     # every view derived from the owner (or from a
-        while stack:                            # view between it and n) aliases it
-            for u in users.get(id(stack.pop()), ()):
-                if isinstance(u.op, view_ops) and u not in group:
-                    group.add(u)
-                    stack.append(u)
-        # a graph output that is the value or any view of it (e.g. x.reshape(-1)) needs the old
-        # contents after the run
-        if any(g in out_nodes or isinstance(g.op, ops.Input) for g in group):
-            continue
-        readers = {u for g in group for u in users.get(id(g), ()) if u is not n and u not in group}
-        # readers that must come after n, through data or through the ordering edges granted
-        # so far (another destructive op on the same buffer, or on a buffer n's readers feed)
-        if readers & _descendants(n, users, before):
-            continue
-        extra[n] = readers
-        for r in readers:
-            before.setdefault(r, set()).add(n)
-        ok.add(n)
+        for k in _destructive(n):
+            root = n.srcs[k].node
+            group = {root}
+            while isinstance(root.op, view_ops):    # walk up to the owner of the storage
+                root = root.srcs[0].node
+                group.add(root)
+            if not root.srcs and root not in donated:
+                continue                            # a leaf (constant, input) nobody handed over
+            stack = list(group)                     # every view derived from the owner (or from
+            while stack:                            # a view between it and n) aliases it
+                for u in users.get(id(stack.pop()), ()):
+                    if isinstance(u.op, view_ops) and u not in group:
+                        group.add(u)
+                        stack.append(u)
+            # a graph output that is the value or any view of it (e.g. x.reshape(-1)) needs the
+            # old contents after the run
+            if any(g in out_nodes or (isinstance(g.op, ops.Input) and g not in donated)
+                   for g in group):
+                continue
+            readers = {u for g in group for u in users.get(id(g), ())
+                       if u is not n and u not in group}
+            # readers that must come after n, through data or through the ordering edges
+            # granted so far (another destructive op on the same buffer, or on a buffer n's
+            # readers feed)
+            if readers & _descendants(n, users, before):
+                continue
+            # the same buffer passed twice to n (as another input) is a reader inside n
+            if sum(1 for j, s in enumerate(n.srcs) if j != k and s.node in group):
+                continue
+            extra.setdefault(n, set()).update(readers)
+            for r in readers:
+                before.setdefault(r, set()).add(n)
+            ok.add((n, k))
     return (_toposort_with(nodes, extra) if extra else nodes), ok
 
 
