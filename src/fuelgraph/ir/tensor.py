@@ -693,8 +693,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-def cat(tensors: Sequence[Tensor], axis=0) -> Tensor:
-    """Concatenate along `axis` (dtypes promoted)."""
+def cat(tensors: Sequence[Tensor], axis=0, *, dim=None) -> Tensor:
+    """Concatenate along `axis` (torch: `dim`; dtypes promoted)."""
+    if dim is not None:
+        axis = dim
     ts = list(tensors)
     ref = next((t for t in ts if isinstance(t, Tensor)), None)
     if ref is None:
@@ -713,7 +715,10 @@ def cat(tensors: Sequence[Tensor], axis=0) -> Tensor:
     return ts[0]._new(ops.Concat(axis), *ts)
 
 
-def stack(tensors: Sequence[Tensor], axis=0) -> Tensor:
+def stack(tensors: Sequence[Tensor], axis=0, *, dim=None) -> Tensor:
+    """Stack along a new axis `axis` (torch: `dim`)."""
+    if dim is not None:
+        axis = dim
     ts = list(tensors)
     if not ts:
         raise FuelGraphError("stack: needs at least one tensor")
@@ -775,3 +780,6 @@ def _getitem(x: Tensor, idx) -> Tensor:
         y = x._new(ops.Slice(tuple(starts), tuple(stops), tuple(steps)), x)
     y = y.reshape(tuple(out_shape))
     return y.flip(tuple(flips)) if flips else y
+
+
+from . import methods as _methods  # noqa: E402,F401  (binds the torch-named API onto Tensor)
