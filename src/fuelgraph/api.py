@@ -146,16 +146,17 @@ def rebind(t: Tensor, value: Value) -> None:
     """Point the handle `t` at `value` (the old value is untouched: tensors computed from it
     keep it). Keeps the requires_grad leaf table and the jit's trace in step."""
     old = t.value
+    tr = TRACE[0]
+    if tr is not None:
+        tr.rebound(t, "value", old)
     t.value = value
+    t._cache = None
     if t._requires_grad:
         if GRAD_LEAVES.get(old) is t:
             del GRAD_LEAVES[old]
         GRAD_LEAVES[value] = t
     if isinstance(value.node.op, ops.Input):
         OWNER[value.node] = (t, "value")
-    tr = TRACE[0]
-    if tr is not None:
-        tr.rebound(t, "value")
 
 
 def bind_buffer(t: Tensor, buf) -> None:

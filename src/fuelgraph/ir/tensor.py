@@ -82,10 +82,10 @@ class Tensor:
             raise FuelGraphError(f"grad: expected a Tensor or None, got {type(g).__name__}")
         if g is not None and g.shape != self.shape:
             raise FuelGraphError(f"grad: shape {g.shape} differs from the tensor's {self.shape}")
-        self._grad = g
         tr = TRACE[0]
         if tr is not None:
-            tr.rebound(self, "grad")
+            tr.rebound(self, "grad", self._grad)
+        self._grad = g
         if g is not None and isinstance(g.value.node.op, ops.Input):
             OWNER[g.value.node] = (self, "grad")
 

@@ -94,3 +94,38 @@ class GraphedPlan:
                 dst.copy_(src)
         self.graph.replay()
         return [o.clone() for o in self.static_out]
+
+
+class GraphedStep:
+    """A traced step (fuelgraph.jit) captured as a CUDA graph. The buffers of donated inputs
+    (parameters and optimizer state updated in place) are the graph's own static buffers: a
+    replay updates them where they are, with no copy in or out; other inputs are copied into
+    static buffers when their storage differs, and outputs other than those in-place results
+    are cloned out of the graph's pool. `inplace_of`: output index -> the input index it
+    overwrites."""
+
+    def __init__(self, plan, bufs, inplace_of):
+        self.inplace_of = dict(inplace_of)
+        own = set(self.inplace_of.values())
+        self.static_in = [b if k in own else b.clone() for k, b in enumerate(bufs)]
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up on copies: the step must not run twice
+            plan.run([b.clone() for b in bufs])
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = plan.run(self.static_in)
+
+    def run(self, bufs):
+        for dst, src in zip(self.static_in, bufs):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.graph.replay()
+        out = []
+        for j, o in enumerate(self.static_out):
+            k = self.inplace_of.get(j)
+            same = k is not None and o.data_ptr() == self.static_in[k].data_ptr()
+            out.append(o if same else o.clone())
+        return out
