@@ -8,9 +8,14 @@
 from .dtype import (DType, bfloat16, bool_, float16, float32, float64, int32, int64, uint8,
                     uint32)
 from .errors import FuelGraphError
-from .ir.tensor import (Tensor, arange, broadcast_tensors, cat, const, full, iota, matmul, ones,
-                        ones_like, stack, where, zeros, zeros_like)
+from .ir.tensor import (Size, Tensor, arange, broadcast_tensors, cat, const, full, iota, matmul,
+                        ones, ones_like, stack, where, zeros, zeros_like)
+from .ir.methods import (argmax, argmin, chunk, clamp, cumsum, einsum, index_put, outer, sort,
+                         split, topk, tril, triu)
 from .api import tensor
+from .random import (dropout, manual_seed, rand, rand_like, randint, randn, randn_like)
+from .jit import jit
+from .checkpoint import load, save
 from .autograd import grad
 from .backends import available_backends
 from .backends.base import kernel
@@ -22,9 +27,31 @@ from .runtime.executor import realize
 from .opt.passes import optimize
 
 bool = bool_  # noqa: A001  (fg.bool, as in torch)
+
+
+def full_like(t, value, dtype=None):
+    return full(t.shape, value, dtype or t.dtype, t.device)
+
+
+class no_grad:
+    """Accepted for torch code (`with fg.no_grad():`): fuelgraph differentiates only what
+    backward() asks for, so evaluation needs nothing; updating parameters in place is always
+    an untracked update (see Tensor in-place rules)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __call__(self, fn):
+        return fn
 __version__ = "0.1.0"
 
-__all__ = ["DType", "bfloat16", "bool", "float16", "float32", "float64", "int32", "int64", "uint8",
+__all__ = ["Size", "argmax", "argmin", "chunk", "clamp", "cumsum", "einsum", "index_put",
+           "outer", "sort", "split", "topk", "tril", "triu", "dropout", "manual_seed", "rand",
+           "rand_like", "randint", "randn", "randn_like", "jit", "load", "save", "no_grad",
+           "full_like", "DType", "bfloat16", "bool", "float16", "float32", "float64", "int32", "int64", "uint8",
            "uint32", "FuelGraphError", "Tensor", "arange", "broadcast_tensors", "cat", "const",
            "full", "iota", "matmul", "ones", "ones_like", "stack", "tensor", "where", "zeros",
            "zeros_like", "grad", "available_backends", "kernel", "from_dlpack", "from_torch", "scan", "FusedOpId", "FusedOps", "default_registry", "explain",

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import weakref
 
-from .api import bind_buffer
+from .api import bind_buffer, rebind
 from .backends import get_backend
 from .errors import FuelGraphError
 from .ir import ops
@@ -122,7 +122,7 @@ def _as_leaf(t: Tensor) -> Tensor:
 class _Entry:
     """One trace: its plan, where each input buffer comes from, where each output goes, and
     what must still hold for a call to replay it."""
-    __slots__ = ("plan", "sources", "donated", "tree", "res_meta", "mutations", "guards",
+    __slots__ = ("plan", "sources", "donated", "tree", "res_meta", "mutations", "mut_meta", "guards",
                  "cell_meta", "grad_presence", "inplace_of", "graphed")
 
     def fetch(self, leaves) -> list:
@@ -261,6 +261,7 @@ class Jitted:
 
         e = _Entry()
         e.tree, e.mutations, e.guards = tree, muts, list(tr.guards)
+        e.mut_meta = [(v.dtype, v.node.device) for _, _, v in finals if v is not None]
         e.res_meta = [(r.dtype, r.device) for r in res_leaves]
         e.grad_presence = [(t, old is None) for t, attr, old in before if attr == "grad"]
         e.graphed = None
@@ -313,16 +314,18 @@ class Jitted:
             else:
                 outs = e.plan.run(bufs)
         except BaseException:
-            for k in e.donated:         # keep the (possibly partly updated) buffers bound
-                bind_buffer(e.sources[k][1], bufs[k])
+            meta = {id(t): (m[1], m[2]) for t, a, m in e.cell_meta if a == "value"}
+            for k in e.donated:
+                t = e.sources[k][1]
+                rebind(t, _leaf(bufs[k], *meta[id(t)], False).value)
             raise
         outs = _owned(be, outs, bufs, e)
         nres = len(e.res_meta)
-        for (t, attr), buf in zip(e.mutations, outs[nres:]):
+        for (t, attr), (d, dev), buf in zip(e.mutations, e.mut_meta, outs[nres:]):
             if attr == "value":
-                bind_buffer(t, buf)
+                rebind(t, _leaf(buf, d, dev, False).value)
             else:
-                t.grad = Tensor(_leaf(buf, t.dtype, t.device, False).value)
+                t.grad = Tensor(_leaf(buf, d, dev, False).value)
         res = [_leaf(b, d, dev, False) for b, (d, dev) in zip(outs[:nres], e.res_meta)]
         return _build(e.tree, iter(res))
 

@@ -1,4 +1,11 @@
-"""Small model builders written in primitives (the optimizer fuses their idioms)."""
+"""Modules, parameters and layers with torch.nn's names (`import fuelgraph.nn as nn`), and
+`fuelgraph.nn.functional` with torch.nn.functional's."""
+from . import functional
+from .layers import (GELU, Conv2d, Dropout, Embedding, Flatten, Identity, LayerNorm, Linear,
+                     ReLU, RMSNorm, Sigmoid, SiLU, Tanh)
+from .module import Buffer, Module, ModuleDict, ModuleList, Parameter, Sequential
 from .transformer import TinyBlock
 
-__all__ = ["TinyBlock"]
+__all__ = ["functional", "GELU", "Conv2d", "Dropout", "Embedding", "Flatten", "Identity",
+           "LayerNorm", "Linear", "ReLU", "RMSNorm", "Sigmoid", "SiLU", "Tanh", "Buffer",
+           "Module", "ModuleDict", "ModuleList", "Parameter", "Sequential", "TinyBlock"]
