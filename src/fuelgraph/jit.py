@@ -49,6 +49,11 @@ class _Trace:
         self.name = name
         self.before: dict = {}        # (id(t), attr) -> (t, attr, value before the trace)
         self.guards: list = []        # (fn, value at trace time)
+        self.grad_reads: dict = {}    # id(t) -> (t, had no grad): .grad read before any write
+
+    def read_grad(self, t):
+        if (id(t), "grad") not in self.before:
+            self.grad_reads.setdefault(id(t), (t, t._grad is None))
 
     def rebound(self, t, attr, old):
         self.before.setdefault((id(t), attr), (t, attr, old))
@@ -263,7 +268,7 @@ class Jitted:
         e.tree, e.mutations, e.guards = tree, muts, list(tr.guards)
         e.mut_meta = [(v.dtype, v.node.device) for _, _, v in finals if v is not None]
         e.res_meta = [(r.dtype, r.device) for r in res_leaves]
-        e.grad_presence = [(t, old is None) for t, attr, old in before if attr == "grad"]
+        e.grad_presence = list(tr.grad_reads.values())
         e.graphed = None
         if outs:
             mut_cells = {id(t) for t, a in muts if a == "value"}
@@ -321,10 +326,12 @@ class Jitted:
             raise
         outs = _owned(be, outs, bufs, e)
         nres = len(e.res_meta)
-        for (t, attr), (d, dev), buf in zip(e.mutations, e.mut_meta, outs[nres:]):
-            if attr == "value":
+        done = list(zip(e.mutations, e.mut_meta, outs[nres:]))
+        for (t, attr), (d, dev), buf in done:       # values first: a grad's shape is checked
+            if attr == "value":                     # against its tensor's value
                 rebind(t, _leaf(buf, d, dev, False).value)
-            else:
+        for (t, attr), (d, dev), buf in done:
+            if attr == "grad":
                 t.grad = Tensor(_leaf(buf, d, dev, False).value)
         res = [_leaf(b, d, dev, False) for b, (d, dev) in zip(outs[:nres], e.res_meta)]
         return _build(e.tree, iter(res))

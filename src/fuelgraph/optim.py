@@ -125,10 +125,8 @@ class Optimizer:
 
     def _update(self):
         tr = current_trace()
-        params = self._params()
-        if tr is not None:
+        if tr is not None:     # which gradients exist is guarded by the trace's .grad reads
             tr.guard(self._hyper)
-            tr.guard(lambda ps=params: tuple(p.grad is not None for p in ps))
         for g in self.param_groups:
             live = [p for p in g["params"] if p.grad is not None]
             by_dev: dict = {}

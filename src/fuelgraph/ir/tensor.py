@@ -66,6 +66,9 @@ class Tensor:
         """The gradient accumulated by `backward()` (None before). Only leaves get one: reading
         `.grad` of a tensor computed from tensors that require grad raises, naming the fix."""
         g = self._grad
+        tr = TRACE[0]
+        if tr is not None:
+            tr.read_grad(self)
         if g is None and self._requires_grad is False and not self.is_leaf and \
                 _depends_on_grad_leaf(self.value):
             raise FuelGraphError(

@@ -8,7 +8,14 @@ import numpy as np
 
 from ...registry.optim import ADAMW_STEP, SGD_STEP
 from ..base import kernel, row_cost
-from .common import acc_dtype, run_flat, store, to_acc
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
+
+#: elements per chunk: a dozen passes over each chunk stay in the L2 cache
+CHUNK = 1 << 14
+
+
+def run_flat(fn, n):
+    run_spans(fn, row_spans(n, 1, CHUNK), n)
 
 
 @kernel(ADAMW_STEP, "numpy", cost=row_cost(12))
