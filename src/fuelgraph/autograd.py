@@ -269,7 +269,11 @@ def backward(t: Tensor, g: Tensor | None = None):
     leaves = [_GRAD_LEAVES[Value(n, 0)] for n in toposort([t.value])
               if isinstance(n.op, ops.Input) and Value(n, 0) in _GRAD_LEAVES]
     if not leaves:
-        raise FuelGraphError("backward: no input with requires_grad=True reaches this tensor")
+        raise FuelGraphError(
+            "backward: no leaf with requires_grad=True reaches this tensor (a leaf must still "
+            "be referenced to receive a gradient: after `w = w - lr * w.grad` the name w holds "
+            "a new tensor and the leaf is gone; update parameters in place with "
+            "`w -= lr * w.grad` or an optimizer from fuelgraph.optim)")
     gs = grad([t], leaves, None if g is None else [g])
     for leaf, gl in zip(leaves, gs):
         leaf.grad = gl if leaf.grad is None else leaf.grad + gl

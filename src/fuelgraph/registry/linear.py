@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import FuelGraphError
-from ..ir.tensor import broadcast_shapes
+from ..dtype import result_type
+from ..ir.tensor import Tensor, broadcast_shapes
 from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams, call_fused
 from .rules import check_arity, check_float, check_rank, check_same_dtype
 
@@ -102,6 +103,11 @@ def declare(reg):
 # ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
 def fused_linear(a, b, bias):
     """a @ b + bias. a [..., M, K]; b [K, N] or [..., K, N] (K x N, not nn.Linear's [N, K];
-    batch dims broadcast NumPy-style); bias [N]; one float dtype for all three ->
-    [broadcast(a.shape[:-2], b.shape[:-2]), M, N] in that dtype."""
+    batch dims broadcast NumPy-style); bias [N] -> [broadcast(a.shape[:-2], b.shape[:-2]), M, N].
+    Mixed dtypes are promoted first with the table `@` and `+` use (torch's: an int operand
+    takes the float one's dtype, float16 with bfloat16 gives float32, wider floats win)."""
+    if all(isinstance(t, Tensor) for t in (a, b, bias)) and \
+            len({a.dtype, b.dtype, bias.dtype}) > 1:
+        d = result_type(result_type(a.dtype, b.dtype), bias.dtype)
+        a, b, bias = a.astype(d), b.astype(d), bias.astype(d)
     return call_fused(FusedOps.FUSED_LINEAR, a, b, bias)
