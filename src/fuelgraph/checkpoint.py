@@ -35,11 +35,11 @@ def _safetensors():
 
 def _host(v) -> tuple[np.ndarray, dt.DType]:
     if isinstance(v, Tensor):
-        return np.ascontiguousarray(v.numpy()), v.dtype
+        return np.asarray(v.numpy(), order="C"), v.dtype
     if type(v).__module__.startswith("torch"):
         t = _tensor(v)
-        return np.ascontiguousarray(t.numpy()), t.dtype
-    a = np.ascontiguousarray(np.asarray(v))
+        return np.asarray(t.numpy(), order="C"), t.dtype
+    a = np.asarray(v, order="C")
     return a, dt.as_dtype(a.dtype)
 
 
@@ -93,12 +93,19 @@ def save(state, path, metadata: dict | None = None) -> None:
     structure = _split(state, "", tensors)
     flat = all(isinstance(v, dict) and "__tensor__" in v and v["__tensor__"] == k
                for k, v in structure["__dict__"].items())
-    entries = {}
+    entries, keep = {}, []
+    spec = getattr(st, "TensorSpec", None)     # safetensors >= 0.7 takes buffer specs
     for k, v in tensors.items():
         a, d = _host(v)
         if d not in _CODES:
             raise FuelGraphError(f"save: {k}: dtype {d.name} cannot be stored")
-        entries[k] = {"dtype": _CODES[d], "shape": list(a.shape), "data": a.tobytes()}
+        if spec is not None:
+            a = np.asarray(a, order="C")
+            keep.append(a)
+            entries[k] = spec(dtype=d.name, shape=list(a.shape), data_ptr=a.ctypes.data,
+                              data_len=a.nbytes)
+        else:
+            entries[k] = {"dtype": _CODES[d], "shape": list(a.shape), "data": a.tobytes()}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     if not flat:
         meta[_META_KEY] = json.dumps(structure)
@@ -106,6 +113,7 @@ def save(state, path, metadata: dict | None = None) -> None:
         st.serialize_file(entries, os.fspath(path), metadata=meta or None)
     except Exception as e:
         raise FuelGraphError(f"save: could not write {path}: {e}") from None
+    del keep
 
 
 def load(path, device: str = "cpu") -> dict:

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from .backends import backend_name
 from .ir import ops
-from .ir.node import toposort
+import re
+
+from .ir.node import format_site, toposort
 from .opt.passes import optimize
 from .runtime.executor import _device_of, _values
 
@@ -55,6 +57,20 @@ def _count(vals):
     return len(nodes), dict(fused)
 
 
+def _describe(n) -> str:
+    where = format_site(n.site)
+    return f"{n.op.name}" + (f" built at {where}" if where else "")
+
+
+def _name_nodes(text: str, by_uid: dict) -> str:
+    """Replace internal node ids (%123) with the op's name and the user's line that built it."""
+    def sub(m):
+        n = by_uid.get(m.group(0))
+        return f"[{_describe(n)}]" if n is not None else "an internal node"
+    text = text.replace("(%output)", "(a graph output)")
+    return re.sub(r"%\d+(?:\.\d+)?", sub, text)
+
+
 def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainReport:
     """Optimize the graph under `outputs` as realize would and report it. Near misses are
     listed for ops whose best partial match covered at least `min_matched` pattern nodes."""
@@ -63,7 +79,8 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
     before, _ = _count(vals)
     res = optimize(vals, bname, lower_all)
     after, fused = _count(res.outputs)
-    misses = {k: f"{m.reason} (matched {m.matched} nodes at {m.node})"
+    by_uid = {f"%{n.uid}": n for n in toposort(res.canonical + vals)}
+    misses = {k: _name_nodes(f"{m.reason} (matched {m.matched} nodes at {m.node})", by_uid)
               for k, m in res.misses.items() if m.matched >= min_matched}
     matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     return ExplainReport(fused, after - sum(fused.values()), before, after, misses, res.lowered,

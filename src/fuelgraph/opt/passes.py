@@ -31,6 +31,8 @@ class OptResult:
     log: RewriteLog
     misses: dict[str, Miss] = field(default_factory=dict)   # op name -> best near-miss
     lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
+    canonical: list = field(default_factory=list)   # the canonical graph the fuser matched
+    #                                                 (keeps the nodes misses name alive)
 
 
 class _GraphOutput:
@@ -114,11 +116,11 @@ def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptRes
     """Optimize the graph under `outputs` (values or tensors) for `backend`."""
     vals = [o.value if isinstance(o, Tensor) else o for o in outputs]
     log, misses, lowered = RewriteLog(), {}, {}
-    vals = run_pass(vals, CANONICALIZE, log)
+    vals = canonical = run_pass(vals, CANONICALIZE, log)
     if not lower_all:
         vals = fuse(vals, backend, log, misses)
     vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
-    return OptResult(vals, log, misses, lowered)
+    return OptResult(vals, log, misses, lowered, canonical)
 
 
 def prefuse(outputs: list[Value]) -> list[Value]:
