@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""CPU training step, float32: the Llama-style model of bench/llama_step.py (hidden 512, 4
+layers, 8 query / 4 key-value heads, FFN 1024, batch 4, sequence 256, vocabulary 2048),
+forward + backward + AdamW, as one traced fuelgraph step (`fg.jit`) against torch CPU eager
+(same weights, same math: explicit attention scores; torch's SDPA is timed too).
+
+    python bench/bench_train.py [--quick] [--threads N] [--compete] [--runs N]
+
+Reported: the median of --runs steps (after warm-up) and the spread (max - min) of each, the
+ratio to torch, and the traced step's overhead: the time a replay spends outside the plan's
+kernels (gathering buffers, handing them over, rebinding parameters), measured as the replay's
+median minus the median of running its plan directly.
+
+Threads are chosen on purpose, not left to each library: `--threads N` (default: the cores
+this process may run on) sets the BLAS pool of NumPy (threadpoolctl), fuelgraph's NumPy kernel
+pool (FUELGRAPH_NUM_THREADS) and torch's intra-op pool (torch.set_num_threads) to the same N,
+and OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning. With `--compete` a second
+process keeps one core busy (a single-threaded matmul loop) while both sides are timed:
+oversubscribed BLAS pools are what makes a step collapse under contention, and the run shows
+how each side holds up.
+
+Writes bench/results/train_<date>.json."""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _compete(stop):
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    import numpy as np
+    a = np.random.default_rng(0).standard_normal((256, 256))
+    while not stop.is_set():
+        a = np.tanh(a @ a * 1e-3)
+
+
+def _timed(fn, runs, warmup=3):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts), max(ts) - min(ts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small model, few runs (proves it works)")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--compete", action="store_true", help="time with a competing process")
+    ap.add_argument("--runs", type=int, default=None)
+    args = ap.parse_args(argv)
+    n = args.threads
+    os.environ["FUELGRAPH_NUM_THREADS"] = str(n)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    import numpy as np
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from common import record, write_results
+    from llama_step import Config, batch, fg_model, torch_model
+
+    threadpool_limits(n, user_api="blas")
+    torch.set_num_threads(n)
+    cfg = Config(layers=2, seq=64, vocab=512) if args.quick else Config()
+    runs = args.runs or (3 if args.quick else 15)
+
+    m, fg = fg_model(cfg)
+    import fuelgraph.optim as optim
+    opt = optim.AdamW(m.parameters(), lr=1e-4)
+
+    def fg_step(idx, tgt):
+        loss = m(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    step = fg.jit(fg_step)
+    idx_np, tgt_np = batch(cfg)
+    idx, tgt = fg.tensor(idx_np), fg.tensor(tgt_np)
+
+    tm = torch_model(cfg)
+    topt = torch.optim.AdamW(tm.parameters(), lr=1e-4)
+    tmi, tmt = torch.tensor(idx_np), torch.tensor(tgt_np)
+
+    def torch_step(model=tm, o=topt):
+        loss = model(tmi, tmt)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+    ts = torch_model(cfg, sdpa=True)
+    tso = torch.optim.AdamW(ts.parameters(), lr=1e-4)
+
+    # same model, same first loss
+    a, b = float(step(idx, tgt).item()), float(torch_step().item())
+    assert abs(a - b) <= 1e-4 * abs(b), (a, b)
+
+    entry = next(iter(step.cache.values()))[0]
+    leaves = [idx, tgt]
+    run_plan = lambda: entry.plan.run(entry.fetch(leaves))  # noqa: E731
+
+    stop = mp.Event()
+    proc = None
+    if args.compete:
+        proc = mp.Process(target=_compete, args=(stop,), daemon=True)
+        proc.start()
+        time.sleep(0.5)
+    try:
+        results = {
+            "fuelgraph (traced step)": _timed(lambda: step(idx, tgt).realize(), runs),
+            "fuelgraph plan only": _timed(run_plan, runs),
+            "torch eager": _timed(torch_step, runs),
+            "torch eager (sdpa)": _timed(lambda: torch_step(ts, tso), runs),
+        }
+    finally:
+        if proc is not None:
+            stop.set()
+            proc.join(5)
+    fgt, _ = results["fuelgraph (traced step)"]
+    plan_t, _ = results["fuelgraph plan only"]
+    tt, _ = results["torch eager"]
+    shape = (cfg.batch, cfg.seq, cfg.hidden)
+    records = [record("llama_train_step", impl, shape, "float32", ms, threads=n,
+                      compete=args.compete, spread_ms=round(sp, 3), runs=runs,
+                      config=cfg.__dict__)
+               for impl, (ms, sp) in results.items()]
+    path = write_results("train" + ("_quick" if args.quick else ""), records)
+    for impl, (ms, sp) in results.items():
+        print(f"{impl:26s} median {ms:9.2f} ms  spread {sp:8.2f} ms  ({ms / tt:5.2f}x torch)")
+    print(f"traced-step overhead: {(fgt - plan_t) / fgt * 100:.1f}% of the step "
+          f"({fgt - plan_t:.2f} ms); threads {n}; compete {args.compete}; config {cfg}")
+    print(f"wrote {path}")
+    return records
+
+
+if __name__ == "__main__":
+    main()
