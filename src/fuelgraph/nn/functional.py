@@ -14,9 +14,15 @@ from ..random import dropout as _dropout
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T + bias, weight [out, in] (torch's layout); fuses into fused_linear."""
-    y = x @ weight.mT
-    return y + bias if bias is not None else y
+    """x @ weight.T + bias, weight [out, in] (torch's layout). With a bias it fuses into
+    fused_linear; without one, the rows of x are one GEMM (so is the weight's gradient, with
+    no batch of products to sum afterwards)."""
+    if bias is not None:
+        return x @ weight.mT + bias
+    if x.ndim > 2:
+        rows = x.reshape(-1, x.shape[-1]) @ weight.mT
+        return rows.reshape(x.shape[:-1] + (weight.shape[0],))
+    return x @ weight.mT
 
 
 def embedding(idx: Tensor, weight: Tensor) -> Tensor:

@@ -147,6 +147,9 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         for s in n.srcs:
             last_use[slot_of[(s.node, s.slot)]] = pos
     keep = {slot_of[(v.node, v.slot)] for v in outputs}
+    kind = {slot_of[(n, i)]: "leaf" if not n.srcs and not isinstance(n.op, ops.Scan) else
+            "fresh" if isinstance(n.op, _FRESH) and not isinstance(n.op, view_ops) else "derived"
+            for n in order for i in range(n.nout)}
     out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
     for pos, n in enumerate(order):
@@ -170,8 +173,15 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = _destructive(n)
-        live = tuple(sorted(j for j, last in last_use.items() if last > pos) +
-                     sorted(keep | set(const_slots))) if d else ()
+        # slots whose buffer may be the one overwritten: a fresh result (most primitives
+        # allocate theirs) never shares storage with a leaf or another fresh result, only
+        # with what is derived from it (views, fused ops and scans, which may return an input)
+        cls = {kind[slot_of[(n.srcs[k].node, n.srcs[k].slot)]] for k in d}
+        ok_kinds = {"derived"} | ({"leaf"} if cls & {"leaf", "derived"} else set()) | \
+            ({"fresh"} if "derived" in cls else set())
+        live = tuple(j for j in sorted({j for j, last in last_use.items() if last > pos} |
+                                       keep | set(const_slots)) if kind[j] in ok_kinds) \
+            if d else ()
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d, tuple((n, k) not in inplace_ok for k in d),
                           impl.takes_out and len(d) == 1, not impl.strided_input,
@@ -180,6 +190,10 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
 
+
+# primitives whose kernels always return a newly allocated buffer (never an input or a view)
+_FRESH = (ops.Unary, ops.Binary, ops.Compare, ops.Where, ops.Cast, ops.Reduce, ops.Concat,
+          ops.Pad, ops.Gather, ops.Take, ops.ScatterAdd, ops.MatMul)
 
 # ops whose kernels return views (no allocation of their own)
 _NO_ALLOC = (ops.Full, ops.Input, ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice,
