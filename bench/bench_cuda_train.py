@@ -78,6 +78,9 @@ def main(argv=None):
         losses[graph] = float(step(idx, tgt).item())
         impl = "fuelgraph (traced, CUDA graph)" if graph else "fuelgraph (traced)"
         results[impl] = cuda_time(lambda: step(idx, tgt), args.runs)
+        if graph:
+            e = next(iter(step.cache.values()))[0]
+            losses["cuda_graph_captured"] = e.graphed not in (None, False)
         del m, opt, step
 
     for sdpa in (False, True):

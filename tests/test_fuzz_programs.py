@@ -40,6 +40,15 @@ def _broadcastable(a, b):
         return False
 
 
+def _broadcastable3(a, b, c):
+    """Pairwise broadcastable shapes need not broadcast together ((3,), (2, 1), (2,))."""
+    try:
+        np.broadcast_shapes(tuple(a.t.shape), tuple(b.t.shape), tuple(c.t.shape))
+        return True
+    except ValueError:
+        return False
+
+
 def _op(draw, pool):
     a = draw(st.sampled_from(pool))
     b = draw(st.sampled_from(pool))
@@ -79,8 +88,7 @@ def _op_choice(draw, pool, a, b, choice):
         return Pair(getattr(fg.Tensor, f"__{cmp}__")(a.f, b.f), getattr(torch, cmp)(a.t, b.t))
     if choice == 6 and _broadcastable(a, b):
         c = draw(st.sampled_from([p for p in pool if p.kind == "b"] or [None]))
-        if c is not None and _broadcastable(c, a) and np.broadcast_shapes(
-                tuple(c.t.shape), tuple(a.t.shape), tuple(b.t.shape)) is not None \
+        if c is not None and _broadcastable(c, a) and _broadcastable3(c, a, b) \
                 and a.kind != "b" and b.kind != "b":
             return Pair(fg.where(c.f, a.f, b.f), torch.where(c.t, a.t, b.t))
     if choice == 7 and a.f.ndim > 0 and a.kind != "b":      # reductions

@@ -339,7 +339,16 @@ class Jitted:
     def _graphed(self, e: _Entry, bufs):
         if e.graphed is None:
             from .backends.cuda.backend import GraphedStep
-            e.graphed = GraphedStep(e.plan, bufs, e.inplace_of)
+            try:
+                e.graphed = GraphedStep(e.plan, bufs, e.inplace_of)
+            except Exception as err:    # a kernel that syncs with the host cannot be captured
+                import warnings
+                warnings.warn(f"fuelgraph.jit({self.__name__}): CUDA graph capture failed "
+                              f"({type(err).__name__}: {err}); replaying the plan without it",
+                              RuntimeWarning, stacklevel=3)
+                e.graphed = False
+        if e.graphed is False:
+            return e.plan.run(bufs)
         return e.graphed.run(bufs)
 
 
