@@ -49,6 +49,7 @@ class _Trace:
         self.name = name
         self.before: dict = {}        # (id(t), attr) -> (t, attr, value before the trace)
         self.guards: list = []        # (fn, value at trace time)
+        self.guard_keys: set = set()
         self.grad_reads: dict = {}    # id(t) -> (t, had no grad): .grad read before any write
 
     def read_grad(self, t):
@@ -58,8 +59,13 @@ class _Trace:
     def rebound(self, t, attr, old):
         self.before.setdefault((id(t), attr), (t, attr, old))
 
-    def guard(self, fn, value=None):
-        """Retrace when fn() no longer returns `value` (fn's value now when omitted)."""
+    def guard(self, fn, value=None, key=None):
+        """Retrace when fn() no longer returns `value` (fn's value now when omitted); a guard
+        with the `key` of an earlier one is not added again."""
+        if key is not None:
+            if key in self.guard_keys:
+                return
+            self.guard_keys.add(key)
         self.guards.append((fn, fn() if value is None else value))
 
     def realize_error(self) -> str:

@@ -126,7 +126,7 @@ class Optimizer:
     def _update(self):
         tr = current_trace()
         if tr is not None:     # which gradients exist is guarded by the trace's .grad reads
-            tr.guard(self._hyper)
+            tr.guard(self._hyper, key=("hyper", id(self)))
         for g in self.param_groups:
             live = [p for p in g["params"] if p.grad is not None]
             by_dev: dict = {}

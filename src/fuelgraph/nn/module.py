@@ -259,7 +259,7 @@ class Module:
     def __call__(self, *args, **kwargs):
         tr = current_trace()
         if tr is not None:      # a traced step depends on the train/eval mode
-            tr.guard(lambda m=self: m.training, self.training)
+            tr.guard(lambda m=self: m.training, self.training, key=("training", id(self)))
         return self.forward(*args, **kwargs)
 
     def extra_repr(self) -> str:
