@@ -126,6 +126,23 @@ def _take_grad(n, x, idx, g):
     return [zeros_like(x).scatter_add(ax, ib, gf), None]
 
 
+def _transposed(t: Tensor) -> bool:
+    """Whether t is a view swapping the last two axes of another value (e.g. `w.mT`)."""
+    op = t.node.op
+    r = len(op.perm) if isinstance(op, ops.Permute) else 0
+    return r >= 2 and op.perm == tuple(range(r - 2)) + (r - 1, r - 2)
+
+
+def _matmul_grad(a: Tensor, b: Tensor, g: Tensor) -> list:
+    """grad_a = g @ b^T, grad_b = a^T @ g; for an operand that is itself a transposed view
+    (a weight used as `x @ w.mT`), its gradient is computed in the orientation of the value
+    under the view (grad_w = g^T @ x, then viewed transposed), so the gradient that reaches w
+    is contiguous: the same product, and optimizers and kernels need no transposing copy."""
+    ga = (b @ g.mT).mT if _transposed(a) else g @ b.mT
+    gb = (g.mT @ a).mT if _transposed(b) else a.mT @ g
+    return [ga, gb]
+
+
 def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
     """Cotangents for the sources of node `n` given cotangents `gs` of its outputs."""
     op = n.op
@@ -156,7 +173,7 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
         return [zeros_like(xs[0]).scatter_add(op.axis, xs[1], g), None]
     if isinstance(op, ops.Take): return _take_grad(n, xs[0], xs[1], g)
     if isinstance(op, ops.ScatterAdd): return [g, None, g.gather(op.axis, xs[1])]
-    if isinstance(op, ops.MatMul): return [g @ xs[1].mT, xs[0].mT @ g]
+    if isinstance(op, ops.MatMul): return _matmul_grad(xs[0], xs[1], g)
     return [None] * len(xs)  # compare, bitwise, bitcast, leaves: no gradient
 
 
