@@ -35,11 +35,12 @@ from .api import bind_buffer, rebind
 from .backends import get_backend
 from .errors import FuelGraphError
 from .ir import ops
-from .ir.node import Value
+from .ir.node import Value, built_at
 from .ir.tensor import _DATA, GRAD_LEAVES, OWNER, TRACE, Tensor, _leaf
 from .runtime.executor import _cut, _key_and_inputs, _known, compile_plan, realize_raw
 
 _SCALARS = (int, float, bool, str, bytes, type(None), complex)
+_REPLAY_SITE = ("<fuelgraph.jit replay>", 0, "step")
 
 
 class _Trace:
@@ -331,6 +332,10 @@ class Jitted:
                 rebind(t, _leaf(bufs[k], *meta[id(t)], False).value)
             raise
         outs = _owned(be, outs, bufs, e)
+        with built_at(_REPLAY_SITE):    # new leaves: no frame walk for their build site
+            return self._rebind(e, outs)
+
+    def _rebind(self, e: _Entry, outs):
         nres = len(e.res_meta)
         done = list(zip(e.mutations, e.mut_meta, outs[nres:]))
         for (t, attr), (d, dev), buf in done:       # values first: a grad's shape is checked

@@ -106,6 +106,8 @@ def make_node(op, srcs: tuple[Value, ...], meta=None) -> Node:
     """Return the unique node for (op, srcs), inferring and validating its outputs. `meta`
     ((shapes, dtypes)) is given by builders of ops whose rules live above the IR (fused ops:
     the registry); the device is always derived here."""
+    if type(op) is Input:       # unique by uid: nothing to share, no intern entry needed
+        return Node(op, srcs, (tuple(int(d) for d in op.shape),), (op.dtype,), op.device)
     key = (op, srcs)
     n = _INTERN.get(key)
     if n is not None:

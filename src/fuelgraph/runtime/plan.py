@@ -5,6 +5,7 @@ their position, shape and dtype, so re-running the same model on new data skips 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class Step:
     name: str = ""
     live_after: tuple[int, ...] = ()   # destructive steps: slots still read after this one
     site: tuple | None = None  # the user's source line that built the op (for errors)
+    live_rooted: tuple = ()    # per destructive input: the live_after slots whose storage
+    #                            can come from the same leaf or fresh buffer as that input
 
 
 @dataclass(eq=False)
@@ -61,14 +64,20 @@ class Plan:
         for slot, buf in self.const_slots.items():
             env[slot] = buf
         be = self.backend
+        # when the caller's buffers are all distinct storage, a leaf's buffer can only be
+        # shared by what is derived from it: overwrite checks skip the other leaves
+        distinct = None
         for st in self.steps:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
                 args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
             kw = {}
-            for k, static_copy in zip(st.inplace, st.copy_first):
+            for j, (k, static_copy) in enumerate(zip(st.inplace, st.copy_first)):
+                if distinct is None:
+                    distinct = len({be.storage(b) for b in inputs}) == len(inputs)
+                live = st.live_rooted[j] if distinct else st.live_after
                 if static_copy or be.writable_copy_needed(args[k]) or \
-                        self._aliased(args[k], env, st.live_after):
+                        self._aliased(args[k], env, live):
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
                     else:
@@ -122,7 +131,7 @@ def _bind(impl, node: Node, run_body):
         kw = {"op": node.op, "run_body": lambda args: run_body(body, args)}
     else:
         kw = {"op": node.op}
-    return (lambda *a, **extra: k(*a, **kw, **extra)) if kw else k
+    return functools.partial(k, **kw) if kw else k
 
 
 def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
@@ -150,6 +159,15 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     kind = {slot_of[(n, i)]: "leaf" if not n.srcs and not isinstance(n.op, ops.Scan) else
             "fresh" if isinstance(n.op, _FRESH) and not isinstance(n.op, view_ops) else "derived"
             for n in order for i in range(n.nout)}
+    # where each slot's storage can come from: a leaf or fresh buffer itself; a view, its
+    # source's; a fused op or scan (which may return an input), any of its inputs'
+    roots: dict[int, frozenset] = {}
+    for n in order:
+        ins = [roots[slot_of[(s.node, s.slot)]] for s in n.srcs]
+        for i in range(n.nout):
+            sl = slot_of[(n, i)]
+            roots[sl] = frozenset((sl,)) if kind[sl] != "derived" else \
+                ins[0] if isinstance(n.op, view_ops) and ins else frozenset().union(*ins)
     out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
     for pos, n in enumerate(order):
@@ -185,7 +203,9 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d, tuple((n, k) not in inplace_ok for k in d),
                           impl.takes_out and len(d) == 1, not impl.strided_input,
-                          impl.name or op.name, live, n.site))
+                          impl.name or op.name, live, n.site,
+                          tuple(tuple(j for j in live if roots[j] & roots[slot_of[(
+                              n.srcs[k].node, n.srcs[k].slot)]]) for k in d)))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
