@@ -732,6 +732,13 @@ def _getitem(x: Tensor, idx) -> Tensor:
     if not isinstance(idx, tuple):
         idx = (idx,)
     if any(isinstance(i, (Tensor, list, np.ndarray)) for i in idx):
+        if any((isinstance(i, Tensor) and i.dtype is dt.bool_) or
+               (isinstance(i, np.ndarray) and i.dtype == np.bool_) for i in idx):
+            raise FuelGraphError(
+                "getitem: a boolean mask selects a data-dependent number of elements, which a "
+                "graph cannot shape; keep the shape with where(mask, x, 0) or "
+                "x.masked_fill(~mask, v), write through it with x[mask] = v, or reduce with "
+                "(x * mask).sum()")
         if len(idx) == 1:
             return x.take(idx[0], 0)
         raise FuelGraphError("getitem: advanced indexing supports one index tensor on axis 0; "
