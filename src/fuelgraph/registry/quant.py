@@ -275,16 +275,30 @@ def _act_dtype(dtypes, params):
     return [dtypes[0]]
 
 
-def _grad_a(helper, weight_labels, op):
-    """vjp: the gradient flows to the activations only (input 0) through `helper`; a float
-    weight input (absmax, scales) that is a requires_grad leaf is refused."""
+class _WeightHasNoGradient:
+    """Stands in a vjp's result for a packed-weight input: autograd reads a cotangent's dtype
+    only when that input's gradient is actually needed (it was asked for, or something asked
+    for depends on it), and then this raises, naming the op and the input."""
+
+    def __init__(self, op, label):
+        self.message = (f"{op}: {label} is part of the quantized weight, a constant: it has no "
+                        f"gradient (the op is differentiable with respect to its activations "
+                        f"only; detach it or do not ask for its gradient)")
+
+    @property
+    def dtype(self):
+        raise FuelGraphError(self.message)
+
+    shape = dtype
+
+
+def _linear_vjp(other, weight_labels, op):
+    """vjp of a product by a constant packed weight: the cotangent of input 0 is `other`
+    (the product by the transposed weight) applied to the output cotangent; the weight
+    inputs have none."""
     def vjp(xs, ys, gs, p):
-        from ..autograd import _GRAD_LEAVES
-        for x, label in zip(xs[1:], weight_labels):
-            if x.dtype.is_float and x.value in _GRAD_LEAVES:
-                raise FuelGraphError(f"{op}: {label} is part of the quantized weight (a constant); "
-                                     f"it has no gradient: do not set requires_grad on it")
-        return [call_fused(helper, gs[0], *xs[1:], **dataclasses.asdict(p))] + [None] * (len(xs) - 1)
+        return [call_fused(other, gs[0], *xs[1:], **dataclasses.asdict(p))] + \
+            [_WeightHasNoGradient(op, label) for label in weight_labels]
     return vjp
 
 
@@ -333,7 +347,7 @@ def declare(reg):
         shape_rule=_out_shape(lambda s, p: p.n), dtype_rule=_act_dtype,
         validate=_validate_qmatmul, decompose=qmatmul_recipe,
         backward=BackwardKind.fused(QMATMUL_GRAD_A),
-        vjp=_grad_a(QMATMUL_GRAD_A, ("w_bytes",), "qmatmul"),
+        vjp=_linear_vjp(QMATMUL_GRAD_A, ("w_bytes",), "qmatmul"),
         pattern_variants=None, sample=_sample_qmatmul,
         doc=f"out = a @ W.T with W [N, K] given as raw GGUF bytes (uint8, N * K / QK blocks "
             f"along K; formats {gguf_doc}); a [..., K] any float dtype -> out [..., N] in a's "
@@ -343,7 +357,8 @@ def declare(reg):
         id=QMATMUL_GRAD_A, name="qmatmul_grad_a", family="backward", params=QMatMulParams,
         shape_rule=_out_shape(lambda s, p: p.k), dtype_rule=_act_dtype,
         validate=_validate_qmatmul_grad, decompose=qmatmul_grad_a_recipe,
-        backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_sample_qmatmul_grad,
+        backward=BackwardKind.fused(FusedOps.QMATMUL),
+        vjp=_linear_vjp(FusedOps.QMATMUL, ("w_bytes",), "qmatmul_grad_a"), pattern_variants=None, sample=_sample_qmatmul_grad,
         doc="Gradient of qmatmul with respect to a: grad [..., N] @ W -> [..., K] in grad's "
             "dtype (same params and w_bytes as the forward)."))
     reg.add(FusedOpEntry(
@@ -351,7 +366,7 @@ def declare(reg):
         shape_rule=_out_shape(lambda s, p: s[1][0]), dtype_rule=_act_dtype,
         validate=_validate_nf4, decompose=nf4_matmul_recipe,
         backward=BackwardKind.fused(NF4_MATMUL_GRAD_A),
-        vjp=_grad_a(NF4_MATMUL_GRAD_A, ("w_packed", "absmax"), "nf4_matmul"),
+        vjp=_linear_vjp(NF4_MATMUL_GRAD_A, ("w_packed", "absmax"), "nf4_matmul"),
         pattern_variants=None, sample=_sample_nf4,
         doc="out = a @ W.T, W[n, k] = NF4[code(n, k)] * absmax[n, k // block_size]; w_packed "
             "uint8 [N, K/2] (bitsandbytes order: element 2j in the high nibble of byte j, 2j+1 "
@@ -361,14 +376,15 @@ def declare(reg):
         id=NF4_MATMUL_GRAD_A, name="nf4_matmul_grad_a", family="backward", params=NF4Params,
         shape_rule=_out_shape(lambda s, p: 2 * s[1][1]), dtype_rule=_act_dtype,
         validate=_validate_nf4_grad, decompose=nf4_matmul_grad_a_recipe,
-        backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_sample_nf4_grad,
+        backward=BackwardKind.fused(FusedOps.NF4_MATMUL),
+        vjp=_linear_vjp(FusedOps.NF4_MATMUL, ("w_packed", "absmax"), "nf4_matmul_grad_a"), pattern_variants=None, sample=_sample_nf4_grad,
         doc="Gradient of nf4_matmul with respect to a: grad [..., N] @ W -> [..., K]."))
     reg.add(FusedOpEntry(
         id=FusedOps.AWQ_MATMUL, name="awq_matmul", family="quantized", params=AWQParams,
         shape_rule=_out_shape(lambda s, p: 8 * s[1][1]), dtype_rule=_act_dtype,
         validate=_validate_awq, decompose=awq_matmul_recipe,
         backward=BackwardKind.fused(AWQ_MATMUL_GRAD_A),
-        vjp=_grad_a(AWQ_MATMUL_GRAD_A, ("qweight", "qzeros", "scales"), "awq_matmul"),
+        vjp=_linear_vjp(AWQ_MATMUL_GRAD_A, ("qweight", "qzeros", "scales"), "awq_matmul"),
         pattern_variants=None, sample=_sample_awq,
         doc="out = a @ W, W[k, n] = (q - z) * s from AutoAWQ GEMM tensors: qweight int32 "
             "[K, N/8], qzeros int32 [K/G, N/8] (logical column 8c+e in nibble "
@@ -378,7 +394,9 @@ def declare(reg):
         id=AWQ_MATMUL_GRAD_A, name="awq_matmul_grad_a", family="backward", params=AWQParams,
         shape_rule=_out_shape(lambda s, p: s[1][0]), dtype_rule=_act_dtype,
         validate=_validate_awq_grad, decompose=awq_matmul_grad_a_recipe,
-        backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_sample_awq_grad,
+        backward=BackwardKind.fused(FusedOps.AWQ_MATMUL),
+        vjp=_linear_vjp(FusedOps.AWQ_MATMUL, ("qweight", "qzeros", "scales"),
+                        "awq_matmul_grad_a"), pattern_variants=None, sample=_sample_awq_grad,
         doc="Gradient of awq_matmul with respect to a: grad [..., N] @ W.T -> [..., K]."))
 
 

@@ -10,10 +10,16 @@ float64) and the result is rounded once to their dtype. The dequantized values a
 with the formats' references (gguf-py for GGUF)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ...registry.quant import AWQ_ORDER, NF4_BYTE_PAIRS
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ...registry.quant import (AWQ_MATMUL_GRAD_A, AWQ_ORDER, NF4_BYTE_PAIRS, NF4_MATMUL_GRAD_A,
+                               QMATMUL_GRAD_A)
+from ...registry.quant_gguf import FORMATS as GGUF_GEOMETRY
+from ..base import Cost, kernel
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 from .quant_gguf import FORMATS, NIB
 
 #: float32 elements of weight dequantized per tile (4 MiB of scratch)
@@ -22,6 +28,33 @@ _F32 = np.float32
 _ORDER = np.array(AWQ_ORDER)
 if not np.little_endian:  # pragma: no cover - the byte-table unpacking below reads int32 as LE
     raise ImportError("fuelgraph's NumPy quantized kernels need a little-endian host")
+
+
+def _cost(weight_bits, rows_out):
+    """Cost of x [..., R] times a packed weight: 2 * rows * R * C flops, bytes of x, the
+    packed weight (weight_bits(shapes, params) bits per element), the output and the float32
+    scratch each weight element passes through."""
+    def cost(shapes, params=None):
+        x = shapes[0]
+        m, r = math.prod(x[:-1]), x[-1]
+        c = rows_out(shapes, params)
+        w = r * c
+        return Cost(2 * m * w + 4 * w, 4 * (m * (r + c)) + w * weight_bits(shapes, params) / 8
+                    + 8 * w)
+    return cost
+
+
+def _gguf_bits(shapes, p):
+    f = GGUF_GEOMETRY[p.quant_type]
+    return 8 * f.type_size / f.block
+
+
+_QMATMUL_COST = _cost(_gguf_bits, lambda s, p: p.n)
+_QMATMUL_GRAD_COST = _cost(_gguf_bits, lambda s, p: p.k)
+_NF4_COST = _cost(lambda s, p: 4 + 32 / p.block_size, lambda s, p: s[1][0])
+_NF4_GRAD_COST = _cost(lambda s, p: 4 + 32 / p.block_size, lambda s, p: 2 * s[1][1])
+_AWQ_COST = _cost(lambda s, p: 4 + 20 / p.group_size, lambda s, p: 8 * s[1][1])
+_AWQ_GRAD_COST = _cost(lambda s, p: 4 + 20 / p.group_size, lambda s, p: s[1][0])
 
 
 def _spans(total: int, other: int, align: int):
@@ -85,6 +118,7 @@ def dequantize_gguf(w_bytes, quant_type: str, n: int, k: int):
     return _gguf_tile(fmt, w_bytes.reshape(n, k // fmt.block, fmt.type_size), _Scratch(), n, k)
 
 
+@kernel(FusedOps.QMATMUL, "numpy", cost=_QMATMUL_COST)
 def qmatmul(a, w_bytes, *, quant_type, n, k):
     """QMATMUL: a [..., k] @ W.T -> [..., n] in a's dtype; W from raw GGUF bytes."""
     fmt = FORMATS[quant_type]
@@ -94,6 +128,7 @@ def qmatmul(a, w_bytes, *, quant_type, n, k):
                           lambda r0, r1: _gguf_tile(fmt, wb[r0:r1], scratch, r1 - r0, k), True)
 
 
+@kernel(QMATMUL_GRAD_A, "numpy", cost=_QMATMUL_GRAD_COST)
 def qmatmul_grad_a(g, w_bytes, *, quant_type, n, k):
     """Gradient of QMATMUL in a: g [..., n] @ W -> [..., k] in g's dtype."""
     fmt = FORMATS[quant_type]
@@ -126,6 +161,7 @@ def dequantize_nf4(w_packed, absmax, block_size: int = 64):
     return _nf4_tile(w_packed, absmax, block_size, _Scratch(), 0, n, 0, k)
 
 
+@kernel(FusedOps.NF4_MATMUL, "numpy", cost=_NF4_COST)
 def nf4_matmul(a, w_packed, absmax, *, block_size):
     """NF4_MATMUL: a [..., K] @ W.T -> [..., N] in a's dtype."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
@@ -135,6 +171,7 @@ def nf4_matmul(a, w_packed, absmax, *, block_size):
         lambda r0, r1: _nf4_tile(w_packed, absmax, block_size, scratch, r0, r1, 0, k), True)
 
 
+@kernel(NF4_MATMUL_GRAD_A, "numpy", cost=_NF4_GRAD_COST)
 def nf4_matmul_grad_a(g, w_packed, absmax, *, block_size):
     """Gradient of NF4_MATMUL in a: g [..., N] @ W -> [..., K]."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
@@ -190,6 +227,7 @@ def dequantize_awq(qweight, qzeros, scales, group_size: int = 128):
     return _logical_columns(_awq_tile(qweight, qzeros, scales, group_size, _Scratch(), 0, k, 0, n))
 
 
+@kernel(FusedOps.AWQ_MATMUL, "numpy", cost=_AWQ_COST)
 def awq_matmul(a, qweight, qzeros, scales, *, group_size):
     """AWQ_MATMUL: a [..., K] @ W -> [..., N] in a's dtype."""
     k, n = qweight.shape[0], 8 * qweight.shape[1]
@@ -201,6 +239,7 @@ def awq_matmul(a, qweight, qzeros, scales, *, group_size):
     return _logical_columns(out)
 
 
+@kernel(AWQ_MATMUL_GRAD_A, "numpy", cost=_AWQ_GRAD_COST)
 def awq_matmul_grad_a(g, qweight, qzeros, scales, *, group_size):
     """Gradient of AWQ_MATMUL in a: g [..., N] @ W.T -> [..., K]."""
     k, n = qweight.shape[0], 8 * qweight.shape[1]
