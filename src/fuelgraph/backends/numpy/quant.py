@@ -22,8 +22,8 @@ from ..base import Cost, kernel
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
 from .quant_gguf import FORMATS, NIB
 
-#: float32 elements of weight dequantized per tile (4 MiB of scratch)
-TILE_ELEMS = 1 << 20
+#: float32 elements of weight dequantized per tile (8 MiB of scratch)
+TILE_ELEMS = 1 << 21
 _F32 = np.float32
 _ORDER = np.array(AWQ_ORDER)
 if not np.little_endian:  # pragma: no cover - the byte-table unpacking below reads int32 as LE
