@@ -48,10 +48,12 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 # ---- params ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class QMatMulParams:
-    """quant_type: GGUF format name (e.g. "Q4_K"); n, k: the weight's [N, K]."""
-    quant_type: str
-    n: int
-    k: int
+    """quant_type: GGUF format name (e.g. "Q4_K"); n, k: the weight's [N, K] (the builder
+    always passes them; None infers k from the activations and n from the byte count, or for
+    the gradient n from the incoming gradient and k from the byte count)."""
+    quant_type: str = "Q4_0"
+    n: int | None = None
+    k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,42 +96,84 @@ def _check_shape(name, src, label, want, what=""):
         raise FuelGraphError(f"{name}: {label} has shape {src.shape}, expected {tuple(want)}{what}")
 
 
-def _qmatmul_geometry(name, params):
-    fmt = gguf_format(params.quant_type, name)
-    if fmt.name != params.quant_type:
-        raise FuelGraphError(f"{name}: param quant_type {params.quant_type!r} is not a canonical "
+def qmatmul_nk(quant_type: str, n, k, x_shape, w_size: int, grad: bool = False):
+    """(n, k) of a validated qmatmul (grad: qmatmul_grad_a) call whose params may leave them
+    None: k from the activations, n from the gradient, the other from the byte count."""
+    fmt = FORMATS[quant_type]
+    if grad and n is None:
+        n = x_shape[-1]
+    if not grad and k is None:
+        k = x_shape[-1]
+    if k is None:
+        k = w_size // n // fmt.type_size * fmt.block
+    if n is None:
+        n = w_size // fmt.row_bytes(k)
+    return n, k
+
+
+def _qmatmul_dims(name, p, act, w, grad=False):
+    """(format, n, k) of a qmatmul (grad: qmatmul_grad_a) call, checking every input."""
+    fmt = gguf_format(p.quant_type, name)
+    if fmt.name != p.quant_type:
+        raise FuelGraphError(f"{name}: param quant_type {p.quant_type!r} is not a canonical "
                              f"format name; expected one of {list(FORMATS)}")
-    _check_int_param(name, "n", params.n, 1)
-    _check_int_param(name, "k", params.k, 1)
-    if params.k % fmt.block:
-        raise FuelGraphError(f"{name}: K = {params.k} is not a multiple of the {fmt.name} block "
-                             f"of {fmt.block} elements")
-    return fmt
-
-
-def _check_gguf_bytes(name, w, fmt, n, k):
+    for label, v in (("n", p.n), ("k", p.k)):
+        if v is not None:
+            _check_int_param(name, label, v, 1)
     _check_dtype(name, w, "w_bytes", dt.uint8, " (the raw GGUF tensor data)")
-    want = fmt.nbytes(n, k)
     size = int(np.prod(w.shape, dtype=np.int64))
-    if size != want:
+    if len(act.shape) < 1:
+        raise FuelGraphError(f"{name}: {'grad' if grad else 'a'} must have rank >= 1")
+    n, k = p.n, p.k
+    if grad and n is None:
+        n = act.shape[-1]
+    if not grad and k is None:
+        k = act.shape[-1]
+    if k is None:                                # grad: K from the byte count
+        per_row = size // max(n, 1)
+        k = per_row // fmt.type_size * fmt.block if per_row % fmt.type_size == 0 else -1
+    if k <= 0 or k % fmt.block:
+        raise FuelGraphError(f"{name}: K = {k} is not a positive multiple of the {fmt.name} "
+                             f"block of {fmt.block} elements")
+    if n is None:
+        n = size // fmt.row_bytes(k)
+    want = fmt.nbytes(n, k)
+    if n < 1 or size != want:
         raise FuelGraphError(f"{name}: w_bytes holds {size} bytes, expected {want} = N {n} x "
                              f"(K {k} / {fmt.block}) blocks x {fmt.type_size} bytes of {fmt.name}")
+    _check_act(name, act, "grad" if grad else "a", n if grad else k)
+    return fmt, n, k
 
 
 def _validate_qmatmul(srcs, p):
-    name = "qmatmul"
-    check_arity(name, srcs, 2)
-    fmt = _qmatmul_geometry(name, p)
-    _check_act(name, srcs[0], "a", p.k)
-    _check_gguf_bytes(name, srcs[1], fmt, p.n, p.k)
+    check_arity("qmatmul", srcs, 2)
+    _qmatmul_dims("qmatmul", p, srcs[0], srcs[1])
 
 
 def _validate_qmatmul_grad(srcs, p):
-    name = "qmatmul_grad_a"
-    check_arity(name, srcs, 2)
-    fmt = _qmatmul_geometry(name, p)
-    _check_act(name, srcs[0], "grad", p.n)
-    _check_gguf_bytes(name, srcs[1], fmt, p.n, p.k)
+    check_arity("qmatmul_grad_a", srcs, 2)
+    _qmatmul_dims("qmatmul_grad_a", p, srcs[0], srcs[1], grad=True)
+
+
+class _Meta:
+    """Shape-and-dtype stand-in for the shape rule (the inputs were validated already)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def _qmatmul_n(shapes, p):
+    if p.n is not None:
+        return p.n
+    return _qmatmul_dims("qmatmul", p, _Meta(shapes[0], dt.float32),
+                         _Meta(shapes[1], dt.uint8))[1]
+
+
+def _qmatmul_k(shapes, p):
+    if p.k is not None:
+        return p.k
+    return _qmatmul_dims("qmatmul_grad_a", p, _Meta(shapes[0], dt.float32),
+                         _Meta(shapes[1], dt.uint8), grad=True)[2]
 
 
 def _nf4_geometry(name, w, absmax, p):
@@ -242,11 +286,14 @@ def _times(x, w, transpose: bool):
     return rows.reshape(x.shape[:-1] + (w.shape[-1],))
 
 
-def qmatmul_recipe(a, w_bytes, quant_type, n, k):
+def qmatmul_recipe(a, w_bytes, quant_type="Q4_0", n=None, k=None):
+    _, n, k = _qmatmul_dims("qmatmul", QMatMulParams(quant_type, n, k), a, w_bytes)
     return _times(a, dequantize_gguf(w_bytes, quant_type, n, k), True)
 
 
-def qmatmul_grad_a_recipe(g, w_bytes, quant_type, n, k):
+def qmatmul_grad_a_recipe(g, w_bytes, quant_type="Q4_0", n=None, k=None):
+    _, n, k = _qmatmul_dims("qmatmul_grad_a", QMatMulParams(quant_type, n, k), g, w_bytes,
+                            grad=True)
     return _times(g, dequantize_gguf(w_bytes, quant_type, n, k), False)
 
 
@@ -315,8 +362,8 @@ def _sample_qmatmul_grad(rng):
 
 
 def _sample_nf4(rng):
-    return [rng.standard_normal((2, 64)).astype(np.float32),
-            rng.integers(0, 256, size=(3, 32), dtype=np.uint8),
+    return [rng.standard_normal((2, 128)).astype(np.float32),
+            rng.integers(0, 256, size=(3, 64), dtype=np.uint8),
             rng.uniform(0.5, 2.0, size=(3, 2)).astype(np.float32)]
 
 
@@ -326,10 +373,10 @@ def _sample_nf4_grad(rng):
 
 
 def _sample_awq(rng):
-    return [rng.standard_normal((2, 32)).astype(np.float32),
-            rng.integers(-2 ** 31, 2 ** 31, size=(32, 2), dtype=np.int64).astype(np.int32),
-            rng.integers(-2 ** 31, 2 ** 31, size=(2, 2), dtype=np.int64).astype(np.int32),
-            rng.uniform(0.01, 0.1, size=(2, 16)).astype(np.float16)]
+    return [rng.standard_normal((2, 128)).astype(np.float32),
+            rng.integers(-2 ** 31, 2 ** 31, size=(128, 2), dtype=np.int64).astype(np.int32),
+            rng.integers(-2 ** 31, 2 ** 31, size=(1, 2), dtype=np.int64).astype(np.int32),
+            rng.uniform(0.01, 0.1, size=(1, 16)).astype(np.float16)]
 
 
 def _sample_awq_grad(rng):
@@ -337,14 +384,11 @@ def _sample_awq_grad(rng):
     return [rng.standard_normal((2, 16)).astype(np.float32)] + s[1:]
 
 
-_QMATMUL_SAMPLE_PARAMS = {"quant_type": "Q4_0", "n": 3, "k": 64}
-
-
 def declare(reg):
     gguf_doc = ", ".join(FORMATS)
     reg.add(FusedOpEntry(
         id=FusedOps.QMATMUL, name="qmatmul", family="quantized", params=QMatMulParams,
-        shape_rule=_out_shape(lambda s, p: p.n), dtype_rule=_act_dtype,
+        shape_rule=_out_shape(_qmatmul_n), dtype_rule=_act_dtype,
         validate=_validate_qmatmul, decompose=qmatmul_recipe,
         backward=BackwardKind.fused(QMATMUL_GRAD_A),
         vjp=_linear_vjp(QMATMUL_GRAD_A, ("w_bytes",), "qmatmul"),
@@ -355,7 +399,7 @@ def declare(reg):
             f"Differentiable in a only (backward: qmatmul_grad_a)."))
     reg.add(FusedOpEntry(
         id=QMATMUL_GRAD_A, name="qmatmul_grad_a", family="backward", params=QMatMulParams,
-        shape_rule=_out_shape(lambda s, p: p.k), dtype_rule=_act_dtype,
+        shape_rule=_out_shape(_qmatmul_k), dtype_rule=_act_dtype,
         validate=_validate_qmatmul_grad, decompose=qmatmul_grad_a_recipe,
         backward=BackwardKind.fused(FusedOps.QMATMUL),
         vjp=_linear_vjp(FusedOps.QMATMUL, ("w_bytes",), "qmatmul_grad_a"), pattern_variants=None, sample=_sample_qmatmul_grad,

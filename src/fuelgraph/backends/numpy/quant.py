@@ -16,7 +16,7 @@ import numpy as np
 
 from ...registry.core import FusedOps
 from ...registry.quant import (AWQ_MATMUL_GRAD_A, AWQ_ORDER, NF4_BYTE_PAIRS, NF4_MATMUL_GRAD_A,
-                               QMATMUL_GRAD_A)
+                               QMATMUL_GRAD_A, qmatmul_nk)
 from ...registry.quant_gguf import FORMATS as GGUF_GEOMETRY
 from ..base import Cost, kernel
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
@@ -49,8 +49,10 @@ def _gguf_bits(shapes, p):
     return 8 * f.type_size / f.block
 
 
-_QMATMUL_COST = _cost(_gguf_bits, lambda s, p: p.n)
-_QMATMUL_GRAD_COST = _cost(_gguf_bits, lambda s, p: p.k)
+_QMATMUL_COST = _cost(_gguf_bits, lambda s, p: qmatmul_nk(
+    p.quant_type, p.n, p.k, s[0], math.prod(s[1]))[0])
+_QMATMUL_GRAD_COST = _cost(_gguf_bits, lambda s, p: qmatmul_nk(
+    p.quant_type, p.n, p.k, s[0], math.prod(s[1]), grad=True)[1])
 _NF4_COST = _cost(lambda s, p: 4 + 32 / p.block_size, lambda s, p: s[1][0])
 _NF4_GRAD_COST = _cost(lambda s, p: 4 + 32 / p.block_size, lambda s, p: 2 * s[1][1])
 _AWQ_COST = _cost(lambda s, p: 4 + 20 / p.group_size, lambda s, p: 8 * s[1][1])
@@ -119,8 +121,9 @@ def dequantize_gguf(w_bytes, quant_type: str, n: int, k: int):
 
 
 @kernel(FusedOps.QMATMUL, "numpy", cost=_QMATMUL_COST)
-def qmatmul(a, w_bytes, *, quant_type, n, k):
+def qmatmul(a, w_bytes, *, quant_type, n=None, k=None):
     """QMATMUL: a [..., k] @ W.T -> [..., n] in a's dtype; W from raw GGUF bytes."""
+    n, k = qmatmul_nk(quant_type, n, k, a.shape, w_bytes.size)
     fmt = FORMATS[quant_type]
     wb = w_bytes.reshape(n, k // fmt.block, fmt.type_size)
     scratch = _Scratch()
@@ -129,8 +132,9 @@ def qmatmul(a, w_bytes, *, quant_type, n, k):
 
 
 @kernel(QMATMUL_GRAD_A, "numpy", cost=_QMATMUL_GRAD_COST)
-def qmatmul_grad_a(g, w_bytes, *, quant_type, n, k):
+def qmatmul_grad_a(g, w_bytes, *, quant_type, n=None, k=None):
     """Gradient of QMATMUL in a: g [..., n] @ W -> [..., k] in g's dtype."""
+    n, k = qmatmul_nk(quant_type, n, k, g.shape, w_bytes.size, grad=True)
     fmt = FORMATS[quant_type]
     wb = w_bytes.reshape(n, k // fmt.block, fmt.type_size)
     scratch = _Scratch()

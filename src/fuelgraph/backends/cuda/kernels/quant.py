@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from ....registry.core import FusedOps
-from ....registry.quant import AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, QMATMUL_GRAD_A
+from ....registry.quant import (AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, QMATMUL_GRAD_A,
+                                qmatmul_nk)
 from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
@@ -214,6 +215,10 @@ def _cost(bits, cols, red):
     return cost
 
 
+def _nk(shapes, p, grad=False):
+    return qmatmul_nk(p.quant_type, p.n, p.k, shapes[0], math.prod(shapes[1]), grad)
+
+
 def _gguf_bits(shapes, p):
     return 8 * FORMATS[p.quant_type].type_size / FORMATS[p.quant_type].block
 
@@ -244,16 +249,20 @@ def _awq_bits(s, p):
 
 # ---- kernels --------------------------------------------------------------------------------
 @kernel(FusedOps.QMATMUL, "cuda", dtypes=HALF_AND_F32, name="triton.qmatmul",
-        cost=_cost(_gguf_bits, lambda s, p: p.n, lambda s, p: p.k), precision="fp32 accumulate")
-def qmatmul(a, w_bytes, *, quant_type, n, k, config=None):
+        cost=_cost(_gguf_bits, lambda s, p: _nk(s, p)[0], lambda s, p: _nk(s, p)[1]),
+        precision="fp32 accumulate")
+def qmatmul(a, w_bytes, *, quant_type, n=None, k=None, config=None):
+    n, k = qmatmul_nk(quant_type, n, k, a.shape, w_bytes.numel())
     w = _aligned(w_bytes)
     return run(GGUF_IDS[quant_type], a, w, w, w, FORMATS[quant_type].row_bytes(k), k, n,
                config=config)
 
 
 @kernel(QMATMUL_GRAD_A, "cuda", dtypes=HALF_AND_F32, name="triton.qmatmul_grad_a",
-        cost=_cost(_gguf_bits, lambda s, p: p.k, lambda s, p: p.n), precision="fp32 accumulate")
-def qmatmul_grad_a(g, w_bytes, *, quant_type, n, k, config=None):
+        cost=_cost(_gguf_bits, lambda s, p: _nk(s, p, True)[1], lambda s, p: _nk(s, p, True)[0]),
+        precision="fp32 accumulate")
+def qmatmul_grad_a(g, w_bytes, *, quant_type, n=None, k=None, config=None):
+    n, k = qmatmul_nk(quant_type, n, k, g.shape, w_bytes.numel(), grad=True)
     w = _aligned(w_bytes)
     return run(GGUF_IDS[quant_type], g, w, w, w, FORMATS[quant_type].row_bytes(k), k, n,
                grad=True, config=config)
