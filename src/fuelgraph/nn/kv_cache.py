@@ -37,8 +37,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtype as dt
+from ..backends import backend_name, select_kernel
 from ..errors import FuelGraphError
+from ..interop import from_dlpack, from_torch
 from ..ir.tensor import Tensor, _normalize_device
+from ..registry.paged import PAGED_CACHE_WRITE, paged_attn
+from ..runtime.executor import realize_raw
 
 
 class PagedKVCache:
@@ -78,6 +82,7 @@ class PagedKVCache:
         self._live = np.zeros(self.max_seqs, bool)
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._step = None
+        self._writer = None
 
     # ---- allocation -----------------------------------------------------------------------
     def _zeros(self, shape):
@@ -178,11 +183,20 @@ class PagedKVCache:
         return st
 
     def _leaf(self, buf) -> Tensor:
-        if self.device == "cpu":
-            from ..backends.interop import from_dlpack
-            return from_dlpack(buf)
-        from ..backends.interop import from_torch
-        return from_torch(buf)
+        return from_dlpack(buf) if self.device == "cpu" else from_torch(buf)
+
+    def _write_kernel(self):
+        """The backend's cache-write kernel, called directly on the pool so it writes in place."""
+        if self._writer is None:
+            shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            impl = select_kernel(int(PAGED_CACHE_WRITE), backend_name(self.device),
+                                 [shape, (1,) + shape[2:], (1,)],
+                                 [self.dtype, self.dtype, self.index_dtype])
+            if impl is None:
+                raise FuelGraphError(f"PagedKVCache: no cache-write kernel for "
+                                     f"{self.dtype.name} on {self.device}")
+            self._writer = impl.kernel
+        return self._writer
 
     def _layer(self, layer):
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
@@ -205,13 +219,11 @@ class PagedKVCache:
             if t.device != self.device:
                 raise FuelGraphError(f"PagedKVCache.write: {name} lives on {t.device}, the cache "
                                      f"on {self.device}")
-        from ..runtime.executor import realize_raw
         rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
                 for t in (k, v)]
         bufs = realize_raw(rows)
-        write = _write_kernel(self.device)
         for pool, buf in zip(self._layer(layer), bufs):
-            write(pool, buf, slots)
+            self._write_kernel()(pool, buf, slots, check=False)   # slots are valid by construction
 
     def inputs(self, seqs, layer: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(k_cache, v_cache, block_table, context_lens) of this step for `paged_attn`."""
@@ -224,15 +236,6 @@ class PagedKVCache:
                   softcap=None) -> Tensor:
         """`paged_attn` of q `[B, Hq, n_new, D]` (the step's new tokens) over every cached token
         of each sequence, causal among the new ones. Returns `[B, Hq, n_new, D]`."""
-        from ..registry.paged import paged_attn
         return paged_attn(q, *self.inputs(seqs, layer), alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, softcap=softcap)
 
-
-def _write_kernel(device):
-    """The cache-write kernel of the device's backend, called in place on the pool."""
-    if device == "cpu":
-        from ..backends.numpy.paged import paged_cache_write
-        return paged_cache_write
-    from ..backends.cuda.kernels.paged import paged_cache_write
-    return lambda pool, rows, slots: paged_cache_write(pool, rows, slots, check=False)

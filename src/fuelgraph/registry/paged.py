@@ -32,9 +32,9 @@ import numpy as np
 from .. import dtype as dt
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.tensor import arange, full, where
+from ..ir.tensor import _DATA, arange, full, where
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
-from .rules import check_arity, check_float
+from .rules import check_arity, check_float, real_param
 
 PAGED_CACHE_WRITE = FusedOpId(0x120)
 INDEX_DTYPES = (dt.int32, dt.uint32)
@@ -112,7 +112,6 @@ def _known(src):
     if isinstance(op, ops.Full):
         return np.full(op.shape, op.value, op.dtype.np)
     if isinstance(op, ops.Input):
-        from ..ir.tensor import _DATA
         data = _DATA.get(node)
         return data if isinstance(data, np.ndarray) else None
     return None
@@ -361,8 +360,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, alibi_slopes=None
         softcap = None
     srcs = (q, k_cache, v_cache, block_table, context_lens) + \
         (() if alibi_slopes is None else (alibi_slopes,))
-    return call_fused(FusedOps.PAGED_ATTN, *srcs, softmax_scale=_float(softmax_scale),
-                      softcap=_float(softcap))
+    return call_fused(FusedOps.PAGED_ATTN, *srcs, softmax_scale=real_param(softmax_scale),
+                      softcap=real_param(softcap))
 
 
 def paged_cache_write(cache, new, slot_mapping):
@@ -376,7 +375,3 @@ def paged_cache_write(cache, new, slot_mapping):
     FuelGraphError. Not differentiable."""
     return call_fused(PAGED_CACHE_WRITE, cache, new, slot_mapping)
 
-
-def _float(v):
-    import numbers
-    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v

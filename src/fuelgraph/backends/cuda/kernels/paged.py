@@ -29,8 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ....registry.paged import check_lengths, check_slots, index_max
-from .helpers import INTERPRET, next_pow2, num_sms
+from ....registry.core import FusedOps
+from ....registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
+from ...base import Cost, kernel
+from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 
 __all__ = ["paged_attn", "paged_cache_write", "supports_paged_attn", "MAX_HEAD_DIM"]
 
@@ -244,11 +246,23 @@ def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
     return kps, -(-cap // kps)
 
 
+def paged_attn_cost(shapes, params=None):
+    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
+    keys = shapes[3][1] * bs
+    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
+
+
+def paged_cache_write_cost(shapes, params=None):
+    return Cost(0, 2 * 2 * math.prod(shapes[1]))
+
+
 def supports_paged_attn(shapes, dtypes, params=None) -> bool:
     """The Triton kernel covers float32/bfloat16/float16 and head dims up to MAX_HEAD_DIM."""
     return shapes[0][3] <= MAX_HEAD_DIM and all(d.name != "float64" for d in dtypes[:3])
 
 
+@kernel(FusedOps.PAGED_ATTN, "cuda", dtypes=HALF_AND_F32, cost=paged_attn_cost,
+        supports=supports_paged_attn)
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
                softcap=None, block_n=None, num_warps=None, num_stages=None, n_split=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
@@ -303,13 +317,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     return out
 
 
-def paged_attn_cost(shapes, params=None):
-    from ..base import Cost
-    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
-    keys = shapes[3][1] * bs
-    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
-
-
+@kernel(PAGED_CACHE_WRITE, "cuda", cost=paged_cache_write_cost)
 def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     """cache [NB, BS, Hkv, D] <- rows of new [N, Hkv, D] at slot_mapping [N] (slot = block * BS +
     row; the index type's maximum skips a row); writes into cache (or into `out`, a fresh buffer,
