@@ -244,13 +244,16 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
 
 
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
+    """Launch variants of our kernel: tiles, warps, pipeline stages; splits for decode."""
     stages = (2, 3, 4) if decode else (2, 3)
-    for bn in (32, 64, 128):
-        for w in (4, 8):
-            for st in stages:
-                run("paged_attn", f"fuelgraph[bn={bn},w={w},st={st}]", case,
-                    kernel_fn(inp, block_n=bn, num_warps=w, num_stages=st), err, nbytes=nbytes,
-                    flops=flops)
+    for bm in ((None,) if decode else (64, 128)):
+        for bn in (32, 64, 128):
+            for w in (4, 8):
+                for st in stages:
+                    label = ("" if bm is None else f"bm={bm},") + f"bn={bn},w={w},st={st}"
+                    run("paged_attn", f"fuelgraph[{label}]", case,
+                        kernel_fn(inp, block_m=bm, block_n=bn, num_warps=w, num_stages=st), err,
+                        nbytes=nbytes, flops=flops)
     for ns in ((1, 2, 4, 8, 16, 32, 64) if decode else ()):
         run("paged_attn", f"fuelgraph[split={ns}]", case, kernel_fn(inp, n_split=ns), err,
             nbytes=nbytes, flops=flops)

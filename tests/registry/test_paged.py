@@ -165,6 +165,16 @@ def test_index_dtypes_and_padding_never_read(index):
     assert np.isfinite(got).all() and (got[2] == 0).all()
 
 
+@pytest.mark.parametrize("B,sq", [(0, 1), (2, 0)])
+def test_empty_batch_or_no_queries(B, sq):
+    kc = np.ones((3, 4, 2, 8), np.float32)
+    ts = [fg.tensor(np.zeros((B, 4, sq, 8), np.float32)), fg.tensor(kc), fg.tensor(kc),
+          fg.tensor(np.zeros((B, 2), np.int32)), fg.tensor(np.full(B, 5, np.int32))]
+    out = F.paged_attn(*ts)
+    for lower_all in (False, True):
+        assert fg.realize([out], lower_all=lower_all)[0].shape == (B, 4, sq, 8)
+
+
 def test_default_scale_and_softcap_zero_is_off():
     rng = np.random.default_rng(4)
     case = make_case(rng)
@@ -203,6 +213,28 @@ def test_recipe_matches_kernel(dtype, opts):
     reci, _ = run(case, lower_all=True, softcap=2.0)
     tol = {"float64": 1e-12, "float32": 2e-6}.get(dtype, 2e-2)
     np.testing.assert_allclose(reci, kern, rtol=tol, atol=tol)
+
+
+if hasattr(F, "flash_attn"):     # the dense op of the attention family, once it is merged
+    @pytest.mark.parametrize("sq,alibi,softcap", [(1, False, None), (4, True, None),
+                                                  (3, False, 2.0)])
+    def test_equals_flash_attn_on_the_keys_laid_out_densely(sq, alibi, softcap):
+        rng = np.random.default_rng(12)
+        case = make_case(rng, sq=sq, lens=(11, sq, 7), alibi=alibi)
+        got, _ = run(case, softcap=softcap)
+        bs = case["k_cache"].shape[1]
+        for b, n in enumerate(case["context_lens"].tolist()):
+            j = np.arange(n)
+            idx = case["block_table"][b].astype(np.int64)[j // bs] * bs + j % bs
+            k, v = (c.reshape(-1, *c.shape[2:])[idx].transpose(1, 0, 2)[None]
+                    for c in (case["k_cache"], case["v_cache"]))
+            kw = dict(causal=sq > 1, softcap=softcap)
+            if alibi:
+                kw["alibi_slopes"] = fg.tensor(case["alibi_slopes"])
+            dense = F.flash_attn(fg.tensor(case["q"][b:b + 1]), fg.tensor(np.ascontiguousarray(k)),
+                                 fg.tensor(np.ascontiguousarray(v)), **kw)
+            np.testing.assert_allclose(got[b:b + 1], np.asarray(dense.numpy(), np.float64),
+                                       rtol=2e-6, atol=2e-6)
 
 
 # ---- not differentiable -------------------------------------------------------------------

@@ -1,26 +1,23 @@
-"""Triton kernels of the paged family against the float64 dense reference: the decode and
-chunked-prefill paths, GQA/MQA, ALiBi, softcap, int32/uint32 indices, the split-K path and its
-merge, the index-data check (raised before the launch, once per buffer version) and the NaN
-rows the kernels write when that check is skipped (CUDA-graph capture), and the cache write.
-
-Runs on a CUDA GPU; without one, only under TRITON_INTERPRET=1 on tiny CPU shapes."""
+"""The paged family on the CUDA backend. Kernel level (a GPU, or TRITON_INTERPRET=1 on tiny CPU
+shapes): the Triton kernels against the float64 dense reference -- decode and chunked-prefill
+paths, GQA/MQA, ALiBi, softcap, int32/uint32 indices, the split-K path and its merge, the
+index-data check (raised before the launch, once per buffer version), the NaN rows written when
+that check is skipped (CUDA-graph capture), the cache write. API level (a GPU): the ops through
+fuelgraph on device="cuda", float64 lowered to the recipe, PagedKVCache on the GPU."""
 import math
-import os
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+from .cuda_oracle import HAS_CUDA, INTERPRET, KERNEL_TESTS, assert_lowered_on_cuda, on_gpu, torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HAS_CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs a CUDA GPU")]
-
+import fuelgraph as fg  # noqa: E402
+import fuelgraph.functional as F  # noqa: E402
 from fuelgraph import FuelGraphError  # noqa: E402
-from registry.test_paged import make_case, paged_reference  # noqa: E402
 from oracle import assert_flash_rule  # noqa: E402
+from registry.test_paged import make_case, paged_reference  # noqa: E402
+
+pytestmark = KERNEL_TESTS
 
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import paged as K
@@ -251,3 +248,63 @@ def test_cache_write(index):
     assert r is cache and torch.equal(cache.reshape(12, 2, 8), want)
     with pytest.raises(FuelGraphError, match="paged_cache_write: slot_mapping writes slot 0"):
         K.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
+
+
+# ---- API level (a GPU) --------------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_paged_attn_on_cuda(dtype):
+    case = make_case(np.random.default_rng(8), hq=8, hkv=2, sq=3, d=64, bs=16,
+                     lens=(40, 3, 0), alibi=True, dtype="float32")
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[dtype]
+    ts = {k: fg.from_torch(torch.from_numpy(v).to("cuda").to(tdt) if k in ("q", "k_cache",
+                                                                         "v_cache")
+                           else torch.from_numpy(v).to("cuda"))
+          for k, v in case.items()}
+    out = F.paged_attn(**ts, softcap=5.0)
+    if dtype == "float64":
+        assert_lowered_on_cuda(out, "paged_attn")
+    got = np.asarray(out.numpy(), np.float64)
+    ref = paged_reference(case["q"], case["k_cache"], case["v_cache"], case["block_table"],
+                          case["context_lens"], case["alibi_slopes"], softcap=5.0)
+    tol = {"float32": 1e-5, "bfloat16": 3e-2, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+@on_gpu
+def test_cache_write_on_cuda_in_place_and_functional():
+    rng = np.random.default_rng(9)
+    cache = rng.standard_normal((6, 4, 2, 8)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    slots = np.array([21, 3], np.int32)
+    want = cache.copy().reshape(24, 2, 8)
+    want[21], want[3] = new
+    c = fg.tensor(cache, device="cuda")
+    out = F.paged_cache_write(c * 1.0, fg.tensor(new, device="cuda"),
+                              fg.tensor(slots, device="cuda"))
+    np.testing.assert_array_equal(out.numpy().reshape(24, 2, 8), want)
+    np.testing.assert_array_equal(c.numpy(), cache)
+
+
+@on_gpu
+def test_kv_cache_on_cuda():
+    from fuelgraph.nn import PagedKVCache
+    cache = PagedKVCache(32, 16, 2, 64, max_blocks_per_seq=8, dtype=fg.bfloat16, device="cuda")
+    seqs = cache.add_sequences(3)
+    rng = np.random.default_rng(10)
+    hist_k, hist_v = [[] for _ in range(3)], [[] for _ in range(3)]
+    for n in (20, 1, 1):
+        cache.extend(seqs, n)
+        q, k, v = (torch.from_numpy(rng.standard_normal((3, h, n, 64)).astype(np.float32))
+                   .to("cuda").bfloat16() for h in (8, 2, 2))
+        cache.write(seqs, fg.from_torch(k), fg.from_torch(v))
+        out = cache.attention(seqs, fg.from_torch(q)).to_torch()
+        for b in range(3):
+            hist_k[b].append(k[b])
+            hist_v[b].append(v[b])
+            kk, vv = torch.cat(hist_k[b], 1), torch.cat(hist_v[b], 1)
+            L = kk.shape[1]
+            mask = torch.arange(L, device="cuda")[None] <= (L - n + torch.arange(n, device="cuda"))[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[b].double(), kk.double(), vv.double(), attn_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(out[b].double(), ref, rtol=3e-2, atol=3e-2)

@@ -67,10 +67,11 @@ def _paged_attn_kernel(
     hk = pid_bh % hkv
     gt = pid_t // n_qt
     qt = pid_t % n_qt
-    ctx = tl.load(CL + b).to(tl.int64)
+    ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     cap = mb * BS
-    lo = pid_s.to(tl.int64) * keys_per_split
-    if (lo >= tl.minimum(ctx, cap)) & (lo > 0):
+    n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
+    lo = pid_s * keys_per_split
+    if (lo >= n) & (lo > 0):
         return                               # empty split: the merge never reads it
 
     r = tl.arange(0, BLOCK_M)
@@ -85,12 +86,11 @@ def _paged_attn_kernel(
                 other=0.0)
     if DOT_F32:                              # the CPU interpreter's bfloat16 dot is wrong
         q = q.to(tl.float32)
-    a = ctx - sq + i                         # absolute position: row sees keys j <= a
+    a = n - sq + i                           # absolute position: row sees keys j <= a
     if HAS_ALIBI:
         slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
     i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
-    hi = tl.minimum(ctx - sq + i_last + 1, lo + keys_per_split)
-    hi = tl.minimum(hi, cap)
+    hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -141,7 +141,7 @@ def _paged_attn_kernel(
         tl.store(PM + prow, m_i, mask=row_ok)
         tl.store(PL + prow, l_i, mask=row_ok)
     else:
-        bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0) | poison
+        bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0) | poison
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out = tl.where(bad, float("nan"), out)
         tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
@@ -223,11 +223,11 @@ def _check_and_stats(lens, table, sq, nb, bs):
     return stats
 
 
-def _tiles(g, sq):
-    """(G_T, SQ_T): rows of a program = G_T query heads x SQ_T positions, at least 16 rows (the
-    smallest tl.dot), 64 for prefill."""
+def _tiles(g, sq, block_m=None):
+    """(G_T, SQ_T): rows of a program = G_T query heads x SQ_T positions: at least 16 rows (the
+    smallest tl.dot), up to `block_m` (default 128) for prefill."""
     g_t = min(next_pow2(g), 64)
-    block_m = min(max(16, next_pow2(sq * g_t)), max(64, g_t))
+    block_m = min(max(16, next_pow2(sq * g_t)), max(block_m or 128, g_t))
     return g_t, max(1, block_m // g_t)
 
 
@@ -264,10 +264,11 @@ def supports_paged_attn(shapes, dtypes, params=None) -> bool:
 @kernel(FusedOps.PAGED_ATTN, "cuda", dtypes=HALF_AND_F32, cost=paged_attn_cost,
         supports=supports_paged_attn)
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
-               softcap=None, block_n=None, num_warps=None, num_stages=None, n_split=None):
+               softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+               n_split=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
-    launch knobs (block_n, num_warps, num_stages, n_split) are for benchmarks."""
+    launch knobs (block_m, block_n, num_warps, num_stages, n_split) are for benchmarks."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     mb = block_table.shape[1]
@@ -276,7 +277,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     if out.numel() == 0:
         return out
     stats = _check_and_stats(context_lens, block_table, sq, nb, bs)
-    g_t, sq_t = _tiles(g, sq)
+    g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = triton.cdiv(sq, sq_t), triton.cdiv(g, g_t)
     decode = sq_t * g_t <= 16
     bn = block_n or (64 if d <= 128 else 32)
@@ -286,8 +287,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
     if n_split is not None:
         ns = max(1, int(n_split))
-        kps = -(-(-(-cap // ns)) // bn) * bn
-        ns = -(-cap // kps)
+        kps = triton.cdiv(triton.cdiv(cap, ns), bn) * bn
+        ns = triton.cdiv(cap, kps)
     has_alibi = bool(alibi)
     sl = alibi[0].float().contiguous() if has_alibi else q
     sl_stride_b = (hq if sl.dim() == 2 else 0) if has_alibi else 0
