@@ -151,9 +151,13 @@ class PagedKVCache:
         pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
         blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
         slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
-        self._step = (ids.tobytes(), n_new, self._to_device(slots),
-                      self._to_device(self._tables[ids]),
-                      self._to_device(new.astype(self.index_dtype.np)))
+        table, lens = self._to_device(self._tables[ids]), self._to_device(
+            new.astype(self.index_dtype.np))
+        if self.device != "cpu":      # valid by construction: spare paged_attn its check's sync
+            from ..backends.cuda.kernels.paged import assume_valid
+            assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
+                         int(new.sum()))
+        self._step = (ids.tobytes(), n_new, self._to_device(slots), table, lens)
 
     def free(self, seqs):
         """Release sequences: their blocks return to the pool, their ids may be reused."""
@@ -221,7 +225,8 @@ class PagedKVCache:
                                      f"on {self.device}")
         rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
                 for t in (k, v)]
-        bufs = realize_raw(rows)
+        bufs = [b.contiguous() if hasattr(b, "is_contiguous") else np.ascontiguousarray(b)
+                for b in realize_raw(rows)]
         for pool, buf in zip(self._layer(layer), bufs):
             self._write_kernel()(pool, buf, slots, check=False)   # slots are valid by construction
 

@@ -65,15 +65,17 @@ def check_lengths(name, lens, table, sq, num_blocks, block_size, max_blocks):
     lens [B], table [B, max_blocks]: NumPy integer arrays (table None: its entries unchecked)."""
     lens = np.asarray(lens).astype(np.int64)
     cap = max_blocks * block_size
-    for b, n in enumerate(lens.tolist()):
+    bad = (lens < 0) | ((lens > 0) & (lens < sq)) | (lens > cap)
+    if bad.any():
+        b = int(np.argmax(bad))
+        n = int(lens[b])
         if n < 0:
             raise FuelGraphError(f"{name}: context_lens[{b}] = {n} is negative")
-        if 0 < n < sq:
+        if n < sq:
             raise FuelGraphError(f"{name}: context_lens[{b}] = {n} is smaller than the {sq} new "
                                  f"query tokens (Sq); it must be 0 or >= Sq")
-        if n > cap:
-            raise FuelGraphError(f"{name}: context_lens[{b}] = {n} exceeds max_blocks * "
-                                 f"block_size = {max_blocks} * {block_size} = {cap}")
+        raise FuelGraphError(f"{name}: context_lens[{b}] = {n} exceeds max_blocks * "
+                             f"block_size = {max_blocks} * {block_size} = {cap}")
     if table is None:
         return
     live = np.arange(max_blocks)[None, :] * block_size < lens[:, None]
@@ -169,7 +171,8 @@ def _validate_attn(srcs, params):
     if len(srcs) == 6:
         a = srcs[5]
         if a.dtype not in (dt.float32, q.dtype):
-            raise FuelGraphError(f"{n}: alibi_slopes has dtype {a.dtype.name}, expected float32")
+            raise FuelGraphError(f"{n}: alibi_slopes has dtype {a.dtype.name}, expected float32 "
+                                 f"(or {q.dtype.name}, q's dtype)")
         if tuple(a.shape) not in ((hq,), (B, hq)):
             raise FuelGraphError(f"{n}: alibi_slopes has shape {a.shape}, expected ({hq},) or "
                                  f"({B}, {hq})")

@@ -202,6 +202,18 @@ def test_check_runs_once_per_buffer_version(monkeypatch):
                         real(self, *a, **k))
     run(dc)
     assert calls == []                                       # memo hit: no sync
+    alias = dict(dc, context_lens=dc["context_lens"].detach(),
+                 block_table=dc["block_table"][:, :])
+    run(alias)
+    assert calls == []                                       # aliases of the same memory too
+    fresh = dict(dc, context_lens=dc["context_lens"].clone(),
+                 block_table=dc["block_table"].clone())
+    K.assume_valid(fresh["context_lens"], fresh["block_table"], 1, dc["k_cache"].shape[0],
+                   dc["k_cache"].shape[1], 5, 8)
+    run(fresh)
+    assert calls == []                                       # vouched for by the caller
+    run(dict(dc, context_lens=dc["context_lens"].clone()))
+    assert calls                                             # new memory: checked
     dc["context_lens"][1] = 99                               # in-place change: checked again
     with pytest.raises(FuelGraphError, match="exceeds"):
         run(dc)

@@ -34,7 +34,8 @@ from ....registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, in
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 
-__all__ = ["paged_attn", "paged_cache_write", "supports_paged_attn", "MAX_HEAD_DIM"]
+__all__ = ["paged_attn", "paged_cache_write", "supports_paged_attn", "assume_valid",
+           "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -187,7 +188,16 @@ def _paged_write_kernel(C, NEW, S, cap, skip, W: tl.constexpr, BLOCK: tl.constex
 
 
 # ---- host side ---------------------------------------------------------------------------------
-_CHECKED: dict = {}          # id(lens) -> (weakref(lens), version, weakref(table), version, key, stats)
+#: index tensors already checked: (their memory, sq, pool) -> (weakref to one tensor holding
+#: that memory, its version counter, the same for the table, (longest, total context)). Views
+#: and detached aliases share memory and version counter, so they hit too; while the weakref'd
+#: tensor lives its memory cannot be reused, and a torch in-place write bumps the version.
+_CHECKED: dict = {}
+
+
+def _memo_key(lens, table, sq, nb, bs):
+    return (lens.data_ptr(), tuple(lens.shape), lens.dtype, table.data_ptr(),
+            tuple(table.shape), table.dtype, sq, nb, bs)
 
 
 def _capturing() -> bool:
@@ -197,11 +207,11 @@ def _capturing() -> bool:
 def _check_and_stats(lens, table, sq, nb, bs):
     """(max context, total context) after raising FuelGraphError on invalid lengths or live block
     ids; one device->host sync per buffer version. None while capturing a CUDA graph."""
-    key = (sq, nb, bs)
-    hit = _CHECKED.get(id(lens))
-    if hit is not None and hit[0]() is lens and hit[1] == lens._version and \
-            hit[2]() is table and hit[3] == table._version and hit[4] == key:
-        return hit[5]
+    key = _memo_key(lens, table, sq, nb, bs)
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0]() is not None and hit[1] == lens._version and \
+            hit[2]() is not None and hit[3] == table._version:
+        return hit[4]
     if _capturing():
         return None
     mb = table.shape[1]
@@ -216,11 +226,22 @@ def _check_and_stats(lens, table, sq, nb, bs):
     if flags[0] or flags[1]:
         check_lengths("paged_attn", lens.cpu().numpy(), table.cpu().numpy(), sq, nb, bs, mb)
     stats = (int(flags[2]), int(flags[3]))
+    _remember(key, lens, table, stats)
+    return stats
+
+
+def _remember(key, lens, table, stats):
     if len(_CHECKED) > 64:
         _CHECKED.clear()
-    _CHECKED[id(lens)] = (weakref.ref(lens), lens._version, weakref.ref(table), table._version,
-                          key, stats)
-    return stats
+    _CHECKED[key] = (weakref.ref(lens), lens._version, weakref.ref(table), table._version, stats)
+
+
+def assume_valid(context_lens, block_table, sq, num_blocks, block_size, longest, total):
+    """Record that these index tensors (as they are now) hold valid data whose longest and total
+    context are `longest` and `total`, so paged_attn skips its check (one device->host sync).
+    For callers that built them on the host, such as PagedKVCache."""
+    _remember(_memo_key(context_lens, block_table, sq, num_blocks, block_size), context_lens,
+              block_table, (int(longest), int(total)))
 
 
 def _tiles(g, sq, block_m=None):
