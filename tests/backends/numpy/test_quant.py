@@ -39,10 +39,13 @@ def test_block_dequantizers_bit_exact(qtype):
         same_bits(out, _ref(blocks, qtype))
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Tiles of ~1 Ki elements, so small weights are cut into many row / column tiles."""
+@pytest.fixture(params=["tiles in turn", "tiles on the pool"])
+def small_tiles(monkeypatch, request):
+    """Tiles of ~1 Ki elements, so small weights are cut into many row / column tiles; run one
+    after another, or whole tiles on the pool threads (as large products do)."""
     monkeypatch.setattr(K, "TILE_ELEMS", 1024)
+    monkeypatch.setattr(K, "PARALLEL_TILES_MIN_FLOPS",
+                        0 if request.param == "tiles on the pool" else float("inf"))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K"])

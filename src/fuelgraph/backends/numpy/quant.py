@@ -11,6 +11,7 @@ with the formats' references (gguf-py for GGUF)."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from ...registry.quant import (AWQ_MATMUL_GRAD_A, AWQ_ORDER, NF4_BYTE_PAIRS, NF4
                                QMATMUL_GRAD_A, qmatmul_nk)
 from ...registry.quant_gguf import FORMATS as GGUF_GEOMETRY
 from ..base import Cost, kernel
-from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from .common import NUM_THREADS, acc_dtype, row_spans, run_spans, store, to_acc
 from .quant_gguf import FORMATS, NIB
 
 #: float32 elements of weight dequantized per tile (8 MiB of scratch)
@@ -65,17 +66,53 @@ def _spans(total: int, other: int, align: int):
     return [(s, min(s + step, total)) for s in range(0, total, step)]
 
 
+#: products of at least this many flops (and more than one tile) run tiles on the pool threads
+PARALLEL_TILES_MIN_FLOPS = 1e8
+_LOCAL = threading.local()      # .inline: dequantize on this thread (already one of the pool)
+
+
+def _blas_on_one_thread():
+    """A context that keeps BLAS on the calling thread (threadpoolctl, when installed), or
+    None. BLAS threads spin for a while after each call: left on, they would take a core away
+    from the dequantization of the next tile."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    return threadpool_limits(limits=1, user_api="blas")
+
+
 def _tiled_product(x, nout: int, spans, make_tile, transpose: bool):
-    """out[..., nout] with out[:, s0:s1] = x2 @ T (or T.T) for T = make_tile(s0, s1)."""
+    """out[..., nout] with out[:, s0:s1] = x2 @ T (or T.T) for T = make_tile(s0, s1). Large
+    products with several tiles run whole tiles (dequantize + single-threaded GEMM) on each
+    pool thread; otherwise tiles run in turn, each dequantized by the pool, then multiplied by
+    (multi-threaded) BLAS."""
     acc = acc_dtype(x.dtype)
     x2 = to_acc(np.ascontiguousarray(x).reshape(-1, x.shape[-1]), acc)
     out = np.empty((x2.shape[0], nout), acc)
-    if out.size:
+
+    def gemm(s0, s1):
+        t = make_tile(s0, s1)
+        if acc != _F32:
+            t = t.astype(acc)
+        np.matmul(x2, t.T if transpose else t, out=out[:, s0:s1])
+
+    flops = 2 * out.size * x2.shape[1]
+    limits = _blas_on_one_thread() if NUM_THREADS > 1 and len(spans) > 1 and \
+        flops >= PARALLEL_TILES_MIN_FLOPS else None
+    if out.size and limits is not None:
+        def group(i0, i1):
+            _LOCAL.inline = True
+            try:
+                for s0, s1 in spans[i0:i1]:
+                    gemm(s0, s1)
+            finally:
+                _LOCAL.inline = False
+        with limits:
+            run_spans(group, [(i, i + 1) for i in range(len(spans))], flops)
+    elif out.size:
         for s0, s1 in spans:
-            t = make_tile(s0, s1)
-            if acc != _F32:
-                t = t.astype(acc)
-            np.matmul(x2, t.T if transpose else t, out=out[:, s0:s1])
+            gemm(s0, s1)
     if x.dtype != acc:
         res = np.empty(out.shape, x.dtype)
         store(res, out)
@@ -84,21 +121,26 @@ def _tiled_product(x, nout: int, spans, make_tile, transpose: bool):
 
 
 def _parallel_rows(fn, nrows: int, row_elems: int):
-    """fn(r0, r1) over row spans, split over the thread pool for large tiles."""
-    run_spans(fn, row_spans(nrows, row_elems), nrows * row_elems)
+    """fn(r0, r1) over row spans, split over the thread pool for large tiles (inline when this
+    thread is already a pool thread working on a whole tile)."""
+    if getattr(_LOCAL, "inline", False):
+        fn(0, nrows)
+    else:
+        run_spans(fn, row_spans(nrows, row_elems), nrows * row_elems)
 
 
 class _Scratch:
-    """One float32 buffer reused by every tile of a call."""
+    """A float32 buffer per thread, reused by every tile that thread dequantizes in a call."""
 
     def __init__(self):
-        self.buf = np.empty(0, _F32)
+        self.local = threading.local()
 
     def get(self, shape):
         n = int(np.prod(shape))
-        if self.buf.size < n:
-            self.buf = np.empty(n, _F32)
-        return self.buf[:n].reshape(shape)
+        buf = getattr(self.local, "buf", None)
+        if buf is None or buf.size < n:
+            buf = self.local.buf = np.empty(n, _F32)
+        return buf[:n].reshape(shape)
 
 
 # ---- GGUF --------------------------------------------------------------------------------------
