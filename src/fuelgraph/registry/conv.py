@@ -23,13 +23,14 @@ kernels. Recipes compute in acc(T) (float32 for 16-bit inputs) and round once, a
 do; the idioms in the inputs' own dtype are declared as extra patterns."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.tensor import Tensor, cat, zeros
+from ..ir.tensor import Tensor, cat, stack
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .rules import check_arity, check_float, check_same_dtype
 
@@ -332,107 +333,112 @@ def _in_acc(recipe):
 
 
 def _pad4(x, pads):
-    """Zero-pad the last two axes by (top, bottom, left, right)."""
+    """Zero-pad the last two axes by (top, bottom, left, right); the Pad node is built even for
+    zero padding, so the recipe has one structure for every setting (it re-fuses from it)."""
     pt, pb, pl, pr = pads
-    return x.pad(((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    return x._new(ops.Pad((0, 0, pt, pl), (0, 0, pb, pr), (0, 0, 0, 0), 0.0), x)
 
 
-def unfold(xp, kernel, out_hw, stride, dilation):
-    """im2col by strided slices: [N, C, Hp, Wp] -> [N, C, Kh*Kw, Ho, Wo], tap (ky, kx) holding
-    xp[:, :, ky*dh + oh*sh, kx*dw + ow*sw]."""
-    (kh, kw), (ho, wo), (sh, sw), (dh, dw) = kernel, out_hw, stride, dilation
-    taps = [xp[:, :, ky * dh: ky * dh + (ho - 1) * sh + 1: sh,
-               kx * dw: kx * dw + (wo - 1) * sw + 1: sw].unsqueeze(2)
-            for ky in range(kh) for kx in range(kw)]
-    return cat(taps, 2)
+def _slice_axis(t, axis, start, stop, step):
+    starts = [0] * t.ndim
+    stops = list(t.shape)
+    steps = [1] * t.ndim
+    starts[axis], stops[axis], steps[axis] = start, stop, step
+    return t._new(ops.Slice(tuple(starts), tuple(stops), tuple(steps)), t)
+
+
+def unfold_axis(t, axis, k, d, n_out, s):
+    """Windows along one axis with a fixed number of nodes (whatever k, d, s):
+    t [*pre, n, *rest] -> [*pre, k, n_out, *rest], out[.., ky, o, ..] = t[.., ky*d + o*s, ..].
+    The axis (with its trailing dims, r elements per step) is repeated k times, flattened,
+    zero-extended by k*d*r and re-cut into rows of (n + d)*r: row ky then starts ky*d steps
+    further into t. Needs (n_out - 1)*s + d*(k - 1) < n."""
+    pre, n, rest = t.shape[:axis], t.shape[axis], t.shape[axis + 1:]
+    r = math.prod(rest)
+    u = t.reshape(pre + (1, n * r)).broadcast_to(pre + (k, n * r)).reshape(pre + (k * n * r,))
+    u = u._new(ops.Pad((0,) * len(pre) + (0,), (0,) * len(pre) + (k * d * r,),
+                       (0,) * (len(pre) + 1), 0.0), u)
+    u = u.reshape(pre + (k, n + d) + rest)
+    return _slice_axis(u, axis + 1, 0, (n_out - 1) * s + 1, s)
+
+
+def fold_axis(u, axis, k, d, n, s):
+    """The adjoint of unfold_axis (overlap-add, col2im along one axis):
+    u [*pre, k, n_in, *rest] -> [*pre, n, *rest], out[.., i, ..] = sum over ky*d + o*s = i of
+    u[.., ky, o, ..]. Needs n >= (n_in - 1)*s + d*(k - 1) + 1."""
+    pre, n_in, rest = u.shape[:axis], u.shape[axis + 1], u.shape[axis + 2:]
+    r = math.prod(rest)
+    zeros_ = (0,) * u.ndim
+    hi, inner = list(zeros_), list(zeros_)
+    hi[axis + 1] = n + d - ((n_in - 1) * s + 1)
+    inner[axis + 1] = s - 1
+    t = u._new(ops.Pad(zeros_, tuple(hi), tuple(inner), 0.0), u)     # [.., k, n + d, ..]
+    t = t.reshape(pre + (k * (n + d) * r,))
+    t = _slice_axis(t, axis, 0, k * n * r, 1).reshape(pre + (k, n) + rest)
+    return t.sum(axis)
+
+
+def _im2col(x, kernel, out_hw, stride, padding, dilation, groups):
+    """[N, C, H, W] -> [N, g, C/g*Kh*Kw, Ho*Wo] (rows ordered (c, ky, kx) like the weight)."""
+    n, c = x.shape[:2]
+    (kh, kw), (ho, wo) = kernel, out_hw
+    t = unfold_axis(_pad4(x, padding), 2, kh, dilation[0], ho, stride[0])  # [N, C, Kh, Ho, Wp]
+    t = unfold_axis(t, 4, kw, dilation[1], wo, stride[1])                  # [N, C, Kh, Ho, Kw, Wo]
+    return t.permute(0, 1, 2, 4, 3, 5).reshape(n, groups, (c // groups) * kh * kw, ho * wo)
 
 
 def conv2d_math(x, weight, *bias, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
                 groups=1):
-    """pad, im2col by strided slices, one (grouped) matmul, bias."""
-    n, c = x.shape[:2]
+    """pad, im2col (unfold_axis over H then W), one grouped matmul, bias."""
+    n = x.shape[0]
     co, cg, kh, kw = weight.shape
-    p = Conv2dParams(stride, padding, dilation, groups)
-    ho, wo = conv2d_out_hw(x.shape, weight.shape, p)
-    cols = unfold(_pad4(x, padding), (kh, kw), (ho, wo), stride, dilation)
-    if groups == 1:
-        y = weight.reshape(co, cg * kh * kw) @ cols.reshape(n, c * kh * kw, ho * wo)
-    else:
-        y = weight.reshape(groups, co // groups, cg * kh * kw) @ \
-            cols.reshape(n, groups, cg * kh * kw, ho * wo)
-    y = y.reshape(n, co, ho, wo)
+    ho, wo = conv2d_out_hw(x.shape, weight.shape, Conv2dParams(stride, padding, dilation, groups))
+    cols = _im2col(x, (kh, kw), (ho, wo), stride, padding, dilation, groups)
+    y = (weight.reshape(groups, co // groups, cg * kh * kw) @ cols).reshape(n, co, ho, wo)
     return y + bias[0].reshape(co, 1, 1) if bias else y
-
-
-def _place(n_in, step, offset, n_out):
-    """Rows i < n_in land at i*step + offset; keep those inside [0, n_out). Returns
-    (i0, i1, lo, hi): the kept rows [i0, i1) and the zero padding before/after, or None."""
-    i0 = max(0, (step - 1 - offset) // step)
-    i1 = min(n_in, (n_out - 1 - offset) // step + 1) if n_out - 1 - offset >= 0 else 0
-    if i1 <= i0:
-        return None
-    lo = i0 * step + offset
-    return i0, i1, lo, n_out - 1 - ((i1 - 1) * step + offset)
 
 
 def conv_transpose2d_math(x, weight, *bias, stride=(1, 1), padding=(0, 0, 0, 0),
                           output_padding=(0, 0), dilation=(1, 1), groups=1):
-    """One (grouped) matmul to the column stack, then overlap-add (col2im): each tap's
-    [N, Cout, H, W] slab is spread by a strided zero-pad and the slabs are summed."""
+    """One grouped matmul to the column stack [N, Cout, Kh, Kw, H, W], overlap-add (fold_axis
+    over W then H) into the full output, crop by the padding, bias."""
     n, cin, h, w = x.shape
     _, cog, kh, kw = weight.shape
-    g, cig, cout = groups, cin // groups, cog * groups
+    g, cout = groups, cog * groups
     p = ConvTranspose2dParams(stride, padding, output_padding, dilation, groups)
     ho, wo = conv_transpose2d_out_hw(x.shape, weight.shape, p)
     (sh, sw), (pt, _, pl, _), (dh, dw) = stride, padding, dilation
-    if g == 1:
-        cols = weight.reshape(cin, cog * kh * kw).mT @ x.reshape(n, cin, h * w)
-    else:
-        cols = weight.reshape(g, cig, cog * kh * kw).mT @ x.reshape(n, g, cig, h * w)
-    cols = cols.reshape(n, g, cog, kh * kw, h, w)
-    y = None
-    for ky in range(kh):
-        rows = _place(h, sh, ky * dh - pt, ho)
-        for kx in range(kw):
-            cs = _place(w, sw, kx * dw - pl, wo)
-            if rows is None or cs is None:
-                continue
-            slab = cols[:, :, :, ky * kw + kx].reshape(n, cout, h, w)
-            slab = slab[:, :, rows[0]:rows[1], cs[0]:cs[1]]
-            slab = slab._new(ops.Pad((0, 0, rows[2], cs[2]), (0, 0, rows[3], cs[3]),
-                                     (0, 0, sh - 1, sw - 1), 0.0), slab)
-            y = slab if y is None else y + slab
-    if y is None:    # no tap lands inside the cropped output: it is all bias
-        y = zeros((n, cout, ho, wo), x.dtype, x.device)
+    full_h = max((h - 1) * sh + dh * (kh - 1) + 1, pt + ho)
+    full_w = max((w - 1) * sw + dw * (kw - 1) + 1, pl + wo)
+    cols = weight.reshape(g, cin // g, cog * kh * kw).mT @ x.reshape(n, g, cin // g, h * w)
+    t = cols.reshape(n, cout, kh, kw, h, w).permute(0, 1, 2, 4, 3, 5)     # [N, Co, Kh, H, Kw, W]
+    t = fold_axis(t, 4, kw, dw, full_w, sw)                                # [N, Co, Kh, H, Wf]
+    t = fold_axis(t, 2, kh, dh, full_h, sh)                                # [N, Co, Hf, Wf]
+    y = t._new(ops.Slice((0, 0, pt, pl), (n, cout, pt + ho, pl + wo), (1, 1, 1, 1)), t)
     return y + bias[0].reshape(cout, 1, 1) if bias else y
 
 
 def conv2d_backward_weight_math(x, grad, *, stride=(1, 1), padding=(0, 0, 0, 0),
                                 dilation=(1, 1), groups=1, kernel_size=(3, 3)):
     """dW[co, ci, ky, kx] = sum over n, oh, ow of grad[n, co, oh, ow] * the padded input at the
-    tap: im2col of x (as in conv2d) and one (grouped) matmul contracting batch and pixels."""
+    tap: im2col of x (as in conv2d) and one grouped matmul contracting batch and pixels."""
     n, c = x.shape[:2]
     co, ho, wo = grad.shape[1:]
     kh, kw = kernel_size
-    g, kk = groups, kernel_size[0] * kernel_size[1]
-    cols = unfold(_pad4(x, padding), (kh, kw), (ho, wo), stride, dilation)
-    cols = cols.reshape(n, g, (c // g) * kk, ho * wo).permute(1, 0, 3, 2)
-    cols = cols.reshape(g, n * ho * wo, (c // g) * kk)
+    g, ckk = groups, (c // groups) * kh * kw
+    cols = _im2col(x, kernel_size, (ho, wo), stride, padding, dilation, groups)
+    cols = cols.permute(1, 0, 3, 2).reshape(g, n * ho * wo, ckk)
     gr = grad.reshape(n, g, co // g, ho * wo).permute(1, 2, 0, 3).reshape(g, co // g, n * ho * wo)
     return (gr @ cols).reshape(co, c // g, kh, kw)
 
 
 def causal_conv1d_math(x, weight, *bias, use_silu=False):
-    """z[b, c, t] = bias[c] + sum_k weight[c, k] * x[b, c, t + k - (W-1)] (zeros before t = 0),
-    taps in increasing k; y = silu(z) when use_silu."""
+    """z[b, c, t] = bias[c] + sum_k weight[c, k] * x[b, c, t + k - (W-1)] (zeros before t = 0);
+    the W windows come from unfold_axis, so the recipe has one structure for every W."""
     b, c, l = x.shape
     k = weight.shape[-1]
-    w2 = weight.reshape(c, k)
-    xp = x.pad(((0, 0), (0, 0), (k - 1, 0)))
-    z = None
-    for j in range(k):
-        term = xp[:, :, j:j + l] * w2[:, j:j + 1]
-        z = term if z is None else z + term
+    xp = x._new(ops.Pad((0, 0, k - 1), (0, 0, 0), (0, 0, 0), 0.0), x)
+    z = (unfold_axis(xp, 2, k, 1, l, 1) * weight.reshape(c, k, 1)).sum(2)
     if bias:
         z = z + bias[0].reshape(c, 1)
     return z.silu() if use_silu else z
@@ -459,6 +465,57 @@ def causal_conv1d_backward_math(x, weight, grad, *bias, use_silu=False):
         term = dzp[:, :, k - 1 - j: k - 1 - j + l] * w2[:, j:j + 1]
         dx = term if dx is None else dx + term
     return dx, dw.reshape(weight.shape), dz.sum((0, 2))
+
+
+# ---- hand-written idioms (extra fusion patterns) ------------------------------------------------
+def conv2d_3x3_idiom(x, weight, *bias, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1),
+                     groups=1, _pad=True):
+    """A 3x3 conv as users write it: pad, nine strided slices stacked, one matmul, bias."""
+    n, co = x.shape[0], weight.shape[0]
+    (sh, sw), (dh, dw) = stride, dilation
+    xp = x.pad(((0, 0), (0, 0), padding[:2], padding[2:])) if _pad else x
+    ho = (xp.shape[2] - 2 * dh - 1) // sh + 1
+    wo = (xp.shape[3] - 2 * dw - 1) // sw + 1
+    cols = stack([xp[:, :, ky * dh: ky * dh + (ho - 1) * sh + 1: sh,
+                     kx * dw: kx * dw + (wo - 1) * sw + 1: sw]
+                  for ky in range(3) for kx in range(3)], 2)
+    y = (weight.reshape(co, -1) @ cols.reshape(n, -1, ho * wo)).reshape(n, co, ho, wo)
+    return y + bias[0].reshape(co, 1, 1) if bias else y
+
+
+def causal_conv1d_idiom(taps):
+    """Causal depthwise conv with `taps` weight columns as users write it: a left pad and a
+    sum of shifted slices times weight columns (+ bias, silu)."""
+    def idiom(x, weight, *bias, use_silu=False):
+        c, l = x.shape[1], x.shape[2]
+        xp = x.pad(((0, 0), (0, 0), (taps - 1, 0)))
+        z = None
+        for j in range(taps):
+            term = xp[:, :, j:j + l] * weight[:, j:j + 1]
+            z = term if z is None else z + term
+        if bias:
+            z = z + bias[0].reshape(c, 1)
+        return z.silu() if use_silu else z
+    idiom.__name__ = f"causal_conv1d_{taps}tap_idiom"
+    return idiom
+
+
+def _inputs(n, fn):
+    """`fn` as a pattern on the first n sample inputs: the form without the optional bias."""
+    def wrapped(*xs, **params):
+        return fn(*xs[:n], **params)
+    wrapped.n_inputs = n
+    wrapped.__name__ = f"{fn.__name__}_without_bias"
+    wrapped.read_kind = getattr(fn, "read_kind", None)
+    return wrapped
+
+
+def _tagged(fn, kind, **fixed):
+    def wrapped(*xs, **params):
+        return fn(*xs, **params, **fixed)
+    wrapped.__name__ = fn.__name__
+    wrapped.read_kind = kind
+    return wrapped
 
 
 conv2d_recipe = _in_acc(conv2d_math)
@@ -552,23 +609,86 @@ def _causal_backward_sample(rng):
     return [_f32(rng, 2, 3, 9), _f32(rng, 3, 4), _f32(rng, 2, 3, 9), _f32(rng, 3)]
 
 
+def _pads_of(node):
+    op = node.op
+    return (op.lo[2], op.hi[2], op.lo[3], op.hi[3])
+
+
+def _read_conv2d(bound):
+    """stride, padding, dilation and groups of a matched conv2d recipe or 3x3 idiom, read off
+    its Pad and Slice nodes (the match is then verified by re-tracing with them)."""
+    x, w = bound.capture(0).shape, bound.capture(1).shape
+    pads, slices = bound.nodes_of(ops.Pad), bound.nodes_of(ops.Slice)
+    if getattr(bound.pattern.recipe, "read_kind", None) == "idiom3":
+        s0 = slices[0].op
+        return dict(stride=(s0.steps[2], s0.steps[3]),
+                    padding=_pads_of(pads[0]) if pads else (0, 0, 0, 0),
+                    dilation=(slices[3].op.starts[2], slices[1].op.starts[3]), groups=1)
+    pad_x, pad_h, pad_w = pads
+    sl_h, sl_w = slices
+    padding = _pads_of(pad_x)
+    wp = x[3] + padding[2] + padding[3]
+    return dict(stride=(sl_h.op.steps[3], sl_w.op.steps[5]), padding=padding,
+                dilation=(pad_h.op.hi[-1] // (w[2] * wp), pad_w.op.hi[-1] // w[3]),
+                groups=x[1] // w[1])
+
+
+def _read_conv_transpose2d(bound):
+    """Params of a matched conv_transpose2d recipe from its fold Pads and Slices and the crop.
+    Only padding_bottom - output_padding shows in the graph: the smaller pair is taken."""
+    (_, _, h, wd), (_, cog, kh, kw) = bound.capture(0).shape, bound.capture(1).shape
+    pad_w, pad_h = bound.nodes_of(ops.Pad)
+    sl_w, sl_h, crop = bound.nodes_of(ops.Slice)
+    sw, sh = pad_w.op.interior[5] + 1, pad_h.op.interior[3] + 1
+    full_w = sl_w.op.stops[4] // kw
+    full_h = sl_h.op.stops[2] // (kh * full_w)
+    dw = pad_w.op.hi[5] - full_w + (wd - 1) * sw + 1
+    dh = pad_h.op.hi[3] - full_h + (h - 1) * sh + 1
+    pt, pl = crop.op.starts[2], crop.op.starts[3]
+    ho, wo = crop.op.stops[2] - pt, crop.op.stops[3] - pl
+    bh = (h - 1) * sh - pt + dh * (kh - 1) + 1 - ho          # padding_bottom - output_padding
+    bw = (wd - 1) * sw - pl + dw * (kw - 1) + 1 - wo
+    return dict(stride=(sh, sw), padding=(pt, max(bh, 0), pl, max(bw, 0)),
+                output_padding=(max(-bh, 0), max(-bw, 0)), dilation=(dh, dw),
+                groups=bound.root.shape[1] // cog)
+
+
+_G1 = {"groups": 1}
+_CONV2D_PATTERNS = (
+    (_inputs(2, conv2d_recipe), _G1),
+    (_tagged(conv2d_3x3_idiom, "idiom3"), _G1),
+    (_tagged(conv2d_3x3_idiom, "idiom3", _pad=False), _G1),
+    (_inputs(2, _tagged(conv2d_3x3_idiom, "idiom3")), _G1),
+    (_inputs(2, _tagged(conv2d_3x3_idiom, "idiom3", _pad=False)), _G1),
+)
+_CAUSAL_PATTERNS = tuple(
+    [(_inputs(2, causal_conv1d_recipe), {"use_silu": silu}) for silu in (False, True)] +
+    [(fn, {"use_silu": silu}) for taps in (2, 3, 4)
+     for fn in (causal_conv1d_idiom(taps), _inputs(2, causal_conv1d_idiom(taps)))
+     for silu in (False, True)])
+
+
 def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.CONV2D, name="conv2d", family="forward", params=Conv2dParams,
         shape_rule=_conv2d_shape, dtype_rule=_same_as_x, validate=_validate_conv2d,
-        decompose=conv2d_recipe, extra_patterns=(conv2d_math,),
+        decompose=conv2d_recipe, pattern_variants=(_G1,), extra_patterns=_CONV2D_PATTERNS,
+        read_params=_read_conv2d,
         backward=BackwardKind.fused(FusedOps.CONV_TRANSPOSE2D), vjp=_conv2d_vjp,
         sample=_conv2d_sample,
         doc="2-D cross-correlation (torch conv2d). x [N, Cin, H, W], weight [Cout, Cin/g, Kh, "
             "Kw], optional bias [Cout], one float dtype -> [N, Cout, Ho, Wo] in it, "
             "Ho = (H + top + bottom - dh*(Kh-1) - 1) // sh + 1. Accumulates in float32 "
             "(float64 for float64). Backward: conv_transpose2d for x, conv2d_backward_weight "
-            "for weight, a sum for bias."))
+            "for weight, a sum for bias. Fuses from its recipe (any params) and from a 3x3 conv "
+            "written as pad + nine strided slices stacked + matmul (+ bias)."))
     reg.add(FusedOpEntry(
         id=FusedOps.CONV_TRANSPOSE2D, name="conv_transpose2d", family="forward",
         params=ConvTranspose2dParams, shape_rule=_conv_transpose2d_shape,
         dtype_rule=_same_as_x, validate=_validate_conv_transpose2d,
-        decompose=conv_transpose2d_recipe, extra_patterns=(conv_transpose2d_math,),
+        decompose=conv_transpose2d_recipe, pattern_variants=(_G1,),
+        extra_patterns=((_inputs(2, conv_transpose2d_recipe), _G1),),
+        read_params=_read_conv_transpose2d,
         backward=BackwardKind.fused(FusedOps.CONV2D), vjp=_conv_transpose2d_vjp,
         sample=_conv_transpose2d_sample,
         doc="2-D transposed convolution (torch conv_transpose2d), the adjoint of conv2d. x [N, "
@@ -580,13 +700,15 @@ def declare(reg):
         id=FusedOps.CAUSAL_CONV1D, name="causal_conv1d", family="forward",
         params=CausalConv1dParams, shape_rule=_same_as_x, dtype_rule=_same_as_x,
         validate=_validate_causal, decompose=causal_conv1d_recipe,
-        extra_patterns=(causal_conv1d_math,),
         pattern_variants=({"use_silu": False}, {"use_silu": True}),
+        extra_patterns=_CAUSAL_PATTERNS,
         backward=BackwardKind.fused(CAUSAL_CONV1D_BACKWARD), vjp=_causal_vjp,
         sample=_causal_sample,
         doc="Causal depthwise conv1d (Mamba). x [B, C, L] (L >= 1, unpadded: W-1 zeros go "
             "before t = 0), weight [C, W] or [C, 1, W], optional bias [C] -> [B, C, L]: "
-            "z = bias + sum_k weight[:, k] * x[t + k - (W-1)], y = silu(z) if use_silu."))
+            "z = bias + sum_k weight[:, k] * x[t + k - (W-1)], y = silu(z) if use_silu. "
+            "Fuses from its recipe and from a left pad + sum of shifted slices times weight "
+            "columns (W = 2, 3, 4; with or without bias and silu)."))
     reg.add(FusedOpEntry(
         id=CONV2D_BACKWARD_WEIGHT, name="conv2d_backward_weight", family="backward",
         params=Conv2dBackwardWeightParams, shape_rule=_backward_weight_shape,

@@ -14,10 +14,15 @@ stack followed by an overlap-add loop over the taps (col2im).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.conv import CAUSAL_CONV1D_BACKWARD, CONV2D_BACKWARD_WEIGHT
+from ...registry.core import FusedOps
+from ..base import Cost, kernel, row_cost
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 #: column-buffer elements per chunk of samples (32 MiB of float32)
 COLS_CHUNK = 1 << 23
@@ -25,6 +30,36 @@ COLS_CHUNK = 1 << 23
 
 def _out_size(size, lo, hi, k, s, d):
     return (size + lo + hi - d * (k - 1) - 1) // s + 1
+
+
+# ---- costs (shared with the CUDA kernels): 2 flops per multiply-add, float32 bytes ------------
+def conv2d_cost(shapes, p):
+    (n, c, h, w), (co, cg, kh, kw) = shapes[0], shapes[1]
+    ho = _out_size(h, p.padding[0], p.padding[1], kh, p.stride[0], p.dilation[0])
+    wo = _out_size(w, p.padding[2], p.padding[3], kw, p.stride[1], p.dilation[1])
+    out = n * co * ho * wo
+    return Cost(2 * out * cg * kh * kw, 4 * (n * c * h * w + co * cg * kh * kw + out))
+
+
+def conv_transpose2d_cost(shapes, p):
+    (n, c, h, w), (_, cog, kh, kw) = shapes[0], shapes[1]
+    return Cost(2 * n * c * h * w * cog * kh * kw,
+                4 * (n * c * h * w * (1 + cog * p.groups / c) + c * cog * kh * kw))
+
+
+def conv2d_backward_weight_cost(shapes, p):
+    (n, c, h, w), (_, co, ho, wo) = shapes
+    kk = p.kernel_size[0] * p.kernel_size[1]
+    return Cost(2 * n * co * ho * wo * (c // p.groups) * kk,
+                4 * (n * c * h * w + n * co * ho * wo + co * (c // p.groups) * kk))
+
+
+def causal_conv1d_cost(shapes, p):
+    n = math.prod(shapes[0])
+    return Cost(2 * n * shapes[1][-1] + (4 * n if p.use_silu else 0), 4 * 2 * n)
+
+
+causal_conv1d_backward_cost = row_cost(12)
 
 
 class _Unfold:
@@ -83,6 +118,7 @@ def _finish(o, out, bias, acc, wo):
     return out
 
 
+@kernel(FusedOps.CONV2D, "numpy", cost=conv2d_cost)
 def conv2d(x, w, *bias, stride, padding, dilation, groups):
     """CONV2D: x [N, Cin, H, W], w [Cout, Cin/g, Kh, Kw], bias [Cout] -> [N, Cout, Ho, Wo]
     (cross-correlation; padding per side (top, bottom, left, right))."""
@@ -138,6 +174,7 @@ def _depthwise(x, wa, bias, out, padding, stride, dilation, acc):
     return _finish(o.reshape(n, co, ho, u.wrow), out, bias, acc, wo)
 
 
+@kernel(FusedOps.CONV_TRANSPOSE2D, "numpy", cost=conv_transpose2d_cost)
 def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, groups):
     """CONV_TRANSPOSE2D: x [N, Cin, H, W], w [Cin, Cout/g, Kh, Kw], bias [Cout] ->
     [N, Cout, Ho, Wo], Ho = (H-1)*sh - top - bottom + dh*(Kh-1) + output_padding + 1."""
@@ -169,6 +206,7 @@ def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, gro
     return _finish(full[:, :, pt:pt + ho, pl:], out, bias, acc, wo)
 
 
+@kernel(CONV2D_BACKWARD_WEIGHT, "numpy", cost=conv2d_backward_weight_cost)
 def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel_size):
     """CONV2D_BACKWARD_WEIGHT: x [N, Cin, H, W], grad [N, Cout, Ho, Wo] -> dW [Cout, Cin/g,
     Kh, Kw] = sum over n and output pixels of grad times the padded input under each tap."""
@@ -233,6 +271,7 @@ def _sigmoid(z):
     return np.divide(1, s, out=s)
 
 
+@kernel(FusedOps.CAUSAL_CONV1D, "numpy", cost=causal_conv1d_cost)
 def causal_conv1d(x, w, *bias, use_silu):
     """CAUSAL_CONV1D: x [B, C, L], w [C, W] or [C, 1, W], bias [C] -> [B, C, L];
     z = bias + sum_k w[:, k] * x[t + k - (W-1)] (zeros before t = 0); silu(z) if use_silu."""
@@ -255,6 +294,7 @@ def causal_conv1d(x, w, *bias, use_silu):
     return out
 
 
+@kernel(CAUSAL_CONV1D_BACKWARD, "numpy", cost=causal_conv1d_backward_cost)
 def causal_conv1d_backward(x, w, grad, *bias, use_silu):
     """CAUSAL_CONV1D_BACKWARD: (x, w, grad, [bias]) -> (dx [B, C, L], dw shaped like w,
     dbias [C]); silu' is recomputed from x when use_silu."""

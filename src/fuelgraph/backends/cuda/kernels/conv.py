@@ -24,7 +24,12 @@ import torch.nn.functional as TF
 import triton
 import triton.language as tl
 
-from .helpers import next_pow2, num_sms
+from ....registry.conv import CAUSAL_CONV1D_BACKWARD, CONV2D_BACKWARD_WEIGHT
+from ....registry.core import FusedOps
+from ...base import kernel
+from ...numpy.conv import (causal_conv1d_backward_cost, causal_conv1d_cost,
+                           conv2d_backward_weight_cost, conv2d_cost, conv_transpose2d_cost)
+from .common import HALF_AND_F32, next_pow2, num_sms
 
 #: "always" | "auto" | "never" (see the module docstring)
 CHANNELS_LAST = os.environ.get("FUELGRAPH_CONV_CHANNELS_LAST", "always")
@@ -51,6 +56,8 @@ def _split_pad(lo, hi):
     return m, lo - m, hi - m
 
 
+@kernel(FusedOps.CONV2D, "cuda", cost=conv2d_cost, strided_input=True, name="cudnn.conv2d",
+        precision="cuDNN (fp32 accumulate)")
 def conv2d(x, w, *bias, stride, padding, dilation, groups):
     """CONV2D through cuDNN: x [N, Cin, H, W], w [Cout, Cin/g, Kh, Kw], bias [Cout]."""
     pt, pb, pl, pr = padding
@@ -61,6 +68,8 @@ def conv2d(x, w, *bias, stride, padding, dilation, groups):
     return TF.conv2d(x, w, bias[0] if bias else None, stride, (mh, mw), dilation, groups)
 
 
+@kernel(FusedOps.CONV_TRANSPOSE2D, "cuda", cost=conv_transpose2d_cost, strided_input=True,
+        name="cudnn.conv_transpose2d", precision="cuDNN (fp32 accumulate)")
 def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, groups):
     """CONV_TRANSPOSE2D through cuDNN: x [N, Cin, H, W], w [Cin, Cout/g, Kh, Kw]."""
     pt, pb, pl, pr = padding
@@ -76,6 +85,8 @@ def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, gro
     return y[:, :, pt:pt + ho, pl:pl + wo]
 
 
+@kernel(CONV2D_BACKWARD_WEIGHT, "cuda", cost=conv2d_backward_weight_cost, strided_input=True,
+        name="cudnn.conv2d_backward_weight", precision="cuDNN (fp32 accumulate)")
 def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel_size):
     """CONV2D_BACKWARD_WEIGHT through cuDNN's weight-gradient kernel: x [N, Cin, H, W],
     grad [N, Cout, Ho, Wo] -> [Cout, Cin/g, Kh, Kw]."""
@@ -167,6 +178,7 @@ def _fwd_config(length):
     return block, max(1, min(8, block // 256))
 
 
+@kernel(FusedOps.CAUSAL_CONV1D, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_cost)
 def causal_conv1d(x, w, *bias, use_silu):
     """CAUSAL_CONV1D: x [B, C, L], w [C, W] or [C, 1, W], bias [C] -> [B, C, L]."""
     b, c, length = x.shape
@@ -187,6 +199,7 @@ BWD_BLOCK_L = 1024
 BWD_PROGRAMS_PER_SM = 4
 
 
+@kernel(CAUSAL_CONV1D_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_backward_cost)
 def causal_conv1d_backward(x, w, grad, *bias, use_silu):
     """CAUSAL_CONV1D_BACKWARD: (x, w, grad, [bias]) -> (dx, dw shaped like w, dbias [C])."""
     b, c, length = x.shape
