@@ -654,11 +654,12 @@ def _read_conv_transpose2d(bound):
 
 
 _G1 = {"groups": 1}
+_PADDED = {"groups": 1, "padding": (1, 1, 1, 1)}      # traced with a Pad node (read back later)
 _CONV2D_PATTERNS = (
     (_inputs(2, conv2d_recipe), _G1),
-    (_tagged(conv2d_3x3_idiom, "idiom3"), _G1),
+    (_tagged(conv2d_3x3_idiom, "idiom3"), _PADDED),
     (_tagged(conv2d_3x3_idiom, "idiom3", _pad=False), _G1),
-    (_inputs(2, _tagged(conv2d_3x3_idiom, "idiom3")), _G1),
+    (_inputs(2, _tagged(conv2d_3x3_idiom, "idiom3")), _PADDED),
     (_inputs(2, _tagged(conv2d_3x3_idiom, "idiom3", _pad=False)), _G1),
 )
 _CAUSAL_PATTERNS = tuple(
