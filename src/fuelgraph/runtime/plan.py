@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from ..errors import FuelGraphError
@@ -29,6 +30,7 @@ class Step:
     takes_out: bool = False    # ...or, if the kernel can, have it write a fresh buffer
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
+    live_after: tuple[int, ...] = ()   # destructive steps: slots still read after this one
 
 
 @dataclass(eq=False)
@@ -63,7 +65,8 @@ class Plan:
             kw = {}
             if st.inplace is not None:
                 k = st.inplace
-                if st.copy_first or be.writable_copy_needed(args[k]):
+                if st.copy_first or be.writable_copy_needed(args[k]) or \
+                        self._aliased(args[k], env, st.live_after):
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
                     else:
@@ -80,6 +83,18 @@ class Plan:
             for i in st.free:
                 env[i] = None
         return [env[i] for i in self.output_slots]
+
+    def _aliased(self, buf, env, live) -> bool:
+        """Whether `buf` shares storage with a buffer still needed after this step. Derived
+        from the buffers themselves (not from a list of view ops), so an op whose output
+        happens to alias its input (a scan returning its init carry, a kernel returning its
+        argument) can never be overwritten under a later reader."""
+        root = self.backend.storage(buf)
+        return any(env[j] is not None and self.backend.storage(env[j]) == root for j in live)
+
+    def nbytes(self) -> int:
+        """Bytes the plan keeps alive between runs (its materialized constants)."""
+        return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
 
 
 def _bind(impl, node: Node, run_body):
@@ -113,6 +128,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         for s in n.srcs:
             last_use[slot_of[(s.node, s.slot)]] = pos
     keep = {slot_of[(v.node, v.slot)] for v in outputs}
+    out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
     for pos, n in enumerate(order):
         op = n.op
@@ -125,6 +141,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
             raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
                                  f"{[s.dtype.name for s in n.srcs]}")
         fn = _bind(impl, n, run_body)
+        _check_size(n, backend, n in out_nodes)
         if not n.srcs and isinstance(op, (ops.Const, ops.Full, ops.Iota)):
             buf = fn()
             if hasattr(buf, "flags"):
@@ -134,12 +151,33 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
+        live = tuple(sorted(j for j, last in last_use.items() if last > pos) +
+                     sorted(keep | set(const_slots))) if d else ()
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d[0] if d else None, bool(d) and n not in inplace_ok,
-                          impl.takes_out, not impl.strided_input, impl.name or op.name))
+                          impl.takes_out, not impl.strided_input, impl.name or op.name, live))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
+
+
+# ops whose kernels return views (no allocation of their own)
+_NO_ALLOC = (ops.Full, ops.Input, ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice,
+             ops.Bitcast, ops.Detach)
+
+
+def _check_size(n: Node, backend, is_output: bool) -> None:
+    """Refuse, before anything is allocated, a buffer larger than the device's memory (views
+    allocate nothing, unless they are outputs, which are materialized)."""
+    if isinstance(n.op, _NO_ALLOC) and not is_output:
+        return
+    cap = backend.capacity_bytes()
+    for shape, d in zip(n.shapes, n.dtypes):
+        size = math.prod(shape) * d.itemsize
+        if size > cap:
+            raise FuelGraphError(f"{n.op.name}: output of shape {shape} {d.name} needs "
+                                 f"{size / 2**30:.1f} GiB, more than the {cap / 2**30:.1f} GiB "
+                                 f"this device has")
 
 
 def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set]:

@@ -56,6 +56,19 @@ class CudaBackend:
     def copy(buf):
         return buf.clone(memory_format=torch.contiguous_format)
 
+    @staticmethod
+    def storage(buf):
+        """Identity of the memory `buf` views."""
+        return (buf.device.index, buf.untyped_storage().data_ptr())
+
+    @staticmethod
+    def storage_nbytes(buf) -> int:
+        return int(buf.untyped_storage().nbytes())
+
+    @staticmethod
+    def capacity_bytes() -> int:
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
 
 class GraphedPlan:
     """A plan captured into a CUDA graph: inputs are copied into static buffers, the graph is
