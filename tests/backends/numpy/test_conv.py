@@ -4,7 +4,6 @@ otherwise, 1x1 without im2col, depthwise tap loop with and without a channel mul
 sample chunking), conv_transpose2d's overlap-add, the weight-gradient kernel (GEMM and
 depthwise paths, a gradient shorter than the conv output), causal conv1d forward/backward, in
 the four float dtypes."""
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -13,19 +12,7 @@ import torch.nn.functional as TF
 from fuelgraph.backends.numpy import conv as K
 from oracle import assert_close_dtype
 
-NP = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
-      "float16": np.float16}
-TORCH = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-         "float16": torch.float16}
-DTYPES = list(NP)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from .kernel_oracle import DTYPES, NP, TORCH
 
 
 def arr(shape, dt, seed):
