@@ -1,7 +1,7 @@
 """NumPy conv kernels called directly (arrays in, arrays out) against torch CPU: each code path
 of conv2d (im2col over whole padded rows when the width stride is 1, strided windows
 otherwise, 1x1 without im2col, depthwise tap loop with and without a channel multiplier,
-sample chunking), conv_transpose2d's overlap-add, the weight-gradient kernel (GEMM and
+row blocks), conv_transpose2d's overlap-add, the weight-gradient kernel (GEMM and
 depthwise paths, a gradient shorter than the conv output), causal conv1d forward/backward, in
 the four float dtypes."""
 import numpy as np
@@ -58,7 +58,7 @@ def _torch_conv2d(x, w, b, stride, pad, dil, g):
 @pytest.mark.parametrize("case", CONV2D, ids=[f"c{i}" for i in range(len(CONV2D))])
 def test_conv2d(case, dt, monkeypatch):
     xs, ws, has_b, s, p, d, g = case
-    monkeypatch.setattr(K, "COLS_CHUNK", 300)          # several sample chunks
+    monkeypatch.setattr(K, "BLOCK_ELEMS", 300)         # several row blocks per sample
     x, w = arr(xs, dt, 0), arr(ws, dt, 1)
     b = arr((ws[0],), dt, 2) if has_b else None
     got = K.conv2d(x, w, *([b] if has_b else []), stride=s, padding=p, dilation=d, groups=g)
@@ -96,7 +96,7 @@ CONVT = [
 @pytest.mark.parametrize("case", CONVT, ids=[f"t{i}" for i in range(len(CONVT))])
 def test_conv_transpose2d(case, dt, monkeypatch):
     xs, ws, has_b, s, p, op, d, g = case
-    monkeypatch.setattr(K, "COLS_CHUNK", 200)
+    monkeypatch.setattr(K, "BLOCK_ELEMS", 200)
     x, w = arr(xs, dt, 0), arr(ws, dt, 1)
     b = arr((ws[1] * g,), dt, 2) if has_b else None
     got = K.conv_transpose2d(x, w, *([b] if has_b else []), stride=s, padding=p,

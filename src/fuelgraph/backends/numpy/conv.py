@@ -24,8 +24,6 @@ from ...registry.core import FusedOps
 from ..base import Cost, kernel, row_cost
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
-#: column-buffer elements per chunk of samples (32 MiB of float32)
-COLS_CHUNK = 1 << 23
 
 
 def _out_size(size, lo, hi, k, s, d):
@@ -64,20 +62,22 @@ causal_conv1d_backward_cost = row_cost(12)
 
 class _Unfold:
     """The padded input `xp` (acc dtype, one spare zero row at the bottom) and strided views of
-    its im2col windows. Output column j of row oh reads xp[oh*sh + ky*dh, j*sw + kx*dw]."""
+    its im2col windows. Output column j of row oh reads xp[oh*sh + ky*dh, j*sw + kx*dw]; with
+    a width stride of 1, j runs over the whole padded row (Wrow = padded width; the spare row
+    keeps the last window inside the buffer)."""
 
-    def __init__(self, x, padding, kernel, out_hw, stride, dilation, acc, extra_rows=1):
+    def __init__(self, x, padding, kernel, out_hw, stride, dilation, acc):
         n, c, h, w = x.shape
         pt, pb, pl, pr = padding
         self.kh, self.kw = kernel
         self.ho, self.wo = out_hw
         (self.sh, self.sw), (self.dh, self.dw) = stride, dilation
-        hp, wp = h + pt + pb, w + pl + pr
-        self.flat = self.sw == 1
-        self.wrow = wp if self.flat else self.wo
-        self.xp = np.zeros((n, c, hp + extra_rows, wp), acc)
-        self.xp[:, :, pt:pt + h, pl:pl + w] = x if x.dtype == acc else to_acc(x, acc)
-        self.wp = wp
+        hp, self.wp = h + pt + pb, w + pl + pr
+        self.wrow = self.wp if self.sw == 1 else self.wo
+        xp = self.xp = np.empty((n, c, hp + 1, self.wp), acc)
+        xp[:, :, :pt], xp[:, :, pt + h:], xp[:, :, pt:pt + h, :pl] = 0, 0, 0
+        xp[:, :, pt:pt + h, pl + w:] = 0                     # only the border is zeroed
+        xp[:, :, pt:pt + h, pl:pl + w] = x if x.dtype == acc else to_acc(x, acc)
 
     def view(self, n0=0, n1=None):
         """[n, C, Kh, Kw, Ho, Wrow] windows of samples n0:n1."""
@@ -88,34 +88,108 @@ class _Unfold:
                           (sn, sc, self.dh * row, self.dw * it, self.sh * row, self.sw * it),
                           writeable=False)
 
-    def tap(self, ky, kx):
-        """[N, C, Ho, Wrow] window of tap (ky, kx)."""
-        return self.view()[:, :, ky, kx]
+    def tap_rows(self, ky, kx):
+        """Window of tap (ky, kx) as rows [N*C, Ho*Wrow] (one contiguous run per row when the
+        height stride is 1 too) or [N*C, Ho, Wrow]."""
+        n, c = self.xp.shape[:2]
+        it = self.xp.itemsize
+        base = self.xp.reshape(n * c, -1)[:, ky * self.dh * self.wp + kx * self.dw:]
+        if self.sh == 1 and self.sw == 1:
+            return as_strided(base, (n * c, self.ho * self.wp), (base.strides[0], it),
+                              writeable=False)
+        return as_strided(base, (n * c, self.ho, self.wrow),
+                          (base.strides[0], self.sh * self.wp * it, self.sw * it),
+                          writeable=False)
 
-    def cols(self, n0, n1, groups):
-        """Column buffer [n, g, Cg*Kh*Kw, Ho*Wrow] of samples n0:n1."""
-        v = self.view(n0, n1)
-        buf = np.empty(v.shape, v.dtype)
-        np.copyto(buf, v)
-        n, c = buf.shape[:2]
-        return buf.reshape(n, groups, (c // groups) * self.kh * self.kw, self.ho * self.wrow)
+    def block(self, n, h0, h1, buf):
+        """Columns of sample n, output rows [h0, h1): [C*Kh*Kw, (h1-h0)*Wrow] copied into
+        `buf` (reused across blocks, so it stays in cache for the GEMM that reads it)."""
+        xp = self.xp[n, :, h0 * self.sh:]
+        sc, row, it = xp.strides[0], self.wp * xp.itemsize, xp.itemsize
+        v = as_strided(xp, (xp.shape[0], self.kh, self.kw, h1 - h0, self.wrow),
+                       (sc, self.dh * row, self.dw * it, self.sh * row, self.sw * it),
+                       writeable=False)
+        b = buf[:v.size].reshape(v.shape)
+        np.copyto(b, v)
+        return b.reshape(-1, (h1 - h0) * self.wrow)
 
 
-def _sample_chunks(n, per_sample):
-    step = max(1, COLS_CHUNK // max(1, per_sample))
-    return [(i, min(i + step, n)) for i in range(0, n, step)]
+#: column-block elements per GEMM (2 MiB of float32: the block stays in cache for its GEMM,
+#: which is still large enough to amortize BLAS threading)
+BLOCK_ELEMS = 1 << 19
 
 
-def _finish(o, out, bias, acc, wo):
-    """out <- o[..., :wo] (+ bias per channel), rounded once to out's dtype."""
-    o = o[..., :wo]
-    if bias:
-        np.add(o, to_acc(bias[0], acc)[:, None, None], out=o)
-    if out.dtype == o.dtype:
-        np.copyto(out, o)
+def _store_block(dst, o, bias_a):
+    """dst <- o (+ bias per channel, o's leading axis), rounded once to dst's dtype."""
+    if bias_a is not None:
+        np.add(o, bias_a.reshape((-1,) + (1,) * (o.ndim - 1)), out=o)
+    if dst.dtype == o.dtype:
+        np.copyto(dst, o)
     else:
-        store(out, np.ascontiguousarray(o))
-    return out
+        store(dst, np.ascontiguousarray(o))
+
+
+def _conv_into(dst, x, wa, padding, stride, dilation, groups, acc, bias_a=None):
+    """dst[N, Cout, Ho, Wo] (any dtype, any strides) <- conv(x, wa) (+ bias), computed in the
+    accumulation dtype: im2col blocks of a few output rows, one GEMM each (per group)."""
+    n, c = x.shape[:2]
+    co, cg, kh, kw = wa.shape
+    ho, wo = dst.shape[2:]
+    if cg == 1 and groups > 1:
+        return _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a)
+    if (kh, kw) == (1, 1) and stride == (1, 1) and not any(padding):  # 1x1: x is its own im2col
+        xa = to_acc(np.ascontiguousarray(x), acc).reshape(n, groups, c // groups, ho * wo)
+        o = np.matmul(wa.reshape(groups, co // groups, cg), xa).reshape(n, co, ho, wo)
+        if bias_a is not None:
+            np.add(o, bias_a[:, None, None], out=o)
+        return _store_block(dst, o, None)
+    u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
+    wg = wa.reshape(groups, co // groups, cg * kh * kw)
+    rows = max(1, min(ho, BLOCK_ELEMS // (c * kh * kw * u.wrow)))
+    buf = np.empty(c * kh * kw * rows * u.wrow, acc)
+    for i in range(n):
+        for h0 in range(0, ho, rows):
+            h1 = min(ho, h0 + rows)
+            cols = u.block(i, h0, h1, buf).reshape(groups, cg * kh * kw, -1)
+            o = np.matmul(wg, cols).reshape(co, h1 - h0, u.wrow)[:, :, :wo]
+            _store_block(dst[i, :, h0:h1], o, bias_a)
+
+
+def _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a):
+    """Grouped conv with one input channel per group: out[n, co] = sum over taps of
+    w[co, 0, ky, kx] * window(ky, kx)[n, co // (Cout/g)], one multiply-add per tap over
+    chunks of (sample, channel) rows, on the pool's threads."""
+    n, c = x.shape[:2]
+    co, _, kh, kw = wa.shape
+    ho, wo = dst.shape[2:]
+    mult = co // c
+    xr = x if mult == 1 else np.repeat(x, mult, axis=1)
+    u = _Unfold(xr, padding, (kh, kw), (ho, wo), stride, dilation, acc)
+    rows = n * co
+    taps = [u.tap_rows(ky, kx) for ky in range(kh) for kx in range(kw)]
+    wt = wa.reshape(co, kh * kw)
+    row_shape = (ho, u.wrow)
+    extra = (None,) * (taps[0].ndim - 1)
+    d3 = dst.reshape(rows, ho, wo) if dst.flags.c_contiguous else None
+
+    def work(r0, r1):
+        ch = np.arange(r0, r1) % co
+        wr = wt[ch]
+        acc_ = np.multiply(taps[0][r0:r1], wr[(slice(None), 0) + extra])
+        tmp = np.empty_like(acc_)
+        for t in range(1, kh * kw):
+            np.multiply(taps[t][r0:r1], wr[(slice(None), t) + extra], out=tmp)
+            np.add(acc_, tmp, out=acc_)
+        o = acc_.reshape((r1 - r0,) + row_shape)[:, :, :wo]
+        target = d3[r0:r1] if d3 is not None else None
+        if target is None:
+            for r in range(r0, r1):        # a strided destination: row by row
+                _store_block(dst[r // co, r % co], o[r - r0],
+                             None if bias_a is None else bias_a[r % co:r % co + 1])
+            return
+        _store_block(target, o, None if bias_a is None else bias_a[ch])
+
+    run_spans(work, row_spans(rows, ho * u.wrow, 1 << 16), rows * ho * u.wrow)
 
 
 @kernel(FusedOps.CONV2D, "numpy", cost=conv2d_cost)
@@ -123,87 +197,73 @@ def conv2d(x, w, *bias, stride, padding, dilation, groups):
     """CONV2D: x [N, Cin, H, W], w [Cout, Cin/g, Kh, Kw], bias [Cout] -> [N, Cout, Ho, Wo]
     (cross-correlation; padding per side (top, bottom, left, right))."""
     acc = acc_dtype(x.dtype)
-    n, c, h, wd = x.shape
-    co, cg, kh, kw = w.shape
+    n, _, h, wd = x.shape
+    co, _, kh, kw = w.shape
     (pt, pb, pl, pr), (sh, sw), (dh, dw) = padding, stride, dilation
-    ho, wo = _out_size(h, pt, pb, kh, sh, dh), _out_size(wd, pl, pr, kw, sw, dw)
-    out = np.empty((n, co, ho, wo), x.dtype)
-    if out.size == 0:
-        return out
-    wa = to_acc(w, acc)
-    if cg == 1 and groups > 1:
-        return _depthwise(x, wa, bias, out, padding, stride, dilation, acc)
-    if (kh, kw, sh, sw) == (1, 1, 1, 1) and not any(padding):     # 1x1: x is its own im2col
-        xa = to_acc(x, acc).reshape(n, groups, c // groups, h * wd)
-        o = np.matmul(wa.reshape(groups, co // groups, cg), xa)
-        return _finish(o.reshape(n, co, ho, wo), out, bias, acc, wo)
-    u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    wg = wa.reshape(groups, co // groups, cg * kh * kw)
-    o = np.empty((n, groups, co // groups, ho * u.wrow), acc)
-    for n0, n1 in _sample_chunks(n, c * kh * kw * ho * u.wrow):
-        np.matmul(wg, u.cols(n0, n1, groups), out=o[n0:n1])
-    return _finish(o.reshape(n, co, ho, u.wrow), out, bias, acc, wo)
+    out = np.empty((n, co, _out_size(h, pt, pb, kh, sh, dh), _out_size(wd, pl, pr, kw, sw, dw)),
+                   x.dtype)
+    if out.size:
+        _conv_into(out, x, to_acc(w, acc), padding, stride, dilation, groups, acc,
+                   to_acc(bias[0], acc) if bias else None)
+    return out
 
 
-def _depthwise(x, wa, bias, out, padding, stride, dilation, acc):
-    """Grouped conv with one input channel per group: out[n, co] = sum over taps of
-    w[co, 0, ky, kx] * window(ky, kx)[n, co // (Cout/g)], one multiply-add per tap over
-    chunks of (sample, channel) rows."""
-    n, c = x.shape[:2]
-    co, _, kh, kw = wa.shape
-    ho, wo = out.shape[2:]
-    mult = co // c
-    xr = x if mult == 1 else np.repeat(x, mult, axis=1)
-    u = _Unfold(xr, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    rows = n * co
-    taps = [u.tap(ky, kx).reshape(rows, ho, u.wrow) for ky in range(kh) for kx in range(kw)]
-    wt = wa.reshape(co, kh * kw)
-    o = np.empty((rows, ho, u.wrow), acc)
-
-    def work(r0, r1):
-        ch = np.arange(r0, r1) % co
-        wr = wt[ch][:, :, None, None]
-        acc_ = o[r0:r1]
-        tmp = np.empty_like(acc_)
-        np.multiply(taps[0][r0:r1], wr[:, 0], out=acc_)
-        for t in range(1, kh * kw):
-            np.multiply(taps[t][r0:r1], wr[:, t], out=tmp)
-            np.add(acc_, tmp, out=acc_)
-
-    run_spans(work, row_spans(rows, ho * u.wrow, 1 << 16), rows * ho * u.wrow)
-    return _finish(o.reshape(n, co, ho, u.wrow), out, bias, acc, wo)
+def _phase(r, k, d, s, n_in, crop_lo, n_out):
+    """Rows of a transposed conv's output (window [crop_lo, crop_lo + n_out) of the full
+    output, full row i = ih*s + ky*d) that are congruent to r mod s, as a stride-1 correlation
+    of x: (first window row j0, taps ky in correlation order, their spacing, x rows [a, b),
+    padding (lo, hi), count) or None when no tap or no row falls in this phase."""
+    j0 = (r - crop_lo) % s
+    taps = [ky for ky in range(k - 1, -1, -1) if (ky * d - r) % s == 0]
+    if j0 >= n_out or not taps:
+        return None
+    count = len(range(j0, n_out, s))
+    q0 = (j0 + crop_lo - r) // s
+    spacing = d // np.gcd(d, s)
+    lo = (taps[0] * d - r) // s - q0             # left zero padding (negative: crop x)
+    a = max(0, -lo)
+    need = (count - 1) + (len(taps) - 1) * spacing + 1
+    b = min(n_in, need - max(lo, 0) + a)
+    if b <= a:
+        return None
+    return j0, taps, spacing, (a, b), (max(lo, 0), need - max(lo, 0) - (b - a)), count
 
 
 @kernel(FusedOps.CONV_TRANSPOSE2D, "numpy", cost=conv_transpose2d_cost)
 def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, groups):
     """CONV_TRANSPOSE2D: x [N, Cin, H, W], w [Cin, Cout/g, Kh, Kw], bias [Cout] ->
-    [N, Cout, Ho, Wo], Ho = (H-1)*sh - top - bottom + dh*(Kh-1) + output_padding + 1."""
+    [N, Cout, Ho, Wo], Ho = (H-1)*sh - top - bottom + dh*(Kh-1) + output_padding + 1.
+    Computed as sh*sw stride-1 convolutions (one per output phase, each with the kernel taps
+    that land on it, flipped), so no work is spent on zeros and each runs as conv2d does."""
     acc = acc_dtype(x.dtype)
     n, cin, h, wd = x.shape
     _, cog, kh, kw = w.shape
     g = groups
-    cig, cout = cin // g, cog * g
+    cout = cog * g
     (pt, pb, pl, pr), (sh, sw), (dh, dw) = padding, stride, dilation
     ho = (h - 1) * sh - pt - pb + dh * (kh - 1) + output_padding[0] + 1
     wo = (wd - 1) * sw - pl - pr + dw * (kw - 1) + output_padding[1] + 1
     out = np.empty((n, cout, ho, wo), x.dtype)
     if out.size == 0:
         return out
-    # full (uncropped) output, large enough for every tap and for the cropped window
-    hf = max((h - 1) * sh + dh * (kh - 1) + 1, pt + ho)
-    wf = max((wd - 1) * sw + dw * (kw - 1) + 1, pl + wo)
-    full = np.zeros((n, cout, hf, wf), acc)
-    wt = to_acc(w, acc).reshape(g, cig, cog * kh * kw).transpose(0, 2, 1)   # [g, Cog*K, Cig]
-    for n0, n1 in _sample_chunks(n, cout * kh * kw * h * wd):
-        xa = to_acc(x[n0:n1], acc).reshape(n1 - n0, g, cig, h * wd)
-        cols = np.matmul(wt, xa).reshape(n1 - n0, g, cog, kh * kw, h, wd)
-        dst = full[n0:n1]
-        for ky in range(kh):
-            for kx in range(kw):
-                sl = dst[:, :, ky * dh: ky * dh + (h - 1) * sh + 1: sh,
-                         kx * dw: kx * dw + (wd - 1) * sw + 1: sw]
-                np.add(sl, cols[:, :, :, ky * kw + kx].reshape(n1 - n0, cout, h, wd), out=sl)
-    return _finish(full[:, :, pt:pt + ho, pl:], out, bias, acc, wo)
+    # as conv2d weights: [Cout, Cin/g, Kh, Kw]
+    wc = to_acc(w, acc).reshape(g, cin // g, cog, kh, kw).transpose(0, 2, 1, 3, 4)
+    wc = wc.reshape(cout, cin // g, kh, kw)
+    res = np.zeros((n, cout, ho, wo), acc)
+    for ry in range(sh):
+        ph = _phase(ry, kh, dh, sh, h, pt, ho)
+        for rx in range(sw):
+            pw = _phase(rx, kw, dw, sw, wd, pl, wo)
+            if ph is None or pw is None:
+                continue
+            sub = np.ascontiguousarray(wc[:, :, ph[1]][:, :, :, pw[1]])
+            xs = x[:, :, ph[3][0]:ph[3][1], pw[3][0]:pw[3][1]]
+            _conv_into(res[:, :, ph[0]::sh, pw[0]::sw], xs, sub, ph[4] + pw[4], (1, 1),
+                       (ph[2], pw[2]), g, acc)
+    if bias:
+        np.add(res, to_acc(bias[0], acc)[:, None, None], out=res)
+    store(out, res)
+    return out
 
 
 @kernel(CONV2D_BACKWARD_WEIGHT, "numpy", cost=conv2d_backward_weight_cost)
@@ -223,9 +283,15 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
         dw = _depthwise_weight_grad(u, ga, c, kh, kw)
     else:
         dw = np.zeros((g, cog, cg * kh * kw), acc)
-        for n0, n1 in _sample_chunks(n, c * kh * kw * ho * u.wrow):
-            gc = ga[n0:n1].reshape(n1 - n0, g, cog, ho * u.wrow)
-            dw += np.matmul(gc, u.cols(n0, n1, g).transpose(0, 1, 3, 2)).sum(0)
+        rows = max(1, min(ho, BLOCK_ELEMS // (c * kh * kw * u.wrow)))
+        buf = np.empty(c * kh * kw * rows * u.wrow, acc)
+        part = np.empty_like(dw)
+        for i in range(n):                   # blocks of output rows, as in the forward
+            for h0 in range(0, ho, rows):
+                h1 = min(ho, h0 + rows)
+                cols = u.block(i, h0, h1, buf).reshape(g, cg * kh * kw, -1)
+                gb = ga[i, :, h0:h1].reshape(g, cog, -1)
+                dw += np.matmul(gb, cols.transpose(0, 2, 1), out=part)
     res = np.empty((co, cg, kh, kw), x.dtype)
     store(res, dw.reshape(co, cg, kh, kw))
     return res
@@ -234,12 +300,15 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
 def _depthwise_weight_grad(u, ga, c, kh, kw):
     """dW[co, 0, t] = sum over samples and pixels of grad[:, co] * window_t[:, co // mult]."""
     n, co = ga.shape[:2]
-    g5 = ga.reshape(n, c, co // c, u.ho, u.wrow)
     dw = np.empty((co, kh * kw), ga.dtype)
     for ky in range(kh):
         for kx in range(kw):
-            win = u.tap(ky, kx)[:, :, None]                     # [n, c, 1, ho, wrow]
-            dw[:, ky * kw + kx] = np.vecdot(g5, win).sum((0, 3)).reshape(co)
+            win = u.tap_rows(ky, kx)
+            win = win.reshape((n, c, 1) + win.shape[1:])
+            g5 = ga.reshape((n, c, co // c) + win.shape[3:])
+            prod = np.vecdot(g5, win)
+            dw[:, ky * kw + kx] = prod.sum(tuple(i for i in range(prod.ndim) if i not in (1, 2))
+                                           ).reshape(co)
     return dw
 
 
