@@ -173,9 +173,15 @@ def _causal_bwd_kernel(x_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, C, L,
     tl.store(db_ptr + split * C + c, tl.sum(acc_b, 0))
 
 
+#: forward launch config: positions per program and warps (None: from the length); the
+#: benchmark sweeps them (bench/bench_cuda_conv.py --sweep)
+FWD_BLOCK_L = None
+FWD_WARPS = None
+
+
 def _fwd_config(length):
-    block = max(16, min(2048, next_pow2(length)))
-    return block, max(1, min(8, block // 256))
+    block = FWD_BLOCK_L or max(16, min(2048, next_pow2(length)))
+    return block, FWD_WARPS or max(1, min(8, block // 256))
 
 
 @kernel(FusedOps.CAUSAL_CONV1D, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_cost)
@@ -194,9 +200,10 @@ def causal_conv1d(x, w, *bias, use_silu):
     return y
 
 
-#: positions per backward iteration; programs per SM the backward aims for
+#: backward: positions per iteration, programs per SM it aims for, warps (None: from the block)
 BWD_BLOCK_L = 1024
 BWD_PROGRAMS_PER_SM = 4
+BWD_WARPS = None
 
 
 @kernel(CAUSAL_CONV1D_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_backward_cost)
@@ -220,6 +227,6 @@ def causal_conv1d_backward(x, w, grad, *bias, use_silu):
     _causal_bwd_kernel[(c, splits)](
         x, w, bias[0].contiguous() if bias else w, grad, dx, dw_part, db_part, c, length, n_lblk,
         total, PER_PROG=per_prog, W=k, WP=next_pow2(k), HAS_BIAS=bool(bias), SILU=bool(use_silu),
-        BLOCK_L=block, num_warps=max(1, min(8, block // 128)))
+        BLOCK_L=block, num_warps=BWD_WARPS or max(1, min(8, block // 128)))
     dwt = dw_part.sum(0).to(w.dtype).reshape(w.shape)
     return dx, dwt, db_part.sum(0).to(x.dtype)
