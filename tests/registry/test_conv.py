@@ -299,7 +299,7 @@ def test_causal_conv1d_backward_helper_and_second_order():
     np.testing.assert_allclose(ggw.numpy(), tgg.numpy(), rtol=1e-10, atol=1e-11)
 
 
-# ---- build-time validation -------------------------------------------------------------------------
+# ---- build-time validation ------------------------------------------------------------------
 def _z(*shape, dtype=np.float32):
     return fg.tensor(np.zeros(shape, dtype))
 
@@ -310,7 +310,8 @@ CONV2D_ERRORS = [
     (lambda: F.conv2d(X4, _z(4, 2, 3)), r"conv2d: weight must be a rank-4"),
     (lambda: F.conv2d(X4, W4), r"conv2d: weight .*dim 1 is Cin/groups"),
     (lambda: F.conv2d(X4, _z(3, 2, 3, 3), groups=2), r"conv2d: groups 2 must divide .*Cout 3"),
-    (lambda: F.conv2d(_z(1, 3, 6, 6), _z(4, 1, 3, 3), groups=2), r"conv2d: groups 2 must divide Cin"),
+    (lambda: F.conv2d(_z(1, 3, 6, 6), _z(4, 1, 3, 3), groups=2),
+     r"conv2d: groups 2 must divide Cin"),
     (lambda: F.conv2d(X4, W4, _z(3), groups=2), r"conv2d: bias has shape \(3,\)"),
     (lambda: F.conv2d(X4, W4, stride=0, groups=2), r"conv2d: stride .*positive"),
     (lambda: F.conv2d(X4, W4, stride=(1, -2), groups=2), r"conv2d: stride .*positive"),
@@ -320,36 +321,48 @@ CONV2D_ERRORS = [
     (lambda: F.conv2d(_z(1, 4, 2, 6), W4, groups=2), r"conv2d: weight: the dilated kernel height"),
     (lambda: F.conv2d(X4, W4, stride=2, padding="same", groups=2), r"conv2d: padding='same' "),
     (lambda: F.conv2d(X4, W4, padding="full", groups=2), r"conv2d: padding must be"),
-    (lambda: F.conv2d(X4, W4, stride=(1, 2, 3), groups=2), r"conv2d: stride must be an int or a pair"),
-    (lambda: F.conv2d(X4, _z(4, 2, 3, 3, dtype=np.float64), groups=2), r"conv2d: weight has dtype float64"),
-    (lambda: F.conv2d(fg.tensor(np.zeros((1, 4, 6, 6), np.int32)), W4, groups=2), r"conv2d: x has dtype int32"),
+    (lambda: F.conv2d(X4, W4, stride=(1, 2, 3), groups=2),
+     r"conv2d: stride must be an int or a pair"),
+    (lambda: F.conv2d(X4, _z(4, 2, 3, 3, dtype=np.float64), groups=2),
+     r"conv2d: weight has dtype float64"),
+    (lambda: F.conv2d(fg.tensor(np.zeros((1, 4, 6, 6), np.int32)), W4, groups=2),
+     r"conv2d: x has dtype int32"),
     (lambda: F.conv2d(X4, W4, groups=0), r"conv2d: groups must be a positive int"),
     (lambda: F.conv2d(X4, W4, groups=2.0), r"conv2d: groups must be a positive int"),
     (lambda: F.conv2d(_z(1, 4, 0, 6), W4, groups=2), r"conv2d: x .*H, W >= 1"),
 ]
 CONVT_ERRORS = [
     (lambda: F.conv_transpose2d(X4, _z(3, 2, 3, 3)), r"conv_transpose2d: weight .*dim 0 is Cin"),
-    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), groups=3), r"conv_transpose2d: groups 3 must divide Cin"),
+    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), groups=3),
+     r"conv_transpose2d: groups 3 must divide Cin"),
     (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), stride=2, output_padding=2),
      r"conv_transpose2d: output_padding \(2, 2\) must be smaller"),
     (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), output_padding=(0, -1)),
      r"conv_transpose2d: output_padding .*non-negative"),
     (lambda: F.conv_transpose2d(_z(1, 4, 1, 1), _z(4, 2, 1, 1), padding=1),
      r"conv_transpose2d: padding .*empty output"),
-    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), _z(2), groups=2), r"conv_transpose2d: bias has shape \(2,\)"),
-    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), stride=0), r"conv_transpose2d: stride .*positive"),
-    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), padding=-1), r"conv_transpose2d: padding .*non-negative"),
-    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), dilation=(1, 0)), r"conv_transpose2d: dilation .*positive"),
+    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), _z(2), groups=2),
+     r"conv_transpose2d: bias has shape \(2,\)"),
+    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), stride=0),
+     r"conv_transpose2d: stride .*positive"),
+    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), padding=-1),
+     r"conv_transpose2d: padding .*non-negative"),
+    (lambda: F.conv_transpose2d(X4, _z(4, 2, 3, 3), dilation=(1, 0)),
+     r"conv_transpose2d: dilation .*positive"),
 ]
 CAUSAL_ERRORS = [
     (lambda: F.causal_conv1d(_z(3, 8), _z(3, 4)), r"causal_conv1d: x .*rank 3"),
     (lambda: F.causal_conv1d(_z(2, 3, 8), _z(4, 4)), r"causal_conv1d: weight has shape \(4, 4\)"),
-    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 2, 4)), r"causal_conv1d: weight has shape \(3, 2, 4\)"),
+    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 2, 4)),
+     r"causal_conv1d: weight has shape \(3, 2, 4\)"),
     (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 0)), r"causal_conv1d: weight .*W >= 1"),
-    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4), _z(4)), r"causal_conv1d: bias has shape \(4,\)"),
+    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4), _z(4)),
+     r"causal_conv1d: bias has shape \(4,\)"),
     (lambda: F.causal_conv1d(_z(2, 3, 0), _z(3, 4)), r"causal_conv1d: x .*L >= 1"),
-    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4), None, "yes"), r"causal_conv1d: use_silu must be a bool"),
-    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4, dtype=np.float16)), r"causal_conv1d: weight has dtype float16"),
+    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4), None, "yes"),
+     r"causal_conv1d: use_silu must be a bool"),
+    (lambda: F.causal_conv1d(_z(2, 3, 8), _z(3, 4, dtype=np.float16)),
+     r"causal_conv1d: weight has dtype float16"),
 ]
 
 
@@ -374,3 +387,19 @@ def test_same_padding_is_stored_per_side_like_torch():
     assert y.shape == (1, 3, 6, 7)
     assert y.node.op.params.padding == (1, 2, 2, 2)     # odd total: the extra row at the bottom
     assert F.conv2d(x, w, None, 1, "valid").shape == (1, 3, 3, 5)
+
+
+def test_empty_batch():
+    """N = 0 (B = 0) is accepted, as in torch: empty outputs, zero weight/bias gradients."""
+    x, w, b = _z(0, 4, 5, 5), fg.tensor(np.ones((6, 4, 3, 3))), fg.tensor(np.ones(6))
+    x = x.astype(fg.float64)
+    y = F.conv2d(x, w, b, 1, 1)
+    assert y.numpy().shape == (0, 6, 5, 5) == fg.realize([y], lower_all=True)[0].shape
+    gx, gw, gb = fg.grad(y.sum(), [x, w, b])
+    assert gx.numpy().shape == x.shape and not gw.numpy().any() and not gb.numpy().any()
+    t = F.conv_transpose2d(x, fg.tensor(np.ones((4, 3, 3, 3))), None, 2, 1)
+    assert t.numpy().shape == (0, 3, 9, 9)
+    xc, wc = _z(0, 3, 7), _z(3, 4)
+    yc = F.causal_conv1d(xc, wc, None, True)
+    assert yc.numpy().shape == (0, 3, 7)
+    assert not fg.grad(yc.sum(), [wc])[0].numpy().any()

@@ -1,15 +1,15 @@
 """Convolutions: CONV2D (id 6), CONV_TRANSPOSE2D (id 11), CAUSAL_CONV1D (id 18) and their two
 backward helpers.
 
-* conv2d            x [N, Cin, H, W], weight [Cout, Cin/g, Kh, Kw], bias [Cout] -> [N, Cout, Ho, Wo]
-                    (cross-correlation, torch semantics)          backward: fused
-* conv_transpose2d  x [N, Cin, H, W], weight [Cin, Cout/g, Kh, Kw], bias [Cout] -> [N, Cout, Ho, Wo]
-                    (the adjoint of conv2d)                        backward: fused
-* causal_conv1d     x [B, C, L], weight [C, W] or [C, 1, W], bias [C] -> [B, C, L]
-                    (depthwise, W-1 zeros padded on the left, optional silu)  backward: fused
-* conv2d_backward_weight   (x, grad) -> dweight [Cout, Cin/g, Kh, Kw]: the weight gradient of
-                    conv2d, also the weight gradient of conv_transpose2d with x and grad swapped
-* causal_conv1d_backward   (x, weight, grad, [bias]) -> (dx, dweight, dbias)
+* conv2d: x [N, Cin, H, W], weight [Cout, Cin/g, Kh, Kw], bias [Cout] -> [N, Cout, Ho, Wo]
+  (cross-correlation, torch semantics)
+* conv_transpose2d: x [N, Cin, H, W], weight [Cin, Cout/g, Kh, Kw], bias [Cout]
+  -> [N, Cout, Ho, Wo] (the adjoint of conv2d)
+* causal_conv1d: x [B, C, L], weight [C, W] or [C, 1, W], bias [C] -> [B, C, L] (depthwise,
+  W-1 zeros padded on the left, optional silu)
+* conv2d_backward_weight: (x, grad) -> dweight [Cout, Cin/g, Kh, Kw], the weight gradient of
+  conv2d, also that of conv_transpose2d with x and grad swapped
+* causal_conv1d_backward: (x, weight, grad, [bias]) -> (dx, dweight, dbias)
 
 Padding is stored per side, (top, bottom, left, right): `padding="same"` with an even kernel pads
 one more row/column at the bottom/right, as torch does, and the gradient of such a conv2d is a
@@ -297,7 +297,8 @@ def _conv2d_shape(shapes, p):
 
 
 def _conv_transpose2d_shape(shapes, p):
-    return [(shapes[0][0], shapes[1][1] * p.groups) + conv_transpose2d_out_hw(shapes[0], shapes[1], p)]
+    hw = conv_transpose2d_out_hw(shapes[0], shapes[1], p)
+    return [(shapes[0][0], shapes[1][1] * p.groups) + hw]
 
 
 def _backward_weight_shape(shapes, p):

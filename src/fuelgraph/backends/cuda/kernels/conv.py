@@ -131,8 +131,8 @@ def _causal_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, L, W: tl.constexpr, HAS_BI
 
 @triton.jit
 def _causal_bwd_kernel(x_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, C, L, n_lblk, total,
-                       PER_PROG: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SILU: tl.constexpr, BLOCK_L: tl.constexpr):
+                       PER_PROG: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_L: tl.constexpr):
     c = tl.program_id(0)
     split = tl.program_id(1)
     kk = tl.arange(0, WP)
