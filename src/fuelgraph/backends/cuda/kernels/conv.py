@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -50,6 +51,21 @@ def _layout(*ts):
     return list(ts)
 
 
+@contextlib.contextmanager
+def _exact(dtype):
+    """float32 convolutions in float32: cuDNN would otherwise use TF32 (torch's default for
+    convs), which rounds the inputs to 10-bit mantissas."""
+    cudnn = torch.backends.cudnn
+    if dtype != torch.float32 or not cudnn.allow_tf32:
+        yield
+        return
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = True
+
+
 def _split_pad(lo, hi):
     """(symmetric part, extra before, extra after) of a per-side padding."""
     m = min(lo, hi)
@@ -57,7 +73,7 @@ def _split_pad(lo, hi):
 
 
 @kernel(FusedOps.CONV2D, "cuda", cost=conv2d_cost, strided_input=True, name="cudnn.conv2d",
-        precision="cuDNN (fp32 accumulate)")
+        precision="cuDNN, fp32 accumulate, no TF32")
 def conv2d(x, w, *bias, stride, padding, dilation, groups):
     """CONV2D through cuDNN: x [N, Cin, H, W], w [Cout, Cin/g, Kh, Kw], bias [Cout]."""
     pt, pb, pl, pr = padding
@@ -65,28 +81,31 @@ def conv2d(x, w, *bias, stride, padding, dilation, groups):
     x, w = _layout(x, w)
     if eth or ebh or elw or erw:
         x = TF.pad(x, (elw, erw, eth, ebh))
-    return TF.conv2d(x, w, bias[0] if bias else None, stride, (mh, mw), dilation, groups)
+    with _exact(x.dtype):
+        return TF.conv2d(x, w, bias[0] if bias else None, stride, (mh, mw), dilation, groups)
 
 
 @kernel(FusedOps.CONV_TRANSPOSE2D, "cuda", cost=conv_transpose2d_cost, strided_input=True,
-        name="cudnn.conv_transpose2d", precision="cuDNN (fp32 accumulate)")
+        name="cudnn.conv_transpose2d", precision="cuDNN, fp32 accumulate, no TF32")
 def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, groups):
     """CONV_TRANSPOSE2D through cuDNN: x [N, Cin, H, W], w [Cin, Cout/g, Kh, Kw]."""
     pt, pb, pl, pr = padding
     x, w = _layout(x, w)
     b = bias[0] if bias else None
-    if pt == pb and pl == pr:
-        return TF.conv_transpose2d(x, w, b, stride, (pt, pl), output_padding, groups, dilation)
-    # asymmetric: the uncropped output (plus the rows output_padding adds past it), then crop
-    oph, opw = max(0, output_padding[0] - pb), max(0, output_padding[1] - pr)
-    y = TF.conv_transpose2d(x, w, b, stride, 0, (oph, opw), groups, dilation)
+    with _exact(x.dtype):
+        if pt == pb and pl == pr:
+            return TF.conv_transpose2d(x, w, b, stride, (pt, pl), output_padding, groups,
+                                       dilation)
+        # asymmetric: the uncropped output (plus the rows output_padding adds past it), cropped
+        oph, opw = max(0, output_padding[0] - pb), max(0, output_padding[1] - pr)
+        y = TF.conv_transpose2d(x, w, b, stride, 0, (oph, opw), groups, dilation)
     ho = y.shape[2] - oph - pt - pb + output_padding[0]
     wo = y.shape[3] - opw - pl - pr + output_padding[1]
     return y[:, :, pt:pt + ho, pl:pl + wo]
 
 
 @kernel(CONV2D_BACKWARD_WEIGHT, "cuda", cost=conv2d_backward_weight_cost, strided_input=True,
-        name="cudnn.conv2d_backward_weight", precision="cuDNN (fp32 accumulate)")
+        name="cudnn.conv2d_backward_weight", precision="cuDNN, fp32 accumulate, no TF32")
 def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel_size):
     """CONV2D_BACKWARD_WEIGHT through cuDNN's weight-gradient kernel: x [N, Cin, H, W],
     grad [N, Cout, Ho, Wo] -> [Cout, Cin/g, Kh, Kw]."""
@@ -103,9 +122,10 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
     x, grad = _layout(x, grad)
     wshape = (grad.shape[1], x.shape[1] // groups, kh, kw)
     weight = torch.empty(wshape, dtype=x.dtype, device=x.device)
-    _, dwt, _ = torch.ops.aten.convolution_backward(
-        grad, x, weight, None, list(stride), list(sym), list(dilation), False, [0, 0], groups,
-        [False, True, False])
+    with _exact(x.dtype):
+        _, dwt, _ = torch.ops.aten.convolution_backward(
+            grad, x, weight, None, list(stride), list(sym), list(dilation), False, [0, 0],
+            groups, [False, True, False])
     return dwt
 
 
