@@ -14,7 +14,7 @@ from ..ir.node import Node, Value, consumers, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import default_registry, fused_node
 from .canonicalize import CANONICALIZE
-from .engine import Pass, RewriteLog, rebuild, run_pass
+from .engine import Pass, Pat, RewriteLog, Rule, rebuild, run_pass
 from .pattern import Match, Miss, _op_sig, patterns_of, try_match
 
 
@@ -95,18 +95,18 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
 
 
 def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
-    def lower(n: Node):
-        if isinstance(n.op, ops.Detach):   # gradients are built by now: identity
-            return n.srcs[0]
-        if not isinstance(n.op, ops.Fused):
-            return None
+    def lower(root: Value):
+        n = root.node
         if not lower_all and has_kernel(n.op.id, backend, [s.dtype for s in n.srcs],
                                         [s.shape for s in n.srcs], n.op.params):
             return None
         e = default_registry().entry(n.op.id)
         counts[e.name] = counts.get(e.name, 0) + 1
         return [t.value for t in e.lower([Tensor(s) for s in n.srcs], n.op.params)]
-    return Pass("lower", [("lower_fused", lower)])
+    return Pass("lower", [
+        # gradients are built by now: a stop-gradient is the identity
+        Rule("detach_is_identity", Pat(ops.Detach, src=(Pat.var("x"),)), lambda x: x),
+        Rule("lower_fused", Pat(ops.Fused, name="root"), lower)])
 
 
 def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptResult:
