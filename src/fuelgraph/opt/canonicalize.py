@@ -5,9 +5,12 @@ reports which fired and how often. The forms chosen:
 - arithmetic: `a / b` (not `a * (1/b)`; `a * rsqrt(..)` -> `a / sqrt(..)`), constant divisors
   as multipliers `x * c`, `x * x` for `x ** 2`, commutative operands ordered, `x * 1` -> `x`;
 - movement: no identity movement, chains of one kind collapsed, keepdim reductions, a
-  reduction over size-1 axes is a reshape, squeeze/unsqueeze reshapes sit after reductions;
-- negation and constant scaling sit after reshapes, permutes, slices, gathers/takes (and
-  negation after sums), before broadcasts, and fold into a constant multiplier;
+  reduction over size-1 axes is a reshape, squeeze/unsqueeze reshapes sit after elementwise
+  ops and after reductions;
+- negation and constant scaling sit after permutes, slices, other reshapes and gathers/takes,
+  before broadcasts, and fold into a constant multiplier. Neither crosses a sum: -(a + b) and
+  (-a) + (-b) differ in the sign of an exact zero, c * (a + b) and c*a + c*b in rounding
+  (spellings with the negation outside a reduction are declared as extra patterns instead);
 - stop-gradients sit after movement ops.
 Every rule is exact, except `x / c -> x * (1/c)` (at most an ulp, only where 1/c is normal) and
 changes of reduction layout (a reduction's summation order is the backend's choice). Rules
@@ -72,23 +75,6 @@ def _collapse(root, x):
     return apply(type(root.node.op)(root.shape), x)
 
 
-def _unsqueeze_of_scaled_reduction(root, f):
-    """Reshape(f(Reshape(r), c)) -> f(r, c) when r is a reduction, the outer reshape restores
-    its shape and c is a constant: `x.mean(-1)[..., None]` (a squeezed reduction, scaled,
-    unsqueezed again) meets `x.mean(-1, keepdim=True)`. Limited to reduced tensors so that a
-    duplicate of f (when its squeezed result has other readers) costs next to nothing."""
-    node = f.node
-    inner = [s for s in node.srcs if not isinstance(s.node.op, ops.Full)]
-    if len(inner) != 1 or not isinstance(inner[0].node.op, ops.Reshape):
-        return None
-    r = inner[0].node.srcs[0]
-    if r.shape != root.shape or not isinstance(r.node.op, ops.Reduce):
-        return None
-    srcs = tuple(r if s is inner[0] else _full_like(s, root.shape, s.node.op.value)
-                 for s in node.srcs)
-    return apply(node.op, *srcs)
-
-
 def _permute_identity(root, x):
     p = root.node.op.perm
     return x if p == tuple(range(len(p))) else None
@@ -149,12 +135,32 @@ def _reduce_of_unit_reshape(root, r, x):
     return apply(ops.Reshape(root.shape), red)
 
 
-def _neg_after_sum(root, x):
-    return _neg(apply(root.node.op, x))
-
-
 # ---- negation and constant scaling ---------------------------------------------------------
+def _is_unit_reshape(v: Value) -> bool:
+    """v = Reshape(x) that only inserts or removes extent-1 axes (squeeze/unsqueeze)."""
+    n = v.node
+    return isinstance(n.op, ops.Reshape) and _unit_axes_map(n.srcs[0].shape, v.shape) is not None
+
+
+def _unit_reshape_after_elementwise(root):
+    """f(Reshape(a), Reshape(b) or a constant) -> Reshape(f(a, b)) when the reshapes are the
+    same squeeze/unsqueeze: squeezes and unsqueezes sit after elementwise work (and then meet
+    reductions, see _reduce_of_unit_reshape), so `x.mean(-1)[..., None]`, `-(g[:, 0]).sum()` and
+    `m[:, 0] + log(s[:, 0])` meet their keepdim spellings. Exact: f sees the same elements."""
+    n = root.node
+    inner = {s.node.srcs[0].shape for s in n.srcs if _is_unit_reshape(s)}
+    if len(inner) != 1 or not all(_is_unit_reshape(s) or isinstance(s.node.op, ops.Full)
+                                  for s in n.srcs):
+        return None
+    (shape,) = inner
+    srcs = [s.node.srcs[0] if _is_unit_reshape(s) else _full_like(s, shape, s.node.op.value)
+            for s in n.srcs]
+    return apply(ops.Reshape(root.shape), apply(n.op, *srcs))
+
+
 def _neg_after_move(root, x):
+    if _is_unit_reshape(root):
+        return None            # squeezes/unsqueezes go the other way
     return _neg(_moved(root, x))
 
 
@@ -163,7 +169,7 @@ def _neg_before_broadcast(b, x):
 
 
 def _scale_after_move(root, x, c):
-    if not _is_float(x):
+    if not _is_float(x) or _is_unit_reshape(root):
         return None
     return _mul_const(_moved(root, x), c.node.op.value)
 
@@ -274,9 +280,8 @@ RULES = [
          _collapse),
     Rule("broadcast_of_broadcast",
          Pat(ops.BroadcastTo, src=(Pat(ops.BroadcastTo, src=(_X,)),), name="root"), _collapse),
-    Rule("unsqueeze_of_scaled_reduction",
-         Pat(ops.Reshape, src=(Pat((ops.Binary, ops.Unary), name="f"),), name="root"),
-         _unsqueeze_of_scaled_reduction),
+    Rule("unit_reshape_after_elementwise", Pat((ops.Unary, ops.Binary, ops.Compare), name="root"),
+         _unit_reshape_after_elementwise),
     Rule("permute_identity", Pat(ops.Permute, src=(_X,), name="root"), _permute_identity),
     Rule("permute_of_permute",
          Pat(ops.Permute, src=(Pat(ops.Permute, src=(_X,), name="inner"),), name="root"),
@@ -291,15 +296,12 @@ RULES = [
     Rule("reduce_of_unit_reshape",
          Pat(ops.Reduce, src=(Pat(ops.Reshape, src=(_X,), name="r"),), name="root"),
          _reduce_of_unit_reshape),
-    Rule("neg_through_reduce",
-         Pat(ops.Reduce, "sum", src=(Pat(ops.Unary, "neg", src=(_X,)),), name="root"),
-         _neg_after_sum),
     # negation and constant scaling
     Rule("neg_through_movement",
          Pat(_MOVES_AFTER, src=(Pat(ops.Unary, "neg", src=(_X,)),), name="root"),
          _neg_after_move),
     Rule("neg_through_gather",
-         Pat(_GATHERS, src=(Pat(ops.Unary, "neg", src=(_X,)), Pat.var("i")), name="root"),
+         Pat(_GATHERS, src=(Pat(ops.Unary, "neg", src=(_X,)), Pat()), name="root"),
          _neg_after_move),
     Rule("neg_before_broadcast",
          Pat(ops.Unary, "neg", src=(Pat(ops.BroadcastTo, src=(_X,), name="b"),)),
@@ -307,7 +309,7 @@ RULES = [
     Rule("scale_through_movement",
          Pat(_MOVES_AFTER, src=(_mul(_X, Pat.const("c")),), name="root"), _scale_after_move),
     Rule("scale_through_gather",
-         Pat(_GATHERS, src=(_mul(_X, Pat.const("c")), Pat.var("i")), name="root"),
+         Pat(_GATHERS, src=(_mul(_X, Pat.const("c")), Pat()), name="root"),
          _scale_after_move),
     Rule("scale_before_broadcast",
          _mul(Pat(ops.BroadcastTo, src=(_X,), name="b"), Pat.const("c")),

@@ -241,8 +241,8 @@ def _alternatives(g: Value, chain: tuple) -> list[Value]:
     (`chain`, outermost first) may stand for, preferred first: the value the structural match
     reached (`g`); the value the recipe's squeeze/unsqueeze would turn into what the graph has
     there (e.g. targets `[N]` when the graph holds `labels[:, 1:].reshape(-1, 1)` where the
-    recipe says `t.unsqueeze(-1)`); then the graph values along the chain, inside out (e.g. a
-    `[B, 1, S, D]` table that the recipe broadcasts itself). Verification picks the first
+    recipe says `t.unsqueeze(-1)`); then the graph values along the chain, inside out, except
+    broadcast outputs (e.g. a `[B, 1, S, D]` table that the recipe broadcasts itself). Verification picks the first
     combination that re-traces to the graph, so a wrong candidate is never used."""
     out = [g]
     for pn, gv in reversed(chain):
@@ -250,7 +250,8 @@ def _alternatives(g: Value, chain: tuple) -> list[Value]:
             s = _undo_unit_reshape(pn.srcs[0].shape, pn.shapes[0], gv.shape)
             if s is not None:
                 out.append(_reshaped(gv, s))
-    out += [gv for _, gv in reversed(chain)]
+    # never a broadcast's output: the op would read a materialized broadcast
+    out += [gv for _, gv in reversed(chain) if not isinstance(gv.node.op, ops.BroadcastTo)]
     seen, uniq = set(), []
     for v in out:
         if v not in seen:

@@ -230,6 +230,30 @@ def test_rope(shape, dtype, interleaved):
     check(dx, ref, dtype, name="rope-bwd")
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "pairs"])
+@pytest.mark.parametrize("xs,ts", [((2, 3, 5, 8), (2, 1, 5, 8)), ((2, 3, 5, 8), (1, 3, 5, 8)),
+                                   ((2, 3, 5, 8), (3, 5, 8)), ((3, 2, 2, 3, 4), (3, 2, 1, 3, 4))],
+                         ids=str)
+def test_rope_broadcast_tables(xs, ts, interleaved):
+    """Per-batch tables (HF [B, 1, S, D]) and other contiguous runs of x's leading dims."""
+    from fuelgraph.backends.cuda.kernels import rope as rope_mod
+    x, g = rand(xs, torch.float32), rand(xs, torch.float32)
+    cos, sin = rand(ts, torch.float32), rand(ts, torch.float32)
+    assert rope_mod._supports([xs, ts, ts], None, None)
+    check(rope_mod.rope(x, cos, sin, interleaved=interleaved),
+          ref_rope(x, cos, sin, interleaved), torch.float32, name="rope")
+    check(rope_mod.rope_backward(g, cos, sin, interleaved=interleaved),
+          vjp(lambda t: ref_rope(t, cos, sin, interleaved), x, g), torch.float32, name="rope-bwd")
+
+
+def test_rope_table_layouts_the_kernel_declines():
+    from fuelgraph.backends.cuda.kernels import rope as rope_mod
+    xs = (2, 3, 4, 5, 8)
+    assert rope_mod.table_layout(xs, (2, 1, 4, 5, 8)) is None       # varying dims not adjacent
+    assert rope_mod.table_layout(xs, (1, 3, 1, 5, 8)) == (3, 4)
+    assert not rope_mod._supports([xs, (5, 8), (1, 5, 8)], None, None)   # cos, sin differ
+
+
 def test_rope_standard_tables_match_spec_backward():
     S, D = 12, 32
     pos = torch.arange(S, dtype=F64, device=DEV)[:, None]
