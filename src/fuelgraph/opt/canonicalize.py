@@ -102,14 +102,20 @@ def _reduce_keepdim(root, x):
 
 
 def _reduce_size1_is_reshape(root, x):
-    """Reducing an axis of extent 1 leaves the value as it is (with keepdim the shape too)."""
+    """Axes of extent 1 add nothing to a reduction (with keepdim not even a reshape): they are
+    dropped. A reduction over such axes only is the identity, except that a sum starts from
+    +0.0 (NumPy's and torch's too), so it is `x + 0.0` (-0.0 becomes +0.0, all else stays)."""
     op = root.node.op
     if not op.keepdim:
         return None
     axes = tuple(a for a in op.axes if x.shape[a] != 1)
     if axes == op.axes:
         return None
-    return apply(ops.Reduce(op.kind, axes, True), x) if axes else x
+    if axes:
+        return apply(ops.Reduce(op.kind, axes, True), x)
+    if op.kind == "sum" and _is_float(x):
+        return apply(ops.Binary("add"), x, _full_like(x, x.shape, 0.0))
+    return x
 
 
 def _unit_axes_map(src, dst):
