@@ -47,15 +47,19 @@ def ls_spelled_squeezed_max(x):
 
 
 CE_SPELLINGS = {   # name -> (loss(log_softmax, t, n), torch reduction)
-    "-(ls.gather(t[:, None])).mean()": (lambda ls, t, n: -(ls.gather(-1, t[:, None])).mean(), "mean"),
-    "(-ls.gather(t[:, None])).mean()": (lambda ls, t, n: (-ls.gather(-1, t[:, None])).mean(), "mean"),
-    "(-ls).gather(t[:, None]).mean()": (lambda ls, t, n: (-ls).gather(-1, t[:, None]).mean(), "mean"),
+    "-(ls.gather(t[:, None])).mean()":
+        (lambda ls, t, n: -(ls.gather(-1, t[:, None])).mean(), "mean"),
+    "(-ls.gather(t[:, None])).mean()":
+        (lambda ls, t, n: (-ls.gather(-1, t[:, None])).mean(), "mean"),
+    "(-ls).gather(t[:, None]).mean()":
+        (lambda ls, t, n: (-ls).gather(-1, t[:, None]).mean(), "mean"),
     "nll[N,1].sum() / N": (lambda ls, t, n: (-ls.gather(-1, t[:, None])).sum() / n, "mean"),
     "nll[N].sum() / N": (lambda ls, t, n: (-ls.gather(-1, t[:, None])[:, 0]).sum() / n, "mean"),
-    "-(ls.gather(t[:, None]).sum())": (lambda ls, t, n: -(ls.gather(-1, t[:, None]).sum()), "sum"),
+    "-(ls.gather(t[:, None]).sum())":
+        (lambda ls, t, n: -(ls.gather(-1, t[:, None]).sum()), "sum"),
     "nll[N,1].sum()": (lambda ls, t, n: (-ls.gather(-1, t[:, None])).sum(), "sum"),
-    "ls.gather(t[:, None]).mean() * -1": (lambda ls, t, n: ls.gather(-1, t[:, None]).mean() * -1.0,
-                                          "mean"),
+    "ls.gather(t[:, None]).mean() * -1":
+        (lambda ls, t, n: ls.gather(-1, t[:, None]).mean() * -1.0, "mean"),
 }
 
 

@@ -242,8 +242,9 @@ def _alternatives(g: Value, chain: tuple) -> list[Value]:
     reached (`g`); the value the recipe's squeeze/unsqueeze would turn into what the graph has
     there (e.g. targets `[N]` when the graph holds `labels[:, 1:].reshape(-1, 1)` where the
     recipe says `t.unsqueeze(-1)`); then the graph values along the chain, inside out, except
-    broadcast outputs (e.g. a `[B, 1, S, D]` table that the recipe broadcasts itself). Verification picks the first
-    combination that re-traces to the graph, so a wrong candidate is never used."""
+    broadcast outputs (e.g. a `[B, 1, S, D]` table that the recipe broadcasts itself).
+    Verification picks the first combination that re-traces to the graph, so a wrong candidate
+    is never used."""
     out = [g]
     for pn, gv in reversed(chain):
         if isinstance(pn.op, ops.Reshape):

@@ -128,6 +128,6 @@ def rope(x, cos, sin, interleaved: bool = False):
     """Rotary embedding x * cos + rot(x) * sin. x [..., S, D] (rank >= 2, D even); cos/sin
     [..., S, D] with x's dtype, ending in exactly [S, D] and broadcastable to x's shape ([S, D]
     shared by every leading dim, or per batch such as HF's [B, 1, S, D] for x [B, H, S, D])
-    -> shape and dtype of x. interleaved=False: rotate-half (NeoX / HF), rot(x) = cat(-x[..., D/2:], x[..., :D/2]);
-    interleaved=True: GPT-J pairs (2i, 2i+1)."""
+    -> shape and dtype of x. interleaved=False: rotate-half (NeoX / HF),
+    rot(x) = cat(-x[..., D/2:], x[..., :D/2]); interleaved=True: GPT-J pairs (2i, 2i+1)."""
     return call_fused(FusedOps.ROPE, x, cos, sin, interleaved=interleaved)
