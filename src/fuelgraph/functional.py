@@ -8,10 +8,14 @@ from .registry.linear import fused_linear
 from .registry.loss import fused_softmax_cross_entropy
 from .registry.norm import (layer_norm_last_dim, layer_norm_last_dim_backward, rms_norm_last_dim,
                             rms_norm_last_dim_backward)
+from .registry.paged import paged_attn, paged_cache_write
+from .registry.quant import awq_matmul, nf4_matmul, qmatmul
 from .registry.rope import rope
 from .registry.softmax import softmax_last_dim, softmax_last_dim_backward
+from .registry.ssm import selective_scan, ssd_chunk_scan
 
 __all__ = ["inplace_affine", "powi_backward", "reduce_max_to_backward", "fused_linear",
            "fused_softmax_cross_entropy", "layer_norm_last_dim", "layer_norm_last_dim_backward",
            "rms_norm_last_dim", "rms_norm_last_dim_backward", "rope", "softmax_last_dim",
-           "softmax_last_dim_backward"]
+           "softmax_last_dim_backward", "selective_scan", "ssd_chunk_scan", "paged_attn",
+           "paged_cache_write", "qmatmul", "nf4_matmul", "awq_matmul"]

@@ -3,7 +3,7 @@
 Every rewrite is a named `Rule` (a pattern + a function of its bindings, see `engine`); `fg.explain`
 reports which fired and how often. The forms chosen:
 - arithmetic: `a / b` (not `a * (1/b)`; `a * rsqrt(..)` -> `a / sqrt(..)`), constant divisors
-  as multipliers `x * c`, `x * x` for `x ** 2`, commutative operands ordered, `x * 1` -> `x`;
+  as multipliers `x * c`, `x * x` for `x ** 2`, commutative operands ordered;
 - movement: no identity movement, chains of one kind collapsed, keepdim reductions, a
   reduction over size-1 axes is a reshape, squeeze/unsqueeze reshapes sit after elementwise
   ops and after reductions;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import ml_dtypes
 
 from ..ir import ops
 from ..ir.node import Value, apply
@@ -187,7 +187,9 @@ def _scale_before_broadcast(b, x, c):
 
 
 def _neg_into_scale(x, c):
-    return _mul_const(x, -c.node.op.value) if _is_float(x) else None
+    if not _is_float(x) or _val(c) == -1:       # (-x) * -1 is x: left to the -1 rule
+        return None
+    return _mul_const(x, -c.node.op.value)
 
 
 # ---- arithmetic ----------------------------------------------------------------------------
@@ -207,7 +209,7 @@ def _exact_enough_reciprocal(c, d) -> bool:
     numbers of the dtype; otherwise the reciprocal over- or underflows."""
     if c == 0 or not math.isfinite(c):
         return False
-    info = np.finfo(d.np)
+    info = ml_dtypes.finfo(d.np)       # NumPy's finfo does not know bfloat16
     r = abs(1.0 / c)
     return float(info.tiny) <= r <= float(info.max) and float(info.tiny) <= abs(c)
 
@@ -229,10 +231,6 @@ def _mul_broadcast_reciprocal_to_div(x, b, r):
 
 def _mul_by_minus_one(x, c):
     return _neg(x) if _is_float(x) and _val(c) == -1 else None
-
-
-def _mul_by_one(x, c):
-    return x if _val(c) == 1 else None
 
 
 def _neg_zero_sub(a, b):
@@ -336,7 +334,6 @@ RULES = [
                       name="b")),
          _mul_broadcast_reciprocal_to_div),
     Rule("mul_by_minus_one_to_neg", _mul(_X, Pat.const("c")), _mul_by_minus_one),
-    Rule("mul_by_one", _mul(_X, Pat.const("c")), _mul_by_one),
     Rule("neg_zero_minus_to_neg", Pat(ops.Binary, "sub", (Pat.const("a"), Pat.var("b"))),
          _neg_zero_sub),
     Rule("pow_by_constant", Pat(ops.Binary, "pow", (_X, Pat.const("c"))), _pow_simplify),

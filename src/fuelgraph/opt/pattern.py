@@ -12,11 +12,12 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, apply, toposort
 from ..ir.tensor import Tensor
-from ..registry.core import Traced
+from ..registry.core import FusedOpRegistry, Traced
 from ..registry.core import trace_recipe as trace_raw
 from .canonicalize import CANONICALIZE
 from .canonicalize import COMMUTATIVE as _COMMUTATIVE
@@ -88,6 +89,20 @@ def trace_recipe(recipe, sample, params=None) -> Traced:
 _PATTERNS: dict[int, list] = {}
 
 
+def reject_degenerate(entry) -> None:
+    """Registry validator: a recipe that canonicalizes to one of its own inputs (e.g.
+    `-(-t)`) would match every value of every graph; refuse it with a clear error."""
+    if not entry.has_pattern:
+        return
+    for p in derive_patterns(entry):
+        if p.size == 0 or p.root.node in p.placeholders:
+            raise FuelGraphError(f"registry.register({entry.name!r}): the recipe reduces to one of "
+                                 f"its inputs after canonicalization (nothing to fuse)")
+
+
+FusedOpRegistry.validators.append(reject_degenerate)
+
+
 def patterns_of(entry) -> list:
     """Patterns derived from `entry`'s recipe (and extra spellings); built once, cached."""
     pats = _PATTERNS.get(int(entry.id))
@@ -157,6 +172,7 @@ class _Matcher:
         self.pat = pat
         self.bind: dict[Node, Value] = {}
         self.params: dict = {}
+        self.param_dtypes: dict = {}
         self.count = 0
         self.reason = ""
         # recipe input -> graph values it may stand for, preferred first (see _alternatives)
@@ -190,6 +206,7 @@ class _Matcher:
                     self.reason = f"param {name} has two values"
                     return False
                 self.params[name] = gn.op.value
+                self.param_dtypes[name] = gn.op.dtype
             self.bind[pn] = g
             self.count += 1
             return True
@@ -320,7 +337,6 @@ def try_match(pat: Pattern, entry, root: Value, users: dict, memo: dict | None =
         return Miss(entry.name, repr(root), m.count, m.reason)
     if any(p not in m.cands for p in pat.placeholders):
         return Miss(entry.name, repr(root), m.count, "recipe input not reached by the match")
-    memo = {} if memo is None else memo
     combos = math.prod(len(m.cands[p]) for p in pat.placeholders)
     first = None
     for caps in itertools.islice(itertools.product(*(m.cands[p] for p in pat.placeholders)),
@@ -334,7 +350,7 @@ def try_match(pat: Pattern, entry, root: Value, users: dict, memo: dict | None =
                 more=min(combos, _MAX_TRIES) > tries[1])
 
 
-def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dict):
+def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dict | None):
     """The params when the recipe re-traced on `caps` is the graph at `root`, else why not."""
     bind = {**m.bind, **dict(zip(pat.placeholders, caps))}
     params = {**pat.fixed, **m.params}
@@ -350,10 +366,21 @@ def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dic
     except FuelGraphError as e:
         return f"captured inputs rejected: {e}"
     out = out[0] if isinstance(out, (tuple, list)) else out
+    # the graph is canonical already: stop at it (a fresh walk below the captures would make
+    # fusing a chain of n idioms cost O(n^2)); fuse passes a memo of the whole graph
+    if memo is None:
+        memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
     got = run_pass([out.value], CANONICALIZE, memo=memo)[0]
     if got != root:
         return ("structure matched but the recipe re-traced on the captured inputs differs "
                 f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
+    # the fused op must compute with the constants the graph holds: a float param read off a
+    # 16-bit constant is that constant's rounded value (70000.0 in float16 is inf; the
+    # kernels narrow params to float32 themselves)
+    for name, d in m.param_dtypes.items():
+        v = params.get(name)
+        if isinstance(v, float) and d.is_float and d.itemsize < 4:
+            params[name] = round_scalar(v, d)
     return params
 
 
