@@ -127,8 +127,8 @@ def cmd_explain(args) -> int:
         print()
         print(rep.plan_report(measure=args.measure))
     if args.html:
-        path = rep.to_html(args.html, measure=args.measure,
-                           title=f"fuelgraph explain: {Path(args.script).name if args.script else 'demo (TinyBlock)'}")
+        name = Path(args.script).name if args.script else "demo (TinyBlock)"
+        path = rep.to_html(args.html, measure=args.measure, title=f"fuelgraph explain: {name}")
         print(f"\nwrote {path}")
     return 0
 

@@ -81,3 +81,24 @@ def test_near_misses_listed(tmp_path):
         text = page.inner_text("#misses")
         assert errors == [], errors
         assert "softmax_last_dim" in text and "another consumer" in text
+
+
+def test_large_graph_folds_repeated_layers(tmp_path):
+    """Twelve identical layers with their backward pass: folded, the page draws far fewer
+    boxes; unfolding draws them all; search still finds nodes inside folded copies."""
+    import fuelgraph as fg
+    from viewer_models import stacked_layers
+    path = fg.explain(stacked_layers(layers=12)).to_html(tmp_path / "deep.html", plan=False)
+    with launch() as ctx:
+        page, errors, _ = open_page(ctx, path)
+        count = lambda: page.eval_on_selector_all("#svg-after .node", "e => e.length")  # noqa: E731
+        folded = count()
+        assert page.eval_on_selector_all("#svg-after .node.fold", "e => e.length") >= 8
+        page.screenshot(path=str(SHOTS / "deep_folded.png"))
+        page.uncheck("#fold")
+        page.wait_for_function("document.querySelectorAll('#svg-after .node.fold').length == 0")
+        assert count() > 3 * folded
+        page.check("#fold")
+        page.fill("#search", "softmax_last_dim_backward")
+        assert "match" in page.inner_text("#hits")
+        assert errors == [], errors

@@ -376,13 +376,22 @@ function lists() {
   const fl = document.getElementById("fusedlist");
   const fused = D.after.nodes.filter((n) => n.kind === "fused");
   if (!fused.length) fl.appendChild(h("p", "nothing fused", "muted"));
+  const kinds = new Map();               // one line per (op, params, what it replaced)
   for (const n of fused) {
+    const what = n.replaced.length ? "replaced " + Object.entries(n.replaced_ops)
+      .map(([k, c]) => k + "×" + c).join(", ") : n.status;
+    const key = `${n.label}|${n.params}|${what}`;
+    if (!kinds.has(key)) kinds.set(key, { n: n, what: what, ids: [] });
+    kinds.get(key).ids.push(n.id);
+  }
+  for (const k of kinds.values()) {
     const p = h("div", "", "miss");
-    const a = h("a", n.label, "jump"); a.addEventListener("click", () => select("after", n.id));
+    const a = h("a", k.n.label + (k.ids.length > 1 ? ` ×${k.ids.length}` : ""), "jump");
+    let i = 0;
+    a.title = "click: show the next one";
+    a.addEventListener("click", () => { select("after", k.ids[i % k.ids.length]); i++; });
     p.appendChild(a);
-    p.appendChild(h("span", (n.params ? ` (${n.params})` : "") + (n.replaced.length ?
-      ` replaced ${Object.entries(n.replaced_ops).map(([k, c]) => k + "×" + c).join(", ")}` :
-      ` ${n.status}`)));
+    p.appendChild(h("span", (k.n.params ? ` (${k.n.params})` : "") + " " + k.what));
     fl.appendChild(p);
   }
   const ll = document.getElementById("loweredlist");
