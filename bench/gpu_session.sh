@@ -11,7 +11,7 @@ if ls anchors/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site anchors/*.whl >/dev/null 2>&1
 fi
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench:$PWD/anchors/mamba_ssm_src
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -25,8 +25,9 @@ for s in "$@"; do
       timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests/backends/cuda \
         tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1
       tail -45 "$OUT/r/pytest_cuda.log" | grep -vE "^\.+ *\[|^$" ;;
-    bench_*) name=${s#bench_}; stage "$s"
-      timeout 420 python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" ${BENCH_ARGS:-} \
+    bench_*) name=${s#bench_}; stage "$s"; extra=""
+      [ "$name" = ssm ] && extra="--mamba-src anchors/mamba_ssm_src"
+      timeout 420 python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
         > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
     *) echo "unknown stage $s" ;;
   esac
