@@ -4,19 +4,15 @@ entry's BackwardKind."""
 from __future__ import annotations
 
 import math
-import weakref
 
 from .errors import FuelGraphError
 from .ir import ops
 from .ir.node import Value, apply, toposort
+from .ir.tensor import GRAD_LEAVES as _GRAD_LEAVES
 from .ir.tensor import Tensor, full, where, zeros_like
-
-_GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def track_leaf(t: Tensor):
-    """Remember a requires_grad leaf so backward() can fill its .grad."""
-    _GRAD_LEAVES[t.value] = t
+from .opt.passes import prefuse
+from .registry.core import FusedOps, call_fused, default_registry
+from .scan_grad import scan_vjp
 
 
 def _unbroadcast(g: Tensor, shape) -> Tensor:
@@ -61,9 +57,12 @@ def _binary(n, a, b, y, g):
     if k == "pow":
         e = _integer_exponent(b)
         if e is not None:
-            from .registry.core import FusedOps, call_fused
             return [call_fused(FusedOps.POWI_BACKWARD, a, g, exp=e), None]
-        return [g * b * a ** (b - 1.0), g * y * a.log()]
+        # torch's conventions at the edges: d/da is 0 where b == 0 (a ** 0 is constant, even
+        # at a == 0), d/db is 0 where a == 0 and b >= 0 (0 ** b does not depend on b there)
+        da = where(b == 0.0, 0.0, g * b * a ** (b - 1.0))
+        db = where((a == 0.0) & (b >= 0.0), 0.0, g * y * a.log())
+        return [da, db]
     if k in ("maximum", "minimum"):
         win = (a > b) if k == "maximum" else (a < b)
         tie = a == b
@@ -79,7 +78,6 @@ def _reduce(n, x, y, g):
     if op.kind == "sum":
         return [gk.broadcast_to(x.shape)]
     if op.kind in ("max", "min"):
-        from .registry.core import FusedOps, call_fused
         return [call_fused(FusedOps.REDUCE_MAX_TO_BACKWARD, x if op.kind == "max" else -x, gk)]
     # prod: d/dx_i = product of the other elements, also where some x are 0 (as torch):
     # no zero in the window -> y / x; exactly one -> at the zero, the product of the rest;
@@ -135,8 +133,7 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
     if isinstance(op, ops.Fused):
         return _fused_vjp(n, xs, ys, gs)
     if isinstance(op, ops.Scan):  # multi-output: gs[0] may be None while later slots are not
-        from .scan_grad import scan_vjp
-        return scan_vjp(n, xs, ys, gs)
+        return scan_vjp(n, xs, ys, gs, grad)
     if g is None:
         return [None] * len(xs)
     if isinstance(op, ops.Unary): return _unary(n, xs[0], ys[0], g)
@@ -164,7 +161,6 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
 
 
 def _fused_vjp(n, xs, ys, gs):
-    from .registry.core import default_registry
     e = default_registry().entry(n.op.id)
     kind = e.backward.kind
     if kind == "not_differentiable":
@@ -202,8 +198,14 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
     """d(outputs)/d(inputs) as lazy tensors (themselves differentiable).
     outputs: Tensor or list; inputs: list of Tensors (any values of the graph);
     grad_outputs: cotangents shaped like outputs (default: 1 for scalar outputs)."""
-    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    def as_list(x, what):
+        if isinstance(x, Tensor):
+            return [x]
+        if isinstance(x, (list, tuple)):
+            return list(x)
+        raise FuelGraphError(f"grad: {what} must be a Tensor or a list of Tensors, got "
+                             f"{type(x).__name__}")
+    outs, ins = as_list(outputs, "outputs"), as_list(inputs, "inputs")
     for what, ts in (("outputs", outs), ("inputs", ins)):
         bad = [type(t).__name__ for t in ts if not isinstance(t, Tensor)]
         if bad:
@@ -228,7 +230,6 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
     if not _stop_at_inputs and all(isinstance(v.node.op, ops.Input) for v in in_vals):
         # differentiate the fused form: idioms then use their fused backward helpers, and
         # the forward graph realized beside the gradients fuses to the very same nodes
-        from .opt.passes import prefuse
         out_vals = prefuse(out_vals)
     nodes = toposort(out_vals)
     dep: set = set()

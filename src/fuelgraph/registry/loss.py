@@ -16,8 +16,7 @@ safe index 0 and are masked afterwards, so an ignored target is never read.
 
 Backward: `dlogits = w * (softmax(x) - onehot(t))` with w = g / N_valid (mean), g (sum), g[r]
 (none), and w = 0 on ignored rows. It is its own fused helper, `fused_softmax_cross_entropy_backward`
-(no well-known id: it takes the first run-time id, 0x8000, at import), whose kernels make one
-pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
+(built-in id 0x100, beyond the 25 well-known ids), whose kernels make one pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
 is differentiable, so second order works.
 
 Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
@@ -28,6 +27,7 @@ reduction (`nll = -picked; nll.mean()`) or after it (`-picked.mean()`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +35,7 @@ import numpy as np
 from .. import dtype as dt
 from ..errors import FuelGraphError
 from ..ir.tensor import where
-from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
+from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .rules import check_arity, check_float
 
 _NAME = "fused_softmax_cross_entropy"
@@ -115,6 +115,7 @@ def _dtype_rule(dtypes, params):
 
 
 BACKWARD_NAME = _NAME + "_backward"
+FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD = FusedOpId(0x100)
 
 
 def backward_recipe(logits, targets, grad, reduction="mean", ignore_index=-100):
@@ -141,7 +142,7 @@ def backward_recipe(logits, targets, grad, reduction="mean", ignore_index=-100):
 
 
 def _vjp(xs, ys, gs, p):
-    return [call_fused(BACKWARD_NAME, xs[0], xs[1], gs[0], reduction=p.reduction,
+    return [call_fused(FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD, xs[0], xs[1], gs[0], reduction=p.reduction,
                        ignore_index=p.ignore_index), None]
 
 
@@ -162,8 +163,7 @@ def _sample(rng):
 
 
 def declare(reg):
-    # the backward helper has no well-known id: it takes the first id >= 0x8000 at import
-    bwd_id = reg.next_runtime_id()
+    bwd_id = FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD
     reg.add(FusedOpEntry(
         id=bwd_id, name=BACKWARD_NAME, family="backward", params=CrossEntropyParams,
         shape_rule=lambda shapes, p: [tuple(shapes[0])], dtype_rule=lambda dts, p: [dts[0]],
@@ -191,3 +191,18 @@ def declare(reg):
             "ignored rows; 'none' -> targets.shape, 'sum' -> [], 'mean' -> [] sum / N_valid "
             "(0 when all rows are ignored). Output float32 (float64 for float64 logits); "
             "accumulates in float64. Backward w * (softmax - onehot) through the fused softmax."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def fused_softmax_cross_entropy(logits, targets, reduction: str = "mean", ignore_index=-100):
+    """Softmax cross-entropy over the last axis. logits [..., V] float (rank >= 1, V >= 1),
+    targets int64 class indices shaped logits.shape[:-1]. Rows whose target equals ignore_index
+    (None: no row is ignored) give 0 and are left out of the mean; a target outside [0, V) that
+    is not ignore_index raises FuelGraphError when the graph runs. reduction "none" -> shape
+    targets.shape; "sum" -> []; "mean" -> [] = sum / (number of non-ignored rows), 0 when every
+    row is ignored. Output float32 (float64 for float64 logits)."""
+    if isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool):
+        ignore_index = int(ignore_index)
+    return call_fused(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, logits, targets,
+                      reduction=reduction, ignore_index=ignore_index)

@@ -2,9 +2,11 @@
 computed the way torch computes them (float32 internally, one rounding per op)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...ir import ops
+from ..base import scan_loop
 
 _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
@@ -112,7 +114,8 @@ def _dev(op):
 
 
 def full(*, op):
-    return torch.full(op.shape, op.value, dtype=tdtype(op.dtype), device=_dev(op))
+    """A broadcast view of one scalar: a constant costs no memory whatever its shape."""
+    return torch.full((), op.value, dtype=tdtype(op.dtype), device=_dev(op)).expand(op.shape)
 
 
 def iota(*, op):
@@ -120,17 +123,16 @@ def iota(*, op):
 
 
 def const(*, op):
-    import numpy as np
     a = op.array
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(_dev(op))
     return torch.from_numpy(a.copy()).to(_dev(op))
 
 
-def scan(*args, op):
-    from ...runtime.executor import run_scan
+def scan(*args, op, run_body):
     dev = args[0].device if args else torch.device("cuda")
-    return run_scan(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev))
+    return scan_loop(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev),
+                     run_body)
 
 
 PRIMITIVES = {

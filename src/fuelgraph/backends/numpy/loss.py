@@ -22,7 +22,10 @@ import numpy as np
 
 from fuelgraph.errors import FuelGraphError
 
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ...registry.loss import FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD
+from ..base import kernel, row_cost
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 _OP = "fused_softmax_cross_entropy"
 _F64 = np.dtype(np.float64)
@@ -84,6 +87,7 @@ def _gather(x2, t, valid):
     return np.where(valid, x2[rows, np.where(valid, t, 0)].astype(_F64), 0.0)
 
 
+@kernel(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, "numpy", cost=row_cost(6))
 def fused_softmax_cross_entropy(logits, targets, *, reduction, ignore_index):
     """FUSED_SOFTMAX_CROSS_ENTROPY: logits [..., V] float, targets [...] = logits.shape[:-1]
     int64 class indices.
@@ -118,6 +122,7 @@ def fused_softmax_cross_entropy(logits, targets, *, reduction, ignore_index):
     return np.asarray(total, dtype=out_dt)
 
 
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD, "numpy", cost=row_cost(6))
 def fused_softmax_cross_entropy_backward(logits, targets, grad, *, reduction, ignore_index):
     """Gradient of `fused_softmax_cross_entropy` w.r.t. logits (spec §17 / H.3).
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from ...errors import FuelGraphError
 from ...ir import ops
+from ..base import scan_loop
 
 _HALF = {np.dtype("float16")}
 try:
@@ -76,7 +77,7 @@ def cast(x, *, op):
 
 
 def bitcast(x, *, op):
-    return np.ascontiguousarray(x).view(op.dtype.np)
+    return np.asarray(x, order="C").view(op.dtype.np)
 
 
 def reduce(x, *, op):
@@ -148,7 +149,10 @@ def matmul(a, b, *, op):
 
 
 def full(*, op):
-    return np.full(op.shape, op.value, dtype=op.dtype.np)
+    """A read-only broadcast view of one scalar: a constant costs no memory whatever its
+    shape (consumers that need contiguous data copy it when they run)."""
+    with np.errstate(over="ignore"):
+        return np.broadcast_to(np.asarray(op.value).astype(op.dtype.np), op.shape)
 
 
 def iota(*, op):
@@ -159,9 +163,8 @@ def const(*, op):
     return op.array
 
 
-def scan(*args, op):
-    from ...runtime.executor import run_scan
-    return run_scan(op, args, lambda shape, d: np.empty(shape, d.np))
+def scan(*args, op, run_body):
+    return scan_loop(op, args, lambda shape, d: np.empty(shape, d.np), run_body)
 
 
 PRIMITIVES = {

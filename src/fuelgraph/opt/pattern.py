@@ -10,23 +10,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, toposort
+from ..ir.tensor import Tensor
+from ..registry.core import FusedOpRegistry, Traced
+from ..registry.core import trace_recipe as trace_raw
+from .canonicalize import CANONICALIZE
+from .canonicalize import COMMUTATIVE as _COMMUTATIVE
+from .engine import run_pass
 
 _SKIPPABLE = (ops.Reshape, ops.BroadcastTo)
 # the structural matcher may also step over casts (e.g. the float32 accumulation a 16-bit mean
 # inserts); the exact re-trace check decides whether they belong to the recipe
 _MATCH_SKIPPABLE = _SKIPPABLE + (ops.Cast,)
-from ..opt.canonicalize import COMMUTATIVE as _COMMUTATIVE
-
-
-@dataclass
-class Traced:
-    inputs: list[Value]
-    outputs: list[Value]
 
 
 @dataclass
@@ -51,6 +49,26 @@ class Match:
 
 
 @dataclass
+class Bound:
+    """A structural match before its params are verified: `bind` maps pattern nodes to the
+    graph values they matched. Entries' `read_params(bound)` read discrete params from it."""
+    pattern: "Pattern"
+    bind: dict
+    root: Value
+
+    def nodes_of(self, op_type) -> list[Node]:
+        """Graph nodes bound to the pattern's nodes of `op_type`, in pattern (topological)
+        order."""
+        order = toposort([self.pattern.root])
+        return [self.bind[p].node for p in order
+                if isinstance(p.op, op_type) and p in self.bind and p not in self.pattern.placeholders]
+
+    def capture(self, i: int) -> Value:
+        """The graph value bound to the recipe's i-th input."""
+        return self.bind[self.pattern.placeholders[i]]
+
+
+@dataclass
 class Miss:
     """A failed attempt: how many pattern nodes matched before `reason`."""
     op: str
@@ -59,31 +77,47 @@ class Miss:
     reason: str
 
 
-def _placeholders(sample):
-    from ..ir.tensor import tensor
-    rng = np.random.default_rng(0)
-    return [tensor(a) for a in sample(rng)]
-
-
 def trace_recipe(recipe, sample, params=None) -> Traced:
     """Trace `recipe` on fresh placeholder inputs shaped like `sample(rng)`; canonicalized."""
-    from ..opt.canonicalize import CANONICALIZE
-    from ..opt.engine import run_pass
-    xs = _placeholders(sample)
-    out = recipe(*xs, **(params or {}))
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    return Traced([x.value for x in xs], run_pass([o.value for o in outs], CANONICALIZE))
+    t = trace_raw(recipe, sample, params)
+    return Traced(t.inputs, run_pass(t.outputs, CANONICALIZE))
 
 
-def recipe_structure_key(recipe, sample) -> tuple:
-    """Structure of a traced recipe with placeholders abstracted: equal for identical recipes."""
-    t = trace_recipe(recipe, sample)
-    from ..runtime.plan import structural_key
-    return structural_key(t.outputs, order_inputs=t.inputs)
+_PATTERNS: dict[int, list] = {}
+
+
+def reject_degenerate(entry) -> None:
+    """Registry validator: a recipe that canonicalizes to one of its own inputs (e.g.
+    `-(-t)`) would match every value of every graph; refuse it with a clear error."""
+    if not entry.has_pattern:
+        return
+    for p in derive_patterns(entry):
+        if p.size == 0 or p.root.node in p.placeholders:
+            raise FuelGraphError(f"registry.register({entry.name!r}): the recipe reduces to one of "
+                                 f"its inputs after canonicalization (nothing to fuse)")
+
+
+FusedOpRegistry.validators.append(reject_degenerate)
+
+
+def patterns_of(entry) -> list:
+    """Patterns derived from `entry`'s recipe (and extra spellings); built once, cached."""
+    pats = _PATTERNS.get(int(entry.id))
+    if pats is None:
+        pats = _PATTERNS[int(entry.id)] = derive_patterns(entry)
+    return pats
 
 
 def _sentinel(i: int) -> float:
     return 1.2345678e-3 + i * 1.1e-5
+
+
+def _int_sentinel(i: int) -> int:
+    return -987_654_321 - i
+
+
+_FLOAT_TYPES = (float, "float")
+_INT_TYPES = (int, "int", "int | None")
 
 
 def _op_sig(op):
@@ -101,8 +135,10 @@ def derive_patterns(entry) -> list[Pattern]:
         for i, f in enumerate(fields):
             if f.name in fixed:
                 params[f.name] = fixed[f.name]
-            elif f.type in (float, "float"):
+            elif f.type in _FLOAT_TYPES:
                 params[f.name] = sentinels[f.name] = _sentinel(i)
+            elif f.type in _INT_TYPES:     # an int constant of the graph (e.g. ignore_index)
+                params[f.name] = sentinels[f.name] = _int_sentinel(i)
             elif f.default is not dataclasses.MISSING:
                 params[f.name] = f.default
             else:
@@ -133,6 +169,7 @@ class _Matcher:
         self.pat = pat
         self.bind: dict[Node, Value] = {}
         self.params: dict = {}
+        self.param_dtypes: dict = {}
         self.count = 0
         self.reason = ""
 
@@ -163,6 +200,7 @@ class _Matcher:
                     self.reason = f"param {name} has two values"
                     return False
                 self.params[name] = gn.op.value
+                self.param_dtypes[name] = gn.op.dtype
             self.bind[pn] = g
             self.count += 1
             return True
@@ -194,9 +232,6 @@ class _Matcher:
 
 def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
     """Match `pat` at `root`; on success the recipe is re-traced on the captures to verify."""
-    from ..ir.tensor import Tensor
-    from ..opt.canonicalize import CANONICALIZE
-    from ..opt.engine import run_pass
     m = _Matcher(pat)
     if not m.match(pat.root, root):
         return Miss(entry.name, repr(root), m.count, m.reason)
@@ -213,17 +248,32 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
                         f"(%{outside[0].uid}); fusing would duplicate it")
     params = {**pat.fixed, **m.params}
     try:
+        if entry.read_params is not None:
+            try:
+                params.update(entry.read_params(Bound(pat, m.bind, root)) or {})
+            except (LookupError, ValueError, TypeError, AttributeError) as e:
+                return Miss(entry.name, repr(root), m.count, f"params not readable here: {e!r}")
         p = entry.params(**params)
         entry.validate(caps, p)
         out = pat.recipe(*(Tensor(c) for c in caps), **dataclasses.asdict(p))
     except FuelGraphError as e:
         return Miss(entry.name, repr(root), m.count, f"captured inputs rejected: {e}")
     out = out[0] if isinstance(out, (tuple, list)) else out
-    got = run_pass([out.value], CANONICALIZE)[0]
+    # the graph is canonical already: stop at the captures (a fresh walk below them would
+    # make fusing a chain of n idioms cost O(n^2))
+    memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
+    got = run_pass([out.value], CANONICALIZE, memo=memo)[0]
     if got != root:
         return Miss(entry.name, repr(root), m.count,
                     "structure matched but the recipe re-traced on the captured inputs differs "
                     f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
+    # the fused op must compute with the constants the graph holds: a float param read off a
+    # 16-bit constant is that constant's rounded value (70000.0 in float16 is inf; the
+    # kernels narrow params to float32 themselves)
+    for name, d in m.param_dtypes.items():
+        v = params.get(name)
+        if isinstance(v, float) and d.is_float and d.itemsize < 4:
+            params[name] = round_scalar(v, d)
     return Match(caps, params, interior)
 
 
