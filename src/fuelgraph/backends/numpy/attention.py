@@ -23,9 +23,11 @@ import threading
 
 import numpy as np
 
-from fuelgraph.errors import FuelGraphError
-
-from .helpers import NUM_THREADS, _get_pool, acc_dtype, store, to_acc
+from ...errors import FuelGraphError
+from ...registry.attention import FLASH_ATTN_BACKWARD
+from ...registry.core import FusedOps
+from ..base import Cost, kernel
+from .common import NUM_THREADS, _get_pool, acc_dtype, store, to_acc
 
 #: elements of one score tile (heads x rows x keys); 2^18 float32 = 1 MiB stays in L2
 TILE_ELEMS = 1 << 18
@@ -260,12 +262,26 @@ def _scratch(pb, n):
     return [np.empty(TILE_ELEMS * 2, pb.acc) for _ in range(n)]
 
 
+# ---- costs ----------------------------------------------------------------------------------
+def attention_cost(products):
+    """Cost of `products` [Sq x L x D] matrix products (halved by a causal mask) plus the bytes
+    of q, k, v and one q-sized output per product beyond the first."""
+    def cost(shapes, params=None):
+        (B, Hq, Sq, D), (_, Hkv, Sk, _) = shapes[0], shapes[1]
+        L = Sk if params is None or params.k_len is None else params.k_len
+        frac = 0.5 if params is not None and params.causal else 1.0
+        flops = 2.0 * B * Hq * Sq * L * D * products * frac
+        return Cost(flops, 4.0 * (B * Hq * Sq * D * (1 + products) + 2 * B * Hkv * Sk * D))
+    return cost
+
+
 # ---- forward --------------------------------------------------------------------------------
 #: the forward keeps exponents relative to a stale running max while a tile's max exceeds it
 #: by at most this much (exp(8) ~ 3e3: no float32 overflow); larger jumps rescale
 RESCALE_AT = 8.0
 
 
+@kernel(FusedOps.FLASH_ATTN, "numpy", cost=attention_cost(2))
 def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None,
                window_size_right=None, softcap=None, k_len=None, has_alibi=False,
                k_len_input=False):
@@ -462,6 +478,7 @@ def _params(softmax_scale, causal, window_size_left, window_size_right, softcap,
                 has_alibi=has_alibi, k_len_input=k_len_input)
 
 
+@kernel(FLASH_ATTN_BACKWARD, "numpy", cost=attention_cost(5))
 def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                         window_size_left=None, window_size_right=None, softcap=None, k_len=None,
                         has_alibi=False, k_len_input=False):
@@ -475,6 +492,7 @@ def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, caus
                              softcap, k_len, has_alibi, k_len_input))
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_Q, "numpy", cost=attention_cost(3))
 def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
@@ -484,6 +502,7 @@ def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, ca
                              softcap, k_len, has_alibi, k_len_input))[0]
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_K, "numpy", cost=attention_cost(3))
 def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
@@ -493,6 +512,7 @@ def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, ca
                              softcap, k_len, has_alibi, k_len_input))[0]
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_V, "numpy", cost=attention_cost(2))
 def flash_attn_backward_v(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
@@ -500,11 +520,3 @@ def flash_attn_backward_v(q, k, v, grad_out, lse, delta, *opt, softmax_scale, ca
     return _backward("flash_attn_backward_v", "v", q, k, v, grad_out, lse, delta, opt,
                      _params(softmax_scale, causal, window_size_left, window_size_right,
                              softcap, k_len, has_alibi, k_len_input))[0]
-
-
-# ---- costs (for kernel selection) -----------------------------------------------------------
-def attention_flops(shapes, params, passes=2) -> float:
-    """2 * B * Hq * Sq * L * D multiply-adds per pass over the scores (ignoring masks)."""
-    B, Hq, Sq, D = shapes[0]
-    L = shapes[1][2] if params is None or params.k_len is None else params.k_len
-    return 2.0 * B * Hq * Sq * L * D * passes

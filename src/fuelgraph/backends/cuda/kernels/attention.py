@@ -31,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuelgraph.errors import fail
-
-from .helpers import INTERPRET, next_pow2
+from ....errors import fail
+from ....registry.attention import FLASH_ATTN_BACKWARD
+from ....registry.core import FusedOps
+from ...base import Cost, kernel
+from .common import HALF_AND_F32, INTERPRET, next_pow2
 
 __all__ = ["flash_attn", "flash_attn_backward", "flash_attn_backward_q",
            "flash_attn_backward_k", "flash_attn_backward_v", "supports"]
@@ -481,7 +483,18 @@ def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb,
 # ---- host side ----------------------------------------------------------------------------------
 def supports(shapes, dtypes, params) -> bool:
     """Head dims up to 256 in float32 / bfloat16 / float16 (float64 lowers to the recipe)."""
-    return 1 <= shapes[0][3] <= MAX_HEAD_DIM
+    return 1 <= shapes[0][3] <= MAX_HEAD_DIM and all(d.name != "float64" for d in dtypes[:3])
+
+
+def attention_cost(products):
+    """`products` [Sq x L x D] matrix products (halved by a causal mask); 2-byte traffic."""
+    def cost(shapes, params=None):
+        (B, Hq, Sq, D), (_, Hkv, Sk, _) = shapes[0], shapes[1]
+        L = Sk if params is None or params.k_len is None else params.k_len
+        frac = 0.5 if params is not None and params.causal else 1.0
+        flops = 2.0 * B * Hq * Sq * L * D * products * frac
+        return Cost(flops, 2.0 * (B * Hq * Sq * D * (1 + products) + 2 * B * Hkv * Sk * D))
+    return cost
 
 
 def _last_dim_contiguous(x):
@@ -539,6 +552,8 @@ def _params(softmax_scale, causal, window_size_left, window_size_right, softcap,
                 has_alibi=has_alibi, k_len_input=k_len_input)
 
 
+@kernel(FusedOps.FLASH_ATTN, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
+        supports=supports, strided_input=True)
 def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None,
                window_size_right=None, softcap=None, k_len=None, has_alibi=False,
                k_len_input=False):
@@ -598,6 +613,8 @@ def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
     return tuple(res[w] for w in want)
 
 
+@kernel(FLASH_ATTN_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(7),
+        supports=supports, strided_input=True)
 def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                         window_size_left=None, window_size_right=None, softcap=None, k_len=None,
                         has_alibi=False, k_len_input=False):
@@ -607,6 +624,8 @@ def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, caus
                              softcap, k_len, has_alibi, k_len_input))
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_Q, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(3),
+        supports=supports, strided_input=True)
 def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
@@ -616,6 +635,8 @@ def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, ca
                              softcap, k_len, has_alibi, k_len_input))[0]
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_K, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(3),
+        supports=supports, strided_input=True)
 def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
@@ -625,6 +646,8 @@ def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, ca
                              softcap, k_len, has_alibi, k_len_input))[0]
 
 
+@kernel(FusedOps.FLASH_ATTN_BACKWARD_V, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
+        supports=supports, strided_input=True)
 def flash_attn_backward_v(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                           window_size_left=None, window_size_right=None, softcap=None,
                           k_len=None, has_alibi=False, k_len_input=False):
