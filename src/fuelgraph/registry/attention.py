@@ -42,7 +42,7 @@ import numpy as np
 from .. import dtype as dt
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.tensor import Tensor, full, iota, where
+from ..ir.tensor import Tensor, const, full, iota, where
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .rules import check_float
 
@@ -504,6 +504,162 @@ def flash_attn_backward(q, k, v, grad_out, alibi_slopes=None, softmax_scale=None
                            FlashAttnParams(**kw))
 
 
+# ---- fusion: attention as people write it ------------------------------------------------------
+# softmax(q @ k^T * scale [softcap] [mask]) @ v, k and v optionally repeated over the query heads
+# (grouped-query attention written out), the softmax in primitives or softmax_last_dim. A mask
+# must be a constant of the graph: a Const array (decoded into causal / window / k_len and
+# rebuilt for the check), or a causal mask built from positions (iota, `i [+ Sk - Sq] >= j`
+# and its mirrored spellings). A mask read from data is never fused (its contents can change
+# while the cached plan stays). Rows the mask leaves empty would be NaN in the written softmax
+# and 0 in flash_attn: such graphs are not fused.
+_IOTA_CONDS = {"ge": (False, lambda i, j: i >= j), "le": (False, lambda i, j: j <= i),
+               "gt": (True, lambda i, j: j > i), "lt": (True, lambda i, j: i < j)}
+
+
+def admissible(sq, sk, causal=False, window_size_left=None, window_size_right=None, k_len=None):
+    """[sq, sk] bool: the keys each query row may attend (bottom-right aligned)."""
+    L = sk if k_len is None else k_len
+    a = np.arange(sq)[:, None] + (L - sq)
+    j = np.arange(sk)[None, :]
+    adm = np.broadcast_to(j < L, (sq, sk))
+    if causal:
+        adm = adm & (j <= a)
+    if window_size_left is not None:
+        adm = adm & (j >= a - window_size_left)
+    if window_size_right is not None:
+        adm = adm & (j <= a + window_size_right)
+    return adm
+
+
+def decode_mask(adm):
+    """The (causal, window_size_left, window_size_right, k_len) whose mask is `adm` [sq, sk];
+    ValueError when none is (or when a row has no admissible key)."""
+    sq, sk = adm.shape
+    if not adm.any(axis=1).all():
+        raise ValueError("a query row has no admissible key (the written softmax is NaN there)")
+    lo = adm.argmax(axis=1)
+    hi = sk - adm[:, ::-1].argmax(axis=1)
+    for L in sorted({sk, int(hi.max())}, reverse=True):
+        a = np.arange(sq) + (L - sq)
+        right = hi - 1 - a
+        left = a - lo
+        wr = int(right[hi < L].min()) if (hi < L).any() else None
+        wl = int(left[lo > 0].min()) if (lo > 0).any() else None
+        if (wr is not None and wr < 0) or (wl is not None and wl < 0):
+            continue
+        p = dict(causal=wr == 0, window_size_left=wl,
+                 window_size_right=None if wr in (None, 0) else wr,
+                 k_len=None if L == sk else L)
+        if np.array_equal(admissible(sq, sk, **p), adm):
+            return p
+    raise ValueError("the constant mask is not a causal / sliding-window / k_len mask")
+
+
+def _check_rows(q, k, p):
+    adm = admissible(q.shape[2], k.shape[2], p.causal, p.window_size_left,
+                     p.window_size_right, p.k_len)
+    if q.shape[2] and not adm.any(axis=1).all():
+        raise FuelGraphError(f"{_FWD}: the mask leaves a query row without a key: the written "
+                             f"softmax gives NaN there, flash_attn 0")
+    return adm
+
+
+def _spelling(mask, fused_softmax, cap):
+    """One written form of attention as a recipe over (q, k, v); `mask` is "none", "const_add",
+    "const_where", "const_fill" or "iota_<cond>_<add|where>[_off]"."""
+    def idiom(q, k, v, **params):
+        p = FlashAttnParams(**params)
+        groups = q.shape[1] // max(k.shape[1], 1)
+        sq, sk = q.shape[2], k.shape[2]
+        s = (q @ _repeat_kv(k, groups).mT) * float(p.softmax_scale)
+        if cap:
+            s = (s / float(p.softcap)).tanh() * float(p.softcap)
+        adm = _check_rows(q, k, p)
+        if mask == "const_add":
+            s = s + const(np.where(adm, 0.0, -np.inf).astype(s.dtype.np), s.device)
+        elif mask == "const_where":
+            s = where(const(adm, s.device), s, -math.inf)
+        elif mask == "const_fill":
+            s = where(const(~adm, s.device), -math.inf, s)
+        elif mask.startswith("iota"):
+            _, cond, form, *off = mask.split("_")
+            i = iota(sq, dt.int64, q.device).reshape(sq, 1)
+            if off:
+                i = i + (sk - sq)
+            j = iota(sk, dt.int64, q.device).reshape(1, sk)
+            flip, fn = _IOTA_CONDS[cond]
+            c = fn(i, j)
+            if form == "add":
+                m = where(c, -math.inf, 0.0) if flip else where(c, 0.0, -math.inf)
+                s = s + m.astype(s.dtype)
+            else:
+                s = where(c, -math.inf, s) if flip else where(c, s, -math.inf)
+        if fused_softmax:
+            prob = call_fused(FusedOps.SOFTMAX_LAST_DIM, s)
+        else:
+            e = (s - s.max(-1, keepdim=True)).exp()
+            prob = e / e.sum(-1, keepdim=True)
+        out = prob @ _repeat_kv(v, groups)
+        if out.dtype != q.dtype or out.shape != q.shape[:3] + (v.shape[3],):
+            raise FuelGraphError(f"{_FWD}: the written attention computes {out.dtype.name} "
+                                 f"{out.shape}, flash_attn {q.dtype.name}")
+        return out
+    idiom.mask, idiom.cap = mask, cap
+    idiom.__name__ = idiom.__qualname__ = f"attention_idiom_{mask}{'_softcap' if cap else ''}"
+    return idiom
+
+
+def _fixed(mask, cap):
+    p = dict(causal=mask.startswith("iota"), window_size_left=None, window_size_right=None,
+             k_len=None, has_alibi=False, k_len_input=False)
+    if cap:
+        p["softcap"] = 0.5             # any value: read_params reads the graph's
+    return p
+
+
+def _spellings():
+    """The written forms that fuse (each one traced pattern, so the list is kept short: every
+    first optimize of a process derives them)."""
+    const = ["none", "const_add", "const_where", "const_fill"]
+    iota = [f"iota_{c}_{f}{o}" for c in _IOTA_CONDS for f in ("add", "where") for o in ("", "_off")]
+    forms = [(m, False, cap) for m in const + iota for cap in (False, True)]
+    forms += [(m, True, False) for m in const]          # softmax_last_dim written explicitly
+    return tuple((_spelling(m, fs, cap), _fixed(m, cap)) for m, fs, cap in forms)
+
+
+def _read_params(bound):
+    """causal / windows / k_len decoded from a constant mask, k_len for a top-left causal mask
+    written from positions, and the softcap constant."""
+    fn = bound.pattern.recipe
+    out = {}
+    if fn.mask.startswith("const"):
+        arr = np.asarray(bound.nodes_of(ops.Const)[0].op.array)
+        if fn.mask == "const_add":
+            if not np.isin(arr, (0.0, -np.inf)).all():
+                raise ValueError("the additive mask holds values other than 0 and -inf")
+            adm = arr == 0
+        else:
+            adm = arr.astype(bool) if fn.mask == "const_where" else ~arr.astype(bool)
+        out.update(decode_mask(adm.reshape(adm.shape[-2:])))
+    elif fn.mask.startswith("iota") and not fn.mask.endswith("_off"):
+        sq, sk = bound.capture(0).shape[2], bound.capture(1).shape[2]
+        if sq > sk:
+            raise ValueError("a top-left causal mask with Sq > Sk has no bottom-right form")
+        out["k_len"] = sq if sq < sk else None       # top-left causal == causal over Sq keys
+    if fn.cap:
+        tanh = next(n for n in bound.nodes_of(ops.Unary) if n.op.kind == "tanh")
+        for p, g in bound.bind.items():
+            n = g.node
+            if isinstance(n.op, ops.Binary) and n.op.kind == "mul" and \
+                    any(s.node is tanh for s in n.srcs):
+                c = next(s.node.op for s in n.srcs if isinstance(s.node.op, ops.Full))
+                out["softcap"] = float(c.value)
+                break
+        else:
+            raise ValueError("softcap constant not found")
+    return out
+
+
 # ---- declarations -----------------------------------------------------------------------------
 _BWD_DOC = ("q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D], grad_out like q, lse and delta [B, Hq, Sq] "
             "in float32 (float64 for float64 q), then the forward's optional alibi_slopes and "
@@ -519,7 +675,8 @@ def declare(reg):
         shape_rule=_forward_shapes, dtype_rule=_forward_dtypes, validate=_validate_forward,
         decompose=flash_attn_recipe, outputs=("out", "lse"),
         backward=BackwardKind.fused(FusedOps.FLASH_ATTN_BACKWARD_Q), vjp=_vjp,
-        pattern_variants=None, sample=_sample_qkv,
+        pattern_variants=None, extra_patterns=_spellings(), read_params=_read_params,
+        sample=_sample_qkv,
         doc="Attention (FlashAttention semantics): q [B, Hq, Sq, D], k, v [B, Hkv, Sk, D] "
             "(Hq % Hkv == 0), optional alibi_slopes float32 [Hq] | [B, Hq] and k_len 0-d "
             "int32/int64 tensor -> out [B, Hq, Sq, D] (q's dtype) and lse [B, Hq, Sq] "
