@@ -438,11 +438,9 @@ def _build_params(name, q, alibi_slopes, softmax_scale, causal, window_size_left
             raise FuelGraphError(f"{name}: k_len must be an int or a 0-d int32/int64 tensor, "
                                  f"got {k_len!r}")
         k_len_param = int(k_len)
-    if softmax_scale is None:
-        if not isinstance(q, Tensor) or q.ndim != 4 or q.shape[-1] < 1:
-            raise FuelGraphError(f"{name}: q must be a Tensor [B, Hq, Sq, D] with D >= 1, got "
-                                 f"{getattr(q, 'shape', type(q).__name__)}")
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if softmax_scale is None:       # a malformed q is reported by the op's validation
+        ok = isinstance(q, Tensor) and q.ndim == 4 and q.shape[-1] >= 1
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if ok else 1.0
     real = lambda x: float(x) if _is_real(x) else x     # noqa: E731  (hashable params)
     return opt, dict(softmax_scale=real(softmax_scale), causal=causal,
                      window_size_left=int(window_size_left) if _is_int(window_size_left)
