@@ -127,7 +127,7 @@ def _ref_kw(o):
     return r
 
 
-# shapes that cross several key blocks (BLOCK_K = 256) and query blocks, with GQA / MQA
+# shapes that cross several key blocks (256 or more keys) and query blocks, with GQA / MQA
 SHAPES = [(1, 4, 2, 70, 300, 16), (2, 3, 1, 300, 90, 8), (1, 2, 2, 1, 520, 32)]
 
 
@@ -192,6 +192,7 @@ def test_online_softmax_rescales_when_the_max_jumps(monkeypatch):
     """Scores growing along the keys: every key tile raises the running max past the
     threshold, and an ALiBi slope keeps rows far apart."""
     monkeypatch.setattr(A, "BLOCK_K", 16)
+    monkeypatch.setattr(A, "TILE_ELEMS", 64)
     sk = 100
     q = np.ones((1, 1, 4, 2), np.float32)
     k = np.stack([np.arange(sk) * 0.5, np.zeros(sk)], -1).reshape(1, 1, sk, 2).astype(np.float32)

@@ -138,16 +138,25 @@ class _Problem:
         self.lo, self.hi = lo, np.maximum(hi, lo)        # empty rows: lo == hi
         self.scale = float(p["softmax_scale"])
         self.cap = None if p["softcap"] is None else float(p["softcap"])
-        self.fold = self.cap is None                     # shifts folded into the GEMMs
+        # shifts folded into the GEMMs: costs one extended copy of k and v, which pays when
+        # there are at least ~D/2 query rows per key (or the inputs are converted anyway)
+        self.fold = self.cap is None and (acc != q.dtype or G * Sq * 2 >= D)
         # scores are (q * qmul) @ k^T, then cap * tanh(.) with a softcap
         self.qmul = acc.type(self.scale / self.cap if self.cap else self.scale)
         self.slopes = None
         if alibi is not None:
             sl = np.broadcast_to(np.asarray(alibi, np.float32).reshape(-1, Hq), (B, Hq))
             self.slopes = sl.astype(acc).reshape(self.BH, 1, G, 1)
-        self.kx = self._ext(k)
-        self.vx = self._ext(v)
-        self.k, self.v = self.kx[..., :D], self.vx[..., :D]
+        if self.fold:
+            self.kx, self.vx = self._ext(k), self._ext(v)
+            self.k, self.v = self.kx[..., :D], self.vx[..., :D]
+        else:
+            self.k, self.v = (to_acc(x[:, :, :L].reshape(self.BH, L, D), acc) for x in (k, v))
+        # tile: rows x keys x heads ~ TILE_ELEMS; few rows (decoding) get long key blocks
+        self.bq = min(max(8, BLOCK_ROWS // G), max(Sq, 1))
+        rows = G * self.bq
+        self.hc = max(1, min(self.BH, TILE_ELEMS // (rows * BLOCK_K)))
+        self.bk = max(1, min(16, TILE_ELEMS // (self.hc * rows * BLOCK_K))) * BLOCK_K
 
     def _ext(self, x):
         """[B, Hkv, Sk, D] -> live keys [B*Hkv, L, D + 1] in acc, last column 1."""
@@ -178,8 +187,7 @@ class _Problem:
     # -- tiling --
     def units(self):
         """(h0, h1, i0, i1) work units: head chunks x query blocks with a live key."""
-        bq = max(8, BLOCK_ROWS // self.G)
-        hc = max(1, min(self.BH, TILE_ELEMS // max(1, self.G * bq * BLOCK_K)))
+        bq, hc = self.bq, self.hc
         out = []
         for i0 in range(0, self.Sq, bq):
             i1 = min(i0 + bq, self.Sq)
@@ -195,8 +203,8 @@ class _Problem:
         live = hi > lo
         jstart, jend = int(lo[live].min()), int(hi[live].max())
         out = []
-        for j0 in range(jstart, jend, BLOCK_K):
-            j1 = min(j0 + BLOCK_K, jend)
+        for j0 in range(jstart, jend, self.bk):
+            j1 = min(j0 + self.bk, jend)
             if np.all((hi <= j0) | (lo >= j1)):
                 continue                                        # wholly masked
             if np.all((lo <= j0) & (hi >= j1)):
@@ -317,19 +325,22 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
 def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     """Online softmax over the key tiles of rows i0:i1 of heads h0:h1. `base` is the shift
     (the running max, or 0 while a row has seen no admissible key); o accumulates
-    exp(s - base) @ [v | 1], so its last column is the row sum."""
-    acc, D = pb.acc, pb.D
+    exp(s - base) @ v, with the row sums in its last column when values carry the ones
+    column (else in l)."""
+    acc, D, ext = pb.acc, pb.D, pb.fold
     hc, nq = h1 - h0, i1 - i0
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
     empty = np.ones((hc, R), bool)
-    o = np.zeros((hc, R, D + 1), acc)
+    o = np.zeros((hc, R, D + ext), acc)
+    l = None if ext else np.zeros((hc, R), acc)
     pv = np.empty_like(o)
     first = True
+    values = pb.vx if ext else pb.v
     for j0, j1, outside in pb.tiles(i0, i1):
         s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
-        if not pb.fold:
+        if not ext:
             s -= base[:, None, :]
         mx = s.max(1)                                    # relative to base
         seen = mx > -np.inf
@@ -338,20 +349,26 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
             shift = np.where(need, mx, 0)
             s -= shift[:, None, :]
             if not first:
-                o *= np.exp(-shift)[..., None]
+                alpha = np.exp(-shift)
+                o *= alpha[..., None]
+                if l is not None:
+                    l *= alpha
             base += shift
             empty &= ~seen
-            if pb.fold:
+            if ext:
                 np.negative(base, out=qb[..., D])
         np.exp(s, out=s)
-        vb = pb.vx[h0:h1, j0:j1]
+        if l is not None:
+            l += s.sum(1)
+        vb = values[h0:h1, j0:j1]
         if first:
             np.matmul(s.transpose(0, 2, 1), vb, out=o)
             first = False
         else:
             np.matmul(s.transpose(0, 2, 1), vb, out=pv)
             o += pv
-    l = o[..., D]
+    if l is None:
+        l = o[..., D]
     live = l > 0
     if live.all():
         o[..., :D] /= l[..., None]
