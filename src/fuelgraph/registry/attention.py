@@ -30,7 +30,10 @@ of lse_i when lse itself is differentiated), p_ij = exp(s_ij - lse_i) on admissi
     dq = softmax_scale * dS k;  dk = softmax_scale * dS^T q;  dv = p^T dO
 with dk and dv summed over the query heads that share a key/value head. ALiBi slopes and k_len
 get no gradient. The gradient ops take (q, k, v, grad_out, lse, delta) and then the same
-optional inputs and params as the forward."""
+optional inputs and params as the forward. Autograd (and flash_attn_backward) emits the three
+ops; each is one output of FLASH_ATTN_BACKWARD, so the three of one backward lower to a single
+combined node and one pass over the scores computes dq, dk and dv (5 matrix products per tile
+instead of 8 for three separate passes)."""
 from __future__ import annotations
 
 import math
@@ -316,47 +319,40 @@ def flash_attn_recipe(q, k, v, *opt, **params):
     return _poison(out, ok), _poison(lse, ok)
 
 
-def _backward_recipe(want):
-    def recipe(q, k, v, grad_out, lse, delta, *opt, **params):
-        p = _params(**params)
-        alibi, kl = _split_optional(opt, p.has_alibi, p.k_len_input)
-        acc = q.dtype.acc
-        groups = q.shape[1] // k.shape[1]
-        Sk = k.shape[2]
-        k, v, L, ok = _live_keys(k, v, kl, p)
-        res = {}
-        if k.shape[2] == 0:
-            res = {"q": full(q.shape, 0.0, acc, q.device), "k": full(k.shape, 0.0, acc, q.device),
-                   "v": full(v.shape, 0.0, acc, q.device)}
-        else:
-            s, t = _scores(q, k, alibi, L, kl is not None, p)
-            prob = (s - lse.reshape(lse.shape + (1,))).exp()    # 0 on masked keys, empty rows
-            do = grad_out.astype(acc)
-            if "v" in want:
-                res["v"] = _fold_kv(prob.mT @ do, groups)
-            if "q" in want or "k" in want:
-                va = _repeat_kv(v, groups).astype(acc)
-                ds = prob * ((do @ va.mT) - delta.reshape(delta.shape + (1,)))
-                if t is not None:
-                    ds = ds * (1.0 - t * t)
-                ds = ds * float(p.softmax_scale)
-                if "q" in want:
-                    res["q"] = ds @ _repeat_kv(k, groups).astype(acc)
-                if "k" in want:
-                    res["k"] = _fold_kv(ds.mT @ q.astype(acc), groups)
-        for w in "kv":                                # static k_len: zeros for the dead keys
-            if w in res and res[w].shape[2] < Sk:
-                res[w] = res[w].pad(((0, 0), (0, 0), (0, Sk - res[w].shape[2]), (0, 0)))
-        outs = tuple(_poison(res[w].astype(q.dtype), ok) for w in want)
-        return outs if len(outs) > 1 else outs[0]
-    recipe.__name__ = recipe.__qualname__ = f"flash_attn_backward_{want}_recipe"
+def flash_attn_backward_recipe(q, k, v, grad_out, lse, delta, *opt, **params):
+    """(dq, dk, dv) with the scores materialized, probabilities from the saved lse."""
+    p = _params(**params)
+    alibi, kl = _split_optional(opt, p.has_alibi, p.k_len_input)
+    acc = q.dtype.acc
+    groups = q.shape[1] // k.shape[1]
+    Sk = k.shape[2]
+    k, v, L, ok = _live_keys(k, v, kl, p)
+    if k.shape[2] == 0:
+        dq, dk, dv = (full(x.shape, 0.0, acc, q.device) for x in (q, k, v))
+    else:
+        s, t = _scores(q, k, alibi, L, kl is not None, p)
+        prob = (s - lse.reshape(lse.shape + (1,))).exp()      # 0 on masked keys, empty rows
+        do = grad_out.astype(acc)
+        dv = _fold_kv(prob.mT @ do, groups)
+        va = _repeat_kv(v, groups).astype(acc)
+        ds = prob * ((do @ va.mT) - delta.reshape(delta.shape + (1,)))
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        ds = ds * float(p.softmax_scale)
+        dq = ds @ _repeat_kv(k, groups).astype(acc)
+        dk = _fold_kv(ds.mT @ q.astype(acc), groups)
+    pad = ((0, 0), (0, 0), (0, Sk - k.shape[2]), (0, 0))     # static k_len: dead keys get 0
+    dk, dv = (x.pad(pad) if k.shape[2] < Sk else x for x in (dk, dv))
+    return tuple(_poison(x.astype(q.dtype), ok) for x in (dq, dk, dv))
+
+
+def _slot_recipe(slot, name):
+    """dq / dk / dv: one output of the combined op. Lowering the three ops of one backward
+    therefore meets one (hash-consed) combined node: one pass computes all three."""
+    def recipe(*srcs, **params):
+        return call_fused(FLASH_ATTN_BACKWARD, *srcs, **params)[slot]
+    recipe.__name__ = recipe.__qualname__ = f"{name}_recipe"
     return recipe
-
-
-flash_attn_backward_q_recipe = _backward_recipe("q")
-flash_attn_backward_k_recipe = _backward_recipe("k")
-flash_attn_backward_v_recipe = _backward_recipe("v")
-flash_attn_backward_recipe = _backward_recipe("qkv")
 
 
 # ---- backward wiring ------------------------------------------------------------------------
@@ -681,22 +677,27 @@ def declare(reg):
             "(float32, float64 for float64). Masks bottom-right aligned (a_i = i + L - Sq); "
             "causal, window_size_left/right, softcap c * tanh(s / c), ALiBi -slope * "
             "|a_i - j|; rows without an admissible key give 0 (lse +inf)."))
-    for op_id, want in ((FusedOps.FLASH_ATTN_BACKWARD_Q, "dq = scale * dS k (q's shape)."),
-                        (FusedOps.FLASH_ATTN_BACKWARD_K, "dk = scale * dS^T q, summed over "
-                         "the query heads of each key/value head (k's shape)."),
-                        (FusedOps.FLASH_ATTN_BACKWARD_V, "dv = p^T grad_out, summed over the "
-                         "query heads of each key/value head (v's shape)."),
-                        (FLASH_ATTN_BACKWARD, "(dq, dk, dv) of the three ops above in one "
-                         "node.")):
+    for slot, (op_id, what) in enumerate((
+            (FusedOps.FLASH_ATTN_BACKWARD_Q, "dq = scale * dS k (q's shape)."),
+            (FusedOps.FLASH_ATTN_BACKWARD_K, "dk = scale * dS^T q, summed over the query heads "
+             "of each key/value head (k's shape)."),
+            (FusedOps.FLASH_ATTN_BACKWARD_V, "dv = p^T grad_out, summed over the query heads of "
+             "each key/value head (v's shape)."))):
         name = _BWD_NAMES[op_id]
-        recipe = {FusedOps.FLASH_ATTN_BACKWARD_Q: flash_attn_backward_q_recipe,
-                  FusedOps.FLASH_ATTN_BACKWARD_K: flash_attn_backward_k_recipe,
-                  FusedOps.FLASH_ATTN_BACKWARD_V: flash_attn_backward_v_recipe,
-                  FLASH_ATTN_BACKWARD: flash_attn_backward_recipe}[op_id]
         reg.add(FusedOpEntry(
             id=op_id, name=name, family="attention", params=FlashAttnParams,
             shape_rule=_backward_shapes(op_id), dtype_rule=_backward_dtypes(op_id),
-            validate=_validate_backward(name), decompose=recipe,
-            outputs=("dq", "dk", "dv") if op_id == FLASH_ATTN_BACKWARD else ("out",),
-            backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_sample_backward,
-            doc=_BWD_DOC + want))
+            validate=_validate_backward(name), decompose=_slot_recipe(slot, name),
+            recipe_only=("numpy", "cuda"), backward=BackwardKind.DECOMPOSE,
+            pattern_variants=None, sample=_sample_backward,
+            doc=_BWD_DOC + what + " Runs as one output of flash_attn_backward: the three "
+                "gradient ops of one backward lower to one combined node."))
+    reg.add(FusedOpEntry(
+        id=FLASH_ATTN_BACKWARD, name=_BWD_NAMES[FLASH_ATTN_BACKWARD], family="attention",
+        params=FlashAttnParams, shape_rule=_backward_shapes(FLASH_ATTN_BACKWARD),
+        dtype_rule=_backward_dtypes(FLASH_ATTN_BACKWARD),
+        validate=_validate_backward(_BWD_NAMES[FLASH_ATTN_BACKWARD]),
+        decompose=flash_attn_backward_recipe, outputs=("dq", "dk", "dv"),
+        backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_sample_backward,
+        doc=_BWD_DOC + "(dq, dk, dv) of flash_attn_backward_q / _k / _v in one pass over the "
+            "scores."))

@@ -1,5 +1,5 @@
-"""NumPy kernels for FLASH_ATTN (12), FLASH_ATTN_BACKWARD_Q/K/V (22-24) and FLASH_ATTN_BACKWARD
-(0x111, all three gradients in one pass).
+"""NumPy kernels for FLASH_ATTN (12) and FLASH_ATTN_BACKWARD (0x111: dq, dk and dv in one pass;
+FLASH_ATTN_BACKWARD_Q/K/V (22-24) lower to it).
 
 The work is tiled like FlashAttention: the rows of a query block (for every query head that
 shares a key/value head, so grouped-query attention reads each key block once and copies no
@@ -18,7 +18,6 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 from __future__ import annotations
 
 import ctypes
-import math
 import threading
 
 import numpy as np
@@ -381,16 +380,14 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
 
 
 # ---- backward -------------------------------------------------------------------------------
-def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
-    """The gradients named in `want` ('q', 'k', 'v') in that order."""
-    pb = _Problem(op, q, k, v, opt, p)
+def _backward(q, k, v, grad_out, lse, delta, opt, p):
+    """(dq, dk, dv)."""
+    pb = _Problem("flash_attn_backward", q, k, v, opt, p)
     acc, D, L = pb.acc, pb.D, pb.L
-    grads = {}
-    dq = np.zeros((pb.BH, pb.G, pb.Sq, D), acc) if "q" in want else None
-    need_ds = "q" in want or "k" in want
+    dq = np.zeros((pb.BH, pb.G, pb.Sq, D), acc)
     if pb.fold:
         qs = pb.q_like(q, pb.qmul, lse)                   # [q * qmul, -lse]
-        dos = pb.q_like(grad_out, None, delta if need_ds else None)   # [dO, -delta]
+        dos = pb.q_like(grad_out, None, delta)            # [dO, -delta]
         lse4 = delta4 = None
     else:
         qs, dos = pb.q_like(q, pb.qmul), pb.q_like(grad_out)
@@ -402,8 +399,8 @@ def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
     groups = _thread_groups(units, nthr, by_head)
     # dk / dv accumulate over query blocks: one buffer per thread unless threads own heads
     nbuf = 1 if by_head else max(1, len(groups))
-    dks = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)] if "k" in want else None
-    dvs = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)] if "v" in want else None
+    dks = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
+    dvs = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
     # d score / d (q.k) = scale (times 1 - tanh^2 with a softcap); dk uses qs = q * qmul
     kmul = acc.type(pb.scale / float(pb.qmul))
 
@@ -411,17 +408,14 @@ def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
         t = 0 if by_head else next(n for n, g in enumerate(groups) if g is part)
         bufs = _scratch(pb, 3)
         for h0, h1, i0, i1 in part:
-            _backward_unit(pb, want, h0, h1, i0, i1, qs, dos, lse4, delta4, *bufs, dq,
-                           dks[t] if dks else None, dvs[t] if dvs else None)
+            _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, *bufs, dq, dks[t],
+                           dvs[t])
 
     with np.errstate(all="ignore"):
         _run_parallel(groups, work)
-    if dq is not None:
-        dq *= acc.type(pb.scale)
-        grads["q"] = _narrow(dq.reshape(q.shape), q.dtype)
-    for w, bufs, mul in (("k", dks, kmul), ("v", dvs, None)):
-        if bufs is None:
-            continue
+    dq *= acc.type(pb.scale)
+    grads = [_narrow(dq.reshape(q.shape), q.dtype)]
+    for bufs, mul in ((dks, kmul), (dvs, None)):
         tot = bufs[0]
         for b in bufs[1:]:
             tot += b
@@ -429,8 +423,8 @@ def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
             tot *= mul
         res = np.zeros(k.shape, k.dtype)
         store(res[:, :, :L], tot.reshape(pb.B, pb.Hkv, L, D))
-        grads[w] = res
-    return tuple(grads[w] for w in want)
+        grads.append(res)
+    return tuple(grads)
 
 
 def _narrow(a, dtype):
@@ -441,19 +435,17 @@ def _narrow(a, dtype):
     return res
 
 
-def _backward_unit(pb, want, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq, dk,
-                   dv):
+def _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq, dk, dv):
     """Recompute the probabilities of each key tile of rows i0:i1 (heads h0:h1) from the saved
     lse and accumulate: dv += P^T dO, dS = P (dP - delta), dq += dS k, dk += dS^T q (all in the
     transposed tile layout [hc, nk, R])."""
     hc, D = h1 - h0, pb.D
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)], times qmul
     dob = _rows(dos, h0, h1, i0, i1)                     # [hc, R, D (+1)]
-    need_ds = "q" in want or "k" in want
     if not pb.fold:
         lseb = _rows(lse4, h0, h1, i0, i1).reshape(hc, 1, -1)     # [hc, 1, R]
         deltab = _rows(delta4, h0, h1, i0, i1).reshape(hc, 1, -1)
-    dqb = np.zeros((hc, qb.shape[1], D), pb.acc) if dq is not None else None
+    dqb = np.zeros((hc, qb.shape[1], D), pb.acc)
     dobv, qbv = dob[..., :D], qb[..., :D]
     for j0, j1, outside in pb.tiles(i0, i1):
         s, t = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
@@ -461,12 +453,9 @@ def _backward_unit(pb, want, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, t
             s -= lseb
         np.exp(s, out=s)                                 # probabilities
         nk = j1 - j0
-        if dv is not None:
-            pv = tmp[:hc * nk * D].reshape(hc, nk, D)
-            np.matmul(s, dobv, out=pv)
-            dv[h0:h1, j0:j1] += pv
-        if not need_ds:
-            continue
+        part = tmp[:hc * nk * D].reshape(hc, nk, D)
+        np.matmul(s, dobv, out=part)
+        dv[h0:h1, j0:j1] += part
         ds = dbuf[:s.size].reshape(s.shape)
         if pb.fold:                                      # dP - delta in the GEMM
             np.matmul(pb.vx[h0:h1, j0:j1], dob.transpose(0, 2, 1), out=ds)
@@ -478,14 +467,10 @@ def _backward_unit(pb, want, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, t
             np.multiply(t, t, out=t)
             np.subtract(1, t, out=t)
             ds *= t
-        if dqb is not None:
-            dqb += np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1])
-        if dk is not None:
-            pk = tmp[:hc * nk * D].reshape(hc, nk, D)
-            np.matmul(ds, qbv, out=pk)
-            dk[h0:h1, j0:j1] += pk
-    if dqb is not None:
-        dq[h0:h1, :, i0:i1] = dqb.reshape(hc, pb.G, i1 - i0, D)
+        dqb += np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1])
+        np.matmul(ds, qbv, out=part)
+        dk[h0:h1, j0:j1] += part
+    dq[h0:h1, :, i0:i1] = dqb.reshape(hc, pb.G, i1 - i0, D)
 
 
 def _params(softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
@@ -499,41 +484,12 @@ def _params(softmax_scale, causal, window_size_left, window_size_right, softcap,
 def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                         window_size_left=None, window_size_right=None, softcap=None, k_len=None,
                         has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD (0x111): (dq, dk, dv) in one pass over the tiles. Inputs q, k, v,
-    grad_out (like q), lse and delta ([B, Hq, Sq] float32 / float64: the forward's row
-    log-sum-exp and sum_d grad_out * out), then the forward's optional inputs; params as the
-    forward. dk and dv are summed over the query heads of each key/value head and are zero
-    for keys >= k_len."""
-    return _backward("flash_attn_backward", "qkv", q, k, v, grad_out, lse, delta, opt,
+    """FLASH_ATTN_BACKWARD (0x111, what FLASH_ATTN_BACKWARD_Q/K/V lower to): (dq, dk, dv) in one
+    pass over the tiles. Inputs q, k, v, grad_out (like q), lse and delta ([B, Hq, Sq] float32
+    / float64: the forward's row log-sum-exp and sum_d grad_out * out), then the forward's
+    optional inputs; params as the forward. dk and dv are summed over the query heads of each
+    key/value head and are zero for keys >= k_len. Raises FuelGraphError when a run-time k_len
+    is outside [0, Sk]."""
+    return _backward(q, k, v, grad_out, lse, delta, opt,
                      _params(softmax_scale, causal, window_size_left, window_size_right,
                              softcap, k_len, has_alibi, k_len_input))
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_Q, "numpy", cost=attention_cost(3))
-def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_Q (22): dq of q's shape and dtype (inputs as flash_attn_backward)."""
-    return _backward("flash_attn_backward_q", "q", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_K, "numpy", cost=attention_cost(3))
-def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_K (23): dk of k's shape and q's dtype."""
-    return _backward("flash_attn_backward_k", "k", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_V, "numpy", cost=attention_cost(2))
-def flash_attn_backward_v(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_V (24): dv of v's shape and q's dtype."""
-    return _backward("flash_attn_backward_v", "v", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]

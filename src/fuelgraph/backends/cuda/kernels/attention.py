@@ -1,13 +1,12 @@
-"""FLASH_ATTN (12), FLASH_ATTN_BACKWARD_Q/K/V (22-24) and FLASH_ATTN_BACKWARD (0x111) as
-Triton kernels in the FlashAttention-2 style.
+"""FLASH_ATTN (12) and FLASH_ATTN_BACKWARD (0x111: dq, dk and dv; FLASH_ATTN_BACKWARD_Q/K/V
+lower to it) as Triton kernels in the FlashAttention-2 style.
 
 Forward: one program per (query block, batch x query head); it streams the key/value blocks
 its rows can see, keeps an online softmax in registers (base-2 exponent: scores are
 pre-multiplied by log2(e)) and writes the output and the row log-sum-exp. Backward: the saved
 log-sum-exp lets every tile recompute its probabilities; one kernel per key block accumulates
 dk and dv over the query heads of its key/value head (no atomics, no k/v copies for
-grouped-query attention) and a second kernel per query block accumulates dq. The flash_attn_backward_q /
-_k / _v kernels run only the part their gradient needs.
+grouped-query attention) and a second kernel per query block accumulates dq.
 
 Masks: a query row i sits at key position a_i = i + L - Sq (L = k_len or Sk). Every
 constraint (causal, window left/right, keys < L) is an interval of keys, so each program
@@ -24,7 +23,6 @@ outputs become NaN (set FUELGRAPH_CHECK_K_LEN=1 to check on the host and raise i
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -37,14 +35,10 @@ from ....registry.core import FusedOps
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2
 
-__all__ = ["flash_attn", "flash_attn_backward", "flash_attn_backward_q",
-           "flash_attn_backward_k", "flash_attn_backward_v", "supports"]
+__all__ = ["flash_attn", "flash_attn_backward", "supports"]
 
 CHECK_K_LEN = os.environ.get("FUELGRAPH_CHECK_K_LEN", "0") == "1"
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---- configs ----------------------------------------------------------------------------------
@@ -63,6 +57,7 @@ def _prune(configs, named_args, **kw):
     return out or configs[:1]
 
 
+_PRUNE = {"early_config_prune": _prune}
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
               "HAS_ALIBI", "DYN_KLEN", "IEEE"]
 FWD_CONFIGS = _configs([(128, 64), (128, 128), (64, 64), (64, 128)], [4, 8], [2, 3, 4])
@@ -194,7 +189,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, of
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
@@ -232,7 +227,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
-                               CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+                               CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                               BLOCK_D, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_hi, hi, a_pos,
                                offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
@@ -283,8 +279,8 @@ def _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom, 
                   k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope, WL, WR, off,
                   MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  IEEE: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
     for m0 in range(start, end, BLOCK_M):
         qm = m0 + offs_m
         rmask = qm < SQ
@@ -298,29 +294,24 @@ def _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom, 
         sT, tT = _scores(qkT, (qm + off)[None, :], k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK,
                          CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI)
         pT = tl.exp2(sT - lse[None, :])
-        if DO_DV:
-            if IEEE:
-                dv = tl.dot(pT, do, dv, input_precision="ieee")
-            else:
-                dv = tl.dot(pT.to(do.dtype), do, dv)
-        if DO_DK:
-            delta = tl.load(delta_ptr + qm, mask=rmask, other=0.0)
-            if IEEE:
-                dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-            else:
-                dpT = tl.dot(v, tl.trans(do))
-            dsT = pT * (dpT - delta[None, :])
-            if HAS_CAP:
-                dsT = dsT * (1.0 - tT * tT)
-            if IEEE:
-                dk = tl.dot(dsT, q, dk, input_precision="ieee")
-            else:
-                dk = tl.dot(dsT.to(q.dtype), q, dk)
+        delta = tl.load(delta_ptr + qm, mask=rmask, other=0.0)
+        if IEEE:
+            dv = tl.dot(pT, do, dv, input_precision="ieee")
+            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_CAP:
+            dsT = dsT * (1.0 - tT * tT)
+        if IEEE:
+            dk = tl.dot(dsT, q, dk, input_precision="ieee")
+        else:
+            dk = tl.dot(dsT.to(q.dtype), q, dk)
     return dk, dv
 
 
-@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS + ["DO_DK", "DO_DV"],
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
 @triton.jit
 def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
                    svb, svh, svn, sdob, sdoh, sdom, sdkb, sdkh, sdkn, slb, H, G, SQ, SK,
@@ -328,8 +319,7 @@ def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr, DO_DK: tl.constexpr,
-                   DO_DV: tl.constexpr):
+                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     HK = H // G
@@ -370,29 +360,23 @@ def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm,
             dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
                                    lo, lo_end, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
                                    WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, DO_DK, DO_DV, HEAD_DIM, BLOCK_D,
-                                   BLOCK_M)
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
             dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
                                    mid_lo, mid_hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP,
                                    slope, WL, WR, off, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, DO_DK, DO_DV, HEAD_DIM, BLOCK_D,
-                                   BLOCK_M)
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
             dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
                                    mid_hi, hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
                                    WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, DO_DK, DO_DV, HEAD_DIM, BLOCK_D,
-                                   BLOCK_M)
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
     smask = (offs_n[:, None] < SK) & dmask
     base = b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkn + offs_d[None, :]
-    if DO_DK:
-        dk = dk * DK_SCALE
-        if DYN_KLEN:
-            dk = tl.where(bad, float("nan"), dk)
-        tl.store(DK + base, dk.to(DK.dtype.element_ty), mask=smask)
-    if DO_DV:
-        if DYN_KLEN:
-            dv = tl.where(bad, float("nan"), dv)
-        tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=smask)
+    dk = dk * DK_SCALE
+    if DYN_KLEN:
+        dk = tl.where(bad, float("nan"), dk)
+        dv = tl.where(bad, float("nan"), dv)
+    tl.store(DK + base, dk.to(DK.dtype.element_ty), mask=smask)
+    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=smask)
 
 
 # ---- backward: dq per query block ---------------------------------------------------------------
@@ -425,7 +409,7 @@ def _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, start, end, a_
     return dq
 
 
-@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
 @triton.jit
 def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
                   svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm, slb, H, G, SQ, SK,
@@ -576,41 +560,34 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     return out, lse
 
 
-def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
-    a = _Launch(op, q, k, v, opt, p)
+def _backward(q, k, v, grad_out, lse, delta, opt, p):
+    """(dq, dk, dv): one kernel per key block for dk and dv, one per query block for dq."""
+    a = _Launch("flash_attn_backward", q, k, v, opt, p)
     q, k, v = a.q, a.k, a.v
     do = _last_dim_contiguous(grad_out)
     lse = lse.to(torch.float32).contiguous()
     delta = delta.to(torch.float32).contiguous()
-    res = {}
-    if "q" in want:
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        if dq.numel():
-            grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
-            _bwd_q_kernel[grid](q, k, v, do, lse, delta, dq, a.slopes, a.klen, q.stride(0),
-                                q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                v.stride(0), v.stride(1), v.stride(2), do.stride(0),
-                                do.stride(1), do.stride(2), dq.stride(0), dq.stride(1),
-                                dq.stride(2), a.slb, *a.scalars(), a.qk_scale, a.cap, a.scale,
-                                a.wl, a.wr, **a.tune, **a.flags)
-        res["q"] = dq
-    if "k" in want or "v" in want:
-        dk = torch.empty(k.shape, device=k.device, dtype=q.dtype) if "k" in want else None
-        dv = torch.empty(k.shape, device=k.device, dtype=q.dtype) if "v" in want else None
-        ref = dk if dk is not None else dv
-        if ref.numel():
-            # dk = scale * dS^T q: the tile has dS in score units, q un-scaled
-            grid = lambda meta: (triton.cdiv(a.SK, meta["BLOCK_N"]), a.B * a.HK)  # noqa: E731
-            _bwd_kv_kernel[grid](q, k, v, do, lse, delta, ref if dk is None else dk,
-                                 ref if dv is None else dv, a.slopes, a.klen, q.stride(0),
-                                 q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                 v.stride(0), v.stride(1), v.stride(2), do.stride(0),
-                                 do.stride(1), do.stride(2), ref.stride(0), ref.stride(1),
-                                 ref.stride(2), a.slb, *a.scalars(), a.qk_scale, a.cap, a.scale,
-                                 a.wl, a.wr, **a.tune, **a.flags, DO_DK=dk is not None,
-                                 DO_DV=dv is not None)
-        res["k"], res["v"] = dk, dv
-    return tuple(res[w] for w in want)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=q.dtype)
+    dv = torch.empty(k.shape, device=k.device, dtype=q.dtype)
+    if dq.numel():
+        grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+        _bwd_q_kernel[grid](q, k, v, do, lse, delta, dq, a.slopes, a.klen, q.stride(0),
+                            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1),
+                            do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), a.slb,
+                            *a.scalars(), a.qk_scale, a.cap, a.scale, a.wl, a.wr, **a.tune,
+                            **a.flags)
+    if dk.numel():
+        # dk = scale * dS^T q: the tile has dS in score units, q un-scaled
+        grid = lambda meta: (triton.cdiv(a.SK, meta["BLOCK_N"]), a.B * a.HK)  # noqa: E731
+        _bwd_kv_kernel[grid](q, k, v, do, lse, delta, dk, dv, a.slopes, a.klen, q.stride(0),
+                             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1),
+                             do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2), a.slb,
+                             *a.scalars(), a.qk_scale, a.cap, a.scale, a.wl, a.wr, **a.tune,
+                             **a.flags)
+    return dq, dk, dv
 
 
 @kernel(FLASH_ATTN_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(7),
@@ -618,40 +595,8 @@ def _backward(op, want, q, k, v, grad_out, lse, delta, opt, p):
 def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
                         window_size_left=None, window_size_right=None, softcap=None, k_len=None,
                         has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD (0x111): (dq, dk, dv): the dk/dv kernel once for both, then dq."""
-    return _backward("flash_attn_backward", "qkv", q, k, v, grad_out, lse, delta, opt,
+    """FLASH_ATTN_BACKWARD (0x111, what FLASH_ATTN_BACKWARD_Q/K/V lower to): (dq, dk, dv) in
+    q's dtype; inputs and params as the registry op."""
+    return _backward(q, k, v, grad_out, lse, delta, opt,
                      _params(softmax_scale, causal, window_size_left, window_size_right,
                              softcap, k_len, has_alibi, k_len_input))
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_Q, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(3),
-        supports=supports, strided_input=True)
-def flash_attn_backward_q(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_Q (22): dq."""
-    return _backward("flash_attn_backward_q", "q", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_K, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(3),
-        supports=supports, strided_input=True)
-def flash_attn_backward_k(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_K (23): dk."""
-    return _backward("flash_attn_backward_k", "k", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]
-
-
-@kernel(FusedOps.FLASH_ATTN_BACKWARD_V, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
-        supports=supports, strided_input=True)
-def flash_attn_backward_v(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
-                          window_size_left=None, window_size_right=None, softcap=None,
-                          k_len=None, has_alibi=False, k_len_input=False):
-    """FLASH_ATTN_BACKWARD_V (24): dv."""
-    return _backward("flash_attn_backward_v", "v", q, k, v, grad_out, lse, delta, opt,
-                     _params(softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, k_len, has_alibi, k_len_input))[0]
