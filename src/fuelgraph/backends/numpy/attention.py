@@ -246,9 +246,10 @@ def _rows(a4, h0, h1, i0, i1):
     return np.ascontiguousarray(blk).reshape(h1 - h0, -1, *a4.shape[3:])
 
 
-def _thread_groups(units, nthr, by_head):
-    """Split units over threads: whole head chunks per thread (by_head) or query blocks
-    dealt round-robin (balances causal masks). Empty groups are dropped."""
+def _thread_groups(pb, units, nthr, by_head):
+    """Split units over threads: whole head chunks per thread (by_head), or units dealt by
+    their work (admissible pairs), largest first, to the least loaded thread (causal masks
+    make query blocks unequal). Empty groups are dropped."""
     if nthr <= 1 or len(units) <= 1:
         return [units] if units else []
     if by_head:
@@ -256,7 +257,13 @@ def _thread_groups(units, nthr, by_head):
         own = {h: n % nthr for n, h in enumerate(heads)}
         groups = [[u for u in units if own[(u[0], u[1])] == t] for t in range(nthr)]
     else:
-        groups = [units[t::nthr] for t in range(nthr)]
+        span = pb.hi - pb.lo
+        work = [(u[1] - u[0]) * int(span[u[2]:u[3]].sum()) for u in units]
+        load, groups = [0] * nthr, [[] for _ in range(nthr)]
+        for n in sorted(range(len(units)), key=lambda n: -work[n]):
+            t = load.index(min(load))
+            groups[t].append(units[n])
+            load[t] += work[n]
     return [g for g in groups if g]
 
 
@@ -315,7 +322,7 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
             _forward_unit(pb, qs, h0, h1, i0, i1, *bufs, out, lse)
 
     with np.errstate(all="ignore"):
-        _run_parallel(_thread_groups(pb.units(), _threads(pb), by_head=False), work)
+        _run_parallel(_thread_groups(pb, pb.units(), _threads(pb), by_head=False), work)
     res = np.empty(q.shape, q.dtype)
     store(res, out.reshape(q.shape))
     return res, lse.reshape(q.shape[:3])
@@ -396,7 +403,7 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
     units = pb.units()
     nthr = _threads(pb)
     by_head = len({(u[0], u[1]) for u in units}) >= nthr
-    groups = _thread_groups(units, nthr, by_head)
+    groups = _thread_groups(pb, units, nthr, by_head)
     # dk / dv accumulate over query blocks: one buffer per thread unless threads own heads
     nbuf = 1 if by_head else max(1, len(groups))
     dks = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)]

@@ -198,6 +198,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -419,6 +421,8 @@ def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb,
                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
