@@ -87,7 +87,7 @@ def theirs(q, k, v, kw, grad=None, dtype=torch.float64):
     kl = kl[1] if isinstance(kl, tuple) else kl
     ts = [torch.from_numpy(np.asarray(x, np.float64)).to(dtype).requires_grad_(grad is not None)
           for x in (q, k, v)]
-    out = reference(*ts, scale=kw.get("softmax_scale"), causal=kw.get("causal", False),
+    out = reference(*ts, scale=kw.get("softmax_scale"), causal=bool(kw.get("causal")),
                     wl=kw.get("window_size_left"), wr=kw.get("window_size_right"),
                     softcap=kw.get("softcap"), alibi=kw.get("alibi_slopes"), k_len=kl)
     if grad is None:
@@ -114,7 +114,7 @@ OPTS = [
     dict(k_len=("t32", 2), causal=True),
     dict(k_len=("t64", 4), window_size_left=1, window_size_right=2),
     dict(causal=True, softcap=1.5, alibi_slopes="h", k_len=("t64", 3), window_size_left=3),
-    dict(softmax_scale=None, causal=None and True, window_size_left=None, window_size_right=None,
+    dict(softmax_scale=None, causal=None, window_size_left=None, window_size_right=None,
          softcap=None, k_len=None, alibi_slopes=None),
 ]
 
@@ -131,8 +131,6 @@ def _resolve(opts, shape):
         kw["k_len"] = min(kl, sk)
     elif isinstance(kl, tuple):
         kw["k_len"] = (kl[0], min(kl[1], sk))
-    if kw.get("causal") is None:
-        kw["causal"] = False
     return kw
 
 

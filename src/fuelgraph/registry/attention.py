@@ -438,6 +438,7 @@ def _build_params(name, q, alibi_slopes, softmax_scale, causal, window_size_left
         ok = isinstance(q, Tensor) and q.ndim == 4 and q.shape[-1] >= 1
         softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if ok else 1.0
     real = lambda x: float(x) if _is_real(x) else x     # noqa: E731  (hashable params)
+    causal = False if causal is None else bool(causal) if isinstance(causal, np.bool_) else causal
     return opt, dict(softmax_scale=real(softmax_scale), causal=causal,
                      window_size_left=int(window_size_left) if _is_int(window_size_left)
                      else window_size_left,
@@ -456,7 +457,7 @@ def flash_attn(q, k, v, alibi_slopes=None, softmax_scale=None, causal=False,
     q, k, v share one dtype: float32, float64, bfloat16 or float16. Returns [B, Hq, Sq, D] in
     that dtype.
 
-    Every optional argument may be passed as None (= off):
+    Every optional argument may be passed as None (= off; causal=None is False):
     * softmax_scale: multiplier of q . k (default 1 / sqrt(D)).
     * k_len: number of live keys L (0 <= L <= Sk): an int, or a 0-d int32/int64 tensor read when
       the graph runs (so one cached plan serves every length). Keys at positions >= L are
