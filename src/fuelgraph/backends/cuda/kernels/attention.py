@@ -42,27 +42,54 @@ MAX_HEAD_DIM = 256
 
 
 # ---- configs ----------------------------------------------------------------------------------
-def _configs(pairs, warps, stages):
+#: autotune over the configs below on the first call per (shape class, flags); False: take the
+#: first config that fits (no benchmarking; tests switch tuning off to keep compiles few)
+TUNE = os.environ.get("FUELGRAPH_ATTN_TUNE", "1") == "1"
+
+
+def _configs(choices):
+    """(BLOCK_M, BLOCK_N, warps, stages) choices, best guess first. Each is one compile per
+    flag set, so the lists are short: FlashAttention-2 tiles for Hopper (128-row query tiles
+    forward, 32/64-row query tiles against 128 keys for dk/dv, 128 x 32/64 for dq)."""
     if INTERPRET:      # the CPU interpreter: one small tile, no tuning
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n in pairs for w in warps for s in stages]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in choices]
 
 
-def _prune(configs, named_args, **kw):
-    """Drop tiles too large for the head dim (shared memory) and, for float32, the widest."""
-    args = {**named_args, **kw}
-    big = args.get("BLOCK_D", 64) > 128 or args.get("IEEE", False)
-    out = [c for c in configs if not (big and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 8192)]
-    return out or configs[:1]
+#: shared-memory budget a config may plan for (H100/H200 allow 227 KiB per block; the margin
+#: covers layout padding and the compiler's own buffers)
+SMEM_BUDGET = 160 * 1024
+_SMALLEST = (64, 32, 4, 2)
 
 
-_PRUNE = {"early_config_prune": _prune}
+def _prune_for(resident_rows, staged_rows):
+    """early_config_prune for a kernel keeping `resident_rows(BM, BN)` rows of head-dim tiles
+    in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
+    def prune(configs, named_args, **kw):
+        args = {**named_args, **kw}
+        item = 4 if args.get("IEEE", False) else 2
+        d = args.get("BLOCK_D", 128)
+
+        def smem(c):
+            m, n, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+            return (resident_rows(m, n) + st * staged_rows(m, n)) * d * item
+        out = [c for c in configs if smem(c) <= SMEM_BUDGET]
+        if not out:
+            m, n, w, st = _SMALLEST
+            out = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
+        return out if TUNE else out[:1]
+    return {"early_config_prune": prune}
+
+
+_PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per stage
+_PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
+_PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
               "HAS_ALIBI", "DYN_KLEN", "IEEE"]
-FWD_CONFIGS = _configs([(128, 64), (128, 128), (64, 64), (64, 128)], [4, 8], [2, 3, 4])
-BWD_KV_CONFIGS = _configs([(32, 128), (64, 128), (64, 64), (128, 128)], [4, 8], [2, 3, 4])
-BWD_Q_CONFIGS = _configs([(128, 32), (128, 64), (64, 64), (128, 128)], [4, 8], [2, 3, 4])
+FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)])
+BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
+BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -189,7 +216,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, of
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
@@ -313,7 +340,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom, 
     return dk, dv
 
 
-@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
+@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_KV)
 @triton.jit
 def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
                    svb, svh, svn, sdob, sdoh, sdom, sdkb, sdkh, sdkn, slb, H, G, SQ, SK,
@@ -411,7 +438,7 @@ def _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, start, end, a_
     return dq
 
 
-@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE)
+@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_Q)
 @triton.jit
 def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
                   svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm, slb, H, G, SQ, SK,
