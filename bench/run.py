@@ -19,7 +19,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-CPU_FAMILIES = ["softmax", "norm", "rope", "linear", "loss", "affine"]
+CPU_FAMILIES = sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")
+                      if not p.stem.startswith("bench_cuda"))
 
 
 def main(argv):

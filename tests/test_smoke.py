@@ -24,7 +24,8 @@ def test_cli_registry_lists_all_ids():
     for name in ("softmax_last_dim", "awq_matmul", "flash_attn_backward_v"):
         assert name in out
     ids = [int(l.split()[0]) for l in out.splitlines() if re.match(r"^\d+\s{2,}[a-z]", l)]
-    assert ids[:25] == list(range(1, 26)) and all(i >= 0x8000 for i in ids[25:])
+    assert ids[:25] == list(range(1, 26)) and all(i >= 0x100 for i in ids[25:])
+    assert 0x100 in ids   # fused_softmax_cross_entropy_backward, a fixed built-in id
 
 
 def test_cli_demo_runs():

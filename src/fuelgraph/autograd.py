@@ -4,19 +4,15 @@ entry's BackwardKind."""
 from __future__ import annotations
 
 import math
-import weakref
 
 from .errors import FuelGraphError
 from .ir import ops
 from .ir.node import Value, apply, toposort
+from .ir.tensor import GRAD_LEAVES as _GRAD_LEAVES
 from .ir.tensor import Tensor, full, where, zeros_like
-
-_GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def track_leaf(t: Tensor):
-    """Remember a requires_grad leaf so backward() can fill its .grad."""
-    _GRAD_LEAVES[t.value] = t
+from .opt.passes import prefuse
+from .registry.core import FusedOps, call_fused, default_registry
+from .scan_grad import scan_vjp
 
 
 def _unbroadcast(g: Tensor, shape) -> Tensor:
@@ -61,7 +57,6 @@ def _binary(n, a, b, y, g):
     if k == "pow":
         e = _integer_exponent(b)
         if e is not None:
-            from .registry.core import FusedOps, call_fused
             return [call_fused(FusedOps.POWI_BACKWARD, a, g, exp=e), None]
         return [g * b * a ** (b - 1.0), g * y * a.log()]
     if k in ("maximum", "minimum"):
@@ -79,7 +74,6 @@ def _reduce(n, x, y, g):
     if op.kind == "sum":
         return [gk.broadcast_to(x.shape)]
     if op.kind in ("max", "min"):
-        from .registry.core import FusedOps, call_fused
         return [call_fused(FusedOps.REDUCE_MAX_TO_BACKWARD, x if op.kind == "max" else -x, gk)]
     # prod: d/dx_i = product of the other elements, also where some x are 0 (as torch):
     # no zero in the window -> y / x; exactly one -> at the zero, the product of the rest;
@@ -135,8 +129,7 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
     if isinstance(op, ops.Fused):
         return _fused_vjp(n, xs, ys, gs)
     if isinstance(op, ops.Scan):  # multi-output: gs[0] may be None while later slots are not
-        from .scan_grad import scan_vjp
-        return scan_vjp(n, xs, ys, gs)
+        return scan_vjp(n, xs, ys, gs, grad)
     if g is None:
         return [None] * len(xs)
     if isinstance(op, ops.Unary): return _unary(n, xs[0], ys[0], g)
@@ -164,7 +157,6 @@ def vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
 
 
 def _fused_vjp(n, xs, ys, gs):
-    from .registry.core import default_registry
     e = default_registry().entry(n.op.id)
     kind = e.backward.kind
     if kind == "not_differentiable":
@@ -228,7 +220,6 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
     if not _stop_at_inputs and all(isinstance(v.node.op, ops.Input) for v in in_vals):
         # differentiate the fused form: idioms then use their fused backward helpers, and
         # the forward graph realized beside the gradients fuses to the very same nodes
-        from .opt.passes import prefuse
         out_vals = prefuse(out_vals)
     nodes = toposort(out_vals)
     dep: set = set()

@@ -8,30 +8,30 @@ import time
 
 import numpy as np
 
+import fuelgraph as fg
+
+from .backends import available_backends
+from .backends.cuda import declared_fused_ids
+from .nn import TinyBlock
+from .opt.passes import has_kernel
+from .registry.core import FusedOps, default_registry
+from .runtime.executor import realize
+
 
 def _registry_rows():
-    from .backends import cuda as cuda_backend
-    from .opt.passes import has_kernel
-    from .registry.core import FusedOps, default_registry
     reg = default_registry()
-    cuda_names = cuda_backend.FUSED_KERNEL_NAMES
+    cuda_ids = declared_fused_ids()
     rows = []
     for const, fid in sorted(FusedOps.well_known().items(), key=lambda kv: kv[1]):
-        e = reg.get(fid)
-        if e is None:
+        if reg.get(fid) is None:
             rows.append((int(fid), const.lower(), "-", "no", "-", "-", "-", "-", "-"))
-            continue
-        rows.append((int(fid), e.name, e.family, "yes",
-                     "yes" if has_kernel(fid, "numpy") else "recipe",
-                     "yes" if e.name in cuda_names else "recipe",
-                     "yes", "yes" if e.has_pattern else "no", str(e.backward)))
     for e in reg:
-        if e.id >= 0x8000:
-            rows.append((int(e.id), e.name, e.family, "yes (run time)",
-                         "yes" if has_kernel(e.id, "numpy") else "recipe",
-                         "yes" if e.name in cuda_names else "recipe", "yes",
-                         "yes" if e.has_pattern else "no", str(e.backward)))
-    return rows
+        kind = "yes (run time)" if e.id.is_runtime() else "yes"
+        rows.append((int(e.id), e.name, e.family, kind,
+                     "yes" if has_kernel(e.id, "numpy") else "recipe",
+                     "yes" if int(e.id) in cuda_ids else "recipe", "yes",
+                     "yes" if e.has_pattern else "no", str(e.backward)))
+    return sorted(rows, key=lambda r: r[0])
 
 
 def cmd_registry(args) -> int:
@@ -43,20 +43,18 @@ def cmd_registry(args) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
-    known = [r for r in rows[1:] if int(r[0]) < 0x8000]
+    known = [r for r in rows[1:] if int(r[0]) <= 25]
     impl = sum(1 for r in known if r[3] == "yes")
-    print(f"\n{impl} of the {len(known)} well-known ids implemented, plus {len(rows) - 1 - len(known)} "
-          f"run-time id(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
+    extra = [r for r in rows[1:] if 25 < int(r[0]) < 0x8000]
+    print(f"\n{impl} of the {len(known)} well-known ids implemented, {len(extra)} further "
+          f"built-in op(s), {len(rows) - 1 - len(known) - len(extra)} run-time op(s); kernels: 'yes' = fused kernel, 'recipe' = runs its primitive "
           f"decomposition on that backend")
-    from .backends import available_backends
     for name, why in available_backends().items():
         print(f"backend {name}: " + ("available" if why is None else f"unavailable ({why})"))
     return 0
 
 
 def _demo_graph(batch=4):
-    import fuelgraph as fg
-    from .nn import TinyBlock
     model = TinyBlock(d=256, heads=4, hidden=512, vocab=2048, seq=128)
     x, t = model.example(batch)
     logits = model(x)
@@ -74,8 +72,6 @@ def _time(fn, n=5):
 
 
 def cmd_demo(args) -> int:
-    import fuelgraph as fg
-    from .runtime.executor import realize
     print("fuelgraph demo: a Llama-style block (RMS norm, RoPE, causal attention, SiLU MLP,")
     print("cross-entropy) written in plain tensor ops, with its backward pass, on the CPU.\n")
     _, outs = _demo_graph()
@@ -95,7 +91,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    import fuelgraph as fg
     _, outs = _demo_graph()
     print(fg.explain(outs, lower_all=args.lower_all))
     return 0

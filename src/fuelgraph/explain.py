@@ -4,8 +4,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .backends import backend_name
 from .ir import ops
 from .ir.node import toposort
+from .opt.passes import optimize
+from .runtime.executor import _device_of, _values
 
 
 @dataclass
@@ -55,9 +58,6 @@ def _count(vals):
 def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainReport:
     """Optimize the graph under `outputs` as realize would and report it. Near misses are
     listed for ops whose best partial match covered at least `min_matched` pattern nodes."""
-    from .backends import backend_name
-    from .opt.passes import optimize
-    from .runtime.executor import _device_of, _values
     vals = _values(outputs if isinstance(outputs, (list, tuple)) else [outputs])
     bname = backend_name(_device_of(vals))
     before, _ = _count(vals)

@@ -21,10 +21,10 @@ from .ir.scan import build_scan, make_body, placeholder
 from .ir.tensor import Tensor, zeros_like
 
 
-def scan_vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list) -> list:
+def scan_vjp(n, xs: list[Tensor], ys: list[Tensor], gs: list, grad) -> list:
     """Cotangents for the sources of Scan node `n` (init carries, xs, consts) given the
-    cotangents `gs` (None = zero) of its outputs (final carries, ys)."""
-    from .autograd import grad
+    cotangents `gs` (None = zero) of its outputs (final carries, ys); `grad` is autograd's
+    entry point, used on the traced body."""
     op = n.op
     body = op.body
     nc, nx = op.n_carry, op.n_xs

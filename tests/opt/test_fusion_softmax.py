@@ -367,13 +367,14 @@ def gelu_ops():
     """Registers the run-time ops (ids are never reused, so this happens once per process) and
     detaches their NumPy kernels afterwards so later tests in the session never fuse them."""
     reg = fg.default_registry()
-    kern = {"numpy": lambda a: _gelu_np(a).astype(a.dtype)}
-    fid = reg.register("my_gelu_tanh", my_gelu_tanh, _sample, kernels=kern)
-    fid_again = reg.register("my_gelu_tanh_again", my_gelu_tanh_again, _sample, kernels=kern)
+    fid = reg.register("my_gelu_tanh", my_gelu_tanh, _sample)
+    fid_again = reg.register("my_gelu_tanh_again", my_gelu_tanh_again, _sample)
     fid_other = reg.register("my_gelu_tanh_k05", my_gelu_tanh_other_constant, _sample)
     key = (int(fid), "numpy")
-    if not backend_base.KERNELS.get(key):  # kernels were detached by an earlier use
-        backend_base.register_kernel(fid, "numpy", lambda a, **_: _gelu_np(a).astype(a.dtype))
+    if not backend_base.KERNELS.get(key):  # first use, or kernels detached by an earlier use
+        @fg.kernel(fid, "numpy")
+        def gelu_numpy(a):
+            return _gelu_np(a).astype(a.dtype)
     yield fid, fid_again, fid_other
     backend_base.KERNELS.pop(key, None)
 

@@ -1,7 +1,12 @@
 """Backends: `numpy` (CPU, always available, the reference) and `cuda` (torch + triton)."""
 from __future__ import annotations
 
+import math
+
 from ..errors import FuelGraphError
+from .base import KERNELS, BackendImpl, accepts
+from .cuda import cuda_unavailable_reason
+from .numpy import NumpyBackend
 
 _LOADED: dict[str, object] = {}
 
@@ -13,13 +18,12 @@ def backend_name(device: str) -> str:
 def get_backend_by_name(name: str):
     if name not in _LOADED:
         if name == "numpy":
-            from .numpy import NumpyBackend
             _LOADED[name] = NumpyBackend()
         elif name == "cuda":
-            from .cuda import CudaBackend, cuda_unavailable_reason
             why = cuda_unavailable_reason()
             if why:
                 raise FuelGraphError(f"backend cuda is unavailable: {why}")
+            from .cuda.backend import CudaBackend   # needs torch + triton (optional extra)
             _LOADED[name] = CudaBackend()
         else:
             raise FuelGraphError(f"unknown backend {name!r}; expected 'numpy' or 'cuda'")
@@ -32,5 +36,22 @@ def get_backend(device: str):
 
 def available_backends() -> dict[str, str | None]:
     """Backend name -> None when usable, else the reason it is not."""
-    from .cuda import cuda_unavailable_reason
     return {"numpy": None, "cuda": cuda_unavailable_reason()}
+
+
+def kernels_for(identity, backend: str) -> list[BackendImpl]:
+    """Every kernel `backend` registered for `identity` (loading the backend first)."""
+    get_backend_by_name(backend)
+    return KERNELS.get((identity, backend), [])
+
+
+def select_kernel(identity, backend: str, in_shapes, dtypes, params=None) -> BackendImpl | None:
+    """Cheapest registered kernel that accepts this call, or None."""
+    best, best_t = None, math.inf
+    for k in kernels_for(identity, backend):
+        if not accepts(k, dtypes, in_shapes, params):
+            continue
+        t = k.cost(in_shapes, params).time()
+        if t < best_t:
+            best, best_t = k, t
+    return best

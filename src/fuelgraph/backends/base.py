@@ -1,11 +1,19 @@
 """One kernel table for every backend, keyed by (op identity, backend). The identity of a
 primitive is its op class name ("Binary", "Reduce", ...); of a fused op, its integer id.
-Each kernel declares the dtypes it takes, a cost estimate and its precision."""
+Kernels register where they are written, with the `kernel` decorator; each declares the float
+dtypes it takes, the shapes/params it covers (`supports`), a cost estimate and its precision.
+A fused-op call that no kernel covers is lowered to the op's recipe by the optimizer."""
 from __future__ import annotations
 
+import ast
+import importlib
 import math
+import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
+
+from ..ir import ops
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,14 @@ def elementwise_cost(shapes, params=None, itemsize=4, flops_per_elem=1) -> Cost:
     return Cost(flops_per_elem * n, itemsize * 2 * n)
 
 
+def row_cost(flops_per_elem: float, itemsize: int = 4) -> Callable:
+    """Cost of a row-wise op reading and writing each element once."""
+    def cost(shapes, params=None):
+        n = sum(math.prod(s) for s in shapes)
+        return Cost(flops_per_elem * n, itemsize * 2 * n)
+    return cost
+
+
 @dataclass(frozen=True)
 class BackendImpl:
     """kernel(*arrays, **params) -> array or tuple of arrays."""
@@ -31,6 +47,7 @@ class BackendImpl:
     precision: str = "acc(T)"              # how it accumulates, for reports
     strided_input: bool = False            # True: takes non-contiguous inputs
     takes_out: bool = False                # destructive kernels: accepts out= (a fresh buffer)
+    supports: Callable | None = None       # (shapes, dtypes, params) -> bool; None: every call
     revision: int = 1
     name: str = ""
 
@@ -39,43 +56,79 @@ KERNELS: dict[tuple, list[BackendImpl]] = {}
 
 
 def register_kernel(identity, backend: str, kernel: Callable, **kw) -> BackendImpl:
-    """identity: primitive op class name, fused id, or ("fused", registry name)."""
+    """Add `kernel` to the table. identity: a primitive op class name or a fused-op id."""
     impl = BackendImpl(kernel, **kw)
-    if isinstance(identity, tuple):
-        from ..registry.core import default_registry
-        identity = default_registry().entry(identity[1]).id
-    key = (int(identity) if not isinstance(identity, str) else identity, backend)
+    key = (identity if isinstance(identity, str) else int(identity), backend)
     KERNELS.setdefault(key, []).append(impl)
     return impl
 
 
-def _ensure_loaded(backend: str):
-    from . import get_backend_by_name
-    get_backend_by_name(backend)
+def kernel(identity, backend: str, *, dtypes=None, cost=elementwise_cost, precision="acc(T)",
+           strided_input=False, supports=None, name=None):
+    """Decorator: register the decorated function as `backend`'s kernel for `identity` (a
+    fused-op id or a primitive class name) where the function is written. The kernel takes the
+    node's inputs positionally and its params as keywords; a kernel for a destructive op that
+    also takes `out=` may be handed a fresh buffer instead of overwriting its input."""
+    def deco(fn):
+        import inspect
+        register_kernel(identity, backend, fn, dtypes=dtypes, cost=cost, precision=precision,
+                        strided_input=strided_input, supports=supports,
+                        takes_out="out" in inspect.signature(fn).parameters,
+                        name=name or f"{backend}.{fn.__name__}")
+        return fn
+    return deco
 
 
-def kernels_for(identity, backend: str) -> list[BackendImpl]:
-    _ensure_loaded(backend)
-    return KERNELS.get((identity, backend), [])
+def import_kernel_modules(package: str) -> None:
+    """Import every module of `package` so that their `@kernel` declarations run."""
+    pkg = importlib.import_module(package)
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{package}.{m.name}")
 
 
-def accepts(k: BackendImpl, dtypes) -> bool:
-    """A kernel's dtype list constrains its float inputs (index inputs are always allowed)."""
-    return k.dtypes is None or all(d in k.dtypes for d in dtypes if d.is_float)
+def declared_kernels(package_dir: Path, backend: str) -> dict[str, str]:
+    """{FusedOps attribute or module constant named in `@kernel(X, backend, ...)`: function
+    name}, read from the sources of `package_dir` without importing them (so a machine
+    without the backend's dependencies can still list what it would provide)."""
+    out = {}
+    for path in sorted(Path(package_dir).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for d in node.decorator_list:
+                if (isinstance(d, ast.Call) and getattr(d.func, "id", None) == "kernel"
+                        and len(d.args) >= 2 and isinstance(d.args[1], ast.Constant)
+                        and d.args[1].value == backend):
+                    target = d.args[0]
+                    label = target.attr if isinstance(target, ast.Attribute) else \
+                        getattr(target, "id", ast.unparse(target))
+                    out[label] = node.name
+    return out
 
 
-def select_kernel(identity, backend: str, in_shapes, dtypes, params=None) -> BackendImpl | None:
-    """Cheapest registered kernel that accepts these dtypes, or None."""
-    best, best_t = None, math.inf
-    for k in kernels_for(identity, backend):
-        if not accepts(k, dtypes):
-            continue
-        t = k.cost(in_shapes, params).time()
-        if t < best_t:
-            best, best_t = k, t
-    return best
+def accepts(k: BackendImpl, dtypes, shapes=None, params=None) -> bool:
+    """A kernel's dtype list constrains its float inputs (index inputs are always allowed);
+    its `supports` predicate, when given shapes, decides the rest."""
+    if k.dtypes is not None and not all(d in k.dtypes for d in dtypes if d.is_float):
+        return False
+    return k.supports is None or shapes is None or bool(k.supports(shapes, dtypes, params))
+
+
+def scan_loop(op, args, alloc, run_body) -> tuple:
+    """The Scan primitive on any backend: loop over t running the body through `run_body(args)`
+    (the planner binds it to the body's cached plan); `alloc(shape, dtype)` makes the stacked
+    ys buffers."""
+    nc, nx = op.n_carry, op.n_xs
+    carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
+    ys = [alloc((op.length,) + y.shape, y.dtype) for y in op.body.outputs[nc:]]
+    steps = range(op.length - 1, -1, -1) if op.reverse else range(op.length)
+    for t in steps:
+        outs = run_body(carries + [x[t] for x in xs] + consts)
+        carries = list(outs[:nc])
+        for buf, y in zip(ys, outs[nc:]):
+            buf[t] = y
+    return tuple(carries) + tuple(ys)
 
 
 def op_identity(op):
-    from ..ir import ops
     return int(op.id) if isinstance(op, ops.Fused) else type(op).__name__

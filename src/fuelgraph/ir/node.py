@@ -8,6 +8,7 @@ import weakref
 from typing import NamedTuple
 
 from ..dtype import DType
+from .ops import Input
 
 _INTERN: "weakref.WeakValueDictionary[tuple, Node]" = weakref.WeakValueDictionary()
 _UID = itertools.count()
@@ -57,13 +58,18 @@ class Value(NamedTuple):
         return f"%{self.node.uid}" + (f".{self.slot}" if self.slot else "")
 
 
-def make_node(op, srcs: tuple[Value, ...]) -> Node:
-    """Return the unique node for (op, srcs), inferring and validating its outputs."""
+def make_node(op, srcs: tuple[Value, ...], meta=None) -> Node:
+    """Return the unique node for (op, srcs), inferring and validating its outputs. `meta`
+    ((shapes, dtypes)) is given by builders of ops whose rules live above the IR (fused ops:
+    the registry); the device is always derived here."""
     key = (op, srcs)
     n = _INTERN.get(key)
     if n is not None:
         return n
-    shapes, dtypes, device = op.infer(srcs)
+    if meta is None:
+        shapes, dtypes, device = op.infer(srcs)
+    else:
+        (shapes, dtypes), device = meta, op.device_of(srcs)
     n = Node(op, srcs, tuple(tuple(int(d) for d in s) for s in shapes), tuple(dtypes), device)
     _INTERN[key] = n
     return n
@@ -101,3 +107,25 @@ def consumers(nodes: list[Node]) -> dict[int, list[Node]]:
         for s in n.srcs:
             users.setdefault(id(s.node), []).append(n)
     return users
+
+
+def structural_key(outputs, order_inputs=None) -> tuple:
+    """Hashable structure of the graph under `outputs`; Input leaves become ("in", position,
+    shape, dtype, device) in first-visit order (or in `order_inputs` order when given)."""
+    return key_and_inputs(outputs, order_inputs)[0]
+
+
+def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
+    """(structural key, Input nodes in the order the key numbers them), in one walk."""
+    nodes = toposort([v.node for v in outputs])
+    index = {n: i for i, n in enumerate(nodes)}
+    inputs = {v.node: i for i, v in enumerate(order_inputs)} if order_inputs is not None else {}
+    parts = []
+    for n in nodes:
+        if isinstance(n.op, Input):
+            pos = inputs.setdefault(n, len(inputs))
+            parts.append(("in", pos, n.op.shape, n.op.dtype, n.op.device))
+        else:
+            parts.append((n.op, tuple((index[s.node], s.slot) for s in n.srcs)))
+    key = (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
+    return key, sorted(inputs, key=inputs.get)

@@ -52,6 +52,9 @@ class Op:
     """Base of all ops; `name` is the op's short name used in errors and reports."""
     arity: int | None = None
 
+    def device_of(self, srcs) -> str:
+        return _device(self.name, srcs)
+
     @property
     def name(self) -> str:
         return getattr(self, "kind", None) or type(self).__name__.lower()
@@ -469,22 +472,26 @@ class Scan(Op):
         return shapes, [o.dtype for o in outs], _device("scan", srcs)
 
 
+#: fused-op id -> registry name, filled by the registry as it declares entries (the IR knows
+#: no registry; the name is only for messages and reports)
+FUSED_NAMES: dict[int, str] = {}
+
+
 @dataclass(frozen=True)
 class Fused(Op):
-    """A registered fused op: `id` is a FusedOpId, `params` its (hashable) params dataclass."""
+    """A registered fused op: `id` is a FusedOpId, `params` its (hashable) params dataclass.
+    Its output shapes and dtypes come from the registry entry: build fused nodes with
+    `registry.core.fused_node` / `call_fused`, which pass them to `make_node`."""
     id: int
     params: object = None
 
     @property
     def name(self) -> str:
-        from ..registry.core import default_registry
-        e = default_registry().get(self.id)
-        return e.name if e else f"fused_{self.id}"
+        return FUSED_NAMES.get(int(self.id), f"fused_{self.id}")
 
     def infer(self, srcs):
-        from ..registry.core import default_registry
-        e = default_registry().entry(self.id)
-        return e.infer(srcs, self.params) + (_device(e.name, srcs),)
+        raise _err(self.name, "fused nodes are built through the registry (call_fused), which "
+                              "supplies their output shapes and dtypes")
 
     def __repr__(self):
         return f"Fused({self.name}, {self.params})"

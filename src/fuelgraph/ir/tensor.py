@@ -16,6 +16,8 @@ from . import ops
 from .node import Node, Value, apply, make_node
 
 _DATA: "weakref.WeakKeyDictionary[Node, object]" = weakref.WeakKeyDictionary()
+#: graph value -> the requires_grad tensor holding it (what backward() fills .grad of)
+GRAD_LEAVES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _INPUT_UID = itertools.count()
 
 
@@ -58,8 +60,7 @@ class Tensor:
             raise FuelGraphError(f"requires_grad: needs a float dtype, got {self.dtype.name}")
         self._requires_grad = bool(flag)
         if flag:
-            from ..autograd import track_leaf
-            track_leaf(self)
+            GRAD_LEAVES[self.value] = self
 
     # ---- metadata ------------------------------------------------------------------------
     shape = property(lambda self: self.value.shape)
@@ -81,67 +82,14 @@ class Tensor:
 
     __hash__ = object.__hash__
 
-    # ---- realization ---------------------------------------------------------------------
-    def numpy(self) -> np.ndarray:
-        """Realize and return a NumPy array (a copy from the device for GPU tensors). The
-        array is read-only, as in JAX: tensors are values, and it is cached for later calls."""
-        if self._cache is None:
-            from ..runtime.executor import realize
-            a = realize([self])[0]
-            a.flags.writeable = False
-            self._cache = a
-        return self._cache
-
-    def realize(self) -> "Tensor":
-        self.numpy()
-        return self
-
-    def item(self):
-        return self.numpy().item()
-
-    def tolist(self):
-        return self.numpy().tolist()
-
-    def __array__(self, dtype=None, copy=None):
-        a = self.numpy()
-        return a.astype(dtype) if dtype is not None else a
-
-    def __bool__(self):
-        if self.size() != 1:
-            raise FuelGraphError("bool: truth value of a tensor with more than one element")
-        return bool(self.item())
-
-    def __float__(self):
-        return float(self.item())
-
-    def __int__(self):
-        return int(self.item())
-
-    def to(self, device) -> "Tensor":
-        """Move to `device` ('cpu', 'cuda', 'cuda:N'). Realizes this tensor."""
-        device = _normalize_device(device)
-        if device == self.device:
-            return self
-        from ..runtime.executor import realize_raw
-        data = realize_raw([self])[0]
-        from ..backends import get_backend
-        return _leaf(get_backend(device).from_any(data, device), self.dtype, device,
-                     self.requires_grad)
-
-    def to_torch(self):
-        """Realize and return a torch tensor (zero-copy where possible)."""
-        from ..backends.interop import to_torch
-        return to_torch(self)
+    # ---- realization, device moves, interop and backward are public-API behaviour: the
+    # methods numpy, realize, item, tolist, __array__, __bool__, __float__, __int__, to,
+    # to_torch and backward are bound onto Tensor by `fuelgraph.api` (the IR imports nothing
+    # above it)
 
     def detach(self) -> "Tensor":
         """The same values with no gradient flowing back (torch's detach / jax stop_gradient)."""
         return self._new(ops.Detach(), self)
-
-    def backward(self, grad: "Tensor | None" = None):
-        """Reverse-mode: accumulate d(self)/d(leaf) into `.grad` of every leaf with
-        requires_grad=True that self depends on. Without `grad`, self must be a scalar."""
-        from ..autograd import backward
-        backward(self, grad)
 
     # ---- building helpers ----------------------------------------------------------------
     def _new(self, op, *srcs: "Tensor") -> "Tensor":
@@ -437,14 +385,11 @@ def _leaf(data, dtype: DType, device: str, requires_grad: bool) -> Tensor:
 
 
 def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
-    """Create a leaf tensor from array-like data (copied)."""
+    """Create a leaf tensor from array-like data (copied). A device other than the CPU is
+    reached through `.to(device)`, which the public layer binds."""
     device = _normalize_device(device)
     if isinstance(data, Tensor):
         data = data.numpy()
-    if hasattr(data, "__dlpack__") and type(data).__module__.startswith("torch"):
-        from ..backends.interop import from_torch
-        t = from_torch(data)
-        return t.astype(dtype) if dtype is not None else t
     d = dt.as_dtype(dtype) if dtype is not None else None
     try:
         a = np.asarray(data)
@@ -460,8 +405,9 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
     if requires_grad and not d.is_float:
         raise FuelGraphError(f"tensor: requires_grad needs a float dtype, got {d.name}")
     if device != "cpu":
-        from ..backends import get_backend
-        return _leaf(get_backend(device).from_any(a, device), d, device, requires_grad)
+        t = _leaf(a, d, "cpu", False).to(device)
+        t.requires_grad = requires_grad
+        return t
     return _leaf(a, d, device, requires_grad)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..ir import ops
 from ..ir.node import Node, Value, make_node
+from ..registry.core import fused_node
 
 Rule = Callable[[Node], "Sequence[Value] | Value | None"]
 
@@ -26,7 +28,12 @@ class RewriteLog:
 
 
 def rebuild(node: Node, srcs: tuple[Value, ...]) -> Node:
-    return node if srcs == node.srcs else make_node(node.op, srcs)
+    """`node`'s op applied to new sources (the same node when they are unchanged)."""
+    if srcs == node.srcs:
+        return node
+    if isinstance(node.op, ops.Fused):
+        return fused_node(node.op, srcs)
+    return make_node(node.op, srcs)
 
 
 def run_pass(outputs: Sequence[Value], p: Pass, log: RewriteLog | None = None,

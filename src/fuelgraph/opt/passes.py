@@ -7,20 +7,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..backends import kernels_for
+from ..backends.base import accepts
 from ..ir import ops
-from ..ir.node import Node, Value, consumers, make_node, toposort
+from ..ir.node import Node, Value, consumers, toposort
 from ..ir.tensor import Tensor
-from ..registry.core import default_registry
-from ..registry.pattern import Match, Miss, _op_sig, try_match
+from ..registry.core import default_registry, fused_node
 from .canonicalize import CANONICALIZE
-from .engine import Pass, RewriteLog, run_pass
+from .engine import Pass, RewriteLog, rebuild, run_pass
+from .pattern import Match, Miss, _op_sig, patterns_of, try_match
 
 
-def has_kernel(op_id, backend: str, dtypes=None) -> bool:
-    """Whether `backend` has a kernel for fused op `op_id` (taking `dtypes`, when given)."""
-    from ..backends.base import accepts, kernels_for
+def has_kernel(op_id, backend: str, dtypes=None, shapes=None, params=None) -> bool:
+    """Whether `backend` has a kernel for fused op `op_id` (one taking these `dtypes`, and
+    covering these input `shapes` and `params`, when given)."""
     ks = kernels_for(int(op_id), backend)
-    return any(accepts(k, dtypes) for k in ks) if dtypes is not None else bool(ks)
+    return any(accepts(k, dtypes, shapes, params) for k in ks) if dtypes is not None else bool(ks)
 
 
 @dataclass
@@ -52,7 +54,7 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
                               # prefuse for autograd: never turn a differentiable idiom into
                               # an op that refuses to be differentiated
                               e.backward.kind != "not_differentiable"):
-            for p in e.patterns():
+            for p in patterns_of(e):
                 by_sig.setdefault(p.root_key, []).append((e, p))
     for cands in by_sig.values():   # the larger pattern wins at a root (layer norm before RMS
         cands.sort(key=lambda ep: -ep[1].size)   # norm, which matches its tail); stable sort
@@ -80,12 +82,12 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     for n in nodes:
         if n in matches:
             e, m = matches[n]
-            new = make_node(ops.Fused(e.id, e.params(**m.params)),
-                            tuple(Value(memo[c.node], c.slot) for c in m.captures))
+            new = fused_node(ops.Fused(e.id, e.params(**m.params)),
+                             tuple(Value(memo[c.node], c.slot) for c in m.captures))
             log.events.append(("fuse", e.name, repr(n)))
         else:
             srcs = tuple(Value(memo[s.node], s.slot) for s in n.srcs)
-            new = n if srcs == n.srcs else make_node(n.op, srcs)
+            new = n if srcs == n.srcs else rebuild(n, srcs)
         memo[n] = new
     for name in {e.name for e, _ in matches.values()}:
         misses.pop(name, None)
@@ -98,7 +100,8 @@ def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
             return n.srcs[0]
         if not isinstance(n.op, ops.Fused):
             return None
-        if not lower_all and has_kernel(n.op.id, backend, [s.dtype for s in n.srcs]):
+        if not lower_all and has_kernel(n.op.id, backend, [s.dtype for s in n.srcs],
+                                        [s.shape for s in n.srcs], n.op.params):
             return None
         e = default_registry().entry(n.op.id)
         counts[e.name] = counts.get(e.name, 0) + 1

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import FuelGraphError
-from .core import BackwardKind, FusedOpEntry, FusedOps
-from .rules import check_arity, check_float, same_as_input0
+from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
+from .rules import check_arity, check_float, real_param, same_as_input0
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,12 @@ def declare(reg):
             "is destructive (reused when no later reader needs it, else a fresh buffer). Product and "
             "sum rounded separately in float32 (16/32-bit) or float64. Backward DECOMPOSE. "
             "Fuses from x * mul + add."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def inplace_affine(x, mul, add):
+    """mul * x + add, elementwise. x any shape, float -> same shape and dtype. The kernel writes
+    into x's buffer when no later reader needs x (otherwise it copies first); the values every
+    tensor reads are as if nothing were in place."""
+    return call_fused(FusedOps.INPLACE_AFFINE, x, mul=real_param(mul), add=real_param(add))

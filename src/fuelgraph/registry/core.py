@@ -3,11 +3,19 @@ kinds and run-time registration."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from ..errors import FuelGraphError
+from ..ir import ops
+from ..ir.node import Node, make_node, structural_key
+from ..ir.scan import placeholder
 
 RUNTIME_BASE = 0x8000
 
@@ -24,7 +32,10 @@ class FusedOpId(int):
 
 
 class FusedOps:
-    """The 25 well-known ids (values fixed by DESIGN §4)."""
+    """The 25 well-known ids, with their fixed values. Built-in ops beyond these (backward
+    helpers, multi-output variants) take fixed ids from 0x100 up, declared as constants in
+    their family module (e.g. `registry.loss.FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD`), so an
+    id never depends on import order; 0x8000 and up are allocated at run time."""
     UNASSIGNED = FusedOpId(0)
     SOFTMAX_LAST_DIM = FusedOpId(1)
     FUSED_LINEAR = FusedOpId(2)
@@ -54,7 +65,7 @@ class FusedOps:
 
     @classmethod
     def well_known(cls) -> dict[str, FusedOpId]:
-        return {k: v for k, v in vars(cls).items() if isinstance(v, FusedOpId) and v != 0}
+        return {k: v for k, v in vars(cls).items() if isinstance(v, FusedOpId) and 0 < v <= 25}
 
 
 @dataclass(frozen=True)
@@ -111,8 +122,9 @@ class FusedOpEntry:
     pattern_variants: tuple[dict, ...] | None = ({},)
     extra_patterns: tuple = ()   # Callable | (Callable, dict)
     vjp: Callable | None = None
+    read_params: Callable | None = None
+    recipe_only: tuple[str, ...] = ()
     doc: str = ""
-    _patterns: Any = field(default=None, repr=False)
 
     def infer(self, srcs, params):
         self.validate(srcs, params)
@@ -123,13 +135,6 @@ class FusedOpEntry:
     @property
     def has_pattern(self) -> bool:
         return bool(self.pattern_variants) or bool(self.extra_patterns)
-
-    def patterns(self):
-        """Patterns derived from the recipe (and extra spellings); built lazily, cached."""
-        if self._patterns is None:
-            from .pattern import derive_patterns
-            self._patterns = derive_patterns(self)
-        return self._patterns
 
     def lower(self, srcs, params):
         """Run the recipe on tensors `srcs`; returns a tuple of output tensors."""
@@ -152,6 +157,7 @@ class FusedOpRegistry:
             raise FuelGraphError(f"registry: id {entry.id} or name {entry.name!r} already registered")
         self._entries[int(entry.id)] = entry
         self._by_name[entry.name] = int(entry.id)
+        ops.FUSED_NAMES[int(entry.id)] = entry.name
         return entry
 
     def get(self, key) -> FusedOpEntry | None:
@@ -184,22 +190,20 @@ class FusedOpRegistry:
         return fid
 
     def register(self, name: str, recipe: Callable, sample: Callable, *, family="forward",
-                 backward: BackwardKind = BackwardKind.DECOMPOSE, kernels=None,
-                 doc: str = "") -> FusedOpId:
+                 backward: BackwardKind = BackwardKind.DECOMPOSE, doc: str = "") -> FusedOpId:
         """Register a run-time fused op defined by `recipe(*tensors)` (primitives only, no
         params). `sample(rng)` returns example input arrays. Returns a fresh id >= 0x8000, or
         the existing id when a structurally identical recipe is already registered. The op
-        then fuses from its idiom and runs through its recipe unless `kernels` maps a backend
-        name to a kernel function(*arrays)."""
-        from .pattern import recipe_structure_key, trace_recipe
-        key = recipe_structure_key(recipe, sample)
+        then fuses from its idiom and runs through its recipe until a kernel is registered for
+        it (`fuelgraph.kernel(fid, backend)` decorating a function of the input arrays)."""
+        traced = trace_recipe(recipe, sample)
+        key = structural_key(traced.outputs, order_inputs=traced.inputs)
         with self._lock:
             if key in self._runtime_keys:
                 return self._runtime_keys[key]
             if name.lower() in self._by_name:
                 raise FuelGraphError(f"registry.register: name {name!r} is already taken")
             fid = self.next_runtime_id()
-            traced = trace_recipe(recipe, sample)
             out_meta = [(o.shape, o.dtype) for o in traced.outputs]
             in_meta = [(p.shape, p.dtype) for p in traced.inputs]
 
@@ -225,38 +229,81 @@ class FusedOpRegistry:
                 doc=doc or (recipe.__doc__ or f"run-time fused op {name}"))
             self.add(entry)
             self._runtime_keys[key] = fid
-        if kernels:
-            from ..backends.base import register_kernel
-            for backend, fn in kernels.items():
-                register_kernel(fid, backend, lambda *a, _f=fn, **_: _f(*a))
         return fid
+
+
+@dataclass
+class Traced:
+    inputs: list
+    outputs: list
+
+
+def trace_recipe(recipe, sample, params=None) -> Traced:
+    """Trace `recipe` on fresh placeholder inputs shaped and typed like `sample(rng)`."""
+    from ..ir.tensor import tensor
+    rng = np.random.default_rng(0)
+    xs = [tensor(a) for a in sample(rng)]
+    out = recipe(*xs, **(params or {}))
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return Traced([x.value for x in xs], [o.value for o in outs])
 
 
 def _trace_meta(recipe, shapes, in_meta):
     """Output values of `recipe` traced on data-free placeholders of the given shapes."""
-    from ..ir.scan import placeholder
     xs = [placeholder(s, d) for s, (_, d) in zip(shapes, in_meta)]
     out = recipe(*xs)
     return out if isinstance(out, (tuple, list)) else (out,)
 
 
 _DEFAULT: FusedOpRegistry | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def default_registry() -> FusedOpRegistry:
-    """The process-wide registry, with every built-in family loaded."""
+    """The process-wide registry, with every built-in family loaded: each module of this
+    package that defines `declare(registry)` declares its entries (no list of families). It
+    becomes visible only once filled, so first use from several threads is safe."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = FusedOpRegistry()
-        from . import families  # noqa: F401  (declares the built-in entries)
-        families.declare_all(_DEFAULT)
+        with _DEFAULT_LOCK:
+            if _DEFAULT is None:
+                reg = FusedOpRegistry()
+                for m in pkgutil.iter_modules(_package_path()):
+                    mod = importlib.import_module(f"{__package__}.{m.name}")
+                    if callable(getattr(mod, "declare", None)):
+                        mod.declare(reg)
+                _DEFAULT = reg
     return _DEFAULT
+
+
+def _package_path():
+    return [str(Path(__file__).resolve().parent)]
+
+
+def id_by_label(label: str) -> FusedOpId | None:
+    """The id a kernel declaration names: a `FusedOps` attribute, or a module-level id constant
+    of a registry family module (e.g. `FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD`)."""
+    fid = getattr(FusedOps, label, None)
+    if isinstance(fid, FusedOpId):
+        return fid
+    default_registry()
+    for m in pkgutil.iter_modules(_package_path()):
+        v = getattr(importlib.import_module(f"{__package__}.{m.name}"), label, None)
+        if isinstance(v, FusedOpId):
+            return v
+    return None
+
+
+def fused_node(op: "ops.Fused", srcs: tuple) -> Node:
+    """The node applying fused op `op` to values `srcs`; its output shapes and dtypes come
+    from the registry entry (which validates the inputs first)."""
+    e = default_registry().entry(op.id)
+    shapes, dtypes = e.infer(srcs, op.params)
+    return make_node(op, srcs, (shapes, dtypes))
 
 
 def call_fused(op_id, *srcs, **params):
     """Build a fused node on tensors `srcs`; returns a Tensor or a tuple for multi-output ops."""
-    from ..ir import ops
-    from ..ir.node import make_node
     from ..ir.tensor import Tensor
     e = default_registry().entry(op_id)
     for i, s in enumerate(srcs):
@@ -270,6 +317,6 @@ def call_fused(op_id, *srcs, **params):
         hash(p)
     except TypeError:
         raise FuelGraphError(f"{e.name}: parameters must be scalars, got {params}") from None
-    node = make_node(ops.Fused(e.id, p), tuple(s.value for s in srcs))
+    node = fused_node(ops.Fused(e.id, p), tuple(s.value for s in srcs))
     outs = tuple(Tensor(node.out(i)) for i in range(node.nout))
     return outs[0] if len(outs) == 1 else outs

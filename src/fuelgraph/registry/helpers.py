@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir.tensor import where, zeros_like
-from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams
+from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams, call_fused
 from .rules import check_arity, check_float, check_same_dtype, pair_float_rowwise, same_as_input0
 
 
@@ -73,3 +73,16 @@ def declare(reg):
         sample=lambda rng: [rng.standard_normal((3, 5)).astype(np.float32)] * 2,
         doc="dx = exp * x**(exp-1) * grad for an integer exp (negative allowed); exp == 0 gives "
             "zeros. x and grad have one shape and dtype."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def reduce_max_to_backward(x, grad):
+    """Gradient of max(x, axes, keepdim=True): grad has that keepdim shape; tied maxima share
+    it evenly (torch amax semantics)."""
+    return call_fused(FusedOps.REDUCE_MAX_TO_BACKWARD, x, grad)
+
+
+def powi_backward(x, grad, exp: int):
+    """Gradient of x ** exp for an integer exp: exp * x**(exp-1) * grad (zeros for exp == 0)."""
+    return call_fused(FusedOps.POWI_BACKWARD, x, grad, exp=exp)

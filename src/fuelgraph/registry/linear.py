@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir.tensor import broadcast_shapes
-from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams
+from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams, call_fused
 from .rules import check_arity, check_float, check_rank, check_same_dtype
 
 _LABELS = ["a", "b", "bias"]
@@ -96,3 +96,12 @@ def declare(reg):
             "float32 for 16/32-bit inputs, float64 for float64. Backward DECOMPOSE (grad_b and "
             "grad_bias summed over broadcast batches). Fuses from a @ b + bias and "
             "bias + a @ b."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def fused_linear(a, b, bias):
+    """a @ b + bias. a [..., M, K]; b [K, N] or [..., K, N] (K x N, not nn.Linear's [N, K];
+    batch dims broadcast NumPy-style); bias [N]; one float dtype for all three ->
+    [broadcast(a.shape[:-2], b.shape[:-2]), M, N] in that dtype."""
+    return call_fused(FusedOps.FUSED_LINEAR, a, b, bias)

@@ -16,8 +16,7 @@ safe index 0 and are masked afterwards, so an ignored target is never read.
 
 Backward: `dlogits = w * (softmax(x) - onehot(t))` with w = g / N_valid (mean), g (sum), g[r]
 (none), and w = 0 on ignored rows. It is its own fused helper, `fused_softmax_cross_entropy_backward`
-(no well-known id: it takes the first run-time id, 0x8000, at import), whose kernels make one
-pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
+(built-in id 0x100, beyond the 25 well-known ids), whose kernels make one pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
 is differentiable, so second order works.
 
 Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
@@ -28,6 +27,7 @@ reduction (`nll = -picked; nll.mean()`) or after it (`-picked.mean()`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +115,7 @@ def _dtype_rule(dtypes, params):
 
 
 BACKWARD_NAME = _NAME + "_backward"
+FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD = FusedOpId(0x100)
 
 
 def backward_recipe(logits, targets, grad, reduction="mean", ignore_index=-100):
@@ -141,7 +142,7 @@ def backward_recipe(logits, targets, grad, reduction="mean", ignore_index=-100):
 
 
 def _vjp(xs, ys, gs, p):
-    return [call_fused(BACKWARD_NAME, xs[0], xs[1], gs[0], reduction=p.reduction,
+    return [call_fused(FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD, xs[0], xs[1], gs[0], reduction=p.reduction,
                        ignore_index=p.ignore_index), None]
 
 
@@ -302,37 +303,8 @@ def _with_grad(sample):
     return lambda rng: sample(rng) + [np.asarray(rng.standard_normal(), np.float32)]
 
 
-def _ignore_index_param(ignore_index):
-    import numbers
-    if isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool):
-        return int(ignore_index)
-    return ignore_index
-
-
-def fused_linear_cross_entropy(x, weight, targets, bias=None, reduction="mean",
-                               ignore_index=-100):
-    """Cross-entropy of a linear head, `cross_entropy(x @ weight.T + bias, targets)`, computed
-    without ever holding the [N, V] logits.
-
-    x [N, H] and weight [V, H] (nn.Linear's layout), optional bias [V], all one float dtype
-    (float32, float64, bfloat16, float16); targets [N] int64 class indices. Rows whose target
-    equals ignore_index (None: no row is ignored) give 0 and are left out of the mean; a target
-    outside [0, V) that is not ignore_index raises FuelGraphError when the graph runs.
-    reduction "none" -> [N]; "sum" -> []; "mean" -> [] = sum / (number of non-ignored rows), 0
-    when every row is ignored. The loss is float32 (float64 for float64 inputs).
-
-    The logits are what nn.Linear stores (rounded to the input dtype for 16-bit inputs); the
-    log-sum-exp, the matrix products and the loss accumulate in float32 (float64 for float64).
-    Differentiable in x, weight and bias: dx [N, H], dweight [V, H] and dbias [V] in their
-    inputs' dtypes."""
-    srcs = (x, weight, targets) + (() if bias is None else (bias,))
-    return call_fused(FUSED_LINEAR_CROSS_ENTROPY, *srcs, reduction=reduction,
-                      ignore_index=_ignore_index_param(ignore_index))
-
-
 def declare(reg):
-    # the backward helper has no well-known id: it takes the first id >= 0x8000 at import
-    bwd_id = reg.next_runtime_id()
+    bwd_id = FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD
     reg.add(FusedOpEntry(
         id=bwd_id, name=BACKWARD_NAME, family="backward", params=CrossEntropyParams,
         shape_rule=lambda shapes, p: [tuple(shapes[0])], dtype_rule=lambda dts, p: [dts[0]],
@@ -415,3 +387,45 @@ def declare(reg):
             "products per token chunk instead of four): x, weight, targets, [bias], grad -> "
             "(loss, dx, dweight[, dbias]). Put in place of a forward and its backward helper "
             "by the optimizer when the grad does not depend on the loss."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def fused_softmax_cross_entropy(logits, targets, reduction: str = "mean", ignore_index=-100):
+    """Softmax cross-entropy over the last axis. logits [..., V] float (rank >= 1, V >= 1),
+    targets int64 class indices shaped logits.shape[:-1]. Rows whose target equals ignore_index
+    (None: no row is ignored) give 0 and are left out of the mean; a target outside [0, V) that
+    is not ignore_index raises FuelGraphError when the graph runs. reduction "none" -> shape
+    targets.shape; "sum" -> []; "mean" -> [] = sum / (number of non-ignored rows), 0 when every
+    row is ignored. Output float32 (float64 for float64 logits)."""
+    if isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool):
+        ignore_index = int(ignore_index)
+    return call_fused(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, logits, targets,
+                      reduction=reduction, ignore_index=ignore_index)
+
+
+def _ignore_index_param(ignore_index):
+    if isinstance(ignore_index, numbers.Integral) and not isinstance(ignore_index, bool):
+        return int(ignore_index)
+    return ignore_index
+
+
+def fused_linear_cross_entropy(x, weight, targets, bias=None, reduction="mean",
+                               ignore_index=-100):
+    """Cross-entropy of a linear head, `cross_entropy(x @ weight.T + bias, targets)`, computed
+    without ever holding the [N, V] logits.
+
+    x [N, H] and weight [V, H] (nn.Linear's layout), optional bias [V], all one float dtype
+    (float32, float64, bfloat16, float16); targets [N] int64 class indices. Rows whose target
+    equals ignore_index (None: no row is ignored) give 0 and are left out of the mean; a target
+    outside [0, V) that is not ignore_index raises FuelGraphError when the graph runs.
+    reduction "none" -> [N]; "sum" -> []; "mean" -> [] = sum / (number of non-ignored rows), 0
+    when every row is ignored. The loss is float32 (float64 for float64 inputs).
+
+    The logits are what nn.Linear stores (rounded to the input dtype for 16-bit inputs); the
+    log-sum-exp, the matrix products and the loss accumulate in float32 (float64 for float64).
+    Differentiable in x, weight and bias: dx [N, H], dweight [V, H] and dbias [V] in their
+    inputs' dtypes."""
+    srcs = (x, weight, targets) + (() if bias is None else (bias,))
+    return call_fused(FUSED_LINEAR_CROSS_ENTROPY, *srcs, reduction=reduction,
+                      ignore_index=_ignore_index_param(ignore_index))

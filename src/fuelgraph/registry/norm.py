@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
-from .rules import pair_float_rowwise, same_as_input0, unary_float_rowwise
+from .rules import pair_float_rowwise, real_param, same_as_input0, unary_float_rowwise
 
 
 @dataclass(frozen=True)
@@ -158,3 +158,32 @@ def declare(reg):
             "upstream gradient (same shape and dtype), eps the forward eps. "
             "dx = r * (grad - x * sum(grad * x) / (n * den)) with den = mean(x*x) + eps, "
             "r = 1/sqrt(den); shape and dtype of x."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def rms_norm_last_dim(x, eps: float = 1e-6):
+    """RMS norm over the last axis, no weight: x / sqrt(mean(x * x, -1) + eps).
+    x [..., n] float (rank >= 1, n > 0) -> same shape and dtype."""
+    return call_fused(FusedOps.RMS_NORM_LAST_DIM, x, eps=real_param(eps))
+
+
+def layer_norm_last_dim(x, eps: float = 1e-5):
+    """Layer norm over the last axis, no gamma/beta (population variance):
+    (x - mean) / sqrt(mean((x - mean)**2) + eps). x [..., n] float (rank >= 1, n > 0) -> same
+    shape and dtype."""
+    return call_fused(FusedOps.LAYER_NORM_LAST_DIM, x, eps=real_param(eps))
+
+
+def layer_norm_last_dim_backward(x, grad, eps: float):
+    """Gradient of layer_norm_last_dim(x, eps): x [..., n] is the forward input, grad [..., n]
+    the upstream gradient (same shape and dtype) -> dx [..., n]:
+    r * (grad - mean(grad) - xhat * mean(grad * xhat)), r = 1/sqrt(var + eps), xhat = (x-mu)*r."""
+    return call_fused(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, x, grad, eps=real_param(eps))
+
+
+def rms_norm_last_dim_backward(x, grad, eps: float):
+    """Gradient of rms_norm_last_dim(x, eps): x [..., n] is the forward input, grad [..., n]
+    the upstream gradient (same shape and dtype) -> dx [..., n]:
+    r * (grad - x * sum(grad * x) / (n * den)), den = mean(x * x) + eps, r = 1/sqrt(den)."""
+    return call_fused(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, x, grad, eps=real_param(eps))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir.tensor import cat, stack
-from .core import BackwardKind, FusedOpEntry, FusedOps
+from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
 from .rules import check_arity, check_float, check_rank, check_same_dtype, same_as_input0
 
 _LABELS = ["x", "cos", "sin"]
@@ -59,7 +59,6 @@ def _vjp(xs, ys, gs, p):
     """dx is itself a rotation of g: rope(g, cos, -swap(sin)) is exactly the general formula
     (dx[i] = g[i]cos[i] + g[i+h]sin[i+h], dx[i+h] = g[i+h]cos[i+h] - g[i]sin[i] for
     rotate-half; swap pairs instead of halves for GPT-J). dcos/dsin sum over leading dims."""
-    from .core import call_fused
     x, cos, sin = xs
     g = gs[0]
     swap = swap_pairs if p.interleaved else swap_halves
@@ -109,3 +108,13 @@ def declare(reg):
             "dims) -> y, shape and dtype of x. interleaved=False: rotate-half (NeoX / HF), "
             "rot(x) = cat(-x[..., D/2:], x[..., :D/2]); interleaved=True: GPT-J pairs (2i, 2i+1), "
             "rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]. Differentiable in x, cos and sin."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def rope(x, cos, sin, interleaved: bool = False):
+    """Rotary embedding x * cos + rot(x) * sin. x [..., S, D] (rank >= 2, D even), cos/sin
+    exactly [S, D] with x's dtype (HF layout, broadcast over the leading dims) -> shape and dtype
+    of x. interleaved=False: rotate-half (NeoX / HF), rot(x) = cat(-x[..., D/2:], x[..., :D/2]);
+    interleaved=True: GPT-J pairs (2i, 2i+1)."""
+    return call_fused(FusedOps.ROPE, x, cos, sin, interleaved=interleaved)

@@ -68,3 +68,10 @@ def pair_float_rowwise(name, labels=("x", "grad"), min_last=0, min_rank=1):
             raise FuelGraphError(f"{name}: {labels[0]} has shape {srcs[0].shape}, expected a "
                                  f"last dimension >= {min_last}")
     return validate
+
+
+def real_param(v):
+    """A plain float for real numbers (params are hashed); anything else is left for the op's
+    validation to reject with a clear error."""
+    import numbers
+    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v

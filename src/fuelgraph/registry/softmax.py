@@ -42,3 +42,16 @@ def declare(reg):
         sample=lambda rng: _row_sample(rng) * 2,
         doc="dx = y * (grad - sum(grad * y, -1, keepdim)). y is the softmax OUTPUT [..., n], "
             "grad the upstream gradient (same shape and dtype)."))
+
+
+
+# ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
+def softmax_last_dim(x):
+    """Softmax over the last axis. x [..., n] float (rank >= 1) -> same shape and dtype."""
+    return call_fused(FusedOps.SOFTMAX_LAST_DIM, x)
+
+
+def softmax_last_dim_backward(y, grad):
+    """Gradient of softmax given its output y [..., n] and upstream grad [..., n]:
+    y * (grad - sum(grad * y, -1, keepdim=True))."""
+    return call_fused(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, y, grad)

@@ -9,7 +9,8 @@ from ..errors import FuelGraphError
 from ..ir.node import Value
 from ..ir.tensor import Tensor, bound_data
 from ..opt import optimize
-from .plan import build_plan, key_and_inputs
+from ..ir.node import key_and_inputs
+from .plan import build_plan
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 MAX_PLANS = 256
@@ -71,8 +72,7 @@ def compile_plan(vals: list[Value], lower_all: bool = False):
     STATS["plan_misses"] += 1
     be = get_backend(device)
     res = optimize(vals, bname, lower_all)
-    from ..backends.numpy.primitives import VIEW_OPS
-    plan = build_plan(res.outputs, be, bname, inputs, getattr(be, "view_ops", VIEW_OPS))
+    plan = build_plan(res.outputs, be, bname, inputs, be.view_ops, run_body)
     _PLANS[key] = plan
     if len(_PLANS) > MAX_PLANS:
         _PLANS.popitem(last=False)
@@ -145,19 +145,3 @@ def run_body(body, args: list) -> list:
         hit = _BODY_PLANS[body] = (plan, order)
     plan, order = hit
     return plan.run([args[i] for i in order])
-
-
-def run_scan(op, args, alloc) -> tuple:
-    """The Scan primitive on any backend: loop over t, running the body's cached plan;
-    `alloc(shape, dtype)` makes the stacked ys buffers."""
-    nc, nx = op.n_carry, op.n_xs
-    carries, xs, consts = list(args[:nc]), args[nc:nc + nx], list(args[nc + nx:])
-    y_meta = op.body.outputs[nc:]
-    ys = [alloc((op.length,) + y.shape, y.dtype) for y in y_meta]
-    steps = range(op.length - 1, -1, -1) if op.reverse else range(op.length)
-    for t in steps:
-        outs = run_body(op.body, carries + [x[t] for x in xs] + consts)
-        carries = list(outs[:nc])
-        for buf, y in zip(ys, outs[nc:]):
-            buf[t] = y
-    return tuple(carries) + tuple(ys)

@@ -5,33 +5,15 @@ their position, shape and dtype, so re-running the same model on new data skips 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass, field
 
 from ..errors import FuelGraphError
 from ..ir import ops
+from ..backends import select_kernel
+from ..backends.base import op_identity
 from ..ir.node import Node, Value, consumers, toposort
-
-
-def structural_key(outputs, order_inputs=None) -> tuple:
-    """Hashable structure of the graph under `outputs`; Input leaves become ("in", position,
-    shape, dtype, device) in first-visit order (or in `order_inputs` order when given)."""
-    return key_and_inputs(outputs, order_inputs)[0]
-
-
-def key_and_inputs(outputs, order_inputs=None) -> tuple[tuple, list[Node]]:
-    """(structural key, Input nodes in the order the key numbers them), in one walk."""
-    nodes = toposort([v.node for v in outputs])
-    index = {n: i for i, n in enumerate(nodes)}
-    inputs = {v.node: i for i, v in enumerate(order_inputs)} if order_inputs is not None else {}
-    parts = []
-    for n in nodes:
-        if isinstance(n.op, ops.Input):
-            pos = inputs.setdefault(n, len(inputs))
-            parts.append(("in", pos, n.op.shape, n.op.dtype, n.op.device))
-        else:
-            parts.append((n.op, tuple((index[s.node], s.slot) for s in n.srcs)))
-    key = (tuple(parts), tuple((index[v.node], v.slot) for v in outputs))
-    return key, sorted(inputs, key=inputs.get)
+from ..registry.core import default_registry
 
 
 @dataclass
@@ -100,22 +82,23 @@ class Plan:
         return [env[i] for i in self.output_slots]
 
 
-def _bind(impl, node: Node):
+def _bind(impl, node: Node, run_body):
     k = impl.kernel
     if isinstance(node.op, ops.Fused):
         kw = dataclasses.asdict(node.op.params) if dataclasses.is_dataclass(node.op.params) else {}
+    elif isinstance(node.op, ops.Scan):
+        body = node.op.body
+        kw = {"op": node.op, "run_body": lambda args: run_body(body, args)}
     else:
         kw = {"op": node.op}
     return (lambda *a, **extra: k(*a, **kw, **extra)) if kw else k
 
 
 def build_plan(outputs: list[Value], backend, backend_name: str, input_order: list[Node],
-               view_ops=()) -> Plan:
+               view_ops=(), run_body=None) -> Plan:
     """Schedule the optimized graph under `outputs` for `backend`; buffers of the Input nodes
     are passed to `Plan.run` in `input_order` (inputs the optimized graph no longer reads are
-    ignored)."""
-    from ..backends.base import op_identity, select_kernel
-    from ..registry.core import default_registry
+    ignored). `run_body(body, buffers)` runs a Scan body (the executor's cached body plans)."""
     nodes = toposort([v.node for v in outputs])
     users = consumers(nodes)
     order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops)
@@ -136,11 +119,12 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         if isinstance(op, ops.Input):
             continue
         impl = select_kernel(op_identity(op), backend_name, [s.shape for s in n.srcs],
-                             [s.dtype for s in n.srcs], op)
+                             [s.dtype for s in n.srcs],
+                             op.params if isinstance(op, ops.Fused) else op)
         if impl is None:
             raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
                                  f"{[s.dtype.name for s in n.srcs]}")
-        fn = _bind(impl, n)
+        fn = _bind(impl, n, run_body)
         if not n.srcs and isinstance(op, (ops.Const, ops.Full, ops.Iota)):
             buf = fn()
             if hasattr(buf, "flags"):
@@ -163,7 +147,6 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
     buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
     leaf, a graph output, or read after the op by something that depends on it) the op is
     marked to copy instead (left out of the returned set)."""
-    from ..registry.core import default_registry
     extra: dict[Node, set] = {}
     before: dict[Node, set] = {}                # reader -> destructive ops ordered after it
     ok: set = set()
@@ -226,7 +209,6 @@ def _toposort_with(nodes: list[Node], extra: dict[Node, set]) -> list[Node]:
         for d in ds:
             rev[d].append(n)
     indeg = {n: len(ds) for n, ds in deps.items()}
-    import heapq
     ready = [(pos[n], n.uid, n) for n in nodes if indeg[n] == 0]
     heapq.heapify(ready)
     out = []

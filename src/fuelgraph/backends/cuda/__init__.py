@@ -3,14 +3,10 @@ never needs it; `cuda_unavailable_reason()` says why it cannot be used here."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
-# fused ops with a CUDA kernel (Triton, or cuBLAS for FUSED_LINEAR), by registry name; kept
-# here so listing them needs neither torch nor a GPU (tests check it against backend.py)
-FUSED_KERNEL_NAMES = frozenset({
-    "softmax_last_dim", "fused_linear", "rms_norm_last_dim", "layer_norm_last_dim", "rope",
-    "softmax_last_dim_backward", "layer_norm_last_dim_backward", "rms_norm_last_dim_backward",
-    "reduce_max_to_backward", "powi_backward", "inplace_affine", "fused_softmax_cross_entropy",
-    "fused_softmax_cross_entropy_backward"})
+from ...registry.core import id_by_label
+from ..base import declared_kernels
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,8 +24,10 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-def __getattr__(name):
-    if name == "CudaBackend":
-        from .backend import CudaBackend
-        return CudaBackend
-    raise AttributeError(name)
+def declared_fused_ids() -> set[int]:
+    """Ids of the fused ops that have a CUDA kernel, read from the kernel modules' `@kernel`
+    declarations without importing them (listing needs neither torch nor a GPU)."""
+    labels = declared_kernels(Path(__file__).parent / "kernels", "cuda")
+    return {int(i) for i in map(id_by_label, labels) if i is not None}
+
+

@@ -2,9 +2,11 @@
 computed the way torch computes them (float32 internally, one rounding per op)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...ir import ops
+from ..base import scan_loop
 
 _UNARY = {
     "neg": torch.neg, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
@@ -120,17 +122,16 @@ def iota(*, op):
 
 
 def const(*, op):
-    import numpy as np
     a = op.array
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(_dev(op))
     return torch.from_numpy(a.copy()).to(_dev(op))
 
 
-def scan(*args, op):
-    from ...runtime.executor import run_scan
+def scan(*args, op, run_body):
     dev = args[0].device if args else torch.device("cuda")
-    return run_scan(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev))
+    return scan_loop(op, args, lambda shape, d: torch.empty(shape, dtype=tdtype(d), device=dev),
+                     run_body)
 
 
 PRIMITIVES = {

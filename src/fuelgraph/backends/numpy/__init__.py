@@ -1,21 +1,13 @@
-"""The NumPy backend (CPU): every primitive plus a fused kernel per registered op."""
+"""The NumPy backend (CPU): every primitive plus the fused kernels that the modules of this
+package declare with `@kernel(..., "numpy")` (imported here, so no list of ops exists)."""
 from __future__ import annotations
 
-import inspect
 import math
 
 import numpy as np
 
-from ...dtype import FLOATS
-from ..base import Cost, elementwise_cost, register_kernel
+from ..base import Cost, elementwise_cost, import_kernel_modules, register_kernel
 from . import primitives
-
-
-def _row_cost(flops_per_elem):
-    def cost(shapes, params=None):
-        n = sum(math.prod(s) for s in shapes)
-        return Cost(flops_per_elem * n, 4 * 2 * n)
-    return cost
 
 
 def _matmul_cost(shapes, params=None):
@@ -27,18 +19,14 @@ def _matmul_cost(shapes, params=None):
 class NumpyBackend:
     """Buffers are NumPy arrays on the host."""
     name = "numpy"
+    view_ops = primitives.VIEW_OPS
 
     def __init__(self):
         for op_cls, fn in primitives.PRIMITIVES.items():
             cost = _matmul_cost if op_cls.__name__ == "MatMul" else elementwise_cost
             register_kernel(op_cls.__name__, "numpy", fn, cost=cost, strided_input=True,
                             name=f"numpy.{fn.__name__}")
-        for op_id, fn, flops in _fused_kernels():
-            op_id = ("fused", op_id) if isinstance(op_id, str) else op_id
-            cost = flops if callable(flops) else _row_cost(flops)   # a Cost function, or
-            register_kernel(op_id, "numpy", fn, dtypes=None, cost=cost,   # flops per element
-                            name=f"numpy.{fn.__name__}",
-                            takes_out="out" in inspect.signature(fn).parameters)
+        import_kernel_modules(__name__)
 
     @staticmethod
     def run_context():
@@ -73,14 +61,3 @@ class NumpyBackend:
     @staticmethod
     def is_contiguous(buf) -> bool:
         return buf.flags.c_contiguous
-
-
-def _fused_kernels():
-    """(fused id, kernel, flops per element) for every family that has NumPy kernels."""
-    from ...registry.core import FusedOps as F
-    from . import families, softmax
-    return [(F.SOFTMAX_LAST_DIM, softmax.softmax_last_dim, 4),
-            (F.SOFTMAX_LAST_DIM_BACKWARD, softmax.softmax_last_dim_backward, 4)] + families.KERNELS
-
-
-__all__ = ["NumpyBackend", "FLOATS"]

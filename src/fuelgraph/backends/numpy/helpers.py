@@ -1,186 +1,15 @@
-"""NumPy fused kernels for small backward/elementwise helpers, plus shared kernel plumbing.
-
-Public kernels (spec `fused-ops.md` §10, §15, §16 and Appendix H):
-
-* `reduce_max_to_backward(x, grad)`  -- REDUCE_MAX_TO_BACKWARD (id 10), torch `amax` semantics.
-* `powi_backward(x, grad, *, exp)`    -- POWI_BACKWARD (id 15), `exp == 0` gives zeros (H.18).
-* `inplace_affine(x, *, mul, add)`    -- INPLACE_AFFINE (id 16), writes through `x`.
-
-Private plumbing shared by the sibling kernel modules (`norm`, `rope`, `loss`, ...):
-`acc_dtype` (float32 for 16/32-bit floats, float64 for float64), `row_spans` and `run_spans`,
-which process a 2-D row view in chunks, split over a small thread pool (NumPy releases the GIL
-inside ufunc loops, so two cores give up to ~2x on large arrays). Every per-row result is
-independent of the chunking and of the thread count, so kernels stay bit-stable on one machine.
-`FUELGRAPH_NUM_THREADS=1` in the environment disables the pool. `to_acc` / `store` widen and
-narrow halves; float16 goes through integer-op casts that are bit-identical to NumPy's but
-avoid its very slow path for float16 subnormal results.
-"""
+"""NumPy kernels of the primitives' backward helpers: REDUCE_MAX_TO_BACKWARD (id 10, torch
+`amax` semantics) and POWI_BACKWARD (id 15, `exp == 0` gives zeros)."""
 from __future__ import annotations
-
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from fuelgraph.errors import FuelGraphError
-
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
-_F16 = np.dtype(np.float16)
-_U32 = np.uint32
-#: elements per chunk (2 MiB of float32). Chunks are large on purpose: each NumPy call costs
-#: ~1 us of GIL-holding Python and every GIL hand-off between threads a wake-up, so small
-#: chunks lose more than they gain from L2 residency (the machine's L3 holds these arrays).
-CHUNK_ELEMS = 1 << 19
-#: below this many elements a kernel runs on the calling thread only
-PARALLEL_MIN_ELEMS = 1 << 18
-try:
-    NUM_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
-except AttributeError:  # pragma: no cover - non-Linux
-    NUM_THREADS = max(1, min(8, os.cpu_count() or 1))
-NUM_THREADS = int(os.environ.get("FUELGRAPH_NUM_THREADS", NUM_THREADS))
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+from ...registry.core import FusedOps
+from ..base import kernel, row_cost
+from .common import acc_dtype, row_spans, run_flat, run_spans, store, to_acc
 
 
-def _forget_pool() -> None:                 # a forked child has no pool threads: start afresh
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def acc_dtype(dt) -> np.dtype:
-    """Accumulation dtype: float64 for float64 inputs, float32 for float32/float16/bfloat16."""
-    return _F64 if np.dtype(dt) == _F64 else _F32
-
-
-def _f16_to_f32(src):
-    """Exact float16 -> float32 with integer ops (NumPy's own cast is ~3x slower here)."""
-    h = src.view(np.uint16).astype(_U32)
-    sign = np.bitwise_and(h, _U32(0x8000))
-    np.left_shift(sign, _U32(16), out=sign)
-    np.bitwise_and(h, _U32(0x7FFF), out=h)
-    special = h.max(initial=0) >= 0x7C00
-    np.left_shift(h, _U32(13), out=h)
-    out = np.multiply(h.view(np.float32), np.float32(2.0 ** 112))   # rebias; exact, subnormals too
-    if special:                                                       # inf / NaN
-        np.copyto(out.view(_U32), np.bitwise_or(h, _U32(0x7F800000)), where=h >= _U32(0x7C00 << 13))
-    np.bitwise_or(out.view(_U32), sign, out=out.view(_U32))
-    return out
-
-
-def _f32_to_f16(src, dst):
-    """float32 -> float16 with round-to-nearest-even, bit-identical to NumPy's cast (F. Giesen's
-    float_to_half_fast3_rtne, vectorised). NumPy's cast takes ~80 ns per element whose result is
-    a float16 subnormal (it raises the underflow flag per element); this stays ~3 ns."""
-    u = src.view(_U32)
-    a = np.bitwise_and(u, _U32(0x7FFFFFFF))
-    n = np.right_shift(a, _U32(13))
-    np.bitwise_and(n, _U32(1), out=n)                                 # lsb: ties to even
-    n += _U32((((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF)
-    n += a
-    np.right_shift(n, _U32(13), out=n)                                # normal results
-    if a.size and a.min() < (113 << 23):                              # zero / subnormal results
-        with np.errstate(invalid="ignore"):
-            sub = np.add(a.view(np.float32), np.float32(0.5)).view(_U32)   # FPU rounds to 2^-24
-        sub -= _U32(0x3F000000)
-        np.copyto(n, sub, where=a < _U32(113 << 23))
-    if a.size and a.max() >= 0x47800000:                              # overflow to inf, NaN
-        np.copyto(n, np.where(a > _U32(0x7F800000), _U32(0x7E00), _U32(0x7C00)),
-                  where=a >= _U32(0x47800000))
-    np.right_shift(u, _U32(16), out=a)
-    np.bitwise_and(a, _U32(0x8000), out=a)
-    np.bitwise_or(n, a, out=dst.view(np.uint16), casting="unsafe")
-
-
-def to_acc(a, acc):
-    """`a` in dtype acc: `a` itself if it already is, else a fresh converted array."""
-    if a.dtype == acc:
-        return a
-    if a.dtype == _F16 and acc == _F32:
-        return _f16_to_f32(a).reshape(a.shape)
-    return a.astype(acc)
-
-
-def store(dst, src) -> None:
-    """`dst[...] = src` (round to nearest even), with a fast float32 -> float16 path."""
-    if dst.dtype == _F16 and src.dtype == _F32 and dst.shape == src.shape:
-        _f32_to_f16(src, dst)
-    else:
-        dst[...] = src
-
-
-def row_spans(nrows: int, row_elems: int, chunk: int | None = None) -> list[tuple[int, int]]:
-    """Split `nrows` rows of `row_elems` elements into consecutive `(r0, r1)` spans of about
-    `chunk` elements (at least one row each, at least `NUM_THREADS` spans for large jobs)."""
-    step = max(1, (chunk or CHUNK_ELEMS) // max(1, row_elems))
-    if NUM_THREADS > 1 and nrows * row_elems >= PARALLEL_MIN_ELEMS:
-        step = max(1, min(step, -(-nrows // NUM_THREADS)))
-    return [(r, min(r + step, nrows)) for r in range(0, nrows, step)]
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(NUM_THREADS - 1, thread_name_prefix="fuelgraph-np")
-        return _pool
-
-
-def row_bufsize(row_elems: int | None) -> int | None:
-    """NumPy ufunc buffer size (elements) for elementwise ops over rows of `row_elems`, or None
-    to keep the default (8192). A row-broadcast operand (`a - m[:, None]`) cannot be coalesced
-    with the rows, so with the default buffer NumPy copies it into a buffer spanning several
-    rows of 1-4 Ki elements: ~3x the cost of a scalar multiply. A buffer no longer than a row
-    makes it pass the operand with stride 0 instead. Only elementwise speed changes: results are
-    bit-identical (a reduction over a row is split by the row length, not by the buffer)."""
-    if row_elems is None or not 768 <= row_elems < 8192:
-        return None
-    return row_elems - row_elems % 16
-
-
-def run_spans(fn, spans, total_elems: int, *, row_elems: int | None = None) -> None:
-    """Call `fn(r0, r1)` for every span. Large jobs are cut into `NUM_THREADS` contiguous groups
-    of spans; the calling thread runs one group and pool threads the rest. The caller's
-    `np.errstate` applies in every thread; with `row_elems` (the row length of the kernel's row
-    view) the ufunc buffer size is `row_bufsize(row_elems)` while `fn` runs. Exceptions
-    propagate."""
-    err = np.geterr()
-    bufsize = row_bufsize(row_elems)
-
-    def group(part):
-        with np.errstate(**err):
-            old = np.setbufsize(bufsize) if bufsize else None
-            try:
-                for r0, r1 in part:
-                    fn(r0, r1)
-            finally:
-                if bufsize:
-                    np.setbufsize(old)
-
-    nthr = min(NUM_THREADS, len(spans))
-    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:
-        group(spans)
-        return
-    bounds = [len(spans) * i // nthr for i in range(nthr + 1)]
-    parts = [spans[bounds[i]:bounds[i + 1]] for i in range(nthr)]
-    futures = [_get_pool().submit(group, p) for p in parts[1:]]
-    try:
-        group(parts[0])
-    finally:
-        for f in futures:
-            f.result()
-
-
-def run_flat(fn, n: int) -> None:
-    """`run_spans` over a flat buffer of `n` elements: `fn(i0, i1)` handles elements [i0, i1)."""
-    run_spans(fn, row_spans(n, 1), n)
-
-
+@kernel(FusedOps.REDUCE_MAX_TO_BACKWARD, "numpy", cost=row_cost(4))
 def reduce_max_to_backward(x, grad):
     """Backward of the primitive `ReduceMaxTo` (spec §10, H.15): torch `amax` semantics.
 
@@ -191,10 +20,6 @@ def reduce_max_to_backward(x, grad):
     and count 0, so -- exactly like torch's amax backward -- every element of that window is NaN
     (whatever grad is). Computed in float32 for 16/32-bit inputs, float64 for float64.
     """
-    op = "reduce_max_to_backward"
-    if grad.ndim != x.ndim or any(g not in (1, s) for g, s in zip(grad.shape, x.shape)):
-        raise FuelGraphError(f"{op}: input 'grad' has shape {grad.shape}, expected the keepdim "
-                             f"shape of a max over x of shape {x.shape}")
     acc = acc_dtype(x.dtype)
     axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, x.shape)) if g == 1 and s != 1)
     ga = to_acc(grad, acc)
@@ -246,6 +71,7 @@ def _powi_inplace(a, e: int, scratch):
         np.multiply(a, a, out=a)
 
 
+@kernel(FusedOps.POWI_BACKWARD, "numpy", cost=row_cost(4))
 def powi_backward(x, grad, *, exp):
     """Backward of `PowI(exp)` (spec §15, H.18): `dx = (exp * powi(x, exp - 1)) * grad`.
 
@@ -256,9 +82,6 @@ def powi_backward(x, grad, *, exp):
     float32 (16/32-bit inputs) or float64.
     """
     exp = int(exp)
-    if x.shape != grad.shape:
-        raise FuelGraphError(f"powi_backward: input 'grad' has shape {grad.shape}, "
-                             f"expected {x.shape} (shape of x)")
     if exp == 0:
         return np.zeros(x.shape, x.dtype)
     acc = acc_dtype(x.dtype)
@@ -283,34 +106,3 @@ def powi_backward(x, grad, *, exp):
     with np.errstate(all="ignore"):
         run_flat(work, x.size)
     return out.reshape(x.shape)
-
-
-def inplace_affine(x, *, mul, add, out=None):
-    """INPLACE_AFFINE (spec §16): `x <- mul * x + add` written INTO x; returns x (same object).
-    With `out` (a fresh array shaped like x) the result goes there and x is only read: the
-    runtime uses this when it may not overwrite x, instead of copying x first.
-
-    x: any shape, C-contiguous and writable. mul/add are narrowed to float32 for
-    float32/float16/bfloat16 inputs (float64 kept for float64). The product and the sum are
-    rounded separately in the accumulation dtype (no FMA); halves are widened to float32 and
-    rounded to nearest-even once on store.
-    """
-    if out is None and not (x.flags.c_contiguous and x.flags.writeable):
-        raise FuelGraphError("inplace_affine: input 'x' must be a writable C-contiguous array")
-    dst = x if out is None else out
-    acc = acc_dtype(x.dtype)
-    mul_a, add_a = acc.type(mul), acc.type(add)
-    src, flat = x.reshape(-1), dst.reshape(-1)
-    native = x.dtype == acc
-
-    def work(i0, i1):
-        d = flat[i0:i1]
-        t = d if native else to_acc(src[i0:i1], acc)
-        np.multiply(src[i0:i1] if native else t, mul_a, out=t)
-        np.add(t, add_a, out=t)
-        if not native:
-            store(d, t)
-
-    with np.errstate(all="ignore"):
-        run_flat(work, flat.size)
-    return dst

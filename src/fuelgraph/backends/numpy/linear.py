@@ -7,37 +7,25 @@ once (round to nearest even) to the input dtype.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from fuelgraph.errors import FuelGraphError
-
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
-
-_OP = "fused_linear"
+from ...registry.core import FusedOps
+from ..base import Cost, kernel
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 
-def _check(a, b, bias):
-    if a.ndim < 2:
-        raise FuelGraphError(f"{_OP}: input 'a' must have rank >= 2 ([..., M, K]), got {a.shape}")
-    if b.ndim < 2:
-        raise FuelGraphError(f"{_OP}: input 'b' must have rank >= 2 ([..., K, N]), got {b.shape}")
-    if a.shape[-1] != b.shape[-2]:
-        raise FuelGraphError(f"{_OP}: input 'b' has K = {b.shape[-2]} (shape {b.shape}), "
-                             f"expected K = {a.shape[-1]} from 'a' (shape {a.shape})")
-    if bias.shape != (b.shape[-1],):
-        raise FuelGraphError(f"{_OP}: input 'bias' has shape {bias.shape}, "
-                             f"expected ({b.shape[-1]},)")
-    for name, t in (("b", b), ("bias", bias)):
-        if t.dtype != a.dtype:
-            raise FuelGraphError(f"{_OP}: input '{name}' has dtype {t.dtype}, "
-                                 f"expected {a.dtype} (dtype of 'a')")
-    try:
-        return np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    except ValueError:
-        raise FuelGraphError(f"{_OP}: batch dims of 'a' {a.shape[:-2]} and 'b' {b.shape[:-2]} "
-                             f"do not broadcast") from None
+def _linear_cost(shapes, params=None):
+    """2*M*K*N flops per output batch plus the bias add; bytes of a, b, bias and out."""
+    a, b = shapes[0], shapes[1]
+    batch = math.prod(np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    m, k, n = a[-2], a[-1], b[-1]
+    out = batch * m * n
+    return Cost(2 * out * k + out, 4 * (math.prod(a) + math.prod(b) + n + out))
 
 
+@kernel(FusedOps.FUSED_LINEAR, "numpy", cost=_linear_cost)
 def fused_linear(a, b, bias):
     """FUSED_LINEAR: `out = a @ b + bias`.
 
@@ -47,7 +35,6 @@ def fused_linear(a, b, bias):
     "GQA-style" repeat of b batches, B_d % C_d == 0 with C_d > 1, is not NumPy broadcasting and
     is rejected.)
     """
-    _check(a, b, bias)
     dt, acc = a.dtype, acc_dtype(a.dtype)
     if dt != acc:
         a, b, bias = to_acc(a, acc), to_acc(b, acc), to_acc(bias, acc)

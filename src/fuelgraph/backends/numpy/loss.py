@@ -31,7 +31,13 @@ import numpy as np
 
 from fuelgraph.errors import FuelGraphError
 
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ...registry.loss import (FUSED_LINEAR_CROSS_ENTROPY, FUSED_LINEAR_CROSS_ENTROPY_BACKWARD,
+                              FUSED_LINEAR_CROSS_ENTROPY_FWD_BWD,
+                              FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD,
+                              FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
+from ..base import Cost, kernel, row_cost
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 _CE = "fused_softmax_cross_entropy"
 _FLCE = "fused_linear_cross_entropy"
@@ -172,6 +178,7 @@ def _loss_dtype(dt):
     return _F64 if np.dtype(dt) == _F64 else _F32
 
 
+@kernel(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, "numpy", cost=row_cost(6))
 def fused_softmax_cross_entropy(logits, targets, *, reduction, ignore_index):
     """Softmax cross-entropy: logits [..., V] float, targets [...] = logits.shape[:-1] int64.
 
@@ -186,6 +193,7 @@ def fused_softmax_cross_entropy(logits, targets, *, reduction, ignore_index):
     return _reduce(nll, valid, reduction, targets.shape, _loss_dtype(logits.dtype))
 
 
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD, "numpy", cost=row_cost(6))
 def fused_softmax_cross_entropy_backward(logits, targets, grad, *, reduction, ignore_index):
     """Gradient of the cross-entropy w.r.t. logits: shape and dtype of logits,
     `dlogits[r] = w_r * (softmax(x_r) - onehot(t_r))` with `w_r = grad / N_valid` (mean),
@@ -200,6 +208,7 @@ def fused_softmax_cross_entropy_backward(logits, targets, grad, *, reduction, ig
     return out
 
 
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD, "numpy", cost=row_cost(8))
 def fused_softmax_cross_entropy_fwd_bwd(logits, targets, grad, *, reduction, ignore_index):
     """Loss and dlogits in one pass over the logits: `(loss, dlogits)`, each exactly what
     `fused_softmax_cross_entropy` and `fused_softmax_cross_entropy_backward` return."""
@@ -215,6 +224,14 @@ def fused_softmax_cross_entropy_fwd_bwd(logits, targets, grad, *, reduction, ign
 
 
 # --- fused linear + cross-entropy -------------------------------------------------------------
+
+def flce_cost(gemms):
+    """Cost of `gemms` [N, H] x [H, V]-sized products plus the row pass over [N, V]."""
+    def cost(shapes, params=None):
+        (n, h), (v, _) = shapes[0], shapes[1]
+        return Cost(2 * n * h * v * gemms + 8 * n * v, 4 * (n * h + v * h) * (1 + gemms))
+    return cost
+
 
 def flce_chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> int:
     """Tokens per chunk: as many as fit `chunk_bytes` (default FLCE_CHUNK_BYTES) of float32
@@ -274,6 +291,7 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     return res[0] if len(res) == 1 else tuple(res)
 
 
+@kernel(FUSED_LINEAR_CROSS_ENTROPY, "numpy", cost=flce_cost(1))
 def fused_linear_cross_entropy(x, weight, targets, *bias, reduction, ignore_index):
     """Cross-entropy of the logits `x @ weight.T + bias` without materializing them.
 
@@ -284,6 +302,7 @@ def fused_linear_cross_entropy(x, weight, targets, *bias, reduction, ignore_inde
                  ignore_index, True, False)
 
 
+@kernel(FUSED_LINEAR_CROSS_ENTROPY_BACKWARD, "numpy", cost=flce_cost(4))
 def fused_linear_cross_entropy_backward(x, weight, targets, *rest, reduction, ignore_index):
     """Gradients of `fused_linear_cross_entropy`: inputs x, weight, targets, [bias], grad (0-d
     for mean/sum, [N] for none); returns `(dx, dweight)` or `(dx, dweight, dbias)`, each in its
@@ -293,6 +312,7 @@ def fused_linear_cross_entropy_backward(x, weight, targets, *rest, reduction, ig
                  ignore_index, False, True)
 
 
+@kernel(FUSED_LINEAR_CROSS_ENTROPY_FWD_BWD, "numpy", cost=flce_cost(3))
 def fused_linear_cross_entropy_fwd_bwd(x, weight, targets, *rest, reduction, ignore_index):
     """Loss and gradients in one sweep over the token chunks (three GEMMs per chunk instead of
     four): `(loss, dx, dweight[, dbias])`; inputs as `fused_linear_cross_entropy_backward`."""

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuelgraph.errors import FuelGraphError
-
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ..base import kernel, row_cost
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 
 def _rows(op, x, *others):
-    if x.ndim < 1 or x.shape[-1] == 0:
-        raise FuelGraphError(f"{op}: input 'x' must have rank >= 1 and a non-empty last axis, "
-                             f"got shape {x.shape}")
-    for o in others:
-        if o.shape != x.shape:
-            raise FuelGraphError(f"{op}: input 'grad' has shape {o.shape}, expected {x.shape}")
     n = x.shape[-1]
     acc = acc_dtype(x.dtype)
     return n, acc, [a.reshape(-1, n) for a in (x,) + others]
@@ -53,6 +47,7 @@ def _center_rstd(xc, out, ones, inv_n, eps_a, one):
     return c, r
 
 
+@kernel(FusedOps.RMS_NORM_LAST_DIM, "numpy", cost=row_cost(4))
 def rms_norm_last_dim(x, *, eps):
     """RMS_NORM_LAST_DIM (§3): x [..., n] -> y of the same shape/dtype.
 
@@ -81,6 +76,7 @@ def rms_norm_last_dim(x, *, eps):
     return out
 
 
+@kernel(FusedOps.LAYER_NORM_LAST_DIM, "numpy", cost=row_cost(7))
 def layer_norm_last_dim(x, *, eps):
     """LAYER_NORM_LAST_DIM (§4): x [..., n] -> y of the same shape/dtype (no gamma/beta).
 
@@ -105,6 +101,7 @@ def layer_norm_last_dim(x, *, eps):
     return out
 
 
+@kernel(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, "numpy", cost=row_cost(8))
 def rms_norm_last_dim_backward(x, grad, *, eps):
     """RMS_NORM_LAST_DIM_BACKWARD (§9): x, grad [..., n] -> dx of x's shape/dtype.
 
@@ -139,6 +136,7 @@ def rms_norm_last_dim_backward(x, grad, *, eps):
     return out
 
 
+@kernel(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, "numpy", cost=row_cost(12))
 def layer_norm_last_dim_backward(x, grad, *, eps):
     """LAYER_NORM_LAST_DIM_BACKWARD (§8): x, grad [..., n] -> dx of x's shape/dtype.
 

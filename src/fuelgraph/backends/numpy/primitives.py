@@ -8,6 +8,7 @@ import numpy as np
 
 from ...errors import FuelGraphError
 from ...ir import ops
+from ..base import scan_loop
 
 _HALF = {np.dtype("float16")}
 try:
@@ -159,9 +160,8 @@ def const(*, op):
     return op.array
 
 
-def scan(*args, op):
-    from ...runtime.executor import run_scan
-    return run_scan(op, args, lambda shape, d: np.empty(shape, d.np))
+def scan(*args, op, run_body):
+    return scan_loop(op, args, lambda shape, d: np.empty(shape, d.np), run_body)
 
 
 PRIMITIVES = {

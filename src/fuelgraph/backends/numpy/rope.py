@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuelgraph.errors import FuelGraphError
-
-from . import helpers as _h
-from .helpers import acc_dtype, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ..base import kernel, row_cost
+from . import common as _h
+from .common import acc_dtype, run_spans, store, to_acc
 
 _OP = "rope"
 
@@ -36,6 +36,7 @@ def _spans(batch: int, s: int, d: int) -> list[tuple[int, int]]:
     return [(b * s + i, b * s + min(i + per, s)) for b in range(batch) for i in range(0, s, per)]
 
 
+@kernel(FusedOps.ROPE, "numpy", cost=row_cost(4))
 def rope(x, cos, sin, *, interleaved):
     """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [S, D] -> y, shape/dtype of x.
 
@@ -48,14 +49,7 @@ def rope(x, cos, sin, *, interleaved):
     Each output element is `x*cos + (+-x_partner)*sin`: two products and one sum, rounded in
     the accumulation dtype.
     """
-    if x.ndim < 2:
-        raise FuelGraphError(f"{_OP}: input 'x' must have rank >= 2 ([..., S, D]), got {x.shape}")
     s, d = x.shape[-2], x.shape[-1]
-    if d % 2:
-        raise FuelGraphError(f"{_OP}: input 'x' has head_dim D = {d}; D must be even")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (s, d):
-            raise FuelGraphError(f"{_OP}: input '{name}' has shape {t.shape}, expected {(s, d)}")
     dt, acc = x.dtype, acc_dtype(x.dtype)
     out = np.empty(x.shape, dt)
     if x.size == 0:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .helpers import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.core import FusedOps
+from ..base import kernel, row_cost
+from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
 
 def _rowwise(work, x):
@@ -15,6 +17,7 @@ def _rowwise(work, x):
         run_spans(work, row_spans(rows, n), rows * n, row_elems=n)
 
 
+@kernel(FusedOps.SOFTMAX_LAST_DIM, "numpy", cost=row_cost(4))
 def softmax_last_dim(x):
     """x [..., n] -> softmax over the last axis, same shape and dtype. Max-subtracted, so huge
     finite values do not overflow; a row of all -inf, or holding +inf or NaN, gives NaN (as
@@ -42,6 +45,7 @@ def softmax_last_dim(x):
     return out
 
 
+@kernel(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "numpy", cost=row_cost(4))
 def softmax_last_dim_backward(y, grad):
     """y = softmax output [..., n], grad [..., n] -> dx = y * (grad - sum(grad * y, -1))."""
     if y.size == 0:

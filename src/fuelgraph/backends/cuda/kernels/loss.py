@@ -23,12 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fuelgraph.errors import fail
-
-from .helpers import check_float, next_pow2, num_sms, use_triton
-
-__all__ = ["fused_softmax_cross_entropy", "fused_softmax_cross_entropy_backward",
-           "fused_softmax_cross_entropy_fwd_bwd"]
+from ....errors import fail
+from ....registry.core import FusedOps
+from ....registry.loss import (FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD,
+                               FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
+from ...base import kernel, row_cost
+from .common import HALF_AND_F32, next_pow2, num_sms
 
 CHECK_TARGETS = os.environ.get("FUELGRAPH_CHECK_TARGETS", "0") == "1"
 
@@ -239,25 +239,6 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 # ---------------------------------------------------------------------------------------------
 
 
-def _check(op, logits, targets, reduction, ignore_index):
-    check_float(op, "logits", logits)
-    if not isinstance(targets, torch.Tensor):
-        raise fail(op, f"targets must be a torch.Tensor, got {type(targets).__name__}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise fail(op, f"targets must be int64 class indices, got {targets.dtype}")
-    if logits.dim() < 1:
-        raise fail(op, "logits must have rank >= 1 ([..., V])")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise fail(op, f"targets shape {tuple(targets.shape)} must equal logits.shape[:-1] = "
-                       f"{tuple(logits.shape[:-1])}")
-    if targets.device != logits.device:
-        raise fail(op, f"targets is on {targets.device}, logits on {logits.device}")
-    if reduction not in _REDUCTIONS:
-        raise fail(op, f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise fail(op, f"ignore_index must be an int or None, got {ignore_index!r}")
-
-
 def _check_targets(op, t, V, ignore_index):
     bad = (t < 0) | (t >= V)
     if ignore_index is not None:
@@ -274,54 +255,6 @@ def _split_plan(R: int, V: int, device: torch.device, splits=None):
     splits = max(1, min(int(splits), triton.cdiv(V, CE_BLOCK)))
     chunk = triton.cdiv(triton.cdiv(V, splits), CE_BLOCK) * CE_BLOCK
     return triton.cdiv(V, chunk), chunk
-
-
-def _fsce_torch(x, t, reduction, ignore_index):
-    acc = torch.float64
-    xf = x.reshape(-1, x.shape[-1]).to(acc)
-    tf = t.reshape(-1)
-    valid = torch.ones_like(tf, dtype=torch.bool) if ignore_index is None else tf != ignore_index
-    V = xf.shape[1]
-    nll = torch.zeros(xf.shape[0], dtype=acc, device=x.device)
-    if V > 0 and xf.shape[0] > 0:
-        lse = torch.logsumexp(xf, -1)
-        tc = tf.clamp(0, V - 1)
-        xt = xf.gather(1, tc[:, None])[:, 0]
-        in_range = (tf >= 0) & (tf < V)
-        nll = torch.where(valid, torch.where(in_range, lse - xt, float("nan")), 0.0)
-    if reduction == "none":
-        return nll.reshape(t.shape).to(torch.float32)
-    total = nll.sum()
-    if reduction == "mean":
-        n = valid.sum()
-        total = torch.where(n > 0, total / n.clamp(min=1), 0.0)
-    return total.to(torch.float32)
-
-
-def _fsce_bwd_torch(x, t, grad, reduction, ignore_index):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.reshape(-1, x.shape[-1]).to(acc)
-    tf = t.reshape(-1)
-    R, V = xf.shape
-    valid = torch.ones_like(tf, dtype=torch.bool) if ignore_index is None else tf != ignore_index
-    g = torch.as_tensor(grad, device=x.device).to(acc)
-    if reduction == "none":
-        w = g.reshape(-1)
-    elif reduction == "sum":
-        w = g.reshape(()).expand(R)
-    else:
-        w = (g.reshape(()) / valid.sum().clamp(min=1)).expand(R)
-    w = torch.where(valid, w, 0.0)
-    if V == 0 or R == 0:
-        return torch.zeros_like(x)
-    p = torch.softmax(xf, -1)
-    in_range = (tf >= 0) & (tf < V)
-    onehot = torch.zeros_like(p)
-    onehot.scatter_(1, tf.clamp(0, V - 1)[:, None], 1.0)
-    d = w[:, None] * (p - onehot)
-    d = torch.where((valid & ~in_range)[:, None], float("nan"), d)
-    d = torch.where(valid[:, None], d, 0.0)
-    return d.reshape(x.shape).to(x.dtype)
 
 
 def _fsce_forward(logits, targets, reduction, ignore_index, *, splits=None, block=None,
@@ -397,6 +330,7 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     return dx
 
 
+@kernel(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2))
 def fused_softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str,
                                 ignore_index: int | None) -> torch.Tensor:
     """Softmax cross-entropy of ``logits [..., V]`` against int64 ``targets [...]``.
@@ -404,37 +338,21 @@ def fused_softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, 
     ``reduction``: "mean" (over non-ignored rows; 0 when all are ignored), "sum" or "none"
     (shape ``targets.shape``, 0 on ignored rows). Output is float32.
     """
-    op = "fused_softmax_cross_entropy"
-    _check(op, logits, targets, reduction, ignore_index)
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
-        _check_targets(op, targets, V, ignore_index)
-    if not use_triton(logits):
-        return _fsce_torch(logits, targets, reduction, ignore_index)
+        _check_targets("fused_softmax_cross_entropy", targets, V, ignore_index)
     return _fsce_forward(logits, targets, reduction, ignore_index)
 
 
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2))
 def fused_softmax_cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor,
                                          grad, *, reduction: str,
                                          ignore_index: int | None) -> torch.Tensor:
     """``dlogits = w_r * (softmax(logits_r) - onehot(t_r))`` in the logits dtype, with
     ``w_r = grad / N_valid`` (mean), ``grad`` (sum) or ``grad[r]`` (none); 0 on ignored rows."""
-    op = "fused_softmax_cross_entropy_backward"
-    _check(op, logits, targets, reduction, ignore_index)
-    gshape = tuple(targets.shape) if reduction == "none" else ()
-    if isinstance(grad, torch.Tensor):
-        if tuple(grad.shape) != gshape and not (reduction != "none" and grad.numel() == 1):
-            raise fail(op, f"grad shape {tuple(grad.shape)} must be {gshape} for reduction "
-                           f"{reduction!r}")
-        if grad.device != logits.device:
-            raise fail(op, f"grad is on {grad.device}, logits on {logits.device}")
-    elif reduction == "none":
-        raise fail(op, "grad must be a tensor of targets.shape for reduction 'none'")
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
-        _check_targets(op, targets, V, ignore_index)
-    if not use_triton(logits):
-        return _fsce_bwd_torch(logits, targets, grad, reduction, ignore_index)
+        _check_targets("fused_softmax_cross_entropy_backward", targets, V, ignore_index)
     return _fsce_backward(logits, targets, grad, reduction, ignore_index)
 
 
@@ -518,6 +436,7 @@ def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
     return reduce_rows(loss_rows, t, reduction, ignore_index, targets.shape), dx
 
 
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(8, 2))
 def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, grad, *,
                                         reduction: str, ignore_index: int | None):
     """``(loss, dlogits)`` of the softmax cross-entropy in one pass over the logits: each row is

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from ....registry.loss import (FUSED_LINEAR_CROSS_ENTROPY, FUSED_LINEAR_CROSS_ENTROPY_BACKWARD,
+                               FUSED_LINEAR_CROSS_ENTROPY_FWD_BWD)
+from ...base import Cost, kernel
+from .common import HALF_AND_F32
 from .loss import CHECK_TARGETS, _check_targets, ce_rows, grad_weights_inputs, reduce_rows
-
-__all__ = ["fused_linear_cross_entropy", "fused_linear_cross_entropy_backward",
-           "fused_linear_cross_entropy_fwd_bwd", "chunk_rows"]
 
 #: share of the full [N, V] logits one token chunk may take (the issue's budget is 10%)
 FLCE_CHUNK_FRACTION = 0.08
@@ -89,6 +90,15 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     return res[0] if len(res) == 1 else tuple(res)
 
 
+def _cost(gemms):
+    def cost(shapes, params=None):
+        (n, h), (v, _) = shapes[0], shapes[1]
+        return Cost(2 * n * h * v * gemms + 8 * n * v, 2 * (n * h + v * h) * (1 + gemms))
+    return cost
+
+
+@kernel(FUSED_LINEAR_CROSS_ENTROPY, "cuda", dtypes=HALF_AND_F32, cost=_cost(1),
+        precision="fp32 accumulate")
 def fused_linear_cross_entropy(x, weight, targets, *bias, reduction, ignore_index):
     """Loss of ``cross_entropy(x @ weight.T + bias, targets)`` without the [N, V] logits:
     x [N, H], weight [V, H], targets [N] int64, optional bias [V] (x, weight, bias one dtype:
@@ -97,6 +107,8 @@ def fused_linear_cross_entropy(x, weight, targets, *bias, reduction, ignore_inde
                  None, reduction, ignore_index, True, False)
 
 
+@kernel(FUSED_LINEAR_CROSS_ENTROPY_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=_cost(4),
+        precision="fp32 accumulate; dW rounded to its dtype once per token chunk")
 def fused_linear_cross_entropy_backward(x, weight, targets, *rest, reduction, ignore_index):
     """``(dx, dweight[, dbias])``; inputs x, weight, targets, [bias], grad (the loss's shape)."""
     bias = rest[0] if len(rest) == 2 else None
@@ -104,6 +116,8 @@ def fused_linear_cross_entropy_backward(x, weight, targets, *rest, reduction, ig
                  reduction, ignore_index, False, True)
 
 
+@kernel(FUSED_LINEAR_CROSS_ENTROPY_FWD_BWD, "cuda", dtypes=HALF_AND_F32, cost=_cost(3),
+        precision="fp32 accumulate; dW rounded to its dtype once per token chunk")
 def fused_linear_cross_entropy_fwd_bwd(x, weight, targets, *rest, reduction, ignore_index):
     """``(loss, dx, dweight[, dbias])`` in one sweep: three GEMMs per chunk."""
     bias = rest[0] if len(rest) == 2 else None

@@ -12,17 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuelgraph.errors import fail
-
-from .helpers import (ROW_EVICT, check_float, check_same, flat_rows, launch_rows, row_tile,
-                      use_triton)
-
-__all__ = [
-    "rms_norm_last_dim",
-    "layer_norm_last_dim",
-    "rms_norm_last_dim_backward",
-    "layer_norm_last_dim_backward",
-]
+from ....registry.core import FusedOps
+from ...base import kernel, row_cost
+from .common import HALF_AND_F32, ROW_EVICT, flat_rows, launch_rows, row_tile
 
 
 # ----------------------------------------------------------------------------- whole-row kernels
@@ -181,50 +173,6 @@ def _ln_bwd_loop_kernel(x_ptr, g_ptr, dx_ptr, N, eps, BLOCK: tl.constexpr):
         tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# ----------------------------------------------------------------------------- torch references
-
-
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    return t.double() if t.dtype == torch.float64 else t.float()
-
-
-def _eps(t: torch.Tensor, eps: float) -> float:
-    # §3: eps is narrowed to float32 in the float32/bf16/f16 kernels, used as-is in float64
-    return float(eps) if t.dtype == torch.float64 else float(torch.tensor(eps, dtype=torch.float32))
-
-
-def _rms_torch(x, eps):
-    xf = _acc(x)
-    r = 1.0 / torch.sqrt((xf * xf).sum(-1, keepdim=True) * (1.0 / x.shape[-1]) + _eps(x, eps))
-    return (xf * r).to(x.dtype)
-
-
-def _ln_torch(x, eps):
-    xf = _acc(x)
-    n = x.shape[-1]
-    xc = xf - xf.sum(-1, keepdim=True) * (1.0 / n)
-    r = 1.0 / torch.sqrt((xc * xc).sum(-1, keepdim=True) * (1.0 / n) + _eps(x, eps))
-    return (xc * r).to(x.dtype)
-
-
-def _rms_bwd_torch(x, g, eps):
-    xf, gf = _acc(x), _acc(g)
-    n = x.shape[-1]
-    den = (xf * xf).sum(-1, keepdim=True) * (1.0 / n) + _eps(x, eps)
-    r = 1.0 / torch.sqrt(den)
-    s = (gf * xf).sum(-1, keepdim=True)
-    return (r * (gf - xf * s / (n * den))).to(x.dtype)
-
-
-def _ln_bwd_torch(x, g, eps):
-    xf, gf = _acc(x), _acc(g)
-    xc = xf - xf.mean(-1, keepdim=True)
-    r = 1.0 / torch.sqrt((xc * xc).mean(-1, keepdim=True) + _eps(x, eps))
-    xhat = xc * r
-    dx = r * (gf - gf.mean(-1, keepdim=True) - xhat * (gf * xhat).mean(-1, keepdim=True))
-    return dx.to(x.dtype)
-
-
 # ----------------------------------------------------------------------------- launchers
 
 _FWD = {"rms": (_rms_fwd_rows_kernel, _rms_fwd_loop_kernel),
@@ -265,50 +213,25 @@ def _norm_bwd(kind: str, x: torch.Tensor, grad: torch.Tensor, eps: float, *, blo
     return dx
 
 
-def _check(op: str, x: torch.Tensor, eps) -> float:
-    check_float(op, "x", x)
-    if x.dim() == 0:
-        raise fail(op, "x must have rank >= 1")
-    if x.shape[-1] == 0:
-        raise fail(op, "the last axis of x must be non-empty")
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise fail(op, f"eps must be a float, got {eps!r}") from None
-    return eps
-
-
+@kernel(FusedOps.RMS_NORM_LAST_DIM, "cuda", dtypes=HALF_AND_F32, cost=row_cost(4, 2))
 def rms_norm_last_dim(x: torch.Tensor, *, eps: float) -> torch.Tensor:
     """``y = x / sqrt(mean(x**2, -1) + eps)`` (no weight)."""
-    eps = _check("rms_norm_last_dim", x, eps)
-    if not use_triton(x):
-        return _rms_torch(x, eps)
     return _norm_fwd("rms", x, eps)
 
 
+@kernel(FusedOps.LAYER_NORM_LAST_DIM, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2))
 def layer_norm_last_dim(x: torch.Tensor, *, eps: float) -> torch.Tensor:
     """``y = (x - mean) / sqrt(var + eps)``, population variance, no affine."""
-    eps = _check("layer_norm_last_dim", x, eps)
-    if not use_triton(x):
-        return _ln_torch(x, eps)
     return _norm_fwd("ln", x, eps)
 
 
+@kernel(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2))
 def rms_norm_last_dim_backward(x: torch.Tensor, grad: torch.Tensor, *, eps: float) -> torch.Tensor:
     """``dx = r * (g - x * sum(g*x) / (n * (mean(x**2) + eps)))``, ``r = 1/sqrt(mean(x**2)+eps)``."""
-    op = "rms_norm_last_dim_backward"
-    eps = _check(op, x, eps)
-    check_same(op, "x", x, "grad", grad)
-    if not use_triton(x):
-        return _rms_bwd_torch(x, grad, eps)
     return _norm_bwd("rms", x, grad, eps)
 
 
+@kernel(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(8, 2))
 def layer_norm_last_dim_backward(x: torch.Tensor, grad: torch.Tensor, *, eps: float) -> torch.Tensor:
     """``dx = r * (g - mean(g) - xhat * mean(g * xhat))`` with stats recomputed from ``x``."""
-    op = "layer_norm_last_dim_backward"
-    eps = _check(op, x, eps)
-    check_same(op, "x", x, "grad", grad)
-    if not use_triton(x):
-        return _ln_bwd_torch(x, grad, eps)
     return _norm_bwd("ln", x, grad, eps)

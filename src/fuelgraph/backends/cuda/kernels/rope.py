@@ -25,11 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuelgraph.errors import fail
-
-from .helpers import check_float, next_pow2, use_triton
-
-__all__ = ["rope", "rope_backward"]
+from ....registry.core import FusedOps
+from ...base import kernel, row_cost
+from .common import HALF_AND_F32, next_pow2
 
 
 @triton.jit
@@ -97,28 +95,6 @@ def _rope_pair_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, OUTER, S, D, N_SBLK,
 # ---------------------------------------------------------------------------------------------
 
 
-def _rope_torch(x, cos, sin, interleaved, backward):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    a, c, s = x.to(acc), cos.to(acc), sin.to(acc)
-    if interleaved:
-        ae, ao = a[..., 0::2], a[..., 1::2]
-        ce, co, se, so = c[..., 0::2], c[..., 1::2], s[..., 0::2], s[..., 1::2]
-        if backward:
-            be, bo = ae * ce + ao * so, ao * co - ae * se
-        else:
-            be, bo = ae * ce - ao * se, ao * co + ae * so
-        out = torch.stack((be, bo), dim=-1).flatten(-2)
-    else:
-        h = x.shape[-1] // 2
-        a1, a2 = a[..., :h], a[..., h:]
-        c1, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
-        if backward:
-            out = torch.cat((a1 * c1 + a2 * s2, a2 * c2 - a1 * s1), dim=-1)
-        else:
-            out = torch.cat((a1 * c1 - a2 * s1, a2 * c2 + a1 * s2), dim=-1)
-    return out.to(x.dtype)
-
-
 def _rope_config(s: int, d: int, outer: int):
     """(BLOCK_S, OUTER_PER, num_warps): ~2048 x elements per unrolled step (two half tiles of
     1024 for rotate-half), 8 elements (16 bytes of bf16) per thread and load, 2 slices a program
@@ -158,36 +134,13 @@ def _rope_launch(x, cos, sin, interleaved, backward, *, block_s=None, outer_per=
     return y
 
 
-def _check(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved) -> None:
-    check_float(op, "x", x)
-    check_float(op, "cos", cos)
-    check_float(op, "sin", sin)
-    if not isinstance(interleaved, bool):
-        raise fail(op, f"interleaved must be a bool, got {interleaved!r}")
-    if x.dim() < 2:
-        raise fail(op, f"x must have rank >= 2 ([..., S, D]), got shape {tuple(x.shape)}")
-    S, D = x.shape[-2], x.shape[-1]
-    if D % 2:
-        raise fail(op, f"head_dim must be even, got D={D}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (S, D):
-            raise fail(op, f"{name} must have shape [S, D] = {[S, D]}, got {list(t.shape)}")
-        if t.device != x.device:
-            raise fail(op, f"{name} is on {t.device}, x on {x.device}")
-
-
+@kernel(FusedOps.ROPE, "cuda", dtypes=HALF_AND_F32, cost=row_cost(3, 2))
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
     """Rotary embedding of ``x [..., S, D]`` with tables ``cos``/``sin`` ``[S, D]``."""
-    _check("rope", x, cos, sin, interleaved)
-    if not use_triton(x):
-        return _rope_torch(x, cos, sin, interleaved, False)
     return _rope_launch(x, cos, sin, interleaved, False)
 
 
 def rope_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                   interleaved: bool) -> torch.Tensor:
     """``dx`` of :func:`rope` for upstream ``grad [..., S, D]`` (general-table formula)."""
-    _check("rope_backward", grad, cos, sin, interleaved)
-    if not use_triton(grad):
-        return _rope_torch(grad, cos, sin, interleaved, True)
     return _rope_launch(grad, cos, sin, interleaved, True)

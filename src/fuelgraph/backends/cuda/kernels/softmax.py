@@ -12,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .helpers import (ROW_EVICT, check_float, check_same, flat_rows, launch_rows, row_tile,
-                      use_triton)
-
-__all__ = ["softmax_last_dim", "softmax_last_dim_backward"]
+from ....registry.core import FusedOps
+from ...base import kernel, row_cost
+from .common import HALF_AND_F32, ROW_EVICT, flat_rows, launch_rows, row_tile
 
 
 @triton.jit
@@ -84,13 +83,6 @@ def _softmax_bwd_loop_kernel(y_ptr, g_ptr, dx_ptr, N, BLOCK: tl.constexpr):
 # ---------------------------------------------------------------------------------------------
 
 
-def _softmax_torch(x: torch.Tensor) -> torch.Tensor:
-    xf = x.double() if x.dtype == torch.float64 else x.float()
-    m = xf.amax(-1, keepdim=True)
-    e = torch.exp(xf - m)
-    return (e * (1.0 / e.sum(-1, keepdim=True))).to(x.dtype)
-
-
 def _softmax_fwd(x: torch.Tensor, *, block_r=None, num_warps=None, target=4096,
                  evict=ROW_EVICT) -> torch.Tensor:
     x, r, n = flat_rows(x)
@@ -114,28 +106,13 @@ def _softmax_bwd(y: torch.Tensor, grad: torch.Tensor, *, block_r=None, num_warps
     return dx
 
 
+@kernel(FusedOps.SOFTMAX_LAST_DIM, "cuda", dtypes=HALF_AND_F32, cost=row_cost(4, 2))
 def softmax_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last axis: ``exp(x - max) / sum(exp(x - max))``, float32 compute."""
-    op = "softmax_last_dim"
-    check_float(op, "x", x)
-    if x.dim() == 0:
-        from fuelgraph.errors import fail
-        raise fail(op, "x must have rank >= 1")
-    if not use_triton(x):
-        return _softmax_torch(x)
     return _softmax_fwd(x)
 
 
+@kernel(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(4, 2))
 def softmax_last_dim_backward(y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``dx = y * (grad - sum(grad * y, -1, keepdim=True))`` from the forward output ``y``."""
-    op = "softmax_last_dim_backward"
-    check_float(op, "y", y)
-    check_same(op, "y", y, "grad", grad)
-    if y.dim() == 0:
-        from fuelgraph.errors import fail
-        raise fail(op, "y must have rank >= 1")
-    if not use_triton(y):
-        yf = y.double() if y.dtype == torch.float64 else y.float()
-        gf = grad.to(yf.dtype)
-        return (yf * (gf - (gf * yf).sum(-1, keepdim=True))).to(y.dtype)
     return _softmax_bwd(y, grad)

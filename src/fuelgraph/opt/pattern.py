@@ -10,23 +10,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, toposort
+from ..ir.tensor import Tensor
+from ..registry.core import Traced
+from ..registry.core import trace_recipe as trace_raw
+from .canonicalize import CANONICALIZE
+from .canonicalize import COMMUTATIVE as _COMMUTATIVE
+from .engine import run_pass
 
 _SKIPPABLE = (ops.Reshape, ops.BroadcastTo)
 # the structural matcher may also step over casts (e.g. the float32 accumulation a 16-bit mean
 # inserts); the exact re-trace check decides whether they belong to the recipe
 _MATCH_SKIPPABLE = _SKIPPABLE + (ops.Cast,)
-from ..opt.canonicalize import COMMUTATIVE as _COMMUTATIVE
-
-
-@dataclass
-class Traced:
-    inputs: list[Value]
-    outputs: list[Value]
 
 
 @dataclass
@@ -51,6 +48,26 @@ class Match:
 
 
 @dataclass
+class Bound:
+    """A structural match before its params are verified: `bind` maps pattern nodes to the
+    graph values they matched. Entries' `read_params(bound)` read discrete params from it."""
+    pattern: "Pattern"
+    bind: dict
+    root: Value
+
+    def nodes_of(self, op_type) -> list[Node]:
+        """Graph nodes bound to the pattern's nodes of `op_type`, in pattern (topological)
+        order."""
+        order = toposort([self.pattern.root])
+        return [self.bind[p].node for p in order
+                if isinstance(p.op, op_type) and p in self.bind and p not in self.pattern.placeholders]
+
+    def capture(self, i: int) -> Value:
+        """The graph value bound to the recipe's i-th input."""
+        return self.bind[self.pattern.placeholders[i]]
+
+
+@dataclass
 class Miss:
     """A failed attempt: how many pattern nodes matched before `reason`."""
     op: str
@@ -59,31 +76,33 @@ class Miss:
     reason: str
 
 
-def _placeholders(sample):
-    from ..ir.tensor import tensor
-    rng = np.random.default_rng(0)
-    return [tensor(a) for a in sample(rng)]
-
-
 def trace_recipe(recipe, sample, params=None) -> Traced:
     """Trace `recipe` on fresh placeholder inputs shaped like `sample(rng)`; canonicalized."""
-    from ..opt.canonicalize import CANONICALIZE
-    from ..opt.engine import run_pass
-    xs = _placeholders(sample)
-    out = recipe(*xs, **(params or {}))
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    return Traced([x.value for x in xs], run_pass([o.value for o in outs], CANONICALIZE))
+    t = trace_raw(recipe, sample, params)
+    return Traced(t.inputs, run_pass(t.outputs, CANONICALIZE))
 
 
-def recipe_structure_key(recipe, sample) -> tuple:
-    """Structure of a traced recipe with placeholders abstracted: equal for identical recipes."""
-    t = trace_recipe(recipe, sample)
-    from ..runtime.plan import structural_key
-    return structural_key(t.outputs, order_inputs=t.inputs)
+_PATTERNS: dict[int, list] = {}
+
+
+def patterns_of(entry) -> list:
+    """Patterns derived from `entry`'s recipe (and extra spellings); built once, cached."""
+    pats = _PATTERNS.get(int(entry.id))
+    if pats is None:
+        pats = _PATTERNS[int(entry.id)] = derive_patterns(entry)
+    return pats
 
 
 def _sentinel(i: int) -> float:
     return 1.2345678e-3 + i * 1.1e-5
+
+
+def _int_sentinel(i: int) -> int:
+    return -987_654_321 - i
+
+
+_FLOAT_TYPES = (float, "float")
+_INT_TYPES = (int, "int", "int | None")
 
 
 def _op_sig(op):
@@ -101,8 +120,10 @@ def derive_patterns(entry) -> list[Pattern]:
         for i, f in enumerate(fields):
             if f.name in fixed:
                 params[f.name] = fixed[f.name]
-            elif f.type in (float, "float"):
+            elif f.type in _FLOAT_TYPES:
                 params[f.name] = sentinels[f.name] = _sentinel(i)
+            elif f.type in _INT_TYPES:     # an int constant of the graph (e.g. ignore_index)
+                params[f.name] = sentinels[f.name] = _int_sentinel(i)
             elif f.default is not dataclasses.MISSING:
                 params[f.name] = f.default
             else:
@@ -194,9 +215,6 @@ class _Matcher:
 
 def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
     """Match `pat` at `root`; on success the recipe is re-traced on the captures to verify."""
-    from ..ir.tensor import Tensor
-    from ..opt.canonicalize import CANONICALIZE
-    from ..opt.engine import run_pass
     m = _Matcher(pat)
     if not m.match(pat.root, root):
         return Miss(entry.name, repr(root), m.count, m.reason)
@@ -213,6 +231,11 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
                         f"(%{outside[0].uid}); fusing would duplicate it")
     params = {**pat.fixed, **m.params}
     try:
+        if entry.read_params is not None:
+            try:
+                params.update(entry.read_params(Bound(pat, m.bind, root)) or {})
+            except (LookupError, ValueError, TypeError, AttributeError) as e:
+                return Miss(entry.name, repr(root), m.count, f"params not readable here: {e!r}")
         p = entry.params(**params)
         entry.validate(caps, p)
         out = pat.recipe(*(Tensor(c) for c in caps), **dataclasses.asdict(p))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import dtype as dt
-from ..errors import FuelGraphError
+from . import dtype as dt
+from .backends import get_backend
+from .errors import FuelGraphError
+from .ir.tensor import _leaf
+from .runtime.executor import realize_raw
 
 
 def _torch():
@@ -18,14 +21,12 @@ def _torch():
 
 def from_torch(t, requires_grad: bool = False):
     """A leaf sharing `t`'s memory (CPU tensors as NumPy views, CUDA tensors as themselves)."""
-    from ..ir.tensor import _leaf
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise FuelGraphError(f"from_torch: expected a torch.Tensor, got {type(t).__name__}")
     d = dt.as_dtype(str(t.dtype).replace("torch.", ""))
     t = t.detach()
     if t.device.type == "cuda":
-        from . import get_backend
         dev = f"cuda:{t.device.index or 0}"
         get_backend(dev)
         return _leaf(t.contiguous(), d, dev, requires_grad)
@@ -42,7 +43,6 @@ def from_torch(t, requires_grad: bool = False):
 def from_dlpack(obj, requires_grad: bool = False):
     """A leaf sharing the memory of any DLPack producer (NumPy, torch, CuPy, JAX...)."""
     if isinstance(obj, np.ndarray):
-        from ..ir.tensor import _leaf
         a = obj.view()
         a.flags.writeable = False
         return _leaf(np.ascontiguousarray(a), dt.as_dtype(a.dtype), "cpu", requires_grad)
@@ -53,7 +53,6 @@ def from_dlpack(obj, requires_grad: bool = False):
 def to_torch(t):
     """Realize `t` and return a torch tensor (no copy for CUDA results; NumPy results are
     wrapped without copying)."""
-    from ..runtime.executor import realize_raw
     torch = _torch()
     buf = realize_raw([t])[0]
     if isinstance(buf, torch.Tensor):
