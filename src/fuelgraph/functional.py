@@ -5,13 +5,13 @@ them."""
 from .registry.affine import inplace_affine
 from .registry.helpers import powi_backward, reduce_max_to_backward
 from .registry.linear import fused_linear
-from .registry.loss import fused_softmax_cross_entropy
+from .registry.loss import fused_linear_cross_entropy, fused_softmax_cross_entropy
 from .registry.norm import (layer_norm_last_dim, layer_norm_last_dim_backward, rms_norm_last_dim,
                             rms_norm_last_dim_backward)
 from .registry.rope import rope
 from .registry.softmax import softmax_last_dim, softmax_last_dim_backward
 
 __all__ = ["inplace_affine", "powi_backward", "reduce_max_to_backward", "fused_linear",
-           "fused_softmax_cross_entropy", "layer_norm_last_dim", "layer_norm_last_dim_backward",
+           "fused_softmax_cross_entropy", "fused_linear_cross_entropy", "layer_norm_last_dim", "layer_norm_last_dim_backward",
            "rms_norm_last_dim", "rms_norm_last_dim_backward", "rope", "softmax_last_dim",
            "softmax_last_dim_backward"]
