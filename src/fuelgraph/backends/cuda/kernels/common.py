@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import dtype as _dt
+from .... import dtype as _dt
 
 # --------------------------------------------------------------------------------------------
 # shared utilities
