@@ -201,7 +201,7 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
     writes w * (softmax - onehot) into dx (which may be x itself: every element is read before
     the same thread overwrites it). N_MEAN divides "mean" when no row can be ignored."""
     pid = tl.program_id(0)
-    for i in tl.range(0, ITERS):
+    for i in range(0, ITERS):
         r = pid + i * NPROG
         live = r < R
         r = tl.minimum(r, R - 1)
