@@ -144,3 +144,21 @@ def test_float32_model_step_fuses_and_matches_torch():
     got = fg.realize([loss, X.grad, W.grad, B.grad])
     for a, r in zip(got, ref):
         np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-6)
+
+
+def test_bfloat16_head_cast_to_float32_fuses():
+    """A 16-bit head whose logits are cast to float32 for the loss (the usual mixed-precision
+    spelling) is what the op computes: it fuses, values and gradients stay torch's."""
+    import ml_dtypes
+    x, w, b, t = _data(np.float32, ignored=())
+    xb, wb, bb = (a.astype(ml_dtypes.bfloat16) for a in (x, w, b))
+    X, W, B = (fg.tensor(a, requires_grad=True) for a in (xb, wb, bb))
+    logits = (X @ W.mT + B).astype(fg.float32)
+    loss = -(logits.log_softmax(-1).gather(-1, fg.tensor(t).unsqueeze(-1))[..., 0]).mean()
+    grads = fg.grad([loss], [X, W, B])
+    assert fg.explain(loss).fused_ops == {"fused_linear_cross_entropy": 1}
+    assert fg.explain([loss] + grads).fused_ops == {"fused_linear_cross_entropy_fwd_bwd": 1}
+    ref = _torch(*(np.asarray(a, np.float64) for a in (xb, wb, bb)), t)
+    for got, want in zip(fg.realize([loss] + grads), ref):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0,
+                                   atol=3e-2 * max(np.abs(want).max(), 1.0))

@@ -2,8 +2,8 @@
 
 linear_head_cross_entropy
     `fused_softmax_cross_entropy(logits, t)` whose logits are a linear head -- `x @ w.T`
-    (MatMul of a [N, H] x with the transpose of a 2-D w) or `fused_linear(x, w.T, bias)` --
-    and are read by nothing else becomes `fused_linear_cross_entropy(x, w, t[, bias])`, so the
+    (MatMul of a [N, H] x with the transpose of a 2-D w) or `fused_linear(x, w.T, bias)`, or
+    such a 16-bit head cast to float32 -- and are read by nothing else becomes `fused_linear_cross_entropy(x, w, t[, bias])`, so the
     [N, V] logits are never stored. (Spelled entirely in primitives, the head and the
     cross-entropy idiom fuse directly through the op's derived pattern; this rule covers the
     forms where the cross-entropy or the head already is a fused node.)
@@ -55,8 +55,15 @@ def _supported(op_id, backend, srcs, params) -> bool:
 
 
 def _linear_head(logits: Value):
-    """(x, w, bias or None) when `logits` is x @ w.T (+ bias) with x [N, H] and w [V, H]."""
+    """((x, w, bias or None), nodes between the loss and x/w) when `logits` is x @ w.T (+ bias)
+    with x [N, H] and w [V, H] -- or a 16-bit such head cast to float32, which is what the op
+    computes anyway (its cross-entropy runs in float32)."""
     n = logits.node
+    chain = [n]
+    if (isinstance(n.op, ops.Cast) and n.op.dtype == n.srcs[0].dtype.acc != n.srcs[0].dtype
+            and n.srcs[0].dtype.is_float):
+        n = n.srcs[0].node
+        chain.append(n)
     bias = None
     if _is(n, FusedOps.FUSED_LINEAR):
         a, b, bias = n.srcs
@@ -66,7 +73,7 @@ def _linear_head(logits: Value):
         return None
     if len(a.shape) != 2 or not isinstance(b.node.op, ops.Permute) or b.node.op.perm != (1, 0):
         return None
-    return a, b.node.srcs[0], bias
+    return (a, b.node.srcs[0], bias), chain
 
 
 def rewrite(outputs: list[Value], backend: str | None, log) -> list[Value]:
@@ -82,9 +89,10 @@ def rewrite(outputs: list[Value], backend: str | None, log) -> list[Value]:
             continue
         logits, t = n.srcs
         head = _linear_head(logits)
-        if head is None or logits.node in out_nodes or len(users.get(id(logits.node), ())) != 1:
-            continue
-        x, w, bias = head
+        if head is None or any(m in out_nodes or len(users.get(id(m), ())) != 1
+                               for m in head[1]):
+            continue                 # the logits are read elsewhere: they must exist anyway
+        x, w, bias = head[0]
         srcs = (x, w, t) + (() if bias is None else (bias,))
         if _supported(FUSED_LINEAR_CROSS_ENTROPY, backend, srcs, n.op.params):
             new = fused_node(ops.Fused(FUSED_LINEAR_CROSS_ENTROPY, n.op.params), srcs)

@@ -1,29 +1,38 @@
-"""FUSED_SOFTMAX_CROSS_ENTROPY (id 17): softmax cross-entropy over the last axis with integer class
-targets (spec fused-ops.md §17, Appendix H.3).
+"""The loss family: softmax cross-entropy (id 17) and the fused linear + cross-entropy (0x101),
+each with a backward helper and a one-pass forward+backward op.
 
-    logits [..., V] float (rank >= 1, V >= 1), targets [...] = logits.shape[:-1] int64
+    fused_softmax_cross_entropy     logits [..., V], targets [...] int64 -> loss
+    fused_linear_cross_entropy      x [N, H], weight [V, H], targets [N] int64[, bias [V]]
+                                    -> loss of the logits x @ weight.T + bias
 
 Row r (of the flattened rows) is valid iff targets[r] != ignore_index (ignore_index=None: every
 row is valid). For a valid row `nll_r = logsumexp(x_r) - x_r[t_r]`; a valid target outside
 [0, V) raises FuelGraphError when the graph runs (kernel and recipe alike); ignored rows give 0.
 reduction "none" -> nll, shape targets.shape; "sum" -> sum over valid rows, shape [];
 "mean" -> that sum / N_valid, and 0 when no row is valid. Output float32 for float32, bfloat16
-and float16 logits, float64 for float64 logits.
+and float16 inputs, float64 for float64 inputs.
 
-The recipe is the stable log-softmax in primitives plus a gather, computed in float32 (16/32-bit
-logits) or float64, and honours ignore_index exactly like the kernel: ignored rows gather at a
-safe index 0 and are masked afterwards, so an ignored target is never read.
+The cross-entropy recipe is the stable log-softmax in primitives plus a gather, computed in
+float32 (16/32-bit logits) or float64, and honours ignore_index exactly like the kernel: ignored
+rows gather at a safe index 0 and are masked afterwards, so an ignored target is never read.
+The linear + cross-entropy recipe is the head as nn.Linear computes it (`x @ weight.T + bias`,
+in the inputs' dtype) followed by that recipe; its kernels never hold the [N, V] logits.
 
 Backward: `dlogits = w * (softmax(x) - onehot(t))` with w = g / N_valid (mean), g (sum), g[r]
-(none), and w = 0 on ignored rows. It is its own fused helper, `fused_softmax_cross_entropy_backward`
-(built-in id 0x100, beyond the 25 well-known ids), whose kernels make one pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
-is differentiable, so second order works.
+(none), and w = 0 on ignored rows: the helper `fused_softmax_cross_entropy_backward` (0x100),
+whose recipe (one fused softmax, then -w scattered at the target column) is differentiable, so
+second order works. `fused_linear_cross_entropy_backward` (0x102) gives (dx, dweight[, dbias])
+= (dl @ weight, dl.T @ x, column sums of dl). When a loss is realized together with its
+gradient, the optimizer replaces the forward and its helper by one `*_fwd_bwd` op (0x103,
+0x104; see fuelgraph.opt.loss_rules): the logits are streamed once, or formed once.
 
 Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
 primitives (`s = x - x.max(-1, keepdim=True); s - s.exp().sum(-1, keepdim=True).log()`, which
 is also what `x.log_softmax(-1)` builds), `gather(-1, t.unsqueeze(-1))` then `squeeze(-1)` or
 `[..., 0]`, negation, then `.mean()` / `.sum()` / nothing -- the negation either before the
-reduction (`nll = -picked; nll.mean()`) or after it (`-picked.mean()`)."""
+reduction (`nll = -picked; nll.mean()`) or after it (`-picked.mean()`). The same idiom over
+`x @ w.T + b` fuses into fused_linear_cross_entropy when the logits have no other reader (other
+spellings of a linear head under the cross-entropy are rewritten by fuelgraph.opt.loss_rules)."""
 from __future__ import annotations
 
 import math

@@ -1,12 +1,17 @@
-"""FUSED_SOFTMAX_CROSS_ENTROPY (spec §17, Appendix H.3) forward and backward on Triton.
+"""Softmax cross-entropy on Triton: forward, backward, and both in one pass (the kernels the
+fused linear + cross-entropy of ``loss_linear.py`` runs on each token chunk, too).
 
-The logits are streamed once in ``BLOCK``-wide chunks with an online (running max, rescaled
-sum) log-sum-exp; no logits-sized buffer is ever allocated. Rows are split over several programs
-(partial max/sum per split, combined afterwards) only when there are too few rows to fill the GPU.
+The logits are streamed in ``BLOCK``-wide chunks with an online (running max, rescaled sum)
+log-sum-exp; no logits-sized scratch buffer is ever allocated. Forward and backward: one program
+per row, rows split over several programs (partial max/sum per split, combined afterwards) only
+when there are too few rows to fill the GPU. One pass (``_ce_rows_kernel``): persistent
+programs, few enough rows in flight that a row read for its log-sum-exp is still in L2 when it
+is read again to write ``w * (softmax - onehot)`` -- the logits cross HBM once, the gradient
+once.
 
-Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the spec's fuel CPU
-kernel uses float64; the float32 chunked reduction lands ~1e-6 relative); the mean/sum over rows
-is accumulated in float64 in a single-program reduction kernel, then stored as float32.
+Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the chunked float32
+reduction lands ~1e-6 relative); the mean/sum over rows is accumulated in float64 in a
+single-program reduction kernel, then stored as float32.
 
 Targets outside ``[0, V)`` that are not ``ignore_index``: the kernels never read out of bounds
 (the gather index is clamped) and give that row a NaN loss (so a mean/sum becomes NaN) and a NaN
@@ -14,7 +19,6 @@ gradient row; they cannot raise cheaply on the GPU. Set ``CHECK_TARGETS = True``
 (or ``FUELGRAPH_CHECK_TARGETS=1`` in the environment) to have the Python wrapper run one torch
 reduction over ``targets`` first and raise ``FuelGraphError`` instead (costs a device sync).
 """
-
 from __future__ import annotations
 
 import os
