@@ -58,7 +58,11 @@ def _binary(n, a, b, y, g):
         e = _integer_exponent(b)
         if e is not None:
             return [call_fused(FusedOps.POWI_BACKWARD, a, g, exp=e), None]
-        return [g * b * a ** (b - 1.0), g * y * a.log()]
+        # torch's conventions at the edges: d/da is 0 where b == 0 (a ** 0 is constant, even
+        # at a == 0), d/db is 0 where a == 0 and b >= 0 (0 ** b does not depend on b there)
+        da = where(b == 0.0, 0.0, g * b * a ** (b - 1.0))
+        db = where((a == 0.0) & (b >= 0.0), 0.0, g * y * a.log())
+        return [da, db]
     if k in ("maximum", "minimum"):
         win = (a > b) if k == "maximum" else (a < b)
         tie = a == b
@@ -194,8 +198,14 @@ def grad(outputs, inputs, grad_outputs=None, _allow_unused=True,
     """d(outputs)/d(inputs) as lazy tensors (themselves differentiable).
     outputs: Tensor or list; inputs: list of Tensors (any values of the graph);
     grad_outputs: cotangents shaped like outputs (default: 1 for scalar outputs)."""
-    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    def as_list(x, what):
+        if isinstance(x, Tensor):
+            return [x]
+        if isinstance(x, (list, tuple)):
+            return list(x)
+        raise FuelGraphError(f"grad: {what} must be a Tensor or a list of Tensors, got "
+                             f"{type(x).__name__}")
+    outs, ins = as_list(outputs, "outputs"), as_list(inputs, "inputs")
     for what, ts in (("outputs", outs), ("inputs", ins)):
         bad = [type(t).__name__ for t in ts if not isinstance(t, Tensor)]
         if bad:

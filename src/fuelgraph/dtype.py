@@ -79,6 +79,12 @@ def as_dtype(x) -> DType:
     raise FuelGraphError(f"dtype: unsupported dtype {x!r}; expected one of {[d.name for d in ALL]}")
 
 
+def round_scalar(v: float, d: DType) -> float:
+    """The Python float `v` as stored in float dtype `d` (e.g. 70000.0 in float16 is inf)."""
+    with np.errstate(over="ignore"):
+        return float(np.asarray(v, dtype=np.float64).astype(d.np))
+
+
 def result_type(a: DType, b: DType) -> DType:
     """Binary promotion (JAX-like, small): equal -> same; float beats int; wider float wins;
     bfloat16 with float16 -> float32."""

@@ -183,6 +183,29 @@ def test_copied_when_it_cannot_be_reused(case):
     np.testing.assert_array_equal(bound_data(a.node), A)     # user data untouched
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_read_only_input_is_never_written(view):
+    """A leaf sharing read-only user memory (fg.from_dlpack of a NumPy array) is never
+    overwritten, directly or through a view: the runtime hands the kernel a fresh buffer
+    (`out=`) instead. (Replaces the NumPy kernel's old run-time rejection of a read-only x;
+    the kernel itself no longer validates its inputs.)"""
+    user = A.astype(np.float32)
+    user.flags.writeable = False
+    keep = user.copy()
+    a = fg.from_dlpack(user)
+    assert np.shares_memory(bound_data(a.node), user)
+    src = a.reshape(-1) if view else a
+    y = F.inplace_affine(src, 2.0, 1.0)
+    assert fg.explain(y).fused_ops == {"inplace_affine": 1}
+    plan, _ = compile_plan([y.value])
+    before = dict(plan.stats)
+    want = (keep * np.float32(2) + np.float32(1)).reshape(src.shape)
+    np.testing.assert_array_equal(y.numpy(), want)
+    np.testing.assert_array_equal(user, keep)
+    assert plan.stats.get("inplace_copies", 0) - before.get("inplace_copies", 0) == 1
+    assert plan.stats.get("inplace_reused", 0) == before.get("inplace_reused", 0)
+
+
 def test_cross_buffer_ordering_does_not_deadlock():
     """n1 overwrites x, n2 overwrites z; x is read after n2 and z after n1: granting both
     would need a cycle, so one of them copies."""

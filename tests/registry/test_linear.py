@@ -155,6 +155,12 @@ def test_empty_dims():
     ((3, 4), (4, 2), (2,), "fdf", "dtype"),
     ((3, 4), (4, 2), (2,), "ffh", "dtype"),
     ((3, 4), (4, 2), (2,), "iii", "dtype"),
+    # the cases the NumPy kernel used to re-check at run time (now build-time only)
+    ((4, 8), (7, 3), (3,), "fff", r"b has shape \(7, 3\), expected K = 8"),
+    ((4, 8), (8, 3), (4,), "fff", r"bias has shape \(4,\), expected \(3,\)"),
+    ((4, 4, 8), (2, 8, 3), (3,), "fff", "batch dims .* do not broadcast"),
+    ((8,), (8, 3), (3,), "fff", r"a has shape \(8,\), expected rank >= 2"),
+    ((2, 3), (3, 2), (2,), "fdf", "b has dtype float64, expected float32"),
 ])
 def test_validation_errors(sa, sb, sc, dts, match):
     dmap = {"f": np.float32, "d": np.float64, "h": np.float16, "i": np.int32}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 from ..errors import FuelGraphError
 from .base import KERNELS, BackendImpl, accepts
@@ -9,6 +10,7 @@ from .cuda import cuda_unavailable_reason
 from .numpy import NumpyBackend
 
 _LOADED: dict[str, object] = {}
+_LOCK = threading.RLock()
 
 
 def backend_name(device: str) -> str:
@@ -16,6 +18,13 @@ def backend_name(device: str) -> str:
 
 
 def get_backend_by_name(name: str):
+    if name in _LOADED:
+        return _LOADED[name]
+    with _LOCK:          # first use from several threads: one backend, kernels registered once
+        return _load(name)
+
+
+def _load(name: str):
     if name not in _LOADED:
         if name == "numpy":
             _LOADED[name] = NumpyBackend()

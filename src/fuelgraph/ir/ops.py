@@ -84,7 +84,7 @@ class Const(Op):
     device: str = "cpu"
 
     def __post_init__(self):
-        a = np.ascontiguousarray(self.array)
+        a = np.asarray(self.array, order="C")
         a.flags.writeable = False
         object.__setattr__(self, "array", a)
         object.__setattr__(self, "_key", (a.shape, str(a.dtype), self.device,
@@ -415,6 +415,10 @@ class ScatterAdd(Op):
                                       f"the rank of base {base.shape}")
         if src.dtype != base.dtype:
             raise _err("scatter_add", f"src dtype {src.dtype.name} != base dtype {base.dtype.name}")
+        big = [d for d in range(len(base.shape)) if d != self.axis and idx.shape[d] > base.shape[d]]
+        if big:
+            raise _err("scatter_add", f"index {idx.shape} exceeds base {base.shape} along axis "
+                                      f"{big[0]} (only the scatter axis {self.axis} may differ)")
         return [base.shape], [base.dtype], _device("scatter_add", srcs)
 
 

@@ -102,10 +102,14 @@ class Tensor:
         if isinstance(other, Tensor):
             return other
         if isinstance(other, (bool, int, float, np.number, np.bool_)):
+            # a Python scalar is weakly typed (torch's rule): it takes the tensor's dtype unless
+            # its category (bool < int < float) is higher, then the default of its category
+            v = other.item() if isinstance(other, np.generic) else other
             d = self.dtype
-            if isinstance(other, (float, np.floating)) and not d.is_float:
-                d = dt.float32
-            return full((), other.item() if isinstance(other, np.generic) else other, d, self.device)
+            cat = 2 if isinstance(v, float) else 0 if isinstance(v, bool) else 1
+            if cat > _category(d):
+                d = dt.float32 if cat == 2 else dt.int64
+            return full((), v, d, self.device)
         if isinstance(other, np.ndarray):
             return tensor(other, device=self.device)
         raise FuelGraphError(f"operand: cannot combine a Tensor with {type(other).__name__}")
@@ -136,6 +140,37 @@ class Tensor:
     def __lshift__(self, o): return self._binary("shl", o)
     def __rshift__(self, o): return self._binary("shr", o)
     def __neg__(self): return self._new(ops.Unary("neg"), self)
+    def __floordiv__(self, o): return self._floordiv(o)
+    def __rfloordiv__(self, o): return self._floordiv(o, True)
+
+    def _floordiv(self, o, reverse=False):
+        """Floor division (Python's //, torch.floor_divide): integers divide exactly with the
+        quotient rounded toward -inf; floats give floor(a / b)."""
+        a, b = self, self._lift(o)
+        if reverse:
+            a, b = b, a
+        a, b = promote(a, b, "floordiv")
+        if a.dtype is dt.bool_:
+            a, b = a.astype(dt.int64), b.astype(dt.int64)
+        if a.dtype.is_float:
+            return (a / b).floor()
+        a, b = broadcast_tensors(a, b, op="floordiv")
+        return a._new(ops.Binary("div"), a, b)   # integer Binary div floors (both backends)
+
+    def __invert__(self):
+        """Logical not for bool tensors, bitwise not (two's complement) for integers."""
+        if self.dtype is dt.bool_:
+            return self ^ True
+        if not self.dtype.is_int:
+            raise FuelGraphError(f"invert (~): needs a bool or integer tensor, got {self.dtype.name}")
+        ones = int(np.iinfo(self.dtype.np).max) if self.dtype.kind == "u" else -1
+        return self ^ ones
+
+    def __iter__(self):
+        """Iterate over the first axis (`q, k, v = qkv`, `for row in t`)."""
+        if not self.shape:
+            raise FuelGraphError("iter: iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
     def __matmul__(self, o): return matmul(self, self._lift(o))
     def __rmatmul__(self, o): return matmul(self._lift(o), self)
     def __lt__(self, o): return self._binary("lt", o, cls=ops.Compare)
@@ -218,7 +253,9 @@ class Tensor:
 
     def _reduce(self, kind, axis, keepdim):
         axes = self._axes(axis, kind)
-        x = self.astype(dt.int64) if kind == "sum" and self.dtype is dt.bool_ else self
+        # integer and bool sums and products widen to int64, as in torch (no silent wrap)
+        x = self.astype(dt.int64) if kind in ("sum", "prod") and not self.dtype.is_float \
+            else self
         if not axes:
             return x
         return x._new(ops.Reduce(kind, axes, keepdim), x)
@@ -324,8 +361,16 @@ class Tensor:
 
     def pad(self, pads: Sequence[tuple[int, int]], value=0.0) -> "Tensor":
         """Pad per axis with (lo, hi); negative entries crop."""
+        try:
+            pads = [(int(l), int(h)) for l, h in pads]
+        except (TypeError, ValueError):
+            raise FuelGraphError(f"pad: pads must be one (lo, hi) pair of ints per axis, got "
+                                 f"{pads!r}") from None
         if len(pads) != self.ndim:
             raise FuelGraphError(f"pad: needs {self.ndim} (lo, hi) pairs, got {len(pads)}")
+        for (l, h), n in zip(pads, self.shape):
+            if l + h + n < 0:
+                raise FuelGraphError(f"pad: cropping ({l}, {h}) exceeds an axis of size {n}")
         x = self
         if any(l < 0 or h < 0 for l, h in pads):
             x = x[tuple(slice(max(-l, 0), n - max(-h, 0)) for (l, h), n in zip(pads, x.shape))]
@@ -398,8 +443,11 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
     if a.dtype == object:
         raise FuelGraphError(f"tensor: data of type {type(data).__name__} is not numeric")
     if d is None:
-        d = dt.float32 if a.dtype == np.float64 and not isinstance(data, np.ndarray) else \
-            dt.int64 if a.dtype.kind in "iu" and not isinstance(data, np.ndarray) else dt.as_dtype(a.dtype)
+        # Python floats and ints take the default dtypes (float32, int64); NumPy arrays and
+        # NumPy scalars keep theirs
+        typed = isinstance(data, (np.ndarray, np.generic))
+        d = dt.float32 if a.dtype == np.float64 and not typed else \
+            dt.int64 if a.dtype.kind in "iu" and not typed else dt.as_dtype(a.dtype)
     a = np.array(a, dtype=d.np, copy=True, order="C")
     a.flags.writeable = False  # graph inputs are never written; outputs that alias them copy
     if requires_grad and not d.is_float:
@@ -414,9 +462,14 @@ def tensor(data, dtype=None, device="cpu", requires_grad=False) -> Tensor:
 def full(shape, value, dtype=dt.float32, device="cpu") -> Tensor:
     """A tensor of `shape` filled with the scalar `value` (checked to fit `dtype`)."""
     d = dt.as_dtype(dtype)
+    if isinstance(value, Tensor) or not isinstance(value, (bool, int, float, np.number, np.bool_)):
+        raise FuelGraphError(f"full: value must be a Python or NumPy scalar, got "
+                             f"{type(value).__name__}")
+    if d.is_int and isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        raise FuelGraphError(f"full: value {value!r} cannot be represented as {d.name}")
     try:
         v = bool(value) if d is dt.bool_ else int(value) if d.is_int else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise FuelGraphError(f"full: value {value!r} is not a {d.name} scalar") from None
     if d.is_int and not np.iinfo(d.np).min <= v <= np.iinfo(d.np).max:
         raise FuelGraphError(f"full: value {value!r} does not fit {d.name}")
@@ -430,8 +483,9 @@ def ones_like(t: Tensor): return full(t.shape, 1, t.dtype, t.device)
 
 
 def const(array, device="cpu") -> Tensor:
-    """A constant baked into the graph (use `tensor` for data you feed)."""
-    return Tensor(apply(ops.Const(np.asarray(array), _normalize_device(device))))
+    """A constant baked into the graph (use `tensor` for data you feed). The array is copied:
+    the caller's array stays writable and later changes to it do not reach the graph."""
+    return Tensor(apply(ops.Const(np.array(array, copy=True), _normalize_device(device))))
 
 
 def iota(n, dtype=dt.int64, device="cpu") -> Tensor:
@@ -443,6 +497,17 @@ def arange(start, stop=None, step=1, dtype=dt.int64, device="cpu") -> Tensor:
         start, stop = 0, start
     if step == 0:
         raise FuelGraphError("arange: step must not be zero")
+    d = dt.as_dtype(dtype)
+    if d is dt.bool_:
+        raise FuelGraphError("arange: dtype bool is not a numeric range; use an integer or "
+                             "float dtype")
+    if any(isinstance(v, float) for v in (start, stop, step)) and not d.is_float:
+        raise FuelGraphError(f"arange: float bounds {start, stop, step} need a float dtype, "
+                             f"got {d.name}")
+    if d.is_float:
+        n = max(0, math.ceil((stop - start) / step))
+        t = iota(n, d, device)
+        return t * step + start if (step != 1 or start) else t
     n = max(0, -(-(stop - start) // step))
     t = iota(n, dtype, device)
     if step != 1:
@@ -467,15 +532,26 @@ def broadcast_tensors(*ts: Tensor, op="broadcast") -> list[Tensor]:
     return [t.broadcast_to(shape) for t in ts]
 
 
+def _category(d: DType) -> int:
+    return 0 if d is dt.bool_ else 1 if d.is_int else 2
+
+
 def promote(a: Tensor, b: Tensor, op: str = "op") -> tuple[Tensor, Tensor]:
+    """The common dtype of a binary op, torch's rules: categories bool < int < float; a 0-d
+    operand (a Python scalar, or any 0-d tensor) beside a dimensioned one of the same category
+    takes the dimensioned operand's dtype, of a higher category keeps its own; otherwise
+    `dtype.result_type`."""
     if a.dtype == b.dtype:
         return a, b
-    # a python-scalar Full adopts the other operand's dtype (weak typing, as in JAX)
+    d = None
     for x, y in ((a, b), (b, a)):
-        if isinstance(x.node.op, ops.Full) and x.shape == () and (y.dtype.is_float or not x.dtype.is_float):
-            return (full((), x.node.op.value, y.dtype, y.device), b) if x is a else \
-                (a, full((), x.node.op.value, y.dtype, y.device))
-    d = dt.result_type(a.dtype, b.dtype)
+        if x.ndim == 0 and y.ndim > 0:
+            d = y.dtype if _category(x.dtype) <= _category(y.dtype) else x.dtype
+            if isinstance(x.node.op, ops.Full) and d == y.dtype:   # a scalar: retype, no cast
+                w = full((), x.node.op.value, d, y.device)
+                return (w, b) if x is a else (a, w)
+    if d is None:
+        d = dt.result_type(a.dtype, b.dtype)
     return a.astype(d), b.astype(d)
 
 
@@ -499,6 +575,9 @@ def where(cond, a, b) -> Tensor:
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """NumPy matmul semantics: 1-D operands are promoted and squeezed, batch dims broadcast."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor):
+            raise FuelGraphError(f"matmul: operand {name} must be a Tensor, got {type(t).__name__}")
     if a.ndim == 0 or b.ndim == 0:
         raise FuelGraphError(f"matmul: operands must be at least 1-D, got {a.shape} and {b.shape}")
     a, b = promote(a, b, "matmul")
@@ -574,6 +653,8 @@ def _getitem(x: Tensor, idx) -> Tensor:
             continue
         n = x.shape[ax]
         if isinstance(i, slice):
+            if i.step == 0:
+                raise FuelGraphError(f"getitem: slice step cannot be zero (axis {ax})")
             a, b, s = i.indices(n)
             cnt = len(range(a, b, s))
             if s < 0:  # select ascending, then flip the axis

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import ml_dtypes
 
 from ..ir import ops
 from ..ir.node import Node, Value, apply
@@ -125,7 +125,7 @@ def _exact_enough_reciprocal(c, d) -> bool:
     numbers of the dtype; otherwise the reciprocal over- or underflows."""
     if c == 0 or not math.isfinite(c):
         return False
-    info = np.finfo(d.np)
+    info = ml_dtypes.finfo(d.np)       # NumPy's finfo does not know bfloat16
     r = abs(1.0 / c)
     return float(info.tiny) <= r <= float(info.max) and float(info.tiny) <= abs(c)
 

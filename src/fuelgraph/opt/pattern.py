@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, toposort
 from ..ir.tensor import Tensor
-from ..registry.core import Traced
+from ..registry.core import FusedOpRegistry, Traced
 from ..registry.core import trace_recipe as trace_raw
 from .canonicalize import CANONICALIZE
 from .canonicalize import COMMUTATIVE as _COMMUTATIVE
@@ -83,6 +84,20 @@ def trace_recipe(recipe, sample, params=None) -> Traced:
 
 
 _PATTERNS: dict[int, list] = {}
+
+
+def reject_degenerate(entry) -> None:
+    """Registry validator: a recipe that canonicalizes to one of its own inputs (e.g.
+    `-(-t)`) would match every value of every graph; refuse it with a clear error."""
+    if not entry.has_pattern:
+        return
+    for p in derive_patterns(entry):
+        if p.size == 0 or p.root.node in p.placeholders:
+            raise FuelGraphError(f"registry.register({entry.name!r}): the recipe reduces to one of "
+                                 f"its inputs after canonicalization (nothing to fuse)")
+
+
+FusedOpRegistry.validators.append(reject_degenerate)
 
 
 def patterns_of(entry) -> list:
@@ -154,6 +169,7 @@ class _Matcher:
         self.pat = pat
         self.bind: dict[Node, Value] = {}
         self.params: dict = {}
+        self.param_dtypes: dict = {}
         self.count = 0
         self.reason = ""
 
@@ -184,6 +200,7 @@ class _Matcher:
                     self.reason = f"param {name} has two values"
                     return False
                 self.params[name] = gn.op.value
+                self.param_dtypes[name] = gn.op.dtype
             self.bind[pn] = g
             self.count += 1
             return True
@@ -242,11 +259,21 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
     except FuelGraphError as e:
         return Miss(entry.name, repr(root), m.count, f"captured inputs rejected: {e}")
     out = out[0] if isinstance(out, (tuple, list)) else out
-    got = run_pass([out.value], CANONICALIZE)[0]
+    # the graph is canonical already: stop at the captures (a fresh walk below them would
+    # make fusing a chain of n idioms cost O(n^2))
+    memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
+    got = run_pass([out.value], CANONICALIZE, memo=memo)[0]
     if got != root:
         return Miss(entry.name, repr(root), m.count,
                     "structure matched but the recipe re-traced on the captured inputs differs "
                     f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
+    # the fused op must compute with the constants the graph holds: a float param read off a
+    # 16-bit constant is that constant's rounded value (70000.0 in float16 is inf; the
+    # kernels narrow params to float32 themselves)
+    for name, d in m.param_dtypes.items():
+        v = params.get(name)
+        if isinstance(v, float) and d.is_float and d.itemsize < 4:
+            params[name] = round_scalar(v, d)
     return Match(caps, params, interior)
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..dtype import round_scalar
 from ..errors import FuelGraphError
+from ..ir.tensor import Tensor
 from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
 from .rules import check_arity, check_float, real_param, same_as_input0
 
@@ -63,5 +65,9 @@ def declare(reg):
 def inplace_affine(x, mul, add):
     """mul * x + add, elementwise. x any shape, float -> same shape and dtype. The kernel writes
     into x's buffer when no later reader needs x (otherwise it copies first); the values every
-    tensor reads are as if nothing were in place."""
-    return call_fused(FusedOps.INPLACE_AFFINE, x, mul=real_param(mul), add=real_param(add))
+    tensor reads are as if nothing were in place. mul and add are rounded to x's dtype, as the
+    recipe's constants are (so the kernel and the recipe agree, e.g. on float16 overflow)."""
+    mul, add = real_param(mul), real_param(add)
+    if isinstance(x, Tensor) and x.dtype.is_float and x.dtype.itemsize < 8:
+        mul, add = (round_scalar(v, x.dtype) if isinstance(v, float) else v for v in (mul, add))
+    return call_fused(FusedOps.INPLACE_AFFINE, x, mul=mul, add=add)

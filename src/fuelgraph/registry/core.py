@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, make_node, structural_key
+from ..ir.node import Node, Value, make_node, structural_key
 from ..ir.scan import placeholder
 
 RUNTIME_BASE = 0x8000
@@ -143,7 +143,10 @@ class FusedOpEntry:
 
 
 class FusedOpRegistry:
-    """Id -> entry. Iteration is in id order; ids are never reused."""
+    """Id -> entry. Iteration is in id order; ids are never reused. `validators` are called on
+    every entry registered at run time before it becomes visible (the optimizer adds one that
+    rejects recipes whose pattern would match anything); one that raises rejects the entry."""
+    validators: list[Callable] = []
 
     def __init__(self):
         self._entries: dict[int, FusedOpEntry] = {}
@@ -196,14 +199,18 @@ class FusedOpRegistry:
         the existing id when a structurally identical recipe is already registered. The op
         then fuses from its idiom and runs through its recipe until a kernel is registered for
         it (`fuelgraph.kernel(fid, backend)` decorating a function of the input arrays)."""
-        traced = trace_recipe(recipe, sample)
+        where = f"registry.register({name!r})"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise FuelGraphError(f"{where}: the name must be an identifier string")
+        if not callable(recipe) or not callable(sample):
+            raise FuelGraphError(f"{where}: recipe and sample must be callables")
+        traced = _checked_trace(where, recipe, sample)
         key = structural_key(traced.outputs, order_inputs=traced.inputs)
         with self._lock:
             if key in self._runtime_keys:
                 return self._runtime_keys[key]
             if name.lower() in self._by_name:
-                raise FuelGraphError(f"registry.register: name {name!r} is already taken")
-            fid = self.next_runtime_id()
+                raise FuelGraphError(f"{where}: name {name!r} is already taken")
             out_meta = [(o.shape, o.dtype) for o in traced.outputs]
             in_meta = [(p.shape, p.dtype) for p in traced.inputs]
 
@@ -222,14 +229,37 @@ class FusedOpRegistry:
                 return [d for _, d in _o]
 
             entry = FusedOpEntry(
-                id=fid, name=name.lower(), family=family, params=NoParams, shape_rule=shape_rule,
+                id=FusedOps.UNASSIGNED, name=name.lower(), family=family, params=NoParams, shape_rule=shape_rule,
                 dtype_rule=dtype_rule, validate=validate,
                 decompose=lambda *xs, _r=recipe: _r(*xs), backward=backward, sample=sample,
                 outputs=tuple(f"out{i}" for i in range(len(out_meta))),
                 doc=doc or (recipe.__doc__ or f"run-time fused op {name}"))
+            for check in self.validators:
+                check(entry)
+            entry.id = fid = self.next_runtime_id()
             self.add(entry)
             self._runtime_keys[key] = fid
         return fid
+
+
+def _checked_trace(where: str, recipe, sample) -> "Traced":
+    """Trace a run-time recipe, turning every way it can be unusable into a clear error."""
+    try:
+        arrays = sample(np.random.default_rng(0))
+        arrays = [np.asarray(a) for a in arrays]
+    except Exception as e:
+        raise FuelGraphError(f"{where}: sample(rng) must return a list of arrays ({e!r})") from None
+    try:
+        traced = trace_recipe(recipe, lambda rng: arrays)
+    except Exception as e:
+        raise FuelGraphError(f"{where}: the recipe raised {type(e).__name__}: {e} on the sample "
+                             f"inputs") from None
+    if not traced.outputs or any(not isinstance(o, Value) for o in traced.outputs):
+        raise FuelGraphError(f"{where}: the recipe must return a Tensor or a tuple of Tensors")
+    if any(o in traced.inputs for o in traced.outputs):
+        raise FuelGraphError(f"{where}: the recipe returns one of its inputs unchanged: "
+                             f"there is nothing to fuse")
+    return traced
 
 
 @dataclass
@@ -243,9 +273,11 @@ def trace_recipe(recipe, sample, params=None) -> Traced:
     from ..ir.tensor import tensor
     rng = np.random.default_rng(0)
     xs = [tensor(a) for a in sample(rng)]
+    # a pattern for the form without trailing optional inputs takes only the first n_inputs
+    xs = xs[:getattr(recipe, "n_inputs", len(xs))]
     out = recipe(*xs, **(params or {}))
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    return Traced([x.value for x in xs], [o.value for o in outs])
+    return Traced([x.value for x in xs], [getattr(o, "value", o) for o in outs])
 
 
 def _trace_meta(recipe, shapes, in_meta):

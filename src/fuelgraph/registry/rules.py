@@ -64,7 +64,7 @@ def pair_float_rowwise(name, labels=("x", "grad"), min_last=0, min_rank=1):
         check_rank(name, srcs[0], labels[0], min_rank)
         check_same_shape(name, srcs, labels)
         check_same_dtype(name, srcs, (0, 1), labels)
-        if srcs[0].shape[-1] < min_last:
+        if min_last and srcs[0].shape[-1] < min_last:
             raise FuelGraphError(f"{name}: {labels[0]} has shape {srcs[0].shape}, expected a "
                                  f"last dimension >= {min_last}")
     return validate

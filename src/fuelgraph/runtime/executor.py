@@ -1,6 +1,7 @@
 """Realization: optimize once per graph structure, plan, cache, run."""
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -14,7 +15,12 @@ from .plan import build_plan
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
 MAX_PLANS = 256
+#: bytes of constants that cached plans may keep alive together; least recently used plans
+#: are dropped beyond it (a plan's constants are real arrays only for fg.const data: Python
+#: scalars are 0-d broadcast views)
+MAX_PLAN_BYTES = 1 << 30
 STATS = {"plan_hits": 0, "plan_misses": 0}
+_CACHE_LOCK = threading.Lock()
 
 
 def _values(outputs) -> list[Value]:
@@ -64,18 +70,21 @@ def compile_plan(vals: list[Value], lower_all: bool = False):
     bname = backend_name(device)
     skey, inputs = _key_and_inputs(vals)
     key = (skey, bname, lower_all)
-    hit = _PLANS.get(key)
-    if hit is not None:
-        _PLANS.move_to_end(key)
-        STATS["plan_hits"] += 1
-        return hit, inputs
-    STATS["plan_misses"] += 1
+    with _CACHE_LOCK:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            _PLANS.move_to_end(key)
+            STATS["plan_hits"] += 1
+            return hit, inputs
+        STATS["plan_misses"] += 1
     be = get_backend(device)
     res = optimize(vals, bname, lower_all)
     plan = build_plan(res.outputs, be, bname, inputs, be.view_ops, run_body)
-    _PLANS[key] = plan
-    if len(_PLANS) > MAX_PLANS:
-        _PLANS.popitem(last=False)
+    with _CACHE_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > MAX_PLANS or (len(_PLANS) > 1 and sum(
+                p.nbytes() for p in _PLANS.values()) > MAX_PLAN_BYTES):
+            _PLANS.popitem(last=False)
     return plan, inputs
 
 

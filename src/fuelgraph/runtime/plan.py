@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from dataclasses import dataclass, field
 
 from ..errors import FuelGraphError
@@ -56,6 +57,11 @@ class Plan:
         for slot, buf in self.const_slots.items():
             env[slot] = buf
         be = self.backend
+        # live buffers per storage, kept only when a step may overwrite its input: aliasing is
+        # read off the buffers themselves (not a list of view ops), so an op whose output
+        # happens to alias its input (a scan returning its init carry, a kernel returning its
+        # argument) can never be overwritten while another live slot still reads it
+        refs = _StorageRefs(be, env) if self.destructive else None
         for st in self.steps:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
@@ -63,7 +69,8 @@ class Plan:
             kw = {}
             if st.inplace is not None:
                 k = st.inplace
-                if st.copy_first or be.writable_copy_needed(args[k]):
+                if st.copy_first or be.writable_copy_needed(args[k]) or \
+                        st.srcs[k] not in st.free or refs.shared(env[st.srcs[k]]):
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
                     else:
@@ -77,9 +84,42 @@ class Plan:
             else:
                 for i, o in enumerate(st.outs):
                     env[o] = r[i]
+            if refs is not None:
+                refs.add(env[o] for o in st.outs)
+                refs.drop(env[i] for i in st.free)
             for i in st.free:
                 env[i] = None
         return [env[i] for i in self.output_slots]
+
+    @property
+    def destructive(self) -> bool:
+        return any(st.inplace is not None for st in self.steps)
+
+    def nbytes(self) -> int:
+        """Bytes the plan keeps alive between runs (its materialized constants)."""
+        return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
+
+
+class _StorageRefs:
+    """How many live slots read each storage (by the backend's storage identity)."""
+
+    def __init__(self, backend, env):
+        self.backend, self.count = backend, {}
+        self.add(b for b in env if b is not None)
+
+    def add(self, bufs):
+        for b in bufs:
+            k = self.backend.storage(b)
+            self.count[k] = self.count.get(k, 0) + 1
+
+    def drop(self, bufs):
+        for b in bufs:
+            if b is not None:
+                self.count[self.backend.storage(b)] -= 1
+
+    def shared(self, buf) -> bool:
+        """Whether a live slot other than `buf`'s own reads `buf`'s storage."""
+        return self.count.get(self.backend.storage(buf), 0) > 1
 
 
 def _bind(impl, node: Node, run_body):
@@ -113,6 +153,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         for s in n.srcs:
             last_use[slot_of[(s.node, s.slot)]] = pos
     keep = {slot_of[(v.node, v.slot)] for v in outputs}
+    out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
     for pos, n in enumerate(order):
         op = n.op
@@ -125,6 +166,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
             raise FuelGraphError(f"{op.name}: no {backend_name} kernel for dtypes "
                                  f"{[s.dtype.name for s in n.srcs]}")
         fn = _bind(impl, n, run_body)
+        _check_size(n, backend, n in out_nodes)
         if not n.srcs and isinstance(op, (ops.Const, ops.Full, ops.Iota)):
             buf = fn()
             if hasattr(buf, "flags"):
@@ -140,6 +182,25 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
+
+
+# ops whose kernels return views (no allocation of their own)
+_NO_ALLOC = (ops.Full, ops.Input, ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice,
+             ops.Bitcast, ops.Detach)
+
+
+def _check_size(n: Node, backend, is_output: bool) -> None:
+    """Refuse, before anything is allocated, a buffer larger than the device's memory (views
+    allocate nothing, unless they are outputs, which are materialized)."""
+    if isinstance(n.op, _NO_ALLOC) and not is_output:
+        return
+    cap = backend.capacity_bytes()
+    for shape, d in zip(n.shapes, n.dtypes):
+        size = math.prod(shape) * d.itemsize
+        if size > cap:
+            raise FuelGraphError(f"{n.op.name}: output of shape {shape} {d.name} needs "
+                                 f"{size / 2**30:.1f} GiB, more than the {cap / 2**30:.1f} GiB "
+                                 f"this device has")
 
 
 def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set]:
@@ -177,7 +238,7 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
         readers = {u for g in group for u in users.get(id(g), ()) if u is not n and u not in group}
         # readers that must come after n, through data or through the ordering edges granted
         # so far (another destructive op on the same buffer, or on a buffer n's readers feed)
-        if readers & _descendants(n, users, before):
+        if readers and readers & _descendants(n, users, before):
             continue
         extra[n] = readers
         for r in readers:

@@ -23,7 +23,7 @@ class CudaBackend:
     def from_any(data, device):
         if isinstance(data, torch.Tensor):
             return data.to(device).contiguous()
-        a = np.ascontiguousarray(data)
+        a = np.asarray(data, order="C")
         if a.dtype.name == "bfloat16":
             return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
         return torch.from_numpy(a.copy()).to(device)
@@ -55,6 +55,19 @@ class CudaBackend:
     @staticmethod
     def copy(buf):
         return buf.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def storage(buf):
+        """Identity of the memory `buf` views."""
+        return (buf.device.index, buf.untyped_storage().data_ptr())
+
+    @staticmethod
+    def storage_nbytes(buf) -> int:
+        return int(buf.untyped_storage().nbytes())
+
+    @staticmethod
+    def capacity_bytes() -> int:
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 class GraphedPlan:

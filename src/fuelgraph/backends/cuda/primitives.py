@@ -114,7 +114,8 @@ def _dev(op):
 
 
 def full(*, op):
-    return torch.full(op.shape, op.value, dtype=tdtype(op.dtype), device=_dev(op))
+    """A broadcast view of one scalar: a constant costs no memory whatever its shape."""
+    return torch.full((), op.value, dtype=tdtype(op.dtype), device=_dev(op)).expand(op.shape)
 
 
 def iota(*, op):

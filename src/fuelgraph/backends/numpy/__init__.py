@@ -3,6 +3,7 @@ package declare with `@kernel(..., "numpy")` (imported here, so no list of ops e
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class NumpyBackend:
     def from_any(data, device="cpu"):
         if hasattr(data, "detach"):
             data = data.detach().cpu().numpy()
-        return np.ascontiguousarray(data)
+        return np.asarray(data, order="C")
 
     @staticmethod
     def to_numpy(buf):
@@ -44,7 +45,7 @@ class NumpyBackend:
 
     @staticmethod
     def contiguous(buf):
-        return np.ascontiguousarray(buf)
+        return np.asarray(buf, order="C")
 
     @staticmethod
     def writable_copy_needed(buf) -> bool:
@@ -61,3 +62,23 @@ class NumpyBackend:
     @staticmethod
     def is_contiguous(buf) -> bool:
         return buf.flags.c_contiguous
+
+    @staticmethod
+    def storage(buf):
+        """Identity of the memory `buf` views (the root of its .base chain)."""
+        while isinstance(getattr(buf, "base", None), np.ndarray):
+            buf = buf.base
+        return id(buf)
+
+    @staticmethod
+    def storage_nbytes(buf) -> int:
+        while isinstance(getattr(buf, "base", None), np.ndarray):
+            buf = buf.base
+        return int(buf.nbytes)
+
+    @staticmethod
+    def capacity_bytes() -> int:
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):   # pragma: no cover - non-POSIX
+            return 1 << 40

@@ -77,7 +77,7 @@ def cast(x, *, op):
 
 
 def bitcast(x, *, op):
-    return np.ascontiguousarray(x).view(op.dtype.np)
+    return np.asarray(x, order="C").view(op.dtype.np)
 
 
 def reduce(x, *, op):
@@ -149,7 +149,10 @@ def matmul(a, b, *, op):
 
 
 def full(*, op):
-    return np.full(op.shape, op.value, dtype=op.dtype.np)
+    """A read-only broadcast view of one scalar: a constant costs no memory whatever its
+    shape (consumers that need contiguous data copy it when they run)."""
+    with np.errstate(over="ignore"):
+        return np.broadcast_to(np.asarray(op.value).astype(op.dtype.np), op.shape)
 
 
 def iota(*, op):
