@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .backends import backend_name
 from .ir import ops
 from .ir.node import toposort
+from .opt.canonicalize import CANONICALIZE
 from .opt.passes import optimize
 from .runtime.executor import _device_of, _values
 
@@ -16,7 +17,8 @@ class ExplainReport:
     """fused_ops: {registry name: count in the optimized graph}; primitive_count: primitive
     (non-leaf) nodes after optimization; nodes_before: non-leaf nodes before; near_misses:
     {op name: first failed constraint of its best partial match}; lowered: {op name: times it
-    was lowered to its recipe}; backend: where it would run."""
+    was lowered to its recipe}; backend: where it would run; rules_fired: {canonicalization
+    rule name: times it fired}."""
     fused_ops: dict[str, int]
     primitive_count: int
     nodes_before: int
@@ -26,6 +28,7 @@ class ExplainReport:
     backend: str
     rewrites: list = field(default_factory=list)
     matched: dict[str, int] = field(default_factory=dict)   # idioms fused (before lowering)
+    rules_fired: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"fuelgraph explain (backend {self.backend})",
@@ -43,6 +46,9 @@ class ExplainReport:
         if self.lowered:
             lines.append("  lowered to primitives (no kernel on this backend, or lower_all):")
             lines += [f"    {name} x{n}" for name, n in sorted(self.lowered.items())]
+        if self.rules_fired:
+            lines.append("  canonicalization rules fired:")
+            lines += [f"    {name} x{n}" for name, n in sorted(self.rules_fired.items())]
         if self.near_misses:
             lines.append("  near misses (best partial match, first failed constraint):")
             lines += [f"    {name}: {why}" for name, why in sorted(self.near_misses.items())]
@@ -67,4 +73,5 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
               for k, m in res.misses.items() if m.matched >= min_matched}
     matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     return ExplainReport(fused, after - sum(fused.values()), before, after, misses, res.lowered,
-                         bname, res.log.events, dict(matched))
+                         bname, res.log.events, dict(matched),
+                         res.log.counts(CANONICALIZE.name))

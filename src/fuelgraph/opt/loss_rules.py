@@ -29,7 +29,7 @@ from ..registry.loss import (FUSED_LINEAR_CROSS_ENTROPY, FUSED_LINEAR_CROSS_ENTR
                              FUSED_LINEAR_CROSS_ENTROPY_FWD_BWD,
                              FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD,
                              FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
-from .engine import Pass, run_pass
+from .engine import rebuild
 
 PASS = "loss_rules"
 #: forward id -> (backward helper id, fused forward+backward id, rule name)
@@ -127,11 +127,22 @@ def _merge_pairs(outputs, nodes, backend, log):
 
 
 def _apply(outputs, repl, log):
-    def rule(n: Node):
+    """The graph under `outputs` with each node of `repl` replaced by its values (readers
+    rebuilt over the replacements)."""
+    memo: dict = {}
+
+    def remap(v: Value) -> Value:
+        return memo[v.node][v.slot] if v.node in memo else v
+
+    for n in toposort(outputs):
         hit = repl.get(n)
-        return None if hit is None else hit[1]
-    out = run_pass(outputs, Pass(PASS, [("replace", rule)]))
-    for n, (name, _, logged) in repl.items():
-        if logged:
-            log.events.append((PASS, name, repr(n)))
-    return out
+        if hit is not None:
+            vals = hit[1]
+            node = rebuild(vals[0].node, tuple(remap(s) for s in vals[0].node.srcs))
+            memo[n] = tuple(Value(node, v.slot) for v in vals)
+            if hit[2]:
+                log.events.append((PASS, hit[0], repr(n)))
+        else:
+            new = rebuild(n, tuple(remap(s) for s in n.srcs))
+            memo[n] = tuple(new.out(i) for i in range(new.nout))
+    return [remap(v) for v in outputs]

@@ -26,7 +26,9 @@ second order works. `fused_linear_cross_entropy_backward` (0x102) gives (dx, dwe
 gradient, the optimizer replaces the forward and its helper by one `*_fwd_bwd` op (0x103,
 0x104; see fuelgraph.opt.loss_rules): the logits are streamed once, or formed once.
 
-Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
+Fusion (variants over reduction, each without ignored rows or with ignore_index read off the
+graph's constant: `valid = t != ii`, a gather at `where(valid, t, 0)`, `where(valid, nll, 0.0)`,
+then `.sum()` or `.sum() / valid.astype(acc).sum().maximum(1.0)`): log-softmax written in
 primitives (`s = x - x.max(-1, keepdim=True); s - s.exp().sum(-1, keepdim=True).log()`, which
 is also what `x.log_softmax(-1)` builds), `gather(-1, t.unsqueeze(-1))` then `squeeze(-1)` or
 `[..., 0]`, negation, then `.mean()` / `.sum()` / nothing -- the negation either before the
@@ -324,7 +326,9 @@ def declare(reg):
             "[...] int64, grad shaped like the loss ([] for mean/sum, targets.shape for none) "
             "-> dlogits [..., V] in the logits dtype = w * (softmax(x) - onehot(t)), w = grad / "
             "N_valid (mean), grad (sum), grad[r] (none), 0 on ignored rows."))
-    variants = tuple({"reduction": r, "ignore_index": None} for r in REDUCTIONS)
+    # with and without ignored rows; ignore_index is read off the graph's constant
+    variants = tuple({"reduction": r, "ignore_index": None} for r in REDUCTIONS) + \
+        tuple({"reduction": r} for r in REDUCTIONS)
     reg.add(FusedOpEntry(
         id=FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, name=_NAME, family="forward",
         params=CrossEntropyParams, shape_rule=_shape_rule, dtype_rule=_dtype_rule,
