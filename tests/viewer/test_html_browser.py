@@ -15,9 +15,20 @@ from .browser import launch, open_page
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = Path(os.environ.get("FUELGRAPH_SCREENSHOTS", Path(__file__).parent / "screenshots"))
-DEMO_FUSED = {"rms_norm_last_dim", "rope", "softmax_last_dim", "fused_linear",
-              "fused_softmax_cross_entropy", "fused_softmax_cross_entropy_backward",
-              "rms_norm_last_dim_backward", "softmax_last_dim_backward"}
+
+
+def _demo_fused() -> set:
+    """What the optimizer fuses in the demo graph (the page must show every one of these), and
+    at least the model's norms, RoPE, attention softmax and their backward helpers."""
+    import fuelgraph as fg
+    from fuelgraph.cli import _demo_graph
+    got = set(fg.explain(_demo_graph()[1]).fused_ops)
+    assert {"rms_norm_last_dim", "rope", "softmax_last_dim", "rms_norm_last_dim_backward",
+            "softmax_last_dim_backward"} <= got, got
+    return got
+
+
+DEMO_FUSED = _demo_fused()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from ..ir.tensor import Tensor
 from ..registry.core import default_registry, fused_node
 from .canonicalize import CANONICALIZE
 from .engine import Pass, Pat, RewriteLog, Rule, canonical_memo, rebuild, run_pass
+from .loss_rules import rewrite as loss_rewrites
 from .pattern import _MAX_TRIES, Match, Miss, _op_sig, patterns_of, try_match
 
 
@@ -87,7 +88,7 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
         memo[n] = new
     for name in {e.name for e, _ in matches.values()}:
         misses.pop(name, None)
-    return [Value(memo[v.node], v.slot) for v in outputs]
+    return loss_rewrites([Value(memo[v.node], v.slot) for v in outputs], backend, log)
 
 
 def match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
