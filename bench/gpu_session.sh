@@ -27,8 +27,16 @@ for s in "$@"; do
       tail -45 "$OUT/r/pytest_cuda.log" | grep -vE "^\.+ *\[|^$" ;;
     bench_*) name=${s#bench_}; stage "$s"; extra=""
       [ "$name" = ssm ] && extra="--mamba-src anchors/mamba_ssm_src"
+      per="ARGS_$name"; extra="$extra ${!per:-}"
       timeout 420 python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
         > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
+    ssd_diag) stage ssd_diag      # which SSD kernel faults, and does exact fp32 fix the grads
+      for prec in tf32x3 ieee; do
+        FUELGRAPH_SSD_DOT_PRECISION=$prec CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest \
+          -q -p no:cacheprovider -x tests/backends/cuda/test_ssm.py -k "ssd_chunk_scan and float32" \
+          > "$OUT/r/ssd_$prec.log" 2>&1; echo "prec=$prec"; grep -E "^E  |passed|failed|File.*ssm" \
+          "$OUT/r/ssd_$prec.log" | head -12
+      done ;;
     *) echo "unknown stage $s" ;;
   esac
 done
