@@ -35,28 +35,14 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 
-def _import_kernels():
-    try:
-        from fuelgraph.backends.cuda import kernels
-        return kernels
-    except Exception as exc:  # the package __init__ may pull in unrelated, unfinished modules
-        print(f"[bench] plain import of fuelgraph failed ({exc!r}); loading kernels through a stub "
-              "fuelgraph package", file=sys.stderr)
-        for name in [m for m in sys.modules if m == "fuelgraph" or m.startswith("fuelgraph.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("fuelgraph")
-        pkg.__path__ = [str(SRC / "fuelgraph")]
-        sys.modules["fuelgraph"] = pkg
-        from fuelgraph.backends.cuda import kernels
-        return kernels
-
-
-K = _import_kernels()
 from fuelgraph.backends.cuda.kernels import loss as _loss  # noqa: E402
 from fuelgraph.backends.cuda.kernels import norm as _norm  # noqa: E402
-# (the package re-exports a *function* named ``rope``, which shadows the submodule attribute)
-_rope = sys.modules["fuelgraph.backends.cuda.kernels.rope"]
+from fuelgraph.backends.cuda.kernels import rope as _rope  # noqa: E402
 from fuelgraph.backends.cuda.kernels import softmax as _softmax  # noqa: E402
+
+# the kernels of the family modules under one name (each module registers its own)
+K = types.SimpleNamespace(**{n: getattr(m, n) for m in (_loss, _norm, _rope, _softmax)
+                             for n in dir(m) if not n.startswith("_") and callable(getattr(m, n))})
 
 try:
     import liger_kernel  # noqa: F401
@@ -273,6 +259,15 @@ def bench_rope(args, dtype=torch.bfloat16, shape=(8, 32, 4096, 128)):
     run("rope_q_and_k_interleaved", "fuelgraph", shape, dtype,
         lambda: (K.rope(q, cos, sin, interleaved=True), K.rope(k, cos, sin, interleaved=True)),
         byts)
+    # HF layout: per-batch tables [B, 1, S, D] (from position_ids), one block per batch
+    cos_b = cos[None, None].expand(shape[0], 1, S, D).contiguous()
+    sin_b = sin[None, None].expand(shape[0], 1, S, D).contiguous()
+    byts_b = 4 * nb(q) + 2 * nb(cos_b)
+    run("rope_q_and_k_per_batch_tables", "fuelgraph", shape, dtype,
+        lambda: (_rope.rope(q, cos_b, sin_b, interleaved=False),
+                 _rope.rope(k, cos_b, sin_b, interleaved=False)), byts_b)
+    run("rope_q_and_k_per_batch_tables", "torch eager", shape, dtype,
+        lambda: ref(q, k, cos_b, sin_b), byts_b)
     if args.sweep:
         for bs, op_, nw in [(16, 2, 4), (32, 2, 4), (32, 4, 8), (8, 4, 2), (16, 8, 4)]:
             run("rope_q_and_k", f"fuelgraph[bs={bs},op={op_},w={nw}]", shape, dtype,

@@ -29,14 +29,11 @@ class Step:
     inplace: tuple[int, ...] = ()   # destructive op: indices of the inputs it overwrites
     copy_first: tuple[bool, ...] = ()  # per destructive input: ordering could not prove the
     #                                    overwrite safe, so copy that input first
-    takes_out: bool = False    # ...or, if the kernel can (one destructive input), have it write
-    #                            a fresh buffer instead
+    takes_out: bool = False    # ...or, if the kernel can (one destructive input), have it
+    #                            write a fresh buffer instead
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
-    live_after: tuple[int, ...] = ()   # destructive steps: slots still read after this one
     site: tuple | None = None  # the user's source line that built the op (for errors)
-    live_rooted: tuple = ()    # per destructive input: the live_after slots whose storage
-    #                            can come from the same leaf or fresh buffer as that input
 
 
 @dataclass(eq=False)
@@ -48,6 +45,8 @@ class Plan:
     output_slots: list[int]
     n_slots: int
     stats: dict = field(default_factory=dict)
+    #: (shape, dtype) of every slot, for memory planning before a run (runtime/memory.py)
+    slot_types: list = field(default_factory=list)
 
     def run(self, inputs: list) -> list:
         ctx = getattr(self.backend, "run_context", None)
@@ -64,20 +63,20 @@ class Plan:
         for slot, buf in self.const_slots.items():
             env[slot] = buf
         be = self.backend
-        # when the caller's buffers are all distinct storage, a leaf's buffer can only be
-        # shared by what is derived from it: overwrite checks skip the other leaves
-        distinct = None
+        # live buffers per storage, kept only when a step may overwrite its input: aliasing is
+        # read off the buffers themselves (not a list of view ops), so an op whose output
+        # happens to alias its input (a scan returning its init carry, a kernel returning its
+        # argument) can never be overwritten while another live slot still reads it
+        refs = _StorageRefs(be, env) if self.destructive else None
         for st in self.steps:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
                 args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
             kw = {}
-            for j, (k, static_copy) in enumerate(zip(st.inplace, st.copy_first)):
-                if distinct is None:
-                    distinct = len({be.storage(b) for b in inputs}) == len(inputs)
-                live = st.live_rooted[j] if distinct else st.live_after
+            for k, static_copy in zip(st.inplace, st.copy_first):
                 if static_copy or be.writable_copy_needed(args[k]) or \
-                        self._aliased(args[k], env, live):
+                        st.srcs[k] not in st.free or refs.shared(env[st.srcs[k]]) or \
+                        st.srcs.count(st.srcs[k]) > 1:
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
                     else:
@@ -94,21 +93,42 @@ class Plan:
             else:
                 for i, o in enumerate(st.outs):
                     env[o] = r[i]
+            if refs is not None:
+                refs.add(env[o] for o in st.outs)
+                refs.drop(env[i] for i in st.free)
             for i in st.free:
                 env[i] = None
         return [env[i] for i in self.output_slots]
 
-    def _aliased(self, buf, env, live) -> bool:
-        """Whether `buf` shares storage with a buffer still needed after this step. Derived
-        from the buffers themselves (not from a list of view ops), so an op whose output
-        happens to alias its input (a scan returning its init carry, a kernel returning its
-        argument) can never be overwritten under a later reader."""
-        root = self.backend.storage(buf)
-        return any(env[j] is not None and self.backend.storage(env[j]) == root for j in live)
+    @property
+    def destructive(self) -> bool:
+        return any(st.inplace for st in self.steps)
 
     def nbytes(self) -> int:
         """Bytes the plan keeps alive between runs (its materialized constants)."""
         return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
+
+
+class _StorageRefs:
+    """How many live slots read each storage (by the backend's storage identity)."""
+
+    def __init__(self, backend, env):
+        self.backend, self.count = backend, {}
+        self.add(b for b in env if b is not None)
+
+    def add(self, bufs):
+        for b in bufs:
+            k = self.backend.storage(b)
+            self.count[k] = self.count.get(k, 0) + 1
+
+    def drop(self, bufs):
+        for b in bufs:
+            if b is not None:
+                self.count[self.backend.storage(b)] -= 1
+
+    def shared(self, buf) -> bool:
+        """Whether a live slot other than `buf`'s own reads `buf`'s storage."""
+        return self.count.get(self.backend.storage(buf), 0) > 1
 
 
 def _run_error(st: Step, e: Exception) -> FuelGraphError:
@@ -146,28 +166,17 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     donated_nodes = {input_order[i] for i in donated}
     order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops, donated_nodes)
     slot_of: dict[tuple[Node, int], int] = {}
-    n_slots = 0
+    slot_types = []
     for n in order:
         for i in range(n.nout):
-            slot_of[(n, i)] = n_slots
-            n_slots += 1
+            slot_of[(n, i)] = len(slot_types)
+            slot_types.append((n.shapes[i], n.dtypes[i]))
+    n_slots = len(slot_types)
     last_use: dict[int, int] = {}
     for pos, n in enumerate(order):
         for s in n.srcs:
             last_use[slot_of[(s.node, s.slot)]] = pos
     keep = {slot_of[(v.node, v.slot)] for v in outputs}
-    kind = {slot_of[(n, i)]: "leaf" if not n.srcs and not isinstance(n.op, ops.Scan) else
-            "fresh" if isinstance(n.op, _FRESH) and not isinstance(n.op, view_ops) else "derived"
-            for n in order for i in range(n.nout)}
-    # where each slot's storage can come from: a leaf or fresh buffer itself; a view, its
-    # source's; a fused op or scan (which may return an input), any of its inputs'
-    roots: dict[int, frozenset] = {}
-    for n in order:
-        ins = [roots[slot_of[(s.node, s.slot)]] for s in n.srcs]
-        for i in range(n.nout):
-            sl = slot_of[(n, i)]
-            roots[sl] = frozenset((sl,)) if kind[sl] != "derived" else \
-                ins[0] if isinstance(n.op, view_ops) and ins else frozenset().union(*ins)
     out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
     for pos, n in enumerate(order):
@@ -191,29 +200,14 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = _destructive(n)
-        # slots whose buffer may be the one overwritten: a fresh result (most primitives
-        # allocate theirs) never shares storage with a leaf or another fresh result, only
-        # with what is derived from it (views, fused ops and scans, which may return an input)
-        cls = {kind[slot_of[(n.srcs[k].node, n.srcs[k].slot)]] for k in d}
-        ok_kinds = {"derived"} | ({"leaf"} if cls & {"leaf", "derived"} else set()) | \
-            ({"fresh"} if "derived" in cls else set())
-        live = tuple(j for j in sorted({j for j, last in last_use.items() if last > pos} |
-                                       keep | set(const_slots)) if kind[j] in ok_kinds) \
-            if d else ()
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d, tuple((n, k) not in inplace_ok for k in d),
                           impl.takes_out and len(d) == 1, not impl.strided_input,
-                          impl.name or op.name, live, n.site,
-                          tuple(tuple(j for j in live if roots[j] & roots[slot_of[(
-                              n.srcs[k].node, n.srcs[k].slot)]]) for k in d)))
+                          impl.name or op.name, n.site))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
-                [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
+                [slot_of[(v.node, v.slot)] for v in outputs], n_slots, slot_types=slot_types)
 
-
-# primitives whose kernels always return a newly allocated buffer (never an input or a view)
-_FRESH = (ops.Unary, ops.Binary, ops.Compare, ops.Where, ops.Cast, ops.Reduce, ops.Concat,
-          ops.Pad, ops.Gather, ops.Take, ops.ScatterAdd, ops.MatMul)
 
 # ops whose kernels return views (no allocation of their own)
 _NO_ALLOC = (ops.Full, ops.Input, ops.Reshape, ops.Permute, ops.BroadcastTo, ops.Slice,
@@ -243,7 +237,8 @@ def _destructive(n: Node) -> tuple[int, ...]:
                  if k < len(n.srcs))
 
 
-def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) -> tuple[list[Node], set]:
+def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) \
+        -> tuple[list[Node], set]:
     """Topological order in which every destructive op runs after all other readers of the
     buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
     leaf that was not donated, a graph output, or read after the op by something that depends
@@ -278,10 +273,10 @@ def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) -> 
             # readers that must come after n, through data or through the ordering edges
             # granted so far (another destructive op on the same buffer, or on a buffer n's
             # readers feed)
-            if readers & _descendants(n, users, before):
+            if readers and readers & _descendants(n, users, before):
                 continue
             # the same buffer passed twice to n (as another input) is a reader inside n
-            if sum(1 for j, s in enumerate(n.srcs) if j != k and s.node in group):
+            if any(j != k and s.node in group for j, s in enumerate(n.srcs)):
                 continue
             extra.setdefault(n, set()).update(readers)
             for r in readers:

@@ -1,12 +1,17 @@
-"""FUSED_SOFTMAX_CROSS_ENTROPY (spec §17, Appendix H.3) forward and backward on Triton.
+"""Softmax cross-entropy on Triton: forward, backward, and both in one pass (the kernels the
+fused linear + cross-entropy of ``loss_linear.py`` runs on each token chunk, too).
 
-The logits are streamed once in ``BLOCK``-wide chunks with an online (running max, rescaled
-sum) log-sum-exp; no logits-sized buffer is ever allocated. Rows are split over several programs
-(partial max/sum per split, combined afterwards) only when there are too few rows to fill the GPU.
+The logits are streamed in ``BLOCK``-wide chunks with an online (running max, rescaled sum)
+log-sum-exp; no logits-sized scratch buffer is ever allocated. Forward and backward: one program
+per row, rows split over several programs (partial max/sum per split, combined afterwards) only
+when there are too few rows to fill the GPU. One pass (``_ce_rows_kernel``): persistent
+programs, few enough rows in flight that a row read for its log-sum-exp is still in L2 when it
+is read again to write ``w * (softmax - onehot)`` -- the logits cross HBM once, the gradient
+once.
 
-Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the spec's fuel CPU
-kernel uses float64; the float32 chunked reduction lands ~1e-6 relative); the mean/sum over rows
-is accumulated in float64 in a single-program reduction kernel, then stored as float32.
+Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the chunked float32
+reduction lands ~1e-6 relative); the mean/sum over rows is accumulated in float64 in a
+single-program reduction kernel, then stored as float32.
 
 Targets outside ``[0, V)`` that are not ``ignore_index``: the kernels never read out of bounds
 (the gather index is clamped) and give that row a NaN loss (so a mean/sum becomes NaN) and a NaN
@@ -14,7 +19,6 @@ gradient row; they cannot raise cheaply on the GPU. Set ``CHECK_TARGETS = True``
 (or ``FUELGRAPH_CHECK_TARGETS=1`` in the environment) to have the Python wrapper run one torch
 reduction over ``targets`` first and raise ``FuelGraphError`` instead (costs a device sync).
 """
-
 from __future__ import annotations
 
 import os
@@ -25,7 +29,8 @@ import triton.language as tl
 
 from ....errors import fail
 from ....registry.core import FusedOps
-from ....registry.loss import FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD
+from ....registry.loss import (FUSED_SOFTMAX_CROSS_ENTROPY_BACKWARD,
+                               FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
 from ...base import kernel, row_cost
 from .common import HALF_AND_F32, next_pow2, num_sms
 
@@ -43,6 +48,14 @@ CE_FWD_STAGES = 1        # software-pipelining depth of the forward V loop
 CE_STAGES = 3            # ... and of the backward V loops
 CE_EVICT = ""
 MIN_SPLIT_CHUNK = 16384  # fewest logits one split program streams
+# the one-pass kernel (loss and/or dlogits, persistent over rows): untuned defaults, swept by
+# bench/bench_cuda_loss.py. Rows in flight x row bytes is held to about CE_L2_BYTES so that the
+# gradient pass re-reads each row from L2 instead of HBM (H200: 50 MB of L2).
+CE_ROWS_BLOCK = 4096
+CE_ROWS_WARPS = 8
+CE_ROWS_STAGES = 3
+CE_L2_BYTES = 24 << 20
+CE_MAX_PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -181,6 +194,52 @@ def _ce_bwd_kernel(x_ptr, t_ptr, g_ptr, n_ptr, dx_ptr, mpart_ptr, spart_ptr, R, 
         tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, ITERS, N_MEAN,
+                    ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
+                    STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+                    STAGES: tl.constexpr):
+    """Persistent over rows (program p takes rows p, p + NPROG, ...; ITERS = cdiv(R, NPROG)):
+    per row one streaming pass for the running (max, sum) -- loads marked evict_last so the row
+    stays in L2 -- then, with WRITE_GRAD, a second pass that re-reads the row (from L2) and
+    writes w * (softmax - onehot) into dx (which may be x itself: every element is read before
+    the same thread overwrites it). N_MEAN divides "mean" when no row can be ignored."""
+    pid = tl.program_id(0)
+    for i in range(0, ITERS):
+        r = pid + i * NPROG
+        live = r < R
+        r = tl.minimum(r, R - 1)
+        t = tl.load(t_ptr + r)
+        valid = _row_valid(t, ignore_index, HAS_IGNORE) & live
+        base = r.to(tl.int64) * V
+        m, s = _lse_chunk(x_ptr, base, 0, tl.where(valid, V, 0), BLOCK, "evict_last", STAGES)
+        in_range = (t >= 0) & (t < V)
+        lse = tl.where(in_range, m + tl.log(s), float("nan"))
+        if STORE_LOSS:
+            tc = tl.minimum(tl.maximum(t, 0), V - 1)
+            xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
+            tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0), mask=live)
+        if WRITE_GRAD:
+            if REDUCTION == 2:
+                w = tl.load(g_ptr + r).to(tl.float32)
+            else:
+                w = tl.load(g_ptr).to(tl.float32)
+            if REDUCTION == 0:
+                if HAS_IGNORE:
+                    w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
+                else:
+                    w = w / N_MEAN
+            for off in tl.range(0, V, BLOCK, num_stages=STAGES):
+                cols = off + tl.arange(0, BLOCK)
+                mask = cols < V
+                x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
+                d = tl.where(valid, d, 0.0)
+                tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask & live,
+                         eviction_policy="evict_first")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -299,3 +358,97 @@ def fused_softmax_cross_entropy_backward(logits: torch.Tensor, targets: torch.Te
     if CHECK_TARGETS and targets.numel() and V:
         _check_targets("fused_softmax_cross_entropy_backward", targets, V, ignore_index)
     return _fsce_backward(logits, targets, grad, reduction, ignore_index)
+
+
+# --- one pass: loss and dlogits ----------------------------------------------------------------
+
+
+def rows_programs(R: int, V: int, itemsize: int, device: torch.device, programs=None) -> int:
+    """Programs of the persistent row kernel: enough rows in flight to fill every SM, few enough
+    (rows x row bytes <= CE_L2_BYTES) that the second pass over a row finds it in L2."""
+    if programs:
+        return max(1, min(R, int(programs)))
+    sms = num_sms(device)
+    by_l2 = CE_L2_BYTES // max(1, V * itemsize)
+    return max(1, min(R, max(sms, min(by_l2, CE_MAX_PROGRAMS_PER_SM * sms))))
+
+
+def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
+            ignore_index=None, n_mean=None, programs=None, block=None, num_warps=None,
+            stages=None):
+    """Launch the one-pass row kernel over ``x2 [R, V]`` (contiguous) and int64 ``t [R]``.
+
+    loss_rows: float32 [R] for the per-row losses (or None); dx: [R, V] for
+    ``w * (softmax - onehot)`` (may be ``x2`` itself; or None). grad: float32 0-d/[1] (mean,
+    sum) or [R] (none); n_valid: int 0-d device tensor, the mean's divisor when rows can be
+    ignored; n_mean: the mean's divisor otherwise (default R)."""
+    R, V = x2.shape
+    if R == 0:
+        return
+    has_ignore = ignore_index is not None
+    red = _REDUCTIONS[reduction]
+    dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
+    g = grad if grad is not None else dummy
+    nv = n_valid if n_valid is not None else g
+    nprog = rows_programs(R, V, x2.element_size(), x2.device, programs)
+    _ce_rows_kernel[(nprog,)](
+        x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
+        R, V, nprog, triton.cdiv(R, nprog), float(n_mean or R), int(ignore_index) if has_ignore else 0,
+        HAS_IGNORE=has_ignore, REDUCTION=red, STORE_LOSS=loss_rows is not None,
+        WRITE_GRAD=dx is not None, BLOCK=block or CE_ROWS_BLOCK, STAGES=stages or CE_ROWS_STAGES,
+        num_warps=num_warps or CE_ROWS_WARPS)
+
+
+def reduce_rows(loss_rows, t, reduction, ignore_index, shape):
+    """The loss from float32 per-row losses (0 on ignored rows): float64 sum, float32 result."""
+    if reduction == "none":
+        return loss_rows.reshape(shape)
+    has_ignore = ignore_index is not None
+    out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
+    if loss_rows.numel() == 0:
+        return out.zero_()
+    _ce_reduce_kernel[(1,)](loss_rows, t, out, loss_rows.numel(),
+                            int(ignore_index) if has_ignore else 0, HAS_IGNORE=has_ignore,
+                            MEAN=(reduction == "mean"), BLOCK=1024, num_warps=4)
+    return out
+
+
+def grad_weights_inputs(grad, t, reduction, ignore_index, device):
+    """(grad as float32 flat, n_valid device tensor or None) for the row kernel."""
+    g = torch.as_tensor(grad, device=device).to(torch.float32).reshape(-1).contiguous()
+    n_valid = None
+    if reduction == "mean" and ignore_index is not None:
+        n_valid = (t != int(ignore_index)).sum()
+    return g, n_valid
+
+
+def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
+    x = logits.contiguous()
+    V = x.shape[-1]
+    dx = torch.empty_like(x)
+    R = x.numel() // V if V else targets.numel()
+    t = targets.reshape(-1).to(torch.int64).contiguous()
+    if R == 0 or V == 0:
+        return _fsce_forward(x, targets, reduction, ignore_index), dx.zero_()
+    if R < num_sms(x.device) and not launch:     # too few rows for one program each: split V
+        return (_fsce_forward(x, targets, reduction, ignore_index),
+                _fsce_backward(x, targets, grad, reduction, ignore_index))
+    g, n_valid = grad_weights_inputs(grad, t, reduction, ignore_index, x.device)
+    loss_rows = torch.empty(R, dtype=torch.float32, device=x.device)
+    ce_rows(x.view(R, V), t, loss_rows=loss_rows, dx=dx.view(R, V), grad=g, n_valid=n_valid,
+            reduction=reduction, ignore_index=ignore_index, **launch)
+    return reduce_rows(loss_rows, t, reduction, ignore_index, targets.shape), dx
+
+
+@kernel(FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(8, 2))
+def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, grad, *,
+                                        reduction: str, ignore_index: int | None):
+    """``(loss, dlogits)`` of the softmax cross-entropy in one pass over the logits: each row is
+    streamed once from memory (the gradient pass re-reads it from L2). Same results as
+    ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
+    bfloat16 and float16 logits."""
+    op = "fused_softmax_cross_entropy_fwd_bwd"
+    V = logits.shape[-1]
+    if CHECK_TARGETS and targets.numel() and V:
+        _check_targets(op, targets, V, ignore_index)
+    return _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index)

@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""The loss family on one CUDA GPU (issue: language-model loss at memory speed), one process,
+``triton.testing.do_bench`` medians, peak extra memory from the caching allocator:
+
+1. cross-entropy forward+backward, bf16 8192 x 128256: fuelgraph through a plan (the optimizer
+   runs the one-pass op), the one-pass kernel called directly, the previous forward + backward
+   kernel pair, torch eager, Liger's cross-entropy; plus a small sweep of the one-pass kernel's
+   launch settings (programs in flight, block, warps, stages), best first;
+2. linear + cross-entropy forward+backward, bf16 N 8192, H 4096, V 128256 (no bias, an LM
+   head): fuelgraph through a plan (fused_linear_cross_entropy_fwd_bwd), the kernel at a few
+   chunk sizes, Liger's fused linear cross-entropy, torch eager (F.linear + F.cross_entropy),
+   and "our matmul + our CE" (cuBLAS products + the one-pass cross-entropy kernel).
+
+"peak extra" = allocator high-water mark during one call, less what was allocated before it,
+less the call's outputs (loss and gradients). Correctness is spot-checked against torch eager.
+
+    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke]
+
+--smoke runs tiny shapes (on the CPU under TRITON_INTERPRET=1 when there is no GPU) to check
+the script itself. Records go to bench/results/cuda_loss_<date>.json (and DIR); a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as TF  # noqa: E402
+
+import fuelgraph as fg  # noqa: E402
+import fuelgraph.functional as F  # noqa: E402
+from common import print_table, record, write_results  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_linear as LL  # noqa: E402
+from fuelgraph.ir.tensor import bound_data  # noqa: E402
+from fuelgraph.runtime.executor import compile_plan  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+if not CUDA:     # --smoke under TRITON_INTERPRET=1: the interpreter's scalar-argument fix-up
+    import triton.runtime.interpreter as _TI      # (see tests/backends/cuda/test_loss.py)
+    _orig_patch = _TI._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    _TI._patch_lang_tensor = _patch_lang_tensor
+DEVICE_NAME = torch.cuda.get_device_name() if CUDA else "cpu (triton interpreter)"
+OP_CE = "fused_softmax_cross_entropy_fwd+bwd"
+OP_FLCE = "fused_linear_cross_entropy_fwd+bwd"
+
+
+def _liger():
+    try:
+        from liger_kernel.transformers import (LigerCrossEntropyLoss,
+                                               LigerFusedLinearCrossEntropyLoss)
+        return LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:            # not installed on this machine
+        print(f"[bench] Liger-Kernel not importable ({exc!r}); its rows are skipped")
+        return None, None
+
+
+def _time(fn, smoke):
+    if not CUDA:
+        import time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=5 if smoke else 25, rep=20 if smoke else 200,
+                          return_mode="median"))
+
+
+def _nbytes(out):
+    if isinstance(out, torch.Tensor):
+        return out.numel() * out.element_size()
+    if isinstance(out, (list, tuple)):
+        return sum(_nbytes(o) for o in out)
+    return 0
+
+
+def _peak_extra_mib(fn):
+    """Allocator high-water mark of one call above what was allocated before it, less the
+    call's outputs."""
+    if not CUDA:
+        return None
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - _nbytes(out)
+    del out
+    return round(extra / 2 ** 20, 1)
+
+
+def _f64(c):
+    if isinstance(c, torch.Tensor):
+        return c.detach().to("cpu", torch.float64)
+    import numpy as np                  # a NumPy-backend output (--smoke without a GPU)
+    return torch.from_numpy(np.asarray(c, np.float64))
+
+
+def _rel(a, b):
+    a, b = _f64(a), _f64(b)
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _plan(build, tensors):
+    """A cached fuelgraph plan for build(*fg tensors): (run() -> outputs, explain report)."""
+    ins = [fg.from_torch(t) for t in tensors]
+    outs = build(*ins)
+    plan, nodes = compile_plan([o.value for o in outs])
+    bufs = [bound_data(n) for n in nodes]
+    return (lambda: plan.run(bufs)), fg.explain(outs)
+
+
+def _measure(recs, op, impl, shape, fn, smoke, **extra):
+    try:
+        ms = _time(fn, smoke)
+        recs.append(record(op, impl, shape, "bfloat16", ms, DEVICE_NAME,
+                           peak_extra_mib=_peak_extra_mib(fn), **extra))
+        return ms
+    except Exception:
+        print(f"[bench] {op} / {impl} failed:")
+        traceback.print_exc()
+        return None
+
+
+# ---- 1. cross-entropy forward+backward --------------------------------------------------------
+
+def bench_ce(recs, smoke, sweep):
+    r, v = (64, 1000) if smoke else (8192, 128256)
+    logits = torch.randn(r, v, device=DEV, dtype=torch.bfloat16)
+    t = torch.randint(0, v, (r,), device=DEV)
+    one = torch.tensor(1.0, device=DEV)
+    gbytes = 2 * r * v * 2 / 1e9            # read the logits once, write their gradient once
+    extra = dict(logits_mib=round(r * v * 2 / 2 ** 20, 1))
+
+    def build(x, tt):
+        x.requires_grad = True
+        loss = F.fused_softmax_cross_entropy(x, tt)
+        return [loss] + fg.grad(loss, [x])
+    plan_run, rep = _plan(build, [logits, t])
+    print(f"[bench] cross-entropy plan fuses to {rep.fused_ops}")
+    ref_l = TF.cross_entropy(logits.float(), t)
+    got_l, got_d = plan_run()
+    print(f"[bench] CE check: loss rel err {_rel(got_l, ref_l):.2e}")
+
+    def torch_eager():
+        x = logits.detach().requires_grad_()
+        loss = TF.cross_entropy(x, t)
+        return (loss,) + torch.autograd.grad(loss, [x])
+
+    def pair():
+        return (L.fused_softmax_cross_entropy(logits, t, reduction="mean", ignore_index=-100),
+                L.fused_softmax_cross_entropy_backward(logits, t, one, reduction="mean",
+                                                       ignore_index=-100))
+
+    def one_pass():
+        return L.fused_softmax_cross_entropy_fwd_bwd(logits, t, one, reduction="mean",
+                                                     ignore_index=-100)
+    impls = [("fuelgraph", plan_run), ("fuelgraph one-pass kernel", one_pass),
+             ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager)]
+    lce, _ = _liger()
+    if lce is not None:
+        mod = lce(reduction="mean")
+
+        def liger():
+            x = logits.detach().requires_grad_()
+            loss = mod(x, t)
+            return (loss,) + torch.autograd.grad(loss, [x])
+        impls.append(("liger", liger))
+    for impl, fn in impls:
+        ms = _measure(recs, OP_CE, impl, (r, v), fn, smoke, **extra)
+        if ms:
+            recs[-1]["gbps"] = round(gbytes / ms * 1e3, 1)
+    d_ref = torch_eager()[1]
+    print(f"[bench] CE check: dlogits rel err {_rel(got_d, d_ref):.2e}")
+    if not sweep:
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    configs = []
+    for per_sm in (1, 2, 4):
+        for block, warps, stages in ((4096, 8, 3), (4096, 4, 3), (8192, 8, 2), (2048, 4, 4)):
+            configs.append(dict(programs=per_sm * sms, block=block, num_warps=warps,
+                                stages=stages))
+    configs.append(dict(programs=r, block=4096, num_warps=8, stages=3))   # one program per row
+    g32 = one.float().reshape(1)
+    results = []
+    for cfg in configs[:3] if smoke else configs:
+        def fn(cfg=cfg):
+            loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+            dx = torch.empty_like(logits)
+            L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
+                      reduction="mean", ignore_index=-100, **cfg)
+            return dx
+        try:
+            ms = _time(fn, smoke)
+        except Exception as exc:
+            print(f"[bench] sweep {cfg} failed: {exc!r}")
+            continue
+        results.append((ms, cfg))
+    results.sort(key=lambda p: p[0])
+    print("[bench] one-pass kernel sweep (best first; programs, block, warps, stages):")
+    for ms, cfg in results:
+        print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
+        recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,
+                           gbps=round(gbytes / ms * 1e3, 1), config=cfg))
+
+
+# ---- 2. linear + cross-entropy forward+backward -----------------------------------------------
+
+def bench_flce(recs, smoke, sweep):
+    n, h, v = (256, 64, 1000) if smoke else (8192, 4096, 128256)
+    x = (torch.randn(n, h, device=DEV) * 0.5).to(torch.bfloat16)
+    w = (torch.randn(v, h, device=DEV) / h ** 0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device=DEV)
+    t[::50] = -100
+    one = torch.tensor(1.0, device=DEV)
+    flops = 3 * 2 * n * h * v
+    extra = dict(logits_mib=round(n * v * 2 / 2 ** 20, 1))
+
+    def build(xx, ww, tt):
+        xx.requires_grad = True
+        ww.requires_grad = True
+        loss = F.fused_softmax_cross_entropy(xx @ ww.mT, tt)   # an LM head as users write it
+        return [loss] + fg.grad(loss, [xx, ww])
+    plan_run, rep = _plan(build, [x, w, t])
+    print(f"[bench] linear + CE plan fuses to {rep.fused_ops}")
+
+    def torch_eager():
+        xs = [a.detach().requires_grad_() for a in (x, w)]
+        loss = TF.cross_entropy(TF.linear(*xs), t)
+        return (loss,) + torch.autograd.grad(loss, xs)
+
+    def ours_composed():               # our matmul (cuBLAS) + our one-pass CE + the two grads
+        z = x @ w.t()
+        loss, dz = L.fused_softmax_cross_entropy_fwd_bwd(z, t, one, reduction="mean",
+                                                         ignore_index=-100)
+        return loss, dz @ w, dz.t() @ x
+
+    def kernel(fraction=None):
+        def run():
+            step = LL.chunk_rows(n, v, 2, fraction)
+            return LL._flce("op", x, w, t, None, one, "mean", -100, True, True, chunk=step)
+        return run
+    impls = [("fuelgraph", plan_run), ("fuelgraph matmul + CE", ours_composed),
+             ("torch eager", torch_eager)]
+    _, lflce = _liger()
+    if lflce is not None:
+        mod = lflce(reduction="mean")
+
+        def liger():
+            xs = [a.detach().requires_grad_() for a in (x, w)]
+            loss = mod(xs[1], xs[0], t)
+            return (loss,) + torch.autograd.grad(loss, xs)
+        impls.append(("liger", liger))
+    if sweep:
+        for frac in (0.04, 0.08, 0.16):
+            impls.append((f"fuelgraph[chunk {LL.chunk_rows(n, v, 2, frac)} rows]", kernel(frac)))
+    for impl, fn in impls:
+        ms = _measure(recs, OP_FLCE, impl, (n, h, v), fn, smoke, **extra)
+        if ms:
+            recs[-1]["tflops"] = round(flops / ms / 1e9, 1)
+    ref = torch_eager()
+    got = plan_run()
+    print("[bench] linear + CE check vs torch eager (rel. norm error): loss "
+          f"{_rel(got[0], ref[0]):.2e}, dx {_rel(got[1], ref[1]):.2e}, "
+          f"dw {_rel(got[2], ref[2]):.2e}")
+
+
+def _pct(a, b):
+    return f"{a / b * 100:.1f}%" if a is not None and b else "n/a"
+
+
+def _targets(recs):
+    by = {(r["op"], r["impl"]): r for r in recs}
+
+    def ms(op, impl):
+        r = by.get((op, impl))
+        return r["ms"] if r else None
+    print("\ntargets:")
+    ce = ms(OP_CE, "fuelgraph")
+    if ce:
+        print(f"  CE fwd+bwd: {ce:.3f} ms (target <= 1.1 ms), peak extra "
+              f"{by[(OP_CE, 'fuelgraph')]['peak_extra_mib']} MiB (target <= one logits buffer, "
+              f"{by[(OP_CE, 'fuelgraph')]['logits_mib']} MiB)")
+    fl = ms(OP_FLCE, "fuelgraph")
+    if fl:
+        comp, lig = ms(OP_FLCE, "fuelgraph matmul + CE"), ms(OP_FLCE, "liger")
+        r = by[(OP_FLCE, "fuelgraph")]
+        print(f"  linear+CE fwd+bwd: {fl:.2f} ms; vs matmul + CE "
+              f"{fl / comp if comp else float('nan'):.3f}x (target <= 1.15); vs Liger "
+              f"{fl / lig if lig else float('nan'):.3f}x (target <= 1); peak extra "
+              f"{r['peak_extra_mib']} MiB = {_pct(r['peak_extra_mib'], r['logits_mib'])} of the "
+              f"logits (target <= 10%)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="also copy the JSON into this folder")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    args = ap.parse_args()
+    recs = []
+    for part in (bench_ce, bench_flce):
+        try:
+            part(recs, args.smoke, not args.no_sweep)
+        except Exception:
+            traceback.print_exc()
+        if CUDA:
+            torch.cuda.empty_cache()
+    path = write_results("cuda_loss" + ("_smoke" if args.smoke else ""), recs)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, args.out)
+    print_table([r for r in recs if r["impl"] != "fuelgraph[sweep]"])
+    _targets(recs)
+
+
+if __name__ == "__main__":
+    main()
