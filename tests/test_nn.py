@@ -179,3 +179,15 @@ def test_parameter_copy_and_data():
     np.testing.assert_array_equal(p.numpy(), [5, 5, 5])
     with pytest.raises(FuelGraphError, match="cannot be written into a tensor of shape"):
         p.copy_(fg.ones(4))
+
+
+@pytest.mark.parametrize("sq,sk,causal,gqa", [(5, 5, True, False), (3, 6, True, False),
+                                              (4, 4, False, True), (6, 6, True, True)])
+def test_sdpa_shapes_masks_and_gqa_match_torch(sq, sk, causal, gqa):
+    hk = 2 if gqa else 4
+    q, k, v = A(2, 4, sq, 8), A(2, hk, sk, 8), A(2, hk, sk, 8)
+    got = F.scaled_dot_product_attention(fg.tensor(q), fg.tensor(k), fg.tensor(v),
+                                         is_causal=causal, enable_gqa=gqa)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        torch.tensor(q), torch.tensor(k), torch.tensor(v), is_causal=causal, enable_gqa=gqa)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)

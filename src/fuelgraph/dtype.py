@@ -9,7 +9,7 @@ import numpy as np
 from .errors import FuelGraphError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DType:
     name: str
     itemsize: int
@@ -36,6 +36,29 @@ class DType:
     def torch(self):
         import torch
         return getattr(torch, self.name)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The NumPy dtype (lets NumPy take a DType wherever it takes a dtype:
+        `np.zeros(3, fg.float32)`, `np.dtype(fg.bfloat16)`)."""
+        return _TO_NP[self]
+
+    def __eq__(self, other) -> bool:
+        """Equal to the same DType, and to the NumPy dtype or scalar type it stands for
+        (`t.numpy().dtype == t.dtype`, `t.dtype == np.float32`), so that arrays and computed
+        tensors compare alike. The hash is the DType's own: key dicts by DType."""
+        if isinstance(other, DType):
+            return self.name == other.name
+        if isinstance(other, np.dtype) or (isinstance(other, type) and
+                                           issubclass(other, np.generic)):
+            try:
+                return _TO_NP[self] == np.dtype(other)
+            except TypeError:
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(("fuelgraph.dtype", self.name))
 
     def __repr__(self) -> str:
         return f"fg.{self.name}"

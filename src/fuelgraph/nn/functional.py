@@ -96,13 +96,17 @@ def mse_loss(x, y, reduction="mean"):
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale=None,
                                  enable_gqa=False):
-    """softmax(q @ k^T * scale + mask) @ v over [..., S, D] (heads-first, as torch). Uses the
-    registry's flash attention when it is present and applies (no explicit mask); otherwise
-    the scores are materialized (a softmax the optimizer fuses)."""
+    """softmax(q @ k^T * scale + mask) @ v over [..., S, D] (heads-first, as torch; a causal
+    mask is aligned to the top left). Uses the registry's flash attention when it applies (no
+    explicit mask, 4-D, and as many queries as keys when causal); otherwise the scores are
+    materialized (a softmax the optimizer fuses)."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     fa = getattr(_reg, "flash_attn", None)
-    if fa is not None and attn_mask is None and q.ndim == 4:
+    # the fused op aligns a causal mask to the bottom right, torch to the top left: they agree
+    # when there are as many queries as keys
+    if fa is not None and attn_mask is None and q.ndim == 4 and \
+            (not is_causal or q.shape[-2] == k.shape[-2]):
         return fa(q, k, v, softmax_scale=scale, causal=is_causal)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
@@ -111,7 +115,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False, scale
     s = matmul(q, k.mT) * scale
     if is_causal:
         sq, sk = q.shape[-2], k.shape[-2]
-        mask = Tensor.tril(_ones_bool(sq, sk, q.device), sk - sq)
+        mask = Tensor.tril(_ones_bool(sq, sk, q.device), 0)     # torch: top-left aligned
         s = where(mask, s, -math.inf)
     if attn_mask is not None:
         s = where(attn_mask, s, -math.inf) if attn_mask.dtype is dt.bool_ else s + attn_mask

@@ -135,11 +135,11 @@ def _run_error(st: Step, e: Exception) -> FuelGraphError:
     """The error of a kernel that failed while a plan ran, naming the op and the user's line
     that built it."""
     where = format_site(st.site)
-    msg = str(e)
-    head = f"{st.op.name}" + (f" (built at {where})" if where else "")
-    if isinstance(e, FuelGraphError) and msg.startswith(f"{st.op.name}:"):
-        msg = msg[len(st.op.name) + 1:].lstrip()
-    return FuelGraphError(f"{head}: {msg} [kernel {st.name}]")
+    msg = str(e) if isinstance(e, FuelGraphError) else f"{type(e).__name__}: {e}"
+    if not msg.startswith(f"{st.op.name}:"):
+        msg = f"{st.op.name}: {msg}"
+    tail = (f"built at {where}; " if where else "") + f"kernel {st.name}"
+    return FuelGraphError(f"{msg} ({tail})")
 
 
 def _bind(impl, node: Node, run_body):
