@@ -134,33 +134,49 @@ def row_bufsize(row_elems: int | None) -> int | None:
 
 
 def run_spans(fn, spans, total_elems: int, *, row_elems: int | None = None) -> None:
-    """Call `fn(r0, r1)` for every span. Large jobs are cut into `NUM_THREADS` contiguous groups
-    of spans; the calling thread runs one group and pool threads the rest. The caller's
-    `np.errstate` applies in every thread; with `row_elems` (the row length of the kernel's row
-    view) the ufunc buffer size is `row_bufsize(row_elems)` while `fn` runs. Exceptions
-    propagate."""
+    """Call `fn(r0, r1)` for every span. Large jobs run on the calling thread and the pool
+    threads together, each taking the next span from a shared queue as it finishes one: a thread
+    slowed down (another process on its core) takes fewer spans instead of holding everyone up.
+    The caller's `np.errstate` applies in every thread; with `row_elems` (the row length of the
+    kernel's row view) the ufunc buffer size is `row_bufsize(row_elems)` while `fn` runs.
+    Exceptions propagate."""
     err = np.geterr()
     bufsize = row_bufsize(row_elems)
-
-    def group(part):
+    nthr = min(NUM_THREADS, len(spans))
+    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:
         with np.errstate(**err):
             old = np.setbufsize(bufsize) if bufsize else None
             try:
-                for r0, r1 in part:
+                for r0, r1 in spans:
                     fn(r0, r1)
             finally:
                 if bufsize:
                     np.setbufsize(old)
-
-    nthr = min(NUM_THREADS, len(spans))
-    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:
-        group(spans)
         return
-    bounds = [len(spans) * i // nthr for i in range(nthr + 1)]
-    parts = [spans[bounds[i]:bounds[i + 1]] for i in range(nthr)]
-    futures = [_get_pool().submit(group, p) for p in parts[1:]]
+    queue = iter(spans)
+    lock = threading.Lock()
+    failed: list = []
+
+    def worker():
+        with np.errstate(**err):
+            old = np.setbufsize(bufsize) if bufsize else None
+            try:
+                while not failed:
+                    with lock:
+                        span = next(queue, None)
+                    if span is None:
+                        return
+                    fn(*span)
+            except BaseException as e:      # stop the others early, re-raise on the caller
+                failed.append(e)
+                raise
+            finally:
+                if bufsize:
+                    np.setbufsize(old)
+
+    futures = [_get_pool().submit(worker) for _ in range(nthr - 1)]
     try:
-        group(parts[0])
+        worker()
     finally:
         for f in futures:
             f.result()

@@ -9,6 +9,7 @@ import numpy as np
 from ...errors import FuelGraphError
 from ...ir import ops
 from ..base import scan_loop
+from . import common
 
 _HALF = {np.dtype("float16")}
 try:
@@ -144,8 +145,58 @@ def scatter_add(base, idx, src, *, op):
 
 def matmul(a, b, *, op):
     if a.dtype in _HALF:
-        return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
-    return np.matmul(a, b)
+        return matmul(a.astype(np.float32), b.astype(np.float32), op=op).astype(a.dtype)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if common.NUM_THREADS < 2 or 2.0 * batch * m * k * n < PARALLEL_GEMM_FLOPS or \
+            a.dtype.kind != "f":
+        return np.matmul(a, b)
+    return _pool_matmul(a, b, batch, m, n)
+
+
+#: products at least this large are split over fuelgraph's thread pool (below: one BLAS call)
+PARALLEL_GEMM_FLOPS = 2e7
+_BLAS = []
+
+
+def _one_blas_thread():
+    """A context holding NumPy's BLAS to the calling thread, or None without threadpoolctl."""
+    if not _BLAS:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS.append(ThreadpoolController())
+        except ImportError:
+            _BLAS.append(None)
+    c = _BLAS[0]
+    return c.limit(limits=1, user_api="blas") if c is not None else None
+
+
+def _pool_matmul(a, b, batch, m, n):
+    """A large product split over fuelgraph's pool, each part one single-threaded BLAS call:
+    batches of a stacked product, or row blocks of one. BLAS's own threads spin-wait between
+    calls, which takes cores from whatever runs next and collapses a step when another process
+    competes for the cores; the pool's threads sleep instead."""
+    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    out = np.empty(lead + (m, n), a.dtype)
+    if lead and lead[0] >= common.NUM_THREADS and a.ndim == b.ndim:
+        # stacked products: split the first batch axis (slices of broadcast views copy nothing)
+        a = np.broadcast_to(a, lead + a.shape[-2:])
+        b = np.broadcast_to(b, lead + b.shape[-2:])
+        spans = [(i, i + 1) for i in range(lead[0])]
+        work = lambda i0, i1: np.matmul(a[i0:i1], b[i0:i1], out=out[i0:i1])  # noqa: E731
+    elif not lead and m >= 2 * common.NUM_THREADS:
+        # a few row blocks per thread, so that threads balance when one is slowed down
+        step = max(64, -(-m // (4 * common.NUM_THREADS)))
+        spans = [(r, min(r + step, m)) for r in range(0, m, step)]
+        work = lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1])  # noqa: E731
+    else:
+        return np.matmul(a, b)
+    ctx = _one_blas_thread()
+    if ctx is None:
+        return np.matmul(a, b)
+    with ctx:
+        common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
+    return out
 
 
 def full(*, op):
