@@ -12,12 +12,14 @@ run (gathering buffers, handing them over, rebinding parameters, guards), measur
 timed replays themselves.
 
 Threads are chosen on purpose, not left to each library: `--threads N` (default: the cores
-this process may run on) sets the BLAS pool of NumPy (threadpoolctl), fuelgraph's NumPy kernel
-pool (FUELGRAPH_NUM_THREADS) and torch's intra-op pool (torch.set_num_threads) to the same N,
-and OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning. With `--compete` a second
-process keeps one core busy (a single-threaded matmul loop) while both sides are timed:
-oversubscribed BLAS pools are what makes a step collapse under contention, and the run shows
-how each side holds up.
+this process may run on) sets fuelgraph's kernel pool (FUELGRAPH_NUM_THREADS: elementwise and
+row kernels, and large GEMMs split into batches or row blocks, each a single-threaded BLAS
+call), NumPy's BLAS pool (threadpoolctl; fuelgraph holds it to one thread inside its split
+GEMMs) and torch's intra-op pool (torch.set_num_threads) to the same N, and
+OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning. With `--compete` a second
+process keeps one core busy (a single-threaded matmul loop) while both sides are timed: static
+work splits and spinning BLAS threads are what makes a step collapse under contention;
+fuelgraph's pool hands out work dynamically, so it slows by the lost core and no more.
 
 Writes bench/results/train_<date>.json."""
 from __future__ import annotations
