@@ -23,12 +23,16 @@ def run(code, tmp_path):
     return r.stdout
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("safetensors") is None,
+                    reason="safetensors is not installed")
 def test_readme_examples_run(tmp_path):
     b = blocks("README.md")
     out = run(b[0] + "\n" + b[1], tmp_path)
     assert "softmax_last_dim" in out and (tmp_path / "model.safetensors").exists()
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("safetensors") is None,
+                    reason="safetensors is not installed")
 def test_training_page_runs(tmp_path):
     b = blocks("docs/training.md")
     out = run(b[0] + "\n" + b[1].replace("print(loss)", "pass"), tmp_path)
