@@ -236,3 +236,50 @@ def test_bad_files_raise(tmp_path):
         fg.load(tmp_path / "missing.safetensors")
     with pytest.raises(FuelGraphError, match="save: cannot store a object"):
         fg.save({"x": object()}, tmp_path / "x.safetensors")
+
+
+def test_jit_pytrees_kwargs_and_python_results():
+    m, _ = pair()
+
+    @fg.jit
+    def f(batch, *, scale=1.0, tag="x"):
+        y = m(batch["x"]) * scale
+        return {"y": y, "parts": (y.sum(), [y.mean()]), "tag": tag, "n": 3}
+
+    x = fg.tensor(X)
+    a = f({"x": x}, scale=2.0)
+    b = f({"x": fg.tensor(X * 0.5)}, scale=2.0)
+    assert f.stats == {"traces": 1, "replays": 1}
+    assert a["tag"] == "x" and a["n"] == 3 and isinstance(a["parts"][1], list)
+    np.testing.assert_allclose(a["y"].numpy(), (m(x) * 2.0).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(b["parts"][0].item(), float((m(fg.tensor(X * 0.5)) * 2.0).sum()),
+                               rtol=1e-5)
+
+
+def test_step_without_gradients_changes_nothing():
+    m, _ = pair()
+    opt = optim.AdamW(m.parameters(), lr=0.1)
+    before = [p.numpy().copy() for p in m.parameters()]
+    opt.step()                                     # no backward yet: nothing to update
+    for a, p in zip(before, m.parameters()):
+        np.testing.assert_array_equal(a, p.numpy())
+
+
+def test_frozen_parameters_are_skipped():
+    m, tm = pair()
+    m[0].weight.requires_grad = False
+    tm[0].weight.requires_grad_(False)
+    opt, topt = optim.SGD(m.parameters(), lr=0.1, momentum=0.9), \
+        torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        loss = F.cross_entropy(m(fg.tensor(X)), fg.tensor(Y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        tl = torch.nn.functional.cross_entropy(tm(torch.tensor(X)), torch.tensor(Y))
+        topt.zero_grad()
+        tl.backward()
+        topt.step()
+    for (k, p), (_, tp) in zip(m.named_parameters(), tm.named_parameters()):
+        np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=k)

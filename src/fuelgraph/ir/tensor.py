@@ -113,6 +113,8 @@ class Tensor:
         self._requires_grad = bool(flag)
         if flag:
             GRAD_LEAVES[self.value] = self
+        elif GRAD_LEAVES.get(self.value) is self:      # frozen: backward() skips it
+            del GRAD_LEAVES[self.value]
 
     # ---- metadata ------------------------------------------------------------------------
     shape = property(lambda self: self.value.shape)
