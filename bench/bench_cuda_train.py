@@ -81,7 +81,7 @@ def main(argv=None):
         if graph:
             e = next(iter(step.cache.values()))[0]
             losses["cuda_graph_captured"] = e.graphed not in (None, False)
-        del m, opt, step
+        m = opt = step = None          # free the device memory before the next model
 
     for sdpa in (False, True):
         tm = torch_model(cfg, device=dev, dtype=torch.bfloat16, sdpa=sdpa)

@@ -64,7 +64,6 @@ def main(argv=None):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    import numpy as np
     import torch
     from threadpoolctl import threadpool_limits
 

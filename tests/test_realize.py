@@ -2,7 +2,6 @@
 buffers; values are kept (a second read runs nothing, later graphs read them instead of
 recomputing); gradients filled by one backward() are computed in one plan."""
 import numpy as np
-import pytest
 
 import fuelgraph as fg
 import fuelgraph.nn as nn

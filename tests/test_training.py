@@ -283,3 +283,42 @@ def test_frozen_parameters_are_skipped():
     for (k, p), (_, tp) in zip(m.named_parameters(), tm.named_parameters()):
         np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-5, atol=1e-6,
                                    err_msg=k)
+
+
+def test_clip_grad_norm_matches_torch():
+    m, tm = pair()
+    loss = F.cross_entropy(m(fg.tensor(X)), fg.tensor(Y)) * 50.0
+    loss.backward()
+    tl = torch.nn.functional.cross_entropy(tm(torch.tensor(X)), torch.tensor(Y)) * 50.0
+    tl.backward()
+    n = nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    tn = torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
+    np.testing.assert_allclose(n.item(), tn.item(), rtol=1e-5)
+    for p, tp in zip(m.parameters(), tm.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), tp.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [
+    (lambda o: optim.lr_scheduler.StepLR(o, 2, 0.5),
+     lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5)),
+    (lambda o: optim.lr_scheduler.CosineAnnealingLR(o, 5, 1e-4),
+     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 5, 1e-4)),
+    (lambda o: optim.lr_scheduler.LambdaLR(o, lambda e: 1 / (1 + e)),
+     lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1 / (1 + e)))])
+def test_schedulers_match_torch_without_retracing(make):
+    m, tm = pair()
+    opt, topt = optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(tm.parameters(), lr=0.1)
+    sch, tsch = make[0](opt), make[1](topt)
+    step = fg.jit(make_step(m, opt))
+    for _ in range(6):
+        step(fg.tensor(X), fg.tensor(Y))
+        tl = torch.nn.functional.cross_entropy(tm(torch.tensor(X)), torch.tensor(Y))
+        tl.backward()
+        topt.step()
+        topt.zero_grad()
+        sch.step()
+        tsch.step()
+        np.testing.assert_allclose(sch.get_last_lr(), tsch.get_last_lr(), rtol=1e-12)
+    assert step.stats["traces"] == 1
+    for p, tp in zip(m.parameters(), tm.parameters()):
+        np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ from .errors import FuelGraphError
 from .interop import from_torch, to_torch
 from .ir import ops
 from .ir.node import Value
-from .ir.tensor import _DATA, GRAD_LEAVES, OWNER, REALIZED, TRACE, Tensor, _leaf, _normalize_device
+from .ir.tensor import GRAD_LEAVES, OWNER, REALIZED, TRACE, Tensor, _leaf, _normalize_device
 from .ir.tensor import tensor as _ir_tensor
 from .runtime.executor import group_gradients, realize_raw
 

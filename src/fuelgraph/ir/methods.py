@@ -41,7 +41,7 @@ def _extremum(kind):
     """max/min: `x.max()` the scalar, `x.max(axis)` the values (NumPy style, as before),
     `x.max(dim=d)` torch's (values, indices) pair, `x.max(other_tensor)` the elementwise
     maximum (torch.max(a, b))."""
-    reduce = getattr(Tensor, f"_reduce")
+    reduce = Tensor._reduce
 
     def fn(self, axis=None, keepdim=False, *, dim=_NO):
         if isinstance(axis, Tensor):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator
 
-import numpy as np
 
 from .. import dtype as dt
 from ..api import bind_buffer, rebind

@@ -6,7 +6,6 @@ operations, no FMA contraction (`enable_fp_fusion=False`), one rounding per outp
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

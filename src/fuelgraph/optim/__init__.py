@@ -16,19 +16,18 @@ parameter group, not per parameter (they differ only for a parameter that had no
 some step)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
-from . import dtype as dt
-from .api import assign, bind_buffer
-from .backends import get_backend
-from .errors import FuelGraphError
-from .ir import ops
-from .ir.tensor import OWNER, REALIZED, TRACE, Tensor, _leaf, full
-from .jit import current_trace, jit
-from .registry.optim import adamw_step, sgd_step
-from .runtime.executor import realize_raw
+from .. import dtype as dt
+from ..api import assign, bind_buffer
+from ..backends import get_backend
+from ..errors import FuelGraphError
+from ..ir import ops
+from ..ir.tensor import OWNER, REALIZED, TRACE, Tensor, _leaf, full
+from ..jit import current_trace, jit
+from ..registry.optim import adamw_step, sgd_step
+from ..runtime.executor import realize_raw
 
 
 def new_cell(array: np.ndarray, dtype, device: str) -> Tensor:
@@ -295,5 +294,4 @@ class Adam(AdamW):
         super().__init__(params, lr, betas, eps, 0.0)
 
 
-def _unused():
-    return math
+from . import lr_scheduler  # noqa: E402,F401  (torch's layout: fuelgraph.optim.lr_scheduler)
