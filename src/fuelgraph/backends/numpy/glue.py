@@ -59,8 +59,9 @@ def _boundaries(prog: Program) -> list[int]:
 class GlueEvaluator:
     """kernel(*inputs) -> output array(s) for one Program."""
 
-    def __init__(self, prog: Program, chunk: int = CHUNK):
+    def __init__(self, prog: Program, chunk: int | None = None):
         self.prog = prog
+        chunk = chunk or CHUNK
         cuts = _boundaries(prog) if prog.numel else [1]
         self.joint = tuple(cuts[k + 1] // cuts[k] for k in reversed(range(len(cuts) - 1)))
         nd = len(self.joint)
