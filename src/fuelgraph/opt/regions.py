@@ -24,6 +24,10 @@ Rules, and why they keep the result correct and cheap:
   recomputed. The exception is a member that only broadcasts a row value over its rows: the
   region outputs the row value and the outside reader gets a broadcast view of it (a free view
   instead of materializing the broadcast).
+* A fused op whose recipe is elementwise glue (e.g. the affine `t * a + b`; not softmax or the
+  norms, which have their own row kernels) and that reads or feeds a fusible primitive is
+  lowered first, so that it joins
+  the region around it: one pass over memory instead of two kernels.
 * Regions with fewer than two computing primitives stay primitives (nothing to fuse), and so
   does a region the backend has no kernel for (the kernel factory declines it).
 """
@@ -35,9 +39,11 @@ import os
 from ..backends import kernels_for
 from ..backends.base import accepts
 from ..backends.glue import VIEWS, fusible_op, reduction_length, view_strides
+from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, apply, consumers, make_node, toposort
 from ..ir.scan import placeholder
+from ..ir.tensor import Tensor
 from ..registry.core import NoParams, default_registry, fused_node
 
 FAMILY = "glue"
@@ -104,6 +110,14 @@ class _Former:
         a.n = a.n or b.n
         b.parent = a
         return a
+
+    @staticmethod
+    def constant(v: Value) -> bool:
+        """A constant, or a view of one (both inlined as a scalar)."""
+        nd = v.node
+        while isinstance(nd.op, VIEWS):
+            nd = nd.srcs[0].node
+        return isinstance(nd.op, ops.Full)
 
     def outside(self, v: Value):
         """(value a region reads for src v, hi of it) when v is read from outside; view chains
@@ -177,7 +191,7 @@ class _Former:
             r = self.region(s.node)
             if r is not None:
                 member_srcs.append((s, r))
-            elif not isinstance(s.node.op, ops.Full):
+            elif not self.constant(s):
                 base, h = self.outside(s)
                 outside.append((base, h))
                 rb = self.region(base)
@@ -235,6 +249,61 @@ class _Former:
         return all(r.ext_hi < t for r in chosen)
 
 
+def _glueish(nd) -> bool:
+    return bool(nd.srcs) and (fusible_op(nd) or isinstance(nd.op, ops.Reduce) and
+                              reduction_length(nd) is not None)
+
+
+def _recipe_is_glue(outs, srcs) -> bool:
+    stop = {s.node for s in srcs}
+    seen, stack = set(), [v.node for v in outs]
+    while stack:
+        nd = stack.pop()
+        if nd in stop or nd in seen or not nd.srcs:
+            continue
+        seen.add(nd)
+        if not (fusible_op(nd) or isinstance(nd.op, VIEWS)):      # elementwise only
+            return False
+        stack.extend(s.node for s in nd.srcs)
+    return bool(seen)
+
+
+def _dissolve_glue_ops(outputs, log):
+    """Lower the fused ops whose recipe is glue when a neighbour is fusible (see the rules)."""
+    nodes = toposort(outputs)
+    users = consumers(nodes)
+    reg = default_registry()
+    pick = set()
+    for nd in nodes:
+        if not isinstance(nd.op, ops.Fused) or nd.nout != 1:
+            continue
+        e = reg.get(nd.op.id)
+        if e is None or e.family == FAMILY:
+            continue
+        if any(_glueish(s.node) for s in nd.srcs) or any(_glueish(u) for u in users.get(id(nd), ())):
+            pick.add(nd)
+    if not pick:
+        return outputs
+    memo: dict[Node, tuple] = {}
+    for nd in nodes:
+        srcs = tuple(memo[s.node][s.slot] for s in nd.srcs)
+        if nd in pick:
+            e = reg.entry(nd.op.id)
+            outs = [o.value for o in e.lower([Tensor(s) for s in srcs], nd.op.params)]
+            if _recipe_is_glue(outs, srcs):
+                memo[nd] = tuple(outs)
+                log.events.append(("glue", "dissolve", e.name))
+                continue
+        if srcs == nd.srcs:
+            new = nd
+        elif isinstance(nd.op, ops.Fused):
+            new = fused_node(nd.op, srcs)
+        else:
+            new = make_node(nd.op, srcs)
+        memo[nd] = tuple(new.out(i) for i in range(new.nout))
+    return [memo[v.node][v.slot] for v in outputs]
+
+
 def _counts(members) -> int:
     return sum(1 for m in members if not isinstance(m.op, VIEWS) and not (
         isinstance(m.op, ops.Reduce) and reduction_length(m) == 1))
@@ -245,6 +314,7 @@ def form_regions(outputs: list[Value], backend: str, log, report: dict | None = 
     docstring); `report` collects {entry name: number of nodes}. Linear in the graph's size."""
     if not ENABLED:
         return outputs
+    outputs = _dissolve_glue_ops(outputs, log)
     nodes = toposort(outputs)
     f = _Former(nodes)
     f.run()
@@ -261,7 +331,7 @@ def form_regions(outputs: list[Value], backend: str, log, report: dict | None = 
         members = set(r.members)
         if _counts(members) < MIN_OPS:
             continue
-        plan = _region_plan(r, members, users, out_nodes, f.space)
+        plan = _region_plan(r, members, users, out_nodes, f.space, f.reg)
         if plan is None:
             continue
         body_in, body_out, ext, outs = plan
@@ -276,7 +346,7 @@ def form_regions(outputs: list[Value], backend: str, log, report: dict | None = 
     return _rewrite(outputs, nodes, f, plans, log, report)
 
 
-def _region_plan(r, members, users, out_nodes, space):
+def _region_plan(r, members, users, out_nodes, space, in_any_region):
     """(body inputs, body outputs, external input values, [(member, output kind)]) of region
     `r`: the sub-graph rebuilt on placeholders (device-independent, so equal regions on any
     device share one entry)."""
@@ -290,9 +360,11 @@ def _region_plan(r, members, users, out_nodes, space):
         nd = v.node
         if nd in members:
             return Value(env[nd], v.slot)
-        if isinstance(nd.op, ops.Full):
-            return apply(ops.Full(nd.op.shape, nd.op.value, nd.op.dtype, "cpu"))
-        if isinstance(nd.op, VIEWS) and view_strides(v) is not None:
+        if _Former.constant(v):
+            while not isinstance(nd.op, ops.Full):
+                nd = nd.srcs[0].node
+            return apply(ops.Full(v.shape, nd.op.value, nd.op.dtype, "cpu"))
+        if isinstance(nd.op, VIEWS) and nd not in in_any_region and view_strides(v) is not None:
             return apply(nd.op, read(nd.srcs[0]))
         if v not in ext:
             ext[v] = placeholder(v.shape, v.dtype).value
@@ -369,7 +441,7 @@ def _rewrite(outputs, nodes, f, plans, log, report):
             outval[m] = apply(ops.BroadcastTo(m.shapes[0]), out) if kind == "bcast" else out
 
     def visit(root):
-        stack = [root]
+        stack, waiting = [root], set()
         while stack:
             nd = stack[-1]
             if done(nd):
@@ -377,6 +449,10 @@ def _rewrite(outputs, nodes, f, plans, log, report):
                 continue
             pending = [d for d in deps(nd) if not done(d)]
             if pending:
+                key = region_of.get(nd, nd)
+                if key in waiting:      # unreachable when the convexity rule holds
+                    raise FuelGraphError("glue regions: internal error, regions form a cycle")
+                waiting.add(key)
                 stack.extend(pending)
                 continue
             stack.pop()

@@ -68,7 +68,7 @@ class GlueEvaluator:
         trail = cuts.index(prog.n) if prog.n else 0          # the axes of one row
         self.trail = trail
         self.row_joint = self.joint[:nd - trail] + (1,) * trail
-        self.red_axes = tuple(range(nd - trail, nd))
+        self.red_axes = tuple(range(-trail, 0))
         # chunk: whole axes from k on (at most `chunk` elements, whole rows), a range of axis k-1
         k = nd
         while k > 0 and math.prod(self.joint[k - 1:]) <= chunk:
