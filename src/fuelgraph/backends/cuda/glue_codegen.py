@@ -164,7 +164,10 @@ class _Gen:
             if t.kind == "b":
                 return f"{a[0]} != 0" if src.dtype.kind != "b" else a[0]
             if t.is_float and t.itemsize < 4:
-                return f"{a[0]}.to({tl_dtype(t)}).to(tl.float32)"
+                if src.dtype.kind == "b":           # 0 or 1: exact
+                    return f"{a[0]}.to(tl.float32)"
+                x = a[0] if src.dtype.is_float else f"{a[0]}.to(tl.float32)"
+                return f"{x}.to({tl_dtype(t)}).to(tl.float32)"
             return f"{a[0]}.to({cd})"
         if op == "reduce":
             return self.reduce(ins.kind, a[0], ins)
