@@ -16,7 +16,8 @@ from .runtime.executor import _device_of, _values
 @dataclass
 class ExplainReport:
     """fused_ops: {registry name: count in the optimized graph} (idioms; glue regions are listed
-    apart in `glue`: {region name: what it runs}); primitive_count: primitive (non-leaf) nodes
+    apart in `glue`: {region name: what it runs}; `dissolved` counts elementwise fused ops lowered
+    into a neighbouring region); primitive_count: primitive (non-leaf) nodes
     after optimization, those that glue regions run included; nodes_before: non-leaf nodes before; near_misses:
     {op name: first failed constraint of its best partial match}; lowered: {op name: times it
     was lowered to its recipe}; backend: where it would run."""
@@ -30,6 +31,7 @@ class ExplainReport:
     rewrites: list = field(default_factory=list)
     matched: dict[str, int] = field(default_factory=dict)   # idioms fused (before lowering)
     glue: dict[str, str] = field(default_factory=dict)      # generated region -> what it runs
+    dissolved: dict[str, int] = field(default_factory=dict)  # elementwise fused ops run in glue
 
     def __str__(self) -> str:
         lines = [f"fuelgraph explain (backend {self.backend})",
@@ -43,7 +45,11 @@ class ExplainReport:
         if self.glue:
             lines.append("  glue regions (primitives run as one generated kernel each):")
             lines += [f"    {name}: {what}" for name, what in sorted(self.glue.items())]
-        extra = {k: n for k, n in self.matched.items() if k not in self.fused_ops}
+        if self.dissolved:
+            lines.append("  elementwise fused ops run inside glue regions:")
+            lines += [f"    {name} x{n}" for name, n in sorted(self.dissolved.items())]
+        extra = {k: n for k, n in self.matched.items()
+                 if k not in self.fused_ops and k not in self.dissolved}
         if extra:
             lines.append("  idioms recognized, then lowered (no kernel on this backend):")
             lines += [f"    {name} x{n}" for name, n in sorted(extra.items())]
@@ -86,5 +92,7 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
               for k, m in res.misses.items() if m.matched >= min_matched}
     matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     n_glue = sum(res.glue.values())
+    dissolved = Counter(what for p, rule, what in res.log.events if (p, rule) == ("glue", "dissolve"))
     return ExplainReport(fused, after - sum(fused.values()) - n_glue + inside, before, after,
-                         misses, res.lowered, bname, res.log.events, dict(matched), glue)
+                         misses, res.lowered, bname, res.log.events, dict(matched), glue,
+                         dict(dissolved))

@@ -10,7 +10,7 @@ two iteration spaces,
 plus loads (an input buffer read through the strides of the broadcast/reshape views the body
 applies to it), constants (scalars), stores. Each backend turns a Program into one kernel: a
 blocked NumPy evaluation, a generated Triton kernel. Values of 16-bit float dtypes are computed
-in float32 and rounded only where the graph casts explicitly and when stored."""
+in float32 and rounded only where the graph casts to or from them and when stored."""
 from __future__ import annotations
 
 import math

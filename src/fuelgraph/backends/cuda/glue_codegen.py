@@ -161,6 +161,8 @@ class _Gen:
         if op == "cast":
             src = self.p.values[ins.args[0]]
             t = ins.dtype
+            if src.dtype != src.cd and t != src.dtype:      # from a 16-bit float: its value
+                a = [f"{a[0]}.to({tl_dtype(src.dtype)}).to(tl.float32)"]
             if t.kind == "b":
                 return f"{a[0]} != 0" if src.dtype.kind != "b" else a[0]
             if t.is_float and t.itemsize < 4:

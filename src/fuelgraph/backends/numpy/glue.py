@@ -7,8 +7,8 @@ and no large temporary is ever allocated; chunks are split over the backend's th
 
 Results: bit-identical to the primitive kernels for float32/float64/integer/bool values (same
 ufuncs, same order; reductions are the same per-row NumPy reductions), and closer than them for
-16-bit floats, which are computed in float32 and rounded where the graph casts and when stored
-(the primitives round after every op).
+16-bit floats, which are computed in float32 and rounded where the graph casts to or from them
+and when stored (the primitives round after every op).
 
 Why not numexpr or numba: neither is a dependency of fuelgraph, numexpr has no bfloat16 and no
 row reductions, and numba costs a compile per region and dtype; the blocked ufunc evaluation
@@ -227,8 +227,13 @@ def _step(i, ins, ev):
             return v
         return where
     if op == "cast":
+        src = ev.prog.values[a0]
         if ins.cd != ins.dtype:             # to a 16-bit float: round, compute on in float32
             half = ins.dtype.np
+            return lambda vals, sl, views, scratch, shapes: \
+                np.asarray(vals[a0]).astype(half).astype(cd)
+        if src.cd != src.dtype:             # from a 16-bit float: the rounded value widens
+            half = src.dtype.np
             return lambda vals, sl, views, scratch, shapes: \
                 np.asarray(vals[a0]).astype(half).astype(cd)
 
