@@ -214,3 +214,54 @@ def test_second_process_reuses_the_compiled_kernel(tmp_path):
                             text=True, check=True).stdout.split()
     assert first[1] == "1" and second[1] == "0"
     assert float(second[0]) < 1.0, second
+
+
+def _compile_for_sm90(prog):
+    """Compile the GPU flavour of `prog`'s source for an H100/H200 (sm_90) ahead of time: no
+    GPU needed, so the real (libdevice) source is checked here too, not only the interpreter's."""
+    import importlib.util
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from fuelgraph.backends.cuda.glue_codegen import tl_dtype
+    from fuelgraph.backends.cuda.kernels.glue import launch_config
+    src = glue_codegen.generate(prog, interpret=False)
+    path = Path(tempfile.mkdtemp()) / "glue_aot.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("glue_aot", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int1": "i1",
+             "int32": "i32", "int64": "i64", "uint8": "u8", "uint32": "u32"}
+    metas = list(prog.inputs) + [(s, d) for _, s, d in prog.outputs]
+    sig = {f"{'in' if k < len(prog.inputs) else 'out'}{k if k < len(prog.inputs) else k - len(prog.inputs)}":
+           "*" + short[tl_dtype(d)[3:]] for k, (_, d) in enumerate(metas)}
+    _, meta = launch_config(prog)
+    consts = {k: v for k, v in meta.items() if k != "num_warps"}
+    sig.update({k: "constexpr" for k in consts})
+    src_ast = triton.compiler.ASTSource(fn=mod.glue_kernel, signature=sig, constexprs=consts)
+    return triton.compile(src_ast, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": meta["num_warps"]})
+
+
+def test_gpu_sources_compile_for_sm90():
+    pytest.importorskip("triton.backends.nvidia")
+    rng = np.random.default_rng(7)
+    bf = fg.bfloat16
+    g, u, r = (fg.tensor(rng.standard_normal((8, 24)).astype(np.float32)).astype(bf)
+               for _ in range(3))
+    w = fg.tensor(rng.standard_normal(24).astype(np.float32)).astype(bf)
+    i = fg.tensor(rng.integers(-9, 9, (8, 24)).astype(np.int32))
+    xf = g.astype(fg.float32)
+    cases = [(g.silu() * u + r).erf().tanh(),                                    # elementwise
+             (xf * ((xf * xf).mean(-1, keepdim=True) + 1e-6).rsqrt()).astype(bf) * w + r,
+             fg.where((i // 3 > 1) | (i % 4 == 0), i << 2, i >> 1),             # ints, bools
+             (g.astype(fg.float32).max(-1, keepdim=True) - xf).exp().sum(-1, keepdim=True)]
+    kinds = set()
+    for y in cases:
+        for n in glue_nodes([y]):
+            prog = build_program(fg.default_registry().entry(n.op.id).body)
+            assert _compile_for_sm90(prog)
+            kinds.add(prog.n is not None)
+    assert kinds == {True, False}          # elementwise and row kernels

@@ -106,6 +106,7 @@ class GlueEvaluator:
                     c = np.asarray(ins.kind).astype(ins.dtype.np)
                     self.consts[i] = c.astype(ins.cd.np) if ins.cd != ins.dtype else c
         self.steps = self._compile()
+        self._prepare_call()
 
     # ---- chunks ---------------------------------------------------------------------------
     def chunks(self) -> list[tuple]:
@@ -125,31 +126,72 @@ class GlueEvaluator:
         return (sl[-1].stop - sl[-1].start,) + base[self.k:]
 
     # ---- the kernel ---------------------------------------------------------------------------
-    def __call__(self, *inputs):
+    def _prepare_call(self):
+        """Everything a call needs that does not depend on the input buffers."""
         prog = self.prog
-        outs = [np.empty(shape, d.np) for _, shape, d in prog.outputs]
-        if prog.numel and prog.rows:
-            out_views = [o.reshape(self.joint if math.prod(o.shape) == prog.numel and (
-                prog.values[v].space != ROW) else self.row_joint)
-                for o, (v, _, _) in zip(outs, prog.outputs)]
+        self.empty = not (prog.numel and prog.rows)
+        self.out_specs = [(shape, np.dtype(d.np)) for _, shape, d in prog.outputs]
+        self.out_shapes = [self.joint if math.prod(shape) == prog.numel and
+                           prog.values[v].space != ROW else self.row_joint
+                           for v, shape, _ in prog.outputs]
+        self.loads = []
+        for i, ins in enumerate(prog.values):
+            if ins.op != "load":
+                continue
+            ld = ins.kind
+            target = self.joint if ld.space == FULL else self.row_joint
+            if ld.terms == ((1, None, 1),):
+                kind = "contiguous"                # a plain reshape
+            elif not ld.terms:
+                kind, target = "scalar", (1,) * len(target)
+            else:
+                kind = "strided"
+            self.loads.append((i, ld.input, kind, ld.shape, ld.strides, target))
+        self.chunk_list = self.chunks()
+        self.whole_shapes = {FULL: self.joint, ROW: self.row_joint}
+
+    def __call__(self, *inputs):
+        outs = [np.empty(shape, d) for shape, d in self.out_specs]
+        if not self.empty:
+            out_views = [o.reshape(s) for o, s in zip(outs, self.out_shapes)]
             views = {}
-            for i, ins in enumerate(prog.values):
-                if ins.op == "load":
-                    ld = ins.kind
-                    buf = inputs[ld.input]
-                    v = np.lib.stride_tricks.as_strided(
-                        buf, ld.shape, tuple(s * buf.itemsize for s in ld.strides), writeable=False)
-                    views[i] = v.reshape(self.joint if ld.space == FULL else self.row_joint)
-            chunks = self.chunks()
+            for i, k, kind, shape, strides, target in self.loads:
+                buf = inputs[k]
+                if kind != "strided":
+                    views[i] = buf.reshape(target)
+                else:
+                    views[i] = np.lib.stride_tricks.as_strided(
+                        buf, shape, tuple(s * buf.itemsize for s in strides),
+                        writeable=False).reshape(target)
+            chunks = self.chunk_list
             nthr = min(NUM_THREADS, len(chunks))
-            if nthr <= 1 or prog.numel < PARALLEL_MIN_ELEMS:
+            if len(chunks) == 1:
+                self._run_whole(views, out_views)
+            elif nthr <= 1 or self.prog.numel < PARALLEL_MIN_ELEMS:
                 self._run(views, out_views, chunks)
             else:
                 bounds = [len(chunks) * i // nthr for i in range(nthr + 1)]
                 spans = [(bounds[i], bounds[i + 1]) for i in range(nthr)]
                 run_spans(lambda c0, c1: self._run(views, out_views, chunks[c0:c1]), spans,
-                          prog.numel)
+                          self.prog.numel)
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _run_whole(self, views, out_views):
+        """One chunk (a small region): fresh arrays, no scratch bookkeeping."""
+        shapes = self.whole_shapes
+        vals: list = [None] * len(self.steps)
+
+        def alloc(i, dtype, space):
+            return np.empty(shapes[space], dtype)
+
+        for i, (step, outs, _) in enumerate(self.steps):
+            v = vals[i] = step(vals, (), views, alloc, shapes)
+            for j in outs:
+                dst = out_views[j]
+                if dst.shape == np.shape(v):
+                    store(dst, v)
+                else:
+                    dst[...] = v
 
     def _run(self, views, out_views, chunks):
         pool: dict = {}
