@@ -22,10 +22,13 @@ import math
 
 import numpy as np
 
-from ..glue import ROW, Program, Unsupported
+from ..glue import FULL, ROW, Program, Unsupported
 
-#: widest row a rows kernel holds in registers (wider rows are left to the primitives)
+#: widest row a rows kernel holds in registers; wider rows loop over column chunks of LOOP_BLOCK
+#: (one pass per level of reductions, recomputing the elementwise values from the inputs)
 MAX_ROW = 16384
+LOOP_BLOCK = 4096
+MAX_LOOPED_ROW = 1 << 24
 
 _TL = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16",
        "int32": "tl.int32", "int64": "tl.int64", "uint8": "tl.uint8", "uint32": "tl.uint32",
@@ -78,12 +81,12 @@ def _literal(value, d) -> str:
 
 def check_supported(prog: Program) -> None:
     """Raise Unsupported for what the generated kernels do not cover (the region then runs as
-    its recipe on the GPU): float64 anywhere, rows wider than MAX_ROW."""
+    its recipe on the GPU): float64 anywhere, absurdly wide rows."""
     if any(ins.dtype.name == "float64" for ins in prog.values) or \
             any(d.name == "float64" for _, d in prog.inputs):
         raise Unsupported("float64")
-    if prog.n and prog.n > MAX_ROW:
-        raise Unsupported(f"rows of {prog.n} > {MAX_ROW}")
+    if prog.n and prog.n > MAX_LOOPED_ROW:
+        raise Unsupported(f"rows of {prog.n} > {MAX_LOOPED_ROW}")
 
 
 class _Gen:
@@ -95,6 +98,8 @@ class _Gen:
         big = prog.numel >= 2 ** 31 or any(math.prod(s) >= 2 ** 31 for s, _ in prog.inputs)
         self.idx64 = big
         self.one_shape = "[1, 1]" if self.rows_kernel else "[1]"
+        self.looped = self.rows_kernel and prog.n > MAX_ROW
+        self.name: dict[int, str] = {}
 
     def emit(self, s: str):
         self.lines.append("    " + s)
@@ -136,7 +141,7 @@ class _Gen:
 
     # ---- values ---------------------------------------------------------------------------
     def value(self, k: int, ins) -> str:
-        a = [f"v{j}" for j in ins.args]
+        a = [self.name.get(j, f"v{j}") for j in ins.args]
         cd = tl_dtype(ins.cd)
         op = ins.op
         if op == "load":
@@ -262,6 +267,9 @@ class _Gen:
         p = self.p
         n_in, n_out = len(p.inputs), len(p.outputs)
         args = [f"in{k}" for k in range(n_in)] + [f"out{k}" for k in range(n_out)]
+        if self.looped:
+            self.looped_body()
+            return self.module(args, "BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr")
         if self.rows_kernel:
             head = ["r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]",
                     "c = tl.arange(0, BLOCK_N)[None, :]",
@@ -285,6 +293,9 @@ class _Gen:
             self.emit(f"v{k} = {self.value(k, ins)}")
             for j, d in stores.get(k, ()):
                 self.store(j, k, ins, d)
+        return self.module(args, consts)
+
+    def module(self, args, consts) -> str:
         out = ["import triton", "import triton.language as tl"]
         if not self.interp:
             out.append("from triton.language.extra.cuda import libdevice")
@@ -294,7 +305,108 @@ class _Gen:
         out += ["", "", "@triton.jit", f"def glue_kernel({', '.join(args)}, {consts}):"]
         return "\n".join(out + self.lines) + "\n"
 
-    def store(self, j, k, ins, d):
+    def looped_body(self):
+        """Rows wider than MAX_ROW: reductions of level 1 (reading no row value) are accumulated
+        over column chunks in a first loop, those of level 2 (reading level-1 row values) in a
+        second, ...; a last loop computes and stores the full-size outputs. Elementwise values
+        are recomputed from the inputs in each loop that needs them (inputs stay in L2)."""
+        p = self.p
+        vals = p.values
+        level = []
+        for ins in vals:
+            lv = max((level[a] for a in ins.args), default=0)
+            level.append(lv + 1 if ins.op == "reduce" else lv)
+        passes = max((level[k] for k, ins in enumerate(vals) if ins.op == "reduce"), default=0)
+        stores: dict = {}
+        for j, (v, shape, d) in enumerate(p.outputs):
+            stores.setdefault(v, []).append((j, d))
+        full = [ins.space == FULL for ins in vals]
+        self.emit("r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]")
+        self.emit(f"rmask = r < {p.rows}")
+        if self.idx64:
+            self.emit("r = r.to(tl.int64)")
+
+        def emit_rows(lv):
+            for k, ins in enumerate(vals):
+                if not full[k] and ins.op != "reduce" and level[k] == lv:
+                    self.emit(f"v{k} = {self.value(k, ins)}")
+                    self.name[k] = f"v{k}"
+                    for j, d in stores.get(k, ()):
+                        self.store(j, k, ins, d)
+
+        def needed(roots):
+            need, stack = set(), list(roots)
+            while stack:
+                k = stack.pop()
+                if k in need or not full[k]:
+                    continue
+                need.add(k)
+                stack.extend(vals[k].args)
+            return sorted(need)
+
+        def loop(pas, roots, body_tail):
+            self.emit(f"for start in range(0, {p.n}, BLOCK_N):")
+            self.emit("    c = start + tl.arange(0, BLOCK_N)[None, :]")
+            self.emit(f"    cmask = c < {p.n}")
+            self.emit("    mask = rmask & cmask")
+            self.emit(f"    i = r * {p.n} + c")
+            for k in needed(roots):
+                self.name[k] = f"v{k}_{pas}"
+                self.emit(f"    v{k}_{pas} = {self.value(k, vals[k])}")
+            body_tail()
+            for k in needed(roots):
+                self.name.pop(k, None)
+
+        emit_rows(0)
+        for pas in range(1, passes + 1):
+            reds = [k for k, ins in enumerate(vals) if ins.op == "reduce" and level[k] == pas]
+            for k in reds:
+                ident, _, dt = self.reduce_parts(vals[k])
+                self.emit(f"acc{k} = tl.full([BLOCK_R, BLOCK_N], {ident}, {dt})")
+
+            def tail(reds=reds):
+                for k in reds:
+                    ident, combine, _ = self.reduce_parts(vals[k])
+                    x = self.name[vals[k].args[0]]
+                    masked = f"tl.where(mask, {x}, {ident})"
+                    step = f"acc{k} + {masked}" if combine is None else \
+                        f"{combine}(acc{k}, {masked})"
+                    self.emit(f"    acc{k} = {step}")
+            loop(pas, [vals[k].args[0] for k in reds], tail)
+            for k in reds:
+                _, combine, dt = self.reduce_parts(vals[k])
+                if combine is None:
+                    self.emit(f"v{k} = tl.sum(acc{k}, axis=1, keep_dims=True).to({dt})")
+                else:
+                    self.emit(f"v{k} = tl.reduce(acc{k}, 1, {combine}, keep_dims=True)")
+                self.name[k] = f"v{k}"
+                for j, d in stores.get(k, ()):
+                    self.store(j, k, vals[k], d)
+            emit_rows(pas)
+        outs = [v for v in stores if full[v]]
+        if outs:
+            def tail():
+                for v in outs:
+                    for j, d in stores[v]:
+                        self.store(j, v, vals[v], d, indent="    ")
+            loop(passes + 1, outs, tail)
+
+    def reduce_parts(self, ins):
+        """(identity literal, combine helper or None for a sum, accumulator dtype)."""
+        d = ins.cd
+        if d.is_float:
+            ident = {"sum": "0.0", "prod": "1.0", "max": 'float("-inf")', "min": 'float("inf")'}
+        else:
+            info = np.iinfo(d.np)
+            ident = {"sum": "0", "prod": "1", "max": str(int(info.min)), "min": str(int(info.max))}
+        combine = None if ins.kind == "sum" else {
+            "prod": "_mul", "max": "_maxnan" if d.is_float else "_imax",
+            "min": "_minnan" if d.is_float else "_imin"}[ins.kind]
+        if combine:
+            self.helpers.add(combine)
+        return ident[ins.kind], combine, tl_dtype(d)
+
+    def store(self, j, k, ins, d, indent=""):
         if self.rows_kernel:
             if ins.space == ROW:
                 off, m, shape = "r", "rmask", "[BLOCK_R, 1]"
@@ -302,10 +414,10 @@ class _Gen:
                 off, m, shape = "i", "mask", "[BLOCK_R, BLOCK_N]"
         else:
             off, m, shape = "i", "mask", "[BLOCK]"
-        val = f"tl.broadcast_to(v{k}, {shape})"
+        val = f"tl.broadcast_to({self.name.get(k, f'v{k}')}, {shape})"
         if d != ins.cd:
             val = f"{val}.to({tl_dtype(d)})"
-        self.emit(f"tl.store(out{j} + {off}, {val}, mask={m})")
+        self.emit(f"{indent}tl.store(out{j} + {off}, {val}, mask={m})")
 
 
 def generate(prog: Program, interpret: bool = False) -> str:

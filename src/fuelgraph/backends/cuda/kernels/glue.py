@@ -2,7 +2,7 @@
 `Program` (backends.glue) becomes Triton source (cuda.glue_codegen), written once to the disk
 cache and imported from there, so a second process reuses both the source and Triton's compiled
 binary (Triton's own cache, ~/.triton/cache or $TRITON_CACHE_DIR) without recompiling. Regions
-the generator does not cover (float64, rows wider than MAX_ROW) get no kernel and run as their
+the generator does not cover (float64) get no kernel and run as their
 recipe (one torch op per primitive).
 
 Cache directory: $FUELGRAPH_CACHE_DIR/glue, else ~/.cache/fuelgraph/glue; files are named by the
@@ -21,7 +21,7 @@ import triton
 
 from ...base import elementwise_cost, kernel_factory
 from ...glue import Program, Unsupported, build_program
-from ..glue_codegen import generate
+from ..glue_codegen import LOOP_BLOCK, MAX_ROW, generate
 from ..primitives import tdtype
 from .common import INTERPRET, row_config
 
@@ -67,6 +67,8 @@ def launch_config(prog: Program) -> tuple[int, dict]:
     """(number of programs, launch keywords) of `prog`'s kernel."""
     if prog.n is None:
         return -(-prog.numel // EW_BLOCK), {"BLOCK": EW_BLOCK, "num_warps": EW_WARPS}
+    if prog.n > MAX_ROW:
+        return prog.rows, {"BLOCK_R": 1, "BLOCK_N": LOOP_BLOCK, "num_warps": 8}
     block_r, block_n, warps = row_config(prog.n)
     return -(-prog.rows // block_r), {"BLOCK_R": block_r, "BLOCK_N": block_n, "num_warps": warps}
 
