@@ -4,6 +4,8 @@
 pass off (one torch op per primitive, the "before"):
 
 * swiglu_residual        silu(g) * u + r                                 bf16 8192 x 14336
+                         ("fuelgraph precise math": IEEE division and libdevice exp instead
+                         of the fast forms used for regions with 16-bit outputs)
 * bias_gelu_residual     gelu(x + b) + r (erf form)                      bf16 8192 x 4096
 * norm_weight_residual   (x * rsqrt(mean(x^2) + eps)).to(bf16) * w + r  bf16 8192 x 4096
                          (computed in float32 as HF Llama's RMSNorm); fuelgraph fuses the RMS
@@ -148,6 +150,16 @@ def as_torch(buf) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float32))
 
 
+def set_fast_math(on: bool):
+    """Toggle the generator's fast maths for 16-bit regions; forget generated kernels so the
+    next plan builds them again."""
+    from fuelgraph.backends import base
+    from fuelgraph.backends.cuda import glue_codegen
+    glue_codegen.FAST_MATH_FOR_HALF_OUTPUTS = on
+    for key in [k for k in base.KERNELS if isinstance(k[0], int) and k[0] >= 0x8000]:
+        del base.KERNELS[key]
+
+
 def compiled_first(fn, *args):
     c = torch.compile(fn, dynamic=False)
     sync()
@@ -193,7 +205,8 @@ def elementwise_cases(quick):
     m2, n2 = (8192, 4096) if big else (32, 64)
     bf = torch.bfloat16
     yield "swiglu_residual", (m1, n1), lambda: [torch.randn(m1, n1, device=DEV, dtype=bf)
-                                                for _ in range(3)], fg_swiglu, t_swiglu, {}
+                                                for _ in range(3)], fg_swiglu, t_swiglu, \
+        {"precise": True}
     yield "bias_gelu_residual", (m2, n2), lambda: [
         torch.randn(m2, n2, device=DEV, dtype=bf), torch.randn(n2, device=DEV, dtype=bf),
         torch.randn(m2, n2, device=DEV, dtype=bf)], fg_bias_gelu, t_bias_gelu, {}
@@ -208,13 +221,22 @@ def run_elementwise(name, shape, make, fg_fn, t_fn, opts, second):
     nbytes = sum(t.numel() * t.element_size() for t in inputs) + out_bytes
     ref = t_fn(*inputs).float()
     variants = [("fuelgraph", True, True)]
+    if opts.get("precise") and not second:
+        variants.append(("fuelgraph precise math", True, True))
     if opts.get("one_region"):
         variants.append(("fuelgraph one region", True, False))
     if not second:
         variants.append(("fuelgraph glue off", False, True))
     for impl, glue, idioms in variants:
         def go(impl=impl, glue=glue, idioms=idioms):
-            run, first, outs = fg_plan(fg_fn, inputs, glue, idioms)
+            precise = impl == "fuelgraph precise math"
+            if precise:
+                set_fast_math(False)
+            try:
+                run, first, outs = fg_plan(fg_fn, inputs, glue, idioms)
+            finally:
+                if precise:
+                    set_fast_math(True)
             got = as_torch(run()[0])
             err = (got - ref).abs().max().item()
             if second:

@@ -12,7 +12,9 @@ Two shapes of kernel:
 Inputs are read through the strides their views give them (a broadcast bias is one load of n
 values, not a materialized array); 16-bit floats are computed in float32 and rounded only where
 the graph casts and when stored. Division and square roots are IEEE-rounded (`div_rn`,
-`sqrt_rn`) and transcendental functions come from libdevice, as torch's kernels compute them;
+`sqrt_rn`) and transcendental functions come from libdevice, as torch's kernels compute them
+(regions whose outputs are all 16-bit floats use the fast approximate forms instead, see
+FAST_MATH_FOR_HALF_OUTPUTS);
 under the CPU interpreter (`TRITON_INTERPRET=1`, no libdevice) `tl.*` stand-ins are used.
 Sizes are literals of the source: a source is specific to the region's shapes, and its hash
 keys the disk cache."""
@@ -29,6 +31,10 @@ from ..glue import FULL, ROW, Program, Unsupported
 MAX_ROW = 16384
 LOOP_BLOCK = 4096
 MAX_LOOPED_ROW = 1 << 24
+#: regions whose every output is a 16-bit float use the fast approximate float32 maths (ex2-based
+#: exp, approximate division and square root: errors of a few float32 ulps, far below a bf16 or
+#: fp16 rounding) instead of IEEE/libdevice, which can make a bf16 kernel compute-bound
+FAST_MATH_FOR_HALF_OUTPUTS = True
 
 _TL = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16",
        "int32": "tl.int32", "int64": "tl.int64", "uint8": "tl.uint8", "uint32": "tl.uint32",
@@ -99,6 +105,8 @@ class _Gen:
         self.idx64 = big
         self.one_shape = "[1, 1]" if self.rows_kernel else "[1]"
         self.looped = self.rows_kernel and prog.n > MAX_ROW
+        self.fast = FAST_MATH_FOR_HALF_OUTPUTS and not interpret and all(
+            d.is_float and d.itemsize == 2 for _, _, d in prog.outputs)
         self.name: dict[int, str] = {}
 
     def emit(self, s: str):
@@ -196,6 +204,9 @@ class _Gen:
                   "floor": "tl.floor({})", "recip": f"tl.div_rn({one}, {{}})",
                   "rsqrt": f"tl.div_rn({one}, tl.sqrt_rn({{}}))",
                   "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, {0} * 0.0))"}
+        if self.fast:
+            simple.update({"sqrt": "tl.sqrt({})", "recip": "1.0 / {}", "rsqrt": "tl.rsqrt({})",
+                           "exp": "tl.exp({})", "log": "tl.log({})"})
         if kind in simple:
             return simple[kind].format(x)
         table = _FLOAT_UNARY_INTERP if self.interp else _FLOAT_UNARY_GPU
@@ -215,7 +226,7 @@ class _Gen:
             return f"{fn}({a}, {b}{nan})"
         if d.is_float:
             if kind == "div":
-                return f"tl.div_rn({a}, {b})"
+                return f"{a} / {b}" if self.fast else f"tl.div_rn({a}, {b})"
             if kind == "pow":
                 if self.interp:
                     self.helpers.add("_pow_i")
