@@ -8,12 +8,13 @@ pass off (one torch op per primitive, the "before"):
                          of the fast forms used for regions with 16-bit outputs)
 * bias_gelu_residual     gelu(x + b) + r (erf form)                      bf16 8192 x 4096
 * norm_weight_residual   (x * rsqrt(mean(x^2) + eps)).to(bf16) * w + r  bf16 8192 x 4096
-                         (computed in float32 as HF Llama's RMSNorm); fuelgraph fuses the RMS
-                         norm op and one region after it; "fuelgraph one region" times the same
-                         code with idiom fusion off, so the whole line is one generated kernel
+                         (computed in float32 as HF Llama's RMSNorm); fuelgraph runs the RMS
+                         norm op's kernel and one region after it; "fuelgraph row ops absorbed"
+                         (FUELGRAPH_GLUE_ROW_OPS=1) lowers the norm into the region: one kernel
 * llama_train_step       hidden 2048, 8 layers, 16 heads, FFN 5632, vocab 32000, 4 x 2048
                          tokens, bf16: forward + loss + gradients of every weight (attention
-                         written as plain math in every impl; no optimizer step)
+                         written as plain math in every impl; no optimizer step), also with
+                         row ops absorbed
 
 Times are `triton.testing.do_bench` medians (ms) of execution only (fuelgraph: its cached plan;
 torch.compile: after its first call); GB/s counts every input read once and every output
@@ -115,12 +116,14 @@ def guarded(op, impl, shape, dtype, fn):
 
 
 # ----------------------------------------------------------------------------- fuelgraph plans
-def fg_plan(build, tensors, glue=True, idioms=True):
+def fg_plan(build, tensors, glue=True, idioms=True, absorb=False):
     """(run, first-call seconds): build(*fuelgraph tensors) -> outputs; the plan is compiled
-    once (first call: optimize, codegen, Triton compile, one run), then `run` replays it."""
+    once (first call: optimize, codegen, Triton compile, one run), then `run` replays it.
+    glue=False: the glue pass off; idioms=False: idiom fusion off; absorb=True: row fused ops
+    lowered into neighbouring regions (regions.ABSORB_ROW_OPS)."""
     import fuelgraph.opt.passes as P
-    saved_fuse, saved = P.fuse, regions.ENABLED
-    regions.ENABLED = glue
+    saved_fuse, saved, saved_absorb = P.fuse, regions.ENABLED, regions.ABSORB_ROW_OPS
+    regions.ENABLED, regions.ABSORB_ROW_OPS = glue, absorb
     if not idioms:
         P.fuse = lambda vals, *a, **k: vals
     executor._PLANS.clear()
@@ -136,7 +139,7 @@ def fg_plan(build, tensors, glue=True, idioms=True):
         sync()
         first = time.perf_counter() - t0
     finally:
-        P.fuse, regions.ENABLED = saved_fuse, saved
+        P.fuse, regions.ENABLED, regions.ABSORB_ROW_OPS = saved_fuse, saved, saved_absorb
     return (lambda: plan.run(bufs)), first, outs
 
 
@@ -220,20 +223,20 @@ def run_elementwise(name, shape, make, fg_fn, t_fn, opts, second):
     out_bytes = inputs[0].numel() * inputs[0].element_size()
     nbytes = sum(t.numel() * t.element_size() for t in inputs) + out_bytes
     ref = t_fn(*inputs).float()
-    variants = [("fuelgraph", True, True)]
+    variants = [("fuelgraph", True, False)]
     if opts.get("precise") and not second:
-        variants.append(("fuelgraph precise math", True, True))
+        variants.append(("fuelgraph precise math", True, False))
     if opts.get("one_region"):
-        variants.append(("fuelgraph one region", True, False))
+        variants.append(("fuelgraph row ops absorbed", True, True))
     if not second:
-        variants.append(("fuelgraph glue off", False, True))
-    for impl, glue, idioms in variants:
-        def go(impl=impl, glue=glue, idioms=idioms):
+        variants.append(("fuelgraph glue off", False, False))
+    for impl, glue, absorb in variants:
+        def go(impl=impl, glue=glue, absorb=absorb):
             precise = impl == "fuelgraph precise math"
             if precise:
                 set_fast_math(False)
             try:
-                run, first, outs = fg_plan(fg_fn, inputs, glue, idioms)
+                run, first, outs = fg_plan(fg_fn, inputs, glue, absorb=absorb)
             finally:
                 if precise:
                     set_fast_math(True)
@@ -372,9 +375,13 @@ def run_step(second):
 
     tws = [w.detach().requires_grad_() for w in ws]
     ref = t_step(x, tg, cos, sin, mask, *tws)[0].item()
-    for impl, glue in ([("fuelgraph", True)] + ([] if second else [("fuelgraph glue off", False)])):
-        def go(impl=impl, glue=glue):
-            run, first, outs = fg_plan(fg_build, [x, tg, cos, sin, mask, *ws], glue)
+    variants = [("fuelgraph", True, False), ("fuelgraph row ops absorbed", True, True)]
+    if not second:
+        variants.append(("fuelgraph glue off", False, False))
+    for impl, glue, absorb in variants:
+        def go(impl=impl, glue=glue, absorb=absorb):
+            run, first, outs = fg_plan(fg_build, [x, tg, cos, sin, mask, *ws], glue,
+                                       absorb=absorb)
             loss = float(as_torch(run()[0]).item())
             n_glue = len(fg.explain(outs[:1]).glue) if ARGS.smoke else None
             if second:

@@ -195,3 +195,22 @@ def test_pass_is_linear_in_graph_size():
     cost(50)
     small, big = cost(300), cost(1200)
     assert big < 12 * small + 0.5, (small, big)
+
+
+def test_row_ops_absorbed_on_request(monkeypatch):
+    """FUELGRAPH_GLUE_ROW_OPS=1: a norm followed by `* w + r` is one generated kernel (the
+    norm's fused op is lowered into the region); by default the norm keeps its own kernel."""
+    x, w, r = t(6, 64), t(64), t(6, 64)
+    y = x / ((x * x).mean(-1, keepdim=True) + 1e-6).sqrt() * w + r
+    rep = fg.explain(y)
+    assert rep.fused_ops == {"rms_norm_last_dim": 1} and len(rep.glue) == 1
+    monkeypatch.setattr(regions, "ABSORB_ROW_OPS", True)
+    rep = fg.explain(y)
+    assert rep.fused_ops == {} and len(rep.glue) == 1 and rep.dissolved == {"rms_norm_last_dim": 1}
+    nodes = glue_nodes([y])
+    assert len(nodes) == 1 and build_program(
+        fg.default_registry().entry(nodes[0].op.id).body).n == 64
+    from fuelgraph.runtime import executor
+    executor._PLANS.clear()
+    same([y])
+    executor._PLANS.clear()

@@ -52,6 +52,11 @@ MIN_OPS = 2
 #: FUELGRAPH_GLUE=0 in the environment turns the pass off (each primitive runs on its own);
 #: plans cached before a change keep what they were built with
 ENABLED = os.environ.get("FUELGRAPH_GLUE", "1") != "0"
+#: opt-in (FUELGRAPH_GLUE_ROW_OPS=1): fused ops whose recipe is glue with row reductions (softmax,
+#: the norms and their backward helpers) are lowered into a neighbouring region too, so that a
+#: norm followed by `* w + r` is one generated kernel instead of the norm's kernel plus one
+#: region. Off by default: the registry's row kernels are kept wherever they match.
+ABSORB_ROW_OPS = os.environ.get("FUELGRAPH_GLUE_ROW_OPS", "0") == "1"
 
 
 class _Region:
@@ -255,6 +260,8 @@ def _glueish(nd) -> bool:
 
 
 def _recipe_is_glue(outs, srcs) -> bool:
+    """Whether a fused op's lowered recipe is elementwise glue (with ABSORB_ROW_OPS: glue with
+    reductions over trailing axes too)."""
     stop = {s.node for s in srcs}
     seen, stack = set(), [v.node for v in outs]
     while stack:
@@ -262,7 +269,9 @@ def _recipe_is_glue(outs, srcs) -> bool:
         if nd in stop or nd in seen or not nd.srcs:
             continue
         seen.add(nd)
-        if not (fusible_op(nd) or isinstance(nd.op, VIEWS)):      # elementwise only
+        ok = fusible_op(nd) or isinstance(nd.op, VIEWS) or (
+            ABSORB_ROW_OPS and isinstance(nd.op, ops.Reduce) and reduction_length(nd))
+        if not ok:
             return False
         stack.extend(s.node for s in nd.srcs)
     return bool(seen)
