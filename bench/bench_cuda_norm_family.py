@@ -273,6 +273,15 @@ def bench_rope(args, dtype=torch.bfloat16, shape=(8, 32, 4096, 128)):
     run("rope_q_and_k_interleaved", "fuelgraph", shape, dtype,
         lambda: (K.rope(q, cos, sin, interleaved=True), K.rope(k, cos, sin, interleaved=True)),
         byts)
+    # HF layout: per-batch tables [B, 1, S, D] (from position_ids), one block per batch
+    cos_b = cos[None, None].expand(shape[0], 1, S, D).contiguous()
+    sin_b = sin[None, None].expand(shape[0], 1, S, D).contiguous()
+    byts_b = 4 * nb(q) + 2 * nb(cos_b)
+    run("rope_q_and_k_per_batch_tables", "fuelgraph", shape, dtype,
+        lambda: (_rope.rope(q, cos_b, sin_b, interleaved=False),
+                 _rope.rope(k, cos_b, sin_b, interleaved=False)), byts_b)
+    run("rope_q_and_k_per_batch_tables", "torch eager", shape, dtype,
+        lambda: ref(q, k, cos_b, sin_b), byts_b)
     if args.sweep:
         for bs, op_, nw in [(16, 2, 4), (32, 2, 4), (32, 4, 8), (8, 4, 2), (16, 8, 4)]:
             run("rope_q_and_k", f"fuelgraph[bs={bs},op={op_},w={nw}]", shape, dtype,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .backends import backend_name
 from .ir import ops
 from .ir.node import toposort
+from .opt.canonicalize import CANONICALIZE
 from .opt.passes import optimize
 from .opt.regions import FAMILY
 from .registry.core import default_registry
@@ -16,11 +17,12 @@ from .runtime.executor import _device_of, _values
 @dataclass
 class ExplainReport:
     """fused_ops: {registry name: count in the optimized graph} (idioms; glue regions are listed
-    apart in `glue`: {region name: what it runs}; `dissolved` counts elementwise fused ops lowered
-    into a neighbouring region); primitive_count: primitive (non-leaf) nodes
-    after optimization, those that glue regions run included; nodes_before: non-leaf nodes before; near_misses:
+    apart in `glue`: {region name: what it runs}; `dissolved` counts fused ops lowered into a
+    neighbouring region); primitive_count: primitive (non-leaf) nodes after optimization, those
+    that glue regions run included; nodes_before: non-leaf nodes before; near_misses:
     {op name: first failed constraint of its best partial match}; lowered: {op name: times it
-    was lowered to its recipe}; backend: where it would run."""
+    was lowered to its recipe}; backend: where it would run; rules_fired: {canonicalization
+    rule name: times it fired}."""
     fused_ops: dict[str, int]
     primitive_count: int
     nodes_before: int
@@ -32,6 +34,7 @@ class ExplainReport:
     matched: dict[str, int] = field(default_factory=dict)   # idioms fused (before lowering)
     glue: dict[str, str] = field(default_factory=dict)      # generated region -> what it runs
     dissolved: dict[str, int] = field(default_factory=dict)  # elementwise fused ops run in glue
+    rules_fired: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"fuelgraph explain (backend {self.backend})",
@@ -56,6 +59,9 @@ class ExplainReport:
         if self.lowered:
             lines.append("  lowered to primitives (no kernel on this backend, or lower_all):")
             lines += [f"    {name} x{n}" for name, n in sorted(self.lowered.items())]
+        if self.rules_fired:
+            lines.append("  canonicalization rules fired:")
+            lines += [f"    {name} x{n}" for name, n in sorted(self.rules_fired.items())]
         if self.near_misses:
             lines.append("  near misses (best partial match, first failed constraint):")
             lines += [f"    {name}: {why}" for name, why in sorted(self.near_misses.items())]
@@ -92,7 +98,9 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
               for k, m in res.misses.items() if m.matched >= min_matched}
     matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     n_glue = sum(res.glue.values())
-    dissolved = Counter(what for p, rule, what in res.log.events if (p, rule) == ("glue", "dissolve"))
+    dissolved = Counter(what for p, rule, what in res.log.events
+                        if (p, rule) == ("glue", "dissolve"))
     return ExplainReport(fused, after - sum(fused.values()) - n_glue + inside, before, after,
-                         misses, res.lowered, bname, res.log.events, dict(matched), glue,
-                         dict(dissolved))
+                         misses, res.lowered, bname, res.log.events, dict(matched),
+                         glue=glue, dissolved=dict(dissolved),
+                         rules_fired=res.log.counts(CANONICALIZE.name))

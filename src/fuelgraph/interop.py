@@ -45,7 +45,7 @@ def from_dlpack(obj, requires_grad: bool = False):
     if isinstance(obj, np.ndarray):
         a = obj.view()
         a.flags.writeable = False
-        return _leaf(np.ascontiguousarray(a), dt.as_dtype(a.dtype), "cpu", requires_grad)
+        return _leaf(np.asarray(a, order="C"), dt.as_dtype(a.dtype), "cpu", requires_grad)
     torch = _torch()
     return from_torch(torch.utils.dlpack.from_dlpack(obj), requires_grad)
 
@@ -58,7 +58,7 @@ def to_torch(t):
     if isinstance(buf, torch.Tensor):
         return buf
     if buf.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(buf).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.asarray(buf, order="C").view(np.int16)).view(torch.bfloat16)
     if not buf.flags.writeable:
         buf = buf.copy()
-    return torch.from_numpy(np.ascontiguousarray(buf))
+    return torch.from_numpy(np.asarray(buf, order="C"))

@@ -247,20 +247,25 @@ def test_gptj_rope_fuses_interleaved():
                                interleaved=True).numpy())
 
 
-def test_rope_with_non_table_shaped_cos_does_not_fuse():
-    """cos/sin of shape [1, S, D] broadcast like [S, D] but are not the op's inputs: no fusion,
-    the near miss says why, values stay right."""
+def test_rope_with_leading_one_tables_fuses_and_half_tables_do_not():
+    """cos/sin [1, S, D] broadcast to x and are the op's inputs; [S, 1] tables broadcast too
+    but are not [..., S, D] tables: no fusion, the near miss says why, values stay right."""
     s, d = 4, 8
     c, sn = half_tables(s, d)
     cos = fg.tensor(np.concatenate([c, c], -1)[None])
     sin = fg.tensor(np.concatenate([sn, sn], -1)[None])
     q = fg.tensor(rand((2, s, d), 11))
     y = q * cos + rotate_half(q) * sin
-    rep = fg.explain(y)
+    assert fg.explain(y).fused_ops == {"rope": 1}
+    check_values(y, torch_rope(torch.tensor(q.numpy()), torch.tensor(cos.numpy()),
+                               torch.tensor(sin.numpy())).numpy())
+    cos1, sin1 = fg.tensor(c[:, :1]), fg.tensor(sn[:, :1])
+    z = q * cos1 + rotate_half(q) * sin1
+    rep = fg.explain(z)
     assert "rope" not in rep.fused_ops
-    assert "expected exactly [S, D]" in rep.near_misses["rope"]
-    np.testing.assert_allclose(y.numpy(), torch_rope(torch.tensor(q.numpy()), torch.tensor(cos.numpy()),
-                                                     torch.tensor(sin.numpy())).numpy(), rtol=1e-6)
+    assert "ending in exactly [S, D]" in rep.near_misses["rope"]
+    np.testing.assert_allclose(z.numpy(), torch_rope(torch.tensor(q.numpy()), torch.tensor(c[:, :1]),
+                                                     torch.tensor(sn[:, :1])).numpy(), rtol=1e-6)
 
 
 def test_wrong_rotation_does_not_fuse():

@@ -144,6 +144,51 @@ def test_recipe_matches_kernel(interleaved, shape):
     np.testing.assert_allclose(fg.realize([y], lower_all=True)[0], y.numpy(), rtol=1e-14, atol=1e-15)
 
 
+# x shape, table shape: per-batch (HF [B, 1, S, D]), per-head, full, lower rank, rank 5
+BROADCAST_TABLES = [((2, 3, 5, 8), (2, 1, 5, 8)), ((2, 3, 5, 8), (1, 3, 5, 8)),
+                    ((2, 3, 5, 8), (2, 3, 5, 8)), ((2, 3, 5, 8), (3, 5, 8)),
+                    ((2, 2, 3, 4, 6), (2, 1, 3, 4, 6)), ((3, 4, 6), (1, 4, 6))]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("xs,ts", BROADCAST_TABLES, ids=str)
+def test_broadcast_tables_vs_torch(xs, ts, dt, interleaved):
+    """Tables broadcastable to x (each leading sequence reads its own table block)."""
+    rng = np.random.default_rng(21)
+    a = rng.standard_normal(xs).astype(dt.np)
+    c, sn = (rng.standard_normal(ts).astype(dt.np) for _ in range(2))
+    y = F.rope(fg.tensor(a), fg.tensor(c), fg.tensor(sn), interleaved=interleaved)
+    assert y.shape == xs and y.dtype == dt
+    r64 = torch_rope(*(torch.tensor(v.astype(np.float64)) for v in (a, c, sn)), interleaved).numpy()
+    if dt in (fg.float64, fg.float32):
+        tol = 1e-14 if dt == fg.float64 else 1e-6
+        np.testing.assert_allclose(y.numpy(), r64, rtol=tol, atol=tol)
+        np.testing.assert_allclose(fg.realize([y], lower_all=True)[0], y.numpy(), rtol=tol,
+                                   atol=tol)
+    else:
+        tt = torch.bfloat16 if dt == fg.bfloat16 else torch.float16
+        same = torch_rope(*(torch.tensor(v.astype(np.float32)).to(tt) for v in (a, c, sn)),
+                          interleaved).float().numpy()
+        lowp_ok(y.numpy().astype(np.float64), r64, same, dt)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("xs,ts", BROADCAST_TABLES, ids=str)
+def test_broadcast_tables_gradients(xs, ts, interleaved):
+    """dcos/dsin are summed back to the tables' own shapes."""
+    rng = np.random.default_rng(22)
+    a, g = rng.standard_normal(xs), rng.standard_normal(xs)
+    c, sn = rng.standard_normal(ts), rng.standard_normal(ts)
+    x, ct, st = fg.tensor(a), fg.tensor(c), fg.tensor(sn)
+    gx, gc, gs = fg.grad(F.rope(x, ct, st, interleaved=interleaved), [x, ct, st], [fg.tensor(g)])
+    tx, tc, ts_ = (torch.tensor(v, requires_grad=True) for v in (a, c, sn))
+    torch_rope(tx, tc, ts_, interleaved).backward(torch.tensor(g))
+    for ours, t in ((gx, tx), (gc, tc), (gs, ts_)):
+        assert ours.shape == tuple(t.shape)
+        np.testing.assert_allclose(ours.numpy(), t.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_validation_errors():
     x = fg.tensor(np.ones((2, 4, 6), np.float32))
     c = fg.tensor(np.ones((4, 6), np.float32))
@@ -152,12 +197,17 @@ def test_validation_errors():
         F.rope(fg.tensor(np.ones((2, 4, 5), np.float32)), t, t)
     with pytest.raises(fg.FuelGraphError, match=r"rope: x has shape \(6,\), expected rank >= 2"):
         F.rope(fg.tensor(np.ones(6, np.float32)), c, c)
-    for bad in [(1, 4, 6), (4, 3), (5, 6), (6,), (2, 4, 6)]:
+    for bad in [(4, 3), (5, 6), (6,), (3, 4, 6), (1, 2, 4, 6), (2, 1, 6)]:
         b = fg.tensor(np.ones(bad, np.float32))
-        with pytest.raises(fg.FuelGraphError, match=r"rope: cos has shape .*expected exactly \[S, D\] = \[4, 6\]"):
+        with pytest.raises(fg.FuelGraphError, match=r"rope: cos has shape .*expected \[\.\.\., S, D\] "
+                                                    r"ending in exactly \[S, D\] = \[4, 6\] and "
+                                                    r"broadcastable to x of shape \(2, 4, 6\)"):
             F.rope(x, b, c)
-        with pytest.raises(fg.FuelGraphError, match=r"rope: sin has shape .*expected exactly \[S, D\]"):
+        with pytest.raises(fg.FuelGraphError, match=r"rope: sin has shape .*expected \[\.\.\., S, D\]"):
             F.rope(x, c, b)
+    for ok in [(1, 4, 6), (2, 4, 6)]:                # broadcastable tables are accepted
+        b = fg.tensor(np.ones(ok, np.float32))
+        assert F.rope(x, b, c).shape == (2, 4, 6) and F.rope(x, c, b).shape == (2, 4, 6)
     with pytest.raises(fg.FuelGraphError, match="rope: sin has dtype float64, expected float32"):
         F.rope(x, c, fg.tensor(np.ones((4, 6))))
     with pytest.raises(fg.FuelGraphError, match="rope: cos has dtype bfloat16, expected float32"):

@@ -84,7 +84,7 @@ class Const(Op):
     device: str = "cpu"
 
     def __post_init__(self):
-        a = np.ascontiguousarray(self.array)
+        a = np.asarray(self.array, order="C")
         a.flags.writeable = False
         object.__setattr__(self, "array", a)
         object.__setattr__(self, "_key", (a.shape, str(a.dtype), self.device,

@@ -15,8 +15,8 @@ from ..ir.node import Node, Value, consumers, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import default_registry, fused_node
 from .canonicalize import CANONICALIZE
-from .engine import Pass, RewriteLog, rebuild, run_pass
-from .pattern import Match, Miss, _op_sig, patterns_of, try_match
+from .engine import Pass, Pat, RewriteLog, Rule, canonical_memo, rebuild, run_pass
+from .pattern import _MAX_TRIES, Match, Miss, _op_sig, patterns_of, try_match
 from .regions import form_regions
 
 
@@ -69,24 +69,20 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
         users.setdefault(id(v.node), []).append(_GRAPH_OUTPUT)
     matches: dict[Node, tuple] = {}
     claimed: set = set()
+    canon = canonical_memo(nodes)   # re-traced recipes stop at the (canonical) graph
     for n in reversed(nodes):       # roots first: the largest pattern at a node wins
         if n in claimed or n.nout != 1:
             continue
-        for e, p in by_sig.get(_op_sig(n.op), ()):
-            r = try_match(p, e, n.out(0), users)
-            if isinstance(r, Match):
-                matches[n] = (e, r)
-                claimed |= r.interior
-                break
-            best = misses.get(e.name)
-            if best is None or r.matched > best.matched:
-                misses[e.name] = r
+        r = _match_at(n, by_sig.get(_op_sig(n.op), ()), users, canon, misses)
+        if r is not None:
+            matches[n] = r
+            claimed |= r[1].interior
     memo: dict[Node, Node] = {}
     for n in nodes:
         if n in matches:
             e, m = matches[n]
             new = fused_node(ops.Fused(e.id, e.params(**m.params)),
-                             tuple(Value(memo[c.node], c.slot) for c in m.captures))
+                             tuple(_remap(c, memo) for c in m.captures))
             log.events.append(("fuse", e.name, repr(n)))
         else:
             srcs = tuple(Value(memo[s.node], s.slot) for s in n.srcs)
@@ -97,19 +93,44 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     return [Value(memo[v.node], v.slot) for v in outputs]
 
 
+def _match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
+    """(entry, Match) of the first pattern that fits at n, else None (misses recorded). Every
+    pattern is first tried with its preferred inputs (the values the structural match reached);
+    the other input candidates (see pattern._alternatives) only after all of them."""
+    retry = []
+    for tries in ((0, 1), (1, _MAX_TRIES)):
+        for e, p in (cands if tries[0] == 0 else retry):
+            r = try_match(p, e, n.out(0), users, canon, tries)
+            if isinstance(r, Match):
+                return e, r
+            if r.more:
+                retry.append((e, p))
+            best = misses.get(e.name)
+            if best is None or r.matched > best.matched:
+                misses[e.name] = r
+    return None
+
+
+def _remap(v: Value, memo: dict) -> Value:
+    """v in the rewired graph; a capture may be a reshape the matcher made of a graph value."""
+    if v.node in memo:
+        return Value(memo[v.node], v.slot)
+    return Value(rebuild(v.node, tuple(_remap(s, memo) for s in v.node.srcs)), v.slot)
+
+
 def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
-    def lower(n: Node):
-        if isinstance(n.op, ops.Detach):   # gradients are built by now: identity
-            return n.srcs[0]
-        if not isinstance(n.op, ops.Fused):
-            return None
+    def lower(root: Value):
+        n = root.node
         if not lower_all and has_kernel(n.op.id, backend, [s.dtype for s in n.srcs],
                                         [s.shape for s in n.srcs], n.op.params):
             return None
         e = default_registry().entry(n.op.id)
         counts[e.name] = counts.get(e.name, 0) + 1
         return [t.value for t in e.lower([Tensor(s) for s in n.srcs], n.op.params)]
-    return Pass("lower", [("lower_fused", lower)])
+    return Pass("lower", [
+        # gradients are built by now: a stop-gradient is the identity
+        Rule("detach_is_identity", Pat(ops.Detach, src=(Pat.var("x"),)), lambda x: x),
+        Rule("lower_fused", Pat(ops.Fused, name="root"), lower)])
 
 
 def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptResult:

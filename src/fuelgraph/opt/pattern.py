@@ -8,12 +8,14 @@ cannot drift, and constants and shapes are always checked."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from dataclasses import dataclass, field
 
 from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, toposort
+from ..ir.node import Node, Value, apply, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import FusedOpRegistry, Traced
 from ..registry.core import trace_recipe as trace_raw
@@ -75,6 +77,7 @@ class Miss:
     node: str
     matched: int
     reason: str
+    more: bool = False     # other input candidates are left to verify (try_match's `tries`)
 
 
 def trace_recipe(recipe, sample, params=None) -> Traced:
@@ -172,9 +175,15 @@ class _Matcher:
         self.param_dtypes: dict = {}
         self.count = 0
         self.reason = ""
+        # recipe input -> graph values it may stand for, preferred first (see _alternatives)
+        self.cands: dict[Node, list[Value]] = {}
 
-    def match(self, p: Value, g: Value) -> bool:
+    def match(self, p: Value, g: Value, chain: tuple = ()) -> bool:
+        """Match pattern value `p` against graph value `g`. `chain` lists the pattern's
+        shape-only nodes just above `p` with the graph values they met (outermost first)."""
         pn, gn = p.node, g.node
+        if pn in self.pat.placeholders:
+            return self._bind_input(pn, g, chain)
         if pn in self.bind:
             if self.bind[pn] == g:
                 return True
@@ -185,9 +194,6 @@ class _Matcher:
             else:
                 self.reason = f"shared term {pn.op!r} binds two different values"
             return False
-        if pn in self.pat.placeholders:
-            self.bind[pn] = g
-            return True
         if isinstance(pn.op, ops.Full):
             if not isinstance(gn.op, ops.Full):
                 if isinstance(gn.op, _MATCH_SKIPPABLE):
@@ -204,69 +210,170 @@ class _Matcher:
             self.bind[pn] = g
             self.count += 1
             return True
+        below = chain + ((pn, g),) if isinstance(pn.op, _SKIPPABLE) else ()
         if _op_sig(pn.op) != _op_sig(gn.op) or p.slot != g.slot or len(pn.srcs) != len(gn.srcs):
             if isinstance(pn.op, _MATCH_SKIPPABLE):
-                return self.match(pn.srcs[0], g)
+                return self.match(pn.srcs[0], g, below)
             if isinstance(gn.op, _MATCH_SKIPPABLE):
-                return self.match(p, gn.srcs[0])
+                return self.match(p, gn.srcs[0], chain)
             self.reason = f"expected {pn.op.name} at %{gn.uid}, found {gn.op.name}"
             return False
         self.count += 1
-        saved = (dict(self.bind), dict(self.params), self.count)
-        if self._srcs(pn.srcs, gn.srcs):
+        saved = (dict(self.bind), dict(self.params), self.count, dict(self.cands))
+        if self._srcs(pn.srcs, gn.srcs, below):
             self.bind[pn] = g
             return True
         kind = getattr(pn.op, "kind", None)
         if kind in _COMMUTATIVE and len(pn.srcs) == 2:
             why = self.reason
             self.bind, self.params, self.count = dict(saved[0]), dict(saved[1]), saved[2]
-            if self._srcs(pn.srcs[::-1], gn.srcs):
+            self.cands = dict(saved[3])
+            if self._srcs(pn.srcs[::-1], gn.srcs, below):
                 self.bind[pn] = g
                 return True
             self.reason = why
         return False
 
-    def _srcs(self, ps, gs) -> bool:
-        return all(self.match(p, g) for p, g in zip(ps, gs))
+    def _srcs(self, ps, gs, chain=()) -> bool:
+        return all(self.match(p, g, chain) for p, g in zip(ps, gs))
+
+    def _bind_input(self, pn: Node, g: Value, chain: tuple) -> bool:
+        """A recipe input reached again must stand for one value: keep the candidates that
+        every reach allows."""
+        alts = _alternatives(g, chain)
+        have = self.cands.get(pn)
+        keep = alts if have is None else [c for c in have if c in alts]
+        if not keep:
+            i = self.pat.placeholders.index(pn)
+            self.reason = (f"recipe input {i} binds two different values (%{have[0].node.uid} "
+                           f"and %{g.node.uid})")
+            return False
+        self.cands[pn] = keep
+        self.bind[pn] = keep[0]
+        return True
 
 
-def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
-    """Match `pat` at `root`; on success the recipe is re-traced on the captures to verify."""
+def _alternatives(g: Value, chain: tuple) -> list[Value]:
+    """The graph values a recipe input reached through the recipe's own reshapes/broadcasts
+    (`chain`, outermost first) may stand for, preferred first: the value the structural match
+    reached (`g`); the value the recipe's squeeze/unsqueeze would turn into what the graph has
+    there (e.g. targets `[N]` when the graph holds `labels[:, 1:].reshape(-1, 1)` where the
+    recipe says `t.unsqueeze(-1)`); then the graph values along the chain, inside out, except
+    broadcast outputs (e.g. a `[B, 1, S, D]` table that the recipe broadcasts itself).
+    Verification picks the first combination that re-traces to the graph, so a wrong candidate
+    is never used."""
+    out = [g]
+    for pn, gv in reversed(chain):
+        if isinstance(pn.op, ops.Reshape):
+            s = _undo_unit_reshape(pn.srcs[0].shape, pn.shapes[0], gv.shape)
+            if s is not None:
+                out.append(_reshaped(gv, s))
+    # never a broadcast's output: the op would read a materialized broadcast
+    out += [gv for _, gv in reversed(chain) if not isinstance(gv.node.op, ops.BroadcastTo)]
+    seen, uniq = set(), []
+    for v in out:
+        if v not in seen:
+            seen.add(v)
+            uniq.append(v)
+    return uniq
+
+
+def _unit_edit(a: tuple, b: tuple):
+    """Positions (from the right, negative) of the extent-1 axes that a reshape a -> b inserts
+    (len(b) > len(a)), aligning the other axes from the right; None when it does more."""
+    i, j, pos = len(a) - 1, len(b) - 1, []
+    while j >= 0:
+        if i >= 0 and a[i] == b[j]:
+            i -= 1
+        elif b[j] == 1:
+            pos.append(j - len(b))
+        else:
+            return None
+        j -= 1
+    return pos if i < 0 else None
+
+
+def _undo_unit_reshape(p_in: tuple, p_out: tuple, g_out: tuple):
+    """The shape the graph value would have before the recipe's squeeze/unsqueeze p_in ->
+    p_out (positions counted from the right, as recipes write them: `t.unsqueeze(-1)`), given
+    the graph's shape g_out after it; None when the reshape is not one or does not fit."""
+    if len(p_out) > len(p_in):                       # unsqueeze: drop the inserted axes
+        pos = _unit_edit(p_in, p_out)
+        if pos is None or any(-k > len(g_out) or g_out[k] != 1 for k in pos):
+            return None
+        drop = {len(g_out) + k for k in pos}
+        return tuple(d for k, d in enumerate(g_out) if k not in drop)
+    if len(p_out) < len(p_in):                       # squeeze: put the removed axes back
+        pos = _unit_edit(p_out, p_in)
+        if pos is None:
+            return None
+        rank = len(g_out) + len(pos)
+        put = {rank + k for k in pos}
+        if any(k < 0 for k in put):
+            return None
+        it = iter(g_out)
+        return tuple(1 if k in put else next(it) for k in range(rank))
+    return None
+
+
+def _reshaped(v: Value, shape: tuple) -> Value:
+    """v reshaped to `shape`, in canonical form (no reshape of a reshape)."""
+    while isinstance(v.node.op, ops.Reshape):
+        v = v.node.srcs[0]
+    return v if v.shape == shape else apply(ops.Reshape(tuple(shape)), v)
+
+
+_MAX_TRIES = 16     # combinations of input candidates verified per structural match
+
+
+def try_match(pat: Pattern, entry, root: Value, users: dict, memo: dict | None = None,
+              tries: tuple[int, int] = (0, _MAX_TRIES)) -> "Match | Miss":
+    """Match `pat` at `root`; the recipe is re-traced on the captures to verify, for the
+    combinations of input candidates numbered tries[0] .. tries[1] - 1 (0: the preferred one).
+    `memo`: a canonicalization memo holding the (canonical) graph, so a re-trace stops at its
+    inputs."""
     m = _Matcher(pat)
     if not m.match(pat.root, root):
         return Miss(entry.name, repr(root), m.count, m.reason)
-    caps = [m.bind.get(p) for p in pat.placeholders]
-    if any(c is None for c in caps):
+    if any(p not in m.cands for p in pat.placeholders):
         return Miss(entry.name, repr(root), m.count, "recipe input not reached by the match")
-    cap_nodes = {c.node for c in caps}
-    interior = _region(root.node, cap_nodes)
-    for n in interior:
-        outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node]
-        if outside and not _view_of_captures(n, cap_nodes):
-            return Miss(entry.name, repr(root), m.count,
-                        f"intermediate %{n.uid} ({n.op.name}) has another consumer "
-                        f"(%{outside[0].uid}); fusing would duplicate it")
+    combos = math.prod(len(m.cands[p]) for p in pat.placeholders)
+    first = None
+    for caps in itertools.islice(itertools.product(*(m.cands[p] for p in pat.placeholders)),
+                                 *tries):
+        got = _verify(pat, entry, m, list(caps), root, memo)
+        if isinstance(got, str):
+            first = first or got
+            continue
+        return _check_region(entry, m, list(caps), got, root, users)
+    return Miss(entry.name, repr(root), m.count, first or "no candidate inputs left",
+                more=min(combos, _MAX_TRIES) > tries[1])
+
+
+def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dict | None):
+    """The params when the recipe re-traced on `caps` is the graph at `root`, else why not."""
+    bind = {**m.bind, **dict(zip(pat.placeholders, caps))}
     params = {**pat.fixed, **m.params}
     try:
         if entry.read_params is not None:
             try:
-                params.update(entry.read_params(Bound(pat, m.bind, root)) or {})
+                params.update(entry.read_params(Bound(pat, bind, root)) or {})
             except (LookupError, ValueError, TypeError, AttributeError) as e:
-                return Miss(entry.name, repr(root), m.count, f"params not readable here: {e!r}")
+                return f"params not readable here: {e!r}"
         p = entry.params(**params)
         entry.validate(caps, p)
         out = pat.recipe(*(Tensor(c) for c in caps), **dataclasses.asdict(p))
     except FuelGraphError as e:
-        return Miss(entry.name, repr(root), m.count, f"captured inputs rejected: {e}")
+        return f"captured inputs rejected: {e}"
     out = out[0] if isinstance(out, (tuple, list)) else out
-    # the graph is canonical already: stop at the captures (a fresh walk below them would
-    # make fusing a chain of n idioms cost O(n^2))
-    memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
+    # the graph is canonical already: stop at it (a fresh walk below the captures would make
+    # fusing a chain of n idioms cost O(n^2)); fuse passes a memo of the whole graph
+    if memo is None:
+        memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
     got = run_pass([out.value], CANONICALIZE, memo=memo)[0]
     if got != root:
-        return Miss(entry.name, repr(root), m.count,
-                    "structure matched but the recipe re-traced on the captured inputs differs "
-                    f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
+        return ("structure matched but the recipe re-traced on the captured inputs differs "
+                f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
     # the fused op must compute with the constants the graph holds: a float param read off a
     # 16-bit constant is that constant's rounded value (70000.0 in float16 is inf; the
     # kernels narrow params to float32 themselves)
@@ -274,7 +381,46 @@ def try_match(pat: Pattern, entry, root: Value, users: dict) -> "Match | Miss":
         v = params.get(name)
         if isinstance(v, float) and d.is_float and d.itemsize < 4:
             params[name] = round_scalar(v, d)
+    return params
+
+
+def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, users: dict):
+    stop = set()
+    for c in caps:                  # a capture may be a reshape the graph reaches directly
+        stop.add(c.node)
+        while isinstance(c.node.op, ops.Reshape):
+            c = c.node.srcs[0]
+            stop.add(c.node)
+    interior = _region(root.node, stop)
+    limit = max((math.prod(c.shape) for c in caps), default=0)
+    for n in interior:
+        outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node]
+        if outside and not _view_of_captures(n, stop) and not _cheap_copy(n, stop, limit):
+            return Miss(entry.name, repr(root), m.count,
+                        f"intermediate %{n.uid} ({n.op.name}) has another consumer "
+                        f"(%{outside[0].uid}); fusing would duplicate it")
     return Match(caps, params, interior)
+
+
+_ELEMENTWISE = (ops.Unary, ops.Binary, ops.Compare, ops.Where, ops.Cast, ops.Reshape,
+                ops.BroadcastTo, ops.Permute, ops.Slice)
+
+
+def _cheap_copy(n: Node, stop: set, limit: int) -> bool:
+    """True when `n` is elementwise/movement work over captured inputs and constants only, on
+    at most half as many elements as the largest input (e.g. the `targets != ignore_index`
+    mask that a loss spelling also counts): the fused op recomputes it for next to nothing,
+    so another reader may keep its own copy."""
+    stack, seen = [n], set()
+    while stack:
+        k = stack.pop()
+        if k in seen or k in stop or not k.srcs:
+            continue
+        seen.add(k)
+        if not isinstance(k.op, _ELEMENTWISE) or 2 * math.prod(k.shapes[0]) > limit:
+            return False
+        stack.extend(s.node for s in k.srcs)
+    return True
 
 
 def _first_difference(want: Value, got: Value) -> str:

@@ -355,6 +355,8 @@ def trace_recipe(recipe, sample, params=None) -> Traced:
     from ..ir.tensor import tensor
     rng = np.random.default_rng(0)
     xs = [tensor(a) for a in sample(rng)]
+    # a pattern for the form without trailing optional inputs takes only the first n_inputs
+    xs = xs[:getattr(recipe, "n_inputs", len(xs))]
     out = recipe(*xs, **(params or {}))
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     return Traced([x.value for x in xs], [getattr(o, "value", o) for o in outs])

@@ -19,7 +19,9 @@ Backward: `dlogits = w * (softmax(x) - onehot(t))` with w = g / N_valid (mean), 
 (built-in id 0x100, beyond the 25 well-known ids), whose kernels make one pass over the logits; its recipe (one fused softmax, then -w scattered at the target column)
 is differentiable, so second order works.
 
-Fusion (ignore_index=None, so no ignored rows; variants over reduction): log-softmax written in
+Fusion (variants over reduction, each without ignored rows or with ignore_index read off the
+graph's constant: `valid = t != ii`, a gather at `where(valid, t, 0)`, `where(valid, nll, 0.0)`,
+then `.sum()` or `.sum() / valid.astype(acc).sum().maximum(1.0)`): log-softmax written in
 primitives (`s = x - x.max(-1, keepdim=True); s - s.exp().sum(-1, keepdim=True).log()`, which
 is also what `x.log_softmax(-1)` builds), `gather(-1, t.unsqueeze(-1))` then `squeeze(-1)` or
 `[..., 0]`, negation, then `.mean()` / `.sum()` / nothing -- the negation either before the
@@ -174,7 +176,9 @@ def declare(reg):
             "[...] int64, grad shaped like the loss ([] for mean/sum, targets.shape for none) "
             "-> dlogits [..., V] in the logits dtype = w * (softmax(x) - onehot(t)), w = grad / "
             "N_valid (mean), grad (sum), grad[r] (none), 0 on ignored rows."))
-    variants = tuple({"reduction": r, "ignore_index": None} for r in REDUCTIONS)
+    # with and without ignored rows; ignore_index is read off the graph's constant
+    variants = tuple({"reduction": r, "ignore_index": None} for r in REDUCTIONS) + \
+        tuple({"reduction": r} for r in REDUCTIONS)
     reg.add(FusedOpEntry(
         id=FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, name=_NAME, family="forward",
         params=CrossEntropyParams, shape_rule=_shape_rule, dtype_rule=_dtype_rule,

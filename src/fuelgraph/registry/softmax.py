@@ -15,6 +15,19 @@ def softmax_recipe(x):
     return e / e.sum(-1, keepdim=True)
 
 
+def softmax_detached_shift(x):
+    """Spelling with a stop-gradient on the max shift (`x.max(-1, keepdim=True).detach()`):
+    the shift does not change the value, and its gradient is zero, so it is the same op."""
+    e = (x - x.max(-1, keepdim=True).detach()).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+def softmax_from_logsumexp(x):
+    """Spelling through a stable logsumexp: exp(x - (m + log(sum(exp(x - m)))))."""
+    m = x.max(-1, keepdim=True)
+    return (x - (m + (x - m).exp().sum(-1, keepdim=True).log())).exp()
+
+
 def softmax_backward_recipe(y, grad):
     return y * (grad - (grad * y).sum(-1, keepdim=True))
 
@@ -28,12 +41,14 @@ def declare(reg):
         id=FusedOps.SOFTMAX_LAST_DIM, name="softmax_last_dim", family="forward", params=NoParams,
         shape_rule=same_as_input0, dtype_rule=same_as_input0,
         validate=unary_float_rowwise("softmax_last_dim"),
-        decompose=softmax_recipe,
+        decompose=softmax_recipe, extra_patterns=(softmax_detached_shift, softmax_from_logsumexp),
         backward=BackwardKind.fused(FusedOps.SOFTMAX_LAST_DIM_BACKWARD),
         vjp=lambda xs, ys, gs, p: [call_fused(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, ys[0], gs[0])],
         sample=_row_sample,
         doc="y[..., j] = exp(x[..., j] - max x[..., :]) / sum_k exp(x[..., k] - max x[..., :]). "
-            "x [..., n] float (rank >= 1) -> y, same shape and dtype."))
+            "x [..., n] float (rank >= 1) -> y, same shape and dtype. Also fuses from the max shift "
+            "written with a stop-gradient (x.max(-1, keepdim=True).detach()) and from "
+            "exp(x - logsumexp(x)) with logsumexp written m + log(sum(exp(x - m)))."))
     reg.add(FusedOpEntry(
         id=FusedOps.SOFTMAX_LAST_DIM_BACKWARD, name="softmax_last_dim_backward", family="backward",
         params=NoParams, shape_rule=same_as_input0, dtype_rule=same_as_input0,

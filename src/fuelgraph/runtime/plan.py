@@ -30,7 +30,6 @@ class Step:
     takes_out: bool = False    # ...or, if the kernel can, have it write a fresh buffer
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
-    live_after: tuple[int, ...] = ()   # destructive steps: slots still read after this one
 
 
 @dataclass(eq=False)
@@ -58,6 +57,11 @@ class Plan:
         for slot, buf in self.const_slots.items():
             env[slot] = buf
         be = self.backend
+        # live buffers per storage, kept only when a step may overwrite its input: aliasing is
+        # read off the buffers themselves (not a list of view ops), so an op whose output
+        # happens to alias its input (a scan returning its init carry, a kernel returning its
+        # argument) can never be overwritten while another live slot still reads it
+        refs = _StorageRefs(be, env) if self.destructive else None
         for st in self.steps:
             args = [env[i] for i in st.srcs]
             if st.contiguous:
@@ -66,7 +70,7 @@ class Plan:
             if st.inplace is not None:
                 k = st.inplace
                 if st.copy_first or be.writable_copy_needed(args[k]) or \
-                        self._aliased(args[k], env, st.live_after):
+                        st.srcs[k] not in st.free or refs.shared(env[st.srcs[k]]):
                     if st.takes_out:
                         kw["out"] = be.empty_like(args[k])
                     else:
@@ -80,21 +84,42 @@ class Plan:
             else:
                 for i, o in enumerate(st.outs):
                     env[o] = r[i]
+            if refs is not None:
+                refs.add(env[o] for o in st.outs)
+                refs.drop(env[i] for i in st.free)
             for i in st.free:
                 env[i] = None
         return [env[i] for i in self.output_slots]
 
-    def _aliased(self, buf, env, live) -> bool:
-        """Whether `buf` shares storage with a buffer still needed after this step. Derived
-        from the buffers themselves (not from a list of view ops), so an op whose output
-        happens to alias its input (a scan returning its init carry, a kernel returning its
-        argument) can never be overwritten under a later reader."""
-        root = self.backend.storage(buf)
-        return any(env[j] is not None and self.backend.storage(env[j]) == root for j in live)
+    @property
+    def destructive(self) -> bool:
+        return any(st.inplace is not None for st in self.steps)
 
     def nbytes(self) -> int:
         """Bytes the plan keeps alive between runs (its materialized constants)."""
         return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
+
+
+class _StorageRefs:
+    """How many live slots read each storage (by the backend's storage identity)."""
+
+    def __init__(self, backend, env):
+        self.backend, self.count = backend, {}
+        self.add(b for b in env if b is not None)
+
+    def add(self, bufs):
+        for b in bufs:
+            k = self.backend.storage(b)
+            self.count[k] = self.count.get(k, 0) + 1
+
+    def drop(self, bufs):
+        for b in bufs:
+            if b is not None:
+                self.count[self.backend.storage(b)] -= 1
+
+    def shared(self, buf) -> bool:
+        """Whether a live slot other than `buf`'s own reads `buf`'s storage."""
+        return self.count.get(self.backend.storage(buf), 0) > 1
 
 
 def _bind(impl, node: Node, run_body):
@@ -151,11 +176,9 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = default_registry().entry(op.id).destructive_inputs if isinstance(op, ops.Fused) else ()
-        live = tuple(sorted(j for j, last in last_use.items() if last > pos) +
-                     sorted(keep | set(const_slots))) if d else ()
         steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
                           d[0] if d else None, bool(d) and n not in inplace_ok,
-                          impl.takes_out, not impl.strided_input, impl.name or op.name, live))
+                          impl.takes_out, not impl.strided_input, impl.name or op.name))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
@@ -215,7 +238,7 @@ def _order_destructive(nodes, users, outputs, view_ops) -> tuple[list[Node], set
         readers = {u for g in group for u in users.get(id(g), ()) if u is not n and u not in group}
         # readers that must come after n, through data or through the ordering edges granted
         # so far (another destructive op on the same buffer, or on a buffer n's readers feed)
-        if readers & _descendants(n, users, before):
+        if readers and readers & _descendants(n, users, before):
             continue
         extra[n] = readers
         for r in readers:

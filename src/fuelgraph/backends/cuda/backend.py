@@ -23,7 +23,7 @@ class CudaBackend:
     def from_any(data, device):
         if isinstance(data, torch.Tensor):
             return data.to(device).contiguous()
-        a = np.ascontiguousarray(data)
+        a = np.asarray(data, order="C")
         if a.dtype.name == "bfloat16":
             return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
         return torch.from_numpy(a.copy()).to(device)

@@ -37,7 +37,7 @@ class NumpyBackend:
     def from_any(data, device="cpu"):
         if hasattr(data, "detach"):
             data = data.detach().cpu().numpy()
-        return np.ascontiguousarray(data)
+        return np.asarray(data, order="C")
 
     @staticmethod
     def to_numpy(buf):
@@ -45,7 +45,7 @@ class NumpyBackend:
 
     @staticmethod
     def contiguous(buf):
-        return np.ascontiguousarray(buf)
+        return np.asarray(buf, order="C")
 
     @staticmethod
     def writable_copy_needed(buf) -> bool:

@@ -77,7 +77,7 @@ def cast(x, *, op):
 
 
 def bitcast(x, *, op):
-    return np.ascontiguousarray(x).view(op.dtype.np)
+    return np.asarray(x, order="C").view(op.dtype.np)
 
 
 def reduce(x, *, op):

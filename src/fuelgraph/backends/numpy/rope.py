@@ -10,7 +10,9 @@ big array only sees contiguous multiplies/adds plus one pair-swapping copy:
 * interleaved (GPT-J, `interleaved=True`): pairs features 2i and 2i+1,
   `rot(x)[2i] = -x[2i+1]`, `rot(x)[2i+1] = x[2i]`.
 
-The tables broadcast over every leading dim of x (no per-batch positions).
+The tables end in [S, D] and broadcast to x: one [S, D] table for every leading dim, or per-batch
+tables (e.g. [B, 1, S, D] for x [B, H, S, D]); each sequence of x reads the table row block that
+broadcasting assigns it.
 """
 from __future__ import annotations
 
@@ -36,9 +38,19 @@ def _spans(batch: int, s: int, d: int) -> list[tuple[int, int]]:
     return [(b * s + i, b * s + min(i + per, s)) for b in range(batch) for i in range(0, s, per)]
 
 
+def _table_blocks(table, lead):
+    """(table as [n, S, D], the block index of each of x's prod(lead) sequences)."""
+    t_lead = table.shape[:-2]
+    n = int(np.prod(t_lead, dtype=np.int64))
+    shape = (1,) * (len(lead) - len(t_lead)) + tuple(t_lead)
+    idx = np.broadcast_to(np.arange(n).reshape(shape), lead).reshape(-1)
+    return table.reshape((n,) + table.shape[-2:]), idx
+
+
 @kernel(FusedOps.ROPE, "numpy", cost=row_cost(4))
 def rope(x, cos, sin, *, interleaved):
-    """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [S, D] -> y, shape/dtype of x.
+    """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [..., S, D] broadcastable to x -> y,
+    shape/dtype of x.
 
     interleaved=False (rotate-half, the op of spec §5), for i < h = D/2:
         y[i]     = x[i]     * cos[i]     - x[i + h] * sin[i]
@@ -55,21 +67,31 @@ def rope(x, cos, sin, *, interleaved):
     if x.size == 0:
         return out
     h = d // 2
-    cs = np.ascontiguousarray(to_acc(cos, acc))
-    sn = np.array(to_acc(sin, acc))                     # private copy, sign folded in below
+    lead = x.shape[:-2]
+    cs, ci = _table_blocks(np.ascontiguousarray(to_acc(cos, acc)), lead)
+    sn, si = _table_blocks(np.array(to_acc(sin, acc)), lead)   # private copy, sign folded in
     if interleaved:
-        sn[:, 0::2] *= -1
+        sn[..., 0::2] *= -1
     else:
-        sn[:, :h] *= -1
+        sn[..., :h] *= -1
     x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
     batch = x2.shape[0] // s
+
+    def rows(t, idx, b0, b1):
+        """The table for sequences b0..b1-1: one shared [S, D] block, or one per sequence."""
+        if len(t) == 1:
+            return t[0]
+        k = idx[b0:b1]
+        return t[k[0]] if (k == k[0]).all() else t[k]
 
     def work(r0, r1):
         s0, n = r0 % s, r1 - r0
         if s0 + n <= s:                                  # inside one sequence
-            c, sg, shp = cs[s0:s0 + n], sn[s0:s0 + n], (n, d)
-        else:                                            # whole sequences: broadcast tables
-            c, sg, shp = cs, sn, (n // s, s, d)
+            b = r0 // s
+            c, sg, shp = cs[ci[b], s0:s0 + n], sn[si[b], s0:s0 + n], (n, d)
+        else:                                            # whole sequences
+            b0, b1 = r0 // s, r1 // s
+            c, sg, shp = rows(cs, ci, b0, b1), rows(sn, si, b0, b1), (n // s, s, d)
         xc = to_acc(x2[r0:r1], acc).reshape(shp)
         y = o2[r0:r1].reshape(shp) if dt == acc else np.empty(shp, acc)
         t = np.empty(shp, acc)

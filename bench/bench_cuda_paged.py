@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""Paged attention and the paged cache write on one CUDA GPU, against the anchors issue 13
+names, bf16, Hq 32, Hkv 8, D 128, block 16, each sequence's blocks shuffled over the pool:
+
+  decode B32, context 4096 each          vs SDPA on a dense cache    target >= 3.5 TB/s effective
+  decode B1, context 32768               vs SDPA on a dense cache    target >= 3.0 TB/s (split-K)
+  decode B64, contexts 128..8192         vs SDPA dense, padded to the longest   target >= 2x SDPA
+  chunked prefill Sq 256 on 4096, B8     vs flash_attn on a dense copy          target >= 0.8x
+  cache append of one token, B64         vs torch index_put_                    target <= torch
+
+"Effective" bandwidth = live k/v bytes read / time. Impls: "fuelgraph" (the op through a cached
+fuelgraph plan), "fuelgraph kernel" (the Triton kernel called directly: the plan's overhead is
+the difference), "torch eager" (SDPA / index_put_), "flash" (the flash-attn package, when
+importable: flash_attn_func on the dense copy and flash_attn_with_kvcache on the same paged
+pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every attention result
+is checked against a reference before it is timed (field max_err).
+
+    python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick]
+
+--sweep also times launch variants of our kernel (block_n, warps, stages, splits) as impl
+"fuelgraph[...]"; --quick uses shorter timing. Writes bench/results/cuda_paged_<date>.json (and
+DIR/cuda_paged_<date>.json), prints the records, then the targets table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+import traceback
+
+import torch
+from triton.testing import do_bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import fuelgraph as fg  # noqa: E402
+import fuelgraph.functional as F  # noqa: E402
+from fuelgraph.backends.cuda.kernels import paged as K  # noqa: E402
+from fuelgraph.ir.tensor import bound_data  # noqa: E402
+from fuelgraph.nn import PagedKVCache  # noqa: E402
+from fuelgraph.runtime.executor import compile_plan  # noqa: E402
+
+try:
+    from flash_attn import flash_attn_func, flash_attn_with_kvcache
+    HAVE_FLASH = True
+except Exception as exc:  # noqa: BLE001
+    print(f"[bench] flash_attn not importable: {exc!r}", file=sys.stderr)
+    HAVE_FLASH = False
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+HQ, HKV, D, BS = 32, 8, 128, 16
+DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+RECORDS: list[dict] = []
+REP = {"warmup": 25, "rep": 100}
+
+
+def t_ms(fn) -> float:
+    return float(do_bench(fn, warmup=REP["warmup"], rep=REP["rep"], return_mode="median"))
+
+
+def record(op, impl, case, ms, *, nbytes=None, flops=None, **extra):
+    rec = {"op": op, "impl": impl, "case": case["name"], "device": torch.cuda.get_device_name(),
+           "shape": case["shape"], "dtype": "bfloat16", "ms": round(ms, 5), "date": DATE}
+    if nbytes is not None:
+        rec["gbps"] = round(nbytes / (ms * 1e-3) / 1e9, 1)
+    if flops is not None:
+        rec["tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
+    rec.update(extra)
+    RECORDS.append(rec)
+    perf = f"{rec['gbps']:8.1f} GB/s" if "gbps" in rec else \
+        f"{rec['tflops']:8.1f} TFLOP/s" if "tflops" in rec else ""
+    err = f"  err {rec['max_err']:.2e}" if "max_err" in rec else ""
+    print(f"  {case['name']:24s} {impl:36s} {ms:9.4f} ms {perf}{err}", flush=True)
+    return rec
+
+
+def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
+    """Time fn after checking its result: err_fn(result) -> max abs error vs a reference."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        if err_fn is not None:
+            err = float(err_fn(out))
+            extra["max_err"] = err
+            if not err <= tol:
+                print(f"  {case['name']:24s} {impl:36s} WRONG RESULT: max err {err:.3g}",
+                      flush=True)
+                extra["wrong"] = True
+        return record(op, impl, case, t_ms(fn), **extra)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  {case['name']:24s} {impl:36s} FAILED: {exc!r}", flush=True)
+        traceback.print_exc(limit=3)
+        RECORDS.append({"op": op, "impl": impl, "case": case["name"], "shape": case["shape"],
+                        "dtype": "bfloat16", "error": repr(exc)[:300], "date": DATE})
+        return None
+
+
+def max_err(ref, rows):
+    return lambda out: (out[rows].float() - ref[rows].float()).abs().max().item()
+
+
+# ---- inputs -------------------------------------------------------------------------------
+def paged_inputs(lens, sq, seed=0):
+    """q, shuffled pools, an int32 table padded with the int32 max, lengths; the slots of every
+    sequence's tokens (to build dense copies)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    lens = torch.tensor(lens, dtype=torch.int64)
+    B = len(lens)
+    nblk = (lens + BS - 1) // BS
+    mb = int(nblk.max())
+    nb = int(nblk.sum()) + 16
+    perm = torch.randperm(nb, generator=g)
+    table = torch.full((B, mb), 2 ** 31 - 1, dtype=torch.int64)
+    c = 0
+    for b in range(B):
+        table[b, :nblk[b]] = perm[c:c + nblk[b]]
+        c += int(nblk[b])
+    q = torch.randn(B, HQ, sq, D, generator=g).to(DT).to(DEV)
+    kc = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
+    vc = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
+    return dict(q=q, k_cache=kc, v_cache=vc, block_table=table.to(torch.int32).to(DEV),
+                context_lens=lens.to(torch.int32).to(DEV), lens=lens, table64=table)
+
+
+def dense(inp, b, n=None):
+    """Sequence b's keys and values laid out densely, [Hkv, n, D] (n defaults to its length)."""
+    n = int(inp["lens"][b]) if n is None else n
+    j = torch.arange(n)
+    t = inp["table64"][b]
+    idx = (t[torch.clamp(j // BS, max=t.numel() - 1)].clamp(max=inp["k_cache"].shape[0] - 1)
+           * BS + j % BS).to(DEV)
+    return [c.reshape(-1, HKV, D)[idx].permute(1, 0, 2) for c in (inp["k_cache"], inp["v_cache"])]
+
+
+def kv_bytes(inp):
+    return int(inp["lens"].sum()) * HKV * D * 2 * 2
+
+
+def plan_fn(inp):
+    """The op through a cached fuelgraph plan (inputs are zero-copy leaves of the torch tensors)."""
+    ts = [fg.from_torch(inp[k]) for k in ("q", "k_cache", "v_cache", "block_table",
+                                          "context_lens")]
+    out = F.paged_attn(*ts)
+    plan, ins = compile_plan([out.value])
+    bufs = [bound_data(n) for n in ins]
+    return lambda: plan.run(bufs)[0]
+
+
+def kernel_fn(inp, **kw):
+    args = [inp[k] for k in ("q", "k_cache", "v_cache", "block_table", "context_lens")]
+    return lambda: K.paged_attn(*args, softmax_scale=1 / math.sqrt(D), **kw)
+
+
+def reference(inp, rows=None):
+    """SDPA per sequence on its exact keys (bottom-right causal when Sq > 1)."""
+    q = inp["q"]
+    B, _, sq, _ = q.shape
+    out = torch.zeros_like(q)
+    for b in (range(B) if rows is None else rows):
+        k, v = dense(inp, b)
+        n = k.shape[1]
+        mask = None
+        if sq > 1:
+            mask = torch.arange(n, device=DEV)[None] <= (n - sq + torch.arange(sq, device=DEV))[:, None]
+        out[b] = torch.nn.functional.scaled_dot_product_attention(
+            q[b], k, v, attn_mask=mask, enable_gqa=True)
+    return out
+
+
+# ---- cases --------------------------------------------------------------------------------
+def bench_decode(name, lens, args, pad_to_longest=False):
+    inp = paged_inputs(lens, 1)
+    case = {"name": name, "shape": [len(lens), HQ, 1, D, int(max(lens))]}
+    nbytes = kv_bytes(inp)
+    rows = list(range(min(len(lens), 8)))
+    err = max_err(reference(inp, rows), rows)
+    run("paged_attn", "fuelgraph", case, plan_fn(inp), err, nbytes=nbytes)
+    run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, nbytes=nbytes)
+    # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
+    # no length mask: that only makes the anchor faster; its result is then not comparable)
+    L = int(max(lens))
+    kd = torch.stack([dense(inp, b, L)[0] for b in range(len(lens))])
+    vd = torch.stack([dense(inp, b, L)[1] for b in range(len(lens))])
+    run("paged_attn", "torch eager", case,
+        lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kd, vd,
+                                                                 enable_gqa=True),
+        None if pad_to_longest else err, nbytes=nbytes,
+        anchor="SDPA dense" + (" padded to the longest, no mask" if pad_to_longest else ""))
+    if HAVE_FLASH:
+        fa = lambda: flash_attn_with_kvcache(   # noqa: E731
+            inp["q"].transpose(1, 2), inp["k_cache"], inp["v_cache"],
+            cache_seqlens=inp["context_lens"], block_table=inp["block_table"]).transpose(1, 2)
+        run("paged_attn", "flash", case, fa, err, nbytes=nbytes,
+            anchor="flash_attn_with_kvcache on the same paged pool")
+    del kd, vd
+    if args.sweep:
+        sweep(case, inp, err, nbytes=nbytes, decode=True)
+    return case
+
+
+def bench_prefill(args, B=8, sq=256, ctx=4096):
+    name = f"prefill_Sq{sq}_ctx{ctx}_B{B}"
+    inp = paged_inputs([ctx] * B, sq)
+    case = {"name": name, "shape": [B, HQ, sq, D, ctx]}
+    flops = 4.0 * B * HQ * D * sum(ctx - sq + i + 1 for i in range(sq))
+    err = max_err(reference(inp, [0, B - 1]), [0, B - 1])
+    run("paged_attn", "fuelgraph", case, plan_fn(inp), err, flops=flops)
+    run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, flops=flops)
+    kd = torch.stack([dense(inp, b)[0] for b in range(B)])          # [B, Hkv, ctx, D]
+    vd = torch.stack([dense(inp, b)[1] for b in range(B)])
+    if HAVE_FLASH:
+        qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (inp["q"], kd, vd))
+        run("paged_attn", "flash", case,
+            lambda: flash_attn_func(qf, kf, vf, causal=True).transpose(1, 2), err, flops=flops, anchor="flash_attn_func dense (bottom-right causal)")
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+        bias = causal_lower_right(sq, ctx)
+        kr, vr = kd.repeat_interleave(HQ // HKV, 1), vd.repeat_interleave(HQ // HKV, 1)
+        run("paged_attn", "torch eager", case,
+            lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kr, vr,
+                                                                     attn_mask=bias),
+            err, flops=flops, anchor="SDPA dense causal_lower_right (kv repeated beforehand)")
+    except Exception as exc:  # noqa: BLE001
+        print(f"[bench] SDPA lower-right anchor unavailable: {exc!r}", file=sys.stderr)
+    if hasattr(F, "flash_attn"):
+        try:
+            qt, kt, vt = fg.from_torch(inp["q"]), fg.from_torch(kd), fg.from_torch(vd)
+            out = F.flash_attn(qt, kt, vt, causal=True)
+            plan, ins = compile_plan([out.value])
+            bufs = [bound_data(n) for n in ins]
+            run("paged_attn", "fuelgraph flash_attn", case, lambda: plan.run(bufs)[0], err,
+                flops=flops, anchor="fuelgraph flash_attn dense")
+        except Exception as exc:  # noqa: BLE001
+            print(f"[bench] fuelgraph flash_attn anchor failed: {exc!r}", file=sys.stderr)
+    del kd, vd
+    if args.sweep:
+        sweep(case, inp, err, flops=flops, decode=False)
+    return case
+
+
+def sweep(case, inp, err, decode, nbytes=None, flops=None):
+    """Launch variants of our kernel: tiles, warps, pipeline stages; splits for decode."""
+    stages = (2, 3, 4) if decode else (2, 3)
+    for bm in ((None,) if decode else (64, 128)):
+        for bn in (32, 64, 128):
+            for w in (4, 8):
+                for st in stages:
+                    label = ("" if bm is None else f"bm={bm},") + f"bn={bn},w={w},st={st}"
+                    run("paged_attn", f"fuelgraph[{label}]", case,
+                        kernel_fn(inp, block_m=bm, block_n=bn, num_warps=w, num_stages=st), err,
+                        nbytes=nbytes, flops=flops)
+    for ns in ((1, 2, 4, 8, 16, 32, 64) if decode else ()):
+        run("paged_attn", f"fuelgraph[split={ns}]", case, kernel_fn(inp, n_split=ns), err,
+            nbytes=nbytes, flops=flops)
+
+
+def bench_append(B=64, nb=16384):
+    case = {"name": "append_1tok_B64", "shape": [B, HKV, D, nb * BS]}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    kp = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
+    vp = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
+    kn = torch.randn(B, HKV, D, generator=g).to(DT).to(DEV)
+    vn = torch.randn(B, HKV, D, generator=g).to(DT).to(DEV)
+    slots = (torch.randperm(nb, generator=g)[:B] * BS + torch.randint(0, BS, (B,), generator=g))
+    s32, s64 = slots.to(torch.int32).to(DEV), slots.to(DEV)
+    nbytes = 2 * 2 * B * HKV * D * 2                    # read + write of the new k and v rows
+
+    def ours():
+        K.paged_cache_write(kp, kn, s32, check=False)
+        K.paged_cache_write(vp, vn, s32, check=False)
+        return kp
+
+    kf, vf = kp.view(-1, HKV, D), vp.view(-1, HKV, D)
+
+    def torch_put():
+        kf.index_put_((s64,), kn)
+        vf.index_put_((s64,), vn)
+        return kp
+    ours()
+    ok = torch.equal(kf[s64], kn) and torch.equal(vf[s64], vn)
+    run("paged_cache_write", "fuelgraph kernel", case, ours, nbytes=nbytes, correct=bool(ok))
+    run("paged_cache_write", "torch eager", case, torch_put, nbytes=nbytes,
+        anchor="index_put_ (k and v)")
+    # the whole PagedKVCache step a decode loop runs (host bookkeeping + uploads + 2 scatters)
+    cache = PagedKVCache(nb, BS, HKV, D, max_blocks_per_seq=nb // B, max_seqs=B,
+                               dtype=fg.bfloat16, device="cuda")
+    seqs = cache.add_sequences(B)
+    kt = fg.from_torch(kn.reshape(B, HKV, 1, D))
+    vt = fg.from_torch(vn.reshape(B, HKV, 1, D))
+    steps = [0]
+
+    def cache_step():
+        if steps[0] >= BS * (nb // B) - 1:
+            cache.free(seqs)
+            cache.add_sequences(B)
+            steps[0] = 0
+        cache.extend(seqs, 1)
+        cache.write(seqs, kt, vt)
+        steps[0] += 1
+        return kp
+    run("paged_cache_write", "fuelgraph PagedKVCache.extend+write", case, cache_step,
+        nbytes=nbytes)
+    return case
+
+
+TARGETS = [   # (case name, metric, our impl, anchor impl, rule)
+    ("decode_B32_ctx4096", "gbps", "fuelgraph", "torch eager", ("abs", 3500.0)),
+    ("decode_B1_ctx32768", "gbps", "fuelgraph", "torch eager", ("abs", 3000.0)),
+    ("decode_B64_mixed", "ms", "fuelgraph", "torch eager", ("speedup", 2.0)),
+    ("prefill_Sq256_ctx4096_B8", "ms", "fuelgraph", "flash", ("speedup", 0.8)),
+    ("append_1tok_B64", "ms", "fuelgraph kernel", "torch eager", ("speedup", 1.0)),
+]
+
+
+def targets_table():
+    def best(case, impl):
+        rs = [r for r in RECORDS if r.get("case") == case and r.get("impl") == impl and "ms" in r]
+        return min(rs, key=lambda r: r["ms"]) if rs else None
+    print("\ncase                        ours ms   anchor ms   metric              target   ok")
+    for case, metric, ours_i, anchor_i, (kind, goal) in TARGETS:
+        ours = best(case, ours_i)
+        anchor = best(case, anchor_i) or (best(case, "torch eager") if anchor_i == "flash" else None)
+        if ours is None:
+            print(f"{case:26s} (no result)")
+            continue
+        a_ms = f"{anchor['ms']:9.4f}" if anchor else "        -"
+        if kind == "abs":
+            val, ok = ours["gbps"], ours["gbps"] >= goal
+            desc = f"{val:7.0f} GB/s"
+            tgt = f">= {goal:.0f} GB/s"
+        else:
+            val = anchor["ms"] / ours["ms"] if anchor else float("nan")
+            ok = anchor is not None and val >= goal
+            desc = f"{val:6.2f}x vs {anchor['impl'] if anchor else '-'}"
+            tgt = f">= {goal:.1f}x"
+        print(f"{case:26s} {ours['ms']:8.4f} {a_ms}   {desc:19s} {tgt:10s} {'yes' if ok else 'NO'}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        REP.update(warmup=5, rep=20)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  flash_attn "
+          f"{'yes' if HAVE_FLASH else 'no'}", flush=True)
+    g = torch.Generator().manual_seed(2)
+    mixed = torch.randint(128, 8193, (64,), generator=g).tolist()
+    mixed[0] = 8192
+    for step in (lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
+                 lambda: bench_decode("decode_B1_ctx32768", [32768], args),
+                 lambda: bench_decode("decode_B64_mixed", mixed, args, pad_to_longest=True),
+                 lambda: bench_prefill(args),
+                 bench_append):
+        try:
+            step()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    doc = {"date": DATE, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": " ".join(sys.argv), "records": RECORDS}
+    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}.json"]
+    if args.out:
+        paths.append(args.out / f"cuda_paged_{DATE}.json")
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {p}")
+    targets_table()
+
+
+if __name__ == "__main__":
+    main()

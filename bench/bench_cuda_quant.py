@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Quantized matmuls on one CUDA GPU: fuelgraph's Triton kernels (nf4_matmul, awq_matmul,
+qmatmul Q4_0 / Q4_K / Q8_0 / Q6_K) against a dense cuBLAS bf16 matmul and bitsandbytes NF4
+(when importable), N = K = 8192, bf16 activations, M = 1, 16, 256; plus a device-to-device copy
+ceiling measured in the same process. One process; `triton.testing.do_bench` medians (ms) and,
+with CUDA graphs (launch overhead removed), `do_bench_cudagraph`. Effective bandwidth = packed
+weight bytes / time.
+
+    python3 bench/bench_cuda_quant.py [--out DIR] [--sweep] [--quick]
+
+--sweep also times tile-configuration variants of our kernels (impl "fuelgraph[cfg]"), so the
+default configurations can be retuned from one run. Every implementation is checked against
+the dense product on the same weight before it is timed. Writes JSON records
+{"op","impl","device","shape","dtype","ms","ms_graph","gbps","date",...} to
+bench/results/cuda_quant_<date>.json (and to --out DIR), then prints the table and the targets.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as TF
+from triton.testing import do_bench, do_bench_cudagraph
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
+from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
+from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
+
+try:
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+    BNB = bnb.__version__
+except Exception as exc:  # noqa: BLE001
+    print(f"[bench] bitsandbytes not importable: {exc!r}", file=sys.stderr)
+    bnb = None
+    BNB = None
+
+DEV = torch.device("cuda")
+DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+RECORDS: list[dict] = []
+# targets (ms) from the issue: (M=1, M=16, M=256)
+TARGETS = {"nf4_matmul": (0.015, 0.044, 0.064), "awq_matmul": (0.015, 0.044, 0.064),
+           "qmatmul_Q4_0": (0.015, 0.044, 0.064), "qmatmul_Q4_K": (0.015, 0.044, 0.064),
+           "qmatmul_Q8_0": (0.025, 0.05, 0.07), "qmatmul_Q6_K": (0.025, 0.05, 0.07)}
+SWEEP = {1: [K.QConfig(1, 32, 256, num_warps=4), K.QConfig(1, 64, 128, num_warps=4),
+             K.QConfig(1, 128, 64, num_warps=4), K.QConfig(1, 64, 256, num_warps=8),
+             K.QConfig(16, 64, 128, num_warps=4)],
+         16: [K.QConfig(16, 64, 128, num_warps=4), K.QConfig(16, 128, 64, num_warps=4),
+              K.QConfig(16, 32, 256, num_warps=4), K.QConfig(16, 64, 256, num_warps=8)],
+         256: [K.QConfig(128, 128, 64, num_warps=8, num_stages=3),
+               K.QConfig(64, 128, 64, num_warps=4, num_stages=3),
+               K.QConfig(128, 256, 64, num_warps=8, num_stages=3),
+               K.QConfig(128, 128, 32, num_warps=4, num_stages=4),
+               K.QConfig(256, 128, 64, num_warps=8, num_stages=3)]}
+
+
+def t_ms(fn):
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def t_graph_ms(fn):
+    try:
+        return float(do_bench_cudagraph(fn, rep=200, return_mode="median"))
+    except Exception as exc:  # noqa: BLE001  (e.g. a path that cannot be captured)
+        print(f"[bench] cuda graph timing failed: {exc!r}", file=sys.stderr)
+        return None
+
+
+def record(op, impl, m, n, k, ms, ms_graph, wbytes, **extra):
+    best = min(x for x in (ms, ms_graph) if x is not None)
+    r = {"op": op, "impl": impl, "device": torch.cuda.get_device_name(), "shape": [m, n, k],
+         "dtype": "bfloat16", "ms": round(ms, 5),
+         "ms_graph": None if ms_graph is None else round(ms_graph, 5),
+         "gbps": round(wbytes / best / 1e6, 1) if wbytes else None, "date": DATE}
+    r.update(extra)
+    RECORDS.append(r)
+    print(f"{op:14s} M={m:<4d} {impl:28s} {ms:8.4f} ms  graph {ms_graph or float('nan'):8.4f} ms"
+          + (f"  {r['gbps']:7.1f} GB/s" if wbytes else ""), flush=True)
+    return r
+
+
+def copy_ceiling():
+    """Device-to-device copy of 1 GiB: read + write bytes per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = t_ms(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() / ms / 1e6
+    RECORDS.append({"op": "copy", "impl": "torch copy_", "device": torch.cuda.get_device_name(),
+                    "shape": [src.numel()], "dtype": "uint8", "ms": round(ms, 5),
+                    "gbps": round(gbps, 1), "date": DATE})
+    print(f"copy ceiling: {gbps:.0f} GB/s (1 GiB d2d in {ms:.3f} ms)")
+    del src, dst
+    return gbps
+
+
+def _close(got, want, what):
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    if not err <= 3e-2 * max(scale, 1.0):
+        raise AssertionError(f"{what}: max error {err} vs max |ref| {scale}")
+
+
+# ---- weights (random contents: speed does not depend on them) -------------------------------
+def gguf_weight(qtype, n, k, g):
+    f = FORMATS[qtype]
+    raw = torch.randint(0, 256, (n * k // f.block, f.type_size), dtype=torch.uint8, device=DEV,
+                        generator=g)
+    offs = {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[qtype]
+    for off in offs:
+        d = (torch.rand(raw.shape[0], device=DEV, generator=g) - 0.5) * 2e-3
+        raw[:, off:off + 2] = d.half().view(torch.uint8).view(-1, 2)
+    return raw.reshape(-1)
+
+
+def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g):
+    """Check `fused(x, cfg)` against x @ dense_w.T, then time it (and config variants)."""
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    want = TF.linear(x, dense_w)
+    _close(fused(x, None), want, f"{op} M={m}")
+    record(op, "fuelgraph", m, n, k, t_ms(lambda: fused(x, None)),
+           t_graph_ms(lambda: fused(x, None)), wbytes)
+    if sweep:
+        for cfg in SWEEP.get(m, []):
+            try:
+                _close(fused(x, cfg), want, f"{op} M={m} {cfg}")
+                record(op, f"fuelgraph[{cfg.block_m},{cfg.block_c},{cfg.block_r},"
+                       f"w{cfg.num_warps},s{cfg.num_stages}]", m, n, k,
+                       t_ms(lambda: fused(x, cfg)), t_graph_ms(lambda: fused(x, cfg)), wbytes)
+            except Exception as exc:  # noqa: BLE001
+                print(f"[bench] {op} M={m} {cfg} failed: {exc!r}", file=sys.stderr)
+    return x
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="N = K = 4096")
+    args = ap.parse_args()
+    n = k = 4096 if args.quick else 8192
+    ms_list = (1, 16, 256)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ceiling = copy_ceiling()
+
+    # dense cuBLAS anchor
+    w_dense = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(torch.bfloat16)
+    for m in ms_list:
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+        record("dense", "cublas bf16", m, n, k, t_ms(lambda: TF.linear(x, w_dense)),
+               t_graph_ms(lambda: TF.linear(x, w_dense)), 2 * n * k)
+
+    # NF4: bitsandbytes' own quantization, shared by both implementations
+    if bnb is not None:
+        packed_b, state = bnbF.quantize_4bit(w_dense, blocksize=64, quant_type="nf4",
+                                             compress_statistics=False)
+        packed = packed_b.view(n, k // 2)
+        absmax = state.absmax.float().view(n, k // 64)
+    else:
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
+        absmax = torch.rand(n, k // 64, device=DEV, generator=g) * 0.05
+    code = torch.tensor(NF4_CODE, device=DEV)
+    w_nf4 = K.dequantize(NF4, packed, absmax, code, 64, k, n).t().to(torch.bfloat16)
+    nf4_bytes = packed.numel() + 4 * absmax.numel()
+    for m in ms_list:
+        x = run_case("nf4_matmul", m, n, k,
+                     lambda x, c: K.nf4_matmul(x, packed, absmax, block_size=64, config=c),
+                     w_nf4, nf4_bytes, args.sweep, g)
+        if bnb is not None:
+            try:
+                fn = lambda: bnb.matmul_4bit(x, packed_b.t(), quant_state=state)  # noqa: E731
+                _close(fn(), TF.linear(x, w_nf4), f"bitsandbytes M={m}")
+                record("nf4_matmul", "bitsandbytes", m, n, k, t_ms(fn), t_graph_ms(fn),
+                       nf4_bytes, version=BNB)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+    # AWQ (AutoAWQ GEMM layout, group 128)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8), dtype=torch.int32, device=DEV,
+                          generator=g)
+    zeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 128, n // 8), dtype=torch.int32,
+                          device=DEV, generator=g)
+    scales = (torch.rand(k // 128, n, device=DEV, generator=g) * 2e-3).half()
+    w_awq = K.dequantize(AWQ, words, zeros, scales, 128, k, n).t().to(torch.bfloat16)
+    awq_bytes = 4 * (words.numel() + zeros.numel()) + 2 * scales.numel()
+    for m in ms_list:
+        run_case("awq_matmul", m, n, k,
+                 lambda x, c: K.awq_matmul(x, words, zeros, scales, group_size=128, config=c),
+                 w_awq, awq_bytes, args.sweep, g)
+
+    # GGUF
+    for qtype in ("Q4_0", "Q4_K", "Q8_0", "Q6_K"):
+        raw = gguf_weight(qtype, n, k, g)
+        f = FORMATS[qtype]
+        w_q = K.dequantize(GGUF_IDS[qtype], raw, raw, raw, f.row_bytes(k), k, n).t()
+        w_q = w_q.to(torch.bfloat16)
+        for m in ms_list:
+            x = run_case(f"qmatmul_{qtype}", m, n, k,
+                         lambda x, c, _q=qtype, _r=raw: K.qmatmul(x, _r, quant_type=_q, n=n,
+                                                                  k=k, config=c),
+                         w_q, raw.numel(), args.sweep, g)
+            if m == 256:   # the alternative GEMM path: dense bf16 dequantize, then cuBLAS
+                def deq_gemm(_q=qtype, _r=raw, _x=x):
+                    b = K.dequantize(GGUF_IDS[_q], _r, _r, _r, f.row_bytes(k), k, n,
+                                     dtype=torch.bfloat16)
+                    return _x @ b
+                record(f"qmatmul_{qtype}", "fuelgraph dequant+cublas", m, n, k,
+                       t_ms(deq_gemm), t_graph_ms(deq_gemm), raw.numel())
+
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "bitsandbytes": BNB, "copy_gbps": round(ceiling, 1), "records": RECORDS}
+    paths = [ROOT / "bench" / "results" / f"cuda_quant_{DATE}.json"]
+    if args.out:
+        paths.append(pathlib.Path(args.out) / f"cuda_quant_{DATE}.json")
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(out, indent=1))
+        print(f"wrote {p}")
+
+    print(f"\ncopy ceiling {ceiling:.0f} GB/s; best of eager / CUDA-graph time, ms (GB/s)")
+    print(f"{'op':16s} {'impl':28s} " + " ".join(f"{'M=' + str(m):>18s}" for m in ms_list))
+    rows: dict = {}
+    for r in RECORDS:
+        if r["op"] == "copy":
+            continue
+        best = min(x for x in (r["ms"], r.get("ms_graph")) if x is not None)
+        rows.setdefault((r["op"], r["impl"]), {})[r["shape"][0]] = (best, r["gbps"])
+    for (op, impl), cells in rows.items():
+        line = " ".join(f"{cells[m][0]:9.4f} ({cells[m][1] or 0:6.0f})" if m in cells
+                        else f"{'-':>18s}" for m in ms_list)
+        print(f"{op:16s} {impl:28s} {line}")
+    print("\ntargets (ms): " + ", ".join(f"{op} {t}" for op, t in TARGETS.items()))
+    for op, t in TARGETS.items():
+        got = rows.get((op, "fuelgraph"), {})
+        marks = [f"M={m}: {got[m][0]:.4f} {'<=' if got[m][0] <= tt else '>'} {tt}"
+                 for m, tt in zip(ms_list, t) if m in got]
+        print(f"  {op:14s} " + "; ".join(marks))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Time fuelgraph's Triton state-space scans on one CUDA GPU against the issue's anchors, in
+one process (triton.testing.do_bench medians, ms):
+
+  ssd_chunk_scan   fwd, fwd+bwd  bf16  B4 L4096 H80 P64 N128, chunk 256  vs mamba_ssm's Triton
+                                        mamba_chunk_scan_combined (B/C: one group; ours gets the
+                                        same group expanded over the heads, stride 0)
+  selective_scan   fwd f32   B2 L1024 D1536 N16   vs the torch reference loop (Mamba's
+                                                    selective_scan_ref algorithm, on the GPU)
+  selective_scan   fwd bf16  B8 L2048 D4096 N16   vs the bytes it must move at 4.2 TB/s
+  selective_scan   fwd+bwd   B2 L1024 D1536 N16   vs the torch reference loop with autograd
+
+mamba_ssm's CUDA extension does not build on the GPU machine, so only its Triton SSD modules
+are imported from its Python sources: pass --mamba-src DIR (the folder that holds the
+`mamba_ssm` package, e.g. an unpacked sdist) and --path for pure-Python dependencies (einops
+wheel or folder). Without them the mamba rows are skipped and say so.
+
+    python3 bench/bench_cuda_ssm.py --out DIR [--mamba-src DIR] [--path WHEEL_OR_DIR ...]
+                                   [--sweep] [--quick]
+
+Writes JSON records {"op","impl","device","shape","dtype","ms","date", "gbps"?} to
+bench/results/cuda_ssm_<date>.json and DIR/cuda_ssm_<date>.json, then prints the table and
+the targets.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+import traceback
+import types
+
+import torch
+import torch.nn.functional as TF
+from triton.testing import do_bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from fuelgraph.backends.cuda.kernels import ssm as KS  # noqa: E402
+from fuelgraph.backends.cuda.kernels import ssm_ssd as KD  # noqa: E402
+
+DEV = "cuda"
+CEILING_TBS = 4.2
+RECORDS: list[dict] = []
+SS_KW = dict(delta_softplus=True, has_d=False, has_z=False, has_delta_bias=False)
+
+
+def rec(op, impl, shape, dtype, ms, **extra):
+    r = {"op": op, "impl": impl, "device": torch.cuda.get_device_name(), "shape": list(shape),
+         "dtype": str(dtype).replace("torch.", ""), "ms": round(ms, 5),
+         "date": datetime.date.today().isoformat()}
+    r.update({k: v for k, v in extra.items() if v is not None})
+    RECORDS.append(r)
+    print(f"  {op:26s} {impl:22s} {str(shape):28s} {r['dtype']:9s} {ms:9.4f} ms"
+          + (f"  {extra['gbps']:.0f} GB/s" if extra.get("gbps") else ""), flush=True)
+    return ms
+
+
+def bench(fn, quick):
+    return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
+                    return_mode="median")
+
+
+# ---- anchors ----------------------------------------------------------------------------------
+def torch_selective_scan_ref(u, delta, A, B, C):
+    """Mamba's reference algorithm (channel-major u, delta (b, d, l); B, C (b, n, l))."""
+    delta = TF.softplus(delta.float())
+    u, B, C = u.float(), B.float(), C.float()
+    dA = torch.exp(torch.einsum("bdl,dn->bdln", delta, A.float()))
+    dBu = torch.einsum("bdl,bnl,bdl->bdln", delta, B, u)
+    x = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for i in range(u.shape[2]):
+        x = dA[:, :, i] * x + dBu[:, :, i]
+        ys.append(torch.einsum("bdn,bn->bd", x, C[:, :, i]))
+    return torch.stack(ys, dim=2), x
+
+
+def import_mamba_ssd(src, paths):
+    """mamba_ssm.ops.triton.ssd_combined from its sources, without the package __init__
+    (which imports the CUDA extension)."""
+    for p in paths or ():
+        sys.path.insert(0, str(p))
+    if src is None:
+        return None, "no --mamba-src given"
+    try:
+        pkg_dir = pathlib.Path(src) / "mamba_ssm"
+        for name, sub in (("mamba_ssm", pkg_dir), ("mamba_ssm.ops", pkg_dir / "ops"),
+                          ("mamba_ssm.ops.triton", pkg_dir / "ops" / "triton"),
+                          ("mamba_ssm.utils", pkg_dir / "utils")):
+            m = types.ModuleType(name)
+            m.__path__ = [str(sub)]
+            sys.modules[name] = m
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined, None
+    except Exception as exc:  # report, keep benchmarking ours
+        traceback.print_exc()
+        return None, f"import failed: {exc!r}"
+
+
+# ---- cases ------------------------------------------------------------------------------------
+def ssd_rows(mamba, why, quick, sweep):
+    B, L, H, P, N, Q = (1, 1024, 80, 64, 128, 256) if quick else (4, 4096, 80, 64, 128, 256)
+    dt_ = torch.bfloat16
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    dt = (torch.rand(B, L, H, device=DEV, generator=g) * 0.1 - 4).to(dt_)
+    a = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2).float()
+    bias = (torch.rand(H, device=DEV, generator=g) - 0.5).float()
+    b1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    c1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    gy = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    shape = (B, L, H, P, N, Q)
+    bE, cE = b1.expand(B, L, H, N), c1.expand(B, L, H, N)
+    a16, bias16 = a.to(dt_), bias.to(dt_)
+    kw = dict(chunk_size=Q, dt_softplus=True, has_d=False, has_z=False, has_dt_bias=True,
+              has_initial_states=False)
+    ours = lambda cfg=None: KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
+    gl = torch.zeros(B, H, P, N, device=DEV, dtype=dt_)
+
+    def ours_fb(cfg=None):
+        KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
+        return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=cfg)
+
+    ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
+    ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))
+    if sweep:
+        for cfg in [(32, 64, 4), (64, 64, 4), (64, 32, 4), (64, 64, 8), (128, 64, 8)]:
+            try:
+                rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_, bench(lambda: ours(cfg), quick))
+            except Exception as exc:
+                print(f"  cfg {cfg} failed: {exc!r}")
+        for cfg in [(32, 64, 8), (64, 64, 4), (64, 64, 8)]:
+            try:
+                rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{cfg}]", shape, dt_,
+                    bench(lambda: ours_fb(cfg), quick))
+            except Exception as exc:
+                print(f"  cfg {cfg} failed: {exc!r}")
+    anchors = {}
+    if mamba is None:
+        print(f"  mamba_ssm rows skipped: {why}")
+    else:
+        xm = x.clone().requires_grad_(True)
+        run = lambda: mamba(x, dt, a, b1, c1, Q, dt_bias=bias, dt_softplus=True)
+        anchors["fwd"] = rec("ssd_chunk_scan", "mamba_ssm", shape, dt_, bench(run, quick))
+
+        def run_fb():
+            out = mamba(xm, dt, a, b1, c1, Q, dt_bias=bias, dt_softplus=True)
+            out.backward(gy)
+        anchors["fb"] = rec("ssd_chunk_scan_fwd+bwd", "mamba_ssm", shape, dt_,
+                            bench(run_fb, quick))
+        ym = run()
+        yo, _ = ours()
+        err = (ym.float() - yo.float()).abs().max().item() / ym.float().abs().max().item()
+        print(f"  ours vs mamba_ssm: max |diff| / max |y| = {err:.2e}")
+    return [("ssd_chunk_scan fwd bf16", ms_f, anchors.get("fwd"), "<= 0.6 ms",
+             ms_f <= 0.6),
+            ("ssd_chunk_scan fwd+bwd bf16", ms_fb, anchors.get("fb"), "<= 3.5 ms",
+             ms_fb <= 3.5)]
+
+
+def ss_inputs(B, L, D, N, dtype, g):
+    u = torch.randn(B, L, D, device=DEV, generator=g).to(dtype)
+    delta = (torch.randn(B, L, D, device=DEV, generator=g) * 0.5 - 1).to(dtype)
+    a = -torch.exp(torch.randn(D, N, device=DEV, generator=g) * 0.5).to(dtype)
+    b = torch.randn(B, L, N, device=DEV, generator=g).to(dtype)
+    c = torch.randn(B, L, N, device=DEV, generator=g).to(dtype)
+    return u, delta, a, b, c
+
+
+def ss_rows(quick, sweep):
+    g = torch.Generator(device=DEV).manual_seed(1)
+    rows = []
+    # f32 forward vs the reference loop
+    shape = (2, 1024, 1536, 16)
+    ins = ss_inputs(*shape, torch.float32, g)
+    cm = [t.transpose(1, 2).contiguous() for t in (ins[0], ins[1])]
+    bm = [t.transpose(1, 2).contiguous() for t in (ins[3], ins[4])]
+    ref = lambda: torch_selective_scan_ref(cm[0], cm[1], ins[2], bm[0], bm[1])
+    ours = lambda cfg=None: KS.selective_scan(*ins, **SS_KW, config=cfg)
+    y_ref = ref()[0].transpose(1, 2)
+    err = ((ours()[0] - y_ref).abs().max() / y_ref.abs().max()).item()
+    print(f"  selective_scan f32 vs reference loop: rel err {err:.1e}")
+    ms = rec("selective_scan", "fuelgraph", shape, torch.float32, bench(ours, quick))
+    ms_ref = rec("selective_scan", "torch eager", shape, torch.float32,
+                 bench(ref, True), anchor="Mamba selective_scan_ref loop")
+    if sweep:
+        for cfg in [(8, 8, 4), (16, 8, 4), (16, 16, 4), (32, 8, 4), (32, 4, 2), (16, 4, 2)]:
+            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.float32,
+                bench(lambda: ours(cfg), quick))
+    rows.append(("selective_scan fwd f32", ms, ms_ref, "<= 0.2 ms", ms <= 0.2))
+    # fwd+bwd vs the reference loop's autograd
+    gy = torch.randn(*shape[:3], device=DEV, generator=g)
+    gl = torch.zeros(shape[0], shape[2], shape[3], device=DEV)
+    leaves = [t.clone().requires_grad_(True) for t in (cm[0], cm[1], ins[2], bm[0], bm[1])]
+    gyc = gy.transpose(1, 2)
+
+    def ref_fb():
+        y, _ = torch_selective_scan_ref(*leaves)
+        torch.autograd.grad(y, leaves, gyc)
+
+    def ours_fb(cfg=None):
+        KS.selective_scan(*ins, **SS_KW, config=cfg)
+        return KS.selective_scan_backward(*ins, gy, gl, **SS_KW, config=cfg)
+    ms_fb = rec("selective_scan_fwd+bwd", "fuelgraph", shape, torch.float32, bench(ours_fb, quick))
+    ms_rfb = rec("selective_scan_fwd+bwd", "torch eager", shape, torch.float32,
+                 bench(ref_fb, True), anchor="Mamba selective_scan_ref loop, autograd")
+    if sweep:
+        for cfg in [(8, 8, 4), (8, 16, 4), (16, 8, 4), (4, 16, 4)]:
+            rec("selective_scan_fwd+bwd", f"fuelgraph[{cfg}]", shape, torch.float32,
+                bench(lambda: ours_fb(cfg), quick))
+    # bf16 forward vs the bandwidth ceiling
+    shape = (2, 1024, 4096, 16) if quick else (8, 2048, 4096, 16)
+    B, L, D, N = shape
+    ins16 = ss_inputs(*shape, torch.bfloat16, g)
+    nbytes = 2 * (3 * B * L * D + 2 * B * L * N + D * N + B * D * N)
+    ms16 = bench(lambda: KS.selective_scan(*ins16, **SS_KW), quick)
+    gbps = nbytes / ms16 / 1e6
+    rec("selective_scan", "fuelgraph", shape, torch.bfloat16, ms16, gbps=gbps)
+    ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
+    rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
+        gbps=CEILING_TBS * 1e3)
+    if sweep:
+        for cfg in [(8, 16, 4), (16, 16, 4), (16, 32, 4), (32, 16, 8), (8, 32, 4)]:
+            m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
+            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
+                gbps=nbytes / m / 1e6)
+    rows.append(("selective_scan fwd bf16", ms16, ceil_ms, ">= 50% of ceiling",
+                 ceil_ms / ms16 >= 0.5))
+    rows.append(("selective_scan fwd+bwd", ms_fb, ms_rfb, ">= 200x faster",
+                 ms_rfb / ms_fb >= 200))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--mamba-src", default=None)
+    ap.add_argument("--path", action="append", default=[])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    mamba, why = import_mamba_ssd(args.mamba_src, args.path)
+    rows = []
+    for part in (lambda: ssd_rows(mamba, why, args.quick, args.sweep),
+                 lambda: ss_rows(args.quick, args.sweep)):
+        try:
+            rows += part()
+        except Exception:
+            traceback.print_exc()
+    day = datetime.date.today().isoformat()
+    doc = {"machine": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "records": RECORDS}
+    for d in filter(None, [ROOT / "bench" / "results", args.out and pathlib.Path(args.out)]):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"cuda_ssm_{day}.json").write_text(json.dumps(doc, indent=1))
+    print("\ntarget                        fuelgraph ms   anchor ms     ratio   target             met")
+    for name, ms, anchor, target, ok in rows:
+        ratio = f"{anchor / ms:8.2f}x" if anchor else "       -"
+        a = f"{anchor:10.4f}" if anchor else "         -"
+        print(f"{name:28s} {ms:12.4f} {a}  {ratio}   {target:18s} {'yes' if ok else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Triton kernels of the paged family: paged attention over a block-pool KV cache (decode and
+chunked prefill) and the cache write.
+
+Attention: one program owns one kv head of one sequence, a tile of rows = (query head of that
+kv head's group) x (query position), and one key range (split). It walks the live keys of its
+range BLOCK_N at a time, looking each key's pool block up in the block table, so every live k/v
+block is read once per (tile, split) and one load of a kv head serves its whole group of query
+heads (GQA/MQA). Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax
+in base 2. Long contexts with few sequences split the keys over several programs
+(flash-decoding): each writes an unnormalised partial (max, sum, accumulator) and a second kernel
+merges them. Sq > 1 (chunked prefill) runs through the same kernel with the bottom-right causal
+mask; each tile stops at the last key its rows can see.
+
+Invalid index data raises FuelGraphError before the launch: the check costs one device->host
+sync, done once per (context_lens, block_table) buffer version and skipped while a CUDA graph is
+being captured. The kernels themselves never read outside the pool (block ids are clamped) and
+write NaN rows for a sequence whose lengths or live block ids are invalid, so a captured graph
+replayed on bad data yields NaN, never a plausible wrong number.
+
+float64 inputs and head dims above MAX_HEAD_DIM are not covered (`supports`): the planner runs
+the recipe for them.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from ....registry.core import FusedOps
+from ....registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
+from ...base import Cost, kernel
+from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+
+__all__ = ["paged_attn", "paged_cache_write", "supports_paged_attn", "assume_valid",
+           "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+#: a split covers at least this many keys (smaller splits cost more in the merge than they gain)
+MIN_SPLIT_KEYS = 256
+#: resident programs per SM assumed when sizing splits
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(2.0 * x)                     # inf for large x: 1 - 0 = 1; 0 for very negative: -1
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _paged_attn_kernel(
+        Q, K, V, BT, CL, SL, O, PO, PM, PL,
+        sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
+        G: tl.constexpr, G_T: tl.constexpr, SQ_T: tl.constexpr, BS: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    BLOCK_M: tl.constexpr = G_T * SQ_T
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // hkv
+    hk = pid_bh % hkv
+    gt = pid_t // n_qt
+    qt = pid_t % n_qt
+    ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
+    cap = mb * BS
+    n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
+    lo = pid_s * keys_per_split
+    if (lo >= n) & (lo > 0):
+        return                               # empty split: the merge never reads it
+
+    r = tl.arange(0, BLOCK_M)
+    gi = gt * G_T + r % G_T                  # query head within the group
+    i = qt * SQ_T + r // G_T                 # query position
+    row_ok = (gi < G) & (i < sq)
+    h = hk * G + gi
+    row = (b * hq + h).to(tl.int64) * sq + i          # row of q / o viewed as [B*Hq*Sq, D]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if DOT_F32:                              # the CPU interpreter's bfloat16 dot is wrong
+        q = q.to(tl.float32)
+    a = n - sq + i                           # absolute position: row sees keys j <= a
+    if HAS_ALIBI:
+        slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
+    i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
+    hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_bad = tl.zeros([BLOCK_N], tl.int32)    # live keys whose block id is outside the pool
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        phys = tl.load(BT + b * mb + j // BS, mask=j_ok, other=0).to(tl.int64)
+        p_ok = (phys >= 0) & (phys < nb)
+        n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+        phys = tl.where(p_ok, phys, 0)
+        kv_row = (phys * BS + j % BS) * hkv + hk      # row of the pool viewed as [NB*BS*Hkv, D]
+        kv_off = kv_row[:, None] * D + d[None, :]
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s = s * scale
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            rel = a[:, None] - j[None, :]
+            if HAS_ALIBI:
+                s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+            s = s * 1.4426950408889634
+        else:
+            rel = a[:, None] - j[None, :]
+            s = s * (scale * 1.4426950408889634)
+        s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    poison = tl.sum(n_bad, 0) > 0
+    if SPLIT:
+        prow = row * n_split + pid_s
+        acc = tl.where(poison, float("nan"), acc)
+        tl.store(PO + prow[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PM + prow, m_i, mask=row_ok)
+        tl.store(PL + prow, l_i, mask=row_ok)
+    else:
+        bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0) | poison
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = tl.where(bad, float("nan"), out)
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, S_P2: tl.constexpr):
+    """One output row from its splits' partials: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // (hq * sq)
+    ctx = tl.load(CL + b).to(tl.int64)
+    n_live = (tl.minimum(tl.maximum(ctx, 0), cap) + keys_per_split - 1) // keys_per_split
+    s = tl.arange(0, S_P2)
+    s_ok = s < n_live
+    m = tl.load(PM + row * n_split + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(PL + row * n_split + s, mask=s_ok, other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
+    den = tl.sum(w * l, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    po = tl.load(PO + (row * n_split + s)[:, None] * D + d[None, :],
+                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(tl.where(s_ok[:, None], w[:, None] * po, 0.0), 0)
+    out = out / tl.where(den > 0, den, 1.0)
+    bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0)
+    out = tl.where(bad, float("nan"), out)
+    tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _paged_write_kernel(C, NEW, S, cap, skip, W: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.load(S + r).to(tl.int64)
+    ok = (slot != skip) & (slot >= 0) & (slot < cap)
+    offs = tl.arange(0, BLOCK)
+    m = offs < W
+    x = tl.load(NEW + r * W + offs, mask=m)
+    tl.store(C + slot * W + offs, x, mask=m & ok)
+
+
+# ---- host side ---------------------------------------------------------------------------------
+#: index tensors already checked: (their memory, sq, pool) -> (weakref to one tensor holding
+#: that memory, its version counter, the same for the table, (longest, total context)). Views
+#: and detached aliases share memory and version counter, so they hit too; while the weakref'd
+#: tensor lives its memory cannot be reused, and a torch in-place write bumps the version.
+_CHECKED: dict = {}
+
+
+def _memo_key(lens, table, sq, nb, bs):
+    return (lens.data_ptr(), tuple(lens.shape), lens.dtype, table.data_ptr(),
+            tuple(table.shape), table.dtype, sq, nb, bs)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_and_stats(lens, table, sq, nb, bs):
+    """(max context, total context) after raising FuelGraphError on invalid lengths or live block
+    ids; one device->host sync per buffer version. None while capturing a CUDA graph."""
+    key = _memo_key(lens, table, sq, nb, bs)
+    hit = _CHECKED.get(key)
+    if hit is not None and hit[0]() is not None and hit[1] == lens._version and \
+            hit[2]() is not None and hit[3] == table._version:
+        return hit[4]
+    if _capturing():
+        return None
+    mb = table.shape[1]
+    n = lens.long()
+    t = table.long()
+    live = torch.arange(mb, device=lens.device)[None, :] * bs < n[:, None]
+    bad_len = (n < 0) | (n > mb * bs) | ((n > 0) & (n < sq))
+    bad_blk = live & ((t < 0) | (t >= nb))
+    flags = torch.stack([bad_len.any().long(), bad_blk.any().long(),
+                         n.max() if n.numel() else n.new_zeros(()),
+                         n.sum()]).cpu().tolist()
+    if flags[0] or flags[1]:
+        check_lengths("paged_attn", lens.cpu().numpy(), table.cpu().numpy(), sq, nb, bs, mb)
+    stats = (int(flags[2]), int(flags[3]))
+    _remember(key, lens, table, stats)
+    return stats
+
+
+def _remember(key, lens, table, stats):
+    if len(_CHECKED) > 64:
+        _CHECKED.clear()
+    _CHECKED[key] = (weakref.ref(lens), lens._version, weakref.ref(table), table._version, stats)
+
+
+def assume_valid(context_lens, block_table, sq, num_blocks, block_size, longest, total):
+    """Record that these index tensors (as they are now) hold valid data whose longest and total
+    context are `longest` and `total`, so paged_attn skips its check (one device->host sync).
+    For callers that built them on the host, such as PagedKVCache."""
+    _remember(_memo_key(context_lens, block_table, sq, num_blocks, block_size), context_lens,
+              block_table, (int(longest), int(total)))
+
+
+def _tiles(g, sq, block_m=None):
+    """(G_T, SQ_T): rows of a program = G_T query heads x SQ_T positions: at least 16 rows (the
+    smallest tl.dot), up to `block_m` (default 128) for prefill."""
+    g_t = min(next_pow2(g), 64)
+    block_m = min(max(16, next_pow2(sq * g_t)), max(block_m or 128, g_t))
+    return g_t, max(1, block_m // g_t)
+
+
+def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
+    """(keys per split, number of splits). Sized from the live lengths when known, so the
+    programs fill the GPU and no program walks far more keys than the average; always covering
+    the table's capacity, so any lengths (e.g. in a replayed CUDA graph) stay correct."""
+    slots = num_sms(device) * PROGRAMS_PER_SM
+    longest, total = (cap, B * cap) if stats is None else stats
+    longest = max(1, min(longest, cap))
+    work = max(1, total) * hkv * n_tiles          # keys x (kv head, tile) pairs to walk
+    kps = max(MIN_SPLIT_KEYS, -(-work // slots))
+    if kps >= longest:
+        return cap, 1
+    kps = -(-kps // block_n) * block_n
+    return kps, -(-cap // kps)
+
+
+def paged_attn_cost(shapes, params=None):
+    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
+    keys = shapes[3][1] * bs
+    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
+
+
+def paged_cache_write_cost(shapes, params=None):
+    return Cost(0, 2 * 2 * math.prod(shapes[1]))
+
+
+def supports_paged_attn(shapes, dtypes, params=None) -> bool:
+    """The Triton kernel covers float32/bfloat16/float16 and head dims up to MAX_HEAD_DIM."""
+    return shapes[0][3] <= MAX_HEAD_DIM and all(d.name != "float64" for d in dtypes[:3])
+
+
+@kernel(FusedOps.PAGED_ATTN, "cuda", dtypes=HALF_AND_F32, cost=paged_attn_cost,
+        supports=supports_paged_attn)
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
+               softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+               n_split=None):
+    """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
+    (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
+    launch knobs (block_m, block_n, num_warps, num_stages, n_split) are for benchmarks."""
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    mb = block_table.shape[1]
+    g = hq // hkv
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    stats = _check_and_stats(context_lens, block_table, sq, nb, bs)
+    g_t, sq_t = _tiles(g, sq, block_m)
+    n_qt, n_gt = triton.cdiv(sq, sq_t), triton.cdiv(g, g_t)
+    decode = sq_t * g_t <= 16
+    bn = block_n or (64 if d <= 128 else 32)
+    if INTERPRET:
+        bn = block_n or 16
+    cap = mb * bs
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
+    if n_split is not None:
+        ns = max(1, int(n_split))
+        kps = triton.cdiv(triton.cdiv(cap, ns), bn) * bn
+        ns = triton.cdiv(cap, kps)
+    has_alibi = bool(alibi)
+    sl = alibi[0].float().contiguous() if has_alibi else q
+    sl_stride_b = (hq if sl.dim() == 2 else 0) if has_alibi else 0
+    dot_f32 = INTERPRET and q.dtype == torch.bfloat16
+    dot_prec = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
+    kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_N=bn,
+              HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
+              DOT_F32=dot_f32,
+              num_warps=num_warps or (4 if decode or d <= 64 else 8),
+              num_stages=num_stages or (3 if decode else 2))
+    grid = (B * hkv, n_gt * n_qt, ns)
+    scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
+            float(softcap) if softcap is not None else 1.0, sl_stride_b)
+    if ns == 1:
+        _paged_attn_kernel[grid](q, k_cache, v_cache, block_table, context_lens, sl, out,
+                                 out, out, out, *scal, SPLIT=False, **kw)
+        return out
+    rows = B * hq * sq
+    po = torch.empty((rows * ns, d), dtype=torch.float32, device=q.device)
+    pm = torch.empty((rows * ns,), dtype=torch.float32, device=q.device)
+    pl = torch.empty((rows * ns,), dtype=torch.float32, device=q.device)
+    _paged_attn_kernel[grid](q, k_cache, v_cache, block_table, context_lens, sl, out,
+                             po, pm, pl, *scal, SPLIT=True, **kw)
+    _paged_merge_kernel[(rows,)](po, pm, pl, context_lens, out, sq, hq, cap, kps, ns, D=d,
+                                 BLOCK_D=max(16, next_pow2(d)), S_P2=max(2, next_pow2(ns)),
+                                 num_warps=4)
+    return out
+
+
+@kernel(PAGED_CACHE_WRITE, "cuda", cost=paged_cache_write_cost)
+def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
+    """cache [NB, BS, Hkv, D] <- rows of new [N, Hkv, D] at slot_mapping [N] (slot = block * BS +
+    row; the index type's maximum skips a row); writes into cache (or into `out`, a fresh buffer,
+    after copying cache there) and returns it. `check=False` skips the slot check (one
+    device->host sync) for callers that computed the slots on the host."""
+    nb, bs, hkv, d = cache.shape
+    cap = nb * bs
+    if check and not _capturing():
+        check_slots("paged_cache_write", slot_mapping.cpu().numpy(), cap)
+    dst = cache if out is None else out
+    if out is not None:
+        out.copy_(cache)
+    n = new.shape[0]
+    if n == 0:
+        return dst
+    w = hkv * d
+    skip = index_max(str(slot_mapping.dtype).replace("torch.", ""))
+    _paged_write_kernel[(n,)](dst, new, slot_mapping, cap, skip, W=w,
+                              BLOCK=next_pow2(w), num_warps=4 if w >= 1024 else 1)
+    return dst

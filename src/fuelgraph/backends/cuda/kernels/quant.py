@@ -1,0 +1,298 @@
+"""Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
+respect to the activations) as Triton kernels that dequantize the weight tile in registers
+(`quant_tiles.b_tile`) right before the dot product, so the packed weight is read once from
+memory and never written back as floats.
+
+With x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`; for the gradients
+`out = g @ B.T`), each program owns an output tile and walks its share of R:
+
+* M == 1 (GEMV): no tensor cores; each program multiplies its [BR, BC] weight tile by one row
+  and reduces on the CUDA cores.
+* 1 < M <= 16: tl.dot with the row tile padded to 16.
+* Both small-M paths split R (split-K) so that ~4 programs per SM stream the weight, each
+  byte read by exactly one program; partial sums meet by float32 atomic adds.
+* M > 16 (GEMM): 64/128-row tiles on tensor cores, no split unless the grid is tiny.
+
+Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
+rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
+lower to the recipe. `QConfig` / `config=` let benchmarks sweep tile shapes."""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ....registry.core import FusedOps
+from ....registry.quant import (AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, QMATMUL_GRAD_A,
+                                qmatmul_nk)
+from ....registry.quant_gguf import FORMATS
+from ...base import Cost, kernel
+from .common import HALF_AND_F32, num_sms
+from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
+
+
+@triton.jit
+def _qmm_fwd_kernel(x_ptr, w0, w1, w2, i0, out_ptr, M, K, N, stride_x, stride_o,
+                    STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+                    ATOMIC: tl.constexpr):
+    """out[M, N] (+)= x[M, K] @ B[K, N] over this program's K range."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    k_start = tl.program_id(2) * STEPS * BLOCK_K
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = (offs_m < M)[:, None]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(STEPS):
+        k0 = k_start + i * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = b_tile(FMT, w0, w1, w2, i0, k0, pid_n * BLOCK_N, K, N, BLOCK_K, BLOCK_N)
+        if USE_DOT:
+            xt = tl.load(x_rows + offs_k[None, :], mask=m_ok & (offs_k < K)[None, :], other=0.0)
+            acc = tl.dot(xt, w.to(x_ptr.dtype.element_ty), acc, input_precision=PREC)
+        else:
+            xc = tl.load(x_rows + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
+            acc += tl.sum(w * xc.to(tl.float32), axis=0)[None, :]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    o_mask = m_ok & (offs_n < N)[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _qmm_grad_kernel(g_ptr, w0, w1, w2, i0, out_ptr, M, K, N, stride_g, stride_o,
+                     STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+                     ATOMIC: tl.constexpr):
+    """out[M, K] (+)= g[M, N] @ B[K, N].T over this program's N range (output tile along K)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_start = tl.program_id(2) * STEPS * BLOCK_N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_ok = (offs_m < M)[:, None]
+    g_rows = g_ptr + offs_m.to(tl.int64)[:, None] * stride_g
+    acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    for i in range(STEPS):
+        n0 = n_start + i * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        w = b_tile(FMT, w0, w1, w2, i0, pid_k * BLOCK_K, n0, K, N, BLOCK_K, BLOCK_N)
+        if USE_DOT:
+            gt = tl.load(g_rows + offs_n[None, :], mask=m_ok & (offs_n < N)[None, :], other=0.0)
+            acc = tl.dot(gt, tl.trans(w.to(g_ptr.dtype.element_ty)), acc, input_precision=PREC)
+        else:
+            gr = tl.load(g_rows + offs_n[None, :], mask=(offs_n < N)[None, :], other=0.0)
+            acc += tl.sum(w * gr.to(tl.float32), axis=1)[None, :]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_k[None, :]
+    o_mask = m_ok & (offs_k < K)[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _dequant_kernel(w0, w1, w2, i0, out_ptr, K, N, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """out[K, N] = B (the dequantized packed matrix), in out's dtype."""
+    k0 = tl.program_id(0) * BLOCK_K
+    n0 = tl.program_id(1) * BLOCK_N
+    w = b_tile(FMT, w0, w1, w2, i0, k0, n0, K, N, BLOCK_K, BLOCK_N)
+    kk = k0 + tl.arange(0, BLOCK_K)[:, None]
+    nn = n0 + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(out_ptr + kk.to(tl.int64) * N + nn, w.to(out_ptr.dtype.element_ty),
+             mask=(kk < K) & (nn < N))
+
+
+def dequantize(fmt_id: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.float32):
+    """The packed matrix B [K, N] as a dense tensor (W.T for GGUF / NF4, W for AWQ), rounded
+    once to `dtype`: for checking the tile dequantizers, and for GEMMs that prefer cuBLAS."""
+    out = torch.empty(k, n, dtype=dtype, device=w0.device)
+    grid = (triton.cdiv(k, 64), triton.cdiv(n, 64))
+    _dequant_kernel[grid](w0, w1, w2, i0, out, k, n, FMT=fmt_id, BLOCK_K=64, BLOCK_N=64,
+                          num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+# ---- launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QConfig:
+    """Tile of one program: block_m rows of x, block_c output columns, block_r reduction
+    elements per step; `split` programs share each output tile's reduction (atomics)."""
+    block_m: int
+    block_c: int
+    block_r: int
+    split: int = 0          # 0: chosen from the grid size and the SM count
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= 16
+
+
+def default_config(m: int, c: int, r: int, device) -> QConfig:
+    """Tile shapes by rows: GEMV (M = 1), small M (<= 16, one padded 16-row MMA tile), GEMM."""
+    if m == 1:
+        base = QConfig(1, 64, 128, num_warps=4)
+    elif m <= 16:
+        base = QConfig(16, 64, 128, num_warps=4)
+    elif m <= 64:
+        base = QConfig(64, 128, 64, num_warps=4, num_stages=3)
+    else:
+        base = QConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return base
+
+
+def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
+    """(split, steps per split): small-M grids split R until ~4 programs per SM stream the
+    weight; GEMM grids only when smaller than half the machine."""
+    total = triton.cdiv(r, cfg.block_r)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(c, cfg.block_c)
+    split = cfg.split
+    if split <= 0:
+        sms = num_sms(device)
+        want = 4 * sms if cfg.block_m <= 16 else (sms if tiles < sms // 2 else tiles)
+        split = max(1, min(total, want // max(tiles, 1)))
+    steps = triton.cdiv(total, split)
+    return triton.cdiv(total, steps), steps
+
+
+def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
+        config: QConfig | None = None):
+    """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
+    returns [..., N] (or [..., K]) in x's dtype."""
+    red, cols = (n, k) if grad else (k, n)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, red)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return torch.zeros(*lead, cols, dtype=x.dtype, device=x.device)
+    cfg = config or default_config(m, cols, red, x.device)
+    split, steps = _split(cfg, m, cols, red, x.device)
+    atomic = split > 1
+    out = torch.zeros(m, cols, dtype=torch.float32, device=x.device) if atomic else \
+        torch.empty(m, cols, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(cols, cfg.block_c), split)
+    kern = _qmm_grad_kernel if grad else _qmm_fwd_kernel
+    bn, bk = (cfg.block_r, cfg.block_c) if grad else (cfg.block_c, cfg.block_r)
+    kern[grid](x2, w0, w1, w2, i0, out, m, k, n, x2.stride(0), out.stride(0), STEPS=steps,
+               FMT=fmt_id, BLOCK_M=cfg.block_m, BLOCK_N=bn, BLOCK_K=bk, USE_DOT=cfg.use_dot,
+               PREC="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=atomic,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if atomic and x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.reshape(*lead, cols)
+
+
+def _aligned(t):
+    """Byte tensors whose f16 fields the kernels read as 2-byte words must start 2-aligned."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_code(device: str):
+    return torch.tensor(NF4_CODE, device=device)
+
+
+# ---- costs ----------------------------------------------------------------------------------
+def _cost(bits, cols, red):
+    """2 * M * R * C flops; bytes of x, out (2 bytes each) and the packed weight."""
+    def cost(shapes, params=None):
+        m = math.prod(shapes[0][:-1])
+        r, c = red(shapes, params), cols(shapes, params)
+        return Cost(2 * m * r * c, 2 * m * (r + c) + r * c * bits(shapes, params) / 8)
+    return cost
+
+
+def _nk(shapes, p, grad=False):
+    return qmatmul_nk(p.quant_type, p.n, p.k, shapes[0], math.prod(shapes[1]), grad)
+
+
+def _gguf_bits(shapes, p):
+    return 8 * FORMATS[p.quant_type].type_size / FORMATS[p.quant_type].block
+
+
+def _nf4_n(s, p):
+    return s[1][0]
+
+
+def _nf4_k(s, p):
+    return 2 * s[1][1]
+
+
+def _awq_n(s, p):
+    return 8 * s[1][1]
+
+
+def _awq_k(s, p):
+    return s[1][0]
+
+
+def _nf4_bits(s, p):
+    return 4 + 32 / p.block_size
+
+
+def _awq_bits(s, p):
+    return 4 + 20 / p.group_size
+
+
+# ---- kernels --------------------------------------------------------------------------------
+@kernel(FusedOps.QMATMUL, "cuda", dtypes=HALF_AND_F32, name="triton.qmatmul",
+        cost=_cost(_gguf_bits, lambda s, p: _nk(s, p)[0], lambda s, p: _nk(s, p)[1]),
+        precision="fp32 accumulate")
+def qmatmul(a, w_bytes, *, quant_type, n=None, k=None, config=None):
+    n, k = qmatmul_nk(quant_type, n, k, a.shape, w_bytes.numel())
+    w = _aligned(w_bytes)
+    return run(GGUF_IDS[quant_type], a, w, w, w, FORMATS[quant_type].row_bytes(k), k, n,
+               config=config)
+
+
+@kernel(QMATMUL_GRAD_A, "cuda", dtypes=HALF_AND_F32, name="triton.qmatmul_grad_a",
+        cost=_cost(_gguf_bits, lambda s, p: _nk(s, p, True)[1], lambda s, p: _nk(s, p, True)[0]),
+        precision="fp32 accumulate")
+def qmatmul_grad_a(g, w_bytes, *, quant_type, n=None, k=None, config=None):
+    n, k = qmatmul_nk(quant_type, n, k, g.shape, w_bytes.numel(), grad=True)
+    w = _aligned(w_bytes)
+    return run(GGUF_IDS[quant_type], g, w, w, w, FORMATS[quant_type].row_bytes(k), k, n,
+               grad=True, config=config)
+
+
+@kernel(FusedOps.NF4_MATMUL, "cuda", dtypes=HALF_AND_F32, name="triton.nf4_matmul",
+        cost=_cost(_nf4_bits, _nf4_n, _nf4_k), precision="fp32 accumulate")
+def nf4_matmul(a, w_packed, absmax, *, block_size, config=None):
+    n, k = w_packed.shape[0], 2 * w_packed.shape[1]
+    return run(NF4, a, w_packed, absmax, _nf4_code(str(a.device)), block_size, k, n,
+               config=config)
+
+
+@kernel(NF4_MATMUL_GRAD_A, "cuda", dtypes=HALF_AND_F32, name="triton.nf4_matmul_grad_a",
+        cost=_cost(_nf4_bits, _nf4_k, _nf4_n), precision="fp32 accumulate")
+def nf4_matmul_grad_a(g, w_packed, absmax, *, block_size, config=None):
+    n, k = w_packed.shape[0], 2 * w_packed.shape[1]
+    return run(NF4, g, w_packed, absmax, _nf4_code(str(g.device)), block_size, k, n,
+               grad=True, config=config)
+
+
+@kernel(FusedOps.AWQ_MATMUL, "cuda", dtypes=HALF_AND_F32, name="triton.awq_matmul",
+        cost=_cost(_awq_bits, _awq_n, _awq_k), precision="fp32 accumulate")
+def awq_matmul(a, qweight, qzeros, scales, *, group_size, config=None):
+    k, n = qweight.shape[0], 8 * qweight.shape[1]
+    return run(AWQ, a, qweight, qzeros, scales, group_size, k, n, config=config)
+
+
+@kernel(AWQ_MATMUL_GRAD_A, "cuda", dtypes=HALF_AND_F32, name="triton.awq_matmul_grad_a",
+        cost=_cost(_awq_bits, _awq_k, _awq_n), precision="fp32 accumulate")
+def awq_matmul_grad_a(g, qweight, qzeros, scales, *, group_size, config=None):
+    k, n = qweight.shape[0], 8 * qweight.shape[1]
+    return run(AWQ, g, qweight, qzeros, scales, group_size, k, n, grad=True, config=config)

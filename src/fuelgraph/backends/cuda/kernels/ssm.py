@@ -1,0 +1,331 @@
+"""SELECTIVE_SCAN (Mamba-1) forward and backward on Triton; shared scan helpers.
+
+One program owns a (batch, channel block) pair and walks time in tiles of T steps. Within a
+tile the recurrence h_t = dA_t * h_{t-1} + dBu_t is evaluated for the whole [T, BD, N] block
+with an associative scan over time (so the T loads of a tile are independent and the
+sequential chain is only tile to tile); the state entering the tile stays in registers.
+Every sum and exponential is float32; inputs are float32, bfloat16 or float16 (float64 is not
+covered: the op runs its recipe there), outputs are written in the input dtype.
+
+Backward: the program first walks time forward and stores the state entering each tile
+(float32 scratch), then walks the tiles in reverse: it recomputes the tile's states from the
+stored one, runs the reverse recurrence of the state cotangent (g_t = gy_t c_t +
+dA_{t+1} g_{t+1}, again an associative scan) and forms every gradient in registers. Sums over
+channel blocks (db, dc) and over the batch (da, dd, ddelta_bias) are written as per-program
+partials and added by one torch reduction (deterministic, no atomics)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ....registry.core import FusedOps
+from ....registry.ssm import SELECTIVE_SCAN_BACKWARD
+from ...base import Cost, kernel
+from .common import HALF_AND_F32
+
+
+def _cost(shapes, params=None):
+    """Bandwidth-bound: every input read once, y written once (2-byte elements assumed)."""
+    (B, L, D), N = shapes[0], shapes[2][1]
+    n = sum(int(torch.Size(s).numel()) for s in shapes) + B * L * D
+    return Cost(10 * B * L * D * N, 2 * n)
+
+__all__ = ["selective_scan", "selective_scan_backward"]
+
+
+@triton.jit
+def lin_combine(a1, b1, a2, b2):
+    """Compose two affine steps h -> a h + b (first (a1, b1), then (a2, b2))."""
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def softplus_f32(x):
+    """log(1 + exp(x)) in float32, accurate for large negative x too (log1p trick)."""
+    v = tl.exp(-tl.abs(x))
+    w = 1.0 + v
+    lp = tl.where(w == 1.0, v, tl.log(w) * (v / (w - 1.0)))
+    return tl.maximum(x, 0.0) + lp
+
+
+@triton.jit
+def sigmoid_f32(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def ss_config(B, L, D, N, backward=False):
+    """(T, BD, num_warps): tile steps and channels so that one [T, BD, BN] tile holds about
+    2048 (forward 4096) float32 values; more channel blocks when B * D is small."""
+    bn = _next_pow2(N)
+    target = 2048 if backward else 4096
+    bd = max(1, min(_next_pow2(D), 32, target // (bn * 8)))
+    # keep enough programs to fill a GPU (~132 SMs) when the batch is small
+    while bd > 4 and B * triton.cdiv(D, bd) < 264:
+        bd //= 2
+    t = max(1, min(32, target // (bd * bn), _next_pow2(max(L, 1))))
+    return t, bd, 4
+
+
+# ---------------------------------------------------------------------------------- forward
+@triton.jit
+def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr, h_ptr,
+                   L, D, N,
+                   T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    offs_t = tl.arange(0, T)
+    dmask = offs_d < D
+    nmask = offs_n < N
+    a = tl.load(a_ptr + offs_d[:, None] * N + offs_n[None, :],
+                mask=dmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if HAS_D:
+        dskip = tl.load(d_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    h = tl.zeros((BD, BN), tl.float32)
+    base_d = pid_b * L * D
+    base_n = pid_b * L * N
+    for t0 in range(0, L, T):
+        t = t0 + offs_t
+        tmask = t < L
+        m2 = tmask[:, None] & dmask[None, :]
+        off2 = base_d + t[:, None] * D + offs_d[None, :]
+        dl = tl.load(dl_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            dl += bias[None, :]
+        if SOFTPLUS:
+            dl = softplus_f32(dl)
+        dl = tl.where(m2, dl, 0.0)
+        uu = tl.load(u_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        offn = base_n + t[:, None] * N + offs_n[None, :]
+        mn = tmask[:, None] & nmask[None, :]
+        bb = tl.load(b_ptr + offn, mask=mn, other=0.0).to(tl.float32)
+        cc = tl.load(c_ptr + offn, mask=mn, other=0.0).to(tl.float32)
+        dA = tl.exp(dl[:, :, None] * a[None, :, :])
+        dBu = (dl * uu)[:, :, None] * bb[:, None, :]
+        pa, pb = tl.associative_scan((dA, dBu), 0, lin_combine)
+        hs = pa * h[None, :, :] + pb
+        yv = tl.sum(hs * cc[:, None, :], 2)
+        h = tl.sum(tl.where(offs_t[:, None, None] == T - 1, hs, 0.0), 0)
+        if HAS_D:
+            yv += uu * dskip[None, :]
+        if HAS_Z:
+            zz = tl.load(z_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+            yv *= zz * sigmoid_f32(zz)
+        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m2)
+    tl.store(h_ptr + pid_b * D * N + offs_d[:, None] * N + offs_n[None, :],
+             h.to(h_ptr.dtype.element_ty), mask=dmask[:, None] & nmask[None, :])
+
+
+def _ss_opts(u, opt, has_d, has_z, has_delta_bias):
+    it = iter(opt)
+    d = next(it) if has_d else u
+    z = next(it) if has_z else u
+    bias = next(it) if has_delta_bias else u
+    return d, z, bias
+
+
+@kernel(FusedOps.SELECTIVE_SCAN, "cuda", dtypes=HALF_AND_F32, cost=_cost,
+        precision="fp32 state and sums")
+def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_delta_bias,
+                   config=None):
+    """SELECTIVE_SCAN: u, delta [B, L, D], a [D, N], b, c [B, L, N] (contiguous CUDA tensors,
+    one of float32 / bfloat16 / float16), then d [D], z [B, L, D], delta_bias [D] as flagged ->
+    (y [B, L, D], last_state [B, D, N]) in u's dtype."""
+    B, L, D = u.shape
+    N = a.shape[1]
+    d, z, bias = _ss_opts(u, opt, has_d, has_z, has_delta_bias)
+    y = torch.empty_like(u)
+    h = torch.empty((B, D, N), dtype=u.dtype, device=u.device)
+    if B * D == 0:
+        return y, h
+    if N == 0:
+        h.zero_()
+    T, BD, warps = config or ss_config(B, L, D, N)
+    _ss_fwd_kernel[(B, triton.cdiv(D, BD))](
+        u, delta, a, b, c, d, z, bias, y, h, L, D, N, T=T, BD=BD, BN=_next_pow2(N),
+        HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
+        num_warps=warps)
+    return y, h
+
+
+# ---------------------------------------------------------------------------------- backward
+@triton.jit
+def _ss_bwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, gy_ptr, gl_ptr,
+                   hbuf_ptr, du_ptr, ddl_ptr, da_ptr, db_ptr, dc_ptr, dd_ptr, dz_ptr, dbias_ptr,
+                   L, D, N, NT,
+                   T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    pid_b = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    n_db = tl.num_programs(1)
+    B = tl.num_programs(0)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    offs_t = tl.arange(0, T)
+    dmask = offs_d < D
+    nmask = offs_n < N
+    dn_mask = dmask[:, None] & nmask[None, :]
+    dn_off = offs_d[:, None] * N + offs_n[None, :]
+    a = tl.load(a_ptr + dn_off, mask=dn_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if HAS_D:
+        dskip = tl.load(d_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    base_d = pid_b * L * D
+    base_n = pid_b * L * N
+    # this program's slice of the [B, NT, D, N] scratch of tile-entry states
+    hb_base = hbuf_ptr + pid_b * NT * D * N
+    # pass 1: states entering every tile
+    h = tl.zeros((BD, BN), tl.float32)
+    for it in range(0, NT):
+        tl.store(hb_base + it * D * N + dn_off, h, mask=dn_mask)
+        t = it * T + offs_t
+        tmask = t < L
+        m2 = tmask[:, None] & dmask[None, :]
+        off2 = base_d + t[:, None] * D + offs_d[None, :]
+        dl = tl.load(dl_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            dl += bias[None, :]
+        if SOFTPLUS:
+            dl = softplus_f32(dl)
+        dl = tl.where(m2, dl, 0.0)
+        uu = tl.load(u_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        offn = base_n + t[:, None] * N + offs_n[None, :]
+        bb = tl.load(b_ptr + offn, mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        dA = tl.exp(dl[:, :, None] * a[None, :, :])
+        dBu = (dl * uu)[:, :, None] * bb[:, None, :]
+        pa, pb = tl.associative_scan((dA, dBu), 0, lin_combine)
+        h = tl.sum(tl.where(offs_t[:, None, None] == T - 1, pa * h[None, :, :] + pb, 0.0), 0)
+    tl.debug_barrier()
+    # pass 2: tiles in reverse
+    gcar = tl.load(gl_ptr + pid_b * D * N + dn_off, mask=dn_mask, other=0.0).to(tl.float32)
+    da_acc = tl.zeros((BD, BN), tl.float32)
+    dd_acc = tl.zeros((BD,), tl.float32)
+    dbias_acc = tl.zeros((BD,), tl.float32)
+    for k in range(0, NT):
+        it = NT - 1 - k
+        h_in = tl.load(hb_base + it * D * N + dn_off, mask=dn_mask, other=0.0)
+        t = it * T + offs_t
+        tmask = t < L
+        m2 = tmask[:, None] & dmask[None, :]
+        off2 = base_d + t[:, None] * D + offs_d[None, :]
+        pre = tl.load(dl_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        # next step's dt (row t holds dt_{t+1}; 0 past the tile, where the carry takes over)
+        nmask2 = (offs_t[:, None] < T - 1) & ((t + 1)[:, None] < L) & dmask[None, :]
+        pre_n = tl.load(dl_ptr + off2 + D, mask=nmask2, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            pre += bias[None, :]
+            pre_n += bias[None, :]
+        if SOFTPLUS:
+            dl = softplus_f32(pre)
+            dl_n = softplus_f32(pre_n)
+        else:
+            dl = pre
+            dl_n = pre_n
+        dl = tl.where(m2, dl, 0.0)
+        dl_n = tl.where(nmask2, dl_n, 0.0)
+        uu = tl.load(u_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        gy = tl.load(gy_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+        offn = base_n + t[:, None] * N + offs_n[None, :]
+        mn = tmask[:, None] & nmask[None, :]
+        bb = tl.load(b_ptr + offn, mask=mn, other=0.0).to(tl.float32)
+        cc = tl.load(c_ptr + offn, mask=mn, other=0.0).to(tl.float32)
+        dA = tl.exp(dl[:, :, None] * a[None, :, :])
+        dBu = (dl * uu)[:, :, None] * bb[:, None, :]
+        pa, pb = tl.associative_scan((dA, dBu), 0, lin_combine)
+        hs = pa * h_in[None, :, :] + pb
+        # output gate: out = (y + u d) * silu(z)
+        if HAS_Z:
+            zz = tl.load(z_ptr + off2, mask=m2, other=0.0).to(tl.float32)
+            sz = sigmoid_f32(zz)
+            yp = tl.sum(hs * cc[:, None, :], 2)
+            if HAS_D:
+                yp += uu * dskip[None, :]
+            dz = gy * yp * sz * (1.0 + zz * (1.0 - sz))
+            tl.store(dz_ptr + off2, dz.to(dz_ptr.dtype.element_ty), mask=m2)
+            gy = gy * zz * sz
+        du_v = tl.zeros((T, BD), tl.float32)
+        if HAS_D:
+            dd_acc += tl.sum(gy * uu, 0)
+            du_v = gy * dskip[None, :]
+        # reverse recurrence of the state cotangent
+        beta = gy[:, :, None] * cc[:, None, :]
+        beta += tl.where(offs_t[:, None, None] == T - 1, gcar[None, :, :], 0.0)
+        alpha = tl.exp(dl_n[:, :, None] * a[None, :, :])
+        _, g = tl.associative_scan((alpha, beta), 0, lin_combine, reverse=True)
+        gcar = tl.sum(tl.where(offs_t[:, None, None] == 0, g * dA, 0.0), 0)
+        gdec = g * (hs - dBu)                                 # g_t * dA_t * h_{t-1}
+        gb = tl.sum(g * bb[:, None, :], 2)
+        ddl = tl.sum(gdec * a[None, :, :], 2) + uu * gb
+        du_v += dl * gb
+        da_acc += tl.sum(gdec * dl[:, :, None], 0)
+        if SOFTPLUS:
+            ddl = ddl * sigmoid_f32(pre)
+        ddl = tl.where(m2, ddl, 0.0)
+        dbias_acc += tl.sum(ddl, 0)
+        tl.store(du_ptr + off2, du_v.to(du_ptr.dtype.element_ty), mask=m2)
+        tl.store(ddl_ptr + off2, ddl.to(ddl_ptr.dtype.element_ty), mask=m2)
+        # per channel-block partials of db, dc: [n_db, B, L, N]
+        part = (pid_d * B + pid_b) * L * N
+        db_v = tl.sum(g * (dl * uu)[:, :, None], 1)
+        dc_v = tl.sum(gy[:, :, None] * hs, 1)
+        offp = part + t[:, None] * N + offs_n[None, :]
+        tl.store(db_ptr + offp, db_v, mask=mn)
+        tl.store(dc_ptr + offp, dc_v, mask=mn)
+    tl.store(da_ptr + pid_b * D * N + dn_off, da_acc, mask=dn_mask)
+    if HAS_D:
+        tl.store(dd_ptr + pid_b * D + offs_d, dd_acc, mask=dmask)
+    if HAS_BIAS:
+        tl.store(dbias_ptr + pid_b * D + offs_d, dbias_acc, mask=dmask)
+
+
+@kernel(SELECTIVE_SCAN_BACKWARD, "cuda", dtypes=HALF_AND_F32,
+        cost=lambda s, p=None: _cost(s[:5], p), precision="fp32 state and sums")
+def selective_scan_backward(u, delta, a, b, c, *rest, delta_softplus, has_d, has_z,
+                            has_delta_bias, config=None):
+    """Backward of SELECTIVE_SCAN: the forward inputs, then grad_y [B, L, D] and
+    grad_last_state [B, D, N] -> one gradient per forward input (its shape and dtype)."""
+    gy, gl = rest[-2:]
+    d, z, bias = _ss_opts(u, rest[:-2], has_d, has_z, has_delta_bias)
+    B, L, D = u.shape
+    N = a.shape[1]
+    T, BD, warps = config or ss_config(B, L, D, N, backward=True)
+    n_db = triton.cdiv(D, BD) if D else 0
+    NT = triton.cdiv(L, T)
+    f32 = dict(dtype=torch.float32, device=u.device)
+    du, ddl = torch.empty_like(u), torch.empty_like(delta)
+    dz = torch.empty_like(z) if has_z else u
+    hbuf = torch.empty((B, NT, D, N), **f32)
+    da_p = torch.zeros((B, D, N), **f32)
+    db_p = torch.zeros((n_db, B, L, N), **f32)
+    dc_p = torch.zeros((n_db, B, L, N), **f32)
+    dd_p = torch.zeros((B, D), **f32)
+    dbias_p = torch.zeros((B, D), **f32)
+    if B * D:
+        _ss_bwd_kernel[(B, n_db)](
+            u, delta, a, b, c, d, z, bias, gy, gl, hbuf, du, ddl, da_p, db_p, dc_p, dd_p, dz,
+            dbias_p, L, D, N, NT, T=T, BD=BD, BN=_next_pow2(N), HAS_D=has_d, HAS_Z=has_z,
+            HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus), num_warps=warps)
+    else:
+        du.zero_()
+        ddl.zero_()
+        if has_z:
+            dz.zero_()
+    dt = u.dtype
+    grads = [du, ddl, da_p.sum(0).to(dt), db_p.sum(0).to(dt), dc_p.sum(0).to(dt)]
+    if has_d:
+        grads.append(dd_p.sum(0).to(dt))
+    if has_z:
+        grads.append(dz)
+    if has_delta_bias:
+        grads.append(dbias_p.sum(0).to(dt))
+    return tuple(grads)

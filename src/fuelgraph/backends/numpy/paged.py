@@ -1,0 +1,140 @@
+"""NumPy kernels of the paged family: paged attention over a block-pool KV cache and the cache
+write. The attention kernel gathers only the live blocks of each sequence, a chunk of blocks at a
+time, and keeps a blocked online softmax (running max, running sum, rescaled accumulator), so
+its cost follows the live tokens, not the table's capacity. It accumulates in float32 for
+16/32-bit inputs and float64 for float64, and rounds once on store."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...registry.core import FusedOps
+from ...registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
+from ..base import Cost, kernel
+from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
+
+#: keys per online-softmax step (rounded to whole blocks): big enough that NumPy's per-call
+#: overhead is small, small enough that one head's gathered rows stay in cache for the matmul
+CHUNK_KEYS = 512
+
+
+def paged_attn_cost(shapes, params=None):
+    """Upper bound from the table's capacity: the live tokens are unknown until run time."""
+    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
+    keys = shapes[3][1] * bs
+    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
+
+
+def paged_cache_write_cost(shapes, params=None):
+    n = math.prod(shapes[1])
+    return Cost(0, 2 * 2 * n)
+
+
+@kernel(FusedOps.PAGED_ATTN, "numpy", cost=paged_attn_cost)
+def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
+               softcap=None):
+    """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
+    (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. Raises FuelGraphError
+    for an invalid length or a live table entry outside the pool."""
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    check_lengths("paged_attn", context_lens, block_table, sq, nb, bs, block_table.shape[1])
+    acc = acc_dtype(q.dtype)
+    out = np.zeros(q.shape, q.dtype)
+    slopes = None
+    if alibi:
+        slopes = np.broadcast_to(np.asarray(alibi[0], np.float64).reshape(-1, hq), (B, hq))
+    lens = context_lens.astype(np.int64)
+    # work units (sequence, kv-head range); with fewer sequences than threads the heads of a
+    # sequence are split too, so one long sequence still uses every core
+    parts = max(1, min(hkv, -(-NUM_THREADS // max(B, 1))))
+    units = [(b, hkv * i // parts, hkv * (i + 1) // parts)
+             for b in range(B) if lens[b] and sq for i in range(parts)]
+    g = hq // hkv
+
+    def work(u0, u1):
+        for b, h0, h1 in units[u0:u1]:
+            n = int(lens[b])
+            sl = None if slopes is None else slopes[b, h0 * g:h1 * g]
+            res = _attend(q[b, h0 * g:h1 * g], k_cache, v_cache,
+                          block_table[b, :-(-n // bs)].astype(np.intp), n, acc, softmax_scale,
+                          softcap, sl, h0, h1)
+            store(out[b, h0 * g:h1 * g], res)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        run_spans(work, [(i, i + 1) for i in range(len(units))],
+                  int(lens.sum()) * hkv * d * (2 + sq))
+    return out
+
+
+def _attend(qb, k_cache, v_cache, pages, n, acc, scale, softcap, slopes, h0, h1):
+    """One sequence, kv heads [h0, h1): qb [their query heads, Sq, D] over the n live keys in
+    blocks `pages`. Keys are walked a
+    chunk of blocks at a time; each kv head's rows of the chunk are gathered into one contiguous
+    [keys, D] matrix (a single copy, small enough to stay in cache for its matmul), and the
+    online softmax keeps a running max, sum and rescaled accumulator per query row."""
+    hq, sq, d = qb.shape
+    bs = k_cache.shape[1]
+    hkv = h1 - h0
+    g = hq // hkv
+    rows = g * sq                                                   # query rows per kv head
+    qt = to_acc(qb, acc).reshape(hkv, rows, d).transpose(0, 2, 1)   # [Hkv, D, rows]
+    pos = np.tile(n - sq + np.arange(sq), g)                        # position of each row
+    sl = None if slopes is None else np.repeat(np.asarray(slopes, acc).reshape(hkv, g), sq, 1)
+    m = np.full((hkv, 1, rows), -np.inf, acc)
+    den = np.zeros((hkv, 1, rows), acc)
+    o = np.zeros((hkv, rows, d), acc)
+    step = max(1, CHUNK_KEYS // bs)
+    for c0 in range(0, len(pages), step):
+        pg, j0 = pages[c0:c0 + step], c0 * bs
+        nk = min(n - j0, len(pg) * bs)
+        s = np.empty((hkv, nk, rows), acc)
+        for h in range(hkv):
+            np.matmul(_rows(k_cache, pg, h0 + h, nk, acc), qt[h], out=s[h])   # [keys, rows]
+        s *= acc.type(scale)
+        if softcap is not None:
+            c = acc.type(softcap)
+            s = np.tanh(s / c) * c
+        rel = pos[None, :] - (j0 + np.arange(nk))[:, None]                  # a - j, [keys, rows]
+        if sl is not None:
+            s -= sl[:, None, :] * np.abs(rel).astype(acc)
+        if j0 + nk - 1 > pos.min():                                         # causal edge
+            s = np.where(rel >= 0, s, -np.inf)
+        m_new = np.maximum(m, s.max(axis=1, keepdims=True))
+        m_safe = np.where(m_new == -np.inf, 0, m_new)
+        alpha = np.exp(m - m_safe)
+        s -= m_safe
+        p = np.exp(s, out=s)
+        den = den * alpha + p.sum(axis=1, keepdims=True)
+        o *= alpha.transpose(0, 2, 1)
+        for h in range(hkv):
+            o[h] += p[h].T @ _rows(v_cache, pg, h0 + h, nk, acc)
+        m = m_new
+    o /= np.where(den > 0, den, 1).transpose(0, 2, 1)
+    return o.reshape(hq, sq, d)
+
+
+def _rows(cache, pages, h, nk, acc):
+    """Rows of kv head h in the given pool blocks, first nk of them, as one [nk, D] matrix."""
+    x = cache[pages, :, h, :].reshape(-1, cache.shape[3])[:nk]
+    return to_acc(x, acc)
+
+
+@kernel(PAGED_CACHE_WRITE, "numpy", cost=paged_cache_write_cost)
+def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
+    """cache [NB, BS, Hkv, D] <- rows of new [N, Hkv, D] at slot_mapping [N] (slot = block * BS
+    + row; the index type's maximum skips a row). Writes into cache and returns it; with `out`
+    (a fresh array shaped like cache) the result goes there and cache is only read.
+    `check=False` skips the slot check, for callers whose slots are valid by construction."""
+    nb, bs = cache.shape[:2]
+    if check:
+        check_slots("paged_cache_write", slot_mapping, nb * bs)
+    dst = cache if out is None else out
+    if out is not None:
+        np.copyto(out, cache)
+    s = slot_mapping.astype(np.int64)
+    keep = s != index_max(slot_mapping.dtype)
+    flat = dst.reshape(nb * bs, *cache.shape[2:])
+    flat[s[keep]] = new[keep]
+    return dst

@@ -1,0 +1,246 @@
+"""`PagedKVCache`: a block-pool key/value cache for autoregressive decoding with `paged_attn`.
+
+    import numpy as np
+    import fuelgraph as fg, fuelgraph.functional as F
+    from fuelgraph.nn import PagedKVCache
+
+    B, Hq, Hkv, D = 4, 8, 2, 64
+    cache = PagedKVCache(num_blocks=256, block_size=16, num_kv_heads=Hkv, head_dim=D,
+                         max_blocks_per_seq=64, dtype=fg.float32, device="cpu")
+    seqs = cache.add_sequences(B)                 # ids of B new, empty sequences
+    rng = np.random.default_rng(0)
+    for n_new in (12, 1, 1, 1):                   # a 12-token prompt, then three decode steps
+        cache.extend(seqs, n_new)                 # room for n_new more tokens per sequence
+        q, k, v = (fg.tensor(rng.standard_normal((B, h, n_new, D)).astype(np.float32))
+                   for h in (Hq, Hkv, Hkv))       # the new tokens' q/k/v, [B, heads, n_new, D]
+        cache.write(seqs, k, v)                   # one fused scatter each into the k and v pools
+        out = cache.attention(seqs, q)            # F.paged_attn over every cached token
+        print(out.shape)                          # (4, 8, n_new, 64)
+    cache.free(seqs)                              # their blocks return to the pool
+
+The pool of each layer is `[num_blocks, block_size, Hkv, D]` for k and for v, allocated once on
+the device (`device="cuda"` keeps it in GPU memory); block tables are shared by the layers (they
+hold the same tokens). Blocks are handed out from a free list as sequences grow, so a sequence's
+blocks are scattered over the pool; `free` returns them. `extend` does the bookkeeping for one
+step: it allocates blocks, computes the pool slot of every new token (vectorised: no Python loop
+per token) and uploads the batch's block table, context lengths and slot mapping once;
+`write` and `attention` (or `inputs`, which hands `paged_attn` its arguments) reuse them for
+every layer.
+
+The pools are mutable state owned by the cache: `write` runs the cache-write kernel in place on
+them (graph inputs are immutable values, so a lazy write would copy the whole pool each step).
+Tensors returned by `attention` / `inputs` read the pool when they are realized: realize a step's
+outputs before the next `write` (a decode loop does, since the next token depends on them).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtype as dt
+from ..backends import backend_name, select_kernel
+from ..errors import FuelGraphError
+from ..interop import from_dlpack, from_torch
+from ..ir.tensor import Tensor, _normalize_device
+from ..registry.paged import PAGED_CACHE_WRITE, paged_attn
+from ..runtime.executor import realize_raw
+
+
+class PagedKVCache:
+    """Block-pool KV cache for `num_layers` attention layers.
+
+    num_blocks, block_size: the pool; num_kv_heads (Hkv), head_dim (D); max_blocks_per_seq: the
+    width of a block table (a sequence holds at most max_blocks_per_seq * block_size tokens);
+    max_seqs: how many sequences may be live at once; dtype: one of the four float dtypes;
+    index_dtype: int32 or uint32 for the block tables, context lengths and slot mappings."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
+                 max_blocks_per_seq: int, num_layers: int = 1, max_seqs: int = 256,
+                 dtype=dt.float32, device="cpu", index_dtype=dt.int32):
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("max_blocks_per_seq", max_blocks_per_seq), ("num_layers", num_layers),
+                        ("max_seqs", max_seqs)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise FuelGraphError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
+        self.dtype, self.index_dtype = dt.as_dtype(dtype), dt.as_dtype(index_dtype)
+        if not self.dtype.is_float:
+            raise FuelGraphError(f"PagedKVCache: dtype must be a float dtype, got {self.dtype.name}")
+        if self.index_dtype not in (dt.int32, dt.uint32):
+            raise FuelGraphError(f"PagedKVCache: index_dtype must be int32 or uint32, got "
+                                 f"{self.index_dtype.name}")
+        self.device = _normalize_device(device)
+        self.num_blocks, self.block_size = int(num_blocks), int(block_size)
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        self.max_blocks_per_seq, self.num_layers = int(max_blocks_per_seq), int(num_layers)
+        self.max_seqs = int(max_seqs)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self._pools = [(self._zeros(shape), self._zeros(shape)) for _ in range(self.num_layers)]
+        self._pad = int(np.iinfo(self.index_dtype.np).max)
+        self._tables = np.full((self.max_seqs, self.max_blocks_per_seq), self._pad,
+                               self.index_dtype.np)
+        self._lens = np.zeros(self.max_seqs, np.int64)
+        self._live = np.zeros(self.max_seqs, bool)
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
+        self._step = None
+        self._writer = None
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _zeros(self, shape):
+        if self.device == "cpu":
+            return np.zeros(shape, self.dtype.np)
+        import torch
+        return torch.zeros(shape, dtype=self.dtype.torch, device=self.device)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def add_sequences(self, n: int) -> np.ndarray:
+        """Ids of `n` new, empty sequences."""
+        free = np.flatnonzero(~self._live)
+        if n > free.size:
+            raise FuelGraphError(f"PagedKVCache: {n} new sequences requested, {free.size} of "
+                                 f"max_seqs = {self.max_seqs} are free")
+        ids = free[:n]
+        self._live[ids] = True
+        self._lens[ids] = 0
+        return ids.copy()
+
+    def _ids(self, seqs) -> np.ndarray:
+        ids = np.asarray(seqs, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.max_seqs or not self._live[ids].all()):
+            raise FuelGraphError(f"PagedKVCache: {ids.tolist()} are not all live sequence ids")
+        if np.unique(ids).size != ids.size:
+            raise FuelGraphError(f"PagedKVCache: sequence ids {ids.tolist()} repeat")
+        return ids
+
+    def context_lens(self, seqs) -> np.ndarray:
+        """Cached tokens of each sequence (host copy)."""
+        return self._lens[self._ids(seqs)].copy()
+
+    def extend(self, seqs, n_new: int):
+        """Make room for `n_new` more tokens in each sequence of `seqs`: allocate the blocks they
+        need, advance their lengths and prepare this step's slot mapping, block table and context
+        lengths (uploaded to the device once, shared by every layer's write and attention)."""
+        ids = self._ids(seqs)
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
+            raise FuelGraphError(f"PagedKVCache.extend: n_new must be an int >= 1, got {n_new!r}")
+        bs = self.block_size
+        old = self._lens[ids]
+        new = old + n_new
+        have, need = -(-old // bs), -(-new // bs)
+        if need.size and need.max() > self.max_blocks_per_seq:
+            b = int(np.argmax(need))
+            raise FuelGraphError(f"PagedKVCache.extend: sequence {int(ids[b])} would hold "
+                                 f"{int(new[b])} tokens, more than max_blocks_per_seq * "
+                                 f"block_size = {self.max_blocks_per_seq * bs}")
+        count = need - have
+        total = int(count.sum())
+        if total > len(self._free_blocks):
+            raise FuelGraphError(f"PagedKVCache.extend: {total} more blocks needed, "
+                                 f"{len(self._free_blocks)} free (free finished sequences or "
+                                 f"allocate a larger pool)")
+        if total:
+            got = np.array(self._free_blocks[len(self._free_blocks) - total:][::-1], np.int64)
+            del self._free_blocks[len(self._free_blocks) - total:]
+            rows = np.repeat(ids, count)
+            cols = np.repeat(have, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count,
+                                                                          count))
+            self._tables[rows, cols] = got
+        self._lens[ids] = new
+        pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
+        blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
+        slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
+        table, lens = self._to_device(self._tables[ids]), self._to_device(
+            new.astype(self.index_dtype.np))
+        if self.device != "cpu":      # valid by construction: spare paged_attn its check's sync
+            from ..backends.cuda.kernels.paged import assume_valid
+            assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
+                         int(new.sum()))
+        self._step = (ids.tobytes(), n_new, self._to_device(slots), table, lens)
+
+    def free(self, seqs):
+        """Release sequences: their blocks return to the pool, their ids may be reused."""
+        ids = self._ids(seqs)
+        t = self._tables[ids]
+        used = t[t != self._pad].astype(np.int64)
+        self._free_blocks.extend(int(b) for b in used[::-1])
+        self._tables[ids] = self._pad
+        self._lens[ids] = 0
+        self._live[ids] = False
+        self._step = None
+
+    # ---- the step's inputs ---------------------------------------------------------------
+    def _to_device(self, a):
+        a = np.ascontiguousarray(a)
+        if self.device == "cpu":
+            a.flags.writeable = False
+            return a
+        import torch
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _current(self, ids, what):
+        st = self._step
+        if st is None or st[0] != ids.tobytes():
+            raise FuelGraphError(f"PagedKVCache.{what}: call extend(seqs, n_new) for exactly these "
+                                 f"sequences first (in this order)")
+        return st
+
+    def _leaf(self, buf) -> Tensor:
+        return from_dlpack(buf) if self.device == "cpu" else from_torch(buf)
+
+    def _write_kernel(self):
+        """The backend's cache-write kernel, called directly on the pool so it writes in place."""
+        if self._writer is None:
+            shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            impl = select_kernel(int(PAGED_CACHE_WRITE), backend_name(self.device),
+                                 [shape, (1,) + shape[2:], (1,)],
+                                 [self.dtype, self.dtype, self.index_dtype])
+            if impl is None:
+                raise FuelGraphError(f"PagedKVCache: no cache-write kernel for "
+                                     f"{self.dtype.name} on {self.device}")
+            self._writer = impl.kernel
+        return self._writer
+
+    def _layer(self, layer):
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < self.num_layers:
+            raise FuelGraphError(f"PagedKVCache: layer {layer!r} out of range [0, "
+                                 f"{self.num_layers})")
+        return self._pools[layer]
+
+    def write(self, seqs, k: Tensor, v: Tensor, layer: int = 0):
+        """Store the k and v of the step's new tokens, `[B, Hkv, n_new, D]` each (B =
+        len(seqs)), into this layer's pools, in place: one fused scatter per pool."""
+        ids = self._ids(seqs)
+        _, n_new, slots, _, _ = self._current(ids, "write")
+        want = (ids.size, self.num_kv_heads, n_new, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or tuple(t.shape) != want or t.dtype != self.dtype:
+                got = f"{tuple(t.shape)} {t.dtype.name}" if isinstance(t, Tensor) else type(t).__name__
+                raise FuelGraphError(f"PagedKVCache.write: {name} is {got}, expected {want} "
+                                     f"{self.dtype.name} on {self.device}")
+            if t.device != self.device:
+                raise FuelGraphError(f"PagedKVCache.write: {name} lives on {t.device}, the cache "
+                                     f"on {self.device}")
+        rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
+                for t in (k, v)]
+        bufs = [b.contiguous() if hasattr(b, "is_contiguous") else np.ascontiguousarray(b)
+                for b in realize_raw(rows)]
+        for pool, buf in zip(self._layer(layer), bufs):
+            self._write_kernel()(pool, buf, slots, check=False)   # slots are valid by construction
+
+    def inputs(self, seqs, layer: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(k_cache, v_cache, block_table, context_lens) of this step for `paged_attn`."""
+        ids = self._ids(seqs)
+        _, _, _, table, lens = self._current(ids, "inputs")
+        kp, vp = self._layer(layer)
+        return self._leaf(kp), self._leaf(vp), self._leaf(table), self._leaf(lens)
+
+    def attention(self, seqs, q: Tensor, layer: int = 0, alibi_slopes=None, softmax_scale=None,
+                  softcap=None) -> Tensor:
+        """`paged_attn` of q `[B, Hq, n_new, D]` (the step's new tokens) over every cached token
+        of each sequence, causal among the new ones. Returns `[B, Hq, n_new, D]`."""
+        return paged_attn(q, *self.inputs(seqs, layer), alibi_slopes=alibi_slopes,
+                          softmax_scale=softmax_scale, softcap=softcap)
+

@@ -1,0 +1,322 @@
+"""The paged family on the CUDA backend. Kernel level (a GPU, or TRITON_INTERPRET=1 on tiny CPU
+shapes): the Triton kernels against the float64 dense reference -- decode and chunked-prefill
+paths, GQA/MQA, ALiBi, softcap, int32/uint32 indices, the split-K path and its merge, the
+index-data check (raised before the launch, once per buffer version), the NaN rows written when
+that check is skipped (CUDA-graph capture), the cache write. API level (a GPU): the ops through
+fuelgraph on device="cuda", float64 lowered to the recipe, PagedKVCache on the GPU."""
+import math
+
+import numpy as np
+import pytest
+
+from .cuda_oracle import HAS_CUDA, INTERPRET, KERNEL_TESTS, assert_lowered_on_cuda, on_gpu, torch
+
+import fuelgraph as fg  # noqa: E402
+import fuelgraph.functional as F  # noqa: E402
+from fuelgraph import FuelGraphError  # noqa: E402
+from oracle import assert_flash_rule  # noqa: E402
+from registry.test_paged import make_case, paged_reference  # noqa: E402
+
+pytestmark = KERNEL_TESTS
+
+if HAS_CUDA or INTERPRET:
+    from fuelgraph.backends.cuda.kernels import paged as K
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TD = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalar_index():
+    """Triton 3.6's CPU interpreter turns a scalar tensor into a Python int with int() of a
+    1-element array, which NumPy 2.4 refuses: loop bounds read from memory fail. Patched for
+    this module's interpreter runs only."""
+    if not INTERPRET or HAS_CUDA:
+        yield
+        return
+    import triton.runtime.interpreter as interp
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interp._patch_lang_tensor = patched
+    yield
+    interp._patch_lang_tensor = orig
+
+
+def to_dev(case, dtype):
+    out = {}
+    for k, v in case.items():
+        t = torch.from_numpy(np.ascontiguousarray(v))
+        if k in ("q", "k_cache", "v_cache"):
+            t = t.to(TD[dtype])
+        out[k] = t.to(DEV)
+    return out
+
+
+def run(dc, **kw):
+    args = [dc[k] for k in ("q", "k_cache", "v_cache", "block_table", "context_lens")]
+    if "alibi_slopes" in dc:
+        args.append(dc["alibi_slopes"])
+    kw.setdefault("softmax_scale", 1 / math.sqrt(dc["q"].shape[3]))
+    return K.paged_attn(*args, **kw)
+
+
+def dense_same_dtype(dc, softcap=None, scale=None):
+    """torch on the device in the kernel's dtype: the same-dtype reference of the 16-bit rule
+    (SDPA on the keys gathered densely, or the plain formula when there is a softcap)."""
+    q, kc, vc = dc["q"], dc["k_cache"], dc["v_cache"]
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = kc.shape
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(B, hq, sq, d, dtype=torch.float64)
+    for b in range(B):
+        n = int(dc["context_lens"][b].long())
+        if n == 0:
+            continue
+        j = torch.arange(n, device=q.device)
+        idx = dc["block_table"][b].long()[j // bs] * bs + j % bs
+        k = kc.reshape(-1, hkv, d)[idx].permute(1, 0, 2).repeat_interleave(hq // hkv, 0)
+        v = vc.reshape(-1, hkv, d)[idx].permute(1, 0, 2).repeat_interleave(hq // hkv, 0)
+        pos = (n - sq + torch.arange(sq, device=q.device))[:, None]
+        bias = torch.zeros(hq, sq, n, dtype=torch.float32, device=q.device)
+        if "alibi_slopes" in dc:
+            sl = dc["alibi_slopes"].reshape(-1, hq)[-1 if dc["alibi_slopes"].dim() == 1 else b]
+            bias = bias - sl[:, None, None] * (pos - j).abs()
+        bias = bias.masked_fill(j > pos, -math.inf)
+        if softcap is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[b], k, v, attn_mask=bias.to(q.dtype), scale=scale)
+        else:
+            s = (q[b] @ k.transpose(-1, -2)).float() * scale
+            s = softcap * torch.tanh(s / softcap) + bias
+            o = torch.softmax(s, -1).to(q.dtype) @ v
+        out[b] = o.double().cpu()
+    return out.numpy()
+
+
+def check(case, dtype, **kw):
+    dc = to_dev(case, dtype)
+    got = run(dc, **{k: v for k, v in kw.items() if k != "exact"})
+    assert got.dtype == TD[dtype] and got.shape == dc["q"].shape
+    got = got.double().cpu().numpy()
+    qs = {k: (dc[k].double().cpu().numpy() if k in ("q", "k_cache", "v_cache") else v)
+          for k, v in case.items()}
+    ref = paged_reference(qs["q"], qs["k_cache"], qs["v_cache"], case["block_table"],
+                          case["context_lens"], case.get("alibi_slopes"),
+                          kw.get("softmax_scale"), kw.get("softcap"))
+    if dtype == "float32":
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(), 1))
+    else:
+        # the interpreter narrows float32 to bfloat16 by truncation (the GPU rounds to
+        # nearest): allow that one extra ulp there
+        slack = 2.0 ** -8 if INTERPRET and dtype == "bfloat16" else 1e-6
+        assert_flash_rule(got, ref, dense_same_dtype(dc, kw.get("softcap"),
+                                                     kw.get("softmax_scale")), slack)
+    return got
+
+
+TINY = {   # interpreter-sized cases
+    "decode_gqa": dict(hq=4, hkv=2, d=16, bs=4, lens=(9, 0, 5)),
+    "decode_mqa_bs1": dict(hq=4, hkv=1, d=16, bs=1, lens=(6, 3, 1)),
+    "prefill_gqa": dict(hq=4, hkv=2, sq=5, d=16, bs=4, lens=(9, 5, 0)),
+    "prefill_g3_d12": dict(hq=6, hkv=2, sq=3, d=12, bs=2, lens=(7, 3, 4)),
+}
+LARGE = {  # GPU-sized cases: Hq 32 / Hkv 8, D 128, block 16
+    "decode_b4": dict(B=4, hq=32, hkv=8, d=128, bs=16, lens=(1000, 17, 0, 2049)),
+    "prefill_b2": dict(B=2, hq=32, hkv=8, sq=96, d=128, bs=16, lens=(700, 96)),
+    "decode_mqa_d64": dict(B=3, hq=16, hkv=1, d=64, bs=16, lens=(300, 1, 5000)),
+}
+CASES = dict(TINY, **(LARGE if HAS_CUDA else {}))
+
+
+@pytest.mark.parametrize("dtype", list(TD))
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, dtype):
+    case = make_case(np.random.default_rng(len(name)), **CASES[name])
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TD))
+def test_alibi_softcap_uint32(dtype):
+    case = make_case(np.random.default_rng(1), sq=3, d=16, lens=(9, 3, 0), index="uint32",
+                     alibi=True, alibi_per_batch=True)
+    check(case, dtype, softcap=2.0, softmax_scale=0.3)
+    case = make_case(np.random.default_rng(2), d=16, lens=(9, 3, 0), alibi=True)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("n_split", [2, 3, None])
+def test_split_k_merge(n_split):
+    """Keys split over several programs; the merge weights each partial by its max. Splits
+    past a sequence's end are skipped (their partials are never read)."""
+    case = make_case(np.random.default_rng(3), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 2),
+                     mb=8, alibi=True)
+    for dtype in ("float32", "bfloat16"):
+        dc = to_dev(case, dtype)
+        whole = run(dc, n_split=1)
+        split = run(dc, n_split=n_split or 4, softcap=None)
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        torch.testing.assert_close(split.float(), whole.float(), rtol=tol, atol=tol)
+    check(case, "float32", n_split=3)
+    case = make_case(np.random.default_rng(4), B=2, hq=4, hkv=2, sq=3, d=16, bs=4,
+                     lens=(14, 3), mb=5)
+    check(case, "float32", n_split=2)
+
+
+def test_split_heuristic():
+    """Few long sequences split; many sequences do not; the splits always cover the table."""
+    dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+    slots = K.num_sms(dev) * K.PROGRAMS_PER_SM
+    kps, ns = K._splits(1, 8, 1, 32768, (32768, 32768), 64, dev)
+    assert ns > 1 and kps * ns >= 32768 and kps % 64 == 0
+    kps, ns = K._splits(4 * slots, 8, 1, 4096, (4096, 4 * slots * 4096), 64, dev)
+    assert ns == 1 and kps == 4096
+    kps, ns = K._splits(2, 8, 1, 8192, None, 64, dev)      # lengths unknown: capacity
+    assert kps * ns >= 8192
+
+
+@pytest.mark.parametrize("lens,bad,msg", [
+    ((5, 2), None, r"context_lens\[1\] = 2 is smaller than the 3 new"),
+    ((5, 13), None, r"context_lens\[1\] = 13 exceeds max_blocks \* block_size"),
+    ((5, 3), (1, 0, 40), r"block_table\[1, 0\] = 40 is not a block of the pool"),
+])
+def test_invalid_data_raises_before_launch(lens, bad, msg):
+    case = make_case(np.random.default_rng(5), B=2, sq=3, d=16, lens=(5, 3), mb=3)
+    case["context_lens"] = np.asarray(lens, np.int32)
+    if bad:
+        case["block_table"] = case["block_table"].copy()
+        case["block_table"][bad[0], bad[1]] = bad[2]
+    with pytest.raises(FuelGraphError, match="paged_attn: " + msg):
+        run(to_dev(case, "float32"))
+
+
+def test_check_runs_once_per_buffer_version(monkeypatch):
+    case = make_case(np.random.default_rng(6), B=2, d=16, lens=(5, 3), mb=3)
+    dc = to_dev(case, "float32")
+    run(dc)
+    calls = []
+    real = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(1) or
+                        real(self, *a, **k))
+    run(dc)
+    assert calls == []                                       # memo hit: no sync
+    alias = dict(dc, context_lens=dc["context_lens"].detach(),
+                 block_table=dc["block_table"][:, :])
+    run(alias)
+    assert calls == []                                       # aliases of the same memory too
+    fresh = dict(dc, context_lens=dc["context_lens"].clone(),
+                 block_table=dc["block_table"].clone())
+    K.assume_valid(fresh["context_lens"], fresh["block_table"], 1, dc["k_cache"].shape[0],
+                   dc["k_cache"].shape[1], 5, 8)
+    run(fresh)
+    assert calls == []                                       # vouched for by the caller
+    run(dict(dc, context_lens=dc["context_lens"].clone()))
+    assert calls                                             # new memory: checked
+    dc["context_lens"][1] = 99                               # in-place change: checked again
+    with pytest.raises(FuelGraphError, match="exceeds"):
+        run(dc)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_nan_rows_when_the_check_is_skipped(split, monkeypatch):
+    """While a CUDA graph is captured the check cannot sync; the kernels then write NaN rows
+    for a sequence with invalid data (and never read outside the pool) instead of a number."""
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    case = make_case(np.random.default_rng(7), B=3, sq=2, d=16, lens=(6, 5, 6), mb=3)
+    case["context_lens"] = np.array([1, 13, 6], np.int32)      # too short, too long, fine
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][2, 1] = 10 ** 6                          # live entry outside the pool
+    got = run(to_dev(case, "float32"), n_split=split).cpu().numpy()
+    assert np.isnan(got).all()
+    case["block_table"][2, 1] = case["block_table"][2, 0]
+    got = run(to_dev(case, "float32"), n_split=split).cpu().numpy()
+    assert np.isnan(got[:2]).all() and np.isfinite(got[2]).all()
+
+
+def test_supports():
+    from fuelgraph import dtype as dt
+    s = [(2, 8, 1, 128), (4, 16, 2, 128), (4, 16, 2, 128), (2, 4), (2,)]
+    assert K.supports_paged_attn(s, [dt.bfloat16] * 3 + [dt.int32] * 2)
+    assert not K.supports_paged_attn(s, [dt.float64] * 3 + [dt.int32] * 2)
+    big = [(2, 8, 1, 512)] + s[1:]
+    assert not K.supports_paged_attn(big, [dt.float32] * 3 + [dt.int32] * 2)
+
+
+@pytest.mark.parametrize("index", [torch.int32, torch.uint32])
+def test_cache_write(index):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 4, 2, 8, generator=g).to(DEV)
+    new = torch.randn(3, 2, 8, generator=g).to(DEV)
+    skip = torch.iinfo(index).max if index != torch.uint32 else 2 ** 32 - 1
+    slots = torch.tensor([11, skip, 0], dtype=torch.int64).to(index).to(DEV)
+    want = cache.clone().reshape(12, 2, 8)
+    want[11], want[0] = new[0], new[2]
+    out = torch.empty_like(cache)
+    r = K.paged_cache_write(cache, new, slots, out=out)
+    assert r is out and torch.equal(out.reshape(12, 2, 8), want)
+    r = K.paged_cache_write(cache, new, slots)
+    assert r is cache and torch.equal(cache.reshape(12, 2, 8), want)
+    with pytest.raises(FuelGraphError, match="paged_cache_write: slot_mapping writes slot 0"):
+        K.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
+
+
+# ---- API level (a GPU) --------------------------------------------------------------------
+@on_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_paged_attn_on_cuda(dtype):
+    case = make_case(np.random.default_rng(8), hq=8, hkv=2, sq=3, d=64, bs=16,
+                     lens=(40, 3, 0), alibi=True, dtype="float32")
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[dtype]
+    ts = {k: fg.from_torch(torch.from_numpy(v).to("cuda").to(tdt) if k in ("q", "k_cache",
+                                                                         "v_cache")
+                           else torch.from_numpy(v).to("cuda"))
+          for k, v in case.items()}
+    out = F.paged_attn(**ts, softcap=5.0)
+    if dtype == "float64":
+        assert_lowered_on_cuda(out, "paged_attn")
+    got = np.asarray(out.numpy(), np.float64)
+    ref = paged_reference(case["q"], case["k_cache"], case["v_cache"], case["block_table"],
+                          case["context_lens"], case["alibi_slopes"], softcap=5.0)
+    tol = {"float32": 1e-5, "bfloat16": 3e-2, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+@on_gpu
+def test_cache_write_on_cuda_in_place_and_functional():
+    rng = np.random.default_rng(9)
+    cache = rng.standard_normal((6, 4, 2, 8)).astype(np.float32)
+    new = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    slots = np.array([21, 3], np.int32)
+    want = cache.copy().reshape(24, 2, 8)
+    want[21], want[3] = new
+    c = fg.tensor(cache, device="cuda")
+    out = F.paged_cache_write(c * 1.0, fg.tensor(new, device="cuda"),
+                              fg.tensor(slots, device="cuda"))
+    np.testing.assert_array_equal(out.numpy().reshape(24, 2, 8), want)
+    np.testing.assert_array_equal(c.numpy(), cache)
+
+
+@on_gpu
+def test_kv_cache_on_cuda():
+    from fuelgraph.nn import PagedKVCache
+    cache = PagedKVCache(32, 16, 2, 64, max_blocks_per_seq=8, dtype=fg.bfloat16, device="cuda")
+    seqs = cache.add_sequences(3)
+    rng = np.random.default_rng(10)
+    hist_k, hist_v = [[] for _ in range(3)], [[] for _ in range(3)]
+    for n in (20, 1, 1):
+        cache.extend(seqs, n)
+        q, k, v = (torch.from_numpy(rng.standard_normal((3, h, n, 64)).astype(np.float32))
+                   .to("cuda").bfloat16() for h in (8, 2, 2))
+        cache.write(seqs, fg.from_torch(k), fg.from_torch(v))
+        out = cache.attention(seqs, fg.from_torch(q)).to_torch()
+        for b in range(3):
+            hist_k[b].append(k[b])
+            hist_v[b].append(v[b])
+            kk, vv = torch.cat(hist_k[b], 1), torch.cat(hist_v[b], 1)
+            L = kk.shape[1]
+            mask = torch.arange(L, device="cuda")[None] <= (L - n + torch.arange(n, device="cuda"))[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[b].double(), kk.double(), vv.double(), attn_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(out[b].double(), ref, rtol=3e-2, atol=3e-2)

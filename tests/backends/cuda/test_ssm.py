@@ -1,0 +1,182 @@
+"""Triton kernels of the state-space scans (selective scan, SSD) against the torch float64
+reference recurrences and the NumPy kernels: forward, last_state and every gradient, with the
+optional inputs, float32 / bfloat16 / float16.
+
+On a CUDA GPU the shapes are larger (several tiles and chunks, padded tails, B/C groups
+broadcast over heads with stride 0). Without a GPU the module is skipped, unless
+TRITON_INTERPRET=1, when tiny shapes run through Triton's CPU interpreter on CPU tensors."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import fuelgraph as fg  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))    # tests/: the shared references
+from oracle import assert_flash_rule  # noqa: E402
+from ssm_ref import (SS_ORDER, SSD_ORDER, ordered, selective_scan_ref, ss_inputs,  # noqa: E402
+                     ssd_inputs, ssd_ref, torch_grads)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs a CUDA GPU")]
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [fg.float32, fg.bfloat16, fg.float16]
+SLACK = {fg.bfloat16: 1e-2, fg.float16: 2e-3}
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which
+    NumPy >= 2.4 rejects; go through .item() instead (interpreter runs only)."""
+    from triton.runtime import interpreter as itp
+    orig = itp._patch_lang_tensor
+    if getattr(orig, "_fuelgraph_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    patched._fuelgraph_fixed = True
+    itp._patch_lang_tensor = patched
+
+
+if INTERPRET and not HAS_CUDA:
+    _fix_interpreter_index()
+if HAS_CUDA or INTERPRET:
+    from fuelgraph.backends.cuda.kernels import ssm as KS
+    from fuelgraph.backends.cuda.kernels import ssm_ssd as KD
+    from fuelgraph.backends.numpy import ssm as KN
+
+
+def _t(a, dt):
+    return torch.tensor(a).to(dt.torch).to(DEV)
+
+
+def _check(name, got, want64, same, dt):
+    got = got.double().cpu().numpy()
+    want64 = want64.numpy()
+    scale = max(np.abs(want64).max(initial=0.0), 1.0)
+    if dt == fg.float32:
+        err = np.abs(got - want64).max(initial=0.0)
+        assert err <= 1e-4 * scale, (name, err)
+    elif INTERPRET and not HAS_CUDA:       # the interpreter narrows by truncation: loose bound
+        assert np.abs(got - want64).max(initial=0.0) <= 6e-2 * scale, name
+    else:
+        assert_flash_rule(got, want64, same.float().numpy(), SLACK[dt])
+
+
+def _case(ref, order, inputs, fwd, bwd, dt, kw_ref, numpy_fwd=None):
+    names = ordered(inputs, order)
+    ts = [_t(inputs[k], dt) for k in names]
+    y, h = fwd(ts)
+    rng = np.random.default_rng(5)
+    gy = rng.standard_normal(tuple(y.shape)).astype(dt.np).astype(np.float64)
+    gl = rng.standard_normal(tuple(h.shape)).astype(dt.np).astype(np.float64)
+    y64, h64, g64 = torch_grads(ref, inputs, order, gy, gl, dtype=torch.float64, **kw_ref)
+    ys, hs, gs = torch_grads(ref, inputs, order, gy, gl, in_dtype=dt.torch, **kw_ref)
+    assert y.dtype == dt.torch and h.dtype == dt.torch
+    _check("y", y, y64, ys, dt)
+    _check("last_state", h, h64, hs, dt)
+    grads = bwd(ts, _t(gy, dt), _t(gl, dt))
+    assert len(grads) == len(names)
+    for k, g in zip(names, grads):
+        assert tuple(g.shape) == inputs[k].shape and g.dtype == dt.torch, k
+        _check(k, g, g64[k], gs[k], dt)
+    if numpy_fwd is not None and dt == fg.float32:      # the CPU reference kernel agrees too
+        yn, hn = numpy_fwd([inputs[k].astype(np.float32) for k in names])
+        np.testing.assert_allclose(y.cpu().numpy(), yn, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(h.cpu().numpy(), hn, rtol=1e-4, atol=1e-4)
+
+
+SS_SHAPES = [(2, 7, 5, 4)] + ([(2, 300, 200, 16), (1, 33, 70, 24)] if HAS_CUDA else [])
+SS_OPTS = [dict(), dict(d=True, z=True, bias=True, softplus=True)]
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("opts", SS_OPTS, ids=["plain", "all"])
+@pytest.mark.parametrize("shape", SS_SHAPES, ids=str)
+def test_selective_scan(dt, opts, shape):
+    sp = opts.get("softplus", False)
+    inputs = ss_inputs(*shape, dt, d=opts.get("d", False), z=opts.get("z", False),
+                       bias=opts.get("bias", False), softplus=sp)
+    kw = dict(delta_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
+              has_delta_bias="delta_bias" in inputs)
+    cfg = None if HAS_CUDA else (4, 2, 1)               # several tiles and channel blocks
+    _case(selective_scan_ref, SS_ORDER, inputs,
+          lambda ts: KS.selective_scan(*ts, **kw, config=cfg),
+          lambda ts, gy, gl: KS.selective_scan_backward(*ts, gy, gl, **kw, config=cfg), dt,
+          dict(delta_softplus=sp), lambda a: KN.selective_scan(*a, **kw))
+
+
+SSD_SHAPES = [(2, 37, 2, 4, 5)] + ([(2, 200, 4, 64, 32), (1, 64, 3, 24, 16)] if HAS_CUDA else [])
+SSD_OPTS = [dict(), dict(d="h", z=True, bias=True, softplus=True, init=True),
+            dict(d="hp", init=True)]
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("opts", SSD_OPTS, ids=["plain", "all", "dhp-init"])
+@pytest.mark.parametrize("shape", SSD_SHAPES, ids=str)
+def test_ssd_chunk_scan(dt, opts, shape):
+    sp = opts.get("softplus", False)
+    inputs = ssd_inputs(*shape, dt, d=opts.get("d"), z=opts.get("z", False),
+                        bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
+    kw = dict(chunk_size=1, dt_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
+              has_dt_bias="dt_bias" in inputs, has_initial_states="initial_states" in inputs)
+    cfg = None if HAS_CUDA else (16, 16, 1)             # 3 chunks, padded tail
+    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=cfg), dt,
+          dict(dt_softplus=sp), lambda a: KN.ssd_chunk_scan(*a, **kw))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="strided inputs: GPU shapes")
+def test_ssd_groups_broadcast_over_heads():
+    """b and c with one group expanded over the heads (stride 0) give the same results as
+    their contiguous copies."""
+    B, L, H, P, N = 2, 128, 4, 32, 16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(B, L, H, P, generator=g).to(DEV, torch.bfloat16)
+    dt = (torch.rand(B, L, H, generator=g) * 0.3 + 0.05).to(DEV, torch.bfloat16)
+    a = -torch.rand(H, generator=g).to(DEV, torch.bfloat16) - 0.5
+    b1 = torch.randn(B, L, 1, N, generator=g).to(DEV, torch.bfloat16)
+    c1 = torch.randn(B, L, 1, N, generator=g).to(DEV, torch.bfloat16)
+    kw = dict(chunk_size=64, dt_softplus=False, has_d=False, has_z=False, has_dt_bias=False,
+              has_initial_states=False)
+    y1, h1 = KD.ssd_chunk_scan(x, dt, a, b1.expand(B, L, H, N), c1.expand(B, L, H, N), **kw)
+    y2, h2 = KD.ssd_chunk_scan(x, dt, a, b1.expand(B, L, H, N).contiguous(),
+                               c1.expand(B, L, H, N).contiguous(), **kw)
+    assert torch.equal(y1, y2) and torch.equal(h1, h2)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16, fg.float64], ids=lambda d: d.name)
+def test_through_the_api_on_cuda(dt):
+    """Both ops and their backward helpers run on the CUDA backend (float64: the recipe on the
+    GPU) and agree with the CPU (NumPy) run."""
+    import fuelgraph.functional as F
+    ss = ss_inputs(2, 40, 24, 8, dt, d=True, z=True, bias=True, softplus=True)
+    sd = ssd_inputs(2, 32, 3, 16, 8, dt, d="h", z=True, bias=True, softplus=True, init=True)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        T = {k: fg.tensor(v.astype(dt.np), dtype=dt, device=dev, requires_grad=True)
+             for k, v in {**ss, **{"s_" + k: v for k, v in sd.items()}}.items()}
+        y, h = F.selective_scan(T["u"], T["delta"], T["a"], T["b"], T["c"], d=T["d"], z=T["z"],
+                                delta_bias=T["delta_bias"], delta_softplus=True)
+        y2, h2 = F.ssd_chunk_scan(T["s_x"], T["s_dt"], T["s_a"], T["s_b"], T["s_c"],
+                                  chunk_size=16, d=T["s_d"], z=T["s_z"], dt_bias=T["s_dt_bias"],
+                                  dt_softplus=True, initial_states=T["s_initial_states"])
+        loss = (y.astype(fg.float32) * y.astype(fg.float32)).sum() + h.astype(fg.float32).sum() \
+            + (y2.astype(fg.float32) * 0.5).sum() + h2.astype(fg.float32).sum()
+        grads = fg.grad([loss], list(T.values()))
+        res[dev] = [t.numpy().astype(np.float64) for t in [y, h, y2, h2] + list(grads)]
+    tol = {fg.float64: 1e-9, fg.float32: 1e-3, fg.bfloat16: 5e-2}[dt]
+    for a, b in zip(res["cpu"], res["cuda"]):
+        assert np.abs(a - b).max() <= tol * max(np.abs(a).max(), 1.0)

@@ -1,0 +1,116 @@
+"""NumPy kernels of the paged family, called directly on arrays: paged attention against the
+float64 dense reference (several online-softmax chunks per sequence, block sizes 1 and 16,
+shuffled blocks, GQA/MQA, ALiBi, softcap, Sq = 1 and Sq > 1, the four dtypes), the data errors
+it raises, and the cache write in place and into a fresh buffer."""
+import math
+
+import numpy as np
+import pytest
+
+from fuelgraph import FuelGraphError
+from fuelgraph.backends.numpy import paged as K
+from registry.test_paged import NP, make_case, paged_reference, TORCH
+from oracle import assert_flash_rule
+
+
+def _run(case, **kw):
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "block_table", "context_lens")]
+    if "alibi_slopes" in case:
+        args.append(case["alibi_slopes"])
+    kw.setdefault("softmax_scale", 1 / math.sqrt(case["q"].shape[3]))
+    return K.paged_attn(*args, **kw)
+
+
+def _ref(case, dtype=None, **kw):
+    import torch
+    return paged_reference(case["q"], case["k_cache"], case["v_cache"], case["block_table"],
+                           case["context_lens"], case.get("alibi_slopes"),
+                           kw.get("softmax_scale"), kw.get("softcap"),
+                           TORCH[dtype] if dtype else torch.float64)
+
+
+CASES = {
+    "decode_bs16_gqa": dict(hq=8, hkv=2, bs=16, lens=(70, 33, 0), d=32),
+    "decode_bs1_mqa": dict(hq=4, hkv=1, bs=1, lens=(21, 1, 9)),
+    "prefill_bs16": dict(hq=4, hkv=2, bs=16, sq=7, lens=(50, 7, 0)),
+    "prefill_bs1": dict(hq=2, hkv=2, bs=1, sq=4, lens=(19, 4, 4), alibi=True),
+}
+
+
+@pytest.mark.parametrize("chunk", [2048, 8])         # 8 keys: many online-softmax steps
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name, chunk, monkeypatch):
+    monkeypatch.setattr(K, "CHUNK_KEYS", chunk)
+    case = make_case(np.random.default_rng(len(name) + chunk), **CASES[name])
+    for kw in (dict(), dict(softcap=1.25, softmax_scale=0.4)):
+        got = _run(case, **kw)
+        assert got.dtype == np.float32 and got.shape == case["q"].shape
+        np.testing.assert_allclose(got, _ref(case, **kw), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", list(NP))
+def test_dtypes(dtype, monkeypatch):
+    monkeypatch.setattr(K, "CHUNK_KEYS", 16)
+    case = make_case(np.random.default_rng(9), dtype=dtype, bs=4, sq=3, lens=(30, 3, 0),
+                     alibi=True, alibi_per_batch=True)
+    got = _run(case, softcap=3.0)
+    assert got.dtype == NP[dtype]
+    ref = _ref(case, softcap=3.0)
+    got = np.asarray(got, np.float64)
+    if dtype in ("float32", "float64"):
+        tol = 1e-12 if dtype == "float64" else 2e-6
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+    else:
+        assert_flash_rule(got, ref, _ref(case, dtype, softcap=3.0))
+
+
+def test_only_live_blocks_are_read():
+    """Table entries past a sequence's blocks may name anything (here ids far outside the pool)
+    and the pool's other blocks may hold NaN: neither reaches the result."""
+    case = make_case(np.random.default_rng(1), lens=(9, 5, 0), extra_blocks=4, mb=5)
+    used = set(case["block_table"][case["block_table"] < 1000].tolist())
+    for c in ("k_cache", "v_cache"):
+        case[c] = case[c].copy()
+        case[c][[b for b in range(case[c].shape[0]) if b not in used]] = np.nan
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][:, 3:] = -5
+    got = _run(case)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _ref(case), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("lens,bad,msg", [
+    ((5, 2), None, r"context_lens\[1\] = 2 is smaller than the 3 new"),
+    ((5, 13), None, r"context_lens\[1\] = 13 exceeds max_blocks \* block_size = 3 \* 4 = 12"),
+    ((5, 3), (1, 0, 40), r"block_table\[1, 0\] = 40 is not a block of the pool"),
+])
+def test_data_errors(lens, bad, msg):
+    case = make_case(np.random.default_rng(2), B=2, sq=3, lens=(5, 3), mb=3)
+    case["context_lens"] = np.asarray(lens, np.int32)
+    if bad:
+        case["block_table"] = case["block_table"].copy()
+        case["block_table"][bad[0], bad[1]] = bad[2]
+    with pytest.raises(FuelGraphError, match="paged_attn: " + msg):
+        _run(case)
+
+
+def test_cost_follows_the_table_capacity():
+    c = K.paged_attn_cost([(2, 8, 1, 64), (10, 16, 2, 64), (10, 16, 2, 64), (2, 4), (2,)])
+    assert c.flops == 4 * 2 * 8 * 64 * 64 and c.bytes > 2 * 2 * 2 * 64 * 64 * 2
+
+
+def test_cache_write_in_place_and_into_out():
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((3, 2, 2, 4)).astype(np.float32)
+    new = rng.standard_normal((3, 2, 4)).astype(np.float32)
+    slots = np.array([5, np.iinfo(np.uint32).max, 0], np.uint32)
+    want = cache.copy().reshape(6, 2, 4)
+    want[5], want[0] = new[0], new[2]
+    out = np.empty_like(cache)
+    r = K.paged_cache_write(cache, new, slots, out=out)
+    assert r is out and np.array_equal(out.reshape(6, 2, 4), want)
+    assert not np.array_equal(cache.reshape(6, 2, 4), want)          # input only read
+    r = K.paged_cache_write(cache, new, slots)
+    assert r is cache and np.array_equal(cache.reshape(6, 2, 4), want)
+    with pytest.raises(FuelGraphError, match="outside the pool of 6 slots"):
+        K.paged_cache_write(cache, new, np.array([6, 0, 1], np.int32))
