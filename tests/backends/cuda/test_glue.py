@@ -145,10 +145,14 @@ def test_source_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
     assert K.STATS["imported"] == before["imported"] + 2
 
 
-def test_generator_declines_float64():
+def test_generator_declines_float64_and_one_huge_row():
     x = fg.tensor(np.ones((2, 3)))                      # float64
     (n,) = glue_nodes([(x * 2.0).exp() + x])
     with pytest.raises(Unsupported):
+        glue_codegen.generate(build_program(fg.default_registry().entry(n.op.id).body))
+    big = fg.tensor(np.ones(glue_codegen.WIDE_ROW + 1, np.float32))
+    (n,) = glue_nodes([((big - 1.0) * big).sum()])     # a full reduction: one program per row
+    with pytest.raises(Unsupported, match="too few programs"):
         glue_codegen.generate(build_program(fg.default_registry().entry(n.op.id).body))
 
 

@@ -31,6 +31,11 @@ from ..glue import FULL, ROW, Program, Unsupported
 MAX_ROW = 16384
 LOOP_BLOCK = 4096
 MAX_LOOPED_ROW = 1 << 24
+#: a looped kernel runs one program per row: rows longer than this are left to torch's
+#: multi-block reductions unless there are at least MIN_ROWS_FOR_WIDE of them (a full reduction
+#: of a large tensor would otherwise stream it through one multiprocessor)
+WIDE_ROW = 1 << 20
+MIN_ROWS_FOR_WIDE = 128
 #: regions whose every output is a 16-bit float use the fast approximate float32 maths (ex2-based
 #: exp, approximate division and square root: errors of a few float32 ulps, far below a bf16 or
 #: fp16 rounding) instead of IEEE/libdevice, which can make a bf16 kernel compute-bound
@@ -87,12 +92,14 @@ def _literal(value, d) -> str:
 
 def check_supported(prog: Program) -> None:
     """Raise Unsupported for what the generated kernels do not cover (the region then runs as
-    its recipe on the GPU): float64 anywhere, absurdly wide rows."""
+    its recipe on the GPU): float64 anywhere, a few very long rows (see WIDE_ROW)."""
     if any(ins.dtype.name == "float64" for ins in prog.values) or \
             any(d.name == "float64" for _, d in prog.inputs):
         raise Unsupported("float64")
     if prog.n and prog.n > MAX_LOOPED_ROW:
         raise Unsupported(f"rows of {prog.n} > {MAX_LOOPED_ROW}")
+    if prog.n and prog.n > WIDE_ROW and prog.rows < MIN_ROWS_FOR_WIDE:
+        raise Unsupported(f"{prog.rows} rows of {prog.n}: too few programs")
 
 
 class _Gen:
