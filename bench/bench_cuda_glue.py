@@ -22,7 +22,7 @@ written once. First calls are timed separately with empty caches (FUELGRAPH_CACH
 TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR point at fresh temporary folders for the run), and
 again in a second process that reuses those folders (fuelgraph must not recompile: < 1 s).
 
-    python3 bench/bench_cuda_glue.py [--out DIR] [--quick] [--no-compile] [--no-step]
+    python3 bench/bench_cuda_glue.py [--out DIR] [--quick] [--no-compile] [--no-step] [--only-step]
     python3 bench/bench_cuda_glue.py --smoke     # tiny shapes on the CPU: checks the script
 
 Writes JSON records {"op","impl","device","shape","dtype","ms","gbps","date",...} to
@@ -421,7 +421,8 @@ def run_step(second):
 # ----------------------------------------------------------------------------- main
 def run_all(second=False):
     torch.manual_seed(0)
-    for name, shape, make, fg_fn, t_fn, opts in elementwise_cases(ARGS.quick):
+    for name, shape, make, fg_fn, t_fn, opts in ([] if ARGS.only_step else
+                                                 elementwise_cases(ARGS.quick)):
         print(f"== {name} {shape}" + (" (second process)" if second else ""), flush=True)
         run_elementwise(name, shape, make, fg_fn, t_fn, opts, second)
     if ARGS.step:
@@ -451,6 +452,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the Llama step")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-step", dest="step", action="store_false")
+    ap.add_argument("--only-step", action="store_true", help="only the Llama step")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--second-process", action="store_true", help=argparse.SUPPRESS)
     ARGS = ap.parse_args()
@@ -477,7 +479,8 @@ def main():
     results = ROOT / "bench" / "results"
     results.mkdir(exist_ok=True)
     doc = {"machine": DEVICE_NAME, "command": " ".join(sys.argv), "records": RECORDS}
-    path = results / f"cuda_glue_{DATE}{'_smoke' if ARGS.smoke else ''}.json"
+    tag = ("_smoke" if ARGS.smoke else "") + ("_step" if ARGS.only_step else "")
+    path = results / f"cuda_glue_{DATE}{tag}.json"
     path.write_text(json.dumps(doc, indent=1))
     if ARGS.out:
         Path(ARGS.out).mkdir(parents=True, exist_ok=True)

@@ -259,15 +259,9 @@ def _step(i, ins, ev):
         f, a1 = _COMPARE[ins.kind], args[1]
         return lambda vals, sl, views, scratch, shapes: f(vals[a0], vals[a1],
                                                           out=scratch(i, cd, space))
-    if op == "where":
+    if op == "where":                       # one pass (np.where has no out=)
         a1, a2 = args[1], args[2]
-
-        def where(vals, sl, views, scratch, shapes):
-            v = scratch(i, cd, space)
-            np.copyto(v, vals[a2])
-            np.copyto(v, vals[a1], where=vals[a0])
-            return v
-        return where
+        return lambda vals, sl, views, scratch, shapes: np.where(vals[a0], vals[a1], vals[a2])
     if op == "cast":
         src = ev.prog.values[a0]
         if ins.cd != ins.dtype:             # to a 16-bit float: round, compute on in float32
