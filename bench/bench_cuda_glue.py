@@ -322,7 +322,8 @@ def llama_loss(x, targets, cos, sin, mask, ws, c, lib):
         return t.reshape(B, S, H, hd).permute(0, 2, 1, 3)
 
     def softmax(s):
-        e = (s - s.max(-1, keepdim=True)).exp() if is_fg else torch.exp(s - s.amax(-1, keepdim=True))
+        m = s.max(-1, keepdim=True) if is_fg else s.amax(-1, keepdim=True)
+        e = (s - m).exp() if is_fg else torch.exp(s - m)
         return e / e.sum(-1, keepdim=True)
 
     def silu(t):

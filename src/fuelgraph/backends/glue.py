@@ -144,12 +144,6 @@ class Program:
     def rows(self) -> int:
         return self.numel // self.n if self.n else self.numel
 
-    def describe(self) -> str:
-        ops_ = [i.kind if i.op in ("unary", "binary", "compare", "reduce") else
-                f"cast:{i.kind.name}" if i.op == "cast" else i.op
-                for i in self.values if i.op not in ("load", "const", "alias", "bcast")]
-        return " ".join(str(o) for o in ops_)
-
 
 class Unsupported(Exception):
     """The body has something no generated kernel computes (the region stays its recipe)."""
@@ -160,9 +154,9 @@ def _int_pow(n) -> bool:
 
 
 def fusible_op(n) -> bool:
-    """Primitives a glue region may contain (besides views, constants and reductions)."""
-    return isinstance(n.op, ELEMENTWISE) and n.nout == 1 and not _int_pow(n) and not any(
-        s.dtype is dt.bool_ and isinstance(n.op, ops.Unary) for s in n.srcs)
+    """Elementwise primitives a glue region may contain (besides views, constants and
+    reductions): all but integer pow (NumPy raises on negative exponents; no Triton form)."""
+    return isinstance(n.op, ELEMENTWISE) and n.nout == 1 and not _int_pow(n)
 
 
 def reduction_length(n) -> int | None:

@@ -289,7 +289,8 @@ def _dissolve_glue_ops(outputs, log):
         e = reg.get(nd.op.id)
         if e is None or e.family == FAMILY:
             continue
-        if any(_glueish(s.node) for s in nd.srcs) or any(_glueish(u) for u in users.get(id(nd), ())):
+        near = [s.node for s in nd.srcs] + list(users.get(id(nd), ()))
+        if any(_glueish(m) for m in near):
             pick.add(nd)
     if not pick:
         return outputs
@@ -318,7 +319,8 @@ def _counts(members) -> int:
         isinstance(m.op, ops.Reduce) and reduction_length(m) == 1))
 
 
-def form_regions(outputs: list[Value], backend: str, log, report: dict | None = None) -> list[Value]:
+def form_regions(outputs: list[Value], backend: str, log,
+                 report: dict | None = None) -> list[Value]:
     """Replace maximal glue regions under `outputs` by run-time fused ops (see the module
     docstring); `report` collects {entry name: number of nodes}. Linear in the graph's size."""
     if not ENABLED:

@@ -257,8 +257,9 @@ def _compile_for_sm90(prog):
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int1": "i1",
              "int32": "i32", "int64": "i64", "uint8": "u8", "uint32": "u32"}
     metas = list(prog.inputs) + [(s, d) for _, s, d in prog.outputs]
-    sig = {f"{'in' if k < len(prog.inputs) else 'out'}{k if k < len(prog.inputs) else k - len(prog.inputs)}":
-           "*" + short[tl_dtype(d)[3:]] for k, (_, d) in enumerate(metas)}
+    names = [f"in{k}" for k in range(len(prog.inputs))] + \
+        [f"out{k}" for k in range(len(prog.outputs))]
+    sig = {nm: "*" + short[tl_dtype(d)[3:]] for nm, (_, d) in zip(names, metas)}
     _, meta = launch_config(prog)
     consts = {k: v for k, v in meta.items() if k != "num_warps"}
     sig.update({k: "constexpr" for k in consts})
@@ -267,7 +268,7 @@ def _compile_for_sm90(prog):
                           options={"num_warps": meta["num_warps"]})
 
 
-@pytest.mark.skipif(INTERPRET, reason="@triton.jit gives interpreted functions under TRITON_INTERPRET")
+@pytest.mark.skipif(INTERPRET, reason="@triton.jit is interpreted under TRITON_INTERPRET")
 def test_gpu_sources_compile_for_sm90():
     pytest.importorskip("triton.backends.nvidia")
     rng = np.random.default_rng(7)

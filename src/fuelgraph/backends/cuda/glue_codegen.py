@@ -46,8 +46,10 @@ _TL = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float1
        "bool": "tl.int1"}
 
 _HELPERS = {
-    "_maxnan": "def _maxnan(a, b):\n    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)\n",
-    "_minnan": "def _minnan(a, b):\n    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)\n",
+    "_maxnan": ("def _maxnan(a, b):\n"
+                "    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)\n"),
+    "_minnan": ("def _minnan(a, b):\n"
+                "    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)\n"),
     "_imax": "def _imax(a, b):\n    return tl.maximum(a, b)\n",
     "_imin": "def _imin(a, b):\n    return tl.minimum(a, b)\n",
     "_mul": "def _mul(a, b):\n    return a * b\n",
@@ -248,7 +250,8 @@ class _Gen:
         if kind == "div":           # floor division; x // 0 is 0, as NumPy's
             q = f"({a} // {safe})"
             if signed:
-                q = (f"({q} - ((({a} % {safe}) != 0) & (({a} < 0) != ({b} < 0))).to({tl_dtype(d)}))")
+                inexact = f"((({a} % {safe}) != 0) & (({a} < 0) != ({b} < 0)))"
+                q = f"({q} - {inexact}.to({tl_dtype(d)}))"
             return f"tl.where({b} == 0, 0, {q})"
         if kind == "rem":           # remainder with the divisor's sign; x % 0 is 0
             m = f"({a} % {safe})"
