@@ -35,28 +35,14 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 
-def _import_kernels():
-    try:
-        from fuelgraph.backends.cuda import kernels
-        return kernels
-    except Exception as exc:  # the package __init__ may pull in unrelated, unfinished modules
-        print(f"[bench] plain import of fuelgraph failed ({exc!r}); loading kernels through a stub "
-              "fuelgraph package", file=sys.stderr)
-        for name in [m for m in sys.modules if m == "fuelgraph" or m.startswith("fuelgraph.")]:
-            del sys.modules[name]
-        pkg = types.ModuleType("fuelgraph")
-        pkg.__path__ = [str(SRC / "fuelgraph")]
-        sys.modules["fuelgraph"] = pkg
-        from fuelgraph.backends.cuda import kernels
-        return kernels
-
-
-K = _import_kernels()
 from fuelgraph.backends.cuda.kernels import loss as _loss  # noqa: E402
 from fuelgraph.backends.cuda.kernels import norm as _norm  # noqa: E402
-# (the package re-exports a *function* named ``rope``, which shadows the submodule attribute)
-_rope = sys.modules["fuelgraph.backends.cuda.kernels.rope"]
+from fuelgraph.backends.cuda.kernels import rope as _rope  # noqa: E402
 from fuelgraph.backends.cuda.kernels import softmax as _softmax  # noqa: E402
+
+# the kernels of the family modules under one name (each module registers its own)
+K = types.SimpleNamespace(**{n: getattr(m, n) for m in (_loss, _norm, _rope, _softmax)
+                             for n in dir(m) if not n.startswith("_") and callable(getattr(m, n))})
 
 try:
     import liger_kernel  # noqa: F401

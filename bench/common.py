@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: callbacks called with every record as it is made (`fuelgraph bench` drives its progress bar)
+ON_RECORD: list = []
 
 
 def machine() -> str:
@@ -43,6 +45,8 @@ def record(op, impl, shape, dtype, ms, device="cpu", **extra) -> dict:
     r = {"op": op, "impl": impl, "device": device, "shape": list(shape), "dtype": str(dtype),
          "ms": round(ms, 5), "date": _dt.date.today().isoformat()}
     r.update(extra)
+    for fn in ON_RECORD:
+        fn(r)
     return r
 
 
@@ -72,6 +76,7 @@ def fg_case(build, inputs):
     list of tensors): the plan is compiled once, so the timed calls measure execution only."""
     import fuelgraph as fg
     from fuelgraph.runtime.executor import compile_plan
+    from fuelgraph.runtime.memory import predict_memory
     from fuelgraph.ir.tensor import bound_data
 
     def make(lower_all):
@@ -80,7 +85,10 @@ def fg_case(build, inputs):
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         plan, ins = compile_plan([o.value for o in outs], lower_all)
         bufs = [bound_data(n) for n in ins]
-        return lambda: plan.run(bufs)
+        run = lambda: plan.run(bufs)   # noqa: E731
+        mp = predict_memory(plan, bufs)
+        run.work = {"bytes": int(mp.bytes_moved), "flops": int(mp.flops)}   # the plan's own work
+        return run
     return make
 
 
@@ -104,10 +112,13 @@ def run_cases(family: str, cases, quick=False, **timing):
     records = []
     for name, shape, make, torch_run in cases:
         check(make, torch_run)
-        for impl, fn in (("fuelgraph", make(False)), ("fuelgraph lowered", make(True)),
+        fused = make(False)
+        # the fused plan's bytes and FLOPs are the op's work, whichever implementation does it
+        work = getattr(fused, "work", {})
+        for impl, fn in (("fuelgraph", fused), ("fuelgraph lowered", make(True)),
                          ("torch eager", torch_run)):
             records.append(record(name, impl, shape, "float32", timeit(fn, **kw),
-                                  torch_threads=torch.get_num_threads()))
+                                  torch_threads=torch.get_num_threads(), **work))
     path = write_results(family, records)
     print_table(records)
     print(f"wrote {path}")

@@ -17,7 +17,7 @@ from .backends.base import kernel
 from .interop import from_dlpack, from_torch
 from .ir.scan import scan
 from .registry.core import FusedOpId, FusedOps, default_registry
-from .explain import explain
+from .explain import explain, plan_report
 from .runtime.executor import realize
 from .opt.passes import optimize
 
@@ -27,5 +27,5 @@ __version__ = "0.1.0"
 __all__ = ["DType", "bfloat16", "bool", "float16", "float32", "float64", "int32", "int64", "uint8",
            "uint32", "FuelGraphError", "Tensor", "arange", "broadcast_tensors", "cat", "const",
            "full", "iota", "matmul", "ones", "ones_like", "stack", "tensor", "where", "zeros",
-           "zeros_like", "grad", "available_backends", "kernel", "from_dlpack", "from_torch", "scan", "FusedOpId", "FusedOps", "default_registry", "explain",
+           "zeros_like", "grad", "available_backends", "kernel", "from_dlpack", "from_torch", "scan", "FusedOpId", "FusedOps", "default_registry", "explain", "plan_report",
            "realize", "optimize"]

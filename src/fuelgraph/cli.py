@@ -1,10 +1,13 @@
 """The `fuelgraph` command: `registry` (the 25 ids and their status), `demo` (a small model
-written in primitives, optimized and run), `explain` (the optimizer's report on the demo)."""
+written in primitives, optimized and run), `explain` (the optimizer's report on the demo or on
+a script's graph, as text, plan report or HTML page), `bench` (the benchmark suite)."""
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -12,6 +15,7 @@ import fuelgraph as fg
 
 from .backends import available_backends
 from .backends.cuda import declared_fused_ids
+from .benchrun import bench_main
 from .nn import TinyBlock
 from .opt.passes import has_kernel
 from .registry.core import FusedOps, default_registry
@@ -90,9 +94,42 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _script_outputs(path: str, name: str):
+    """Run `path` as a script and return its module-level `name` (a Tensor or a list of them)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"fuelgraph explain: no such script {path!r}")
+    argv = sys.argv
+    sys.argv = [str(p)]
+    try:
+        scope = runpy.run_path(str(p), run_name="__main__")
+    finally:
+        sys.argv = argv
+    outs = scope.get(name)
+    if callable(outs):
+        outs = outs()
+    if outs is None:
+        raise SystemExit(f"fuelgraph explain: {path} defines no `{name}` at module level: set it to "
+                         f"the Tensor (or list of Tensors) to explain, or name another variable "
+                         f"with --outputs")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if not outs or not all(isinstance(o, fg.Tensor) for o in outs):
+        raise SystemExit(f"fuelgraph explain: `{name}` in {path} must be a Tensor or a list of "
+                         f"Tensors")
+    return outs
+
+
 def cmd_explain(args) -> int:
-    _, outs = _demo_graph()
-    print(fg.explain(outs, lower_all=args.lower_all))
+    outs = _script_outputs(args.script, args.outputs) if args.script else _demo_graph()[1]
+    rep = fg.explain(outs, lower_all=args.lower_all)
+    print(rep)
+    if args.plan or args.measure:
+        print()
+        print(rep.plan_report(measure=args.measure))
+    if args.html:
+        name = Path(args.script).name if args.script else "demo (TinyBlock)"
+        path = rep.to_html(args.html, measure=args.measure, title=f"fuelgraph explain: {name}")
+        print(f"\nwrote {path}")
     return 0
 
 
@@ -101,10 +138,27 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("registry", help="table of the 25 fused-op ids and their status")
     sub.add_parser("demo", help="optimize and run a small model on the CPU")
-    e = sub.add_parser("explain", help="show the optimizer report for the demo graph")
+    e = sub.add_parser("explain", help="show the optimizer report for the demo graph or a script's")
+    e.add_argument("script", nargs="?", help="a Python script defining `outputs` (a Tensor or a "
+                   "list of Tensors); default: the demo model with its backward pass")
+    e.add_argument("--outputs", default="outputs", metavar="NAME",
+                   help="the script's variable (or function) holding the outputs")
     e.add_argument("--lower-all", action="store_true", help="lower every fused op")
+    e.add_argument("--html", metavar="OUT.html", help="also write the HTML graph view")
+    e.add_argument("--plan", action="store_true",
+                   help="print the plan report (FLOPs, bytes moved, predicted peak memory)")
+    e.add_argument("--measure", action="store_true",
+                   help="run the graph once and report the measured peak memory too")
+    b = sub.add_parser("bench", help="run the benchmark suite (bench/ of a source checkout)")
+    b.add_argument("families", nargs="*", help="families to run (default: all)")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    b.add_argument("--quick", action="store_true", help="short timings (proves it runs)")
+    b.add_argument("--out", metavar="DIR", help="where records and plot go (default: "
+                   "bench/results, or bench/results/cuda_<date> with --device cuda)")
+    b.add_argument("--list", action="store_true", help="list the benchmark families and exit")
     args = p.parse_args(argv)
-    return {"registry": cmd_registry, "demo": cmd_demo, "explain": cmd_explain}[args.cmd](args)
+    return {"registry": cmd_registry, "demo": cmd_demo, "explain": cmd_explain,
+            "bench": bench_main}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
-"""`fg.explain`: what fused, what was lowered, and why a pattern did not match."""
+"""`fg.explain`: what fused, what was lowered, and why a pattern did not match; as text or as
+an HTML page (`.to_html(path)`). `fg.plan_report`: FLOPs, bytes moved and the peak memory a
+plan will allocate, predicted before running and, on request, measured by running it."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .backends import backend_name
 from .ir import ops
 from .ir.node import toposort
+from .ir.tensor import bound_data
 from .opt.canonicalize import CANONICALIZE
 from .opt.passes import optimize
 from .opt.regions import FAMILY
 from .registry.core import default_registry
-from .runtime.executor import _device_of, _values
+from .runtime.executor import _device_of, _values, compile_plan
+from .runtime.memory import measure_peak, predict_memory
+from .viewer import html as _html
+from .viewer.trace import trace
 
 
 @dataclass
@@ -35,6 +41,29 @@ class ExplainReport:
     glue: dict[str, str] = field(default_factory=dict)      # generated region -> what it runs
     dissolved: dict[str, int] = field(default_factory=dict)  # elementwise fused ops run in glue
     rules_fired: dict[str, int] = field(default_factory=dict)
+    outputs: list = field(default_factory=list, repr=False, compare=False)
+    lower_all: bool = False
+
+    def to_html(self, path, plan: bool = True, measure: bool = False,
+                title: str = "fuelgraph explain"):
+        """Write a self-contained HTML page: the graph before and after optimization side by
+        side (fused ops labelled with their registry name and params and linked to the
+        primitives they replaced, lowered ops marked, near misses with their first failed
+        constraint, per-node shape, dtype, bytes and FLOPs, repeated layers folded, search).
+        plan=True adds the plan report (measure=True also runs the graph once to measure its
+        peak memory). Returns the path."""
+        tr, _ = trace(self.outputs, self.backend, self.lower_all)
+        after = [n for n in tr.after if n.srcs]
+        summary = {"nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+                   "fused_total": sum(self.fused_ops.values()),
+                   "lowered_total": sum(self.lowered.values()), "lowered": self.lowered,
+                   "flops": sum(n.flops for n in after), "moved": sum(n.moved for n in after)}
+        rep = self.plan_report(measure) if plan else None
+        return _html.write(path, tr, summary, rep.as_dict() if rep else None, title)
+
+    def plan_report(self, measure: bool = False) -> "PlanReport":
+        """`fg.plan_report` of the explained outputs."""
+        return plan_report(self.outputs, self.lower_all, measure)
 
     def __str__(self) -> str:
         lines = [f"fuelgraph explain (backend {self.backend})",
@@ -103,4 +132,77 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
     return ExplainReport(fused, after - sum(fused.values()) - n_glue + inside, before, after,
                          misses, res.lowered, bname, res.log.events, dict(matched),
                          glue=glue, dissolved=dict(dissolved),
-                         rules_fired=res.log.counts(CANONICALIZE.name))
+                         rules_fired=res.log.counts(CANONICALIZE.name), outputs=vals,
+                         lower_all=lower_all)
+
+
+@dataclass
+class PlanReport:
+    """What running the plan of some outputs costs. flops / bytes_moved: totals over its steps
+    (a kernel reads its inputs and writes its outputs once; views move nothing; contiguous
+    copies count); peak_bytes: the most memory the run holds at once beyond its inputs and
+    constants, predicted before running (buffers freed after last use, views sharing storage,
+    in-place reuse, temporary contiguous copies, declared kernel scratch); peak_op: the step
+    where it peaks; measured_peak_bytes: the same quantity measured by running the plan once
+    (None until measured; NumPy: tracemalloc, CUDA: torch's allocator statistics)."""
+    backend: str
+    steps: int
+    flops: float
+    bytes_moved: float
+    peak_bytes: int
+    peak_step: int
+    peak_op: str
+    input_bytes: int
+    const_bytes: int
+    output_bytes: int
+    copies: int
+    inplace_reused: int
+    measured_peak_bytes: int | None = None
+    outputs: list = field(default_factory=list, repr=False, compare=False)
+    lower_all: bool = False
+
+    def measure(self) -> "PlanReport":
+        """Run the plan once (after a warm-up run on CUDA) and record its measured peak."""
+        plan, inputs = compile_plan(self.outputs, self.lower_all)
+        bufs = [bound_data(n) for n in inputs]
+        if plan.backend.name == "cuda":
+            plan.run(bufs)
+        self.measured_peak_bytes, _ = measure_peak(plan, bufs)
+        return self
+
+    @property
+    def agreement(self) -> float | None:
+        """measured / predicted peak (None until measured)."""
+        if self.measured_peak_bytes is None or not self.peak_bytes:
+            return None
+        return self.measured_peak_bytes / self.peak_bytes
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"   # noqa: E731
+        lines = [f"fuelgraph plan (backend {self.backend}, {self.steps} steps)",
+                 f"  FLOPs        {self.flops / 1e9:.4g} G",
+                 f"  bytes moved  {mib(self.bytes_moved)}",
+                 f"  peak memory  {mib(self.peak_bytes)} predicted (at step {self.peak_step}, "
+                 f"{self.peak_op})",
+                 f"  inputs {mib(self.input_bytes)}, constants {mib(self.const_bytes)}, outputs "
+                 f"{mib(self.output_bytes)}; {self.copies} contiguous copies, "
+                 f"{self.inplace_reused} in-place reuses"]
+        if self.measured_peak_bytes is not None:
+            lines.append(f"  measured     {mib(self.measured_peak_bytes)} "
+                         f"({self.agreement:.3f}x the prediction)")
+        return "\n".join(lines)
+
+
+def plan_report(outputs, lower_all: bool = False, measure: bool = False) -> PlanReport:
+    """FLOPs, bytes moved and peak memory of the plan that `fg.realize(outputs)` would run,
+    computed before running; measure=True also runs it once and records the measured peak."""
+    vals = _values(outputs if isinstance(outputs, (list, tuple)) else [outputs])
+    plan, inputs = compile_plan(vals, lower_all)
+    mp = predict_memory(plan, [bound_data(n) for n in inputs])
+    rep = PlanReport(plan.backend.name, len(plan.steps), mp.flops, mp.bytes_moved,
+                     mp.peak_bytes, mp.peak_step, mp.peak_op, mp.input_bytes, mp.const_bytes,
+                     mp.output_bytes, mp.copies, mp.inplace_reused, None, vals, lower_all)
+    return rep.measure() if measure else rep

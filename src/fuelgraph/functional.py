@@ -3,6 +3,7 @@ the optimizer runs it as a kernel or lowers it to its primitive recipe. Every bu
 written beside its op's declaration in `fuelgraph.registry.<family>`; this module re-exports
 them."""
 from .registry.affine import inplace_affine
+from .registry.attention import flash_attn, flash_attn_backward
 from .registry.conv import (causal_conv1d, causal_conv1d_backward, conv2d, conv2d_backward_weight,
                             conv_transpose2d)
 from .registry.helpers import powi_backward, reduce_max_to_backward
@@ -16,9 +17,9 @@ from .registry.rope import rope
 from .registry.softmax import softmax_last_dim, softmax_last_dim_backward
 from .registry.ssm import selective_scan, ssd_chunk_scan
 
-__all__ = ["inplace_affine", "causal_conv1d", "causal_conv1d_backward", "conv2d",
-           "conv2d_backward_weight", "conv_transpose2d", "powi_backward", "reduce_max_to_backward",
-           "fused_linear",
+__all__ = ["flash_attn", "flash_attn_backward", "inplace_affine", "causal_conv1d",
+           "causal_conv1d_backward", "conv2d", "conv2d_backward_weight", "conv_transpose2d",
+           "powi_backward", "reduce_max_to_backward", "fused_linear",
            "fused_softmax_cross_entropy", "layer_norm_last_dim", "layer_norm_last_dim_backward",
            "rms_norm_last_dim", "rms_norm_last_dim_backward", "rope", "softmax_last_dim",
            "softmax_last_dim_backward", "selective_scan", "ssd_chunk_scan", "paged_attn",

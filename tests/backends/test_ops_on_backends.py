@@ -123,7 +123,14 @@ def test_primitive_idioms_fuse_and_match(dtype, device):
     y = x / ((x * x).mean(-1, keepdim=True) + 1e-6).sqrt()
     e = (y - y.max(-1, keepdim=True)).exp()
     z = e / e.sum(-1, keepdim=True)
-    assert fg.explain([z]).fused_ops == {"rms_norm_last_dim": 1, "softmax_last_dim": 1}
+    rep = fg.explain([z])
+    want = {"rms_norm_last_dim": 1, "softmax_last_dim": 1}
+    if device == "cuda" and dtype == "float64":
+        # the Triton kernels take 16/32-bit floats: float64 idioms are recognized, then run
+        # as their recipes on the GPU
+        assert rep.fused_ops == {} and rep.matched == want
+    else:
+        assert rep.fused_ops == want
     xr = _ref(a, dtype)
     _close(z.numpy(), torch.softmax(tF.rms_norm(xr, (32,), eps=1e-6), -1), dtype)
     np.testing.assert_allclose(z.numpy(), fg.realize([z], lower_all=True)[0], rtol=DTYPES[dtype],

@@ -48,6 +48,7 @@ class BackendImpl:
     strided_input: bool = False            # True: takes non-contiguous inputs
     takes_out: bool = False                # destructive kernels: accepts out= (a fresh buffer)
     supports: Callable | None = None       # (shapes, dtypes, params) -> bool; None: every call
+    workspace: Callable | None = None      # (shapes, dtypes, params) -> scratch bytes it allocates
     revision: int = 1
     name: str = ""
 
@@ -64,15 +65,17 @@ def register_kernel(identity, backend: str, kernel: Callable, **kw) -> BackendIm
 
 
 def kernel(identity, backend: str, *, dtypes=None, cost=elementwise_cost, precision="acc(T)",
-           strided_input=False, supports=None, name=None):
+           strided_input=False, supports=None, workspace=None, name=None):
     """Decorator: register the decorated function as `backend`'s kernel for `identity` (a
     fused-op id or a primitive class name) where the function is written. The kernel takes the
     node's inputs positionally and its params as keywords; a kernel for a destructive op that
-    also takes `out=` may be handed a fresh buffer instead of overwriting its input."""
+    also takes `out=` may be handed a fresh buffer instead of overwriting its input.
+    `workspace(shapes, dtypes, params) -> bytes`: scratch memory the kernel allocates while it
+    runs, beyond its outputs (for the memory plan; None: none worth counting)."""
     def deco(fn):
         import inspect
         register_kernel(identity, backend, fn, dtypes=dtypes, cost=cost, precision=precision,
-                        strided_input=strided_input, supports=supports,
+                        strided_input=strided_input, supports=supports, workspace=workspace,
                         takes_out="out" in inspect.signature(fn).parameters,
                         name=name or f"{backend}.{fn.__name__}")
         return fn

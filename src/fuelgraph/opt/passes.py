@@ -73,7 +73,7 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     for n in reversed(nodes):       # roots first: the largest pattern at a node wins
         if n in claimed or n.nout != 1:
             continue
-        r = _match_at(n, by_sig.get(_op_sig(n.op), ()), users, canon, misses)
+        r = match_at(n, by_sig.get(_op_sig(n.op), ()), users, canon, misses)
         if r is not None:
             matches[n] = r
             claimed |= r[1].interior
@@ -93,7 +93,7 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     return [Value(memo[v.node], v.slot) for v in outputs]
 
 
-def _match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
+def match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
     """(entry, Match) of the first pattern that fits at n, else None (misses recorded). Every
     pattern is first tried with its preferred inputs (the values the structural match reached);
     the other input candidates (see pattern._alternatives) only after all of them."""

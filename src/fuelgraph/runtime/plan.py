@@ -41,6 +41,8 @@ class Plan:
     output_slots: list[int]
     n_slots: int
     stats: dict = field(default_factory=dict)
+    #: (shape, dtype) of every slot, for memory planning before a run (runtime/memory.py)
+    slot_types: list = field(default_factory=list)
 
     def run(self, inputs: list) -> list:
         ctx = getattr(self.backend, "run_context", None)
@@ -143,11 +145,12 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     users = consumers(nodes)
     order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops)
     slot_of: dict[tuple[Node, int], int] = {}
-    n_slots = 0
+    slot_types = []
     for n in order:
         for i in range(n.nout):
-            slot_of[(n, i)] = n_slots
-            n_slots += 1
+            slot_of[(n, i)] = len(slot_types)
+            slot_types.append((n.shapes[i], n.dtypes[i]))
+    n_slots = len(slot_types)
     last_use: dict[int, int] = {}
     for pos, n in enumerate(order):
         for s in n.srcs:
@@ -181,7 +184,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
                           impl.takes_out, not impl.strided_input, impl.name or op.name))
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
     return Plan(backend, steps, input_slots, const_slots,
-                [slot_of[(v.node, v.slot)] for v in outputs], n_slots)
+                [slot_of[(v.node, v.slot)] for v in outputs], n_slots, slot_types=slot_types)
 
 
 # ops whose kernels return views (no allocation of their own)

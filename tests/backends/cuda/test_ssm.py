@@ -117,7 +117,7 @@ def test_selective_scan(dt, opts, shape):
           dict(delta_softplus=sp), lambda a: KN.selective_scan(*a, **kw))
 
 
-SSD_SHAPES = [(2, 37, 2, 4, 5)] + ([(2, 200, 4, 64, 32), (1, 64, 3, 24, 16)] if HAS_CUDA else [])
+SSD_SHAPES = [(2, 37, 2, 4, 5)] + ([(2, 200, 4, 64, 32), (1, 64, 3, 24, 16)] if HAS_CUDA or os.environ.get("SSD_GPU_CONFIG") else [])
 SSD_OPTS = [dict(), dict(d="h", z=True, bias=True, softplus=True, init=True),
             dict(d="hp", init=True)]
 
@@ -131,7 +131,7 @@ def test_ssd_chunk_scan(dt, opts, shape):
                         bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
     kw = dict(chunk_size=1, dt_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
               has_dt_bias="dt_bias" in inputs, has_initial_states="initial_states" in inputs)
-    cfg = None if HAS_CUDA else (16, 16, 1)             # 3 chunks, padded tail
+    cfg = None if HAS_CUDA or os.environ.get("SSD_GPU_CONFIG") else (16, 16, 1)  # 3 chunks, padded tail
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=cfg), dt,
           dict(dt_softplus=sp), lambda a: KN.ssd_chunk_scan(*a, **kw))

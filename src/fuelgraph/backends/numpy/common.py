@@ -7,6 +7,7 @@ the pool. `to_acc` / `store` widen and narrow halves; float16 goes through integ
 are bit-identical to NumPy's but avoid its very slow path for float16 subnormal results."""
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -168,3 +169,19 @@ def run_spans(fn, spans, total_elems: int, *, row_elems: int | None = None) -> N
 def run_flat(fn, n: int) -> None:
     """`run_spans` over a flat buffer of `n` elements: `fn(i0, i1)` handles elements [i0, i1)."""
     run_spans(fn, row_spans(n, 1), n)
+
+
+def span_scratch(temps: int):
+    """`@kernel(workspace=...)` of a row kernel that holds `temps` accumulation-dtype arrays of
+    one span while `run_spans` works (up to NUM_THREADS spans at once); the first input is the
+    [..., row] array it walks."""
+    def workspace(shapes, dtypes, params=None) -> int:
+        shape = shapes[0]
+        row = shape[-1] if shape else 1
+        nrows = math.prod(shape[:-1]) if shape else 1
+        spans = row_spans(nrows, row)
+        if not spans:
+            return 0
+        rows = min(nrows, sum(r1 - r0 for r0, r1 in spans[:NUM_THREADS]))
+        return temps * rows * row * acc_dtype(dtypes[0].np).itemsize
+    return workspace

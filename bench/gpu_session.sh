@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One batched session on a lent GPU machine (no internet there): install the carried anchor
+# wheels, then run the named stages, writing logs and bench records under $OUT (packed into
+# one archive, since only a few files come back). Anchors live in the git-ignored ./anchors/
+# (bitsandbytes, liger-kernel, einops, gguf wheels; mamba_ssm_src/ with mamba-ssm's Python
+# sources). Usage: bash bench/gpu_session.sh tests bench_core bench_families ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fg_out}; mkdir -p "$OUT/r"
+if ls anchors/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site anchors/*.whl >/dev/null 2>&1
+fi
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+stage() { echo "=== $1 ($(date +%T))"; }
+for s in "$@"; do
+  case $s in
+    tests) stage tests
+      timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests \
+        > "$OUT/r/pytest.log" 2>&1; tail -45 "$OUT/r/pytest.log" | grep -vE "^\.+ *\[|^$" ;;
+    tests_cuda) stage tests_cuda
+      timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests/backends/cuda \
+        tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1
+      tail -45 "$OUT/r/pytest_cuda.log" | grep -vE "^\.+ *\[|^$" ;;
+    bench_*) name=${s#bench_}; stage "$s"; extra=""
+      [ "$name" = ssm ] && extra="--mamba-src anchors/mamba_ssm_src"
+      timeout 420 python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
+        > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$OUT" r && rm -rf "$OUT/r"

@@ -1,0 +1,633 @@
+"""FLASH_ATTN (12) and FLASH_ATTN_BACKWARD (0x111: dq, dk and dv; FLASH_ATTN_BACKWARD_Q/K/V
+lower to it) as Triton kernels in the FlashAttention-2 style.
+
+Forward: one program per (query block, batch x query head); it streams the key/value blocks
+its rows can see, keeps an online softmax in registers (base-2 exponent: scores are
+pre-multiplied by log2(e)) and writes the output and the row log-sum-exp. Backward: the saved
+log-sum-exp lets every tile recompute its probabilities; one kernel per key block accumulates
+dk and dv over the query heads of its key/value head (no atomics, no k/v copies for
+grouped-query attention) and a second kernel per query block accumulates dq.
+
+Masks: a query row i sits at key position a_i = i + L - Sq (L = k_len or Sk). Every
+constraint (causal, window left/right, keys < L) is an interval of keys, so each program
+splits its loop into at most three ranges: blocks that need the elementwise mask, blocks that
+are wholly admissible (the plain path: no mask arithmetic at all) and masked blocks again.
+Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
+them carries none of their code.
+
+Numerics: products accumulate in float32 (`ieee` precision for float32 inputs, not TF32);
+probabilities are rounded to the input dtype before the P V / P^T dO products and dS before
+dS K / dS^T Q, as FlashAttention does. float64 has no kernel (the planner lowers it to the
+recipe). A run-time k_len outside [0, Sk] cannot raise on the device without a host sync: the
+outputs become NaN (set FUELGRAPH_CHECK_K_LEN=1 to check on the host and raise instead).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ....errors import fail
+from ....registry.attention import FLASH_ATTN_BACKWARD
+from ....registry.core import FusedOps
+from ...base import Cost, kernel
+from .common import HALF_AND_F32, INTERPRET, next_pow2
+
+__all__ = ["flash_attn", "flash_attn_backward", "supports"]
+
+CHECK_K_LEN = os.environ.get("FUELGRAPH_CHECK_K_LEN", "0") == "1"
+MAX_HEAD_DIM = 256
+
+
+# ---- configs ----------------------------------------------------------------------------------
+#: autotune over the configs below on the first call per (shape class, flags); False: take the
+#: first config that fits (no benchmarking; tests switch tuning off to keep compiles few)
+TUNE = os.environ.get("FUELGRAPH_ATTN_TUNE", "1") == "1"
+
+
+def _configs(choices):
+    """(BLOCK_M, BLOCK_N, warps, stages) choices, best guess first. Each is one compile per
+    flag set, so the lists are short: FlashAttention-2 tiles for Hopper (128-row query tiles
+    forward, 32/64-row query tiles against 128 keys for dk/dv, 128 x 32/64 for dq)."""
+    if INTERPRET:      # the CPU interpreter: one small tile, no tuning
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in choices]
+
+
+#: shared-memory budget a config may plan for (H100/H200 allow 227 KiB per block; the margin
+#: covers layout padding and the compiler's own buffers)
+SMEM_BUDGET = 160 * 1024
+_SMALLEST = (64, 32, 4, 2)
+
+
+def _prune_for(resident_rows, staged_rows):
+    """early_config_prune for a kernel keeping `resident_rows(BM, BN)` rows of head-dim tiles
+    in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
+    def prune(configs, named_args, **kw):
+        args = {**named_args, **kw}
+        item = 4 if args.get("IEEE", False) else 2
+        d = args.get("BLOCK_D", 128)
+
+        def smem(c):
+            m, n, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
+            return (resident_rows(m, n) + st * staged_rows(m, n)) * d * item
+        out = [c for c in configs if smem(c) <= SMEM_BUDGET]
+        if not out:
+            m, n, w, st = _SMALLEST
+            out = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
+        return out if TUNE else out[:1]
+    return {"early_config_prune": prune}
+
+
+_PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per stage
+_PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
+_PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
+_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
+              "HAS_ALIBI", "DYN_KLEN", "IEEE"]
+FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)])
+BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
+BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
+
+
+# ---- shared device helpers ----------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN: tl.constexpr):
+    """(L, bad): the live key count (clamped into [0, SK]) and whether a run-time one was out
+    of range."""
+    if DYN_KLEN:
+        raw = tl.load(KLEN).to(tl.int32)
+        bad = (raw < 0) | (raw > SK)
+        L = tl.minimum(tl.maximum(raw, 0), SK)
+    else:
+        L = KLEN_STATIC
+        bad = L < 0
+    return L, bad
+
+
+@triton.jit
+def _key_ranges(a_first, a_last, L, WL, WR, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """Key ranges of a query block whose rows sit at positions a_first..a_last:
+    [lo, mid_lo) masked, [mid_lo, mid_hi) wholly admissible, [mid_hi, hi) masked."""
+    lo = 0
+    full_lo = 0
+    if HAS_WL:
+        lo = tl.maximum(a_first - WL, 0)
+        full_lo = tl.maximum(a_last - WL, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    hi = L
+    full_hi = L
+    if CAUSAL:
+        hi = tl.minimum(hi, a_last + 1)
+        full_hi = tl.minimum(full_hi, a_first + 1)
+    if HAS_WR:
+        hi = tl.minimum(hi, a_last + WR + 1)
+        full_hi = tl.minimum(full_hi, a_first + WR + 1)
+    hi = tl.maximum(hi, 0)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    mid_lo = tl.maximum(full_lo, lo)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    return lo, tl.minimum(mid_lo, hi), mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+            CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+            HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units from the raw product tile; a_pos / k_pos are the query and key
+    positions broadcast to the tile's shape. Returns (scores, tanh or 0)."""
+    if HAS_CAP:
+        t = _tanh(qk * QK_SCALE)
+        s = t * (CAP * 1.4426950408889634)
+    else:
+        t = 0.0
+        s = qk * (QK_SCALE * 1.4426950408889634)
+    if HAS_ALIBI:
+        s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
+    if MASK:
+        adm = k_pos < L
+        if CAUSAL:
+            adm &= k_pos <= a_pos
+        if HAS_WL:
+            adm &= k_pos >= a_pos - WL
+        if HAS_WR:
+            adm &= k_pos <= a_pos + WR
+        s = tl.where(adm, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _load(ptrs, rows_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """A [rows, BLOCK_D] tile; zeros in padded columns and (ROWS) in rows not rows_ok."""
+    if ROWS:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & (tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM),
+                        other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=tl.arange(0, BLOCK_D)[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+# ---- forward ------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n, L,
+               QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    for j0 in range(start, end, BLOCK_N):
+        kn = j0 + offs_n
+        k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        if IEEE:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
+                TUNE_Q, TUNE_K, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = (h // G).to(tl.int64)
+    L, bad = _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN)
+    off = L - SQ
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d[None, :] < HEAD_DIM
+    q = _load(Q + b * sqb + h.to(tl.int64) * sqh + offs_m[:, None].to(tl.int64) * sqm
+              + offs_d[None, :], offs_m < SQ, HEAD_DIM, BLOCK_D, True)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b * slb + h)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :]
+    a_pos = (offs_m + off)[:, None]
+    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, WL, WR,
+                                                 BLOCK_N, CAUSAL, HAS_WL, HAS_WR)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo, lo_end, a_pos,
+                               offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
+                               CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                               BLOCK_D, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_hi, hi, a_pos,
+                               offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    if DYN_KLEN:
+        out = tl.where(bad, float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
+    rmask = offs_m < SQ
+    tl.store(O + b * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * som
+             + offs_d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask)
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
+
+
+# ---- backward: dk, dv per key block -------------------------------------------------------------
+@triton.jit
+def _query_ranges(n0, off, SQ, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
+    """Query ranges seeing keys n0..n0+BLOCK_N-1 (all < L): [lo, mid_lo) masked,
+    [mid_lo, mid_hi) wholly admissible, [mid_hi, hi) masked."""
+    n_last = n0 + BLOCK_N - 1
+    lo = 0
+    full_lo = 0
+    if CAUSAL:
+        lo = tl.maximum(lo, n0 - off)
+        full_lo = tl.maximum(full_lo, n_last - off)
+    if HAS_WR:
+        lo = tl.maximum(lo, n0 - off - WR)
+        full_lo = tl.maximum(full_lo, n_last - off - WR)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    hi = SQ
+    full_hi = tl.cdiv(SQ, BLOCK_M) * BLOCK_M      # padded rows read lse = +inf: no mask needed
+    if HAS_WL:
+        hi = tl.minimum(hi, n_last + WL - off + 1)
+        full_hi = tl.minimum(full_hi, ((tl.maximum(n0 + WL - off + 1, 0)) // BLOCK_M) * BLOCK_M)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    mid_lo = tl.maximum(full_lo, lo)
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    return lo, tl.minimum(mid_lo, hi), mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom, start, end,
+                  k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope, WL, WR, off,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    for m0 in range(start, end, BLOCK_M):
+        qm = m0 + offs_m
+        rmask = qm < SQ
+        q = _load(q_ptrs + m0 * sqm, rmask, HEAD_DIM, BLOCK_D, True)
+        do = _load(do_ptrs + m0 * sdom, rmask, HEAD_DIM, BLOCK_D, True)
+        lse = tl.load(lse_ptr + qm, mask=rmask, other=float("inf")) * 1.4426950408889634
+        if IEEE:
+            qkT = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            qkT = tl.dot(k, tl.trans(q))
+        sT, tT = _scores(qkT, (qm + off)[None, :], k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK,
+                         CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI)
+        pT = tl.exp2(sT - lse[None, :])
+        delta = tl.load(delta_ptr + qm, mask=rmask, other=0.0)
+        if IEEE:
+            dv = tl.dot(pT, do, dv, input_precision="ieee")
+            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv)
+            dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        if HAS_CAP:
+            dsT = dsT * (1.0 - tT * tT)
+        if IEEE:
+            dk = tl.dot(dsT, q, dk, input_precision="ieee")
+        else:
+            dk = tl.dot(dsT.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_KV)
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
+                   svb, svh, svn, sdob, sdoh, sdom, sdkb, sdkh, sdkn, slb, H, G, SQ, SK,
+                   KLEN_STATIC, QK_SCALE, CAP, DK_SCALE, WL, WR, TUNE_Q, TUNE_K,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    HK = H // G
+    b = (bhk // HK).to(tl.int64)
+    hk = (bhk % HK).to(tl.int64)
+    L, bad = _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN)
+    off = L - SQ
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d[None, :] < HEAD_DIM
+    k = _load(K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
+              offs_n < L, HEAD_DIM, BLOCK_D, True)
+    v = _load(V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :],
+              offs_n < L, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k_pos = offs_n[:, None]
+    if n0 < L:
+        lo, lo_end, mid_lo, mid_hi, hi = _query_ranges(n0, off, SQ, WL, WR, BLOCK_M, BLOCK_N,
+                                                       CAUSAL, HAS_WL, HAS_WR)
+        if n0 + BLOCK_N > L:          # the block holds dead keys: mask every tile
+            lo_end = hi
+            mid_lo = hi
+            mid_hi = hi
+        for g in range(0, G):
+            h = hk * G + g
+            bh = b * H + h
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(SLOPES + b * slb + h)
+            q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :]
+            do_ptrs = (DO + b * sdob + h * sdoh + offs_m[:, None].to(tl.int64) * sdom
+                       + offs_d[None, :])
+            lse_ptr = LSE + bh * SQ
+            delta_ptr = DELTA + bh * SQ
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
+                                   lo, lo_end, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
+                                   WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
+                                   mid_lo, mid_hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP,
+                                   slope, WL, WR, off, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
+            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
+                                   mid_hi, hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
+                                   WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
+    smask = (offs_n[:, None] < SK) & dmask
+    base = b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkn + offs_d[None, :]
+    dk = dk * DK_SCALE
+    if DYN_KLEN:
+        dk = tl.where(bad, float("nan"), dk)
+        dv = tl.where(bad, float("nan"), dv)
+    tl.store(DK + base, dk.to(DK.dtype.element_ty), mask=smask)
+    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=smask)
+
+
+# ---- backward: dq per query block ---------------------------------------------------------------
+@triton.jit
+def _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n,
+                 L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                 HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    for j0 in range(start, end, BLOCK_N):
+        kn = j0 + offs_n
+        k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI)
+        p = tl.exp2(s - lse[:, None])
+        ds = p * (dp - delta[:, None])
+        if HAS_CAP:
+            ds = ds * (1.0 - t * t)
+        if IEEE:
+            dq = tl.dot(ds, k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_Q)
+@triton.jit
+def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
+                  svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm, slb, H, G, SQ, SK,
+                  KLEN_STATIC, QK_SCALE, CAP, DQ_SCALE, WL, WR, TUNE_Q, TUNE_K,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // G
+    L, bad = _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN)
+    off = L - SQ
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d[None, :] < HEAD_DIM
+    rmask = offs_m < SQ
+    qmask = rmask[:, None] & dmask
+    rows = offs_m[:, None].to(tl.int64)
+    q = _load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :], rmask, HEAD_DIM, BLOCK_D, True)
+    do = _load(DO + b * sdob + h * sdoh + rows * sdom + offs_d[None, :], rmask, HEAD_DIM, BLOCK_D,
+               True)
+    lse = tl.load(LSE + bh.to(tl.int64) * SQ + offs_m, mask=rmask, other=float("inf"))
+    lse = lse * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=rmask, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b * slb + h)
+    k_ptrs = K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :]
+    v_ptrs = V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :]
+    a_pos = (offs_m + off)[:, None]
+    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, WL, WR,
+                                                 BLOCK_N, CAUSAL, HAS_WL, HAS_WR)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, lo, lo_end, a_pos, offs_n,
+                      L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR,
+                      HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, a_pos,
+                      offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL, HAS_WL,
+                      HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, mid_hi, hi, a_pos, offs_n,
+                      L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR,
+                      HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    dq = dq * DQ_SCALE
+    if DYN_KLEN:
+        dq = tl.where(bad, float("nan"), dq)
+    tl.store(DQ + b * sdqb + h * sdqh + rows * sdqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qmask)
+
+
+# ---- host side ----------------------------------------------------------------------------------
+def supports(shapes, dtypes, params) -> bool:
+    """Head dims up to 256 in float32 / bfloat16 / float16 (float64 lowers to the recipe)."""
+    return 1 <= shapes[0][3] <= MAX_HEAD_DIM and all(d.name != "float64" for d in dtypes[:3])
+
+
+def attention_cost(products):
+    """`products` [Sq x L x D] matrix products (halved by a causal mask); 2-byte traffic."""
+    def cost(shapes, params=None):
+        (B, Hq, Sq, D), (_, Hkv, Sk, _) = shapes[0], shapes[1]
+        L = Sk if params is None or params.k_len is None else params.k_len
+        frac = 0.5 if params is not None and params.causal else 1.0
+        flops = 2.0 * B * Hq * Sq * L * D * products * frac
+        return Cost(flops, 2.0 * (B * Hq * Sq * D * (1 + products) + 2 * B * Hkv * Sk * D))
+    return cost
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _Launch:
+    """Strides, flags and scalars shared by the forward and backward launches."""
+
+    def __init__(self, op, q, k, v, opt, p):
+        self.q, self.k, self.v = (_last_dim_contiguous(t) for t in (q, k, v))
+        B, H, SQ, D = q.shape
+        self.B, self.H, self.SQ, self.D = B, H, SQ, D
+        self.HK, self.SK = k.shape[1], k.shape[2]
+        self.G = H // self.HK
+        dev = q.device
+        alibi = opt[0] if p["has_alibi"] else None
+        if alibi is not None:
+            alibi = alibi.to(device=dev, dtype=torch.float32).contiguous()
+            self.slopes, self.slb = alibi, (H if alibi.dim() == 2 else 0)
+        else:
+            self.slopes, self.slb = torch.zeros(1, device=dev, dtype=torch.float32), 0
+        dyn = bool(p["k_len_input"])
+        if dyn:
+            klen = opt[-1].to(device=dev).reshape(1)
+            if CHECK_K_LEN:
+                val = int(klen.item())
+                if not 0 <= val <= self.SK:
+                    raise fail(op, f"k_len = {val} is outside [0, Sk = {self.SK}]")
+            self.klen, self.klen_static = klen, self.SK
+        else:
+            self.klen = torch.zeros(1, device=dev, dtype=torch.int32)
+            self.klen_static = self.SK if p["k_len"] is None else int(p["k_len"])
+        cap = p["softcap"]
+        scale = float(p["softmax_scale"])
+        self.scale = scale
+        self.qk_scale = scale / cap if cap is not None else scale
+        self.cap = float(cap) if cap is not None else 1.0
+        wl, wr = p["window_size_left"], p["window_size_right"]
+        self.wl, self.wr = (int(wl) if wl is not None else 0), (int(wr) if wr is not None else 0)
+        self.flags = dict(HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), CAUSAL=bool(p["causal"]),
+                          HAS_WL=wl is not None, HAS_WR=wr is not None, HAS_CAP=cap is not None,
+                          HAS_ALIBI=alibi is not None, DYN_KLEN=dyn,
+                          IEEE=q.dtype == torch.float32)
+        self.tune = dict(TUNE_Q=next_pow2(SQ), TUNE_K=next_pow2(self.SK))
+
+    def scalars(self):
+        return (self.H, self.G, self.SQ, self.SK, self.klen_static)
+
+
+def _params(softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
+            has_alibi, k_len_input):
+    return dict(softmax_scale=softmax_scale, causal=causal, window_size_left=window_size_left,
+                window_size_right=window_size_right, softcap=softcap, k_len=k_len,
+                has_alibi=has_alibi, k_len_input=k_len_input)
+
+
+@kernel(FusedOps.FLASH_ATTN, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
+        supports=supports, strided_input=True)
+def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None,
+               window_size_right=None, softcap=None, k_len=None, has_alibi=False,
+               k_len_input=False):
+    """FLASH_ATTN forward: (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] float32). Inputs
+    and params as the registry op; k/v rows at or past k_len are never read."""
+    a = _Launch("flash_attn", q, k, v, opt, _params(
+        softmax_scale, causal, window_size_left, window_size_right, softcap, k_len, has_alibi,
+        k_len_input))
+    q, k, v = a.q, a.k, a.v
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out.zero_(), lse
+    grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+    _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
+                      k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                      v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
+                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags)
+    return out, lse
+
+
+def _backward(q, k, v, grad_out, lse, delta, opt, p):
+    """(dq, dk, dv): one kernel per key block for dk and dv, one per query block for dq."""
+    a = _Launch("flash_attn_backward", q, k, v, opt, p)
+    q, k, v = a.q, a.k, a.v
+    do = _last_dim_contiguous(grad_out)
+    lse = lse.to(torch.float32).contiguous()
+    delta = delta.to(torch.float32).contiguous()
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=q.dtype)
+    dv = torch.empty(k.shape, device=k.device, dtype=q.dtype)
+    if dq.numel():
+        grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+        _bwd_q_kernel[grid](q, k, v, do, lse, delta, dq, a.slopes, a.klen, q.stride(0),
+                            q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                            v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1),
+                            do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2), a.slb,
+                            *a.scalars(), a.qk_scale, a.cap, a.scale, a.wl, a.wr, **a.tune,
+                            **a.flags)
+    if dk.numel():
+        # dk = scale * dS^T q: the tile has dS in score units, q un-scaled
+        grid = lambda meta: (triton.cdiv(a.SK, meta["BLOCK_N"]), a.B * a.HK)  # noqa: E731
+        _bwd_kv_kernel[grid](q, k, v, do, lse, delta, dk, dv, a.slopes, a.klen, q.stride(0),
+                             q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                             v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1),
+                             do.stride(2), dk.stride(0), dk.stride(1), dk.stride(2), a.slb,
+                             *a.scalars(), a.qk_scale, a.cap, a.scale, a.wl, a.wr, **a.tune,
+                             **a.flags)
+    return dq, dk, dv
+
+
+@kernel(FLASH_ATTN_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(7),
+        supports=supports, strided_input=True)
+def flash_attn_backward(q, k, v, grad_out, lse, delta, *opt, softmax_scale, causal=False,
+                        window_size_left=None, window_size_right=None, softcap=None, k_len=None,
+                        has_alibi=False, k_len_input=False):
+    """FLASH_ATTN_BACKWARD (0x111, what FLASH_ATTN_BACKWARD_Q/K/V lower to): (dq, dk, dv) in
+    q's dtype; inputs and params as the registry op."""
+    return _backward(q, k, v, grad_out, lse, delta, opt,
+                     _params(softmax_scale, causal, window_size_left, window_size_right,
+                             softcap, k_len, has_alibi, k_len_input))
