@@ -34,6 +34,9 @@ class OptResult:
     misses: dict[str, Miss] = field(default_factory=dict)   # op name -> best near-miss
     lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
     glue: dict[str, int] = field(default_factory=dict)      # glue region name -> nodes
+    # node of the graph before the glue pass -> node after (itself, its copy, or the glue node
+    # running it); empty when no region formed
+    glue_map: dict = field(default_factory=dict)
 
 
 class _GraphOutput:
@@ -141,10 +144,10 @@ def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptRes
     if not lower_all:
         vals = fuse(vals, backend, log, misses)
     vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
-    glue: dict = {}
+    glue, glue_map = {}, {}
     if not lower_all:       # the reference mode runs every primitive on its own
-        vals = form_regions(vals, backend, log, glue)
-    return OptResult(vals, log, misses, lowered, glue)
+        vals = form_regions(vals, backend, log, glue, glue_map)
+    return OptResult(vals, log, misses, lowered, glue, glue_map)
 
 
 def prefuse(outputs: list[Value]) -> list[Value]:

@@ -293,7 +293,7 @@ def _dissolve_glue_ops(outputs, log):
         if any(_glueish(m) for m in near):
             pick.add(nd)
     if not pick:
-        return outputs
+        return outputs, {}
     memo: dict[Node, tuple] = {}
     for nd in nodes:
         srcs = tuple(memo[s.node][s.slot] for s in nd.srcs)
@@ -311,7 +311,7 @@ def _dissolve_glue_ops(outputs, log):
         else:
             new = make_node(nd.op, srcs)
         memo[nd] = tuple(new.out(i) for i in range(new.nout))
-    return [memo[v.node][v.slot] for v in outputs]
+    return [memo[v.node][v.slot] for v in outputs], memo
 
 
 def _counts(members) -> int:
@@ -319,13 +319,16 @@ def _counts(members) -> int:
         isinstance(m.op, ops.Reduce) and reduction_length(m) == 1))
 
 
-def form_regions(outputs: list[Value], backend: str, log,
-                 report: dict | None = None) -> list[Value]:
+def form_regions(outputs: list[Value], backend: str, log, report: dict | None = None,
+                 mapping: dict | None = None) -> list[Value]:
     """Replace maximal glue regions under `outputs` by run-time fused ops (see the module
-    docstring); `report` collects {entry name: number of nodes}. Linear in the graph's size."""
+    docstring); `report` collects {entry name: number of nodes}; `mapping` (when given and a
+    region forms) gets {node of the graph before: node of the graph after}: the node itself
+    or its rebuilt copy, or the glue node that runs it. Linear in the graph's size."""
     if not ENABLED:
         return outputs
-    outputs = _dissolve_glue_ops(outputs, log)
+    before = outputs
+    outputs, dissolved = _dissolve_glue_ops(outputs, log)
     nodes = toposort(outputs)
     f = _Former(nodes)
     f.run()
@@ -353,8 +356,20 @@ def form_regions(outputs: list[Value], backend: str, log,
             continue
         plans[id(r)] = (fid, ext, outs, members)
     if not plans:
+        if mapping is not None and dissolved:
+            _map(before, dissolved, {}, mapping)
         return outputs
-    return _rewrite(outputs, nodes, f, plans, log, report)
+    new, after_of = _rewrite(outputs, nodes, f, plans, log, report)
+    if mapping is not None:
+        _map(before, dissolved, after_of, mapping)
+    return new
+
+
+def _map(before, dissolved, after_of, mapping):
+    for nd in toposort(before):
+        vals = dissolved.get(nd) if dissolved else None
+        mid = vals[0].node if vals else nd
+        mapping[nd] = after_of.get(mid, mid)
 
 
 def _region_plan(r, members, users, out_nodes, space, in_any_region):
@@ -419,6 +434,7 @@ def _rewrite(outputs, nodes, f, plans, log, report):
     memo: dict[Node, Node] = {}            # outside nodes -> rebuilt node
     outval: dict[Node, Value] = {}         # members read outside -> value in the new graph
     built: set = set()
+    glue_node: dict = {}
     region_of = {m: key for key, p in plans.items() for m in p[3]}
 
     def done(nd) -> bool:
@@ -443,6 +459,7 @@ def _rewrite(outputs, nodes, f, plans, log, report):
         fid, ext, outs, members = plans[key]
         fnode = fused_node(ops.Fused(fid, NoParams()), tuple(value(v) for v in ext))
         built.add(key)
+        glue_node[key] = fnode
         name = default_registry().entry(fid).name
         log.events.append(("glue", name, f"{len(members)} primitives"))
         if report is not None:
@@ -477,4 +494,9 @@ def _rewrite(outputs, nodes, f, plans, log, report):
             return outval[nd]
         return Value(memo[nd], v.slot)
 
-    return [value(v) for v in outputs]
+    new = [value(v) for v in outputs]
+    after_of = dict(memo)
+    for key, fnode in glue_node.items():
+        for m in plans[key][3]:
+            after_of[m] = fnode
+    return new, after_of

@@ -177,14 +177,14 @@ class GlueEvaluator:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _run_whole(self, views, out_views):
-        """One chunk (a small region): fresh arrays, no scratch bookkeeping."""
+        """One chunk (a small region): fresh arrays, dropped as soon as they are dead."""
         shapes = self.whole_shapes
         vals: list = [None] * len(self.steps)
 
         def alloc(i, dtype, space):
             return np.empty(shapes[space], dtype)
 
-        for i, (step, outs, _) in enumerate(self.steps):
+        for i, (step, outs, dies) in enumerate(self.steps):
             v = vals[i] = step(vals, (), views, alloc, shapes)
             for j in outs:
                 dst = out_views[j]
@@ -192,6 +192,34 @@ class GlueEvaluator:
                     store(dst, v)
                 else:
                     dst[...] = v
+            for d in dies:
+                vals[d] = None
+
+    def workspace_bytes(self) -> int:
+        """Scratch a call holds at its peak beyond its outputs (for the memory plan): the
+        largest set of live chunk-sized values (a value's buffer is reused once it is dead),
+        per thread that runs chunks."""
+        prog = self.prog
+        size: dict = {}
+        for i, ins in enumerate(prog.values):
+            space = ROW if ins.op == "reduce" else ins.space
+            if space not in (FULL, ROW):
+                continue
+            item = np.dtype(ins.cd.np).itemsize
+            if ins.op in ("unary", "binary", "compare", "where", "reduce") or \
+                    (ins.op == "load" and ins.cd != ins.dtype):
+                size[i] = self.flat_size[space] * item
+            elif ins.op == "cast":                   # astype temporaries on 16-bit casts
+                size[i] = self.flat_size[space] * (item + ins.dtype.itemsize)
+        live = peak = 0
+        for i, (_, _, dies) in enumerate(self.steps):
+            live += size.get(i, 0)
+            peak = max(peak, live)
+            live -= sum(size.get(d, 0) for d in dies)
+        chunks = self.chunk_list
+        threads = min(NUM_THREADS, len(chunks)) if len(chunks) > 1 and \
+            prog.numel >= PARALLEL_MIN_ELEMS else 1
+        return peak * threads
 
     def _run(self, views, out_views, chunks):
         pool: dict = {}
@@ -329,6 +357,9 @@ def glue_kernel(entry):
         prog = build_program(entry.body)
     except Unsupported:
         return None
-    return {"kernel": GlueEvaluator(prog), "cost": _cost(prog), "name": f"numpy.{entry.name}",
-            "precision": "fp32 for 16-bit, else T"}
+    ev = GlueEvaluator(prog)
+    ws = ev.workspace_bytes()
+    return {"kernel": ev, "cost": _cost(prog), "name": f"numpy.{entry.name}",
+            "precision": "fp32 for 16-bit, else T",
+            "workspace": lambda shapes, dtypes, params: ws}
 
