@@ -21,6 +21,12 @@ for s in "$@"; do
     tests) stage tests
       timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests \
         > "$OUT/r/pytest.log" 2>&1; tail -45 "$OUT/r/pytest.log" | grep -vE "^\.+ *\[|^$" ;;
+    tests_new) stage tests_new      # the families the previous GPU session had not run
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=40 \
+        tests/backends/cuda/test_attention.py tests/backends/cuda/test_loss.py \
+        tests/backends/cuda/test_glue.py tests/backends/cuda/test_ssm.py \
+        tests/registry/test_attention.py tests/registry/test_loss.py \
+        > "$OUT/r/pytest_new.log" 2>&1; tail -25 "$OUT/r/pytest_new.log" | grep -vE "^\.+ *\[|^$|Warning|warner" ;;
     tests_cuda) stage tests_cuda
       timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests/backends/cuda \
         tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1
@@ -28,7 +34,7 @@ for s in "$@"; do
     bench_*) name=${s#bench_}; stage "$s"; extra=""
       [ "$name" = ssm ] && extra="--mamba-src anchors/mamba_ssm_src"
       per="ARGS_$name"; extra="$extra ${!per:-}"
-      timeout 420 python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
+      tmo="TMO_$name"; timeout ${!tmo:-420} python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
         > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
     ssd_diag) stage ssd_diag      # which SSD kernel faults, and does exact fp32 fix the grads
       for prec in tf32x3 ieee; do

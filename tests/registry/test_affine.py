@@ -16,12 +16,25 @@ import fuelgraph.functional as F
 from fuelgraph import FuelGraphError, FusedOps
 from fuelgraph.ir import ops
 from fuelgraph.ir.tensor import bound_data
+from fuelgraph.opt import regions
+from fuelgraph.runtime import executor
 from fuelgraph.runtime.executor import compile_plan
 
 NP = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
       "float16": np.float16}
 TORCH = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
          "float16": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def _no_glue(monkeypatch):
+    """This module tests the affine op's own kernel and buffer contract. With glue regions on,
+    an affine next to other elementwise primitives runs inside their generated kernel instead
+    (there is then no buffer of its own to reuse), so the glue pass is off here."""
+    monkeypatch.setattr(regions, "ENABLED", False)
+    executor._PLANS.clear()
+    yield
+    executor._PLANS.clear()
 
 
 # ---- forward / backward vs torch ------------------------------------------------------------

@@ -5,7 +5,8 @@ import math
 import threading
 
 from ..errors import FuelGraphError
-from .base import KERNELS, BackendImpl, accepts
+from ..registry.core import RUNTIME_BASE, default_registry
+from .base import KERNEL_FACTORIES, KERNELS, BackendImpl, accepts, register_kernel
 from .cuda import cuda_unavailable_reason
 from .numpy import NumpyBackend
 
@@ -49,9 +50,25 @@ def available_backends() -> dict[str, str | None]:
 
 
 def kernels_for(identity, backend: str) -> list[BackendImpl]:
-    """Every kernel `backend` registered for `identity` (loading the backend first)."""
+    """Every kernel `backend` registered for `identity` (loading the backend first). A
+    run-time fused op with no kernel yet gets one from its family's kernel factory, once."""
     get_backend_by_name(backend)
-    return KERNELS.get((identity, backend), [])
+    ks = KERNELS.get((identity, backend))
+    if ks is None and isinstance(identity, int) and identity >= RUNTIME_BASE:
+        ks = _generate(identity, backend)
+    return ks or []
+
+
+def _generate(identity: int, backend: str) -> list[BackendImpl]:
+    with _LOCK:
+        if (identity, backend) not in KERNELS:
+            entry = default_registry().get(identity)
+            factory = KERNEL_FACTORIES.get((entry.family, backend)) if entry else None
+            spec = factory(entry) if factory else None
+            if spec:
+                register_kernel(identity, backend, **spec)
+            KERNELS.setdefault((identity, backend), [])
+        return KERNELS[(identity, backend)]
 
 
 def select_kernel(identity, backend: str, in_shapes, dtypes, params=None) -> BackendImpl | None:

@@ -82,6 +82,22 @@ def kernel(identity, backend: str, *, dtypes=None, cost=elementwise_cost, precis
     return deco
 
 
+#: (registry family, backend) -> factory(entry) building the kernel of a run-time entry
+KERNEL_FACTORIES: dict[tuple[str, str], Callable] = {}
+
+
+def kernel_factory(family: str, backend: str):
+    """Decorator: `fn(entry)` builds `backend`'s kernel for a run-time fused op of registry
+    family `family` (an entry registered at run time, e.g. a generated glue region) the first
+    time a kernel for it is looked up. It returns `register_kernel`'s keywords as a dict (with
+    `kernel`), or None when this backend has no kernel for that entry (it then runs as its
+    recipe)."""
+    def deco(fn):
+        KERNEL_FACTORIES[(family, backend)] = fn
+        return fn
+    return deco
+
+
 def import_kernel_modules(package: str) -> None:
     """Import every module of `package` so that their `@kernel` declarations run."""
     pkg = importlib.import_module(package)

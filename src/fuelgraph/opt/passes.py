@@ -1,6 +1,7 @@
 """The fuse and lower passes and the optimizer pipeline:
 canonicalize -> fuse (patterns of ops the backend has a kernel for) -> lower (fused ops with
-no kernel, or all of them with lower_all) -> CSE/DCE (free: nodes are hash-consed and a graph
+no kernel, or all of them with lower_all) -> glue regions (the primitives left, grouped into
+generated kernels; not with lower_all; see opt.regions) -> CSE/DCE (free: nodes are hash-consed and a graph
 is what its outputs reach). Ordering of destructive inputs and kernel selection happen when the
 runtime plans the optimized graph."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .canonicalize import CANONICALIZE
 from .engine import Pass, Pat, RewriteLog, Rule, canonical_memo, rebuild, run_pass
 from .loss_rules import rewrite as loss_rewrites
 from .pattern import _MAX_TRIES, Match, Miss, _op_sig, patterns_of, try_match
+from .regions import form_regions
 
 
 def has_kernel(op_id, backend: str, dtypes=None, shapes=None, params=None) -> bool:
@@ -32,6 +34,10 @@ class OptResult:
     log: RewriteLog
     misses: dict[str, Miss] = field(default_factory=dict)   # op name -> best near-miss
     lowered: dict[str, int] = field(default_factory=dict)   # op name -> times lowered
+    glue: dict[str, int] = field(default_factory=dict)      # glue region name -> nodes
+    # node of the graph before the glue pass -> node after (itself, its copy, or the glue node
+    # running it); empty when no region formed
+    glue_map: dict = field(default_factory=dict)
     canonical: list = field(default_factory=list)   # the canonical graph the fuser matched
     #                                                 (keeps the nodes misses name alive)
 
@@ -142,7 +148,10 @@ def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptRes
     if not lower_all:
         vals = fuse(vals, backend, log, misses)
     vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
-    return OptResult(vals, log, misses, lowered, canonical)
+    glue, glue_map = {}, {}
+    if not lower_all:       # the reference mode runs every primitive on its own
+        vals = form_regions(vals, backend, log, glue, glue_map)
+    return OptResult(vals, log, misses, lowered, glue, glue_map, canonical)
 
 
 def prefuse(outputs: list[Value]) -> list[Value]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, make_node, structural_key
+from ..ir.node import Node, Value, make_node, structural_key, toposort
 from ..ir.scan import placeholder
 
 RUNTIME_BASE = 0x8000
@@ -125,6 +125,7 @@ class FusedOpEntry:
     read_params: Callable | None = None
     recipe_only: tuple[str, ...] = ()
     doc: str = ""
+    body: "ops.Body | None" = None   # entries registered from a graph: the sub-graph itself
 
     def infer(self, srcs, params):
         self.validate(srcs, params)
@@ -240,6 +241,87 @@ class FusedOpRegistry:
             self.add(entry)
             self._runtime_keys[key] = fid
         return fid
+
+
+    def register_graph(self, prefix: str, inputs, outputs, *, family: str, doc: str = "") -> FusedOpId:
+        """Register a run-time fused op whose recipe IS the sub-graph from placeholder `inputs`
+        (values of Input leaves bound to no data, in the fused node's input order) to `outputs`
+        (primitives only). Keyed by structure: a structurally identical sub-graph returns the
+        id it got first, so the same region across layers or steps shares one entry (and one
+        kernel). The entry is shape-specific (input shapes and dtypes must match exactly), has
+        no pattern (the pass that registers it places its nodes) and is differentiated through
+        its recipe; `entry.body` keeps the sub-graph for backends that generate kernels from it
+        (see `backends.base.kernel_factory`). Its name is `<prefix>_<hex id>`."""
+        inputs, outputs = tuple(inputs), tuple(outputs)
+        key = structural_key(outputs, order_inputs=inputs)
+        with self._lock:
+            fid = self._runtime_keys.get(key)
+            if fid is not None:
+                return fid
+            fid = self.next_runtime_id()
+            name = f"{prefix}_{int(fid):x}"
+            in_meta = tuple((p.shape, p.dtype) for p in inputs)
+            out_meta = tuple((o.shape, o.dtype) for o in outputs)
+            body = ops.Body(inputs, outputs)
+            entry = FusedOpEntry(
+                id=fid, name=name, family=family, params=NoParams,
+                shape_rule=lambda shapes, params, _o=out_meta: [s for s, _ in _o],
+                dtype_rule=lambda dtypes, params, _o=out_meta: [d for _, d in _o],
+                validate=_exact_inputs(name, in_meta),
+                decompose=lambda *xs, _b=body: replay(_b, xs),
+                backward=BackwardKind.DECOMPOSE, sample=_sample_like(in_meta),
+                outputs=tuple(f"out{i}" for i in range(len(outputs))), pattern_variants=None,
+                doc=doc or f"run-time fused op replaying a sub-graph of {len(inputs)} inputs",
+                body=body)
+            for check in self.validators:
+                check(entry)
+            self.add(entry)
+            self._runtime_keys[key] = fid
+        return fid
+
+
+def _exact_inputs(name, in_meta):
+    def validate(srcs, params):
+        if len(srcs) != len(in_meta):
+            raise FuelGraphError(f"{name}: expected {len(in_meta)} inputs, got {len(srcs)}")
+        for i, (s, (shp, d)) in enumerate(zip(srcs, in_meta)):
+            if s.dtype != d or tuple(s.shape) != shp:
+                raise FuelGraphError(f"{name}: input {i} is {tuple(s.shape)} {s.dtype.name}, "
+                                     f"expected {shp} {d.name}")
+    return validate
+
+
+def _sample_like(in_meta):
+    def sample(rng):
+        out = []
+        for shp, d in in_meta:
+            if d.is_float:
+                out.append(rng.standard_normal(shp).astype(d.np))
+            elif d.kind == "b":
+                out.append(rng.random(shp) < 0.5)
+            else:
+                out.append(rng.integers(1, 5, shp).astype(d.np))
+        return out
+    return sample
+
+
+def replay(body: "ops.Body", tensors) -> tuple:
+    """The outputs of sub-graph `body` rebuilt on `tensors` (one per body input): every node is
+    applied again to the new sources; constant leaves move to the tensors' device."""
+    from ..ir.tensor import Tensor
+    vals = [t.value if isinstance(t, Tensor) else t for t in tensors]
+    env: dict[Node, Node] = {p.node: v.node for p, v in zip(body.inputs, vals)}
+    slot = {p.node: v.slot for p, v in zip(body.inputs, vals)}
+    device = vals[0].node.device if vals else None
+    for n in toposort(body.outputs):
+        if n in env:
+            continue
+        op = n.op
+        if not n.srcs and device is not None and getattr(op, "device", device) != device:
+            op = dataclasses.replace(op, device=device)
+        env[n] = make_node(op, tuple(Value(env[s.node], slot.get(s.node, s.slot))
+                                     for s in n.srcs))
+    return tuple(Tensor(Value(env[o.node], slot.get(o.node, o.slot))) for o in body.outputs)
 
 
 def _checked_trace(where: str, recipe, sample) -> "Traced":

@@ -234,7 +234,13 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
 
     before_nodes = toposort(vals)
     after_nodes = toposort(res.outputs)
-    final = set(after_nodes)
+    # links are made against the graph before glue regions formed (what the fuser and the
+    # lowering produced), then carried to the node that runs each one (`res.glue_map`)
+    glue_map = getattr(res, "glue_map", None) or {}
+    final = set(glue_map) if glue_map else set(after_nodes)
+
+    def after_of(nd):
+        return glue_map.get(nd, nd)
     image: dict[Node, tuple | None] = {}
     made_by: dict[Node, Node] = {}          # optimized fused node -> canonical root it replaced
     lowered_by: dict[Node, str] = {}        # optimized node -> fused op whose recipe made it
@@ -298,7 +304,7 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
             canon_to_before.setdefault(cv[0].node, []).append(o)
 
     for f, root in made_by.items():
-        info = ainfo[f]
+        info = ainfo[after_of(f)]
         entry, m = matches[root]
         region = set(m.interior) | {root}
         orig = [o for c in region for o in canon_to_before.get(c, ())]
@@ -309,6 +315,8 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
         for o in orig:
             binfo[o].link, binfo[o].status = info.id, f"fused into {entry.name} ({info.id})"
     for node, name in lowered_by.items():
+        if after_of(node) is not node:       # runs inside a glue region now
+            continue
         ainfo[node].lowered_from = name
         ainfo[node].kind = "lowered" if ainfo[node].kind != "view" else "view"
         ainfo[node].status = f"from the recipe of {name} (lowered)"
@@ -319,7 +327,7 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
         cv = cmemo.get(o)
         img = image.get(cv[0].node) if cv else None
         if img is not None:
-            a = ainfo.get(img[cv[0].slot].node)
+            a = ainfo.get(after_of(img[cv[0].slot].node))
             if a is not None:
                 b.link = a.id
                 b.status = "kept" if img[cv[0].slot].node is o else f"becomes {a.label} ({a.id})"

@@ -36,7 +36,9 @@ __all__ = ["ssd_chunk_scan", "ssd_chunk_scan_backward"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: dot precision for float32 inputs and for 16-bit inputs (tunable from the benchmark)
-DOT_PRECISION = {torch.float32: "tf32x3", torch.bfloat16: "tf32", torch.float16: "tf32"}
+# float32 dots in exact fp32 ("ieee"): on the H200 (Triton 3.6) the "tf32x3" split faulted
+# (illegal address) and gave wrong dt gradients in the backward kernel, which "ieee" does not
+DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
 if os.environ.get("FUELGRAPH_SSD_DOT_PRECISION"):      # diagnosis: e.g. "ieee" everywhere
     DOT_PRECISION = dict.fromkeys(DOT_PRECISION, os.environ["FUELGRAPH_SSD_DOT_PRECISION"])
 
