@@ -4,6 +4,7 @@ written beside its op's declaration in `fuelgraph.registry.<family>`; this modul
 them."""
 from .registry.affine import inplace_affine
 from .registry.attention import flash_attn, flash_attn_backward
+from .registry.collective import all_gather, all_reduce, reduce_scatter, replicate, shard
 from .registry.conv import (causal_conv1d, causal_conv1d_backward, conv2d, conv2d_backward_weight,
                             conv_transpose2d)
 from .registry.helpers import powi_backward, reduce_max_to_backward
@@ -17,7 +18,8 @@ from .registry.rope import rope
 from .registry.softmax import softmax_last_dim, softmax_last_dim_backward
 from .registry.ssm import selective_scan, ssd_chunk_scan
 
-__all__ = ["flash_attn", "flash_attn_backward", "inplace_affine", "causal_conv1d",
+__all__ = ["flash_attn", "flash_attn_backward", "all_gather", "all_reduce", "reduce_scatter",
+           "replicate", "shard", "inplace_affine", "causal_conv1d",
            "causal_conv1d_backward", "conv2d", "conv2d_backward_weight", "conv_transpose2d",
            "powi_backward", "reduce_max_to_backward", "fused_linear",
            "fused_softmax_cross_entropy", "fused_linear_cross_entropy",

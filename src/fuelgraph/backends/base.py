@@ -49,6 +49,8 @@ class BackendImpl:
     takes_out: bool = False                # destructive kernels: accepts out= (a fresh buffer)
     supports: Callable | None = None       # (shapes, dtypes, params) -> bool; None: every call
     workspace: Callable | None = None      # (shapes, dtypes, params) -> scratch bytes it allocates
+    asynchronous: bool = False             # returns (handle, outputs): outputs are valid only
+    #                                        after handle.wait() (None: already valid)
     revision: int = 1
     name: str = ""
 
@@ -65,17 +67,21 @@ def register_kernel(identity, backend: str, kernel: Callable, **kw) -> BackendIm
 
 
 def kernel(identity, backend: str, *, dtypes=None, cost=elementwise_cost, precision="acc(T)",
-           strided_input=False, supports=None, workspace=None, name=None):
+           strided_input=False, supports=None, workspace=None, asynchronous=False, name=None):
     """Decorator: register the decorated function as `backend`'s kernel for `identity` (a
     fused-op id or a primitive class name) where the function is written. The kernel takes the
     node's inputs positionally and its params as keywords; a kernel for a destructive op that
     also takes `out=` may be handed a fresh buffer instead of overwriting its input.
     `workspace(shapes, dtypes, params) -> bytes`: scratch memory the kernel allocates while it
-    runs, beyond its outputs (for the memory plan; None: none worth counting)."""
+    runs, beyond its outputs (for the memory plan; None: none worth counting).
+    `asynchronous=True`: the kernel starts work that completes later (a collective in flight)
+    and returns `(handle, outputs)`; the plan calls `handle.wait()` (unless None) before the
+    first step that reads the outputs, and at the end of the run."""
     def deco(fn):
         import inspect
         register_kernel(identity, backend, fn, dtypes=dtypes, cost=cost, precision=precision,
                         strided_input=strided_input, supports=supports, workspace=workspace,
+                        asynchronous=asynchronous,
                         takes_out="out" in inspect.signature(fn).parameters,
                         name=name or f"{backend}.{fn.__name__}")
         return fn

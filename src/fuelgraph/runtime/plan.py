@@ -16,6 +16,7 @@ from ..backends import select_kernel
 from ..backends.base import op_identity
 from ..ir.node import Node, Value, consumers, format_site, toposort
 from ..registry.core import default_registry
+from . import collectives
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Step:
     contiguous: bool = True    # kernel wants contiguous inputs
     name: str = ""
     site: tuple | None = None  # the user's source line that built the op (for errors)
+    asynchronous: bool = False  # the kernel returns (handle, outputs) (a collective in flight)
+    waits: tuple[int, ...] = ()  # slots written by asynchronous steps that this step reads:
+    #                              their handles are waited for before it runs
 
 
 @dataclass(eq=False)
@@ -47,8 +51,12 @@ class Plan:
     stats: dict = field(default_factory=dict)
     #: (shape, dtype) of every slot, for memory planning before a run (runtime/memory.py)
     slot_types: list = field(default_factory=list)
+    #: called before every run (the collectives' agreement check), or None
+    prologue: object = None
 
     def run(self, inputs: list) -> list:
+        if self.prologue is not None:
+            self.prologue()
         ctx = getattr(self.backend, "run_context", None)
         if ctx is None:
             return self._run(inputs)
@@ -68,7 +76,12 @@ class Plan:
         # happens to alias its input (a scan returning its init carry, a kernel returning its
         # argument) can never be overwritten while another live slot still reads it
         refs = _StorageRefs(be, env) if self.destructive else None
+        pending: dict = {}      # slot -> handle of the asynchronous step still writing it
         for st in self.steps:
+            for i in st.waits:
+                h = pending.pop(i, None)
+                if h is not None:
+                    h.wait()
             args = [env[i] for i in st.srcs]
             if st.contiguous:
                 args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
@@ -88,6 +101,10 @@ class Plan:
                 r = st.fn(*args, **kw)
             except Exception as e:
                 raise _run_error(st, e) from e
+            if st.asynchronous:
+                h, r = r
+                if h is not None:
+                    pending.update((o, h) for o in st.outs)
             if len(st.outs) == 1:
                 env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
             else:
@@ -98,6 +115,8 @@ class Plan:
                 refs.drop(env[i] for i in st.free)
             for i in st.free:
                 env[i] = None
+        for h in {id(h): h for h in pending.values()}.values():
+            h.wait()
         return [env[i] for i in self.output_slots]
 
     @property
@@ -164,7 +183,9 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     nodes = toposort([v.node for v in outputs])
     users = consumers(nodes)
     donated_nodes = {input_order[i] for i in donated}
-    order, inplace_ok = _order_destructive(nodes, users, outputs, view_ops, donated_nodes)
+    order, inplace_ok, extra = _order_destructive(nodes, users, outputs, view_ops,
+                                                  donated_nodes)
+    order = collectives.schedule(order, extra)      # unchanged when there is no collective
     slot_of: dict[tuple[Node, int], int] = {}
     slot_types = []
     for n in order:
@@ -179,6 +200,7 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     keep = {slot_of[(v.node, v.slot)] for v in outputs}
     out_nodes = {v.node for v in outputs}
     input_slots, const_slots, steps = [], {}, []
+    async_slots: set = set()
     for pos, n in enumerate(order):
         op = n.op
         if isinstance(op, ops.Input):
@@ -200,13 +222,20 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = _destructive(n)
-        steps.append(Step(op, fn, srcs, tuple(slot_of[(n, i)] for i in range(n.nout)), free,
+        outs = tuple(slot_of[(n, i)] for i in range(n.nout))
+        steps.append(Step(op, fn, srcs, outs, free,
                           d, tuple((n, k) not in inplace_ok for k in d),
                           impl.takes_out and len(d) == 1, not impl.strided_input,
-                          impl.name or op.name, n.site))
+                          impl.name or op.name, n.site, impl.asynchronous,
+                          tuple(sorted({s for s in srcs if s in async_slots}))))
+        if impl.asynchronous:
+            async_slots.update(outs)
     input_slots = [slot_of.get((n, 0), -1) for n in input_order]
+    check = collectives.agreement_check(collectives.sequence(order)) \
+        if collectives.check_enabled() else None
     return Plan(backend, steps, input_slots, const_slots,
-                [slot_of[(v.node, v.slot)] for v in outputs], n_slots, slot_types=slot_types)
+                [slot_of[(v.node, v.slot)] for v in outputs], n_slots, slot_types=slot_types,
+                prologue=check)
 
 
 # ops whose kernels return views (no allocation of their own)
@@ -242,8 +271,9 @@ def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) \
     """Topological order in which every destructive op runs after all other readers of the
     buffer it overwrites (and of views aliasing it). Where that is impossible (the value is a
     leaf that was not donated, a graph output, or read after the op by something that depends
-    on it) the op is marked to copy that input instead. Returns the order and the set of
-    (node, input index) pairs that may overwrite."""
+    on it) the op is marked to copy that input instead. Returns the order, the set of
+    (node, input index) pairs that may overwrite and the ordering edges it added (node ->
+    nodes that must run before it)."""
     extra: dict[Node, set] = {}
     before: dict[Node, set] = {}                # reader -> destructive ops ordered after it
     ok: set = set()
@@ -282,7 +312,7 @@ def _order_destructive(nodes, users, outputs, view_ops, donated=frozenset()) \
             for r in readers:
                 before.setdefault(r, set()).add(n)
             ok.add((n, k))
-    return (_toposort_with(nodes, extra) if extra else nodes), ok
+    return (_toposort_with(nodes, extra) if extra else nodes), ok, extra
 
 
 def _descendants(n: Node, users, before=None) -> set:
