@@ -306,8 +306,11 @@ def _dissolve_glue_ops(outputs, log, rows: bool):
         srcs = tuple(memo[s.node][s.slot] for s in nd.srcs)
         if nd in pick:
             e = reg.entry(nd.op.id)
-            outs = [o.value for o in e.lower([Tensor(s) for s in srcs], nd.op.params)]
-            if _recipe_is_glue(outs, srcs, rows):
+            try:
+                outs = [o.value for o in e.lower([Tensor(s) for s in srcs], nd.op.params)]
+            except FuelGraphError:      # a recipe may refuse these params (a collective over
+                outs = None             # several processes has no primitive form): keep it
+            if outs is not None and _recipe_is_glue(outs, srcs, rows):
                 memo[nd] = tuple(outs)
                 log.events.append(("glue", "dissolve", e.name))
                 continue

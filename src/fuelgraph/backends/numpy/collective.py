@@ -24,11 +24,9 @@ def _torch(a):
     return torch.from_numpy(a)
 
 
-def _bits(a):
-    """A view of `a` that torch can hold (bfloat16 has no NumPy-native dtype: its bits)."""
-    if a.dtype.name == "bfloat16":
-        return a.view(np.int16)
-    return a.view(np.uint8) if a.dtype == np.bool_ else a
+def _bytes(a):
+    """The bytes of contiguous `a`, flat (gathers move bits: any dtype, bfloat16 included)."""
+    return a.reshape(-1).view(np.uint8)
 
 
 def _acc(dt) -> np.dtype:
@@ -66,16 +64,16 @@ def all_reduce(x, *, op, group, world, out=None):
 def all_gather(x, *, axis, grad, group, world):
     if world == 1:
         return None, x
-    src = np.ascontiguousarray(_bits(x))
-    stacked = np.empty((world,) + x.shape, src.dtype)
-    work = comm.all_gather(_torch(stacked), _torch(src), group)
+    src = np.ascontiguousarray(x)
+    stacked = np.empty((world,) + x.shape, x.dtype)
+    work = comm.all_gather(_torch(_bytes(stacked)), _torch(_bytes(src)), group)
     shape = x.shape[:axis] + (world * x.shape[axis],) + x.shape[axis + 1:]
     if axis == 0:
-        return comm.Handle(work, keep=(src,)), stacked.view(x.dtype).reshape(shape)
+        return comm.Handle(work, keep=(src,)), stacked.reshape(shape)
     out = np.empty(shape, x.dtype)
 
     def finish():
-        _blocks(_bits(out), axis, world)[...] = stacked
+        _blocks(out, axis, world)[...] = stacked
     return comm.Handle(work, finish, (src, stacked)), out
 
 
@@ -86,7 +84,8 @@ def reduce_scatter(x, *, axis, op, group, world):
     acc = _acc(x.dtype)
     src = np.ascontiguousarray(_blocks(x, axis, world), dtype=acc)   # [world, .., n, ..]
     red = np.empty(src.shape[1:], acc)                                  # x's shape, n at axis
-    work = comm.reduce_scatter(_torch(red), _torch(src), op, group)
+    work = comm.reduce_scatter(_torch(red), _torch(src.reshape((-1,) + red.shape[1:])), op,
+                               group)
     if acc == x.dtype:
         return comm.Handle(work, keep=(src,)), red
     out = np.empty(red.shape, x.dtype)

@@ -45,7 +45,7 @@ def all_gather(x, *, axis, grad, group, world):
     if world == 1:
         return None, x
     stacked = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    work = comm.all_gather(stacked, x, group)
+    work = comm.all_gather(stacked.view((-1,) + tuple(x.shape[1:])), x, group)
     shape = tuple(x.shape[:axis]) + (world * x.shape[axis],) + tuple(x.shape[axis + 1:])
     if axis == 0:
         return comm.Handle(work, keep=(x,)), stacked.view(shape)
@@ -60,10 +60,10 @@ def all_gather(x, *, axis, grad, group, world):
 def reduce_scatter(x, *, axis, op, group, world):
     if world == 1:
         return None, x
-    src = _blocks(x, axis, world).contiguous() if axis else x
+    src = _blocks(x, axis, world).contiguous() if axis else x      # [world, .., n, ..]
     out = torch.empty(tuple(src.shape[1:]) if axis else
                       (x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = comm.reduce_scatter(out, src, op, group)
+    work = comm.reduce_scatter(out, src.reshape((-1,) + tuple(out.shape[1:])), op, group)
     return comm.Handle(work, keep=(src,)), out
 
 
