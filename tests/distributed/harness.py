@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = ("collectives", "numpy_kernels", "schedule", "data_parallel", "tensor_parallel")
+ALL = {"cpu": ("collectives", "numpy_kernels", "schedule", "data_parallel", "tensor_parallel"),
+       "cuda": ("collectives", "cuda_kernels", "schedule", "data_parallel", "tensor_parallel")}
 
 
 def free_port() -> int:
@@ -24,8 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(scenarios, world: int = 2, timeout: float = 300.0) -> list[dict]:
-    """Each rank's {scenario: result} (a scenario that raised gives {"error": traceback})."""
+def run_workers(scenarios, world: int = 2, timeout: float = 300.0, device: str = "cpu") \
+        -> list[dict]:
+    """Each rank's {scenario: result} (a scenario that raised gives {"error": traceback}).
+    device "cuda": one GPU per process (cuda:LOCAL_RANK) and NCCL, NVLink multicast off."""
     for attempt in range(2):                     # a port taken between probe and bind: retry
         with tempfile.TemporaryDirectory() as tmp:
             port = free_port()
@@ -35,8 +38,10 @@ def run_workers(scenarios, world: int = 2, timeout: float = 300.0) -> list[dict]
                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                            FUELGRAPH_NUM_THREADS="1", FUELGRAPH_CHECK_COLLECTIVES="1",
-                           CUDA_VISIBLE_DEVICES="",
+                           FG_TEST_DEVICE=device, NCCL_NVLS_ENABLE="0",
                            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+                if device == "cpu":
+                    env["CUDA_VISIBLE_DEVICES"] = ""
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "tests.distributed.worker", tmp, *scenarios],
                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -67,14 +72,14 @@ def run_workers(scenarios, world: int = 2, timeout: float = 300.0) -> list[dict]
 
 
 @functools.lru_cache(maxsize=None)
-def all_results(world: int = 2) -> tuple:
-    return tuple(run_workers(ALL, world))
+def all_results(world: int = 2, device: str = "cpu") -> tuple:
+    return tuple(run_workers(ALL[device], world, device=device))
 
 
-def results(scenario: str, world: int = 2) -> list:
+def results(scenario: str, world: int = 2, device: str = "cpu") -> list:
     """Every rank's result of `scenario` (raising with the worker's traceback if it failed)."""
     out = []
-    for r, per in enumerate(all_results(world)):
+    for r, per in enumerate(all_results(world, device)):
         v = per[scenario]
         if isinstance(v, dict) and "error" in v:
             raise AssertionError(f"scenario {scenario} failed on rank {r}:\n{v['error']}")

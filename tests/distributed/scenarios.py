@@ -28,6 +28,15 @@ def _f64(t):
     return np.asarray(t.numpy(), np.float64)
 
 
+def dev() -> str:
+    """The device of the run: "cpu" (gloo), or this process's GPU (NCCL) when the harness
+    runs on GPUs."""
+    if os.environ.get("FG_TEST_DEVICE", "cpu") == "cuda":
+        import fuelgraph.distributed as dist
+        return dist.device()
+    return "cpu"
+
+
 # ---- collectives through the public builders, forward and backward ----------------------------
 COLLECTIVE_CASES = [            # (name, builder kwargs, input shape)
     ("all_reduce_sum", {"op": "sum"}, (3, 5)),
@@ -61,17 +70,22 @@ def collectives():
     out = {}
     for case, kw, shape in COLLECTIVE_CASES:
         for dtype in DTYPES:
-            x = fg.tensor(rank_input(r, shape, dtype, 1), requires_grad=True)
+            x = fg.tensor(rank_input(r, shape, dtype, 1), device=dev(), requires_grad=True)
             y = _builder(case)(x, **kw)
-            w = fg.tensor(rank_input(r, y.shape, dtype, 2))
+            w = fg.tensor(rank_input(r, y.shape, dtype, 2), device=dev())
             (y * w).sum().backward()
             out[(case, dtype)] = (_f64(y), _f64(x.grad), tuple(y.shape))
     # integer sums, and an input leaf is not overwritten by the in-place all_reduce
-    xi = fg.tensor(np.arange(6, dtype=np.int64) * (r + 1))
+    xi = fg.tensor(np.arange(6, dtype=np.int64) * (r + 1), device=dev())
     out["int_sum"] = F.all_reduce(xi).numpy().copy()
     out["leaf_kept"] = xi.numpy().copy()
+    # broadcast_ gives every process rank 0's values, whatever the dtype
+    bs = [fg.tensor(rank_input(r, (3, 2), d, 6), device=dev()) for d in DTYPES] + \
+        [fg.tensor(np.arange(4) * (r + 1), device=dev())]
+    dist.broadcast_(bs)
+    out["broadcast"] = [np.asarray(t.numpy(), np.float64) for t in bs]
     # several collectives and compute in one plan
-    a = fg.tensor(rank_input(r, (4, 6), "float32", 3))
+    a = fg.tensor(rank_input(r, (4, 6), "float32", 3), device=dev())
     b = F.all_reduce(a * 2.0)
     c = F.all_gather(b.sum(0, keepdim=True) + 1.0, 0)
     d = F.reduce_scatter(c @ a.mT, 1)
@@ -83,7 +97,7 @@ def collectives():
     except FuelGraphError as e:
         out["lower_all"] = str(e)
     # different graphs on the two processes: the agreement check raises on both
-    z = fg.tensor(np.ones(3 + r, np.float32))
+    z = fg.tensor(np.ones(3 + r, np.float32), device=dev())
     try:
         F.all_reduce(z).numpy()
         out["mismatch"] = "no error"
@@ -116,6 +130,31 @@ def numpy_kernels():
     return out
 
 
+def cuda_kernels():
+    """The CUDA kernels called directly (as numpy_kernels; torch CUDA tensors)."""
+    import torch
+    import fuelgraph.backends.cuda.kernels.collective as K
+    import fuelgraph.distributed as dist
+    r, w = dist.rank(), dist.world_size()
+    out = {}
+    for dtype in DTYPES:
+        a = rank_input(r, (5, 4), dtype, 4)
+        x = torch.tensor(np.asarray(a, np.float64)).to(getattr(torch, dtype)).to(dev())
+        h, y = K.all_reduce(x.clone(), op="sum", group="world", world=w)
+        h.wait()
+        fresh = torch.empty_like(x)
+        h2, y2 = K.all_reduce(x, op="avg", group="world", world=w, out=fresh)
+        h3, y3 = K.all_gather(x, axis=1, grad="reduce_scatter", group="world", world=w)
+        h4, y4 = K.reduce_scatter(x.reshape(10, 2), axis=0, op="sum", group="world", world=w)
+        for h in (h2, h3, h4):
+            h.wait()
+        y5 = K.shard(x, axis=1, group="world", world=w)
+        kept = torch.equal(x.double().cpu(), torch.tensor(np.asarray(a, np.float64)))
+        out[dtype] = [v.double().cpu().numpy() for v in (y, y2, y3, y4, y5)] + \
+            [y2 is fresh, kept]
+    return out
+
+
 # ---- scheduling -------------------------------------------------------------------------------
 def mlp(seed=0, sizes=(16, 32, 32, 8)):
     import fuelgraph as fg
@@ -126,7 +165,7 @@ def mlp(seed=0, sizes=(16, 32, 32, 8)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(nn.SiLU())
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers).to(dev())
 
 
 def schedule():
@@ -206,7 +245,7 @@ def reference_data_parallel():
 TP = dict(vocab=48, dim=32, heads=4, kv_heads=2, ffn=64, layers=2, seq=8, batch=2)
 
 
-def tiny_lm(seed=0):
+def tiny_lm(seed=0, device=None):
     """A Llama-style model from fuelgraph.nn layers: embedding, pre-norm blocks (RMS norm,
     grouped-query attention with RoPE, a SiLU-gated MLP with biases), a final norm and an
     output head."""
@@ -266,8 +305,10 @@ def tiny_lm(seed=0):
             hd = c["dim"] // c["heads"]
             inv = 10000.0 ** (-np.arange(0, hd, 2) / hd)
             ang = np.arange(c["seq"])[:, None] * inv[None, :]
-            self.cos = fg.tensor(np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32))
-            self.sin = fg.tensor(np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32))
+            self.cos = fg.tensor(np.concatenate([np.cos(ang)] * 2, -1).astype(np.float32),
+                                 device=device or "cpu")
+            self.sin = fg.tensor(np.concatenate([np.sin(ang)] * 2, -1).astype(np.float32),
+                                 device=device or "cpu")
 
         def forward(self, idx):
             x = self.emb(idx)
@@ -276,7 +317,8 @@ def tiny_lm(seed=0):
             return self.head(self.norm(x))
 
     fg.manual_seed(seed)
-    return TinyLM()
+    m = TinyLM()
+    return m.to(device) if device else m
 
 
 def tp_plan():
@@ -301,17 +343,17 @@ def tensor_parallel():
     import fuelgraph.nn.functional as F
     import fuelgraph.optim as optim
     from fuelgraph.api import tensor
-    full = tiny_lm(seed=0)
+    full = tiny_lm(seed=0, device=dev())
     path = os.path.join(tempfile.gettempdir(), f"fg_tp_{os.environ['MASTER_PORT']}.safetensors")
     if dist.rank() == 0:
         fg.save(full.state_dict(), path)
     dist.barrier()
-    tp = dist.parallelize(tiny_lm(seed=5), tp_plan())   # other weights: the load sets them
+    tp = dist.parallelize(tiny_lm(seed=5, device=dev()), tp_plan())   # other weights: the load sets them
     dist.load_sharded(tp, path)
     dist.barrier()
     if dist.rank() == 0:
         os.remove(path)
-    idx, tgt = (tensor(a) for a in tp_batch())
+    idx, tgt = (tensor(a, device=dev()) for a in tp_batch())
     out = {"logits": tp(idx).numpy().copy(), "logits_full": full(idx).numpy().copy()}
 
     def loss_of(model, i, t):
@@ -323,7 +365,7 @@ def tensor_parallel():
              zip((tp, full), opts)]
     losses = []
     for s in range(2):
-        i, t = (tensor(a) for a in tp_batch(s))
+        i, t = (tensor(a, device=dev()) for a in tp_batch(s))
         losses.append((steps[0](i, t).item(), steps[1](i, t).item()))
     out["losses"] = losses
     out["tp_params"] = {k: v.numpy().copy() for k, v in tp.state_dict().items()}

@@ -5,7 +5,6 @@ here from both processes' inputs. In one process: the ops are identities, shapes
 every validation error at build time, and the recipe refusing to stand in for communication."""
 import numpy as np
 import pytest
-import torch
 
 import fuelgraph as fg
 import fuelgraph.functional as F
@@ -15,11 +14,7 @@ from fuelgraph.registry.collective import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTE
 from fuelgraph.registry.core import call_fused
 from tests.distributed import scenarios as S
 from tests.distributed.harness import results
-from tests.oracle import assert_close_dtype
-
-WORLD = 2
-TORCH = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-         "float16": torch.float16}
+from tests.distributed.references import WORLD, check_chain, check_collective_case
 
 
 @pytest.fixture
@@ -31,50 +26,10 @@ def fake2():
 
 
 # ---- two processes: values and gradients against torch -----------------------------------------
-def _blocks(a, axis, n):
-    return np.split(a, n, axis=axis)
-
-
-def _reference(case, kw, xs, ws, rank):
-    """(y, x.grad) on `rank` for inputs xs and cotangents ws of every rank (float64)."""
-    if case.startswith("all_reduce"):
-        y = sum(xs) / (WORLD if kw["op"] == "avg" else 1)
-        g = ws[rank] / (WORLD if kw["op"] == "avg" else 1)
-    elif case.startswith("all_gather"):
-        ax = kw["axis"] % xs[0].ndim
-        y = np.concatenate(xs, ax)
-        g = _blocks(ws[rank], ax, WORLD)[rank] if kw.get("grad") == "shard" else \
-            sum(_blocks(w, ax, WORLD)[rank] for w in ws)
-    elif case.startswith("reduce_scatter"):
-        ax = kw["axis"]
-        y = _blocks(sum(xs), ax, WORLD)[rank] / (WORLD if kw["op"] == "avg" else 1)
-        g = np.concatenate(ws, ax) / (WORLD if kw["op"] == "avg" else 1)
-    elif case.startswith("shard"):
-        y = _blocks(xs[rank], kw["axis"], WORLD)[rank]
-        g = np.concatenate(ws, kw["axis"])
-    else:   # replicate
-        y, g = xs[rank], sum(ws)
-    return y, g
-
-
-def _same_dtype(v64, dtype):
-    """The float64 reference rounded through torch in `dtype` (the same-dtype reference of
-    the 16-bit rule: one rounding, as a torch reduction of two values)."""
-    return torch.tensor(np.asarray(v64)).to(TORCH[dtype]).double().numpy()
-
-
 @pytest.mark.parametrize("dtype", S.DTYPES)
 @pytest.mark.parametrize("case,kw,shape", S.COLLECTIVE_CASES, ids=[c[0] for c in S.COLLECTIVE_CASES])
 def test_two_processes_value_and_gradient(case, kw, shape, dtype):
-    res = results("collectives")
-    xs = [np.asarray(S.rank_input(r, shape, dtype, 1), np.float64) for r in range(WORLD)]
-    for r in range(WORLD):
-        y, gx, yshape = res[r][(case, dtype)]
-        ws = [np.asarray(S.rank_input(q, yshape, dtype, 2), np.float64) for q in range(WORLD)]
-        ry, rg = _reference(case, kw, xs, ws, r)
-        assert y.shape == ry.shape and gx.shape == rg.shape == xs[r].shape
-        assert_close_dtype(y, ry, _same_dtype(ry, dtype), dtype)
-        assert_close_dtype(gx, rg, _same_dtype(rg, dtype), dtype)
+    check_collective_case(results("collectives"), case, kw, shape, dtype)
 
 
 def test_two_processes_agree_on_replicated_results():
@@ -93,16 +48,15 @@ def test_integer_sum_and_input_leaf_left_intact():
 
 
 def test_collectives_mixed_with_compute_in_one_plan():
-    res = results("collectives")
-    a = [torch.tensor(S.rank_input(r, (4, 6), "float32", 3), dtype=torch.float64)
-         for r in range(WORLD)]
-    b = sum(x * 2.0 for x in a)
-    c = torch.cat([b.sum(0, keepdim=True) + 1.0] * WORLD, 0)
-    for r in range(WORLD):
-        full = sum(c @ x.T for x in a)
-        d = torch.chunk(full, WORLD, 1)[r]
-        for got, want in zip(res[r]["chain"], (b, c, d)):
-            np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-4)
+    check_chain(results("collectives"))
+
+
+def test_broadcast_gives_rank_0_values_in_every_dtype():
+    want = [np.asarray(S.rank_input(0, (3, 2), d, 6), np.float64) for d in S.DTYPES] + \
+        [np.arange(4.0)]
+    for r in results("collectives"):
+        for got, w in zip(r["broadcast"], want):
+            np.testing.assert_array_equal(got, w)
 
 
 def test_recipe_refuses_to_replace_communication():

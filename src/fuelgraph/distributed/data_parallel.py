@@ -114,8 +114,9 @@ class DataParallel(Module):
     # ---- batches and steps ---------------------------------------------------------------------
     def shard_batch(self, *batch, axis: int = 0):
         """This process's block of each of `batch` (arrays or tensors holding the whole batch,
-        the same on every process) along `axis`, as new leaf tensors. The batch size must be
-        divisible by the group size (equal shards keep the mean loss exact)."""
+        the same on every process) along `axis`, as new leaf tensors (arrays go to the
+        model's device). The batch size must be divisible by the group size (equal shards
+        keep the mean loss exact)."""
         g = group_info(self.group)
         out = []
         for x in batch:
@@ -128,7 +129,8 @@ class DataParallel(Module):
             if isinstance(x, Tensor):
                 out.append(realize([x[idx]])[0])     # a leaf on x's device
             else:
-                out.append(tensor(np.ascontiguousarray(np.asarray(x)[idx])))
+                dev = next((p.device for p in self.module.parameters()), "cpu")
+                out.append(tensor(np.ascontiguousarray(np.asarray(x)[idx]), device=dev))
         return out[0] if len(out) == 1 else tuple(out)
 
     def train_step(self, loss_fn, optimizer, traced: bool = True):

@@ -135,12 +135,9 @@ def broadcast_(tensors, src: int = 0, group="world") -> None:
 
 
 def _as_torch(buf):
-    """A torch tensor sharing `buf`'s memory (NumPy arrays: bfloat16 as its bits)."""
+    """A torch tensor sharing `buf`'s memory (a contiguous NumPy array: its bytes, which gloo
+    moves whatever the dtype; bfloat16 has no NumPy-native dtype torch would take)."""
     if isinstance(buf, np.ndarray):
         import torch
-        if buf.dtype.name == "bfloat16":
-            buf = buf.view(np.int16)
-        elif buf.dtype == np.bool_:
-            buf = buf.view(np.uint8)
-        return torch.from_numpy(buf)
+        return torch.from_numpy(buf.reshape(-1).view(np.uint8))
     return buf

@@ -190,7 +190,9 @@ def parallelize(model: Module, plan: dict, group="world") -> Module:
     "column_gather" / Column(gather=True), "row" / Row(), "row_shard_input" /
     Row(input_is_parallel=False) for nn.Linear layers (replaced by their parallel form, holding
     this process's slice of the current weights), or Heads("attr", ...) for the modules whose
-    head counts must be divided. Every pattern must match at least one module."""
+    head counts must be divided. A pattern's wildcards match within one dotted component
+    ("blocks.*.wq" matches "blocks.3.wq"; "blocks.*" matches "blocks.3" only). Every pattern
+    must match at least one module."""
     g = group_info(group)
     modules = dict(model.named_modules())
     for pattern, style in plan.items():
@@ -198,7 +200,7 @@ def parallelize(model: Module, plan: dict, group="world") -> Module:
         if not isinstance(style, (Column, Row, Heads)):
             raise FuelGraphError(f"parallelize: unknown style {style!r} for {pattern!r}; "
                                  f"expected one of {sorted(_STYLES)}, Column, Row or Heads")
-        hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in modules if n and _matches(pattern, n)]
         if not hits:
             raise FuelGraphError(f"parallelize: pattern {pattern!r} matches no module")
         for name in hits:
@@ -221,6 +223,13 @@ def parallelize(model: Module, plan: dict, group="world") -> Module:
             parent, _, child = name.rpartition(".")
             modules[parent]._modules[child] = new     # in place: a Sequential keeps its order
     return model
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """fnmatch per dotted component: "blocks.*.wq" matches "blocks.3.wq", "blocks.*" matches
+    "blocks.3" (a wildcard never spans a dot)."""
+    ps, ns = pattern.split("."), name.split(".")
+    return len(ps) == len(ns) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(ps, ns))
 
 
 def load_sharded(model: Module, checkpoint, group="world", strict: bool = True):

@@ -6,6 +6,7 @@ sums in int64. Over one process every op is the identity and torch is never impo
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -20,8 +21,13 @@ def _comm_cost(shapes, params=None):
 
 
 def _torch(a):
+    """A torch tensor sharing `a`'s memory (gathers only read a read-only input)."""
     import torch
-    return torch.from_numpy(a)
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 def _bytes(a):
