@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-from pathlib import Path
 
 #: nominal ceilings used when they cannot be measured (GB/s, TFLOP/s); H200: HBM3e, bf16 dense
 NOMINAL = {"NVIDIA H200": (4800.0, 989.0)}
