@@ -116,11 +116,12 @@ def guarded(op, impl, shape, dtype, fn):
 
 
 # ----------------------------------------------------------------------------- fuelgraph plans
-def fg_plan(build, tensors, glue=True, idioms=True, absorb=False):
+def fg_plan(build, tensors, glue=True, idioms=True, absorb=None):
     """(run, first-call seconds): build(*fuelgraph tensors) -> outputs; the plan is compiled
     once (first call: optimize, codegen, Triton compile, one run), then `run` replays it.
-    glue=False: the glue pass off; idioms=False: idiom fusion off; absorb=True: row fused ops
-    lowered into neighbouring regions (regions.ABSORB_ROW_OPS)."""
+    glue=False: the glue pass off; idioms=False: idiom fusion off; absorb: whether row fused ops
+    are lowered into neighbouring regions (regions.ABSORB_ROW_OPS; None: the backend's
+    default, on for CUDA)."""
     import fuelgraph.opt.passes as P
     saved_fuse, saved, saved_absorb = P.fuse, regions.ENABLED, regions.ABSORB_ROW_OPS
     regions.ENABLED, regions.ABSORB_ROW_OPS = glue, absorb
@@ -223,11 +224,11 @@ def run_elementwise(name, shape, make, fg_fn, t_fn, opts, second):
     out_bytes = inputs[0].numel() * inputs[0].element_size()
     nbytes = sum(t.numel() * t.element_size() for t in inputs) + out_bytes
     ref = t_fn(*inputs).float()
-    variants = [("fuelgraph", True, False)]
+    variants = [("fuelgraph", True, None)]
     if opts.get("precise") and not second:
-        variants.append(("fuelgraph precise math", True, False))
+        variants.append(("fuelgraph precise math", True, None))
     if opts.get("one_region"):
-        variants.append(("fuelgraph row ops absorbed", True, True))
+        variants.append(("fuelgraph row ops kept", True, False))
     if not second:
         variants.append(("fuelgraph glue off", False, False))
     for impl, glue, absorb in variants:
@@ -376,7 +377,7 @@ def run_step(second):
 
     tws = [w.detach().requires_grad_() for w in ws]
     ref = t_step(x, tg, cos, sin, mask, *tws)[0].item()
-    variants = [("fuelgraph", True, False), ("fuelgraph row ops absorbed", True, True)]
+    variants = [("fuelgraph", True, None), ("fuelgraph row ops kept", True, False)]
     if not second:
         variants.append(("fuelgraph glue off", False, False))
     for impl, glue, absorb in variants:

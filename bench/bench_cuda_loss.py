@@ -165,8 +165,7 @@ def bench_ce(recs, smoke, sweep):
                                                        ignore_index=-100))
 
     def one_pass():
-        return L.fused_softmax_cross_entropy_fwd_bwd(logits, t, one, reduction="mean",
-                                                     ignore_index=-100)
+        return L.one_pass_fwd_bwd(logits, t, one, "mean", -100)
     impls = [("fuelgraph", plan_run), ("fuelgraph one-pass kernel", one_pass),
              ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager)]
     lce, _ = _liger()

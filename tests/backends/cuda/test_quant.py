@@ -34,7 +34,7 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 TYPES = list(GGUF)
 DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 # (M, config): GEMV, small M split over the reduction, a GEMM tile (bigger on the GPU)
-PATHS = [(1, None), (5, "split"), (40, "gemm")]
+PATHS = [(1, None), (5, "split"), (40, "gemm"), (70, None)]   # 70 rows: dequantize + cuBLAS
 
 
 def _cfg(kind):

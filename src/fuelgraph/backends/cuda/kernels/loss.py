@@ -443,12 +443,22 @@ def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
 @kernel(FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD, "cuda", dtypes=HALF_AND_F32, cost=row_cost(8, 2))
 def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Tensor, grad, *,
                                         reduction: str, ignore_index: int | None):
-    """``(loss, dlogits)`` of the softmax cross-entropy in one pass over the logits: each row is
-    streamed once from memory (the gradient pass re-reads it from L2). Same results as
+    """``(loss, dlogits)`` of the softmax cross-entropy. Same results as
     ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
-    bfloat16 and float16 logits."""
+    bfloat16 and float16 logits. Runs the forward and backward kernels back to back unless
+    ``ONE_PASS`` is set: on an H200 (2026-12-01, bf16 8192x128256) the pair took 2.08 ms and
+    the one-pass kernel (`one_pass_fwd_bwd`, each row streamed once, the gradient pass
+    re-reading it from L2) 3.30 ms with its untuned launch defaults."""
     op = "fused_softmax_cross_entropy_fwd_bwd"
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
         _check_targets(op, targets, V, ignore_index)
-    return _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index)
+    if ONE_PASS:
+        return one_pass_fwd_bwd(logits, targets, grad, reduction, ignore_index)
+    return (_fsce_forward(logits, targets, reduction, ignore_index),
+            _fsce_backward(logits, targets, grad, reduction, ignore_index))
+
+
+#: run the one-pass kernel for the forward+backward op (see fused_softmax_cross_entropy_fwd_bwd)
+ONE_PASS = False
+one_pass_fwd_bwd = _fsce_fwd_bwd
