@@ -1,0 +1,4 @@
+"""placeholder"""
+class BasicBlock: pass
+class BatchNorm2d: pass
+class ResNet: pass
