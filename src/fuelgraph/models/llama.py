@@ -152,18 +152,22 @@ class LlamaRMSNorm(Module):
         return F.rms_norm(x, None, self.weight, self.eps)
 
 
+def _linear(cin, cout, bias, dtype, device):
+    return Linear(cin, cout, bias=bias, dtype=dtype, device=device)
+
+
 class LlamaAttention(Module):
-    def __init__(self, cfg: LlamaConfig, dtype, device):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
         super().__init__()
         h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.dim_head
         self.hq, self.hkv, self.d = hq, hkv, d
         self.scale = d ** -0.5
         self.interleaved = cfg.rope_interleaved
         b = cfg.attention_bias
-        self.q_proj = Linear(h, hq * d, bias=b, dtype=dtype, device=device)
-        self.k_proj = Linear(h, hkv * d, bias=b, dtype=dtype, device=device)
-        self.v_proj = Linear(h, hkv * d, bias=b, dtype=dtype, device=device)
-        self.o_proj = Linear(hq * d, h, bias=b, dtype=dtype, device=device)
+        self.q_proj = linear(h, hq * d, b, dtype, device)
+        self.k_proj = linear(h, hkv * d, b, dtype, device)
+        self.v_proj = linear(h, hkv * d, b, dtype, device)
+        self.o_proj = linear(hq * d, h, b, dtype, device)
 
     def forward(self, x, shape, cos, sin, cache=None, seqs=None, layer=0):
         """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] for the
@@ -185,22 +189,22 @@ class LlamaAttention(Module):
 
 
 class LlamaMLP(Module):
-    def __init__(self, cfg: LlamaConfig, dtype, device):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
         super().__init__()
         h, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, f, bias=b, dtype=dtype, device=device)
-        self.up_proj = Linear(h, f, bias=b, dtype=dtype, device=device)
-        self.down_proj = Linear(f, h, bias=b, dtype=dtype, device=device)
+        self.gate_proj = linear(h, f, b, dtype, device)
+        self.up_proj = linear(h, f, b, dtype, device)
+        self.down_proj = linear(f, h, b, dtype, device)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(Module):
-    def __init__(self, cfg: LlamaConfig, dtype, device):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, device)
-        self.mlp = LlamaMLP(cfg, dtype, device)
+        self.self_attn = LlamaAttention(cfg, dtype, device, linear)
+        self.mlp = LlamaMLP(cfg, dtype, device, linear)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                      device)
@@ -211,10 +215,10 @@ class LlamaDecoderLayer(Module):
 
 
 class LlamaModel(Module):
-    def __init__(self, cfg: LlamaConfig, dtype, device):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = ModuleList([LlamaDecoderLayer(cfg, dtype, device)
+        self.layers = ModuleList([LlamaDecoderLayer(cfg, dtype, device, linear)
                                   for _ in range(cfg.num_hidden_layers)])
         self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -232,13 +236,14 @@ class LlamaForCausalLM(GenerationMixin, Module):
     `model(input_ids, labels=labels)` -> the mean next-token cross-entropy (labels shifted by one
     inside, -100 ignored, as transformers does); `generate` decodes with a paged KV cache."""
 
-    def __init__(self, cfg: LlamaConfig, dtype=dt.float32, device="cpu"):
+    def __init__(self, cfg: LlamaConfig, dtype=dt.float32, device="cpu", linear=_linear):
+        """`linear(in, out, bias, dtype, device)` builds each projection and the head (an
+        nn.Linear by default; GGUF models pass quantized ones)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, device)
+        self.model = LlamaModel(cfg, dtype, device, linear)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
-                                  device=device)
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         self.rope = RopeTables(cfg)
 
     @property
@@ -252,8 +257,11 @@ class LlamaForCausalLM(GenerationMixin, Module):
     def head(self, h):
         """Logits of final hidden states h [..., hidden] -> [..., V] (one product, the weight
         broadcast over leading dims)."""
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return h @ w.mT
+        if self.config.tie_word_embeddings:
+            return h @ self.model.embed_tokens.weight.mT
+        if type(self.lm_head) is Linear:
+            return h @ self.lm_head.weight.mT
+        return self.lm_head(h)
 
     def _ids(self, input_ids) -> Tensor:
         if isinstance(input_ids, Tensor):
