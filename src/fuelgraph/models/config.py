@@ -88,3 +88,50 @@ def load_into(model, state: dict, drop=()) -> None:
         raise FuelGraphError(f"from_pretrained: the checkpoint does not match "
                              f"{type(model).__name__}: missing {missing[:8]}, unexpected "
                              f"{unexpected[:8]}")
+
+
+def save_pretrained(model, directory) -> str:
+    """Write `model` as a Hugging Face checkpoint directory: config.json (the architecture and
+    its config fields) and model.safetensors (the state dict, names as transformers uses
+    them), readable by `from_pretrained` here and by transformers."""
+    from dataclasses import asdict
+    from ..checkpoint import save
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in asdict(model.config).items() if k not in ("extra",)}
+    cfg.update(model.hf_config_extra())
+    cfg["architectures"] = [type(model).__name__]
+    cfg["dtype"] = model.dtype.name
+    with open(d / "config.json", "w") as f:
+        json.dump(cfg, f, indent=2, default=lambda v: list(v) if isinstance(v, tuple) else v)
+    save(dict(model.state_dict()), os.fspath(d / "model.safetensors"), metadata={"format": "pt"})
+    return os.fspath(d)
+
+
+def init_random(model, seed: int = 0):
+    """Fill a model with random weights of sensible scale (NumPy generator `seed`): matrices
+    N(0, 1/fan_in), embeddings N(0, 0.02), norm weights 1, biases 0, and for Mamba-2 the usual
+    A_log = log(1..H), D = 1, dt_bias = softplus^-1 of log-uniform steps in [1e-3, 0.1].
+    Returns the model."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        shape, leaf = tuple(p.shape), name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            a = np.log(np.arange(1, shape[0] + 1, dtype=np.float64))
+        elif leaf == "D" or (leaf == "weight" and len(shape) == 1):
+            a = np.ones(shape)
+        elif leaf == "dt_bias":
+            step = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), shape))
+            a = step + np.log(-np.expm1(-step))
+        elif leaf == "bias":
+            a = np.zeros(shape)
+        elif "embed" in name:
+            a = rng.standard_normal(shape) * 0.02
+        else:
+            fan_in = int(np.prod(shape[1:]))
+            a = rng.standard_normal(shape) / np.sqrt(fan_in)
+        state[name] = a.astype(np.float32)
+    model.load_state_dict(state, strict=False)
+    return model

@@ -2,6 +2,9 @@
 greedy or sampled on the host from the last position's logits."""
 from __future__ import annotations
 
+import sys
+import time
+
 import numpy as np
 
 from ..errors import FuelGraphError
@@ -94,10 +97,28 @@ class GenerationMixin:
 
 
 def _bar(progress, total):
+    """tqdm's bar when tqdm is installed, else a plain one on stderr."""
     if not progress:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
+        return _PlainBar(total)
     return tqdm(total=total, desc="generating", unit="tok", leave=False)
+
+
+class _PlainBar:
+    def __init__(self, total):
+        self.total, self.n, self.t0 = total, 0, time.perf_counter()
+
+    def update(self, k):
+        self.n += k
+        done = int(30 * self.n / max(self.total, 1))
+        rate = self.n / max(time.perf_counter() - self.t0, 1e-9)
+        sys.stderr.write(f"\rgenerating [{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} "
+                         f"({rate:.1f} tok/s)")
+        sys.stderr.flush()
+
+    def close(self):
+        sys.stderr.write("\r" + " " * 72 + "\r")
+        sys.stderr.flush()

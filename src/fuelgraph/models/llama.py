@@ -24,7 +24,7 @@ from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
-from .config import load_into
+from .config import load_into, save_pretrained
 from .generation import GenerationMixin
 
 KV_BLOCK_SIZE = 16
@@ -277,6 +277,16 @@ class LlamaForCausalLM(GenerationMixin, Module):
         if labels is None:
             return self.head(h.reshape(*ids.shape, -1))
         return causal_lm_loss(self.head, h, ids.shape, self._ids(labels))
+
+    def hf_config_extra(self) -> dict:
+        """config.json fields beyond the dataclass's (transformers' names)."""
+        sc = dict(self.config.rope_scaling)
+        return {"model_type": "llama", "rope_scaling": sc or None,
+                "num_key_value_heads": self.config.kv_heads, "head_dim": self.config.dim_head}
+
+    def save_pretrained(self, directory) -> str:
+        """config.json + model.safetensors, loadable by from_pretrained and transformers."""
+        return save_pretrained(self, directory)
 
     def load_hf_state(self, state: dict):
         """Load a transformers LlamaForCausalLM state (names as in its safetensors files)."""

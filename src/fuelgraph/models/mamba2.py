@@ -24,7 +24,7 @@ from ..nn import functional as F
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
 from ..runtime.executor import realize
-from .config import inf_or, load_into
+from .config import inf_or, load_into, save_pretrained
 from .generation import GenerationMixin
 from .llama import causal_lm_loss
 
@@ -266,6 +266,13 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         if labels is None:
             return self.head(h.reshape(*shape, -1))
         return causal_lm_loss(self.head, h, shape, self._ids(labels))
+
+    def hf_config_extra(self) -> dict:
+        return {"model_type": "mamba2"}
+
+    def save_pretrained(self, directory) -> str:
+        """config.json + model.safetensors, loadable by from_pretrained and transformers."""
+        return save_pretrained(self, directory)
 
     def load_hf_state(self, state: dict):
         """Load a transformers Mamba2ForCausalLM state (names as in its safetensors files)."""
