@@ -233,7 +233,7 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                   device=device)
-        object.__setattr__(self, "_step_fn", jit(self._step))
+        object.__setattr__(self, "_step_fn", jit(self._step, cuda_graph=True))   # on a GPU: replayed as a CUDA graph
 
     @property
     def dtype(self):
