@@ -11,7 +11,8 @@ Architectures: LlamaForCausalLM (llama.py), Mamba2ForCausalLM (mamba2.py); a Res
 from __future__ import annotations
 
 from ..errors import FuelGraphError
-from .config import init_random, load_safetensors, read_config, resolve_dtype, save_pretrained
+from .config import (init_random, load_safetensors, read_config, resolve_dtype,
+                     save_pretrained)
 from .gguf_llama import from_gguf
 from .llama import LlamaConfig, LlamaForCausalLM
 from .mamba2 import Mamba2Config, Mamba2ForCausalLM
@@ -38,5 +39,6 @@ def from_pretrained(directory, dtype=None, device: str = "cpu"):
     return model.eval()
 
 
-__all__ = ["from_pretrained", "from_gguf", "save_pretrained", "init_random", "LlamaConfig", "LlamaForCausalLM", "Mamba2Config",
+__all__ = ["from_pretrained", "from_gguf", "save_pretrained", "init_random", "LlamaConfig",
+           "LlamaForCausalLM", "Mamba2Config",
            "Mamba2ForCausalLM", "BasicBlock", "BatchNorm2d", "ResNet", "ARCHITECTURES"]

@@ -75,7 +75,8 @@ def _config(md: dict, tensors: dict) -> LlamaConfig:
     hidden = int(get("embedding_length"))
     return LlamaConfig(
         vocab_size=int(emb.shape[0]), hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")), num_hidden_layers=int(get("block_count")),
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
         max_position_embeddings=int(get("context_length", 2048)),

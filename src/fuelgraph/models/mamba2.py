@@ -165,7 +165,8 @@ class Mamba2Mixer(Module):
         if not with_state:
             return out
         w = c.conv_kernel - 1
-        window = xbc_t.pad([(0, 0), (0, 0), (max(w - s, 0), 0)])[..., -w:] if w else xbc_t[..., :0]
+        padded = xbc_t.pad([(0, 0), (0, 0), (max(w - s, 0), 0)])
+        window = padded[..., -w:] if w else xbc_t[..., :0]
         return out, (window, last.astype(x.dtype.acc))
 
     def step(self, x, conv_state, ssm_state):
@@ -233,7 +234,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                   device=device)
-        object.__setattr__(self, "_step_fn", jit(self._step, cuda_graph=True))   # on a GPU: replayed as a CUDA graph
+        # the decode step, traced once; on a GPU each replay is one CUDA graph
+        object.__setattr__(self, "_step_fn", jit(self._step, cuda_graph=True))
 
     @property
     def dtype(self):
@@ -246,7 +248,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
     def head(self, h):
         """Logits of final hidden states h [..., hidden] -> [..., V] (one product, the weight
         broadcast over leading dims)."""
-        w = self.backbone.embeddings.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        tied = self.config.tie_word_embeddings
+        w = self.backbone.embeddings.weight if tied else self.lm_head.weight
         return h @ w.mT
 
     def _ids(self, input_ids) -> Tensor:
