@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 #: nominal ceilings used when they cannot be measured (GB/s, TFLOP/s); H200: HBM3e, bf16 dense
 NOMINAL = {"NVIDIA H200": (4800.0, 989.0)}
 
@@ -56,7 +58,6 @@ def _pick(names: list[str], known: list[str]) -> list[str]:
 def cpu_ceilings() -> dict:
     """Copy bandwidth (GB/s, read + write) and float32 matmul rate (TFLOP/s) of this CPU,
     best of a few short runs (a shared machine gives a lower bound of the real ceiling)."""
-    import numpy as np
     a = np.ones(1 << 25, np.float32)
     b = np.empty_like(a)
     bw = 0.0

@@ -1,4 +1,4 @@
-"""INPLACE_AFFINE (id 16): `out = mul * x + add`, written into x's buffer (spec fused-ops.md §16).
+"""INPLACE_AFFINE (id 16): `out = mul * x + add`, written into x's buffer.
 
     x [...] float (any shape, float32/float64/bfloat16/float16) -> out, same shape and dtype
 

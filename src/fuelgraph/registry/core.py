@@ -16,6 +16,7 @@ from ..errors import FuelGraphError
 from ..ir import ops
 from ..ir.node import Node, Value, make_node, structural_key, toposort
 from ..ir.scan import placeholder
+from ..ir.tensor import Tensor, tensor
 
 RUNTIME_BASE = 0x8000
 
@@ -308,7 +309,6 @@ def _sample_like(in_meta):
 def replay(body: "ops.Body", tensors) -> tuple:
     """The outputs of sub-graph `body` rebuilt on `tensors` (one per body input): every node is
     applied again to the new sources; constant leaves move to the tensors' device."""
-    from ..ir.tensor import Tensor
     vals = [t.value if isinstance(t, Tensor) else t for t in tensors]
     env: dict[Node, Node] = {p.node: v.node for p, v in zip(body.inputs, vals)}
     slot = {p.node: v.slot for p, v in zip(body.inputs, vals)}
@@ -352,7 +352,6 @@ class Traced:
 
 def trace_recipe(recipe, sample, params=None) -> Traced:
     """Trace `recipe` on fresh placeholder inputs shaped and typed like `sample(rng)`."""
-    from ..ir.tensor import tensor
     rng = np.random.default_rng(0)
     xs = [tensor(a) for a in sample(rng)]
     # a pattern for the form without trailing optional inputs takes only the first n_inputs
@@ -418,7 +417,6 @@ def fused_node(op: "ops.Fused", srcs: tuple) -> Node:
 
 def call_fused(op_id, *srcs, **params):
     """Build a fused node on tensors `srcs`; returns a Tensor or a tuple for multi-output ops."""
-    from ..ir.tensor import Tensor
     e = default_registry().entry(op_id)
     for i, s in enumerate(srcs):
         if not isinstance(s, Tensor):

@@ -1,4 +1,4 @@
-"""FUSED_LINEAR (id 2): `out = a @ b + bias` (spec fused-ops.md §2, Appendix H.14).
+"""FUSED_LINEAR (id 2): `out = a @ b + bias`.
 
     a [..., M, K], b [K, N] or [..., K, N], bias [N]  ->  out [batch, M, N]
 

@@ -1,4 +1,4 @@
-"""Last-dim normalisations without affine parameters (spec fused-ops.md §3, §4, §8, §9):
+"""Last-dim normalisations without affine parameters:
 
 * RMS_NORM_LAST_DIM (id 3)            y = x / sqrt(mean(x*x) + eps)          backward: fused(9)
 * LAYER_NORM_LAST_DIM (id 4)          y = (x - mu) / sqrt(mean((x-mu)^2) + eps) backward: fused(8)

@@ -1,5 +1,4 @@
-"""ROPE (id 5): rotary position embedding with explicit cos/sin tables (spec fused-ops.md §5,
-Appendix H.13).
+"""ROPE (id 5): rotary position embedding with explicit cos/sin tables.
 
     y = x * cos + rot(x) * sin          x [..., S, D] (rank >= 2, D even), cos/sin [..., S, D]
 

@@ -23,6 +23,8 @@ recipes are the reverse recurrence written with Scan too, so gradients of gradie
 depend on it (kernels pick their own tiles)."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -440,7 +442,6 @@ def _ssd_vjp(xs, ys, gs, p):
 
 
 def _asdict(p):
-    import dataclasses
     return dataclasses.asdict(p)
 
 

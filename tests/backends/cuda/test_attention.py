@@ -25,25 +25,6 @@ PARAMS = dict(softmax_scale=0.4, causal=False, window_size_left=None, window_siz
               softcap=None, k_len=None, has_alibi=False, k_len_input=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalar_index():
-    """Triton 3.6's CPU interpreter turns a scalar tensor into a Python int with int() of a
-    1-element array, which NumPy 2.4 refuses: loop bounds computed in the kernel fail. Patched
-    for this module's interpreter runs only."""
-    if not INTERPRET or HAS_CUDA:
-        yield
-        return
-    import triton.runtime.interpreter as interp
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = orig
-
-
 def _run(q, k, v, go, alibi=None, k_len_tensor=None, **kw):
     """(out, lse, dq, dk, dv) from the Triton kernels."""
     p = dict(PARAMS, **kw)

@@ -65,8 +65,9 @@ def run_regions(outs, tol):
             launcher = K.GlueLauncher(build_program(e.body), interpret=INTERPRET)
         except Unsupported:
             continue
-        ins = fg.realize([Tensor(s) for s in n.srcs], lower_all=True)
-        ref = fg.realize([Tensor(n.out(i)) for i in range(n.nout)], lower_all=True)
+        ins = [t.numpy() for t in fg.realize([Tensor(s) for s in n.srcs], lower_all=True)]
+        ref = [t.numpy() for t in fg.realize([Tensor(n.out(i)) for i in range(n.nout)],
+                                             lower_all=True)]
         got = launcher(*[to_torch(a) for a in ins])
         got = got if isinstance(got, tuple) else (got,)
         for g, r in zip(got, ref):
@@ -199,7 +200,7 @@ def test_glue_through_fuelgraph_on_cuda(dtype):
     y = g.silu() * u + r
     rep = fg.explain(y)
     assert rep.backend == "cuda" and len(rep.glue) == 1
-    got, ref = fg.realize([y])[0], fg.realize([y], lower_all=True)[0]
+    got, ref = fg.realize([y])[0].numpy(), fg.realize([y], lower_all=True)[0].numpy()
     tol = 1e-5 if dtype == "float32" else 2 ** -6
     np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=tol, atol=tol)
 
@@ -214,7 +215,7 @@ def test_gradients_through_glue_on_cuda():
     gx, gw = fg.grad(y, [xc, wc])
     assert fg.explain([gx, gw]).glue
     for a, b in zip(fg.realize([gx, gw]), fg.realize([gx, gw], lower_all=True)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
 
 
 @on_gpu

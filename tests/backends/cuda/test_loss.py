@@ -167,22 +167,6 @@ if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import loss as L
     from fuelgraph.backends.cuda.kernels import loss_linear as LL
 
-if INTERPRET and not HAS_CUDA:
-    # Triton 3.6's interpreter turns scalar kernel arguments into 1-element arrays, which
-    # NumPy >= 2.4 refuses to convert with int(); loops bounded by them then fail. Read the
-    # element instead (interpreter-only; compiled kernels are unaffected).
-    import triton.runtime.interpreter as _TI
-
-    if not getattr(_TI, "_fuelgraph_index_patch", False):
-        _orig_patch = _TI._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _orig_patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        _TI._patch_lang_tensor = _patch_lang_tensor
-        _TI._fuelgraph_index_patch = True
-
 IDS = DTYPE_IDS
 REDUCTIONS = ["mean", "sum", "none"]
 # launch overrides that exercise the persistent loop (several rows per program, ragged tail)

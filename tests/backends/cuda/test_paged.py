@@ -26,25 +26,6 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 TD = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalar_index():
-    """Triton 3.6's CPU interpreter turns a scalar tensor into a Python int with int() of a
-    1-element array, which NumPy 2.4 refuses: loop bounds read from memory fail. Patched for
-    this module's interpreter runs only."""
-    if not INTERPRET or HAS_CUDA:
-        yield
-        return
-    import triton.runtime.interpreter as interp
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interp._patch_lang_tensor = patched
-    yield
-    interp._patch_lang_tensor = orig
-
-
 def to_dev(case, dtype):
     out = {}
     for k, v in case.items():

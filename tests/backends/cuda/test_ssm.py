@@ -33,24 +33,6 @@ DTYPES = [fg.float32, fg.bfloat16, fg.float16]
 SLACK = {fg.bfloat16: 1e-2, fg.float16: 2e-3}
 
 
-def _fix_interpreter_index():
-    """Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which
-    NumPy >= 2.4 rejects; go through .item() instead (interpreter runs only)."""
-    from triton.runtime import interpreter as itp
-    orig = itp._patch_lang_tensor
-    if getattr(orig, "_fuelgraph_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__",
-                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-    patched._fuelgraph_fixed = True
-    itp._patch_lang_tensor = patched
-
-
-if INTERPRET and not HAS_CUDA:
-    _fix_interpreter_index()
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import ssm as KS
     from fuelgraph.backends.cuda.kernels import ssm_ssd as KD

@@ -50,7 +50,7 @@ def test_random_half_programs_within_rounding(kind):
         outs, desc = prog
         got, ref = fg.realize(outs), fg.realize(outs, lower_all=True)
         for a, b in zip(got, ref):
-            a, b = a.astype(np.float64), b.astype(np.float64)
+            a, b = a.numpy().astype(np.float64), b.numpy().astype(np.float64)
             fin = np.isfinite(a) & np.isfinite(b)
             tol = 2.0 ** -5 if kind == "bfloat16" else 2.0 ** -8
             np.testing.assert_allclose(a[fin], b[fin], rtol=4 * tol, atol=4 * tol, err_msg=desc)
@@ -109,3 +109,14 @@ def test_region_outputs_row_values_and_intermediates():
     y = x * r
     t = y.tanh()
     check_exact([t * 2.0 + y, r, ss, t @ fg.tensor(np.ones((33, 2), np.float32))])
+
+
+def test_zero_d_inputs_broadcast_into_chunked_regions():
+    # a 0-d input (or a 0-d slice of one) in a region large enough to be chunked is read whole
+    # by every chunk (it was sliced like the chunked arrays, giving empty operands)
+    n = 200_000
+    x = fg.tensor(np.arange(n, dtype=np.float32) * 1e-5)
+    s = fg.tensor(np.float32(2.0))
+    v = fg.tensor(np.array([1.0, 3.0], np.float32))
+    m = fg.tensor(np.random.default_rng(7).standard_normal((300, 1000)).astype(np.float32))
+    check_exact([(x + s).exp() * 2.0, (x * v[1] + 1.0).tanh(), (m + s) * 2.0 - v[0]])

@@ -10,7 +10,7 @@ from .common import acc_dtype, run_flat, store, to_acc
 
 @kernel(FusedOps.INPLACE_AFFINE, "numpy", cost=row_cost(2))
 def inplace_affine(x, *, mul, add, out=None):
-    """INPLACE_AFFINE (spec §16): `x <- mul * x + add` written INTO x; returns x (same object).
+    """INPLACE_AFFINE: `x <- mul * x + add` written INTO x; returns x (same object).
     With `out` (a fresh array shaped like x) the result goes there and x is only read: the
     runtime uses this when it may not overwrite x, instead of copying x first.
 

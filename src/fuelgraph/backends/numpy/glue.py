@@ -264,8 +264,9 @@ def _step(i, ins, ev):
     op, args, space = ins.op, ins.args, ins.space
     cd = np.dtype(ins.cd.np)
     if op == "load":
+        whole = not ins.kind.terms       # a scalar (a [1, ...] view): the same in every chunk
         def load(vals, sl, views, scratch, shapes):
-            v = views[i][sl] if sl else views[i]
+            v = views[i][sl] if sl and not whole else views[i]
             return v if v.dtype == cd else to_acc(v, cd)
         return load
     if op == "const":

@@ -11,7 +11,7 @@ from .common import acc_dtype, row_spans, run_flat, run_spans, store, to_acc
 
 @kernel(FusedOps.REDUCE_MAX_TO_BACKWARD, "numpy", cost=row_cost(4))
 def reduce_max_to_backward(x, grad):
-    """Backward of the primitive `ReduceMaxTo` (spec §10, H.15): torch `amax` semantics.
+    """Backward of the primitive `ReduceMaxTo`: torch `amax` semantics.
 
     x: [d0, ..., dk]; grad: same rank, `grad.shape[i] == 1` where axis i was reduced
     (`x.shape[i] != 1`), `grad.shape[i] == x.shape[i]` elsewhere. Returns dx, shape/dtype of x:
@@ -73,7 +73,7 @@ def _powi_inplace(a, e: int, scratch):
 
 @kernel(FusedOps.POWI_BACKWARD, "numpy", cost=row_cost(4))
 def powi_backward(x, grad, *, exp):
-    """Backward of `PowI(exp)` (spec §15, H.18): `dx = (exp * powi(x, exp - 1)) * grad`.
+    """Backward of `PowI(exp)`: `dx = (exp * powi(x, exp - 1)) * grad`.
 
     x, grad: same shape and dtype; returns dx of that shape/dtype. `powi` is integer power by
     repeated multiplication (binary exponentiation, like LLVM `powi`): `x**0 == 1` for every x,

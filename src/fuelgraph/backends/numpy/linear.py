@@ -1,4 +1,4 @@
-"""NumPy fused kernel for FUSED_LINEAR (spec §2, Appendix H.14): `a @ b + bias`.
+"""NumPy fused kernel for FUSED_LINEAR: `a @ b + bias`.
 
 The matrix product goes to BLAS (`np.matmul`) in the accumulation dtype (float32 for
 float32/float16/bfloat16 -- NumPy has no BLAS path for halves, so they are widened first --

@@ -1,4 +1,4 @@
-"""NumPy fused kernels for last-dim norms without affine parameters (spec §3, §4, §8, §9).
+"""NumPy fused kernels for last-dim norms without affine parameters.
 
 Every kernel views its input as rows `[R, n]` (n = last extent), computes in the accumulation
 dtype (float32 for float32/float16/bfloat16 -- eps is narrowed to float32 there -- float64 for
@@ -49,7 +49,7 @@ def _center_rstd(xc, out, ones, inv_n, eps_a, one):
 
 @kernel(FusedOps.RMS_NORM_LAST_DIM, "numpy", cost=row_cost(4))
 def rms_norm_last_dim(x, *, eps):
-    """RMS_NORM_LAST_DIM (§3): x [..., n] -> y of the same shape/dtype.
+    """RMS_NORM_LAST_DIM: x [..., n] -> y of the same shape/dtype.
 
     `ms = (sum_j x_j^2) * (1/n)`, `r = 1 / sqrt(ms + eps)`, `y_j = x_j * r` (no weight).
     eps = 0 with an all-zero row gives NaN (0 * inf), as specified.
@@ -78,7 +78,7 @@ def rms_norm_last_dim(x, *, eps):
 
 @kernel(FusedOps.LAYER_NORM_LAST_DIM, "numpy", cost=row_cost(7))
 def layer_norm_last_dim(x, *, eps):
-    """LAYER_NORM_LAST_DIM (§4): x [..., n] -> y of the same shape/dtype (no gamma/beta).
+    """LAYER_NORM_LAST_DIM: x [..., n] -> y of the same shape/dtype (no gamma/beta).
 
     Two-pass, population variance: `mu = sum(x) * (1/n)`, `var = sum((x - mu)^2) * (1/n)`,
     `y = (x - mu) * (1 / sqrt(var + eps))`.
@@ -103,7 +103,7 @@ def layer_norm_last_dim(x, *, eps):
 
 @kernel(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, "numpy", cost=row_cost(8))
 def rms_norm_last_dim_backward(x, grad, *, eps):
-    """RMS_NORM_LAST_DIM_BACKWARD (§9): x, grad [..., n] -> dx of x's shape/dtype.
+    """RMS_NORM_LAST_DIM_BACKWARD: x, grad [..., n] -> dx of x's shape/dtype.
 
     Per row: `den = sum(x^2)/n + eps`, `r = 1/sqrt(den)`, `s = sum(grad * x)`,
     `dx = r * (grad - x * s / (n * den))`, evaluated as `grad * r - x * (r * s / (n * den))`.
@@ -138,7 +138,7 @@ def rms_norm_last_dim_backward(x, grad, *, eps):
 
 @kernel(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, "numpy", cost=row_cost(12))
 def layer_norm_last_dim_backward(x, grad, *, eps):
-    """LAYER_NORM_LAST_DIM_BACKWARD (§8): x, grad [..., n] -> dx of x's shape/dtype.
+    """LAYER_NORM_LAST_DIM_BACKWARD: x, grad [..., n] -> dx of x's shape/dtype.
 
     Per row: `mu = mean(x)`, `var = mean((x - mu)^2)`, `r = 1/sqrt(var + eps)`,
     `xhat = (x - mu) * r`, `dx = r * (grad - mean(grad) - xhat * mean(grad * xhat))`, evaluated as

@@ -1,4 +1,4 @@
-"""NumPy fused kernel for ROPE (spec §5): rotary position embedding with explicit cos/sin tables.
+"""NumPy fused kernel for ROPE: rotary position embedding with explicit cos/sin tables.
 
 Both layouts are written as `y = x * cos + rot(x) * sin`, evaluated per element in the
 accumulation dtype (float32 for float32/float16/bfloat16, float64 for float64) and narrowed once
@@ -52,7 +52,7 @@ def rope(x, cos, sin, *, interleaved):
     """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [..., S, D] broadcastable to x -> y,
     shape/dtype of x.
 
-    interleaved=False (rotate-half, the op of spec §5), for i < h = D/2:
+    interleaved=False (rotate-half, the default layout), for i < h = D/2:
         y[i]     = x[i]     * cos[i]     - x[i + h] * sin[i]
         y[i + h] = x[i + h] * cos[i + h] + x[i]     * sin[i + h]
     interleaved=True (GPT-J pairs):

@@ -244,6 +244,8 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 
 
 def _check_targets(op, t, V, ignore_index):
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return              # a host sync cannot be captured into a CUDA graph
     bad = (t < 0) | (t >= V)
     if ignore_index is not None:
         bad &= t != ignore_index

@@ -1,6 +1,6 @@
-"""RMS_NORM_LAST_DIM (§3), LAYER_NORM_LAST_DIM (§4) and their backwards (§9, §8) on Triton.
+"""RMS_NORM_LAST_DIM, LAYER_NORM_LAST_DIM and their backwards on Triton.
 
-No weight / affine (the "bare" norms of the spec). ``eps`` is narrowed to float32 (§3), all
+No weight / affine (no weight: multiply by one outside the op). ``eps`` is narrowed to float32, all
 statistics are float32, the output has the input dtype. Backward kernels recompute the row
 statistics from ``x`` (nothing is cached), in one pass over ``x`` and ``grad`` for rows held in
 registers. Rows wider than ``MAX_FUSED_N`` use looped kernels (2 or 3 passes per row).

@@ -1,4 +1,4 @@
-"""ROPE (spec §5) forward and backward on Triton, rotate-half and interleaved (GPT-J) layouts.
+"""ROPE forward and backward on Triton, rotate-half and interleaved (GPT-J) layouts.
 
 ``x`` is ``[..., S, D]`` (D even) and ``cos``/``sin`` are tables ending in ``[S, D]`` that
 broadcast to x: one ``[S, D]`` table for every leading slice, or per-batch tables whose non-1

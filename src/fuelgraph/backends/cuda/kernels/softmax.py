@@ -1,8 +1,8 @@
-"""SOFTMAX_LAST_DIM (spec §1) and SOFTMAX_LAST_DIM_BACKWARD (§7) as Triton kernels.
+"""SOFTMAX_LAST_DIM and SOFTMAX_LAST_DIM_BACKWARD as Triton kernels.
 
 Rows up to ``MAX_FUSED_N`` wide are held whole in registers (several short rows per program);
 wider rows use a two-pass looped kernel (online max/sum, then write). Compute is float32; the
-output has the input dtype. Edge behaviour follows §1: an all ``-inf`` row and any ``+inf``
+output has the input dtype. Edge behaviour: an all ``-inf`` row and any ``+inf``
 give NaN, a NaN poisons its row.
 """
 

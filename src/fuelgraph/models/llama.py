@@ -1,0 +1,340 @@
+"""A Llama-family decoder written with fuelgraph tensors: RMS norm with a weight, rotary
+embeddings (rope_theta, and the linear and llama3 frequency scalings), grouped-query attention
+through `flash_attn` (prefill and training) and `paged_attn` over a `PagedKVCache` (decode), a
+SwiGLU MLP and a tied or separate output head. Parameter names are those of Hugging Face's
+LlamaForCausalLM, so its safetensors files load as they are.
+
+    model = fuelgraph.models.from_pretrained("path/to/llama")     # config.json + safetensors
+    logits = model(ids)                                           # [B, S, V]
+    loss = model(ids, labels=ids)                                 # next-token cross-entropy
+    out = model.generate(ids, max_new_tokens=32)                  # NumPy [B, S + 32]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import dtype as dt
+from .. import functional as FF
+from ..errors import FuelGraphError
+from ..ir.tensor import Tensor, tensor
+from ..nn import functional as F
+from ..nn.kv_cache import PagedKVCache
+from ..nn.layers import Embedding, Linear
+from ..nn.module import Module, ModuleList, Parameter
+from .config import load_into, save_pretrained
+from .generation import GenerationMixin
+
+KV_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a Hugging Face Llama config.json that the model uses."""
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()              # sorted (key, value) pairs; () = none
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope_interleaved: bool = False        # GPT-J pairs (GGUF's q/k layout) instead of halves
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        """From a config.json dict: rope parameters in either layout (transformers >= 5's
+        `rope_parameters`, or `rope_theta` + `rope_scaling`)."""
+        rp = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        theta = rp.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling.update(rp)
+        kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise FuelGraphError(f"llama: hidden_act {cfg.get('hidden_act')!r} is not supported "
+                                 f"(silu only)")
+        names = {f for f in cls.__dataclass_fields__ if f not in ("rope_scaling", "extra",
+                                                                   "rope_theta")}
+        kw = {k: cfg[k] for k in names if k in cfg and cfg[k] is not None}
+        sc = () if kind == "default" else tuple(sorted({**scaling, "rope_type": kind}.items()))
+        return cls(rope_theta=float(theta), rope_scaling=sc, **kw)
+
+
+# ---- rotary embeddings ----------------------------------------------------------------------
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (float32, computed as transformers does), scaled by the config's
+    rope_scaling: none, "linear" (divided by factor) or "llama3" (low frequencies divided by
+    factor, a smooth blend between low_freq_factor and high_freq_factor)."""
+    dim = cfg.dim_head
+    inv = (np.float32(1.0) / (np.float32(cfg.rope_theta) **
+                              (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    sc = dict(cfg.rope_scaling)
+    kind = sc.get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return (inv / np.float32(sc["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    raise FuelGraphError(f"llama: rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RopeTables:
+    """Host tables cos/sin [positions, D] (rotate-half layout: the D/2 angles twice), grown on
+    demand; `at(start, n, dtype, device)` gives the [n, D] tensors for positions start..."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.inv = rope_inv_freq(cfg)
+        self.interleaved = cfg.rope_interleaved
+        self.cos = self.sin = np.zeros((0, 2 * self.inv.size), np.float32)
+        self._tensors: dict = {}
+
+    def _grow(self, n):
+        n = max(n, 2 * self.cos.shape[0], 64)
+        ang = np.arange(n, dtype=np.float32)[:, None] * self.inv[None, :]      # float32, as HF
+        ang = np.repeat(ang, 2, -1) if self.interleaved else np.concatenate([ang, ang], -1)
+        self.cos = np.cos(ang.astype(np.float64)).astype(np.float32)
+        self.sin = np.sin(ang.astype(np.float64)).astype(np.float32)
+        self._tensors.clear()
+
+    def at(self, start: int, n: int, dtype, device) -> tuple[Tensor, Tensor]:
+        if start + n > self.cos.shape[0]:
+            self._grow(start + n)
+        key = (start, n, dtype, device)
+        got = self._tensors.get(key)
+        if got is None:
+            got = tuple(tensor(t[start:start + n], device=device).astype(dtype)
+                        for t in (self.cos, self.sin))
+            if len(self._tensors) > 4096:
+                self._tensors.clear()
+            self._tensors[key] = got
+        return got
+
+
+# ---- layers ---------------------------------------------------------------------------------
+class LlamaRMSNorm(Module):
+    """x / sqrt(mean(x^2) + eps) * weight (the norm in float32 for 16-bit x, then rounded, as
+    transformers does)."""
+
+    def __init__(self, hidden, eps, dtype=dt.float32, device="cpu"):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = Parameter(np.ones(hidden, dtype.np))
+        if device != "cpu":
+            self.to(device)
+
+    def forward(self, x):
+        return F.rms_norm(x, None, self.weight, self.eps)
+
+
+def _linear(cin, cout, bias, dtype, device):
+    return Linear(cin, cout, bias=bias, dtype=dtype, device=device)
+
+
+class LlamaAttention(Module):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
+        super().__init__()
+        h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.dim_head
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.scale = d ** -0.5
+        self.interleaved = cfg.rope_interleaved
+        b = cfg.attention_bias
+        self.q_proj = linear(h, hq * d, b, dtype, device)
+        self.k_proj = linear(h, hkv * d, b, dtype, device)
+        self.v_proj = linear(h, hkv * d, b, dtype, device)
+        self.o_proj = linear(hq * d, h, b, dtype, device)
+
+    def forward(self, x, shape, cos, sin, cache=None, seqs=None, layer=0):
+        """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] for the
+        S positions. Without a cache: causal attention over x itself. With one: the S new
+        tokens' k/v go into the cache; a prompt (the cache held nothing before) attends itself
+        with flash_attn, a decode step attends every cached token with paged_attn."""
+        b, s = shape
+        heads = lambda t, n: t.reshape(b, s, n, self.d).permute(0, 2, 1, 3)   # noqa: E731
+        q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
+        k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
+        v = heads(self.v_proj(x), self.hkv)
+        if cache is not None:
+            cache.write(seqs, k, v, layer)
+        if cache is None or int(cache.context_lens(seqs).max()) == s:
+            o = FF.flash_attn(q, k, v, softmax_scale=self.scale, causal=True)
+        else:
+            o = cache.attention(seqs, q, layer, softmax_scale=self.scale)
+        return self.o_proj(o.permute(0, 2, 1, 3).reshape(b * s, self.hq * self.d))
+
+
+class LlamaMLP(Module):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
+        super().__init__()
+        h, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = linear(h, f, b, dtype, device)
+        self.up_proj = linear(h, f, b, dtype, device)
+        self.down_proj = linear(f, h, b, dtype, device)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(Module):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, dtype, device, linear)
+        self.mlp = LlamaMLP(cfg, dtype, device, linear)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                                     device)
+
+    def forward(self, x, shape, cos, sin, cache=None, seqs=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), shape, cos, sin, cache, seqs, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(Module):
+    def __init__(self, cfg: LlamaConfig, dtype, device, linear=_linear):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = ModuleList([LlamaDecoderLayer(cfg, dtype, device, linear)
+                                  for _ in range(cfg.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, ids, cos, sin, cache=None, seqs=None):
+        """ids [B, S] -> final hidden states [B*S, hidden]. The residual stream is kept as rows
+        (one GEMM per projection, no reshapes around it)."""
+        x = self.embed_tokens(ids.reshape(-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, tuple(ids.shape), cos, sin, cache, seqs, i)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(GenerationMixin, Module):
+    """Llama decoder + output head. `model(input_ids)` -> logits [B, S, V];
+    `model(input_ids, labels=labels)` -> the mean next-token cross-entropy (labels shifted by one
+    inside, -100 ignored, as transformers does); `generate` decodes with a paged KV cache."""
+
+    def __init__(self, cfg: LlamaConfig, dtype=dt.float32, device="cpu", linear=_linear):
+        """`linear(in, out, bias, dtype, device)` builds each projection and the head (an
+        nn.Linear by default; GGUF models pass quantized ones)."""
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, device, linear)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        self.rope = RopeTables(cfg)
+
+    @property
+    def dtype(self):
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self):
+        return self.model.norm.weight.device
+
+    def head(self, h):
+        """Logits of final hidden states h [..., hidden] -> [..., V] (one product, the weight
+        broadcast over leading dims)."""
+        if self.config.tie_word_embeddings:
+            return h @ self.model.embed_tokens.weight.mT
+        if type(self.lm_head) is Linear:
+            return h @ self.lm_head.weight.mT
+        return self.lm_head(h)
+
+    def _ids(self, input_ids) -> Tensor:
+        if isinstance(input_ids, Tensor):
+            return input_ids.astype(dt.int64)
+        return tensor(np.asarray(input_ids, np.int64), device=self.device)
+
+    def forward(self, input_ids, labels=None):
+        ids = self._ids(input_ids)
+        if ids.ndim != 2:
+            raise FuelGraphError(f"llama: input_ids must be [B, S], got {tuple(ids.shape)}")
+        cos, sin = self.rope.at(0, ids.shape[1], self.dtype, self.device)
+        h = self.model(ids, cos, sin)
+        if labels is None:
+            return self.head(h.reshape(*ids.shape, -1))
+        return causal_lm_loss(self.head, h, ids.shape, self._ids(labels))
+
+    def hf_config_extra(self) -> dict:
+        """config.json fields beyond the dataclass's (transformers' names)."""
+        sc = dict(self.config.rope_scaling)
+        return {"model_type": "llama", "rope_scaling": sc or None,
+                "num_key_value_heads": self.config.kv_heads, "head_dim": self.config.dim_head}
+
+    def save_pretrained(self, directory) -> str:
+        """config.json + model.safetensors, loadable by from_pretrained and transformers."""
+        return save_pretrained(self, directory)
+
+    def load_hf_state(self, state: dict):
+        """Load a transformers LlamaForCausalLM state (names as in its safetensors files)."""
+        drop = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.config.tie_word_embeddings
+                                           else ())
+        load_into(self, state, drop)
+        return self
+
+    # ---- decoding (GenerationMixin) -----------------------------------------------------------
+    def new_cache(self, batch: int, max_tokens: int) -> PagedKVCache:
+        """A paged KV cache with room for `batch` sequences of `max_tokens` tokens."""
+        cfg = self.config
+        per_seq = -(-max_tokens // KV_BLOCK_SIZE)
+        return PagedKVCache(num_blocks=batch * per_seq, block_size=KV_BLOCK_SIZE,
+                            num_kv_heads=cfg.kv_heads, head_dim=cfg.dim_head,
+                            max_blocks_per_seq=per_seq, num_layers=cfg.num_hidden_layers,
+                            max_seqs=batch, dtype=self.dtype, device=self.device)
+
+    def _prefill(self, ids: np.ndarray, max_new: int):
+        b, s = ids.shape
+        cache = self.new_cache(b, s + max_new)
+        seqs = cache.add_sequences(b)
+        return [cache, seqs, s], self._step(cache, seqs, ids, 0)
+
+    def _step(self, cache, seqs, ids: np.ndarray, start: int) -> Tensor:
+        n = ids.shape[1]
+        cache.extend(seqs, n)
+        cos, sin = self.rope.at(start, n, self.dtype, self.device)
+        b = ids.shape[0]
+        h = self.model(self._ids(ids), cos, sin, cache, seqs)
+        last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
+        return self.head(last).realize()
+
+    def _decode_step(self, state, tok: np.ndarray) -> Tensor:
+        cache, seqs, pos = state
+        state[2] = pos + 1
+        return self._step(cache, seqs, tok[:, None], pos)
+
+    def _release(self, state):
+        state[0].free(state[1])
+
+
+def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy of predicting token t+1 from position t, h [B*S, hidden] the final
+    hidden states of `shape` = (B, S): the last position has no target and `ignore_index`
+    labels are skipped, as in transformers' causal LM loss."""
+    b, s = shape
+    if tuple(labels.shape) != (b, s):
+        raise FuelGraphError(f"loss: labels have shape {tuple(labels.shape)}, expected {(b, s)}")
+    rows = h.reshape(b, s, -1)[:, :-1].reshape(b * (s - 1), -1)
+    return F.cross_entropy(head(rows), labels[:, 1:].reshape(-1), ignore_index=ignore_index)

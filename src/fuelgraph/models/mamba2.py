@@ -1,0 +1,323 @@
+"""Mamba-2 written with fuelgraph tensors: each block is an input projection, a causal depthwise
+conv (`causal_conv1d`), the state-space scan (`ssd_chunk_scan`) with its skip and SiLU gate, a
+grouped RMS norm and an output projection; decoding carries each layer's conv window and SSM
+state and updates them one token at a time (a traced step, replayed per token). Parameter names
+are those of Hugging Face's Mamba2ForCausalLM.
+
+    model = fuelgraph.models.from_pretrained("path/to/mamba2")
+    logits = model(ids)                       # [B, S, V]
+    out = model.generate(ids, max_new_tokens=32)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtype as dt
+from .. import functional as FF
+from ..errors import FuelGraphError
+from ..ir.tensor import Tensor, cat, tensor
+from ..jit import jit
+from ..nn import functional as F
+from ..nn.layers import Embedding, Linear
+from ..nn.module import Module, ModuleList, Parameter
+from ..runtime.executor import realize
+from .config import inf_or, load_into, save_pretrained
+from .generation import GenerationMixin
+from .llama import causal_lm_loss
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """The fields of a Hugging Face Mamba2 config.json that the model uses."""
+    vocab_size: int = 32768
+    hidden_size: int = 768
+    num_hidden_layers: int = 24
+    state_size: int = 128
+    expand: float = 2
+    head_dim: int = 64
+    num_heads: int = 24
+    n_groups: int = 1
+    chunk_size: int = 256
+    conv_kernel: int = 4
+    layer_norm_epsilon: float = 1e-5
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    tie_word_embeddings: bool = True
+    time_step_limit: tuple = (0.0, math.inf)
+    hidden_act: str = "silu"
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.expand * self.hidden_size)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Mamba2Config":
+        kw = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg and cfg[k] is not None}
+        if "time_step_limit" in kw:
+            lo, hi = kw["time_step_limit"]
+            kw["time_step_limit"] = (inf_or(lo, 0.0), inf_or(hi))
+        c = cls(**kw)
+        if c.hidden_act != "silu":
+            raise FuelGraphError(f"mamba2: hidden_act {c.hidden_act!r} is not supported (silu)")
+        if c.num_heads * c.head_dim != c.intermediate or c.num_heads % c.n_groups:
+            raise FuelGraphError(f"mamba2: num_heads * head_dim = {c.num_heads * c.head_dim} "
+                                 f"must equal expand * hidden_size = {c.intermediate}, and "
+                                 f"n_groups = {c.n_groups} divide num_heads")
+        return c
+
+
+def _chunk(length: int, preferred: int) -> int:
+    """The largest divisor of `length` that is at most `preferred` (a tiling hint)."""
+    for c in range(min(length, preferred), 0, -1):
+        if length % c == 0:
+            return c
+    return 1
+
+
+class DepthwiseConv1d(Module):
+    """The weights of Mamba's causal depthwise conv: weight [C, 1, W], bias [C]."""
+
+    def __init__(self, channels, width, bias, dtype, device):
+        super().__init__()
+        self.weight = Parameter(np.zeros((channels, 1, width), dtype.np))
+        self.bias = Parameter(np.zeros(channels, dtype.np)) if bias else None
+        if device != "cpu":
+            self.to(device)
+
+
+class GroupedRMSNorm(Module):
+    """RMS norm over groups of size `hidden / groups`, then times weight [hidden]."""
+
+    def __init__(self, hidden, groups, eps, dtype, device):
+        super().__init__()
+        self.groups, self.eps = groups, float(eps)
+        self.weight = Parameter(np.ones(hidden, dtype.np))
+        if device != "cpu":
+            self.to(device)
+
+    def forward(self, y):
+        shape = y.shape
+        g = y.reshape(*shape[:-1], self.groups, shape[-1] // self.groups)
+        return F.rms_norm(g, None, None, self.eps).reshape(shape) * self.weight
+
+
+class Mamba2Mixer(Module):
+    def __init__(self, cfg: Mamba2Config, dtype, device):
+        super().__init__()
+        self.cfg = cfg
+        i, h = cfg.intermediate, cfg.num_heads
+        self.in_proj = Linear(cfg.hidden_size, i + cfg.conv_dim + h, bias=cfg.use_bias,
+                              dtype=dtype, device=device)
+        self.conv1d = DepthwiseConv1d(cfg.conv_dim, cfg.conv_kernel, cfg.use_conv_bias, dtype,
+                                      device)
+        self.dt_bias = Parameter(tensor(np.zeros(h, dtype.np), device=device))
+        self.A_log = Parameter(tensor(np.zeros(h, dtype.np), device=device))
+        self.D = Parameter(tensor(np.ones(h, dtype.np), device=device))
+        self.norm = GroupedRMSNorm(i, cfg.n_groups, cfg.layer_norm_epsilon, dtype, device)
+        self.out_proj = Linear(i, cfg.hidden_size, bias=cfg.use_bias, dtype=dtype, device=device)
+
+    def _split(self, zxbcdt):
+        c = self.cfg
+        i, gn = c.intermediate, c.n_groups * c.state_size
+        return (zxbcdt[..., :i], zxbcdt[..., i:i + c.conv_dim], zxbcdt[..., i + c.conv_dim:],
+                (i, gn))
+
+    def _heads(self, bc, lead):
+        """[..., G*N] -> [..., H, N]: head h reads group h // (H / G)."""
+        c = self.cfg
+        g = bc.reshape(*lead, c.n_groups, 1, c.state_size)
+        g = g.broadcast_to((*lead, c.n_groups, c.num_heads // c.n_groups, c.state_size))
+        return g.reshape(*lead, c.num_heads, c.state_size)
+
+    def _dt(self, dt_raw):
+        """(dt, dt_bias, softplus flag) for the scan: the bias and softplus go into the fused op
+        unless the config clamps dt (time_step_limit), which is applied here."""
+        lo, hi = self.cfg.time_step_limit
+        if lo <= 0.0 and hi == math.inf:
+            return dt_raw, self.dt_bias, True
+        return (dt_raw + self.dt_bias).softplus().clamp(lo, hi), None, False
+
+    def forward(self, x, shape, with_state=False):
+        """x [B*S, hidden] (the tokens of `shape` = (B, S) as rows) -> [B*S, hidden] (and the
+        decode state after the last token)."""
+        c = self.cfg
+        b, s = shape
+        z, xbc, dt_raw, (i, gn) = self._split(self.in_proj(x))
+        xbc_t = xbc.reshape(b, s, c.conv_dim).permute(0, 2, 1)        # [B, C, S]
+        conv = FF.causal_conv1d(xbc_t, self.conv1d.weight, self.conv1d.bias, use_silu=True)
+        xbc = conv.permute(0, 2, 1)
+        xs = xbc[..., :i].reshape(b, s, c.num_heads, c.head_dim)
+        bh = self._heads(xbc[..., i:i + gn], (b, s))
+        ch = self._heads(xbc[..., i + gn:], (b, s))
+        dt_in, dt_bias, softplus = self._dt(dt_raw.reshape(b, s, c.num_heads))
+        y, last = FF.ssd_chunk_scan(xs, dt_in, -self.A_log.exp(), bh, ch,
+                                    chunk_size=_chunk(s, c.chunk_size), d=self.D,
+                                    z=z.reshape(b, s, c.num_heads, c.head_dim), dt_bias=dt_bias,
+                                    dt_softplus=softplus)
+        out = self.out_proj(self.norm(y.reshape(b * s, i)))
+        if not with_state:
+            return out
+        w = c.conv_kernel - 1
+        padded = xbc_t.pad([(0, 0), (0, 0), (max(w - s, 0), 0)])
+        window = padded[..., -w:] if w else xbc_t[..., :0]
+        return out, (window, last.astype(x.dtype.acc))
+
+    def step(self, x, conv_state, ssm_state):
+        """One token: x [B, hidden], conv_state [B, C, W-1] (the last inputs of the conv),
+        ssm_state [B, H, P, N] (float32) -> (out [B, hidden], conv_state, ssm_state)."""
+        c = self.cfg
+        b = x.shape[0]
+        z, xbc, dt_raw, (i, gn) = self._split(self.in_proj(x))
+        window = cat([conv_state, xbc.unsqueeze(-1)], -1)              # [B, C, W]
+        w = self.conv1d.weight.reshape(c.conv_dim, c.conv_kernel)
+        conv = (window * w).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        xbc = conv.silu()
+        acc = x.dtype.acc
+        xs = xbc[..., :i].reshape(b, c.num_heads, c.head_dim).astype(acc)
+        bh = self._heads(xbc[..., i:i + gn], (b,)).astype(acc)
+        ch = self._heads(xbc[..., i + gn:], (b,)).astype(acc)
+        dt_in, dt_bias, softplus = self._dt(dt_raw)
+        dtv = (dt_in + dt_bias).softplus() if softplus else dt_in
+        dtv = dtv.astype(acc)                                          # [B, H]
+        decay = (dtv * (-self.A_log.astype(acc).exp())).exp()
+        state = ssm_state * decay[:, :, None, None] + \
+            (dtv[:, :, None] * xs)[..., None] * bh[:, :, None, :]
+        y = (state * ch[:, :, None, :]).sum(-1) + self.D.astype(acc)[:, None] * xs
+        y = (y * z.reshape(b, c.num_heads, c.head_dim).astype(acc).silu()).astype(x.dtype)
+        return self.out_proj(self.norm(y.reshape(b, i))), window[..., 1:], state
+
+
+class Mamba2Block(Module):
+    def __init__(self, cfg: Mamba2Config, dtype, device):
+        super().__init__()
+        self.norm = GroupedRMSNorm(cfg.hidden_size, 1, cfg.layer_norm_epsilon, dtype, device)
+        self.mixer = Mamba2Mixer(cfg, dtype, device)
+
+    def forward(self, x, shape, with_state=False):
+        if not with_state:
+            return x + self.mixer(self.norm(x), shape)
+        y, st = self.mixer(self.norm(x), shape, True)
+        return x + y, st
+
+    def step(self, x, conv_state, ssm_state):
+        y, cs, ss = self.mixer.step(self.norm(x), conv_state, ssm_state)
+        return x + y, cs, ss
+
+
+class Mamba2Model(Module):
+    def __init__(self, cfg: Mamba2Config, dtype, device):
+        super().__init__()
+        self.embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = ModuleList([Mamba2Block(cfg, dtype, device)
+                                  for _ in range(cfg.num_hidden_layers)])
+        self.norm_f = GroupedRMSNorm(cfg.hidden_size, 1, cfg.layer_norm_epsilon, dtype, device)
+
+
+class Mamba2ForCausalLM(GenerationMixin, Module):
+    """Mamba-2 backbone + output head. `model(input_ids)` -> logits [B, S, V];
+    `model(input_ids, labels=labels)` -> the mean next-token cross-entropy; `generate` runs the
+    prompt through the chunked scan, then steps the recurrent state one token at a time."""
+
+    def __init__(self, cfg: Mamba2Config, dtype=dt.float32, device="cpu"):
+        super().__init__()
+        self.config = cfg
+        self.backbone = Mamba2Model(cfg, dtype, device)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
+                                  device=device)
+        # the decode step, traced once; on a GPU each replay is one CUDA graph
+        object.__setattr__(self, "_step_fn", jit(self._step, cuda_graph=True))
+
+    @property
+    def dtype(self):
+        return self.backbone.norm_f.weight.dtype
+
+    @property
+    def device(self):
+        return self.backbone.norm_f.weight.device
+
+    def head(self, h):
+        """Logits of final hidden states h [..., hidden] -> [..., V] (one product, the weight
+        broadcast over leading dims)."""
+        tied = self.config.tie_word_embeddings
+        w = self.backbone.embeddings.weight if tied else self.lm_head.weight
+        return h @ w.mT
+
+    def _ids(self, input_ids) -> Tensor:
+        if isinstance(input_ids, Tensor):
+            return input_ids.astype(dt.int64)
+        return tensor(np.asarray(input_ids, np.int64), device=self.device)
+
+    def forward(self, input_ids, labels=None):
+        ids = self._ids(input_ids)
+        if ids.ndim != 2:
+            raise FuelGraphError(f"mamba2: input_ids must be [B, S], got {tuple(ids.shape)}")
+        shape = tuple(ids.shape)
+        x = self.backbone.embeddings(ids.reshape(-1))
+        for layer in self.backbone.layers:
+            x = layer(x, shape)
+        h = self.backbone.norm_f(x)
+        if labels is None:
+            return self.head(h.reshape(*shape, -1))
+        return causal_lm_loss(self.head, h, shape, self._ids(labels))
+
+    def hf_config_extra(self) -> dict:
+        return {"model_type": "mamba2"}
+
+    def save_pretrained(self, directory) -> str:
+        """config.json + model.safetensors, loadable by from_pretrained and transformers."""
+        return save_pretrained(self, directory)
+
+    def load_hf_state(self, state: dict):
+        """Load a transformers Mamba2ForCausalLM state (names as in its safetensors files)."""
+        state = {k.replace("backbone.embedding.", "backbone.embeddings."): v
+                 for k, v in state.items()}
+        load_into(self, state, ("lm_head.weight",) if self.config.tie_word_embeddings else ())
+        return self
+
+    # ---- decoding (GenerationMixin) -----------------------------------------------------------
+    def _prefill(self, ids: np.ndarray, max_new: int):
+        b, s = ids.shape
+        x = self.backbone.embeddings(self._ids(ids).reshape(-1))
+        convs, ssms = [], []
+        for layer in self.backbone.layers:
+            x, (cs, ss) = layer(x, (b, s), True)
+            convs.append(cs)
+            ssms.append(ss)
+        last = x if s == 1 else x.reshape(b, s, -1)[:, -1]
+        logits = self.head(self.backbone.norm_f(last))
+        state = [convs, ssms]
+        return state, self._settle(state, logits)
+
+    def _step(self, tok, convs, ssms):
+        x = self.backbone.embeddings(tok)
+        new_c, new_s = [], []
+        for layer, cs, ss in zip(self.backbone.layers, convs, ssms):
+            x, cs, ss = layer.step(x, cs, ss)
+            new_c.append(cs)
+            new_s.append(ss)
+        return self.head(self.backbone.norm_f(x)), new_c, new_s
+
+    def _decode_step(self, state, tok: np.ndarray) -> Tensor:
+        logits, state[0], state[1] = self._step_fn(self._ids(tok), state[0], state[1])
+        return logits
+
+    @staticmethod
+    def _settle(state, logits):
+        """Compute the logits and the states in one plan (they share the prompt's graph)."""
+        outs = realize([logits] + state[0] + state[1])
+        n = len(state[0])
+        state[0], state[1] = outs[1:1 + n], outs[1 + n:]
+        return outs[0]
+
+    def _release(self, state):
+        state.clear()
