@@ -77,8 +77,6 @@ def fg_model(cfg: Config, device="cpu", dtype=None):
         def __init__(self):
             super().__init__()
             kv = cfg.kv_heads * cfg.head_dim
-            # head counts as attributes: tensor parallelism divides them (fuelgraph.distributed)
-            self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
             self.norm1, self.norm2 = nn.RMSNorm(cfg.hidden, 1e-6), nn.RMSNorm(cfg.hidden, 1e-6)
             self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
             self.wk = nn.Linear(cfg.hidden, kv, bias=False)
@@ -91,12 +89,12 @@ def fg_model(cfg: Config, device="cpu", dtype=None):
         def forward(self, x, cos, sin):
             b, s, _ = x.shape
             h = self.norm1(x)
-            q = self.wq(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-            k = self.wk(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = self.wv(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = self.wq(h).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
+            k = self.wk(h).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+            v = self.wv(h).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
             q, k = F.rope(q, cos, sin), F.rope(k, cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + self.wo(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+            x = x + self.wo(o.transpose(1, 2).reshape(b, s, cfg.hidden))
             h = self.norm2(x)
             return x + self.down(F.silu(self.gate(h)) * self.up(h))
 

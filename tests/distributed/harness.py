@@ -15,8 +15,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALL = {"cpu": ("collectives", "numpy_kernels", "schedule", "data_parallel", "tensor_parallel"),
-       "cuda": ("collectives", "cuda_kernels", "schedule", "data_parallel", "tensor_parallel")}
+ALL = {"cpu": ("collectives", "numpy_kernels", "schedule", "data_parallel", "tensor_parallel",
+               "tensor_parallel_llama"),
+       "cuda": ("collectives", "cuda_kernels", "schedule", "data_parallel", "tensor_parallel",
+                "tensor_parallel_llama")}
 
 
 def free_port() -> int:

@@ -379,3 +379,48 @@ def _train(loss, opt):
     opt.step()
     opt.zero_grad()
     return loss
+
+
+# ---- tensor parallel: fuelgraph.models' Llama ------------------------------------------------
+def llama_config():
+    from fuelgraph.models import LlamaConfig
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                       max_position_embeddings=64)
+
+
+def tensor_parallel_llama():
+    """fuelgraph.models.LlamaForCausalLM split by `llama_plan()` and loaded from a Hugging Face
+    checkpoint directory: logits, loss and one SGD step against the single-device model."""
+    import fuelgraph as fg
+    import fuelgraph.distributed as dist
+    import fuelgraph.optim as optim
+    from fuelgraph.api import tensor
+    from fuelgraph.models import LlamaForCausalLM, init_random, save_pretrained
+    cfg = llama_config()
+    full = init_random(LlamaForCausalLM(cfg, device=dev()), seed=0)
+    path = os.path.join(tempfile.gettempdir(), f"fg_tp_llama_{os.environ['MASTER_PORT']}")
+    if dist.rank() == 0:
+        save_pretrained(full, path)
+    dist.barrier()
+    tp = dist.parallelize(LlamaForCausalLM(cfg, device=dev()), dist.llama_plan())
+    dist.load_sharded(tp, path)
+    dist.barrier()
+    if dist.rank() == 0:
+        import shutil
+        shutil.rmtree(path)
+    ids = tensor(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 8)), device=dev())
+    out = {"logits": tp(ids).numpy().copy(), "logits_full": full(ids).numpy().copy()}
+    losses = []
+    for m in (tp, full):
+        opt = optim.SGD(m.parameters(), lr=0.1)
+        loss = m(ids, labels=ids)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    out["losses"] = losses
+    out["tp_params"] = {k: v.numpy().copy() for k, v in tp.state_dict().items()}
+    out["full_params"] = {k: v.numpy().copy() for k, v in full.state_dict().items()}
+    out["shard_axes"] = {k: getattr(m, "shard_axes", {}) for k, m in tp.named_modules()}
+    out["heads"] = (tp.model.layers[0].self_attn.hq, tp.model.layers[0].self_attn.hkv)
+    return out

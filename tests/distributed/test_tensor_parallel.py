@@ -1,9 +1,10 @@
-"""Tensor parallelism over two gloo processes: a Llama-style model (grouped-query attention
-with RoPE, a SiLU-gated MLP with biases) converted by `parallelize` (column/row-parallel
-projections, head-parallel attention, a gathered output head) and loaded from a full
-safetensors checkpoint by `load_sharded` gives the single-device model's logits, and trains
-step for step like it (each process's slice of every weight). In one process: slicing of
-checkpoints and the errors of `parallelize`."""
+"""Tensor parallelism over two gloo processes: a Llama-style model built from fuelgraph.nn
+(grouped-query attention with RoPE, a SiLU-gated MLP with biases) converted by `parallelize`
+(column/row-parallel projections, head-parallel attention, a gathered output head) and loaded
+from a full safetensors checkpoint by `load_sharded` gives the single-device model's logits,
+and trains step for step like it (each process's slice of every weight); so does
+fuelgraph.models' Llama split by `llama_plan()` and loaded from a checkpoint directory. In one
+process: slicing of checkpoints and the errors of `parallelize`."""
 import numpy as np
 import pytest
 
@@ -26,13 +27,27 @@ def test_training_steps_equal_the_single_device_model():
     for rank, r in enumerate(results("tensor_parallel")):
         for tp_loss, full_loss in r["losses"]:
             np.testing.assert_allclose(tp_loss, full_loss, rtol=1e-5)
-        for k, v in r["tp_params"].items():
-            owner, _, local = k.rpartition(".")
-            axis = r["shard_axes"][owner].get(local)
-            want = r["full_params"][k]
-            if axis is not None:
-                want = np.split(want, 2, axis)[rank]
-            np.testing.assert_allclose(v, want, rtol=1e-4, atol=1e-5, err_msg=k)
+        _check_shards(r, rank)
+
+
+def _check_shards(r, rank, rtol=1e-4, atol=1e-5):
+    for k, v in r["tp_params"].items():
+        owner, _, local = k.rpartition(".")
+        axis = r["shard_axes"][owner].get(local)
+        want = r["full_params"][k]
+        if axis is not None:
+            want = np.split(want, 2, axis)[rank]
+        np.testing.assert_allclose(v, want, rtol=rtol, atol=atol, err_msg=k)
+
+
+def test_llama_from_a_checkpoint_directory_equals_the_single_device_llama():
+    """fuelgraph.models.LlamaForCausalLM split by llama_plan() (biased attention, GQA, untied
+    head), loaded from a save_pretrained directory: logits, loss and one step."""
+    for rank, r in enumerate(results("tensor_parallel_llama")):
+        assert r["heads"] == (2, 1)
+        np.testing.assert_allclose(r["logits"], r["logits_full"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(*r["losses"], rtol=1e-6)
+        _check_shards(r, rank)
 
 
 def test_replicated_parameters_stay_identical():

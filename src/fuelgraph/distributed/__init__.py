@@ -9,8 +9,8 @@ call `init()` first.
   buckets while the backward runs.
 * Tensor parallelism (Megatron style): `ColumnParallelLinear`, `RowParallelLinear`,
   `parallelize(model, plan)` (turns a model's Linear layers into parallel ones and divides
-  its attention heads) and `load_sharded(model, checkpoint)` (each process reads only its
-  slices of a full checkpoint).
+  its attention heads; `llama_plan()` for fuelgraph.models' Llama) and
+  `load_sharded(model, checkpoint)` (each process reads only its slices of a full checkpoint).
 
     import fuelgraph.distributed as dist
     dist.init()                            # rank, world size, device from torchrun's env
@@ -22,10 +22,10 @@ from .data_parallel import DataParallel
 from .env import (barrier, broadcast_, destroy, device, init, is_initialized, local_rank,
                   new_group, rank, world_size)
 from .tensor_parallel import (Column, ColumnParallelLinear, Heads, Row, RowParallelLinear,
-                              load_sharded, parallelize)
+                              llama_plan, load_sharded, parallelize)
 
 __all__ = ["ProcessGroup", "all_gather", "all_reduce", "group_info", "reduce_scatter",
            "replicate", "shard", "DataParallel", "barrier", "broadcast_", "destroy", "device",
            "init", "is_initialized", "local_rank", "new_group", "rank", "world_size", "Column",
-           "ColumnParallelLinear", "Heads", "Row", "RowParallelLinear", "load_sharded",
-           "parallelize"]
+           "ColumnParallelLinear", "Heads", "Row", "RowParallelLinear", "llama_plan",
+           "load_sharded", "parallelize"]

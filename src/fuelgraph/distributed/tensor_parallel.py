@@ -13,9 +13,10 @@ MLP) make the results whole again.
   (the module's head counts divided by the group size: `Heads`), the output projection
   row-parallel. A SiLU-gated MLP: gate and up column-parallel, down row-parallel.
 
-`parallelize(model, plan)` converts a model built from `fuelgraph.nn` layers in place, e.g. for
-a Llama-style model whose blocks hold `wq, wk, wv, wo, gate, up, down` and head counts `heads`
-and `kv_heads`:
+`parallelize(model, plan)` converts a model built from `fuelgraph.nn` layers in place
+(`llama_plan()` is the plan of `fuelgraph.models.LlamaForCausalLM`), e.g. for a Llama-style
+model whose blocks hold `wq, wk, wv, wo, gate, up, down` and head counts `heads` and
+`kv_heads`:
 
     parallelize(model, {"blocks.*.w[qkv]": "column", "blocks.*.wo": "row",
                         "blocks.*.gate": "column", "blocks.*.up": "column",
@@ -225,6 +226,25 @@ def parallelize(model: Module, plan: dict, group="world") -> Module:
     return model
 
 
+def llama_plan(tie_word_embeddings: bool = False) -> dict:
+    """The tensor-parallel plan of `fuelgraph.models.LlamaForCausalLM` (Hugging Face names):
+    q/k/v and gate/up projections column-parallel, o and down projections row-parallel, the
+    attention's head counts (`hq`, `hkv`) divided, and an untied output head column-parallel
+    with gathered logits (a tied head stays replicated with the embedding). Training and
+    full-sequence forwards only: the paged KV cache of `generate` is not split."""
+    plan = {"model.layers.*.self_attn.q_proj": "column",
+            "model.layers.*.self_attn.k_proj": "column",
+            "model.layers.*.self_attn.v_proj": "column",
+            "model.layers.*.self_attn.o_proj": "row",
+            "model.layers.*.self_attn": Heads("hq", "hkv"),
+            "model.layers.*.mlp.gate_proj": "column",
+            "model.layers.*.mlp.up_proj": "column",
+            "model.layers.*.mlp.down_proj": "row"}
+    if not tie_word_embeddings:
+        plan["lm_head"] = "column_gather"
+    return plan
+
+
 def _matches(pattern: str, name: str) -> bool:
     """fnmatch per dotted component: "blocks.*.wq" matches "blocks.3.wq", "blocks.*" matches
     "blocks.3" (a wildcard never spans a dot)."""
@@ -232,14 +252,17 @@ def _matches(pattern: str, name: str) -> bool:
     return len(ps) == len(ns) and all(fnmatch.fnmatchcase(n, p) for p, n in zip(ps, ns))
 
 
-def load_sharded(model: Module, checkpoint, group="world", strict: bool = True):
+def load_sharded(model: Module, checkpoint, group="world", strict: bool = True, ignore=()):
     """Load a full (single-device) checkpoint into a tensor-parallel `model`: each parameter of
     a parallel layer gets this process's slice along the layer's split axis, everything else
     the whole tensor. `checkpoint`: a dict name -> tensor/array (e.g. a single-device model's
-    state_dict()) or the path of a safetensors file, which is memory-mapped so that each
-    process reads only its slices. Returns (missing, unexpected) as load_state_dict."""
+    state_dict()), the path of a safetensors file, or a Hugging Face checkpoint directory
+    (model.safetensors, or the shards of model.safetensors.index.json); files are
+    memory-mapped, so each process reads only its slices. `ignore`: checkpoint keys ending in
+    one of these are skipped (e.g. "rotary_emb.inv_freq"). Returns (missing, unexpected) as
+    load_state_dict."""
     g = group_info(group)
-    src = _SafetensorsFile(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else \
+    src = _SafetensorsFiles(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else \
         _DictSource(checkpoint)
     modules = dict(model.named_modules())
     state = {}
@@ -262,7 +285,7 @@ def load_sharded(model: Module, checkpoint, group="world", strict: bool = True):
         else:
             n = t.shape[axis]
             state[name] = src.read(name, axis, g.rank * n, (g.rank + 1) * n)
-    extra = [k for k in src.keys() if k not in state]
+    extra = [k for k in src.keys() if k not in state and not k.endswith(tuple(ignore))]
     if strict and extra:
         raise FuelGraphError(f"load_sharded: unexpected keys {extra}")
     return model.load_state_dict(state, strict=strict)
@@ -292,6 +315,38 @@ class _DictSource:
         if isinstance(v, Tensor):
             return v.detach()[idx]
         return np.ascontiguousarray(np.asarray(v)[idx])
+
+
+class _SafetensorsFiles:
+    """A safetensors file, or a checkpoint directory of them: key -> its file."""
+
+    def __init__(self, path):
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            index = os.path.join(p, "model.safetensors.index.json")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    names = sorted(set(json.load(f)["weight_map"].values()))
+            else:
+                names = sorted(n for n in os.listdir(p) if n.endswith(".safetensors"))
+            if not names:
+                raise FuelGraphError(f"load_sharded: no .safetensors file in {p}")
+            files = [_SafetensorsFile(os.path.join(p, n)) for n in names]
+        else:
+            files = [_SafetensorsFile(p)]
+        self.of = {k: f for f in files for k in f.keys()}
+
+    def __contains__(self, k):
+        return k in self.of
+
+    def keys(self):
+        return list(self.of)
+
+    def shape(self, k):
+        return self.of[k].shape(k)
+
+    def read(self, k, axis=None, lo=0, hi=0):
+        return self.of[k].read(k, axis, lo, hi)
 
 
 class _SafetensorsFile:

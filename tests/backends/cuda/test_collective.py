@@ -83,3 +83,9 @@ def test_tensor_parallel_on_two_gpus():
             want = r["full_params"][k] if axis is None else \
                 np.split(r["full_params"][k], 2, axis)[rank]
             np.testing.assert_allclose(v, want, rtol=1e-3, atol=1e-4, err_msg=k)
+
+
+def test_llama_tensor_parallel_on_two_gpus():
+    for rank, r in enumerate(_res("tensor_parallel_llama")):
+        np.testing.assert_allclose(r["logits"], r["logits_full"], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(*r["losses"], rtol=1e-4)
