@@ -3,21 +3,22 @@
 
 * all_reduce of 1 GiB through a fuelgraph plan (the buffer handed over: reduced in place)
   against `torch.distributed.all_reduce` on a tensor of the same size   target >= 0.95x;
-* data parallel: the Llama-style training step of bench/llama_step.py (forward, backward,
-  AdamW; traced with fg.jit) on one GPU vs fuelgraph.distributed.DataParallel over two, the
-  same per-GPU batch; tokens/s ratio                                     target >= 1.9x;
-* tensor parallel: the same step with the model split over the two GPUs
-  (fuelgraph.distributed.parallelize: column/row-parallel projections, head-parallel
-  attention, gathered logits) vs one GPU, the same batch; step-time ratio target >= 1.6x.
+* data parallel: the training step of fuelgraph.models' Llama (forward, next-token loss,
+  backward, AdamW; traced with fg.jit) on one GPU vs fuelgraph.distributed.DataParallel over
+  two, the same per-GPU batch; tokens/s ratio                            target >= 1.9x;
+* tensor parallel: the same step with the model split over the two GPUs (`llama_plan()`:
+  column/row-parallel projections, head-parallel attention, gathered logits) vs one GPU, the
+  same batch; step-time ratio                                            target >= 1.6x.
 
 Run with torchrun (rank, world size and device come from its environment):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py --out DIR \
         [--runs 20] [--big]
 
-Default configuration: the Llama of bench/llama_step.py's --big (hidden 2048, 8 layers, 16/8
-heads, FFN 5632, vocabulary 32000, sequence 1024, batch 8); --small: its default (hidden 512,
-4 layers). --smoke runs a tiny configuration and a 1 MiB all_reduce on whatever is there (two
+Default configuration: the ~1B Llama of the models benchmark (hidden 2048, 16 layers, 32/8
+heads, FFN 8192, vocabulary 32000), random weights, batch 1 x sequence 2048 per GPU (--batch,
+--seq change it); --small: hidden 512, 4 layers, 8/4 heads, FFN 1536, vocabulary 8192.
+--smoke runs a tiny configuration and a 1 MiB all_reduce on whatever is there (two
 CPU processes over gloo: `torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py --smoke`)
 to check the script itself; its numbers mean nothing. Every timing is the median over --runs calls of CUDA-event time (both processes
 make the same calls). Prints a short table last and writes DIR/cuda_distributed_<date>.json
@@ -36,10 +37,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # before NCCL creates its co
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-TP_PLAN = {"blocks.*.wq": "column", "blocks.*.wk": "column", "blocks.*.wv": "column",
-           "blocks.*.wo": "row", "blocks.*.gate": "column", "blocks.*.up": "column",
-           "blocks.*.down": "row", "head": "column_gather"}
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
@@ -47,6 +44,8 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--skip", default="", help="comma-separated: allreduce,dp,tp")
     args = ap.parse_args(argv)
     import torch
@@ -61,7 +60,7 @@ def main(argv=None):
 
     from fuelgraph.ir.tensor import bound_data
     from fuelgraph.runtime.executor import compile_plan
-    from llama_step import Config, batch, fg_model
+    from fuelgraph.models import LlamaConfig, LlamaForCausalLM, init_random
 
     g = dist.init()
     if g.size != 2:
@@ -71,11 +70,24 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     skip = set(filter(None, args.skip.split(",")))
     if args.smoke:
-        cfg = Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, batch=2, seq=16)
-        args.runs = min(args.runs, 3)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        args.runs, args.batch, args.seq = min(args.runs, 3), 2, 16
+    elif args.small:
+        cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                          max_position_embeddings=4096)
     else:
-        cfg = Config() if args.small else Config(vocab=32000, hidden=2048, layers=8, heads=16,
-                                                 kv_heads=8, ffn=5632, batch=8, seq=1024)
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=4096, rope_theta=500000.0)
+    shape = (args.batch, args.seq, cfg.hidden_size)
+    conf = {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.kv_heads,
+            "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
+
+    def build():
+        return init_random(LlamaForCausalLM(cfg, dtype=fg.bfloat16, device=dev), seed=0)
 
     def cuda_time(fn, runs, warmup=3):
         """Median ms per call: CUDA events on a GPU, the host clock in a smoke run."""
@@ -121,13 +133,13 @@ def main(argv=None):
                       ms_t / ms_fg, 0.95))
         del t_fg, t_ref, x, plan, out, buf
 
-    idx_np, tgt_np = batch(cfg)
-    idx, tgt = fg.tensor(idx_np, device=dev), fg.tensor(tgt_np, device=dev)
-    tokens = cfg.batch * cfg.seq
+    ids = fg.tensor(np.random.default_rng(1).integers(0, cfg.vocab_size, (args.batch, args.seq)),
+                    device=dev)
+    tokens = args.batch * args.seq
 
     def traced_step(model, opt):
-        def step(i, t):
-            loss = model(i, t)
+        def step(i):
+            loss = model(i, labels=i)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -135,30 +147,29 @@ def main(argv=None):
         return fg.jit(step)
 
     # ---- one GPU (each process on its own GPU, independently) -------------------------------
-    m, _ = fg_model(cfg, device=dev, dtype=fg.bfloat16)
+    m = build()
     opt = optim.AdamW(m.parameters(), lr=1e-4)
     step = traced_step(m, opt)
-    notes["loss_1gpu"] = float(step(idx, tgt).item())
-    ms_1 = cuda_time(lambda: step(idx, tgt), args.runs)
-    records.append(record("llama_train_step", "fuelgraph 1 GPU", (cfg.batch, cfg.seq, cfg.hidden),
-                          "bfloat16", ms_1, device=name, tokens_per_s=round(tokens / ms_1 * 1e3),
-                          config=cfg.__dict__))
+    notes["loss_1gpu"] = float(step(ids).item())
+    ms_1 = cuda_time(lambda: step(ids), args.runs)
+    records.append(record("llama_train_step", "fuelgraph 1 GPU", shape, "bfloat16", ms_1,
+                          device=name, tokens_per_s=round(tokens / ms_1 * 1e3), config=conf))
     del m, opt, step
     if cuda:
         torch.cuda.empty_cache()
 
     # ---- 2. data parallel -------------------------------------------------------------------
     if "dp" not in skip:
-        m, _ = fg_model(cfg, device=dev, dtype=fg.bfloat16)
+        m = build()
         dp = dist.DataParallel(m)
         opt = optim.AdamW(m.parameters(), lr=1e-4)
-        step = dp.train_step(lambda i, t: dp(i, t), opt)
-        notes["loss_dp"] = float(step(idx, tgt).item())
-        ms_dp = cuda_time(lambda: step(idx, tgt), args.runs)
+        step = dp.train_step(lambda i: dp(i, labels=i), opt)
+        notes["loss_dp"] = float(step(ids).item())
+        ms_dp = cuda_time(lambda: step(ids), args.runs)
         tps = 2 * tokens / ms_dp * 1e3
         records.append(record("llama_train_step", "fuelgraph data parallel 2 GPUs",
-                              (2 * cfg.batch, cfg.seq, cfg.hidden), "bfloat16", ms_dp,
-                              device=name, tokens_per_s=round(tps), config=cfg.__dict__))
+                              (2 * args.batch,) + shape[1:], "bfloat16", ms_dp, device=name,
+                              tokens_per_s=round(tps), config=conf))
         table.append(("data parallel 2 GPUs vs 1, tokens/s", tps / (tokens / ms_1 * 1e3), 1.9))
         del m, dp, opt, step
         if cuda:
@@ -166,15 +177,14 @@ def main(argv=None):
 
     # ---- 3. tensor parallel -----------------------------------------------------------------
     if "tp" not in skip:
-        m, _ = fg_model(cfg, device=dev, dtype=fg.bfloat16)
-        dist.parallelize(m, {**TP_PLAN, "blocks.*": dist.Heads("heads", "kv_heads")})
+        m = dist.parallelize(build(), dist.llama_plan(cfg.tie_word_embeddings))
         opt = optim.AdamW(m.parameters(), lr=1e-4)
         step = traced_step(m, opt)
-        notes["loss_tp"] = float(step(idx, tgt).item())
-        ms_tp = cuda_time(lambda: step(idx, tgt), args.runs)
-        records.append(record("llama_train_step", "fuelgraph tensor parallel 2 GPUs",
-                              (cfg.batch, cfg.seq, cfg.hidden), "bfloat16", ms_tp, device=name,
-                              tokens_per_s=round(tokens / ms_tp * 1e3), config=cfg.__dict__))
+        notes["loss_tp"] = float(step(ids).item())
+        ms_tp = cuda_time(lambda: step(ids), args.runs)
+        records.append(record("llama_train_step", "fuelgraph tensor parallel 2 GPUs", shape,
+                              "bfloat16", ms_tp, device=name,
+                              tokens_per_s=round(tokens / ms_tp * 1e3), config=conf))
         table.append(("tensor parallel 2, training step vs 1 GPU", ms_1 / ms_tp, 1.6))
         del m, opt, step
 

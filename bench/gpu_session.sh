@@ -36,6 +36,12 @@ for s in "$@"; do
       per="ARGS_$name"; extra="$extra ${!per:-}"
       tmo="TMO_$name"; timeout ${!tmo:-420} python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
         > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
+    dist) stage dist              # needs the 2-GPU machine (nvidia-h200-x2): NCCL, one GPU each
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+        tests/backends/cuda/test_collective.py > "$OUT/r/pytest_dist.log" 2>&1
+      tail -15 "$OUT/r/pytest_dist.log" | grep -vE "^\.+ *\[|^$"
+      timeout ${TMO_dist:-900} torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py \
+        --out "$OUT/r" > "$OUT/r/bench_dist.log" 2>&1; tail -${TAIL:-25} "$OUT/r/bench_dist.log" ;;
     ssd_diag) stage ssd_diag      # which SSD kernel faults, and does exact fp32 fix the grads
       for prec in tf32x3 ieee; do
         FUELGRAPH_SSD_DOT_PRECISION=$prec CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest \
