@@ -13,16 +13,17 @@
 Run with torchrun (rank, world size and device come from its environment):
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py --out DIR \
-        [--runs 20] [--big]
+        [--runs 20] [--small] [--batch 1] [--seq 2048] [--skip allreduce,dp,tp]
 
 Default configuration: the ~1B Llama of the models benchmark (hidden 2048, 16 layers, 32/8
 heads, FFN 8192, vocabulary 32000), random weights, batch 1 x sequence 2048 per GPU (--batch,
 --seq change it); --small: hidden 512, 4 layers, 8/4 heads, FFN 1536, vocabulary 8192.
---smoke runs a tiny configuration and a 1 MiB all_reduce on whatever is there (two
-CPU processes over gloo: `torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py --smoke`)
-to check the script itself; its numbers mean nothing. Every timing is the median over --runs calls of CUDA-event time (both processes
-make the same calls). Prints a short table last and writes DIR/cuda_distributed_<date>.json
-(records: op, impl, device, shape, dtype, ms, date, GB/s or tokens/s)."""
+--smoke runs a tiny configuration and a 1 MiB all_reduce on whatever is there (two CPU
+processes over gloo: `torchrun --nproc_per_node 2 bench/bench_cuda_distributed.py --smoke`) to
+check the script itself; its numbers mean nothing. Every timing is the median over --runs calls
+of CUDA-event time (both processes make the same calls). Prints a short table last and writes
+DIR/cuda_distributed_<date>.json (records: op, impl, device, shape, dtype, ms, date, GB/s or
+tokens/s)."""
 from __future__ import annotations
 
 import argparse

@@ -348,7 +348,7 @@ def tensor_parallel():
     if dist.rank() == 0:
         fg.save(full.state_dict(), path)
     dist.barrier()
-    tp = dist.parallelize(tiny_lm(seed=5, device=dev()), tp_plan())   # other weights: the load sets them
+    tp = dist.parallelize(tiny_lm(seed=5, device=dev()), tp_plan())   # the load sets weights
     dist.load_sharded(tp, path)
     dist.barrier()
     if dist.rank() == 0:

@@ -27,7 +27,8 @@ def fake2():
 
 # ---- two processes: values and gradients against torch -----------------------------------------
 @pytest.mark.parametrize("dtype", S.DTYPES)
-@pytest.mark.parametrize("case,kw,shape", S.COLLECTIVE_CASES, ids=[c[0] for c in S.COLLECTIVE_CASES])
+@pytest.mark.parametrize("case,kw,shape", S.COLLECTIVE_CASES,
+                         ids=[c[0] for c in S.COLLECTIVE_CASES])
 def test_two_processes_value_and_gradient(case, kw, shape, dtype):
     check_collective_case(results("collectives"), case, kw, shape, dtype)
 

@@ -28,7 +28,8 @@ def _res(name):
 
 
 @pytest.mark.parametrize("dtype", S.DTYPES)
-@pytest.mark.parametrize("case,kw,shape", S.COLLECTIVE_CASES, ids=[c[0] for c in S.COLLECTIVE_CASES])
+@pytest.mark.parametrize("case,kw,shape", S.COLLECTIVE_CASES,
+                         ids=[c[0] for c in S.COLLECTIVE_CASES])
 def test_value_and_gradient_on_two_gpus(case, kw, shape, dtype):
     from tests.distributed.references import check_collective_case
     check_collective_case(_res("collectives"), case, kw, shape, dtype)
