@@ -130,9 +130,13 @@ def _name_nodes(text: str, by_uid: dict) -> str:
     return re.sub(r"%\d+(?:\.\d+)?", sub, text)
 
 
-def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainReport:
+def explain(outputs, lower_all: bool = False, min_matched: int = 3,
+            min_kinds: int = 4) -> ExplainReport:
     """Optimize the graph under `outputs` as realize would and report it. Near misses are
-    listed for ops whose best partial match covered at least `min_matched` pattern nodes."""
+    listed for ops whose best partial match covered at least `min_matched` pattern nodes of at
+    least `min_kinds` kinds of op (or of all the pattern's kinds, for a small pattern): a
+    reshape over a matrix product, which a convolution's pattern shares with every linear
+    layer, is not a near miss."""
     vals = _values(outputs if isinstance(outputs, (list, tuple)) else [outputs])
     bname = backend_name(_device_of(vals))
     before = _count(vals)[0]
@@ -140,7 +144,8 @@ def explain(outputs, lower_all: bool = False, min_matched: int = 3) -> ExplainRe
     after, fused, inside, glue = _count(res.outputs)
     by_uid = {f"%{n.uid}": n for n in toposort(res.canonical + vals)}
     misses = {k: _name_nodes(f"{m.reason} (matched {m.matched} nodes at {m.node})", by_uid)
-              for k, m in res.misses.items() if m.matched >= min_matched}
+              for k, m in res.misses.items()
+              if m.matched >= min_matched and m.kinds >= min(min_kinds, m.pattern_kinds)}
     matched = Counter(rule for p, rule, _ in res.log.events if p == "fuse")
     n_glue = sum(res.glue.values())
     dissolved = Counter(what for p, rule, what in res.log.events

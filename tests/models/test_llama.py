@@ -44,7 +44,7 @@ def test_fused_report(hf_llama, ids):
     assert rep.fused_ops["rms_norm_last_dim"] == 5
     loss_ops = {"fused_softmax_cross_entropy", "fused_linear_cross_entropy"}
     assert sum(rep.fused_ops.get(k, 0) for k in loss_ops) == 1
-    assert not (set(rep.near_misses) & (USED | loss_ops | {"fused_linear"})), rep.near_misses
+    assert not rep.near_misses, rep.near_misses          # the issue: nothing as a near miss
     assert not rep.lowered
 
 

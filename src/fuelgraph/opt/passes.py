@@ -112,6 +112,7 @@ def match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
                 return e, r
             if r.more:
                 retry.append((e, p))
+            r.size = p.size
             best = misses.get(e.name)
             if best is None or r.matched > best.matched:
                 misses[e.name] = r

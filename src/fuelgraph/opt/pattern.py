@@ -41,6 +41,7 @@ class Pattern:
     recipe: object
     root_key: tuple = ()
     size: int = 0          # operation nodes in the pattern: larger patterns are tried first
+    kinds: int = 0         # distinct op kinds among them
 
 
 @dataclass
@@ -78,6 +79,9 @@ class Miss:
     matched: int
     reason: str
     more: bool = False     # other input candidates are left to verify (try_match's `tries`)
+    size: int = 0          # operation nodes in the pattern tried
+    kinds: int = 0         # distinct op kinds among the matched nodes
+    pattern_kinds: int = 0  # ... and among the pattern's
 
 
 def trace_recipe(recipe, sample, params=None) -> Traced:
@@ -161,9 +165,10 @@ def derive_patterns(entry) -> list[Pattern]:
         fixed_all = {k2: v for k2, v in params.items() if k2 not in sentinels}
         root = traced.outputs[0]
         holes = {p.node for p in traced.inputs}
-        size = sum(1 for n in toposort([root]) if n not in holes and n.srcs)
+        body = [n for n in toposort([root]) if n not in holes and n.srcs]
         pats.append(Pattern(f"{entry.name}#{k}", root, [p.node for p in traced.inputs], slots,
-                            fixed_all, recipe, _op_sig(root.node.op), size))
+                            fixed_all, recipe, _op_sig(root.node.op), len(body),
+                            len({_op_sig(n.op) for n in body})))
     return pats
 
 
@@ -174,6 +179,7 @@ class _Matcher:
         self.params: dict = {}
         self.param_dtypes: dict = {}
         self.count = 0
+        self.sigs: set = set()
         self.reason = ""
         # recipe input -> graph values it may stand for, preferred first (see _alternatives)
         self.cands: dict[Node, list[Value]] = {}
@@ -219,7 +225,8 @@ class _Matcher:
             self.reason = f"expected {pn.op.name} at %{gn.uid}, found {gn.op.name}"
             return False
         self.count += 1
-        saved = (dict(self.bind), dict(self.params), self.count, dict(self.cands))
+        self.sigs.add(_op_sig(pn.op))
+        saved = (dict(self.bind), dict(self.params), self.count, dict(self.cands), set(self.sigs))
         if self._srcs(pn.srcs, gn.srcs, below):
             self.bind[pn] = g
             return True
@@ -227,7 +234,7 @@ class _Matcher:
         if kind in _COMMUTATIVE and len(pn.srcs) == 2:
             why = self.reason
             self.bind, self.params, self.count = dict(saved[0]), dict(saved[1]), saved[2]
-            self.cands = dict(saved[3])
+            self.cands, self.sigs = dict(saved[3]), saved[4]
             if self._srcs(pn.srcs[::-1], gn.srcs, below):
                 self.bind[pn] = g
                 return True
@@ -328,11 +335,22 @@ _MAX_TRIES = 16     # combinations of input candidates verified per structural m
 
 def try_match(pat: Pattern, entry, root: Value, users: dict, memo: dict | None = None,
               tries: tuple[int, int] = (0, _MAX_TRIES)) -> "Match | Miss":
+    """Match `pat` at `root` (see `_try_match`); a miss records how many kinds of op the
+    partial match covered, so `explain` can tell a near miss from a reshape over a matrix
+    product that many patterns share."""
+    m = _Matcher(pat)
+    r = _try_match(m, pat, entry, root, users, memo, tries)
+    if isinstance(r, Miss):
+        r.kinds, r.pattern_kinds = len(m.sigs), pat.kinds
+    return r
+
+
+def _try_match(m, pat: Pattern, entry, root: Value, users: dict, memo: dict | None = None,
+              tries: tuple[int, int] = (0, _MAX_TRIES)) -> "Match | Miss":
     """Match `pat` at `root`; the recipe is re-traced on the captures to verify, for the
     combinations of input candidates numbered tries[0] .. tries[1] - 1 (0: the preferred one).
     `memo`: a canonicalization memo holding the (canonical) graph, so a re-trace stops at its
     inputs."""
-    m = _Matcher(pat)
     if not m.match(pat.root, root):
         return Miss(entry.name, repr(root), m.count, m.reason)
     if any(p not in m.cands for p in pat.placeholders):
