@@ -33,6 +33,14 @@ def test_readme_examples_run(tmp_path):
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("safetensors") is None,
                     reason="safetensors is not installed")
+def test_readme_decode_loop_runs(tmp_path):
+    code = next(b for b in blocks("README.md") if "PagedKVCache" in b)
+    out = run(code, tmp_path)
+    assert out.split() == ["(4,", "8,", "12,", "64)"] + ["(4,", "8,", "1,", "64)"] * 3
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("safetensors") is None,
+                    reason="safetensors is not installed")
 def test_training_page_runs(tmp_path):
     b = blocks("docs/training.md")
     out = run(b[0] + "\n" + b[1].replace("print(loss)", "pass"), tmp_path)
