@@ -4,11 +4,12 @@ import json
 
 import numpy as np
 import pytest
+
+from .train_oracle import adamw_steps_vs_torch
 import torch
 
 import fuelgraph as fg
 import fuelgraph.models as M
-import fuelgraph.optim as optim
 from fuelgraph import FuelGraphError
 from fuelgraph.models.llama import LlamaConfig, rope_inv_freq
 
@@ -92,31 +93,7 @@ def test_sampling_is_seeded_and_in_vocab(hf_llama, ids):
 
 
 def test_adamw_steps_equal_torch(hf_llama, ids):
-    path, hf = hf_llama
-    model = M.from_pretrained(path).train()
-    opt = optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    tm = type(hf)(hf.config)
-    tm.load_state_dict(hf.state_dict())
-    tm.train()
-    topt = torch.optim.AdamW(tm.parameters(), lr=3e-3, weight_decay=0.01)
-    batch = ids[:, :32]
-
-    @fg.jit
-    def step(x):
-        loss = model(x, labels=x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    ours, ref = [], []
-    for _ in range(4):
-        ours.append(step(fg.tensor(batch)).item())
-        loss = tm(torch.tensor(batch), labels=torch.tensor(batch)).loss
-        loss.backward()
-        topt.step()
-        topt.zero_grad()
-        ref.append(loss.item())
+    model, tm, ours, ref, step = adamw_steps_vs_torch(*hf_llama, ids[:, :32], lr=3e-3)
     assert step.stats == {"traces": 1, "replays": 3}
     np.testing.assert_allclose(ours, ref, rtol=2e-4)
     assert ours[-1] < ours[0]

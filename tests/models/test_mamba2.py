@@ -5,7 +5,8 @@ import torch
 
 import fuelgraph as fg
 import fuelgraph.models as M
-import fuelgraph.optim as optim
+
+from .train_oracle import adamw_steps_vs_torch
 
 USED = {"causal_conv1d", "ssd_chunk_scan", "rms_norm_last_dim"}
 
@@ -65,30 +66,6 @@ def test_greedy_generate_matches_transformers(hf_mamba2, ids):
 
 
 def test_adamw_steps_equal_torch(hf_mamba2, ids):
-    path, hf = hf_mamba2
-    model = M.from_pretrained(path).train()
-    opt = optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    tm = type(hf)(hf.config)
-    tm.load_state_dict(hf.state_dict())
-    tm.train()
-    topt = torch.optim.AdamW(tm.parameters(), lr=2e-3, weight_decay=0.01)
-    batch = ids[:, :32]
-
-    @fg.jit
-    def step(x):
-        loss = model(x, labels=x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    ours, ref = [], []
-    for _ in range(4):
-        ours.append(step(fg.tensor(batch)).item())
-        loss = tm(torch.tensor(batch), labels=torch.tensor(batch)).loss
-        loss.backward()
-        topt.step()
-        topt.zero_grad()
-        ref.append(loss.item())
+    model, tm, ours, ref, step = adamw_steps_vs_torch(*hf_mamba2, ids[:, :32], lr=2e-3)
     np.testing.assert_allclose(ours, ref, rtol=2e-4)
     assert ours[-1] < ours[0]
