@@ -192,14 +192,23 @@ def bench_ce(recs, smoke, sweep):
             configs.append(dict(programs=per_sm * sms, block=block, num_warps=warps,
                                 stages=stages))
     configs.append(dict(programs=r, block=4096, num_warps=8, stages=3))   # one program per row
+    for chunk in (4096, 8192, 16384, 32768):      # the split-row kernel: (chunk, warps)
+        for warps in (4, 8, 16):
+            if chunk // (32 * warps) <= 128:      # at most 128 logits per thread in registers
+                configs.append(dict(split_chunk=chunk, num_warps=warps))
     g32 = one.float().reshape(1)
     results = []
     for cfg in configs[:3] if smoke else configs:
         def fn(cfg=cfg):
             loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
             dx = torch.empty_like(logits)
-            L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
-                      reduction="mean", ignore_index=-100, **cfg)
+            if "split_chunk" in cfg:
+                L.ce_split(logits, t, L.split_plan(v, cfg["split_chunk"]), loss_rows=loss_rows,
+                           dx=dx, grad=g32, reduction="mean", ignore_index=-100,
+                           num_warps=cfg["num_warps"])
+            else:
+                L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
+                          reduction="mean", ignore_index=-100, **cfg)
             return dx
         try:
             ms = _time(fn, smoke)
@@ -208,7 +217,8 @@ def bench_ce(recs, smoke, sweep):
             continue
         results.append((ms, cfg))
     results.sort(key=lambda p: p[0])
-    print("[bench] one-pass kernel sweep (best first; programs, block, warps, stages):")
+    print("[bench] one-pass kernel sweep (best first; persistent: programs, block, warps, "
+          "stages; split-row: chunk, warps):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,

@@ -56,6 +56,13 @@ CE_ROWS_WARPS = 8
 CE_ROWS_STAGES = 3
 CE_L2_BYTES = 24 << 20
 CE_MAX_PROGRAMS_PER_SM = 8
+# the split-row one-pass kernel (_ce_split_kernel): a row is cut into chunks of at most
+# CE_SPLIT_CHUNK logits, one program each, held in registers; rows wider than
+# CE_SPLIT_MAX chunks take the persistent kernel above. Swept by bench/bench_cuda_loss.py.
+CE_SPLIT_CHUNK = 16384
+CE_SPLIT_MAX = 32
+CE_SPLIT_WARPS = 8
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -240,6 +247,71 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
                          eviction_policy="evict_first")
 
 
+@triton.jit
+def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
+                     N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
+                     STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, S: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """Each row split over S programs that hold their CHUNK of it in registers: the logits
+    cross HBM once and the gradient once, with no second read. The S programs of a row meet
+    through a per-row arrival counter (sync_ptr[r]) after publishing their partial (max, sum);
+    each then has the row's log-sum-exp and writes its chunk of w * (softmax - onehot).
+
+    Programs take (row, chunk) work items from a ticket counter (sync_ptr[R]) in the order they
+    actually start, so a program only ever waits for items already handed to running programs
+    or handed out next -- never for one stuck behind it in the launch queue. That holds as long
+    as S programs fit on the GPU at once (S <= 32 here). The CPU interpreter runs programs one
+    by one, so it only ever gets S = 1."""
+    item = tl.atomic_add(sync_ptr + R, 1)
+    r = item // S
+    c = item % S
+    t = tl.load(t_ptr + r)
+    valid = _row_valid(t, ignore_index, HAS_IGNORE)
+    base = r.to(tl.int64) * V
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < V
+    x = tl.load(x_ptr + base + cols, mask=mask & valid, other=float("-inf"),
+                eviction_policy="evict_first").to(tl.float32)
+    m = tl.max(x, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(x - m_safe), 0)
+    if S > 1:
+        if valid:   # ignored rows: no program of the row publishes or waits
+            tl.atomic_xchg(pm_ptr + item, m)
+            tl.atomic_xchg(ps_ptr + item, s)
+            arrived = tl.atomic_add(sync_ptr + r, 1) + 1
+            while arrived < S:
+                arrived = tl.atomic_add(sync_ptr + r, 0)
+            idx = r * S + tl.arange(0, S)
+            # read back through atomics: the values come from L2, never a stale L1 line
+            pm = tl.atomic_add(pm_ptr + idx, tl.zeros((S,), tl.float32))
+            ps = tl.atomic_add(ps_ptr + idx, tl.zeros((S,), tl.float32))
+            m = tl.max(pm, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            s = tl.sum(ps * tl.exp(pm - m_safe), 0)
+    in_range = (t >= 0) & (t < V)
+    lse = tl.where(in_range, m + tl.log(s), float("nan"))
+    if STORE_LOSS:
+        owner = tl.where(in_range, t // CHUNK, 0)
+        if c == owner:
+            xt = tl.sum(tl.where(cols == t, x, 0.0), 0)
+            tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
+    if WRITE_GRAD:
+        if REDUCTION == 2:
+            w = tl.load(g_ptr + r).to(tl.float32)
+        else:
+            w = tl.load(g_ptr).to(tl.float32)
+        if REDUCTION == 0:
+            if HAS_IGNORE:
+                w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
+            else:
+                w = w / N_MEAN
+        d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
+        d = tl.where(valid, d, 0.0)
+        tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy="evict_first")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -317,6 +389,12 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     has_ignore = ignore_index is not None
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
+    plan = split_plan(V) if splits is None and block is None else None
+    if plan is not None:        # the row held in registers: one read, one write
+        ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
+                 n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
+                 ignore_index=ignore_index)
+        return dx
     blk = block or CE_BLOCK
     nw = num_warps or CE_WARPS
     nsplit, chunk = _split_plan(R, V, dev, splits)
@@ -375,10 +453,44 @@ def rows_programs(R: int, V: int, itemsize: int, device: torch.device, programs=
     return max(1, min(R, max(sms, min(by_l2, CE_MAX_PROGRAMS_PER_SM * sms))))
 
 
+def split_plan(V: int, chunk=None):
+    """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide."""
+    if V <= 0:
+        return None
+    chunk = next_pow2(min(chunk or CE_SPLIT_CHUNK, V))
+    if _INTERPRET:                 # programs run one by one there: a row may not wait on another
+        return 1, next_pow2(V)
+    n = triton.cdiv(V, chunk)
+    return (n, chunk) if n <= CE_SPLIT_MAX else None
+
+
+def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
+             ignore_index=None, n_mean=None, num_warps=None):
+    """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`)."""
+    R, V = x2.shape
+    S, chunk = plan
+    dev = x2.device
+    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+    pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+    ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+    dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
+    g = grad if grad is not None else dummy
+    nv = n_valid if n_valid is not None else g
+    has_ignore = ignore_index is not None
+    _ce_split_kernel[(R * S,)](
+        x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
+        pm, ps, sync, R, V, float(n_mean or R), int(ignore_index) if has_ignore else 0,
+        HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
+        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S, CHUNK=chunk,
+        num_warps=num_warps or max(4, min(16, chunk // 2048)))
+
+
 def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
             ignore_index=None, n_mean=None, programs=None, block=None, num_warps=None,
             stages=None):
-    """Launch the one-pass row kernel over ``x2 [R, V]`` (contiguous) and int64 ``t [R]``.
+    """One pass over ``x2 [R, V]`` (contiguous) and int64 ``t [R]``: the split-row kernel when
+    the rows are narrow enough and no persistent-kernel launch setting is given, else the
+    persistent row kernel.
 
     loss_rows: float32 [R] for the per-row losses (or None); dx: [R, V] for
     ``w * (softmax - onehot)`` (may be ``x2`` itself; or None). grad: float32 0-d/[1] (mean,
@@ -387,6 +499,11 @@ def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reductio
     R, V = x2.shape
     if R == 0:
         return
+    plan = split_plan(V) if programs is None and block is None and stages is None else None
+    if plan is not None:
+        return ce_split(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad, n_valid=n_valid,
+                        reduction=reduction, ignore_index=ignore_index, n_mean=n_mean,
+                        num_warps=num_warps)
     has_ignore = ignore_index is not None
     red = _REDUCTIONS[reduction]
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
@@ -432,7 +549,8 @@ def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
     t = targets.reshape(-1).to(torch.int64).contiguous()
     if R == 0 or V == 0:
         return _fsce_forward(x, targets, reduction, ignore_index), dx.zero_()
-    if R < num_sms(x.device) and not launch:     # too few rows for one program each: split V
+    if not launch and split_plan(V) is None and R < num_sms(x.device):
+        # too few (and too wide) rows for one program each: the split forward/backward pair
         return (_fsce_forward(x, targets, reduction, ignore_index),
                 _fsce_backward(x, targets, grad, reduction, ignore_index))
     g, n_valid = grad_weights_inputs(grad, t, reduction, ignore_index, x.device)
@@ -447,20 +565,14 @@ def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Ten
                                         reduction: str, ignore_index: int | None):
     """``(loss, dlogits)`` of the softmax cross-entropy. Same results as
     ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
-    bfloat16 and float16 logits. Runs the forward and backward kernels back to back unless
-    ``ONE_PASS`` is set: on an H200 (2026-12-01, bf16 8192x128256) the pair took 2.08 ms and
-    the one-pass kernel (`one_pass_fwd_bwd`, each row streamed once, the gradient pass
-    re-reading it from L2) 3.30 ms with its untuned launch defaults."""
+    bfloat16 and float16 logits. One pass: each row is read once and its gradient written once
+    (the split-row kernel; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK`` take the
+    persistent kernel, which re-reads a row from L2)."""
     op = "fused_softmax_cross_entropy_fwd_bwd"
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
         _check_targets(op, targets, V, ignore_index)
-    if ONE_PASS:
-        return one_pass_fwd_bwd(logits, targets, grad, reduction, ignore_index)
-    return (_fsce_forward(logits, targets, reduction, ignore_index),
-            _fsce_backward(logits, targets, grad, reduction, ignore_index))
+    return _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index)
 
 
-#: run the one-pass kernel for the forward+backward op (see fused_softmax_cross_entropy_fwd_bwd)
-ONE_PASS = False
 one_pass_fwd_bwd = _fsce_fwd_bwd
