@@ -56,12 +56,17 @@ CE_ROWS_WARPS = 8
 CE_ROWS_STAGES = 3
 CE_L2_BYTES = 24 << 20
 CE_MAX_PROGRAMS_PER_SM = 8
-# the split-row one-pass kernel (_ce_split_kernel): a row is cut into chunks of at most
-# CE_SPLIT_CHUNK logits, one program each, held in registers; rows wider than
-# CE_SPLIT_MAX chunks take the persistent kernel above. Swept by bench/bench_cuda_loss.py.
-CE_SPLIT_CHUNK = 16384
+# the split-row one-pass kernel (_ce_split_kernel): rows cut into chunks of at most
+# CE_SPLIT_CHUNK logits (0: whole rows, one program each), BLOCK-wide loads. Measured on an
+# H200 (2026-12-01, bf16 8192x128256): one program per row, BLOCK 4096, 8 warps, 3 stages
+# 1.66 ms (2.53 TB/s counting one read + one write), against 2.18 ms for the persistent kernel
+# at 4 programs per SM; holding 16K-logit chunks in registers instead was 3.1-4.2 ms.
+CE_SPLIT_CHUNK = 0
 CE_SPLIT_MAX = 32
+CE_SPLIT_BLOCK = 4096
 CE_SPLIT_WARPS = 8
+CE_SPLIT_STAGES = 3
+CE_SPLIT_TICKET = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -249,32 +254,34 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 
 @triton.jit
 def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
-                     N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
-                     STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, S: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Each row split over S programs that hold their CHUNK of it in registers: the logits
-    cross HBM once and the gradient once, with no second read. The S programs of a row meet
-    through a per-row arrival counter (sync_ptr[r]) after publishing their partial (max, sum);
-    each then has the row's log-sum-exp and writes its chunk of w * (softmax - onehot).
+                     CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
+                     REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                     S: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                     TICKET: tl.constexpr):
+    """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
+    stream the chunk for its running (max, sum) (loads kept in L2), publish them, wait for the
+    row's other S - 1 programs through a per-row arrival counter (sync_ptr[r]), then stream the
+    chunk again -- from L2: a chunk is small, so it is still there -- writing
+    w * (softmax - onehot). S = 1 is one program per row, no waiting.
 
-    Programs take (row, chunk) work items from a ticket counter (sync_ptr[R]) in the order they
-    actually start, so a program only ever waits for items already handed to running programs
-    or handed out next -- never for one stuck behind it in the launch queue. That holds as long
-    as S programs fit on the GPU at once (S <= 32 here). The CPU interpreter runs programs one
-    by one, so it only ever gets S = 1."""
-    item = tl.atomic_add(sync_ptr + R, 1)
+    A program waits only for programs of its own row, which come right after it in launch
+    order; with TICKET the (row, chunk) items are handed out by a counter (sync_ptr[R]) in the
+    order programs really start, so nothing can wait on a program stuck behind it in the queue
+    (without it, the GPU's in-order dispatch of program ids gives the same). The CPU
+    interpreter runs programs one by one: it only ever gets S = 1."""
+    if TICKET:
+        item = tl.atomic_add(sync_ptr + R, 1)
+    else:
+        item = tl.program_id(0)
     r = item // S
     c = item % S
     t = tl.load(t_ptr + r)
     valid = _row_valid(t, ignore_index, HAS_IGNORE)
     base = r.to(tl.int64) * V
-    cols = c * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < V
-    x = tl.load(x_ptr + base + cols, mask=mask & valid, other=float("-inf"),
-                eviction_policy="evict_first").to(tl.float32)
-    m = tl.max(x, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(tl.exp(x - m_safe), 0)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    m, s = _lse_chunk(x_ptr, base, start, tl.where(valid, end, start), BLOCK, "evict_last",
+                      STAGES)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
             tl.atomic_xchg(pm_ptr + item, m)
@@ -292,9 +299,9 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
     in_range = (t >= 0) & (t < V)
     lse = tl.where(in_range, m + tl.log(s), float("nan"))
     if STORE_LOSS:
-        owner = tl.where(in_range, t // CHUNK, 0)
-        if c == owner:
-            xt = tl.sum(tl.where(cols == t, x, 0.0), 0)
+        if c == tl.where(in_range, t // CHUNK, 0):      # the chunk holding the target
+            tc = tl.minimum(tl.maximum(t, 0), V - 1)
+            xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
             tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
     if WRITE_GRAD:
         if REDUCTION == 2:
@@ -306,10 +313,15 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                 w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
             else:
                 w = w / N_MEAN
-        d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
-        d = tl.where(valid, d, 0.0)
-        tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy="evict_first")
+        for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+            cols = off + tl.arange(0, BLOCK)
+            mask = cols < end
+            x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
+            d = tl.where(valid, d, 0.0)
+            tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,8 +401,8 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     has_ignore = ignore_index is not None
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
-    plan = split_plan(V) if splits is None and block is None else None
-    if plan is not None:        # the row held in registers: one read, one write
+    plan = split_plan(V) if splits is None and block is None and R >= num_sms(dev) else None
+    if plan is not None:
         ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
                  n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
                  ignore_index=ignore_index)
@@ -457,20 +469,23 @@ def split_plan(V: int, chunk=None):
     """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide."""
     if V <= 0:
         return None
-    chunk = next_pow2(min(chunk or CE_SPLIT_CHUNK, V))
-    if _INTERPRET:                 # programs run one by one there: a row may not wait on another
-        return 1, next_pow2(V)
+    chunk = chunk if chunk is not None else CE_SPLIT_CHUNK
+    if _INTERPRET or not chunk or chunk >= V:   # the interpreter: no program may wait on another
+        return 1, V
+    chunk = triton.cdiv(chunk, CE_SPLIT_BLOCK) * CE_SPLIT_BLOCK
     n = triton.cdiv(V, chunk)
     return (n, chunk) if n <= CE_SPLIT_MAX else None
 
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
-             ignore_index=None, n_mean=None, num_warps=None):
+             ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
+             ticket=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`)."""
     R, V = x2.shape
     S, chunk = plan
     dev = x2.device
-    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev)
+    ticket = CE_SPLIT_TICKET if ticket is None else ticket
+    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if (S > 1 or ticket) else t
     pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
     ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
@@ -479,10 +494,11 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     has_ignore = ignore_index is not None
     _ce_split_kernel[(R * S,)](
         x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
-        pm, ps, sync, R, V, float(n_mean or R), int(ignore_index) if has_ignore else 0,
+        pm, ps, sync, R, V, chunk, float(n_mean or R), int(ignore_index) if has_ignore else 0,
         HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
-        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S, CHUNK=chunk,
-        num_warps=num_warps or max(4, min(16, chunk // 2048)))
+        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S,
+        BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES, TICKET=bool(ticket),
+        num_warps=num_warps or CE_SPLIT_WARPS)
 
 
 def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
@@ -549,8 +565,7 @@ def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
     t = targets.reshape(-1).to(torch.int64).contiguous()
     if R == 0 or V == 0:
         return _fsce_forward(x, targets, reduction, ignore_index), dx.zero_()
-    if not launch and split_plan(V) is None and R < num_sms(x.device):
-        # too few (and too wide) rows for one program each: the split forward/backward pair
+    if R < num_sms(x.device) and not launch:     # too few rows for one program each: split V
         return (_fsce_forward(x, targets, reduction, ignore_index),
                 _fsce_backward(x, targets, grad, reduction, ignore_index))
     g, n_valid = grad_weights_inputs(grad, t, reduction, ignore_index, x.device)
