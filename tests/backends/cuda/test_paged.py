@@ -178,6 +178,9 @@ def test_split_merge_in_a_second_launch():
     check(case, "float32", n_split=3, fused_merge=False)
     check(case, "float32", n_split=3)
     check(case, "float32", n_split=3)       # the fused merge's counters were reset
+    long = make_case(np.random.default_rng(24), B=2, hq=2, hkv=1, d=16, bs=4, lens=(330, 40),
+                     mb=84)
+    check(long, "float32", n_split=21)      # more splits than one merge chunk
 
 
 def test_split_heuristic_uneven_lengths():

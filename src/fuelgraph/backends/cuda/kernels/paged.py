@@ -48,6 +48,8 @@ PROGRAMS_PER_SM = 4
 #: with uneven lengths (longest > UNEVEN x mean) the longest sequence splits into at least this
 #: many pieces, so that no long program starts late and forms the tail of the launch
 UNEVEN, UNEVEN_SPLITS = 1.25, 8
+#: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers)
+MERGE_CHUNK = 16
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -68,7 +70,7 @@ def _paged_attn_kernel(
         G: tl.constexpr, G_T: tl.constexpr, SQ_T: tl.constexpr, BS: tl.constexpr,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
@@ -166,7 +168,8 @@ def _paged_attn_kernel(
                     i_r = qt * SQ_T + rr // G_T
                     if (gi_r < G) & (i_r < sq):
                         row_r = (b * hq + hk * G + gi_r).to(tl.int64) * sq + i_r
-                        _merge_row(PO, PM, PL, O, row_r, n_split, n_live, bad, D, BLOCK_D, S_P2)
+                        _merge_row(PO, PM, PL, O, row_r, n_split, n_live, bad, D, BLOCK_D,
+                                   S_P2, MERGE_CHUNK)
     else:
         bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0) | poison
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -289,9 +292,10 @@ _paged_prefill_tuned = triton.autotune(configs=FWD_CONFIGS, key=PREFILL_TUNE_KEY
 
 @triton.jit
 def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               S_P2: tl.constexpr):
+               S_P2: tl.constexpr, S_CHUNK: tl.constexpr):
     """One output row from its first n_live splits' partials:
-    o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. Loads bypass L1 (.cg): the partials
+    o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the accumulators S_CHUNK splits at a
+    time (few registers: it runs inside the split kernel). Loads bypass L1 (.cg): the partials
     were written by other programs of the same launch."""
     s = tl.arange(0, S_P2)
     s_ok = s < n_live
@@ -299,13 +303,19 @@ def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_
     l = tl.load(PL + row * n_split + s, mask=s_ok, other=0.0, cache_modifier=".cg")
     mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
-    den = tl.sum(w * l, 0)
+    den = tl.sum(tl.where(s_ok, tl.exp2(m - mx), 0.0) * l, 0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    po = tl.load(PO + (row * n_split + s)[:, None] * D + d[None, :],
-                 mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-    out = tl.sum(tl.where(s_ok[:, None], w[:, None] * po, 0.0), 0)
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for c0 in range(0, n_live, S_CHUNK):
+        sc = c0 + tl.arange(0, S_CHUNK)
+        c_ok = sc < n_live
+        m_c = tl.load(PM + row * n_split + sc, mask=c_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        w = tl.where(c_ok, tl.exp2(m_c - mx), 0.0)
+        po = tl.load(PO + (row * n_split + sc)[:, None] * D + d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        out += tl.sum(w[:, None] * po, 0)
     out = out / tl.where(den > 0, den, 1.0)
     out = tl.where(bad, float("nan"), out)
     tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
@@ -321,7 +331,7 @@ def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
     n_live = (tl.maximum(tl.minimum(tl.maximum(ctx, 0), cap), 1) + keys_per_split - 1) \
         // keys_per_split
     bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0)
-    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2)
+    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_P2)
 
 
 @triton.jit
@@ -521,6 +531,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
+              MERGE_CHUNK=min(MERGE_CHUNK, max(2, next_pow2(ns))),
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (3 if decode else 2))
     grid = (B * hkv, n_gt * n_qt, ns)
