@@ -15,11 +15,19 @@ importable: flash_attn_func on the dense copy and flash_attn_with_kvcache on the
 pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every attention result
 is checked against a reference before it is timed (field max_err).
 
-    python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick]
+    python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
 
---sweep also times launch variants of our kernel (block_n, warps, stages, splits) as impl
-"fuelgraph[...]"; --quick uses shorter timing. Writes bench/results/cuda_paged_<date>.json (and
-DIR/cuda_paged_<date>.json), prints the records, then the targets table.
+--sweep also times launch variants of our kernels as impl "fuelgraph[...]": tiles, warps,
+stages and split counts of the decode kernel and its unfused merge (a second launch); explicit
+tiles of the prefill kernel (the default autotunes) and the grouped kernel instead. --quick
+uses shorter timing; --only runs some cases (decode_B32, decode_B1, decode_B64, prefill,
+append). Every record also has host_us: the host time of one call (launch overhead); when it
+exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
+"fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
+separately" is the registry op's kernel once per pool. The prefill target compares with
+flash-attn's dense kernel when it is importable, else fuelgraph's own dense flash_attn. Writes
+bench/results/cuda_paged_<date>.json (and DIR/cuda_paged_<date>.json), prints the records,
+then the targets table.
 """
 from __future__ import annotations
 
@@ -381,6 +389,8 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "
+                    "decode_B32, decode_B1, decode_B64, prefill, append")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -389,11 +399,16 @@ def main():
     g = torch.Generator().manual_seed(2)
     mixed = torch.randint(128, 8193, (64,), generator=g).tolist()
     mixed[0] = 8192
-    for step in (lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
-                 lambda: bench_decode("decode_B1_ctx32768", [32768], args),
-                 lambda: bench_decode("decode_B64_mixed", mixed, args, pad_to_longest=True),
-                 lambda: bench_prefill(args),
-                 bench_append):
+    steps = {"decode_B32": lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
+             "decode_B1": lambda: bench_decode("decode_B1_ctx32768", [32768], args),
+             "decode_B64": lambda: bench_decode("decode_B64_mixed", mixed, args,
+                                                pad_to_longest=True),
+             "prefill": lambda: bench_prefill(args),
+             "append": bench_append}
+    only = [c for c in (args.only or "").split(",") if c]
+    for name, step in steps.items():
+        if only and not any(c in name for c in only):
+            continue
         try:
             step()
         except Exception:  # noqa: BLE001

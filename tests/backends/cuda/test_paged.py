@@ -108,6 +108,8 @@ LARGE = {  # GPU-sized cases: Hq 32 / Hkv 8, D 128, block 16
     "decode_b4": dict(B=4, hq=32, hkv=8, d=128, bs=16, lens=(1000, 17, 0, 2049)),
     "prefill_b2": dict(B=2, hq=32, hkv=8, sq=96, d=128, bs=16, lens=(700, 96)),
     "decode_mqa_d64": dict(B=3, hq=16, hkv=1, d=64, bs=16, lens=(300, 1, 5000)),
+    "prefill_bs1_d64": dict(B=2, hq=8, hkv=2, sq=128, d=64, bs=1, lens=(300, 128)),
+    "prefill_sq256": dict(B=2, hq=32, hkv=8, sq=256, d=128, bs=16, lens=(1100, 0)),
 }
 CASES = dict(TINY, **(LARGE if HAS_CUDA else {}))
 
@@ -181,6 +183,19 @@ def test_split_merge_in_a_second_launch():
     long = make_case(np.random.default_rng(24), B=2, hq=2, hkv=1, d=16, bs=4, lens=(330, 40),
                      mb=84)
     check(long, "float32", n_split=21)      # more splits than one merge chunk
+
+
+@on_gpu
+def test_many_splits_on_gpu():
+    """B1 long context: up to 128 splits merged in chunks by the last arriving program, three
+    launches in a row (the arrival counters reset themselves), against the unsplit kernel."""
+    case = make_case(np.random.default_rng(25), B=1, hq=32, hkv=8, d=128, bs=16, lens=(9000,))
+    dc = to_dev(case, "bfloat16")
+    whole = run(dc, n_split=1).float()
+    for ns in (None, 64, 128):
+        for _ in range(3):
+            torch.testing.assert_close(run(dc, n_split=ns).float(), whole, rtol=2e-2, atol=2e-2)
+    check(case, "bfloat16")
 
 
 def test_split_heuristic_uneven_lengths():
