@@ -26,8 +26,8 @@ exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The a
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
 separately" is the registry op's kernel once per pool. The prefill target compares with
 flash-attn's dense kernel when it is importable, else fuelgraph's own dense flash_attn. Writes
-bench/results/cuda_paged_<date>.json (and DIR/cuda_paged_<date>.json), prints the records,
-then the targets table.
+bench/results/cuda_paged_<date>[_sweep][_<case>...].json (and the same name under DIR), prints
+the records, then the targets table.
 """
 from __future__ import annotations
 
@@ -416,9 +416,10 @@ def main():
         torch.cuda.empty_cache()
     doc = {"date": DATE, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "command": " ".join(sys.argv), "records": RECORDS}
-    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}.json"]
+    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
+    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
     if args.out:
-        paths.append(args.out / f"cuda_paged_{DATE}.json")
+        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(doc, indent=1))
