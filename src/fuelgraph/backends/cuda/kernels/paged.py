@@ -1,15 +1,23 @@
 """Triton kernels of the paged family: paged attention over a block-pool KV cache (decode and
 chunked prefill) and the cache write.
 
-Attention: one program owns one kv head of one sequence, a tile of rows = (query head of that
-kv head's group) x (query position), and one key range (split). It walks the live keys of its
-range BLOCK_N at a time, looking each key's pool block up in the block table, so every live k/v
-block is read once per (tile, split) and one load of a kv head serves its whole group of query
-heads (GQA/MQA). Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax
-in base 2. Long contexts with few sequences split the keys over several programs
-(flash-decoding): each writes an unnormalised partial (max, sum, accumulator) and a second kernel
-merges them. Sq > 1 (chunked prefill) runs through the same kernel with the bottom-right causal
-mask; each tile stops at the last key its rows can see.
+Decode (and short chunks, Sq < PREFILL_MIN_SQ), the grouped kernel: one program owns one kv head
+of one sequence, a tile of rows = (query head of that kv head's group) x (query position), and
+one key range (split). It walks the live keys of its range BLOCK_N at a time, looking each key's
+pool block up in the block table, so every live k/v block is read once per (tile, split) and one
+load of a kv head serves its whole group of query heads (GQA/MQA). Scores are float32
+(`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
+keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
+one split length for the launch, sized from the live lengths (finer when lengths are uneven);
+a split past its own sequence's length exits at once, so each sequence runs as many programs as
+its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
+sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
+to arrive merges them and resets the counter, so the split path is a single launch.
+
+Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (BLOCK_M query
+positions, query head), autotuned tiles; each key tile is gathered row by row through the
+block table (several pages per tile when block_size < BLOCK_N); the tiles wholly below the
+bottom-right causal diagonal run with no mask code, the diagonal ones with the mask.
 
 Invalid index data raises FuelGraphError before the launch: the check costs one device->host
 sync, done once per (context_lens, block_table) buffer version and skipped while a CUDA graph is
@@ -17,6 +25,9 @@ being captured. The kernels themselves never read outside the pool (block ids ar
 write NaN rows for a sequence whose lengths or live block ids are invalid, so a captured graph
 replayed on bad data yields NaN, never a plausible wrong number.
 
+The split scratch (partials, arrival counters) is cached per device and reused by every launch:
+launches on one stream are ordered, so they may share it; two paged_attn calls running
+concurrently on different streams of one device would not (fuelgraph runs them on one stream).
 float64 inputs and head dims above MAX_HEAD_DIM are not covered (`supports`): the planner runs
 the recipe for them.
 """
