@@ -389,8 +389,17 @@ def _memo_key(lens, table, sq, nb, bs):
             tuple(table.shape), table.dtype, sq, nb, bs)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)              # not triton.cdiv: a jit function, slow to call from the host
+
+
+_HAS_CUDA: list = []
+
+
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0] and torch.cuda.is_current_stream_capturing()
 
 
 def _check_and_stats(lens, table, sq, nb, bs):
@@ -508,27 +517,53 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     the prefill kernel autotunes when they are None), n_split (key splits of the grouped
     kernel), fused_merge (False: merge the splits in a second launch), prefill (True / False:
     force the prefill / grouped kernel; None: by Sq)."""
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    stats = _check_and_stats(context_lens, block_table, q.shape[2], nb, bs)
+    sl = alibi[0].float().contiguous() if alibi else q
+    key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
+           sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
+           num_stages, n_split, fused_merge, prefill)
+    capturing = _capturing()          # a graph being captured gets its own scratch: no cache
+    launch = None if capturing else _LAUNCHES.get(key)
+    if launch is None:
+        launch = _configure(q, k_cache, block_table, bool(alibi), sl.dim(), stats,
+                            softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
+                            n_split, fused_merge, prefill)
+        if not capturing:
+            if len(_LAUNCHES) >= 256:
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = launch
+    launch(q, k_cache, v_cache, block_table, context_lens, sl, out)
+    return out
+
+
+#: launch closures by (shapes, dtype, device, flags, length stats, knobs): the host work of a
+#: repeated call is one dict lookup (a decode loop's lengths change every step: a miss costs
+#: what the configuration costs anyway)
+_LAUNCHES: dict = {}
+
+
+def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
+               block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill):
+    """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
+    launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     mb = block_table.shape[1]
     g = hq // hkv
-    out = torch.empty_like(q)
-    if out.numel() == 0:
-        return out
-    stats = _check_and_stats(context_lens, block_table, sq, nb, bs)
-    has_alibi = bool(alibi)
-    sl = alibi[0].float().contiguous() if has_alibi else q
-    sl_stride_b = (hq if sl.dim() == 2 else 0) if has_alibi else 0
+    sl_stride_b = (hq if sl_dim == 2 else 0) if has_alibi else 0
     dot_f32 = INTERPRET and q.dtype == torch.bfloat16
     dot_prec = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
     block_d = max(16, next_pow2(d))
     if prefill if prefill is not None else sq >= PREFILL_MIN_SQ:
-        _launch_prefill(q, k_cache, v_cache, block_table, context_lens, sl, out, sl_stride_b,
-                        softmax_scale, softcap, has_alibi, dot_prec, dot_f32, block_d, block_m,
-                        block_n, num_warps, num_stages)
-        return out
+        return _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap,
+                                  has_alibi, dot_prec, dot_f32, block_d, block_m, block_n,
+                                  num_warps, num_stages)
     g_t, sq_t = _tiles(g, sq, block_m)
-    n_qt, n_gt = triton.cdiv(sq, sq_t), triton.cdiv(g, g_t)
+    n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -537,8 +572,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
     if n_split is not None:
         ns = max(1, int(n_split))
-        kps = triton.cdiv(triton.cdiv(cap, ns), bn) * bn
-        ns = triton.cdiv(cap, kps)
+        kps = _cdiv(_cdiv(cap, ns), bn) * bn
+        ns = _cdiv(cap, kps)
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
@@ -548,45 +583,51 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
-    args = (q, k_cache, v_cache, block_table, context_lens, sl, out)
+    kernel_ = _paged_attn_kernel[grid]
     if ns == 1:
-        _paged_attn_kernel[grid](*args, out, out, out, context_lens, *scal, SPLIT=False,
-                                 FUSED_MERGE=False, **kw)
-        return out
+        def launch(q, kc, vc, bt, cl, sl, out):
+            kernel_(q, kc, vc, bt, cl, sl, out, out, out, out, cl, *scal, SPLIT=False,
+                    FUSED_MERGE=False, **kw)
+        return launch
     rows = B * hq * sq
     buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1])
     po = buf[:rows * ns * d]
     pm = buf[rows * ns * d:rows * ns * (d + 1)]
     pl = buf[rows * ns * (d + 1):rows * ns * (d + 2)]
-    _paged_attn_kernel[grid](*args, po, pm, pl, cnt, *scal, SPLIT=True,
-                             FUSED_MERGE=bool(fused_merge), **kw)
-    if not fused_merge:
-        _paged_merge_kernel[(rows,)](po, pm, pl, context_lens, out, sq, hq, cap, kps, ns, D=d,
-                                     BLOCK_D=block_d, S_P2=max(2, next_pow2(ns)), num_warps=4)
-    return out
+    fused = bool(fused_merge)
+    merge_ = _paged_merge_kernel[(rows,)]
+
+    def launch(q, kc, vc, bt, cl, sl, out):
+        kernel_(q, kc, vc, bt, cl, sl, out, po, pm, pl, cnt, *scal, SPLIT=True,
+                FUSED_MERGE=fused, **kw)
+        if not fused:
+            merge_(po, pm, pl, cl, out, sq, hq, cap, kps, ns, D=d, BLOCK_D=block_d,
+                   S_P2=max(2, next_pow2(ns)), num_warps=4)
+    return launch
 
 
-def _launch_prefill(q, k_cache, v_cache, block_table, context_lens, sl, out, sl_stride_b,
-                    softmax_scale, softcap, has_alibi, dot_prec, dot_f32, block_d, block_m,
-                    block_n, num_warps, num_stages):
+def _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap, has_alibi,
+                       dot_prec, dot_f32, block_d, block_m, block_n, num_warps, num_stages):
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     mb = block_table.shape[1]
     has_cap = softcap is not None
     qk_scale = float(softmax_scale) / float(softcap) if has_cap else float(softmax_scale)
-    args = (q, k_cache, v_cache, block_table, context_lens, sl, out, sq, hq, hkv, mb, nb,
-            qk_scale, float(softcap) if has_cap else 1.0, sl_stride_b, next_pow2(sq),
-            next_pow2(mb * bs))
+    scal = (sq, hq, hkv, mb, nb, qk_scale, float(softcap) if has_cap else 1.0, sl_stride_b,
+            next_pow2(sq), next_pow2(mb * bs))
     kw = dict(G=hq // hkv, BS=bs, D=d, BLOCK_D=block_d, HAS_ALIBI=has_alibi, HAS_CAP=has_cap,
               IEEE=q.dtype == torch.float32, DOT_PREC=dot_prec, DOT_F32=dot_f32)
     if block_m is None and block_n is None and num_warps is None and num_stages is None:
-        grid = lambda meta: (triton.cdiv(sq, meta["BLOCK_M"]), B * hq)   # noqa: E731
-        _paged_prefill_tuned[grid](*args, **kw)
-        return
-    bm, bn = block_m or (16 if INTERPRET else 128), block_n or (16 if INTERPRET else 64)
-    _paged_prefill_kernel[(triton.cdiv(sq, bm), B * hq)](
-        *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or (1 if INTERPRET else 8),
-        num_stages=num_stages or (1 if INTERPRET else 3), **kw)
+        kernel_ = _paged_prefill_tuned[lambda meta: (_cdiv(sq, meta["BLOCK_M"]), B * hq)]
+    else:
+        bm, bn = block_m or (16 if INTERPRET else 128), block_n or (16 if INTERPRET else 64)
+        kw.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or (1 if INTERPRET else 8),
+                  num_stages=num_stages or (1 if INTERPRET else 3))
+        kernel_ = _paged_prefill_kernel[(_cdiv(sq, bm), B * hq)]
+
+    def launch(q, kc, vc, bt, cl, sl, out):
+        kernel_(q, kc, vc, bt, cl, sl, out, *scal, **kw)
+    return launch
 
 
 @kernel(PAGED_CACHE_WRITE, "cuda", cost=paged_cache_write_cost)
