@@ -23,6 +23,21 @@ if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import paged as K
 
 DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_prefill_config_per_flag_set():
+    """No autotuning of the prefill kernel in tests (it shares flash_attn's configs and switch):
+    one compile per flag set; the benchmark tunes."""
+    if not (HAS_CUDA or INTERPRET):
+        yield
+        return
+    from fuelgraph.backends.cuda.kernels import attention as A
+    old, A.TUNE = A.TUNE, False
+    yield
+    A.TUNE = old
+
+
 TD = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
