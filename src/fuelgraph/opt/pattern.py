@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, apply, toposort
+from ..ir.node import Node, Value, apply, make_node, structural_key, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import FusedOpRegistry, Traced
 from ..registry.core import trace_recipe as trace_raw
@@ -42,6 +42,7 @@ class Pattern:
     root_key: tuple = ()
     size: int = 0          # operation nodes in the pattern: larger patterns are tried first
     kinds: int = 0         # distinct op kinds among them
+    scans: bool = False    # holds a Scan: re-traced, its body has other placeholders
 
 
 @dataclass
@@ -172,7 +173,8 @@ def derive_patterns(entry) -> list[Pattern]:
         body = [n for n in toposort([root]) if n not in holes and n.srcs]
         pats.append(Pattern(f"{entry.name}#{k}", root, [p.node for p in traced.inputs], slots,
                             fixed_all, recipe, _op_sig(root.node.op), len(body),
-                            len({_op_sig(n.op) for n in body})))
+                            len({_op_sig(n.op) for n in body}),
+                            any(isinstance(n.op, ops.Scan) for n in body)))
     return pats
 
 
@@ -397,6 +399,11 @@ def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dic
         memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
     outs = run_pass([o.value for o in outs], CANONICALIZE, memo=memo)
     got = outs[0]
+    if got != root and pat.scans:
+        corr = _same_up_to_bodies(got, root)
+        if corr is not None:        # a scan traced again has fresh body placeholders
+            outs = [_translate(v, corr) for v in outs]
+            got = outs[0]
     if got != root:
         return ("structure matched but the recipe re-traced on the captured inputs differs "
                 f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
@@ -408,6 +415,59 @@ def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dic
         if isinstance(v, float) and d.is_float and d.itemsize < 4:
             params[name] = round_scalar(v, d)
     return params, outs
+
+
+def _same_scan(a, b) -> bool:
+    """Two Scan ops equal up to the names of their body's placeholders."""
+    if not (isinstance(a, ops.Scan) and isinstance(b, ops.Scan)) or \
+            (a.n_carry, a.n_xs, a.length, a.reverse) != (b.n_carry, b.n_xs, b.length, b.reverse):
+        return False
+    key = lambda body: structural_key(body.outputs, order_inputs=body.inputs)   # noqa: E731
+    return len(a.body.inputs) == len(b.body.inputs) and key(a.body) == key(b.body)
+
+
+def _same_up_to_bodies(got: Value, root: Value) -> dict | None:
+    """{re-traced node: graph node} when the re-traced recipe `got` is the graph at `root` but
+    for scan bodies traced apart (the same sub-graph over other placeholders; commutative
+    operands may then be ordered the other way); else None."""
+    corr: dict = {}
+    return corr if _pair(got, root, corr) else None
+
+
+def _pair(a: Value, b: Value, corr: dict) -> bool:
+    if a == b:
+        return True
+    if a.slot != b.slot or len(a.node.srcs) != len(b.node.srcs):
+        return False
+    if a.node in corr:
+        return corr[a.node] is b.node
+    if a.node.op != b.node.op and not _same_scan(a.node.op, b.node.op):
+        return False
+    corr[a.node] = b.node
+    saved = dict(corr)
+    if all(_pair(x, y, corr) for x, y in zip(a.node.srcs, b.node.srcs)):
+        return True
+    if getattr(a.node.op, "kind", None) in _COMMUTATIVE and len(a.node.srcs) == 2:
+        corr.clear()
+        corr.update(saved)
+        if all(_pair(x, y, corr) for x, y in zip(a.node.srcs[::-1], b.node.srcs)):
+            return True
+    corr.clear()
+    corr.update(saved)
+    del corr[a.node]
+    return False
+
+
+def _translate(v: Value, corr: dict) -> Value:
+    """A re-traced value in terms of the graph's nodes (`corr`), rebuilt above them."""
+    if v.node in corr:
+        return Value(corr[v.node], v.slot)
+    if not v.node.srcs:
+        return v
+    srcs = tuple(_translate(s, corr) for s in v.node.srcs)
+    n = v.node if srcs == v.node.srcs else make_node(v.node.op, srcs)
+    corr[v.node] = n
+    return Value(n, v.slot)
 
 
 def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, users: dict,

@@ -24,7 +24,8 @@ depend on it (kernels pick their own tiles)."""
 from __future__ import annotations
 
 import dataclasses
-
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -471,6 +472,56 @@ def _ssd_sample(rng, B=1, L=64, H=2, P=2, N=3, grads=False):   # L: the default 
     return xs
 
 
+# ---- fusion patterns -------------------------------------------------------------------------
+# The recurrence written with the Scan primitive, as the recipes write it, fuses back (one
+# pattern per setting of the boolean flags; each traced on a sample holding its optional
+# inputs). y is the matched root; the last state, when the graph reads it, becomes the fused
+# node's second output. chunk_size does not show in the graph (it only tiles the kernels): a
+# fused SSD scan takes the largest power of two <= 64 that divides L.
+def _flagged(recipe, sample, optional, fixed):
+    """`recipe` with the flags `fixed`, traced on `sample` plus the optional inputs it needs."""
+    def spelling(*xs, **params):
+        return recipe(*xs, **params)
+
+    def full_sample(rng):
+        xs = sample(rng)
+        return xs + [optional[k](rng, xs) for k in _names(fixed)]
+    spelling.sample = full_sample
+    spelling.__name__ = spelling.__qualname__ = \
+        recipe.__name__ + "".join(f"_{k}" for k, v in fixed.items() if v)
+    return spelling
+
+
+def _names(fixed):
+    return [k[4:] for k in fixed if k.startswith("has_") and fixed[k]]
+
+
+def _flag_spellings(recipe, sample, optional, flags, **other):
+    out = []
+    for values in itertools.product((False, True), repeat=len(flags)):
+        fixed = dict(zip(flags, values))
+        out.append((_flagged(recipe, sample, optional, fixed), {**fixed, **other}))
+    return tuple(out)
+
+
+_SS_OPTIONAL = {
+    "d": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "z": lambda rng, xs: rng.standard_normal(xs[0].shape).astype(xs[0].dtype),
+    "delta_bias": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype)}
+_SSD_OPTIONAL = {
+    "d": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "z": lambda rng, xs: rng.standard_normal(xs[0].shape).astype(xs[0].dtype),
+    "dt_bias": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "initial_states": lambda rng, xs: rng.standard_normal(
+        (xs[0].shape[0], xs[0].shape[2], xs[0].shape[3], xs[3].shape[3])).astype(xs[0].dtype)}
+
+
+def _read_ssd(bound):
+    """chunk_size: a tiling hint the graph does not hold; the largest power of two <= 64 that
+    divides L."""
+    return {"chunk_size": math.gcd(bound.capture(0).shape[1], 64) or 64}
+
+
 _SS_DOC = (
     "Mamba-1 selective scan. u, delta [B, L, D]; a [D, N] (the decay rate A itself, normally "
     "negative); b, c [B, L, N]; optional d [D], z [B, L, D], delta_bias [D]; one float dtype. "
@@ -504,6 +555,8 @@ def declare(reg):
         shape_rule=_ss_shapes, dtype_rule=_two_of_input0, validate=_validate_ss,
         decompose=selective_scan_recipe, backward=BackwardKind.fused(SELECTIVE_SCAN_BACKWARD),
         vjp=_ss_vjp, pattern_variants=None, sample=_ss_sample, outputs=("y", "last_state"),
+        extra_patterns=_flag_spellings(selective_scan_recipe, _ss_sample, _SS_OPTIONAL, (
+            "delta_softplus", "has_d", "has_z", "has_delta_bias")),
         doc=_SS_DOC))
     reg.add(FusedOpEntry(
         id=SSD_CHUNK_SCAN_BACKWARD, name="ssd_chunk_scan_backward", family="backward",
@@ -521,6 +574,9 @@ def declare(reg):
         shape_rule=_ssd_shapes, dtype_rule=_two_of_input0, validate=_validate_ssd,
         decompose=ssd_chunk_scan_recipe, backward=BackwardKind.fused(SSD_CHUNK_SCAN_BACKWARD),
         vjp=_ssd_vjp, pattern_variants=None, sample=_ssd_sample, outputs=("y", "last_state"),
+        extra_patterns=_flag_spellings(ssd_chunk_scan_recipe, _ssd_sample, _SSD_OPTIONAL, (
+            "dt_softplus", "has_d", "has_z", "has_dt_bias", "has_initial_states"), chunk_size=64),
+        read_params=_read_ssd,
         doc=_SSD_DOC))
 
 
