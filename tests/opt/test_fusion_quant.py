@@ -27,6 +27,7 @@ def refuses(entry_id, srcs, params):
     nodes = fused_nodes(list(lowered))
     assert [n.op.id for n in nodes] == [entry_id]
     assert nodes[0].op.params == params
+    assert [s.dtype for s in nodes[0].srcs] == [s.dtype for s in srcs]
     return lowered
 
 

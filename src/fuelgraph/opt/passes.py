@@ -58,19 +58,24 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     that they were recognized."""
     reg = default_registry()
     by_sig: dict = {}
+    nodes = toposort(outputs)
+    present = None
     for e in reg:
         if e.has_pattern and (has_kernel(e.id, backend) or e.id.is_runtime()
                               if backend is not None else
                               # prefuse for autograd: never turn a differentiable idiom into
                               # an op that refuses to be differentiated
                               e.backward.kind != "not_differentiable"):
+            if e.pattern_needs:
+                present = present or {type(n.op) for n in nodes}
+                if not all(t in present for t in e.pattern_needs):
+                    continue
             for p in patterns_of(e):
                 by_sig.setdefault(p.root_key, []).append((e, p))
     for cands in by_sig.values():   # the larger pattern wins at a root (layer norm before RMS
         cands.sort(key=lambda ep: -ep[1].size)   # norm, which matches its tail); stable sort
     if not by_sig:
         return outputs
-    nodes = toposort(outputs)
     users = consumers(nodes)
     for v in outputs:   # a graph output is a consumer too: fusing over it would duplicate it
         users.setdefault(id(v.node), []).append(_GraphOutput(v))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .. import dtype as dt
@@ -307,12 +308,56 @@ def _write_sample(rng):
     return [cache, new, slots]
 
 
+# ---- fusion: the recipe fuses back ---------------------------------------------------------------
+# One pattern per form (with or without ALiBi slopes, with or without a softcap); softmax_scale
+# is located by its sentinel, the softcap read off the constant that multiplies the tanh. Only
+# the recipe's guarded form fuses: attention written plainly over the gathered blocks differs
+# from paged_attn on valid inputs (a sequence with context_lens 0 is NaN in a written softmax,
+# zeros in paged_attn), and whether that happens is in the data, which a plan cached by
+# structure cannot see.
+def _form(alibi, softcap, dtype):
+    """The recipe's form with or without ALiBi and softcap, traced in `dtype` (a 16-bit recipe
+    casts to float32 and back: another pattern)."""
+    def recipe(*xs, **params):
+        return paged_attn_recipe(*xs, **params)
+
+    def sample(rng):
+        xs = attn_sample(rng, alibi=alibi)
+        return [x.astype(dtype) for x in xs[:3]] + xs[3:]
+    recipe.sample = sample
+    recipe.softcap = softcap
+    recipe.__name__ = recipe.__qualname__ = (f"paged_attn_recipe{'_alibi' if alibi else ''}"
+                                             f"{'_softcap' if softcap else ''}_{dtype.__name__}")
+    return recipe, ({"softcap": 30.0} if softcap else {})
+
+
+_FORMS = tuple(_form(alibi, cap, dtype) for dtype in (np.float32, ml_dtypes.bfloat16)
+               for alibi in (False, True) for cap in (False, True))
+
+
+def _read_attn(bound):
+    """The softcap: the constant multiplying the tanh of the scaled scores."""
+    if not getattr(bound.pattern.recipe, "softcap", False):
+        return {}
+    tanh = next(n for n in bound.nodes_of(ops.Unary) if n.op.kind == "tanh")
+    for g in bound.bind.values():
+        n = g.node
+        if isinstance(n.op, ops.Binary) and n.op.kind == "mul" and \
+                any(s.node is tanh for s in n.srcs):
+            c = next((s.node.op for s in n.srcs if isinstance(s.node.op, ops.Full)), None)
+            if c is not None:
+                return {"softcap": float(c.value)}
+    raise ValueError("softcap constant not found")
+
+
 def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.PAGED_ATTN, name=_ATTN, family="attention", params=PagedAttnParams,
         shape_rule=_attn_shape, dtype_rule=_attn_dtype, validate=_validate_attn,
         decompose=paged_attn_recipe, backward=BackwardKind.NOT_DIFFERENTIABLE,
-        pattern_variants=None, sample=attn_sample,
+        pattern_variants=None, extra_patterns=_FORMS, read_params=_read_attn,
+        pattern_needs=(ops.Take,),
+        sample=attn_sample,
         doc="Paged attention. q [B, Hq, Sq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, "
             "D] (q's float dtype, Hq % Hkv == 0); block_table [B, max_blocks] and context_lens "
             "[B] int32/uint32; optional alibi_slopes [Hq] or [B, Hq] float32 -> [B, Hq, Sq, D] "

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import dtype as dt
 from ..errors import FuelGraphError
+from ..ir import ops
 from ..ir.tensor import const, stack
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .quant_gguf import FORMATS, dequantize_gguf_recipe, gguf_format
@@ -506,6 +507,7 @@ def declare(reg):
         backward=BackwardKind.fused(QMATMUL_GRAD_A),
         vjp=_linear_vjp(QMATMUL_GRAD_A, ("w_bytes",), "qmatmul"),
         pattern_variants=None, extra_patterns=_gguf_spellings(), read_params=_read_qmatmul,
+        pattern_needs=(ops.Bitcast,),
         sample=_sample_qmatmul,
         doc=f"out = a @ W.T with W [N, K] given as raw GGUF bytes (uint8, N * K / QK blocks "
             f"along K; formats {gguf_doc}); a [..., K] any float dtype -> out [..., N] in a's "
@@ -526,6 +528,7 @@ def declare(reg):
         backward=BackwardKind.fused(NF4_MATMUL_GRAD_A),
         vjp=_linear_vjp(NF4_MATMUL_GRAD_A, ("w_packed", "absmax"), "nf4_matmul"),
         pattern_variants=None, extra_patterns=_NF4_SPELLINGS, read_params=_read_nf4,
+        pattern_needs=(ops.Take,),
         sample=_sample_nf4,
         doc="out = a @ W.T, W[n, k] = NF4[code(n, k)] * absmax[n, k // block_size]; w_packed "
             "uint8 [N, K/2] (bitsandbytes order: element 2j in the high nibble of byte j, 2j+1 "

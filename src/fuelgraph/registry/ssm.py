@@ -28,10 +28,12 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ..dtype import FLOATS
 from ..errors import FuelGraphError
+from ..ir import ops
 from ..ir.scan import scan
 from ..ir.tensor import zeros
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
@@ -478,17 +480,18 @@ def _ssd_sample(rng, B=1, L=64, H=2, P=2, N=3, grads=False):   # L: the default 
 # inputs). y is the matched root; the last state, when the graph reads it, becomes the fused
 # node's second output. chunk_size does not show in the graph (it only tiles the kernels): a
 # fused SSD scan takes the largest power of two <= 64 that divides L.
-def _flagged(recipe, sample, optional, fixed):
-    """`recipe` with the flags `fixed`, traced on `sample` plus the optional inputs it needs."""
+def _flagged(recipe, sample, optional, fixed, dtype):
+    """`recipe` with the flags `fixed`, traced on `sample` plus the optional inputs it needs,
+    in `dtype` (a 16-bit recipe casts its inputs up and its results down: another pattern)."""
     def spelling(*xs, **params):
         return recipe(*xs, **params)
 
     def full_sample(rng):
         xs = sample(rng)
-        return xs + [optional[k](rng, xs) for k in _names(fixed)]
+        return [x.astype(dtype) for x in xs + [optional[k](rng, xs) for k in _names(fixed)]]
     spelling.sample = full_sample
     spelling.__name__ = spelling.__qualname__ = \
-        recipe.__name__ + "".join(f"_{k}" for k, v in fixed.items() if v)
+        recipe.__name__ + "".join(f"_{k}" for k, v in fixed.items() if v) + f"_{dtype.__name__}"
     return spelling
 
 
@@ -498,9 +501,10 @@ def _names(fixed):
 
 def _flag_spellings(recipe, sample, optional, flags, **other):
     out = []
-    for values in itertools.product((False, True), repeat=len(flags)):
-        fixed = dict(zip(flags, values))
-        out.append((_flagged(recipe, sample, optional, fixed), {**fixed, **other}))
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        for values in itertools.product((False, True), repeat=len(flags)):
+            fixed = dict(zip(flags, values))
+            out.append((_flagged(recipe, sample, optional, fixed, dtype), {**fixed, **other}))
     return tuple(out)
 
 
@@ -556,7 +560,7 @@ def declare(reg):
         decompose=selective_scan_recipe, backward=BackwardKind.fused(SELECTIVE_SCAN_BACKWARD),
         vjp=_ss_vjp, pattern_variants=None, sample=_ss_sample, outputs=("y", "last_state"),
         extra_patterns=_flag_spellings(selective_scan_recipe, _ss_sample, _SS_OPTIONAL, (
-            "delta_softplus", "has_d", "has_z", "has_delta_bias")),
+            "delta_softplus", "has_d", "has_z", "has_delta_bias")), pattern_needs=(ops.Scan,),
         doc=_SS_DOC))
     reg.add(FusedOpEntry(
         id=SSD_CHUNK_SCAN_BACKWARD, name="ssd_chunk_scan_backward", family="backward",
@@ -576,7 +580,7 @@ def declare(reg):
         vjp=_ssd_vjp, pattern_variants=None, sample=_ssd_sample, outputs=("y", "last_state"),
         extra_patterns=_flag_spellings(ssd_chunk_scan_recipe, _ssd_sample, _SSD_OPTIONAL, (
             "dt_softplus", "has_d", "has_z", "has_dt_bias", "has_initial_states"), chunk_size=64),
-        read_params=_read_ssd,
+        read_params=_read_ssd, pattern_needs=(ops.Scan,),
         doc=_SSD_DOC))
 
 
