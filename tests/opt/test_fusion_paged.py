@@ -13,7 +13,7 @@ import fuelgraph.functional as F
 from fuelgraph.ir import ops
 from fuelgraph.ir.node import toposort
 from fuelgraph.registry.core import FusedOps
-from fuelgraph.registry.paged import paged_attn_recipe
+from fuelgraph.registry.paged import paged_attn_recipe, plain_paged_attention
 from registry.test_paged import make_case, paged_reference
 
 
@@ -53,34 +53,18 @@ def test_guarded_attention_written_by_hand_fuses_and_matches_torch():
     np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
-def plain_paged_attention(q, k_cache, v_cache, block_table, context_lens):
-    """Attention as people first write it over a paged cache: gather, length + causal mask,
-    softmax, no guard for an empty sequence."""
-    B, hq, sq, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
-    L = block_table.shape[1] * bs
-    idx = block_table.astype(fg.int64).reshape(-1)
-
-    def dense(cache):
-        return cache.take(idx, 0).reshape(B, L, hkv, d).permute(0, 2, 1, 3)
-
-    s = q @ dense(k_cache).mT * (1.0 / math.sqrt(d))
-    pos = context_lens.astype(fg.int64).reshape(B, 1) - sq + fg.arange(sq).reshape(1, sq)
-    mask = fg.arange(L).reshape(1, 1, L) <= pos.reshape(B, sq, 1)
-    s = fg.where(mask.reshape(B, 1, sq, L), s, -math.inf)
-    e = (s - s.max(-1, keepdim=True)).exp()
-    return (e / e.sum(-1, keepdim=True)) @ dense(v_cache)
-
-
 def test_plain_attention_over_gathered_blocks_does_not_fuse():
-    """An empty sequence (context_lens 0) gives NaN rows here and zeros in paged_attn: the
-    plain form must keep its own values, so it is not fused."""
+    """Attention as first written over the gathered blocks: an empty sequence (context_lens 0)
+    gives NaN rows here and zeros in paged_attn, so it keeps its own values; explain's near
+    miss says why."""
     case = make_case(np.random.default_rng(2), hq=2, hkv=2, lens=(9, 0, 5), extra_blocks=0)
     case["block_table"] = np.where(case["block_table"] == np.iinfo(np.int32).max, 0,
                                    case["block_table"]).astype(np.int32)
     ts = [fg.tensor(v) for v in case.values()]
-    y = plain_paged_attention(*ts)
-    assert "paged_attn" not in fg.explain(y).fused_ops
+    y = plain_paged_attention(*ts, softmax_scale=1.0 / math.sqrt(16))
+    rep = fg.explain(y)
+    assert "paged_attn" not in rep.fused_ops
+    assert "context_lens 0 gives NaN rows" in rep.near_misses["paged_attn"]   # says why
     got = y.numpy()
     assert np.isnan(got[1]).all()
     ref = paged_reference(*case.values())

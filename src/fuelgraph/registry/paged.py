@@ -331,12 +331,46 @@ def _form(alibi, softcap, dtype):
     return recipe, ({"softcap": 30.0} if softcap else {})
 
 
+def plain_paged_attention(q, k_cache, v_cache, block_table, context_lens, softmax_scale=1.0,
+                          softcap=None):
+    """Attention as first written over a paged cache (Hq == Hkv): gather the table's blocks,
+    mask keys past each query's position, softmax, no guard for an empty sequence. Never
+    fused (see above); its pattern only lets `fg.explain` say why."""
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    L = block_table.shape[1] * bs
+    idx = block_table.astype(dt.int64).reshape(-1)
+
+    def dense(cache):
+        return cache.take(idx, 0).reshape(B, L, hkv, d).permute(0, 2, 1, 3)
+
+    s = q @ dense(k_cache).mT * softmax_scale
+    pos = context_lens.astype(dt.int64).reshape(B, 1) - sq + arange(sq, device=q.device).reshape(1, sq)
+    mask = arange(L, device=q.device).reshape(1, 1, L) <= pos.reshape(B, sq, 1)
+    s = where(mask.reshape(B, 1, sq, L), s, float("-inf"))
+    e = (s - s.max(-1, keepdim=True)).exp()
+    return (e / e.sum(-1, keepdim=True)) @ dense(v_cache)
+
+
+def _plain_sample(rng):
+    xs = attn_sample(rng, alibi=False)
+    return [xs[0][:, :2]] + xs[1:]
+
+
+plain_paged_attention.sample = _plain_sample
+plain_paged_attention.diagnostic = True
 _FORMS = tuple(_form(alibi, cap, dtype) for dtype in (np.float32, ml_dtypes.bfloat16)
-               for alibi in (False, True) for cap in (False, True))
+               for alibi in (False, True) for cap in (False, True)) + ((plain_paged_attention, {}),)
 
 
 def _read_attn(bound):
     """The softcap: the constant multiplying the tanh of the scaled scores."""
+    if getattr(bound.pattern.recipe, "diagnostic", False):
+        raise ValueError(
+            "attention written over gathered cache blocks is not fused into paged_attn: a "
+            "sequence with context_lens 0 gives NaN rows in a written softmax and zeros in "
+            "paged_attn, and the lengths are data the cached plan cannot see; call "
+            "F.paged_attn, or write the guards as registry.paged.paged_attn_recipe does")
     if not getattr(bound.pattern.recipe, "softcap", False):
         return {}
     tanh = next(n for n in bound.nodes_of(ops.Unary) if n.op.kind == "tanh")
