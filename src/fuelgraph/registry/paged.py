@@ -399,7 +399,9 @@ def declare(reg):
             "keys j <= a (bottom-right causal); context_lens[b] == 0 gives zeros; softcap then "
             "ALiBi -slope*|a - j|; accumulates in float32 (float64 for float64). "
             "0 < context_len < Sq, context_len > max_blocks * block_size, or a live table entry "
-            "outside the pool raises. Not differentiable."))
+            "outside the pool raises. Not differentiable. Fuses from its recipe (the guarded form); "
+            "attention written plainly over gathered blocks does not fuse (an empty sequence "
+            "differs) and explain says so."))
     reg.add(FusedOpEntry(
         id=PAGED_CACHE_WRITE, name=_WRITE, family="forward", params=PagedCacheWriteParams,
         shape_rule=_attn_shape, dtype_rule=_attn_dtype, validate=_validate_write,

@@ -512,7 +512,9 @@ def declare(reg):
         doc=f"out = a @ W.T with W [N, K] given as raw GGUF bytes (uint8, N * K / QK blocks "
             f"along K; formats {gguf_doc}); a [..., K] any float dtype -> out [..., N] in a's "
             f"dtype. Dequantization is bit-exact with gguf-py. Params quant_type, n, k. "
-            f"Differentiable in a only (backward: qmatmul_grad_a)."))
+            f"Differentiable in a only (backward: qmatmul_grad_a). Fuses from its recipe (every "
+            f"format) and from a @ W.T over W dequantized by the format's recipe "
+            f"(registry.quant.dequantize_gguf), a of any rank."))
     reg.add(FusedOpEntry(
         id=QMATMUL_GRAD_A, name="qmatmul_grad_a", family="backward", params=QMatMulParams,
         shape_rule=_out_shape(_qmatmul_k), dtype_rule=_act_dtype,
@@ -533,7 +535,10 @@ def declare(reg):
         doc="out = a @ W.T, W[n, k] = NF4[code(n, k)] * absmax[n, k // block_size]; w_packed "
             "uint8 [N, K/2] (bitsandbytes order: element 2j in the high nibble of byte j, 2j+1 "
             "in the low), absmax float32 [N, K/block_size]; a [..., K] any float dtype -> "
-            "[..., N] in a's dtype. Differentiable in a only (backward: nf4_matmul_grad_a)."))
+            "[..., N] in a's dtype. Differentiable in a only (backward: nf4_matmul_grad_a). Fuses "
+            "from its recipe and from a @ W.T over W = NF4[code] * absmax, the codes looked up "
+            "per byte or per nibble (high first) in a constant code book, absmax repeated per "
+            "block; a of any rank."))
     reg.add(FusedOpEntry(
         id=NF4_MATMUL_GRAD_A, name="nf4_matmul_grad_a", family="backward", params=NF4Params,
         shape_rule=_out_shape(lambda s, p: 2 * s[1][1]), dtype_rule=_act_dtype,
@@ -552,7 +557,9 @@ def declare(reg):
         doc="out = a @ W, W[k, n] = (q - z) * s from AutoAWQ GEMM tensors: qweight int32 "
             "[K, N/8], qzeros int32 [K/G, N/8] (logical column 8c+e in nibble "
             "(0,4,1,5,2,6,3,7)[e] of word c), scales float16 [K/G, N], G = group_size; a "
-            "[..., K] any float dtype -> [..., N] in a's dtype. Differentiable in a only."))
+            "[..., K] any float dtype -> [..., N] in a's dtype. Differentiable in a only. Fuses "
+            "from its recipe and from a @ ((q - z) * s) unpacked as the recipe does, a of any "
+            "rank."))
     reg.add(FusedOpEntry(
         id=AWQ_MATMUL_GRAD_A, name="awq_matmul_grad_a", family="backward", params=AWQParams,
         shape_rule=_out_shape(lambda s, p: s[1][0]), dtype_rule=_act_dtype,

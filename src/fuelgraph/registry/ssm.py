@@ -532,14 +532,18 @@ _SS_DOC = (
     "dt = delta + delta_bias, softplus'd if delta_softplus; h_0 = 0; "
     "h_t = exp(dt_t * a) * h_{t-1} + dt_t * u_t * b_t (outer over D x N); y_t = h_t @ c_t; "
     "y += u * d; y *= silu(z). Returns (y [B, L, D], last_state = h_L [B, D, N]) in the input "
-    "dtype; state and sums in float32 (float64 for float64).")
+    "dtype; state and sums in float32 (float64 for float64). Fuses from its recipe and from "
+    "the recurrence written with fg.scan as the recipe writes it (any optional inputs; the "
+    "last state becomes the second output when the graph reads it).")
 _SSD_DOC = (
     "Mamba-2 SSD scan. x [B, L, H, P]; dt [B, L, H]; a [H] (negative decay rate); b, c "
     "[B, L, H, N]; optional d [H] or [H, P], z [B, L, H, P], dt_bias [H], initial_states "
     "[B, H, P, N]; one float dtype. dt += dt_bias, softplus'd if dt_softplus; h_0 = "
     "initial_states or 0; h_t = exp(dt_t * a) * h_{t-1} + dt_t * x_t (outer) b_t; "
     "y_t = h_t @ c_t; y += x * d; y *= silu(z). Returns (y [B, L, H, P], last_state "
-    "[B, H, P, N]) in the input dtype. chunk_size (> 0, divides L) is a tiling hint only.")
+    "[B, H, P, N]) in the input dtype. chunk_size (> 0, divides L) is a tiling hint only. "
+    "Fuses from its recipe and from the recurrence written with fg.scan as the recipe "
+    "writes it (chunk_size then: the largest power of two <= 64 dividing L).")
 
 
 def declare(reg):
