@@ -491,12 +491,19 @@ def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, use
     limit = max((math.prod(c.shape) for c in caps), default=0)
     for n in interior:
         outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node
-                   and not all(s in replaced for s in u.srcs if s.node is n)]
+                   and not _reads_only(u, n, replaced)]
         if outside and not _view_of_captures(n, stop) and not _cheap_copy(n, stop, limit):
             return Miss(entry.name, repr(root), m.count,
                         f"intermediate %{n.uid} ({n.op.name}) has another consumer "
                         f"(%{outside[0].uid}); fusing would duplicate it")
     return Match(caps, params, interior, extras)
+
+
+def _reads_only(u, n: Node, replaced: set) -> bool:
+    """Whether consumer `u` reads node `n` only through outputs the fused node takes over."""
+    srcs = getattr(u, "srcs", None)
+    return bool(replaced) and srcs is not None and all(s in replaced for s in srcs
+                                                       if s.node is n)
 
 
 def _read_outputs(others: list, root: Value, users: dict, stop: set, pos: dict) -> dict:
@@ -506,7 +513,7 @@ def _read_outputs(others: list, root: Value, users: dict, stop: set, pos: dict) 
     for slot, v in enumerate(others, 1):
         n = v.node
         if n not in pos or v == root or n in stop or not any(
-                v in u.srcs for u in users.get(id(n), ())):
+                v in getattr(u, "srcs", ()) for u in users.get(id(n), ())):
             continue
         if not _feeds(n, stop, pos):
             out[slot] = v
