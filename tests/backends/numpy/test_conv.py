@@ -73,6 +73,28 @@ def test_conv2d(case, dt, monkeypatch):
     close(dw, ref, same, dt)
 
 
+@pytest.mark.parametrize("case", [CONV2D[0], CONV2D[1], CONV2D[2], CONV2D[3], CONV2D[4]],
+                         ids=["rows", "sh2", "strided", "1x1", "depthwise"])
+def test_blocks_on_the_pool_threads_give_the_same_result(case, monkeypatch):
+    """Forced onto the pool (two threads, one block per row): forward and weight gradient are
+    bit-identical to the single-threaded run."""
+    from fuelgraph.backends.numpy import common
+    xs, ws, has_b, s, p, d, g = case
+    x, w = arr(xs, "float32", 0), arr(ws, "float32", 1)
+    extra = [arr((ws[0],), "float32", 2)] if has_b else []
+    kw = dict(stride=s, padding=p, dilation=d, groups=g)
+    monkeypatch.setattr(K, "BLOCK_ELEMS", 1)
+    monkeypatch.setattr(K, "DEPTHWISE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(common, "NUM_THREADS", 1)
+    y1 = K.conv2d(x, w, *extra, **kw)
+    gy = arr(y1.shape, "float32", 3)
+    dw1 = K.conv2d_backward_weight(x, gy, kernel_size=ws[2:], **kw)
+    monkeypatch.setattr(common, "NUM_THREADS", 2)
+    monkeypatch.setattr(K, "PARALLEL_CONV_FLOPS", 0)
+    np.testing.assert_array_equal(K.conv2d(x, w, *extra, **kw), y1)
+    np.testing.assert_array_equal(K.conv2d_backward_weight(x, gy, kernel_size=ws[2:], **kw), dw1)
+
+
 def test_weight_gradient_shorter_than_the_conv_output():
     """conv_transpose2d's weight gradient correlates with a gradient that stops before the
     conv output does (output_padding >= stride)."""
