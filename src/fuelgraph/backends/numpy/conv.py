@@ -14,7 +14,7 @@ threads spin between many small calls, and collapse when another process shares 
 Depthwise convolutions (one input channel per output channel) skip the GEMM: per chunk of
 (sample, channel) rows one vectorized multiply and add per tap. conv_transpose2d is sh*sw
 stride-1 convolutions, one per output phase, written straight into the strided output.
-""""""
+"""
 from __future__ import annotations
 
 import contextlib
