@@ -29,7 +29,6 @@ from ...registry.core import FusedOps
 from ..base import Cost, kernel, row_cost
 from . import common
 from .common import PARALLEL_MIN_ELEMS, acc_dtype, row_spans, run_spans, store, to_acc
-from .primitives import _one_blas_thread
 
 
 
@@ -168,16 +167,37 @@ BLOCK_ELEMS = 1 << 18
 PARALLEL_CONV_FLOPS = 2e7
 
 
+#: products this large make OpenBLAS start its own threads (M*N*K >= 2^18)
+BLAS_THREADS_FLOPS = 5e5
+_BLAS_LIBS: list = []
+
+
+def _blas_libs():
+    """threadpoolctl's controllers of the loaded BLAS libraries ([] without threadpoolctl);
+    setting their thread count directly costs ~1 us, a `threadpool_limits` context ~40 us."""
+    if not _BLAS_LIBS:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS_LIBS.append(ThreadpoolController().select(user_api="blas").lib_controllers)
+        except ImportError:                                    # pragma: no cover
+            _BLAS_LIBS.append([])
+    return _BLAS_LIBS[0]
+
+
 @contextlib.contextmanager
 def _pool_gemms(flops):
-    """Yields whether to run blocks on the pool; while it does, BLAS stays on one thread."""
-    ctx = _one_blas_thread() if common.NUM_THREADS > 1 and flops >= PARALLEL_CONV_FLOPS \
-        else None
-    if ctx is None:
-        yield False
-        return
-    with ctx:
-        yield True
+    """Yields whether to spread the blocks over the pool threads. Meanwhile BLAS stays on one
+    thread whenever it would start its own: they spin between the many small calls and
+    collapse when another process competes for the cores."""
+    libs = _blas_libs() if flops >= BLAS_THREADS_FLOPS else []
+    old = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        yield bool(libs) and common.NUM_THREADS > 1 and flops >= PARALLEL_CONV_FLOPS
+    finally:
+        for lib, n in zip(libs, old):
+            lib.set_num_threads(n)
 
 
 def _per_thread(make):
