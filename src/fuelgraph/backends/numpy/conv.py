@@ -239,30 +239,51 @@ def _conv_into(dst, x, wa, padding, stride, dilation, groups, acc, bias_a=None):
     """dst[N, Cout, Ho, Wo] (any dtype, any strides) <- conv(x, wa) (+ bias), computed in the
     accumulation dtype: im2col blocks of a few output rows, one GEMM each (per group), the
     blocks spread over the pool's threads."""
-    n, c = x.shape[:2]
-    co, cg, kh, kw = wa.shape
-    ho, wo = dst.shape[2:]
-    if cg == 1 and groups > 1:
-        return _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a)
-    flops = 2.0 * dst.size * cg * kh * kw
-    if (kh, kw) == (1, 1) and stride == (1, 1) and not any(padding):  # 1x1: x is its own im2col
-        xa = to_acc(np.ascontiguousarray(x), acc).reshape(n, groups, c // groups, ho * wo)
-        wg = wa.reshape(groups, co // groups, cg)
-        with _pool_gemms(flops) as par:
-            _run_items(lambda i: _store_block(dst[i], np.matmul(wg, xa[i]).reshape(co, ho, wo),
-                                              bias_a), [(i,) for i in range(n)], par)
-        return
-    u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    wg = wa.reshape(groups, co // groups, cg * kh * kw)
-    rows, items = u.row_blocks()
-    buf = _per_thread(lambda: np.empty(c * kh * kw * rows * u.wq, acc))
-    with _pool_gemms(flops) as par:
-        u.fill_all(par)
+    _convs_into([(dst, x, wa, padding, stride, dilation, bias_a)], groups, acc)
 
-        def work(i, h0, h1):
-            cols = u.block(i, h0, h1, buf()).reshape(groups, cg * kh * kw, -1)
-            o = np.matmul(wg, cols).reshape(co, h1 - h0, u.wq)[:, :, :wo]
-            _store_block(dst[i, :, h0:h1], o, bias_a)
+
+def _convs_into(jobs, groups, acc):
+    """Several independent convolutions (dst, x, wa, padding, stride, dilation, bias_a) as
+    _conv_into does each, their padding and their GEMM blocks each in ONE pass over the pool
+    (a transposed conv's phases: fewer thread hand-offs, which cost most when another process
+    holds a core)."""
+    gemm_jobs = []
+    for dst, x, wa, padding, stride, dilation, bias_a in jobs:
+        n, c = x.shape[:2]
+        co, cg, kh, kw = wa.shape
+        ho, wo = dst.shape[2:]
+        if cg == 1 and groups > 1:
+            _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a)
+        elif (kh, kw) == (1, 1) and stride == (1, 1) and not any(padding):
+            # 1x1: x is its own im2col
+            xa = to_acc(np.ascontiguousarray(x), acc).reshape(n, groups, c // groups, ho * wo)
+            wg = wa.reshape(groups, co // groups, cg)
+            with _pool_gemms(2.0 * dst.size * cg) as par:
+                _run_items(lambda i: _store_block(
+                    dst[i], np.matmul(wg, xa[i]).reshape(co, ho, wo), bias_a),
+                    [(i,) for i in range(n)], par)
+        else:
+            u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
+            gemm_jobs.append((u, dst, wa.reshape(groups, co // groups, cg * kh * kw), bias_a))
+    if not gemm_jobs:
+        return
+    items, size, flops = [], 0, 0.0
+    for j, (u, dst, wg, _) in enumerate(gemm_jobs):
+        rows, blocks = u.row_blocks()
+        items += [(j,) + b for b in blocks]
+        size = max(size, wg.shape[2] * groups * rows * u.wq)
+        flops += 2.0 * dst.size * wg.shape[2]
+    buf = _per_thread(lambda: np.empty(size, acc))
+
+    def work(j, i, h0, h1):
+        u, dst, wg, bias_a = gemm_jobs[j]
+        cols = u.block(i, h0, h1, buf()).reshape(groups, wg.shape[2], -1)
+        o = np.matmul(wg, cols).reshape(-1, h1 - h0, u.wq)[:, :, :dst.shape[3]]
+        _store_block(dst[i, :, h0:h1], o, bias_a)
+    with _pool_gemms(flops) as par:
+        _run_items(lambda j, i: gemm_jobs[j][0].fill(i, i + 1),
+                   [(j, i) for j in range(len(gemm_jobs))
+                    for i in range(gemm_jobs[j][0].xq.shape[0])], par)
         _run_items(work, items, par)
 
 
@@ -372,6 +393,7 @@ def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, gro
     # float32 phases write straight into the output, halves into an accumulation-dtype copy
     res = out if out.dtype == acc else np.empty((n, cout, ho, wo), acc)
     ba = to_acc(bias[0], acc) if bias else None
+    jobs = []
     for ry in range(sh):
         ph = _phase(ry, kh, dh, sh, h, pt, ho)
         for rx in range(sw):
@@ -382,8 +404,9 @@ def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, gro
                 continue
             sub = np.ascontiguousarray(wc[:, :, ph[1]][:, :, :, pw[1]])
             xs = x[:, :, ph[3][0]:ph[3][1], pw[3][0]:pw[3][1]]
-            _conv_into(res[:, :, ph[0]::sh, pw[0]::sw], xs, sub, ph[4] + pw[4], (1, 1),
-                       (ph[2], pw[2]), g, acc, ba)
+            jobs.append((res[:, :, ph[0]::sh, pw[0]::sw], xs, sub, ph[4] + pw[4], (1, 1),
+                         (ph[2], pw[2]), ba))
+    _convs_into(jobs, g, acc)
     if res is not out:
         store(out, res)
     return out
