@@ -31,7 +31,7 @@ from ....registry.core import FusedOps
 from ...base import kernel
 from ...numpy.conv import (causal_conv1d_backward_cost, causal_conv1d_cost,
                            conv2d_backward_weight_cost, conv2d_cost, conv_transpose2d_cost)
-from .common import HALF_AND_F32, next_pow2, num_sms
+from .common import HALF_AND_F32, next_pow2
 
 #: "always" | "auto" | "never" (see the module docstring). "auto" by measurement: on an H200
 #: (2026-12-01, bf16 N32 C256 56x56 3x3) NCHW inputs took 0.336 ms with "auto" / "never" and
@@ -254,16 +254,17 @@ def _causal_bwd_kernel(x_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, part_ptr, C, L, n_lbl
 
 
 #: launch configs: chunks of 8 positions per program (R, a power of two) and warps; None picks
-#: from the length. The benchmark sweeps them (bench/bench_cuda_conv.py --sweep).
+#: from the length (forward: 2 chunks per thread, for more bytes in flight; backward: 1, it
+#: holds ~80 registers per chunk). The benchmark sweeps them (bench_cuda_conv.py --sweep).
 FWD_ROWS = None
 FWD_WARPS = None
 BWD_ROWS = None
 BWD_WARPS = None
 
 
-def _config(length, rows, warps, default_rows):
+def _config(length, rows, warps, default_rows, chunks_per_thread):
     r = rows or max(1, min(default_rows, next_pow2(triton.cdiv(length, 8))))
-    return r, warps or max(1, min(8, r // 32))
+    return r, warps or max(1, min(8, r // (32 * chunks_per_thread)))
 
 
 def _halo(k):
@@ -279,7 +280,7 @@ def causal_conv1d(x, w, *bias, use_silu):
     y = torch.empty_like(x)
     if y.numel() == 0:
         return y
-    rows, warps = _config(length, FWD_ROWS, FWD_WARPS, 256)
+    rows, warps = _config(length, FWD_ROWS, FWD_WARPS, 512, 2)
     _causal_fwd_kernel[(b * c, triton.cdiv(length, 8 * rows))](
         x, w, bias[0].contiguous() if bias else w, y, c, length, W=k, HALO=_halo(k),
         HAS_BIAS=bool(bias), SILU=bool(use_silu), R=rows, num_warps=warps)
@@ -296,7 +297,7 @@ def causal_conv1d_backward(x, w, grad, *bias, use_silu):
     if x.numel() == 0:
         return (torch.empty_like(x), torch.zeros_like(w),
                 torch.zeros(c, dtype=x.dtype, device=x.device))
-    rows, warps = _config(length, BWD_ROWS, BWD_WARPS, 256)
+    rows, warps = _config(length, BWD_ROWS, BWD_WARPS, 256, 1)
     n_lblk = triton.cdiv(length, 8 * rows)
     dx = torch.empty_like(x)
     part = torch.empty((b * n_lblk, c, k + 1), dtype=torch.float32, device=x.device)
