@@ -8,7 +8,11 @@ the columns of one kernel tap over a few output rows are one contiguous run (who
 the few columns past Wo are computed and dropped): the column block is built by memcpy-speed
 copies, never a gather of Wo-element pieces or a Python loop over pixels. Each block of output
 rows is then ONE GEMM per group, [Cout/g, Cin/g*Kh*Kw] x [Cin/g*Kh*Kw, rows*Wq], whose result
-is already in NCHW order (no transpose). Blocks run on fuelgraph's pool threads, each GEMM a
+is already in NCHW order (no transpose). With at least SHIFTED_MIN_CHANNELS input channels per
+group even that copy is skipped: each tap's window is a strided view BLAS reads directly, one
+GEMM per tap (K = Cin/g), summed in the L2-resident output block (BLAS packs its operand
+anyway, so the im2col copy was a second pass over the same data); the weight gradient does
+the same, one GEMM per tap into its own slice of dW. Blocks run on fuelgraph's pool threads, each GEMM a
 single-threaded BLAS call on a per-thread block that stays in the core's L2 (BLAS's own
 threads spin between many small calls, and collapse when another process shares the cores).
 Depthwise convolutions (one input channel per output channel) skip the GEMM: per chunk of
@@ -150,10 +154,21 @@ class _Unfold:
                 np.copyto(cols[:, t], flat[:, p, s0:s0 + run])
         return cols.reshape(c * taps, run)
 
+    def tap_block(self, n, t, h0, h1, groups):
+        """Tap t's window over output rows [h0, h1) of sample n, a strided VIEW [g, C/g,
+        (h1-h0)*Wq] whose rows are contiguous runs: BLAS reads it without an im2col copy."""
+        c = self.xq.shape[1]
+        p, off = self.taps[t]
+        s0 = h0 * self.wq + off
+        flat = self.xq[n].reshape(groups, c // groups, self.phases, -1)
+        return flat[:, :, p, s0:s0 + (h1 - h0) * self.wq]
+
     def row_blocks(self, elems=None):
         """(rows per block, [(sample, h0, h1)]) for blocks of about BLOCK_ELEMS columns."""
         c = self.xq.shape[1]
-        rows = max(1, min(self.ho, (elems or BLOCK_ELEMS) // (c * len(self.taps) * self.wq)))
+        per_row = (elems or BLOCK_ELEMS) // (c * len(self.taps) * self.wq) if elems is None \
+            else elems // self.wq
+        rows = max(1, min(self.ho, per_row))
         return rows, [(i, h0, min(self.ho, h0 + rows)) for i in range(self.xq.shape[0])
                       for h0 in range(0, self.ho, rows)]
 
@@ -161,6 +176,10 @@ class _Unfold:
 #: column-block elements per GEMM (1 MiB of float32: the block, the weights and the output
 #: block stay in the core's L2 while its GEMM runs)
 BLOCK_ELEMS = 1 << 18
+#: convolutions with at least this many input channels per group skip the im2col copy: one GEMM
+#: per tap straight from the padded input (K = C/g is long enough for BLAS to run at full
+#: speed), summed in an L2-resident block of BLOCK_ELEMS / 4 outputs; fewer channels: im2col
+SHIFTED_MIN_CHANNELS = 16
 #: convolutions of at least this many flops run their blocks on fuelgraph's pool threads, each
 #: block's GEMM a single-threaded BLAS call (BLAS's own threads spin between the many small
 #: calls and collapse when another process competes for the cores)
@@ -269,17 +288,32 @@ def _convs_into(jobs, groups, acc):
         return
     items, size, flops = [], 0, 0.0
     for j, (u, dst, wg, _) in enumerate(gemm_jobs):
-        rows, blocks = u.row_blocks()
+        k = wg.shape[2]
+        shifted = k // len(u.taps) >= SHIFTED_MIN_CHANNELS
+        rows, blocks = u.row_blocks(BLOCK_ELEMS // (4 * dst.shape[1]) if shifted else None)
         items += [(j,) + b for b in blocks]
-        size = max(size, wg.shape[2] * groups * rows * u.wq)
-        flops += 2.0 * dst.size * wg.shape[2]
+        size = max(size, 2 * dst.shape[1] * rows * u.wq if shifted else k * groups * rows * u.wq)
+        flops += 2.0 * dst.size * k
     buf = _per_thread(lambda: np.empty(size, acc))
+    # shifted GEMMs take the weights tap-major: [T, g, Cout/g, Cin/g]
+    taps_w = [np.ascontiguousarray(wg.reshape(wg.shape[:2] + (-1, len(u.taps))).transpose(
+        3, 0, 1, 2)) if wg.shape[2] // len(u.taps) >= SHIFTED_MIN_CHANNELS else None
+        for u, _, wg, _ in gemm_jobs]
 
     def work(j, i, h0, h1):
         u, dst, wg, bias_a = gemm_jobs[j]
-        cols = u.block(i, h0, h1, buf()).reshape(groups, wg.shape[2], -1)
-        o = np.matmul(wg, cols).reshape(-1, h1 - h0, u.wq)[:, :, :dst.shape[3]]
-        _store_block(dst[i, :, h0:h1], o, bias_a)
+        if taps_w[j] is None:
+            cols = u.block(i, h0, h1, buf()).reshape(groups, wg.shape[2], -1)
+            o = np.matmul(wg, cols)
+        else:                        # sum over taps of W_t @ window_t, no im2col copy
+            wt, m = taps_w[j], wg.shape[1] * (h1 - h0) * u.wq
+            o = buf()[:groups * m].reshape(groups, wg.shape[1], -1)
+            tmp = buf()[groups * m:2 * groups * m].reshape(o.shape)
+            np.matmul(wt[0], u.tap_block(i, 0, h0, h1, groups), out=o)
+            for t in range(1, len(wt)):
+                np.add(o, np.matmul(wt[t], u.tap_block(i, t, h0, h1, groups), out=tmp), out=o)
+        _store_block(dst[i, :, h0:h1], o.reshape(-1, h1 - h0, u.wq)[:, :, :dst.shape[3]],
+                     bias_a)
     with _pool_gemms(flops) as par:
         _run_items(lambda j, i: gemm_jobs[j][0].fill(i, i + 1),
                    [(j, i) for j in range(len(gemm_jobs))
@@ -429,21 +463,33 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
         ga[..., :wo] = grad if grad.dtype == acc else to_acc(grad, acc)
         dw = _depthwise_weight_grad(u, ga, c, kh, kw)
     else:
-        rows, items = u.row_blocks()
-        buf = _per_thread(lambda: np.empty(c * kh * kw * rows * u.wq, acc))
+        taps = kh * kw
+        shifted = cg >= SHIFTED_MIN_CHANNELS
+        rows, items = u.row_blocks(BLOCK_ELEMS // (2 * co) if shifted else None)
+        buf = _per_thread(lambda: np.empty(0 if shifted else c * taps * rows * u.wq, acc))
         gbuf = _per_thread(lambda: np.zeros((co, rows, u.wq), acc))  # zero past Wo
-        parts = np.zeros((n, g, cog, cg * kh * kw), acc)
+        # per sample (a fixed summation order on any number of threads): [g, Cout/g, Cin/g, T]
+        # from im2col blocks, tap-major [T, g, Cout/g, Cin/g] from per-tap GEMMs
+        parts = np.zeros((n, taps, g, cog, cg) if shifted else (n, g, cog, cg * taps), acc)
 
         def work(i):                 # one sample's blocks of output rows, as in the forward
             for _, h0, h1 in (it for it in items if it[0] == i):
-                cols = u.block(i, h0, h1, buf()).reshape(g, cg * kh * kw, -1)
                 gb = gbuf()[:, :h1 - h0]
                 gb[..., :wo] = grad[i, :, h0:h1]
-                parts[i] += np.matmul(gb.reshape(g, cog, -1), cols.transpose(0, 2, 1))
-        with _pool_gemms(2.0 * grad.size * cg * kh * kw) as par:
+                g3 = gb.reshape(g, cog, -1)
+                if shifted:
+                    for t in range(taps):
+                        parts[i, t] += np.matmul(g3, u.tap_block(i, t, h0, h1, g).transpose(
+                            0, 2, 1))
+                else:
+                    cols = u.block(i, h0, h1, buf()).reshape(g, cg * taps, -1)
+                    parts[i] += np.matmul(g3, cols.transpose(0, 2, 1))
+        with _pool_gemms(2.0 * grad.size * cg * taps) as par:
             u.fill_all(par)
             _run_items(work, [(i,) for i in range(n)], par)
-        dw = parts.sum(0)       # a fixed order: the same result on any number of threads
+        dw = parts.sum(0)
+        if shifted:
+            dw = dw.transpose(1, 2, 3, 0)
     res = np.empty((co, cg, kh, kw), x.dtype)
     store(res, dw.reshape(co, cg, kh, kw))
     return res
