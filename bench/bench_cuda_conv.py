@@ -207,6 +207,8 @@ def bench_conv_transpose2d():
 
 
 # ----------------------------------------------------------------------------- causal conv1d
+#: the causal conv1d case (B, C, L, W) of issue 11
+CAUSAL_SHAPE = (8, 4096, 4096, 4)
 #: causal conv1d launch configs the sweep times: (chunks of 8 positions per program, warps)
 FWD_SWEEP = [(64, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8), (1024, 16)]
 BWD_SWEEP = [(64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 16)]
@@ -235,7 +237,7 @@ def sweep(op, shape, nbytes, configs, knobs, fn, want, tol=2e-2):
 
 
 def bench_causal(args):
-    bsz, c, length, k = 8, 4096, 4096, 4
+    bsz, c, length, k = CAUSAL_SHAPE
     shape = (bsz, c, length, k)
     x = torch.randn(bsz, c, length, device=DEV, dtype=DT)
     w = torch.randn(c, k, device=DEV, dtype=DT) * 0.5
