@@ -193,7 +193,7 @@ def _paged_attn_kernel(
 def _prefill_tiles(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, a_pos, L,
                    qk_scale, cap_val, slope, MASK: tl.constexpr, HAS_CAP: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                   BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   IEEE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """Keys [start, end) of one sequence, BLOCK_N at a time, each tile gathered row by row from
     its pool blocks (tab: the sequence's block-table row). MASK: the elementwise length + causal
@@ -223,7 +223,7 @@ def _prefill_tiles(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, 
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s, _t = _scores(qk, a_pos, j[None, :], L, qk_scale, cap_val, slope, 0, 0, MASK, True,
-                        False, False, HAS_CAP, HAS_ALIBI)
+                        False, False, HAS_CAP, HAS_ALIBI, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
         if MASK:
@@ -285,13 +285,13 @@ def _paged_prefill_kernel(
     n_bad = tl.zeros([BLOCK_N], tl.int32)
     acc, l_i, m_i, n_bad = _prefill_tiles(
         acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, lo, lo_end, a_pos, L, qk_scale,
-        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
     acc, l_i, m_i, n_bad = _prefill_tiles(
         acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_lo, mid_hi, a_pos, L, qk_scale,
-        cap_val, slope, False, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+        cap_val, slope, False, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
     acc, l_i, m_i, n_bad = _prefill_tiles(
         acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_hi, hi, a_pos, L, qk_scale,
-        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where(bad | (tl.sum(n_bad, 0) > 0), float("nan"), out)
     tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
