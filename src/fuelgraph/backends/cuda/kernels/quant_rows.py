@@ -1,0 +1,444 @@
+"""Bandwidth-shaped Triton kernels of the quantized matmuls' forward (`out = x @ W.T`, W [N, K]
+for GGUF / NF4; `out = x @ W`, W [K, N] for AWQ) that read the packed weight in its storage
+order: each program owns BLOCK_N output features and a share of the reduction (split-K), and
+loads the bytes of its rows as [BLOCK_N, groups, bytes] tiles contiguous along K, so every
+weight byte is read once, coalesced, and unpacked to all its elements (both nibbles of a byte,
+all bit planes) in registers. Instead of reordering the unpacked elements into K order, each
+"plane" (e.g. the low nibbles of a Q4_0 block = elements 0..15) is multiplied by the matching
+columns of x, gathered with the plane's own offsets (x is small and cache-resident).
+
+Per plane the product is either a broadcast multiply + sum on the CUDA cores (BLOCK_M < 16) or
+`tl.dot` with the weight plane as the left operand (acc [BLOCK_N, BLOCK_M] = W_plane @ x.T:
+the many weight rows fill the MMA's M side, the few activation rows its N side >= 16).
+
+Small integers become float32 by OR-ing them into the mantissa of 2^23 and subtracting (one
+logic op + one add, exact), not the int->float conversion, which runs at a quarter rate. The
+float ops per weight element are those of the reference dequantizer in the same order (launch
+with enable_fp_fusion=False), so the dequantized weights are bit-identical to gguf-py's /
+bitsandbytes' / AutoAWQ's; the dot rounds them to x's dtype first, as the recipe does.
+
+Covered here: Q4_0, Q8_0, Q4_K, Q6_K, NF4 (row layout) and AWQ (column layout); the other
+formats and the gradients use the generic tile kernels of `quant.py`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import num_sms
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
+
+#: formats with a row-layout kernel here, and the elements per format block (QK)
+ROW_QK = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+ROW_BB = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+FAST_FORMATS = frozenset(ROW_QK) | {NF4, AWQ}
+#: weight elements of one plane tile row per format block in a step (NF4: per 64-block; AWQ:
+#: per row of K and word)
+PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 64, NF4: 32, AWQ: 1}
+
+_MAGIC = tl.constexpr(0x4B000000)       # bits of 2.0 ** 23
+
+
+@triton.jit
+def _int_to_f32(q, OFFSET: tl.constexpr):
+    """q - OFFSET as float32, exactly, for int32 0 <= q < 2**22 (OR into 2^23's mantissa)."""
+    return (q | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _u8(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(ptr, mask):
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+               DEQ: tl.constexpr):
+    """acc [BN, BM] += W_plane [BN, G, Q] (float32) times x[m, koff] (koff [G, Q]). DEQ: store
+    the plane instead, at x_rows [BN] (the dense weight's row pointers) + koff, masked by m_ok."""
+    BN: tl.constexpr = w.shape[0]
+    G: tl.constexpr = w.shape[1]
+    Q: tl.constexpr = w.shape[2]
+    if DEQ:
+        tl.store(x_rows[:, None, None] + koff[None, :, :],
+                 w.to(x_rows.dtype.element_ty), mask=m_ok[:, None, None] & k_ok[None, :, :])
+    elif USE_DOT:
+        kf = tl.reshape(koff, (G * Q,))
+        okf = tl.reshape(k_ok, (G * Q,))
+        xt = tl.load(x_rows[None, :] + kf[:, None], mask=m_ok[None, :] & okf[:, None],
+                     other=0.0)                                            # [KP, BM]
+        w2 = tl.reshape(w, (BN, G * Q)).to(xt.dtype)
+        acc = tl.dot(w2, xt, acc, input_precision=PREC)
+    else:
+        xt = tl.load(x_rows[:, None, None] + koff[None, :, :],
+                     mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+        acc += tl.sum(tl.sum(w[:, None, :, :] * xt[None, :, :, :], axis=3), axis=2)
+    return acc
+
+
+@triton.jit
+def _nf4_value(q, c_ptr, LUT: tl.constexpr):
+    """The NF4 code value of 4-bit indices q: LUT 0 a gather from the 64-byte table (L1
+    resident), 1 a select tree over the 16 values held in registers, 2 tl.gather."""
+    if LUT == 0:
+        v = tl.load(c_ptr + q)
+    elif LUT == 1:
+        b0 = (q & 1) != 0
+        b1 = (q & 2) != 0
+        b2 = (q & 4) != 0
+        lo = tl.where(b2, tl.where(b1, tl.where(b0, tl.load(c_ptr + 7), tl.load(c_ptr + 6)),
+                                   tl.where(b0, tl.load(c_ptr + 5), tl.load(c_ptr + 4))),
+                      tl.where(b1, tl.where(b0, tl.load(c_ptr + 3), tl.load(c_ptr + 2)),
+                               tl.where(b0, tl.load(c_ptr + 1), tl.load(c_ptr + 0))))
+        hi = tl.where(b2, tl.where(b1, tl.where(b0, tl.load(c_ptr + 15), tl.load(c_ptr + 14)),
+                                   tl.where(b0, tl.load(c_ptr + 13), tl.load(c_ptr + 12))),
+                      tl.where(b1, tl.where(b0, tl.load(c_ptr + 11), tl.load(c_ptr + 10)),
+                               tl.where(b0, tl.load(c_ptr + 9), tl.load(c_ptr + 8))))
+        v = tl.where((q & 8) != 0, hi, lo)
+    else:
+        table = tl.load(c_ptr + tl.arange(0, 16))
+        flat = tl.reshape(q, (q.shape[0] * q.shape[1] * q.shape[2],))
+        v = tl.reshape(tl.gather(table, flat, 0), q.shape)
+    return v
+
+
+@triton.jit
+def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk,
+              NB: tl.constexpr, BS: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+              LUT: tl.constexpr, DEQ: tl.constexpr):
+    """acc += the product over format blocks b0 .. b0 + NB of the rows at byte pointers `rows`
+    [BN] (NF4: absmax rows at `s_rows`)."""
+    nm = n_ok[:, None, None]
+    if FMT == 0:      # Q4_0: group = block, 16 bytes; low nibbles elements 0..15, high 16..31
+        b = b0 + tl.arange(0, NB)[:, None]                                  # [G, 1]
+        j = tl.arange(0, 16)[None, :]
+        k_ok = (b < nblk) & (j < 16)
+        mask = nm & k_ok[None]
+        blk = rows[:, None, None] + (b * 18)[None]
+        qs = _u8(blk + 2 + j[None], mask)
+        d = _f16(blk, nm & (b < nblk)[None])
+        acc = _acc_plane(acc, d * _int_to_f32(qs & 15, 8), x_rows, m_ok, b * 32 + j, k_ok,
+                         USE_DOT, PREC, DEQ)
+        acc = _acc_plane(acc, d * _int_to_f32(qs >> 4, 8), x_rows, m_ok, b * 32 + 16 + j, k_ok,
+                         USE_DOT, PREC, DEQ)
+    elif FMT == 4:    # Q8_0: 32 int8 after d; w = q * d
+        b = b0 + tl.arange(0, NB)[:, None]
+        j = tl.arange(0, 32)[None, :]
+        k_ok = (b < nblk) & (j < 32)
+        blk = rows[:, None, None] + (b * 34)[None]
+        qs = _u8(blk + 2 + j[None], nm & k_ok[None])
+        d = _f16(blk, nm & (b < nblk)[None])
+        acc = _acc_plane(acc, _int_to_f32(qs ^ 128, 128) * d, x_rows, m_ok, b * 32 + j, k_ok,
+                         USE_DOT, PREC, DEQ)
+    elif FMT == 7:    # Q4_K: group (block, c) of 32 bytes; low nibbles sub-block 2c, high 2c + 1
+        g = tl.arange(0, 4 * NB)[:, None]
+        b = b0 + g // 4
+        c = g % 4
+        j = tl.arange(0, 32)[None, :]
+        k_ok = (b < nblk) & (j < 32)
+        g_ok = nm & (b < nblk)[None]
+        blk = rows[:, None, None] + (b * 144)[None]
+        qs = _u8(blk + (16 + 32 * c + j)[None], nm & k_ok[None])
+        d = _f16(blk, g_ok)
+        dmin = _f16(blk + 2, g_ok)
+        # 6-bit (scale, min) of sub-blocks j < 4 (bytes 4..11) and j >= 4 (with bytes 12..15)
+        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok)
+        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok)
+        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok)
+        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok)
+        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok)
+        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok)
+        first = (c < 2)[None]                                               # sub-block < 4
+        sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
+        mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
+        sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
+        mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
+        d0 = d * sc0.to(tl.float32)
+        m0 = dmin * mn0.to(tl.float32)
+        d1 = d * sc1.to(tl.float32)
+        m1 = dmin * mn1.to(tl.float32)
+        kb = b * 256 + 64 * c + j
+        acc = _acc_plane(acc, d0 * _int_to_f32(qs & 15, 0) - m0, x_rows, m_ok, kb, k_ok,
+                         USE_DOT, PREC, DEQ)
+        acc = _acc_plane(acc, d1 * _int_to_f32(qs >> 4, 0) - m1, x_rows, m_ok, kb + 32, k_ok,
+                         USE_DOT, PREC, DEQ)
+    elif FMT == 9:    # Q6_K: group (block, half n, u) of 16 elements l, e = 128n + 32r + 16u + l
+        g = tl.arange(0, 4 * NB)[:, None]
+        b = b0 + g // 4
+        hn = (g // 2) % 2
+        u = g % 2
+        j = tl.arange(0, 16)[None, :]
+        k_ok = (b < nblk) & (j < 16)
+        km = nm & k_ok[None]
+        g_ok = nm & (b < nblk)[None]
+        blk = rows[:, None, None] + (b * 210)[None]
+        lq = 64 * hn + 16 * u + j
+        ql_a = _u8(blk + lq[None], km)
+        ql_b = _u8(blk + (lq + 32)[None], km)
+        qh = _u8(blk + (128 + 32 * hn + 16 * u + j)[None], km)
+        d = _f16(blk + 208, g_ok)
+        sbase = blk + (192 + 8 * hn + u)[None]
+        kb = b * 256 + 128 * hn + 16 * u + j
+        for r in tl.static_range(4):
+            sc = _u8(sbase + 2 * r, g_ok)
+            dr = d * tl.where(sc >= 128, sc - 256, sc).to(tl.float32)
+            if r == 0:
+                lo = ql_a & 15
+            elif r == 1:
+                lo = ql_b & 15
+            elif r == 2:
+                lo = ql_a >> 4
+            else:
+                lo = ql_b >> 4
+            q = lo | (((qh >> (2 * r)) & 3) << 4)
+            acc = _acc_plane(acc, dr * _int_to_f32(q, 32), x_rows, m_ok, kb + 32 * r, k_ok,
+                             USE_DOT, PREC, DEQ)
+    else:             # NF4: group = absmax block of BS elements, BS // 2 bytes; high nibble even
+        b = b0 + tl.arange(0, NB)[:, None]
+        j = tl.arange(0, BS // 2)[None, :]
+        k_ok = (b < nblk) & (j < BS // 2)
+        byte = _u8(rows[:, None, None] + (b * (BS // 2) + j)[None], nm & k_ok[None])
+        s = tl.load(s_rows[:, None, None] + b[None], mask=nm & (b < nblk)[None], other=0.0)
+        acc = _acc_plane(acc, _nf4_value(byte >> 4, c_ptr, LUT) * s, x_rows, m_ok,
+                         b * BS + 2 * j, k_ok, USE_DOT, PREC, DEQ)
+        acc = _acc_plane(acc, _nf4_value(byte & 15, c_ptr, LUT) * s, x_rows, m_ok,
+                         b * BS + 2 * j + 1, k_ok, USE_DOT, PREC, DEQ)
+    return acc
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nblk, stride_x,
+                 stride_o, STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+                 USE_DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+                 LUT: tl.constexpr, DEQ: tl.constexpr = False):
+    """out[M, N] (+)= x[M, K] @ W.T over format blocks [pid_s * STEPS * NB, ...) of W's rows
+    [pid_n * BLOCK_N, ...); W row n starts at byte n * row_bytes (NF4 absmax row at n * s_row)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows = w_ptr + offs_n.to(tl.int64) * row_bytes
+    s_rows = s_ptr + offs_n.to(tl.int64) * s_row
+    if DEQ:     # x_ptr is the dense [N, K] weight to write, stride_x = K
+        x_rows = x_ptr + offs_n.to(tl.int64) * stride_x
+        m_ok = n_ok
+    else:
+        x_rows = x_ptr + offs_m.to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i in range(STEPS):
+        b0 = (pid_s * STEPS + i) * NB
+        acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB, BS,
+                        USE_DOT, PREC, LUT, DEQ)
+    if not DEQ:
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+        o_mask = n_ok[:, None] & m_ok[None, :]
+        if ATOMIC:
+            tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+        else:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _awq_plane(acc, words, zw, sc_ptr, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
+               PREC: tl.constexpr):
+    """acc [BM, BW] += x [BM, BK] @ W[:, 8c + e] for the columns e of nibble P of the words."""
+    q = (words >> (4 * P)) & 15
+    zm = 8388608.0 + ((zw >> (4 * P)) & 15).to(tl.float32)                 # [BW]
+    s = tl.load(sc_ptr + (2 * (P % 4) + P // 4)).to(tl.float32)           # [BW] (masked: 0)
+    w = ((q | _MAGIC).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
+    if USE_DOT:
+        acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=PREC)
+    else:
+        acc += tl.sum(xt.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _awq_store(out_ptr, acc, o_rows, m_ok, col, n_ok, P: tl.constexpr, ATOMIC: tl.constexpr):
+    ptrs = o_rows[:, None] + (col + 2 * (P % 4) + P // 4)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, stride_x, stride_o,
+                STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+                ATOMIC: tl.constexpr):
+    """out[M, N] (+)= x[M, K] @ W[K, N] for AutoAWQ's qweight [K, N/8]: BLOCK_W words (8 * BLOCK_W
+    columns) per program, rows [pid_s * STEPS * BLOCK_K, ...); BLOCK_K divides group_size, so a
+    step has one zero word and one scale per column."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    nw = N // 8
+    offs_w = pid_n * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    w_ok = offs_w < nw
+    m_ok = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    a0 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a1 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a2 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a3 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a4 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a5 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a6 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a7 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    for i in range(STEPS):
+        k0 = (pid_s * STEPS + i) * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        words = tl.load(qw_ptr + kk.to(tl.int64)[:, None] * nw + offs_w[None, :],
+                        mask=k_ok[:, None] & w_ok[None, :], other=0)
+        g = k0 // group_size
+        zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)
+        scp = tl.where(w_ok & (k0 < K), sc_ptr + g.to(tl.int64) * N + 8 * offs_w, sc_ptr)
+        xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a0 = _awq_plane(a0, words, zw, scp, 0, xt, USE_DOT, PREC)
+        a1 = _awq_plane(a1, words, zw, scp, 1, xt, USE_DOT, PREC)
+        a2 = _awq_plane(a2, words, zw, scp, 2, xt, USE_DOT, PREC)
+        a3 = _awq_plane(a3, words, zw, scp, 3, xt, USE_DOT, PREC)
+        a4 = _awq_plane(a4, words, zw, scp, 4, xt, USE_DOT, PREC)
+        a5 = _awq_plane(a5, words, zw, scp, 5, xt, USE_DOT, PREC)
+        a6 = _awq_plane(a6, words, zw, scp, 6, xt, USE_DOT, PREC)
+        a7 = _awq_plane(a7, words, zw, scp, 7, xt, USE_DOT, PREC)
+    o_rows = out_ptr + offs_m.to(tl.int64) * stride_o
+    col = 8 * offs_w
+    _awq_store(out_ptr, a0, o_rows, m_ok, col, w_ok, 0, ATOMIC)
+    _awq_store(out_ptr, a1, o_rows, m_ok, col, w_ok, 1, ATOMIC)
+    _awq_store(out_ptr, a2, o_rows, m_ok, col, w_ok, 2, ATOMIC)
+    _awq_store(out_ptr, a3, o_rows, m_ok, col, w_ok, 3, ATOMIC)
+    _awq_store(out_ptr, a4, o_rows, m_ok, col, w_ok, 4, ATOMIC)
+    _awq_store(out_ptr, a5, o_rows, m_ok, col, w_ok, 5, ATOMIC)
+    _awq_store(out_ptr, a6, o_rows, m_ok, col, w_ok, 6, ATOMIC)
+    _awq_store(out_ptr, a7, o_rows, m_ok, col, w_ok, 7, ATOMIC)
+
+
+# ---- launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowConfig:
+    """One program: block_m activation rows (tl.dot when >= 16, else CUDA cores), block_n
+    output features (AWQ: 8 * words), `steps` K-chunks per step (row formats: format blocks,
+    NF4: absmax blocks; AWQ: rows of K), `split` programs per output tile along K (0: from
+    the SM count). lut: NF4's code lookup (0 table load, 1 select tree, 2 tl.gather)."""
+    block_m: int
+    block_n: int
+    steps: int
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+    lut: int = 0
+
+    @property
+    def use_dot(self) -> bool:
+        return self.block_m >= 16
+
+    def tag(self) -> str:
+        return (f"rows[m{self.block_m},n{self.block_n},k{self.steps},s{self.split},"
+                f"w{self.num_warps},st{self.num_stages}" + (f",lut{self.lut}" if self.lut else "")
+                + "]")
+
+
+def _rows_table(fmt: int, m: int) -> RowConfig:
+    """Default launch per (format, rows). Untuned starting points sized so one plane tile is
+    ~4-8K elements (<= ~64 registers a thread); `bench_cuda_quant.py --sweep` retunes them."""
+    per_block = PLANE_PER_BLOCK[fmt]
+    if m <= 1:
+        bm, bn, want = 1, (128 if fmt == AWQ else 16), 4096
+    elif m <= 4:
+        bm, bn, want = 4, (64 if fmt == AWQ else 8), 1024
+    elif m <= 16:
+        bm, bn, want = 16, (128 if fmt == AWQ else 64), 8192
+    else:
+        bm, bn, want = 128, 128, 16384
+    steps = max(1, want // (bn // (8 if fmt == AWQ else 1)) // per_block)
+    warps = 8 if m > 16 else 4
+    return RowConfig(bm, bn, steps, num_warps=warps, num_stages=3 if m > 16 else 2)
+
+
+def default_rows_config(fmt: int, m: int) -> RowConfig:
+    return _rows_table(fmt, m)
+
+
+def _grid_split(tiles: int, total: int, split: int, device) -> tuple[int, int]:
+    """(split, steps per split): when the tile grid is under ~2 waves of 4 programs per SM,
+    split the reduction until it is (partial sums then meet by atomics)."""
+    if split <= 0:
+        want = 4 * num_sms(device)
+        split = 1 if tiles >= want // 2 else max(1, min(total, want // max(tiles, 1)))
+    steps = triton.cdiv(total, split)
+    return triton.cdiv(total, steps), steps
+
+
+def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig | None = None):
+    """x [..., K] @ B [K, N] through the kernels above; arguments as `quant.run` (GGUF: bytes,
+    -, -, row_bytes; NF4: packed, absmax, code table, block_size; AWQ: qweight, qzeros, scales,
+    group_size). Returns [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    cfg = config or default_rows_config(fmt, m)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    if fmt == AWQ:
+        bk = min(cfg.steps, i0)
+        while i0 % bk:
+            bk //= 2
+        bw = max(1, cfg.block_n // 8)
+        tiles = triton.cdiv(n // 8, bw) * triton.cdiv(m, cfg.block_m)
+        split, steps = _grid_split(tiles, triton.cdiv(k, bk), cfg.split, x.device)
+    else:
+        qk = i0 if fmt == NF4 else ROW_QK[fmt]
+        nblk = k // qk
+        tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+        split, steps = _grid_split(tiles, triton.cdiv(nblk, cfg.steps), cfg.split, x.device)
+    atomic = split > 1
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    opts = dict(STEPS=steps, BLOCK_M=cfg.block_m, USE_DOT=cfg.use_dot, PREC=prec, ATOMIC=atomic,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    if fmt == AWQ:
+        grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
+        _awq_kernel[grid](x2, w0, w1, w2, out, m, n, k, i0, x2.stride(0), out.stride(0),
+                          BLOCK_W=bw, BLOCK_K=bk, **opts)
+    else:
+        row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
+        s_row = k // i0 if fmt == NF4 else 0
+        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+        _rows_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, x2.stride(0),
+                           out.stride(0), FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
+                           BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, **opts)
+    if atomic and x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.reshape(*lead, n)
+
+
+def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.bfloat16,
+                    block_n: int = 32, steps: int = 0):
+    """The dense weight W [N, K] (GGUF / NF4 row formats) in `dtype`, written row by row in the
+    storage order (for the many-row GEMM path: then cuBLAS on x @ W.T)."""
+    qk = i0 if fmt == NF4 else ROW_QK[fmt]
+    out = torch.empty(n, k, dtype=dtype, device=w0.device)
+    steps = steps or max(1, 4096 // block_n // PLANE_PER_BLOCK[fmt])
+    grid = (triton.cdiv(n, block_n), 1, triton.cdiv(k // qk, steps))
+    row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
+    _rows_kernel[grid](out, w0, w1, w2, out, 1, n, row_bytes, k // i0 if fmt == NF4 else 0,
+                       k // qk, k, k, STEPS=1, FMT=fmt, BLOCK_M=1, BLOCK_N=block_n, NB=steps,
+                       BS=i0 if fmt == NF4 else 32, USE_DOT=False, PREC="ieee", ATOMIC=False,
+                       LUT=0, DEQ=True, num_warps=4, enable_fp_fusion=False)
+    return out
