@@ -34,9 +34,8 @@ from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 ROW_QK = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
 ROW_BB = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 FAST_FORMATS = frozenset(ROW_QK) | {NF4, AWQ}
-#: weight elements of one plane tile row per format block in a step (NF4: per 64-block; AWQ:
-#: per row of K and word)
-PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 64, NF4: 32, AWQ: 1}
+#: weight elements of one plane tile row per format block in a step (NF4: per 64-block)
+PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 64, NF4: 32}
 
 _MAGIC = tl.constexpr(0x4B000000)       # bits of 2.0 ** 23
 
@@ -59,7 +58,7 @@ def _f16(ptr, mask):
 
 @triton.jit
 def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-               DEQ: tl.constexpr):
+               DEQ: tl.constexpr, ELEM: tl.constexpr):
     """acc [BN, BM] += W_plane [BN, G, Q] (float32) times x[m, koff] (koff [G, Q]). DEQ: store
     the plane instead, at x_rows [BN] (the dense weight's row pointers) + koff, masked by m_ok."""
     BN: tl.constexpr = w.shape[0]
@@ -68,6 +67,9 @@ def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl
     if DEQ:
         tl.store(x_rows[:, None, None] + koff[None, :, :],
                  w.to(x_rows.dtype.element_ty), mask=m_ok[:, None, None] & k_ok[None, :, :])
+    elif ELEM:      # one activation row: acc [BN, G, Q] += w * x, reduced once after the loop
+        xt = tl.load(x_rows + koff, mask=k_ok, other=0.0).to(tl.float32)   # [G, Q]
+        acc += w * xt[None, :, :]
     elif USE_DOT:
         kf = tl.reshape(koff, (G * Q,))
         okf = tl.reshape(k_ok, (G * Q,))
@@ -111,7 +113,7 @@ def _nf4_value(q, c_ptr, LUT: tl.constexpr):
 @triton.jit
 def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk,
               NB: tl.constexpr, BS: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-              LUT: tl.constexpr, DEQ: tl.constexpr):
+              LUT: tl.constexpr, DEQ: tl.constexpr, ELEM: tl.constexpr):
     """acc += the product over format blocks b0 .. b0 + NB of the rows at byte pointers `rows`
     [BN] (NF4: absmax rows at `s_rows`)."""
     nm = n_ok[:, None, None]
@@ -124,9 +126,9 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         qs = _u8(blk + 2 + j[None], mask)
         d = _f16(blk, nm & (b < nblk)[None])
         acc = _acc_plane(acc, d * _int_to_f32(qs & 15, 8), x_rows, m_ok, b * 32 + j, k_ok,
-                         USE_DOT, PREC, DEQ)
+                         USE_DOT, PREC, DEQ, ELEM)
         acc = _acc_plane(acc, d * _int_to_f32(qs >> 4, 8), x_rows, m_ok, b * 32 + 16 + j, k_ok,
-                         USE_DOT, PREC, DEQ)
+                         USE_DOT, PREC, DEQ, ELEM)
     elif FMT == 4:    # Q8_0: 32 int8 after d; w = q * d
         b = b0 + tl.arange(0, NB)[:, None]
         j = tl.arange(0, 32)[None, :]
@@ -135,7 +137,7 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         qs = _u8(blk + 2 + j[None], nm & k_ok[None])
         d = _f16(blk, nm & (b < nblk)[None])
         acc = _acc_plane(acc, _int_to_f32(qs ^ 128, 128) * d, x_rows, m_ok, b * 32 + j, k_ok,
-                         USE_DOT, PREC, DEQ)
+                         USE_DOT, PREC, DEQ, ELEM)
     elif FMT == 7:    # Q4_K: group (block, c) of 32 bytes; low nibbles sub-block 2c, high 2c + 1
         g = tl.arange(0, 4 * NB)[:, None]
         b = b0 + g // 4
@@ -165,9 +167,9 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         m1 = dmin * mn1.to(tl.float32)
         kb = b * 256 + 64 * c + j
         acc = _acc_plane(acc, d0 * _int_to_f32(qs & 15, 0) - m0, x_rows, m_ok, kb, k_ok,
-                         USE_DOT, PREC, DEQ)
+                         USE_DOT, PREC, DEQ, ELEM)
         acc = _acc_plane(acc, d1 * _int_to_f32(qs >> 4, 0) - m1, x_rows, m_ok, kb + 32, k_ok,
-                         USE_DOT, PREC, DEQ)
+                         USE_DOT, PREC, DEQ, ELEM)
     elif FMT == 9:    # Q6_K: group (block, half n, u) of 16 elements l, e = 128n + 32r + 16u + l
         g = tl.arange(0, 4 * NB)[:, None]
         b = b0 + g // 4
@@ -198,7 +200,7 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
                 lo = ql_b >> 4
             q = lo | (((qh >> (2 * r)) & 3) << 4)
             acc = _acc_plane(acc, dr * _int_to_f32(q, 32), x_rows, m_ok, kb + 32 * r, k_ok,
-                             USE_DOT, PREC, DEQ)
+                             USE_DOT, PREC, DEQ, ELEM)
     else:             # NF4: group = absmax block of BS elements, BS // 2 bytes; high nibble even
         b = b0 + tl.arange(0, NB)[:, None]
         j = tl.arange(0, BS // 2)[None, :]
@@ -206,9 +208,9 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         byte = _u8(rows[:, None, None] + (b * (BS // 2) + j)[None], nm & k_ok[None])
         s = tl.load(s_rows[:, None, None] + b[None], mask=nm & (b < nblk)[None], other=0.0)
         acc = _acc_plane(acc, _nf4_value(byte >> 4, c_ptr, LUT) * s, x_rows, m_ok,
-                         b * BS + 2 * j, k_ok, USE_DOT, PREC, DEQ)
+                         b * BS + 2 * j, k_ok, USE_DOT, PREC, DEQ, ELEM)
         acc = _acc_plane(acc, _nf4_value(byte & 15, c_ptr, LUT) * s, x_rows, m_ok,
-                         b * BS + 2 * j + 1, k_ok, USE_DOT, PREC, DEQ)
+                         b * BS + 2 * j + 1, k_ok, USE_DOT, PREC, DEQ, ELEM)
     return acc
 
 
@@ -217,7 +219,8 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
                  stride_o, STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
                  USE_DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
-                 LUT: tl.constexpr, DEQ: tl.constexpr = False):
+                 LUT: tl.constexpr, PG: tl.constexpr, PQ: tl.constexpr, ELEM: tl.constexpr,
+                 DEQ: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over format blocks [pid_s * STEPS * NB, ...) of W's rows
     [pid_n * BLOCK_N, ...); W row n starts at byte n * row_bytes (NF4 absmax row at n * s_row)."""
     pid_n = tl.program_id(0)
@@ -234,11 +237,20 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
         m_ok = n_ok
     else:
         x_rows = x_ptr + offs_m.to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for i in range(STEPS):
-        b0 = (pid_s * STEPS + i) * NB
-        acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB, BS,
-                        USE_DOT, PREC, LUT, DEQ)
+    if ELEM:    # x has one row (its pointer x_rows[0]); acc [BN, PG, PQ] as the planes
+        acc3 = tl.zeros((BLOCK_N, PG, PQ), tl.float32)
+        x_row = x_ptr
+        for i in range(STEPS):
+            b0 = (pid_s * STEPS + i) * NB
+            acc3 = _row_step(FMT, acc3, rows, n_ok, x_row, m_ok, s_rows, c_ptr, b0, nblk, NB,
+                             BS, USE_DOT, PREC, LUT, DEQ, ELEM)
+        acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[:, None]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for i in range(STEPS):
+            b0 = (pid_s * STEPS + i) * NB
+            acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB, BS,
+                            USE_DOT, PREC, LUT, DEQ, ELEM)
     if not DEQ:
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         o_mask = n_ok[:, None] & m_ok[None, :]
@@ -250,17 +262,28 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
 
 @triton.jit
 def _awq_plane(acc, words, zw, sc_ptr, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
-               PREC: tl.constexpr):
-    """acc [BM, BW] += x [BM, BK] @ W[:, 8c + e] for the columns e of nibble P of the words."""
+               PREC: tl.constexpr, ELEM: tl.constexpr):
+    """acc [BM, BW] += x [BM, BK] @ W[:, 8c + e] for the columns e of nibble P of the words
+    (ELEM: acc [BK, BW] += x[0, :, None] * W, reduced after the loop)."""
     q = (words >> (4 * P)) & 15
     zm = 8388608.0 + ((zw >> (4 * P)) & 15).to(tl.float32)                 # [BW]
     s = tl.load(sc_ptr + (2 * (P % 4) + P // 4)).to(tl.float32)           # [BW] (masked: 0)
     w = ((q | _MAGIC).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
-    if USE_DOT:
+    if ELEM:
+        acc += w * tl.reshape(xt.to(tl.float32), (w.shape[0], 1))
+    elif USE_DOT:
         acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=PREC)
     else:
         acc += tl.sum(xt.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     return acc
+
+
+@triton.jit
+def _awq_total(acc, ELEM: tl.constexpr):
+    if ELEM:
+        return tl.sum(acc, axis=0)[None, :]
+    else:
+        return acc
 
 
 @triton.jit
@@ -277,7 +300,7 @@ def _awq_store(out_ptr, acc, o_rows, m_ok, col, n_ok, P: tl.constexpr, ATOMIC: t
 def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, stride_x, stride_o,
                 STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
                 BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-                ATOMIC: tl.constexpr):
+                ATOMIC: tl.constexpr, ELEM: tl.constexpr, ACC_R: tl.constexpr):
     """out[M, N] (+)= x[M, K] @ W[K, N] for AutoAWQ's qweight [K, N/8]: BLOCK_W words (8 * BLOCK_W
     columns) per program, rows [pid_s * STEPS * BLOCK_K, ...); BLOCK_K divides group_size, so a
     step has one zero word and one scale per column."""
@@ -290,14 +313,14 @@ def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, str
     w_ok = offs_w < nw
     m_ok = offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    a0 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a1 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a2 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a3 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a4 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a5 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a6 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
-    a7 = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
+    a0 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a1 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a2 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a3 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a4 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a5 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a6 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
+    a7 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
     for i in range(STEPS):
         k0 = (pid_s * STEPS + i) * BLOCK_K
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -308,24 +331,24 @@ def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, str
         zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)
         scp = tl.where(w_ok & (k0 < K), sc_ptr + g.to(tl.int64) * N + 8 * offs_w, sc_ptr)
         xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        a0 = _awq_plane(a0, words, zw, scp, 0, xt, USE_DOT, PREC)
-        a1 = _awq_plane(a1, words, zw, scp, 1, xt, USE_DOT, PREC)
-        a2 = _awq_plane(a2, words, zw, scp, 2, xt, USE_DOT, PREC)
-        a3 = _awq_plane(a3, words, zw, scp, 3, xt, USE_DOT, PREC)
-        a4 = _awq_plane(a4, words, zw, scp, 4, xt, USE_DOT, PREC)
-        a5 = _awq_plane(a5, words, zw, scp, 5, xt, USE_DOT, PREC)
-        a6 = _awq_plane(a6, words, zw, scp, 6, xt, USE_DOT, PREC)
-        a7 = _awq_plane(a7, words, zw, scp, 7, xt, USE_DOT, PREC)
+        a0 = _awq_plane(a0, words, zw, scp, 0, xt, USE_DOT, PREC, ELEM)
+        a1 = _awq_plane(a1, words, zw, scp, 1, xt, USE_DOT, PREC, ELEM)
+        a2 = _awq_plane(a2, words, zw, scp, 2, xt, USE_DOT, PREC, ELEM)
+        a3 = _awq_plane(a3, words, zw, scp, 3, xt, USE_DOT, PREC, ELEM)
+        a4 = _awq_plane(a4, words, zw, scp, 4, xt, USE_DOT, PREC, ELEM)
+        a5 = _awq_plane(a5, words, zw, scp, 5, xt, USE_DOT, PREC, ELEM)
+        a6 = _awq_plane(a6, words, zw, scp, 6, xt, USE_DOT, PREC, ELEM)
+        a7 = _awq_plane(a7, words, zw, scp, 7, xt, USE_DOT, PREC, ELEM)
     o_rows = out_ptr + offs_m.to(tl.int64) * stride_o
     col = 8 * offs_w
-    _awq_store(out_ptr, a0, o_rows, m_ok, col, w_ok, 0, ATOMIC)
-    _awq_store(out_ptr, a1, o_rows, m_ok, col, w_ok, 1, ATOMIC)
-    _awq_store(out_ptr, a2, o_rows, m_ok, col, w_ok, 2, ATOMIC)
-    _awq_store(out_ptr, a3, o_rows, m_ok, col, w_ok, 3, ATOMIC)
-    _awq_store(out_ptr, a4, o_rows, m_ok, col, w_ok, 4, ATOMIC)
-    _awq_store(out_ptr, a5, o_rows, m_ok, col, w_ok, 5, ATOMIC)
-    _awq_store(out_ptr, a6, o_rows, m_ok, col, w_ok, 6, ATOMIC)
-    _awq_store(out_ptr, a7, o_rows, m_ok, col, w_ok, 7, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a0, ELEM), o_rows, m_ok, col, w_ok, 0, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a1, ELEM), o_rows, m_ok, col, w_ok, 1, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a2, ELEM), o_rows, m_ok, col, w_ok, 2, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a3, ELEM), o_rows, m_ok, col, w_ok, 3, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a4, ELEM), o_rows, m_ok, col, w_ok, 4, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a5, ELEM), o_rows, m_ok, col, w_ok, 5, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a6, ELEM), o_rows, m_ok, col, w_ok, 6, ATOMIC)
+    _awq_store(out_ptr, _awq_total(a7, ELEM), o_rows, m_ok, col, w_ok, 7, ATOMIC)
 
 
 # ---- launch ---------------------------------------------------------------------------------
@@ -353,25 +376,35 @@ class RowConfig:
                 + "]")
 
 
-def _rows_table(fmt: int, m: int) -> RowConfig:
-    """Default launch per (format, rows). Untuned starting points sized so one plane tile is
-    ~4-8K elements (<= ~64 registers a thread); `bench_cuda_quant.py --sweep` retunes them."""
-    per_block = PLANE_PER_BLOCK[fmt]
-    if m <= 1:
-        bm, bn, want = 1, (128 if fmt == AWQ else 16), 4096
-    elif m <= 4:
-        bm, bn, want = 4, (64 if fmt == AWQ else 8), 1024
-    elif m <= 16:
-        bm, bn, want = 16, (128 if fmt == AWQ else 64), 8192
-    else:
-        bm, bn, want = 128, 128, 16384
-    steps = max(1, want // (bn // (8 if fmt == AWQ else 1)) // per_block)
-    warps = 8 if m > 16 else 4
-    return RowConfig(bm, bn, steps, num_warps=warps, num_stages=3 if m > 16 else 2)
+#: default launches by activation rows (up to the key): (block_m, block_n, plane elements per
+#: step, warps, stages); AWQ's block_n counts columns (8 per packed word). Untuned starting
+#: points sized so one plane tile is 4-8K elements (<= ~64 registers a thread);
+#: `bench_cuda_quant.py --sweep` times variants and prints the best per format and M.
+ROWS_TABLE = {1: (1, 16, 4096, 4, 2), 4: (4, 8, 1024, 4, 2), 16: (16, 64, 8192, 4, 2),
+              1 << 30: (128, 128, 16384, 8, 3)}
+AWQ_TABLE = {1: (1, 256, 8192, 8, 2), 4: (4, 64, 1024, 4, 2), 16: (16, 128, 8192, 4, 2),
+             1 << 30: (128, 128, 16384, 8, 3)}
+
+
+def make_config(fmt: int, block_m: int, block_n: int, elems: int, num_warps: int = 4,
+                num_stages: int = 2, split: int = 0, lut: int = 0) -> RowConfig:
+    """A RowConfig whose plane tile has about `elems` elements ([block_n, steps * per-block];
+    AWQ: all 8 planes of [steps rows, block_n / 8 words]); steps rounded down to a power of 2."""
+    per = block_n if fmt == AWQ else block_n * PLANE_PER_BLOCK[fmt]
+    steps = 1 << max(0, (max(1, elems // per)).bit_length() - 1)
+    return RowConfig(block_m, block_n, steps, split, num_warps, num_stages, lut)
 
 
 def default_rows_config(fmt: int, m: int) -> RowConfig:
-    return _rows_table(fmt, m)
+    table = AWQ_TABLE if fmt == AWQ else ROWS_TABLE
+    bm, bn, elems, warps, stages = table[min(key for key in table if m <= key)]
+    return make_config(fmt, bm, bn, elems, warps, stages)
+
+
+def _plane_shape(fmt: int, steps: int, i0: int) -> dict:
+    """(groups, elements) of one plane tile row per step: the ELEM accumulator's shape."""
+    g, q = {Q4_0: (1, 16), Q8_0: (1, 32), Q4_K: (4, 32), Q6_K: (4, 16), NF4: (1, i0 // 2)}[fmt]
+    return {"PG": g * steps, "PQ": q}
 
 
 def _grid_split(tiles: int, total: int, split: int, device) -> tuple[int, int]:
@@ -411,18 +444,21 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     opts = dict(STEPS=steps, BLOCK_M=cfg.block_m, USE_DOT=cfg.use_dot, PREC=prec, ATOMIC=atomic,
+                ELEM=cfg.block_m == 1,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     if fmt == AWQ:
         grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
         _awq_kernel[grid](x2, w0, w1, w2, out, m, n, k, i0, x2.stride(0), out.stride(0),
-                          BLOCK_W=bw, BLOCK_K=bk, **opts)
+                          BLOCK_W=bw, BLOCK_K=bk, ACC_R=bk if cfg.block_m == 1 else cfg.block_m,
+                          **opts)
     else:
         row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
         s_row = k // i0 if fmt == NF4 else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         _rows_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, x2.stride(0),
                            out.stride(0), FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
-                           BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, **opts)
+                           BS=i0 if fmt == NF4 else 32, LUT=cfg.lut,
+                           **_plane_shape(fmt, cfg.steps, i0), **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, n)
@@ -440,5 +476,6 @@ def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.b
     _rows_kernel[grid](out, w0, w1, w2, out, 1, n, row_bytes, k // i0 if fmt == NF4 else 0,
                        k // qk, k, k, STEPS=1, FMT=fmt, BLOCK_M=1, BLOCK_N=block_n, NB=steps,
                        BS=i0 if fmt == NF4 else 32, USE_DOT=False, PREC="ieee", ATOMIC=False,
-                       LUT=0, DEQ=True, num_warps=4, enable_fp_fusion=False)
+                       LUT=0, DEQ=True, ELEM=False, num_warps=4, enable_fp_fusion=False,
+                       **_plane_shape(fmt, steps, i0))
     return out
