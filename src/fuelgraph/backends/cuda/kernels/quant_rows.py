@@ -47,18 +47,25 @@ def _int_to_f32(q, OFFSET: tl.constexpr):
 
 
 @triton.jit
-def _u8(ptr, mask):
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+def _u8(ptr, mask, EVEN: tl.constexpr):
+    """Bytes as int32; EVEN: the tile lies inside the weight, no mask (fewer predicates)."""
+    if EVEN:
+        return tl.load(ptr).to(tl.int32)
+    else:
+        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _f16(ptr, mask):
-    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+def _f16(ptr, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+    else:
+        return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-               DEQ: tl.constexpr, ELEM: tl.constexpr):
+               DEQ: tl.constexpr, ELEM: tl.constexpr, EVEN: tl.constexpr):
     """acc [BN, BM] += W_plane [BN, G, Q] (float32) times x[m, koff] (koff [G, Q]). DEQ: store
     the plane instead, at x_rows [BN] (the dense weight's row pointers) + koff, masked by m_ok."""
     BN: tl.constexpr = w.shape[0]
@@ -68,7 +75,10 @@ def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl
         tl.store(x_rows[:, None, None] + koff[None, :, :],
                  w.to(x_rows.dtype.element_ty), mask=m_ok[:, None, None] & k_ok[None, :, :])
     elif ELEM:      # one activation row: acc [BN, G, Q] += w * x, reduced once after the loop
-        xt = tl.load(x_rows + koff, mask=k_ok, other=0.0).to(tl.float32)   # [G, Q]
+        if EVEN:
+            xt = tl.load(x_rows + koff).to(tl.float32)                       # [G, Q]
+        else:
+            xt = tl.load(x_rows + koff, mask=k_ok, other=0.0).to(tl.float32)
         acc += w * xt[None, :, :]
     elif USE_DOT:
         kf = tl.reshape(koff, (G * Q,))
@@ -113,7 +123,7 @@ def _nf4_value(q, c_ptr, LUT: tl.constexpr):
 @triton.jit
 def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk,
               NB: tl.constexpr, BS: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-              LUT: tl.constexpr, DEQ: tl.constexpr, ELEM: tl.constexpr):
+              LUT: tl.constexpr, DEQ: tl.constexpr, ELEM: tl.constexpr, EVEN: tl.constexpr):
     """acc += the product over format blocks b0 .. b0 + NB of the rows at byte pointers `rows`
     [BN] (NF4: absmax rows at `s_rows`)."""
     nm = n_ok[:, None, None]
@@ -123,21 +133,21 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         k_ok = (b < nblk) & (j < 16)
         mask = nm & k_ok[None]
         blk = rows[:, None, None] + (b * 18)[None]
-        qs = _u8(blk + 2 + j[None], mask)
-        d = _f16(blk, nm & (b < nblk)[None])
+        qs = _u8(blk + 2 + j[None], mask, EVEN)
+        d = _f16(blk, nm & (b < nblk)[None], EVEN)
         acc = _acc_plane(acc, d * _int_to_f32(qs & 15, 8), x_rows, m_ok, b * 32 + j, k_ok,
-                         USE_DOT, PREC, DEQ, ELEM)
+                         USE_DOT, PREC, DEQ, ELEM, EVEN)
         acc = _acc_plane(acc, d * _int_to_f32(qs >> 4, 8), x_rows, m_ok, b * 32 + 16 + j, k_ok,
-                         USE_DOT, PREC, DEQ, ELEM)
+                         USE_DOT, PREC, DEQ, ELEM, EVEN)
     elif FMT == 4:    # Q8_0: 32 int8 after d; w = q * d
         b = b0 + tl.arange(0, NB)[:, None]
         j = tl.arange(0, 32)[None, :]
         k_ok = (b < nblk) & (j < 32)
         blk = rows[:, None, None] + (b * 34)[None]
-        qs = _u8(blk + 2 + j[None], nm & k_ok[None])
-        d = _f16(blk, nm & (b < nblk)[None])
+        qs = _u8(blk + 2 + j[None], nm & k_ok[None], EVEN)
+        d = _f16(blk, nm & (b < nblk)[None], EVEN)
         acc = _acc_plane(acc, _int_to_f32(qs ^ 128, 128) * d, x_rows, m_ok, b * 32 + j, k_ok,
-                         USE_DOT, PREC, DEQ, ELEM)
+                         USE_DOT, PREC, DEQ, ELEM, EVEN)
     elif FMT == 7:    # Q4_K: group (block, c) of 32 bytes; low nibbles sub-block 2c, high 2c + 1
         g = tl.arange(0, 4 * NB)[:, None]
         b = b0 + g // 4
@@ -146,16 +156,16 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         k_ok = (b < nblk) & (j < 32)
         g_ok = nm & (b < nblk)[None]
         blk = rows[:, None, None] + (b * 144)[None]
-        qs = _u8(blk + (16 + 32 * c + j)[None], nm & k_ok[None])
-        d = _f16(blk, g_ok)
-        dmin = _f16(blk + 2, g_ok)
+        qs = _u8(blk + (16 + 32 * c + j)[None], nm & k_ok[None], EVEN)
+        d = _f16(blk, g_ok, EVEN)
+        dmin = _f16(blk + 2, g_ok, EVEN)
         # 6-bit (scale, min) of sub-blocks j < 4 (bytes 4..11) and j >= 4 (with bytes 12..15)
-        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok)
-        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok)
-        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok)
-        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok)
-        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok)
-        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok)
+        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
+        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
+        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
+        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
         first = (c < 2)[None]                                               # sub-block < 4
         sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
         mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
@@ -167,9 +177,9 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         m1 = dmin * mn1.to(tl.float32)
         kb = b * 256 + 64 * c + j
         acc = _acc_plane(acc, d0 * _int_to_f32(qs & 15, 0) - m0, x_rows, m_ok, kb, k_ok,
-                         USE_DOT, PREC, DEQ, ELEM)
+                         USE_DOT, PREC, DEQ, ELEM, EVEN)
         acc = _acc_plane(acc, d1 * _int_to_f32(qs >> 4, 0) - m1, x_rows, m_ok, kb + 32, k_ok,
-                         USE_DOT, PREC, DEQ, ELEM)
+                         USE_DOT, PREC, DEQ, ELEM, EVEN)
     elif FMT == 9:    # Q6_K: group (block, half n, u) of 16 elements l, e = 128n + 32r + 16u + l
         g = tl.arange(0, 4 * NB)[:, None]
         b = b0 + g // 4
@@ -181,14 +191,14 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         g_ok = nm & (b < nblk)[None]
         blk = rows[:, None, None] + (b * 210)[None]
         lq = 64 * hn + 16 * u + j
-        ql_a = _u8(blk + lq[None], km)
-        ql_b = _u8(blk + (lq + 32)[None], km)
-        qh = _u8(blk + (128 + 32 * hn + 16 * u + j)[None], km)
-        d = _f16(blk + 208, g_ok)
+        ql_a = _u8(blk + lq[None], km, EVEN)
+        ql_b = _u8(blk + (lq + 32)[None], km, EVEN)
+        qh = _u8(blk + (128 + 32 * hn + 16 * u + j)[None], km, EVEN)
+        d = _f16(blk + 208, g_ok, EVEN)
         sbase = blk + (192 + 8 * hn + u)[None]
         kb = b * 256 + 128 * hn + 16 * u + j
         for r in tl.static_range(4):
-            sc = _u8(sbase + 2 * r, g_ok)
+            sc = _u8(sbase + 2 * r, g_ok, EVEN)
             dr = d * tl.where(sc >= 128, sc - 256, sc).to(tl.float32)
             if r == 0:
                 lo = ql_a & 15
@@ -200,17 +210,20 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
                 lo = ql_b >> 4
             q = lo | (((qh >> (2 * r)) & 3) << 4)
             acc = _acc_plane(acc, dr * _int_to_f32(q, 32), x_rows, m_ok, kb + 32 * r, k_ok,
-                             USE_DOT, PREC, DEQ, ELEM)
+                             USE_DOT, PREC, DEQ, ELEM, EVEN)
     else:             # NF4: group = absmax block of BS elements, BS // 2 bytes; high nibble even
         b = b0 + tl.arange(0, NB)[:, None]
         j = tl.arange(0, BS // 2)[None, :]
         k_ok = (b < nblk) & (j < BS // 2)
-        byte = _u8(rows[:, None, None] + (b * (BS // 2) + j)[None], nm & k_ok[None])
-        s = tl.load(s_rows[:, None, None] + b[None], mask=nm & (b < nblk)[None], other=0.0)
+        byte = _u8(rows[:, None, None] + (b * (BS // 2) + j)[None], nm & k_ok[None], EVEN)
+        if EVEN:
+            s = tl.load(s_rows[:, None, None] + b[None])
+        else:
+            s = tl.load(s_rows[:, None, None] + b[None], mask=nm & (b < nblk)[None], other=0.0)
         acc = _acc_plane(acc, _nf4_value(byte >> 4, c_ptr, LUT) * s, x_rows, m_ok,
-                         b * BS + 2 * j, k_ok, USE_DOT, PREC, DEQ, ELEM)
+                         b * BS + 2 * j, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
         acc = _acc_plane(acc, _nf4_value(byte & 15, c_ptr, LUT) * s, x_rows, m_ok,
-                         b * BS + 2 * j + 1, k_ok, USE_DOT, PREC, DEQ, ELEM)
+                         b * BS + 2 * j + 1, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
     return acc
 
 
@@ -220,7 +233,7 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
                  BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
                  USE_DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
                  LUT: tl.constexpr, PG: tl.constexpr, PQ: tl.constexpr, ELEM: tl.constexpr,
-                 DEQ: tl.constexpr = False):
+                 EVEN: tl.constexpr = False, DEQ: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over format blocks [pid_s * STEPS * NB, ...) of W's rows
     [pid_n * BLOCK_N, ...); W row n starts at byte n * row_bytes (NF4 absmax row at n * s_row)."""
     pid_n = tl.program_id(0)
@@ -243,14 +256,14 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
         for i in range(STEPS):
             b0 = (pid_s * STEPS + i) * NB
             acc3 = _row_step(FMT, acc3, rows, n_ok, x_row, m_ok, s_rows, c_ptr, b0, nblk, NB,
-                             BS, USE_DOT, PREC, LUT, DEQ, ELEM)
+                             BS, USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[:, None]
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for i in range(STEPS):
             b0 = (pid_s * STEPS + i) * NB
             acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB, BS,
-                            USE_DOT, PREC, LUT, DEQ, ELEM)
+                            USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
     if not DEQ:
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         o_mask = n_ok[:, None] & m_ok[None, :]
@@ -261,13 +274,13 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
 
 
 @triton.jit
-def _awq_plane(acc, words, zw, sc_ptr, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
+def _awq_plane(acc, words, zw, sc_ptrs, s_ok, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
                PREC: tl.constexpr, ELEM: tl.constexpr):
     """acc [BM, BW] += x [BM, BK] @ W[:, 8c + e] for the columns e of nibble P of the words
     (ELEM: acc [BK, BW] += x[0, :, None] * W, reduced after the loop)."""
     q = (words >> (4 * P)) & 15
     zm = 8388608.0 + ((zw >> (4 * P)) & 15).to(tl.float32)                 # [BW]
-    s = tl.load(sc_ptr + (2 * (P % 4) + P // 4)).to(tl.float32)           # [BW] (masked: 0)
+    s = tl.load(sc_ptrs + (2 * (P % 4) + P // 4), mask=s_ok, other=0.0).to(tl.float32)  # [BW]
     w = ((q | _MAGIC).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
     if ELEM:
         acc += w * tl.reshape(xt.to(tl.float32), (w.shape[0], 1))
@@ -328,17 +341,18 @@ def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, str
         words = tl.load(qw_ptr + kk.to(tl.int64)[:, None] * nw + offs_w[None, :],
                         mask=k_ok[:, None] & w_ok[None, :], other=0)
         g = k0 // group_size
-        zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)
-        scp = tl.where(w_ok & (k0 < K), sc_ptr + g.to(tl.int64) * N + 8 * offs_w, sc_ptr)
+        zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)  # [BW]
+        s_ok = w_ok & (k0 < K)
+        scp = sc_ptr + g.to(tl.int64) * N + 8 * offs_w
         xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        a0 = _awq_plane(a0, words, zw, scp, 0, xt, USE_DOT, PREC, ELEM)
-        a1 = _awq_plane(a1, words, zw, scp, 1, xt, USE_DOT, PREC, ELEM)
-        a2 = _awq_plane(a2, words, zw, scp, 2, xt, USE_DOT, PREC, ELEM)
-        a3 = _awq_plane(a3, words, zw, scp, 3, xt, USE_DOT, PREC, ELEM)
-        a4 = _awq_plane(a4, words, zw, scp, 4, xt, USE_DOT, PREC, ELEM)
-        a5 = _awq_plane(a5, words, zw, scp, 5, xt, USE_DOT, PREC, ELEM)
-        a6 = _awq_plane(a6, words, zw, scp, 6, xt, USE_DOT, PREC, ELEM)
-        a7 = _awq_plane(a7, words, zw, scp, 7, xt, USE_DOT, PREC, ELEM)
+        a0 = _awq_plane(a0, words, zw, scp, s_ok, 0, xt, USE_DOT, PREC, ELEM)
+        a1 = _awq_plane(a1, words, zw, scp, s_ok, 1, xt, USE_DOT, PREC, ELEM)
+        a2 = _awq_plane(a2, words, zw, scp, s_ok, 2, xt, USE_DOT, PREC, ELEM)
+        a3 = _awq_plane(a3, words, zw, scp, s_ok, 3, xt, USE_DOT, PREC, ELEM)
+        a4 = _awq_plane(a4, words, zw, scp, s_ok, 4, xt, USE_DOT, PREC, ELEM)
+        a5 = _awq_plane(a5, words, zw, scp, s_ok, 5, xt, USE_DOT, PREC, ELEM)
+        a6 = _awq_plane(a6, words, zw, scp, s_ok, 6, xt, USE_DOT, PREC, ELEM)
+        a7 = _awq_plane(a7, words, zw, scp, s_ok, 7, xt, USE_DOT, PREC, ELEM)
     o_rows = out_ptr + offs_m.to(tl.int64) * stride_o
     col = 8 * offs_w
     _awq_store(out_ptr, _awq_total(a0, ELEM), o_rows, m_ok, col, w_ok, 0, ATOMIC)
@@ -443,9 +457,11 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
     atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # fused multiply-adds only where no dequantizer has an a * b + c (Q4_K's d * q - m): the
+    # weights stay bit-exact, the products accumulate with one rounding less
     opts = dict(STEPS=steps, BLOCK_M=cfg.block_m, USE_DOT=cfg.use_dot, PREC=prec, ATOMIC=atomic,
-                ELEM=cfg.block_m == 1,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+                ELEM=cfg.block_m == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                enable_fp_fusion=fmt != Q4_K)
     if fmt == AWQ:
         grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
         _awq_kernel[grid](x2, w0, w1, w2, out, m, n, k, i0, x2.stride(0), out.stride(0),
@@ -455,9 +471,10 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
         row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
         s_row = k // i0 if fmt == NF4 else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+        even = n % cfg.block_n == 0 and nblk == split * steps * cfg.steps
         _rows_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, x2.stride(0),
                            out.stride(0), FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
-                           BS=i0 if fmt == NF4 else 32, LUT=cfg.lut,
+                           BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, EVEN=even,
                            **_plane_shape(fmt, cfg.steps, i0), **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
