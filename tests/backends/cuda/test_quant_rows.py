@@ -157,3 +157,21 @@ def test_many_rows_take_the_dense_copy():
     x = torch.randn(K.DEQUANT_GEMM_MIN_M + 3, k, generator=torch.Generator().manual_seed(4))
     out = K.qmatmul(x.to(DEV), _t(raw.reshape(-1)), quant_type="Q8_0", n=n, k=k)
     _check(out, x, _gguf_ref(raw, "Q8_0").T, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+def test_word_and_byte_reads_unmasked_tiles(qtype):
+    """2-byte-word and byte reads, x in float32 or as given, on tiles that divide the weight
+    (the unmasked loads), one row and sixteen."""
+    qk = GGUF[qtype][0]
+    rng = np.random.default_rng(qk)
+    n, k = 16, 4 * qk if qk == 32 else qk
+    raw = gguf_bytes(rng, qtype, n, k)
+    w = _gguf_ref(raw, qtype)
+    for m in (1, 16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+        for words in (0, 1):
+            for x32 in (0, 1):
+                cfg = RowConfig(m, 16, 2 if qk == 32 else 1, split=1, words=words, x32=x32)
+                out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+                _check(out, x, w.T, torch.float32)

@@ -34,10 +34,12 @@ from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 ROW_QK = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
 ROW_BB = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 FAST_FORMATS = frozenset(ROW_QK) | {NF4, AWQ}
+WORD_FORMATS = frozenset({Q4_0, Q8_0, Q4_K})     # read as 2-byte words (`_word_step`)
 #: weight elements of one plane tile row per format block in a step (NF4: per 64-block)
 PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 64, NF4: 32}
 
 _MAGIC = tl.constexpr(0x4B000000)       # bits of 2.0 ** 23
+MAGIC_BITS = 0x4B000000
 
 
 @triton.jit
@@ -91,6 +93,169 @@ def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl
         xt = tl.load(x_rows[:, None, None] + koff[None, :, :],
                      mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
         acc += tl.sum(tl.sum(w[:, None, :, :] * xt[None, :, :, :], axis=3), axis=2)
+    return acc
+
+
+@triton.jit
+def _x_pairs(x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, ELEM: tl.constexpr,
+             EVEN: tl.constexpr):
+    """x at the even offsets koff [G, Q2] and at koff + 1, as one contiguous tile split in two:
+    ELEM [G, Q2] float32 each; dot [G * Q2, BM] (transposed, x's dtype); else [BM, G, Q2]."""
+    t = tl.arange(0, 2)[None, None, :]
+    offs = koff[:, :, None] + t
+    if ELEM:
+        if EVEN:
+            xt = tl.load(x_rows + offs)
+        else:
+            xt = tl.load(x_rows + offs, mask=k_ok[:, :, None] & (t < 2), other=0.0)
+        x0, x1 = tl.split(xt)
+        x0 = x0.to(tl.float32)
+        x1 = x1.to(tl.float32)
+    else:
+        xt = tl.load(x_rows[:, None, None, None] + offs[None],
+                     mask=m_ok[:, None, None, None] & (k_ok[:, :, None] & (t < 2))[None],
+                     other=0.0)
+        x0, x1 = tl.split(xt)                                               # [BM, G, Q2]
+        if USE_DOT:
+            x0 = tl.trans(tl.reshape(x0, (x0.shape[0], x0.shape[1] * x0.shape[2])))
+            x1 = tl.trans(tl.reshape(x1, (x1.shape[0], x1.shape[1] * x1.shape[2])))
+        else:
+            x0 = x0.to(tl.float32)
+            x1 = x1.to(tl.float32)
+    return x0, x1
+
+
+@triton.jit
+def _acc_x(acc, w, xp, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+           DEQ: tl.constexpr, ELEM: tl.constexpr, EVEN: tl.constexpr):
+    """acc += W_plane [BN, G, Q] times the preloaded x plane xp (`_x_pairs`); DEQ: store the
+    plane at koff as `_acc_plane` does."""
+    if DEQ:
+        acc = _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+    elif ELEM:
+        acc += w * xp[None, :, :]
+    elif USE_DOT:
+        w2 = tl.reshape(w, (w.shape[0], w.shape[1] * w.shape[2])).to(xp.dtype)
+        acc = tl.dot(w2, xp, acc, input_precision=PREC)
+    else:
+        acc += tl.sum(tl.sum(w[:, None, :, :] * xp[None, :, :, :], axis=3), axis=2)
+    return acc
+
+
+@triton.jit
+def _u16_words(ptr, mask, EVEN: tl.constexpr):
+    """Little-endian 2-byte words at the (2-aligned) byte pointers `ptr`, as int32."""
+    p16 = ptr.to(tl.pointer_type(tl.uint16))
+    if EVEN:
+        return tl.load(p16).to(tl.int32)
+    else:
+        return tl.load(p16, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _nib_scaled(v, magic, SHIFT: tl.constexpr, OFFSET: tl.constexpr):
+    """2**SHIFT * (nibble - OFFSET) for the nibble at bit SHIFT of v (< 2**16), exactly, with
+    one logic op and one add (the 2**SHIFT goes into the scale, an exact power of two). `magic`
+    (2^23's bits) is a run-time argument so the mask and it fit one 3-input logic op."""
+    return ((v & (15 << SHIFT)) | magic).to(tl.float32, bitcast=True) - \
+        (8388608.0 + OFFSET * (1 << SHIFT))
+
+
+@triton.jit
+def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic,
+               NB: tl.constexpr,
+               USE_DOT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr,
+               ELEM: tl.constexpr, EVEN: tl.constexpr):
+    """Q4_0, Q8_0, Q4_K read as 2-byte words (each word 4 nibbles / 2 int8, one load): word i of
+    a group holds the elements of bytes 2i, 2i + 1; every nibble plane keeps its bits in place
+    and folds the power-of-two position into its scale, so dequantized values are unchanged."""
+    nm = n_ok[:, None, None]
+    if FMT == 0:      # Q4_0: word i: elements 2i, 16 + 2i (byte 2i), 2i + 1, 17 + 2i (byte 2i+1)
+        b = b0 + tl.arange(0, NB)[:, None]
+        i = tl.arange(0, 8)[None, :]
+        k_ok = (b < nblk) & (i < 8)
+        blk = rows[:, None, None] + (b * 18)[None]
+        v = _u16_words(blk + 2 + 2 * i[None], nm & k_ok[None], EVEN)
+        d = _f16(blk, nm & (b < nblk)[None], EVEN)
+        ko = b * 32 + 2 * i
+        if DEQ:
+            xa0 = 0.0
+            xa1 = 0.0
+            xb0 = 0.0
+            xb1 = 0.0
+        else:
+            xa0, xa1 = _x_pairs(x_rows, m_ok, ko, k_ok, USE_DOT, ELEM, EVEN)
+            xb0, xb1 = _x_pairs(x_rows, m_ok, ko + 16, k_ok, USE_DOT, ELEM, EVEN)
+        w0 = d * _nib_scaled(v, magic, 0, 8)
+        w1 = (d * 0.0625) * _nib_scaled(v, magic, 4, 8)
+        w2 = (d * 0.00390625) * _nib_scaled(v, magic, 8, 8)
+        w3 = (d * 0.000244140625) * _nib_scaled(v, magic, 12, 8)
+        acc = _acc_x(acc, w0, xa0, x_rows, m_ok, ko, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w1, xb0, x_rows, m_ok, ko + 16, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w2, xa1, x_rows, m_ok, ko + 1, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w3, xb1, x_rows, m_ok, ko + 17, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+    elif FMT == 4:    # Q8_0: word i holds int8 elements 2i (low byte) and 2i + 1
+        b = b0 + tl.arange(0, NB)[:, None]
+        i = tl.arange(0, 16)[None, :]
+        k_ok = (b < nblk) & (i < 16)
+        blk = rows[:, None, None] + (b * 34)[None]
+        v = _u16_words(blk + 2 + 2 * i[None], nm & k_ok[None], EVEN)
+        d = _f16(blk, nm & (b < nblk)[None], EVEN)
+        ko = b * 32 + 2 * i
+        if DEQ:
+            x0 = 0.0
+            x1 = 0.0
+        else:
+            x0, x1 = _x_pairs(x_rows, m_ok, ko, k_ok, USE_DOT, ELEM, EVEN)
+        # int8 q + 128 = byte ^ 0x80, OR-ed into 2^23's mantissa in the same logic op
+        lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
+        hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+        acc = _acc_x(acc, lo * d, x0, x_rows, m_ok, ko, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, hi * (d * 0.00390625), x1, x_rows, m_ok, ko + 1, k_ok, USE_DOT, PREC,
+                     DEQ, ELEM, EVEN)
+    else:             # Q4_K: group (block, c) of 32 bytes, word i = bytes 2i, 2i + 1
+        g = tl.arange(0, 4 * NB)[:, None]
+        b = b0 + g // 4
+        c = g % 4
+        i = tl.arange(0, 16)[None, :]
+        k_ok = (b < nblk) & (i < 16)
+        g_ok = nm & (b < nblk)[None]
+        blk = rows[:, None, None] + (b * 144)[None]
+        v = _u16_words(blk + (16 + 32 * c + 2 * i)[None], nm & k_ok[None], EVEN)
+        d = _f16(blk, g_ok, EVEN)
+        dmin = _f16(blk + 2, g_ok, EVEN)
+        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
+        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
+        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
+        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+        first = (c < 2)[None]
+        sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
+        mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
+        sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
+        mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
+        d0 = d * sc0.to(tl.float32)
+        m0 = dmin * mn0.to(tl.float32)
+        d1 = d * sc1.to(tl.float32)
+        m1 = dmin * mn1.to(tl.float32)
+        ko = b * 256 + 64 * c + 2 * i
+        if DEQ:
+            xa0 = 0.0
+            xa1 = 0.0
+            xb0 = 0.0
+            xb1 = 0.0
+        else:
+            xa0, xa1 = _x_pairs(x_rows, m_ok, ko, k_ok, USE_DOT, ELEM, EVEN)
+            xb0, xb1 = _x_pairs(x_rows, m_ok, ko + 32, k_ok, USE_DOT, ELEM, EVEN)
+        w0 = d0 * _nib_scaled(v, magic, 0, 0) - m0
+        w1 = (d1 * 0.0625) * _nib_scaled(v, magic, 4, 0) - m1
+        w2 = (d0 * 0.00390625) * _nib_scaled(v, magic, 8, 0) - m0
+        w3 = (d1 * 0.000244140625) * _nib_scaled(v, magic, 12, 0) - m1
+        acc = _acc_x(acc, w0, xa0, x_rows, m_ok, ko, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w1, xb0, x_rows, m_ok, ko + 32, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w2, xa1, x_rows, m_ok, ko + 1, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
+        acc = _acc_x(acc, w3, xb1, x_rows, m_ok, ko + 33, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
     return acc
 
 
@@ -229,11 +394,12 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nblk, stride_x,
-                 stride_o, STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_o, magic, STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
                  USE_DOT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
                  LUT: tl.constexpr, PG: tl.constexpr, PQ: tl.constexpr, ELEM: tl.constexpr,
-                 EVEN: tl.constexpr = False, DEQ: tl.constexpr = False):
+                 EVEN: tl.constexpr = False, DEQ: tl.constexpr = False,
+                 WORDS: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over format blocks [pid_s * STEPS * NB, ...) of W's rows
     [pid_n * BLOCK_N, ...); W row n starts at byte n * row_bytes (NF4 absmax row at n * s_row)."""
     pid_n = tl.program_id(0)
@@ -255,15 +421,23 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
         x_row = x_ptr
         for i in range(STEPS):
             b0 = (pid_s * STEPS + i) * NB
-            acc3 = _row_step(FMT, acc3, rows, n_ok, x_row, m_ok, s_rows, c_ptr, b0, nblk, NB,
-                             BS, USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
+            if WORDS:
+                acc3 = _word_step(FMT, acc3, rows, n_ok, x_row, m_ok, b0, nblk, magic, NB,
+                                  USE_DOT, PREC, DEQ, ELEM, EVEN)
+            else:
+                acc3 = _row_step(FMT, acc3, rows, n_ok, x_row, m_ok, s_rows, c_ptr, b0, nblk,
+                                 NB, BS, USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
         acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[:, None]
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for i in range(STEPS):
             b0 = (pid_s * STEPS + i) * NB
-            acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB, BS,
-                            USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
+            if WORDS:
+                acc = _word_step(FMT, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic, NB,
+                                 USE_DOT, PREC, DEQ, ELEM, EVEN)
+            else:
+                acc = _row_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b0, nblk, NB,
+                                BS, USE_DOT, PREC, LUT, DEQ, ELEM, EVEN)
     if not DEQ:
         o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
         o_mask = n_ok[:, None] & m_ok[None, :]
@@ -379,6 +553,8 @@ class RowConfig:
     num_warps: int = 4
     num_stages: int = 2
     lut: int = 0
+    words: int = 1      # Q4_0 / Q8_0 / Q4_K: read 2-byte words (0: bytes)
+    x32: int = 1        # one row: x converted to float32 once up front (0: per element)
 
     @property
     def use_dot(self) -> bool:
@@ -387,7 +563,7 @@ class RowConfig:
     def tag(self) -> str:
         return (f"rows[m{self.block_m},n{self.block_n},k{self.steps},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",lut{self.lut}" if self.lut else "")
-                + "]")
+                + ("" if self.words else ",bytes") + ("" if self.x32 else ",x16") + "]")
 
 
 #: default launches by activation rows (up to the key): (block_m, block_n, plane elements per
@@ -415,10 +591,10 @@ def default_rows_config(fmt: int, m: int) -> RowConfig:
     return make_config(fmt, bm, bn, elems, warps, stages)
 
 
-def _plane_shape(fmt: int, steps: int, i0: int) -> dict:
+def _plane_shape(fmt: int, steps: int, i0: int, words: bool) -> dict:
     """(groups, elements) of one plane tile row per step: the ELEM accumulator's shape."""
     g, q = {Q4_0: (1, 16), Q8_0: (1, 32), Q4_K: (4, 32), Q6_K: (4, 16), NF4: (1, i0 // 2)}[fmt]
-    return {"PG": g * steps, "PQ": q}
+    return {"PG": g * steps, "PQ": q // 2 if words else q, "WORDS": words}
 
 
 def _grid_split(tiles: int, total: int, split: int, device) -> tuple[int, int]:
@@ -442,6 +618,7 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
     m = x2.shape[0]
     cfg = config or default_rows_config(fmt, m)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    xk = x2.float() if cfg.block_m == 1 and cfg.x32 else x2     # [1, K]: a tiny copy
     if fmt == AWQ:
         bk = min(cfg.steps, i0)
         while i0 % bk:
@@ -464,7 +641,7 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
                 enable_fp_fusion=fmt != Q4_K)
     if fmt == AWQ:
         grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
-        _awq_kernel[grid](x2, w0, w1, w2, out, m, n, k, i0, x2.stride(0), out.stride(0),
+        _awq_kernel[grid](xk, w0, w1, w2, out, m, n, k, i0, xk.stride(0), out.stride(0),
                           BLOCK_W=bw, BLOCK_K=bk, ACC_R=bk if cfg.block_m == 1 else cfg.block_m,
                           **opts)
     else:
@@ -472,17 +649,18 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
         s_row = k // i0 if fmt == NF4 else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         even = n % cfg.block_n == 0 and nblk == split * steps * cfg.steps
-        _rows_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, x2.stride(0),
-                           out.stride(0), FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
+        _rows_kernel[grid](xk, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, xk.stride(0),
+                           out.stride(0), MAGIC_BITS, FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
                            BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, EVEN=even,
-                           **_plane_shape(fmt, cfg.steps, i0), **opts)
+                           **_plane_shape(fmt, cfg.steps, i0, cfg.words and fmt in WORD_FORMATS),
+                           **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, n)
 
 
 def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.bfloat16,
-                    block_n: int = 32, steps: int = 0):
+                    block_n: int = 32, steps: int = 0, words: bool = True):
     """The dense weight W [N, K] (GGUF / NF4 row formats) in `dtype`, written row by row in the
     storage order (for the many-row GEMM path: then cuBLAS on x @ W.T)."""
     qk = i0 if fmt == NF4 else ROW_QK[fmt]
@@ -491,8 +669,9 @@ def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.b
     grid = (triton.cdiv(n, block_n), 1, triton.cdiv(k // qk, steps))
     row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
     _rows_kernel[grid](out, w0, w1, w2, out, 1, n, row_bytes, k // i0 if fmt == NF4 else 0,
-                       k // qk, k, k, STEPS=1, FMT=fmt, BLOCK_M=1, BLOCK_N=block_n, NB=steps,
+                       k // qk, k, k, MAGIC_BITS, STEPS=1, FMT=fmt, BLOCK_M=1, BLOCK_N=block_n,
+                       NB=steps,
                        BS=i0 if fmt == NF4 else 32, USE_DOT=False, PREC="ieee", ATOMIC=False,
                        LUT=0, DEQ=True, ELEM=False, num_warps=4, enable_fp_fusion=False,
-                       **_plane_shape(fmt, steps, i0))
+                       **_plane_shape(fmt, steps, i0, words and fmt in WORD_FORMATS))
     return out
