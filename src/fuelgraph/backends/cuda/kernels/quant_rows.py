@@ -36,7 +36,7 @@ ROW_BB = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 FAST_FORMATS = frozenset(ROW_QK) | {NF4, AWQ}
 WORD_FORMATS = frozenset({Q4_0, Q8_0, Q4_K})     # read as 2-byte words (`_word_step`)
 #: weight elements of one plane tile row per format block in a step (NF4: per 64-block)
-PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 64, NF4: 32}
+PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 256, NF4: 32}
 
 _MAGIC = tl.constexpr(0x4B000000)       # bits of 2.0 ** 23
 MAGIC_BITS = 0x4B000000
@@ -448,14 +448,26 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, nb
 
 
 @triton.jit
-def _awq_plane(acc, words, zw, sc_ptrs, s_ok, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
+def _awq_cols(zw, sc_ptrs, s_ok, P: tl.constexpr):
+    """Per column of nibble P ([BW]): 2^23 + 2^SH z and s * 2^-SH (SH = 4 * (P % 4)), for a
+    nibble kept in place in its 16-bit half of the word."""
+    SH: tl.constexpr = 4 * (P % 4)
+    z = (zw >> (4 * P)) & 15
+    zm = 8388608.0 + (z << SH).to(tl.float32)
+    s = tl.load(sc_ptrs + (2 * (P % 4) + P // 4), mask=s_ok, other=0.0).to(tl.float32)
+    return zm, s * (1.0 / (1 << SH))
+
+
+@triton.jit
+def _awq_plane(acc, half, zm, sc, magic, P: tl.constexpr, xt, USE_DOT: tl.constexpr,
                PREC: tl.constexpr, ELEM: tl.constexpr):
     """acc [BM, BW] += x [BM, BK] @ W[:, 8c + e] for the columns e of nibble P of the words
-    (ELEM: acc [BK, BW] += x[0, :, None] * W, reduced after the loop)."""
-    q = (words >> (4 * P)) & 15
-    zm = 8388608.0 + ((zw >> (4 * P)) & 15).to(tl.float32)                 # [BW]
-    s = tl.load(sc_ptrs + (2 * (P % 4) + P // 4), mask=s_ok, other=0.0).to(tl.float32)  # [BW]
-    w = ((q | _MAGIC).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
+    (ELEM: acc [BK, BW] += x[0, :, None] * W, reduced after the loop). `half`: the words'
+    low 16 bits for P < 4, else the words >> 16; the nibble stays in place (2^SH * q), zm and
+    sc from `_awq_cols`: W = (q - z) * s exactly."""
+    SH: tl.constexpr = 4 * (P % 4)
+    qf = ((half & (15 << SH)) | magic).to(tl.float32, bitcast=True)     # 2^23 + 2^SH q
+    w = (qf - zm[None, :]) * sc[None, :]
     if ELEM:
         acc += w * tl.reshape(xt.to(tl.float32), (w.shape[0], 1))
     elif USE_DOT:
@@ -485,12 +497,15 @@ def _awq_store(out_ptr, acc, o_rows, m_ok, col, n_ok, P: tl.constexpr, ATOMIC: t
 
 @triton.jit
 def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, stride_x, stride_o,
+                magic,
                 STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
                 BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
-                ATOMIC: tl.constexpr, ELEM: tl.constexpr, ACC_R: tl.constexpr):
+                ATOMIC: tl.constexpr, ELEM: tl.constexpr, ACC_R: tl.constexpr,
+                SUB: tl.constexpr):
     """out[M, N] (+)= x[M, K] @ W[K, N] for AutoAWQ's qweight [K, N/8]: BLOCK_W words (8 * BLOCK_W
-    columns) per program, rows [pid_s * STEPS * BLOCK_K, ...); BLOCK_K divides group_size, so a
-    step has one zero word and one scale per column."""
+    columns) per program, rows [pid_s * STEPS * SUB * BLOCK_K, ...); a step is SUB tiles of
+    BLOCK_K rows inside one group (SUB * BLOCK_K divides group_size), so its zeros and scales
+    are unpacked once per column for all of them."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -509,24 +524,34 @@ def _awq_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size, str
     a6 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
     a7 = tl.zeros((ACC_R, BLOCK_W), tl.float32)
     for i in range(STEPS):
-        k0 = (pid_s * STEPS + i) * BLOCK_K
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        words = tl.load(qw_ptr + kk.to(tl.int64)[:, None] * nw + offs_w[None, :],
-                        mask=k_ok[:, None] & w_ok[None, :], other=0)
+        k0 = (pid_s * STEPS + i) * (SUB * BLOCK_K)
         g = k0 // group_size
-        zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)  # [BW]
         s_ok = w_ok & (k0 < K)
+        zw = tl.load(qz_ptr + g * nw + offs_w, mask=s_ok, other=0)           # [BW]
         scp = sc_ptr + g.to(tl.int64) * N + 8 * offs_w
-        xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        a0 = _awq_plane(a0, words, zw, scp, s_ok, 0, xt, USE_DOT, PREC, ELEM)
-        a1 = _awq_plane(a1, words, zw, scp, s_ok, 1, xt, USE_DOT, PREC, ELEM)
-        a2 = _awq_plane(a2, words, zw, scp, s_ok, 2, xt, USE_DOT, PREC, ELEM)
-        a3 = _awq_plane(a3, words, zw, scp, s_ok, 3, xt, USE_DOT, PREC, ELEM)
-        a4 = _awq_plane(a4, words, zw, scp, s_ok, 4, xt, USE_DOT, PREC, ELEM)
-        a5 = _awq_plane(a5, words, zw, scp, s_ok, 5, xt, USE_DOT, PREC, ELEM)
-        a6 = _awq_plane(a6, words, zw, scp, s_ok, 6, xt, USE_DOT, PREC, ELEM)
-        a7 = _awq_plane(a7, words, zw, scp, s_ok, 7, xt, USE_DOT, PREC, ELEM)
+        z0, s0 = _awq_cols(zw, scp, s_ok, 0)
+        z1, s1 = _awq_cols(zw, scp, s_ok, 1)
+        z2, s2 = _awq_cols(zw, scp, s_ok, 2)
+        z3, s3 = _awq_cols(zw, scp, s_ok, 3)
+        z4, s4 = _awq_cols(zw, scp, s_ok, 4)
+        z5, s5 = _awq_cols(zw, scp, s_ok, 5)
+        z6, s6 = _awq_cols(zw, scp, s_ok, 6)
+        z7, s7 = _awq_cols(zw, scp, s_ok, 7)
+        for sub in tl.static_range(SUB):
+            kk = k0 + sub * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            words = tl.load(qw_ptr + kk.to(tl.int64)[:, None] * nw + offs_w[None, :],
+                            mask=k_ok[:, None] & w_ok[None, :], other=0)
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_hi = words >> 16
+            a0 = _awq_plane(a0, words, z0, s0, magic, 0, xt, USE_DOT, PREC, ELEM)
+            a1 = _awq_plane(a1, words, z1, s1, magic, 1, xt, USE_DOT, PREC, ELEM)
+            a2 = _awq_plane(a2, words, z2, s2, magic, 2, xt, USE_DOT, PREC, ELEM)
+            a3 = _awq_plane(a3, words, z3, s3, magic, 3, xt, USE_DOT, PREC, ELEM)
+            a4 = _awq_plane(a4, w_hi, z4, s4, magic, 4, xt, USE_DOT, PREC, ELEM)
+            a5 = _awq_plane(a5, w_hi, z5, s5, magic, 5, xt, USE_DOT, PREC, ELEM)
+            a6 = _awq_plane(a6, w_hi, z6, s6, magic, 6, xt, USE_DOT, PREC, ELEM)
+            a7 = _awq_plane(a7, w_hi, z7, s7, magic, 7, xt, USE_DOT, PREC, ELEM)
     o_rows = out_ptr + offs_m.to(tl.int64) * stride_o
     col = 8 * offs_w
     _awq_store(out_ptr, _awq_total(a0, ELEM), o_rows, m_ok, col, w_ok, 0, ATOMIC)
@@ -555,6 +580,7 @@ class RowConfig:
     lut: int = 0
     words: int = 1      # Q4_0 / Q8_0 / Q4_K: read 2-byte words (0: bytes)
     x32: int = 1        # one row: x converted to float32 once up front (0: per element)
+    sub: int = 4        # AWQ: row tiles per step sharing one group's unpacked zeros / scales
 
     @property
     def use_dot(self) -> bool:
@@ -563,7 +589,8 @@ class RowConfig:
     def tag(self) -> str:
         return (f"rows[m{self.block_m},n{self.block_n},k{self.steps},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",lut{self.lut}" if self.lut else "")
-                + ("" if self.words else ",bytes") + ("" if self.x32 else ",x16") + "]")
+                + ("" if self.words else ",bytes") + ("" if self.x32 else ",x16")
+                + ("" if self.sub == 4 else f",sub{self.sub}") + "]")
 
 
 #: default launches by activation rows (up to the key): (block_m, block_n, plane elements per
@@ -588,7 +615,9 @@ def make_config(fmt: int, block_m: int, block_n: int, elems: int, num_warps: int
 def default_rows_config(fmt: int, m: int) -> RowConfig:
     table = AWQ_TABLE if fmt == AWQ else ROWS_TABLE
     bm, bn, elems, warps, stages = table[min(key for key in table if m <= key)]
-    return make_config(fmt, bm, bn, elems, warps, stages)
+    # NF4: the code table by tl.gather (a shared-memory lookup) beat the global-table gather
+    # and the select tree in instruction counts (sm_90 SASS, 6.8 / 8.3 / 18 per element)
+    return make_config(fmt, bm, bn, elems, warps, stages, lut=2 if fmt == NF4 else 0)
 
 
 def _plane_shape(fmt: int, steps: int, i0: int, words: bool) -> dict:
@@ -623,9 +652,12 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
         bk = min(cfg.steps, i0)
         while i0 % bk:
             bk //= 2
+        sub = cfg.sub
+        while sub > 1 and i0 % (sub * bk):
+            sub //= 2
         bw = max(1, cfg.block_n // 8)
         tiles = triton.cdiv(n // 8, bw) * triton.cdiv(m, cfg.block_m)
-        split, steps = _grid_split(tiles, triton.cdiv(k, bk), cfg.split, x.device)
+        split, steps = _grid_split(tiles, triton.cdiv(k, sub * bk), cfg.split, x.device)
     else:
         qk = i0 if fmt == NF4 else ROW_QK[fmt]
         nblk = k // qk
@@ -642,8 +674,9 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
     if fmt == AWQ:
         grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
         _awq_kernel[grid](xk, w0, w1, w2, out, m, n, k, i0, xk.stride(0), out.stride(0),
+                          MAGIC_BITS,
                           BLOCK_W=bw, BLOCK_K=bk, ACC_R=bk if cfg.block_m == 1 else cfg.block_m,
-                          **opts)
+                          SUB=sub, **opts)
     else:
         row_bytes = k // 2 if fmt == NF4 else (k // qk) * ROW_BB[fmt]
         s_row = k // i0 if fmt == NF4 else 0
