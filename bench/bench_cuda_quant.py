@@ -64,7 +64,7 @@ SWEEP_ROWS = {1: [(1, 16, 4096, 4, 2), (1, 32, 4096, 4, 2), (1, 16, 8192, 8, 2),
                   (1, 8, 2048, 2, 2), (1, 32, 8192, 4, 3), (16, 64, 8192, 4, 2)],
               16: [(16, 64, 8192, 4, 2), (16, 128, 8192, 4, 2), (16, 64, 4096, 4, 3),
                    (16, 128, 16384, 8, 2), (16, 32, 4096, 4, 2)],
-              256: [(128, 128, 16384, 8, 3), (256, 128, 16384, 8, 3), (128, 64, 8192, 4, 3),
+              256: [(128, 128, 8192, 8, 3), (128, 128, 16384, 8, 2), (256, 64, 8192, 8, 2),
                     (64, 128, 8192, 4, 3)]}
 SWEEP_AWQ = {1: [(1, 256, 8192, 8, 2), (1, 128, 4096, 4, 2), (1, 256, 4096, 4, 2),
                  (1, 512, 8192, 8, 2), (1, 256, 16384, 8, 2), (16, 128, 8192, 4, 2)],
@@ -78,8 +78,8 @@ def sweep_configs(fmt, m):
     """RowConfigs to time for (format, M), plus the dense-copy path at many rows."""
     table = SWEEP_AWQ if fmt == AWQ else SWEEP_ROWS
     cfgs = [make_config(fmt, *v) for v in table.get(m, [])]
-    if fmt == NF4 and m in (1, 16):     # the code lookup: select tree, tl.gather
-        cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (1, 2)]
+    if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
+        cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
     if m > 16:
         cfgs.append("dequant")
     return cfgs

@@ -598,26 +598,26 @@ class RowConfig:
 #: points sized so one plane tile is 4-8K elements (<= ~64 registers a thread);
 #: `bench_cuda_quant.py --sweep` times variants and prints the best per format and M.
 ROWS_TABLE = {1: (1, 16, 4096, 4, 2), 4: (4, 8, 1024, 4, 2), 16: (16, 64, 8192, 4, 2),
-              1 << 30: (128, 128, 16384, 8, 3)}
+              1 << 30: (128, 128, 8192, 8, 3)}
 AWQ_TABLE = {1: (1, 256, 8192, 8, 2), 4: (4, 64, 1024, 4, 2), 16: (16, 128, 8192, 4, 2),
              1 << 30: (128, 128, 16384, 8, 3)}
 
 
 def make_config(fmt: int, block_m: int, block_n: int, elems: int, num_warps: int = 4,
-                num_stages: int = 2, split: int = 0, lut: int = 0) -> RowConfig:
+                num_stages: int = 2, split: int = 0, lut: int | None = None) -> RowConfig:
     """A RowConfig whose plane tile has about `elems` elements ([block_n, steps * per-block];
     AWQ: all 8 planes of [steps rows, block_n / 8 words]); steps rounded down to a power of 2."""
     per = block_n if fmt == AWQ else block_n * PLANE_PER_BLOCK[fmt]
     steps = 1 << max(0, (max(1, elems // per)).bit_length() - 1)
+    if lut is None:     # NF4: tl.gather (a shared-memory lookup) beat the global-table gather
+        lut = 2 if fmt == NF4 else 0    # and the select tree: sm_90 SASS, 6.8 / 8.3 / 18 per el.
     return RowConfig(block_m, block_n, steps, split, num_warps, num_stages, lut)
 
 
 def default_rows_config(fmt: int, m: int) -> RowConfig:
     table = AWQ_TABLE if fmt == AWQ else ROWS_TABLE
     bm, bn, elems, warps, stages = table[min(key for key in table if m <= key)]
-    # NF4: the code table by tl.gather (a shared-memory lookup) beat the global-table gather
-    # and the select tree in instruction counts (sm_90 SASS, 6.8 / 8.3 / 18 per element)
-    return make_config(fmt, bm, bn, elems, warps, stages, lut=2 if fmt == NF4 else 0)
+    return make_config(fmt, bm, bn, elems, warps, stages)
 
 
 def _plane_shape(fmt: int, steps: int, i0: int, words: bool) -> dict:
