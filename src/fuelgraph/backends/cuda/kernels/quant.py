@@ -1,21 +1,26 @@
 """Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
-respect to the activations) as Triton kernels that dequantize the weight tile in registers
-(`quant_tiles.b_tile`) right before the dot product, so the packed weight is read once from
-memory and never written back as floats.
+respect to the activations).
 
-With x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`; for the gradients
-`out = g @ B.T`), each program owns an output tile and walks its share of R:
+Dispatch (`run`):
 
-* M == 1 (GEMV): no tensor cores; each program multiplies its [BR, BC] weight tile by one row
-  and reduces on the CUDA cores.
-* 1 < M <= 16: tl.dot with the row tile padded to 16.
-* Both small-M paths split R (split-K) so that ~4 programs per SM stream the weight, each
-  byte read by exactly one program; partial sums meet by float32 atomic adds.
-* M > 16 (GEMM): 64/128-row tiles on tensor cores, no split unless the grid is tiny.
+* Forward of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ, up to DEQUANT_GEMM_MIN_M rows: the
+  storage-order kernels of `quant_rows` (each weight byte read once, coalesced along K, unpacked
+  in registers; one-row GEMV, CUDA-core and tl.dot variants, split-K by atomics; launch table
+  `quant_rows.ROWS_TABLE` / `AWQ_TABLE`, retuned by `bench_cuda_quant.py --sweep`).
+* More rows: a dense copy of the weight in x's dtype (row formats written in storage order by
+  `quant_rows.dequantize_rows`) and cuBLAS.
+* The other GGUF formats and all gradients: the generic tile kernels below, which dequantize
+  a [BR, BC] tile of B per element (`quant_tiles.b_tile`) next to the dot product.
+
+Generic tile kernels: with x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`;
+for the gradients `out = g @ B.T`), each program owns an output tile and walks its share of R:
+M == 1 multiplies on the CUDA cores, 1 < M <= 16 uses tl.dot with the row tile padded to 16,
+both split R (split-K, float32 atomics); larger M uses 64/128-row tensor-core tiles.
 
 Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
 rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
-lower to the recipe. `QConfig` / `config=` let benchmarks sweep tile shapes."""
+lower to the recipe. `config=` (QConfig, RowConfig or "dequant") lets benchmarks pick a path
+and sweep tile shapes."""
 from __future__ import annotations
 
 import functools
