@@ -159,7 +159,7 @@ def test_many_rows_take_the_dense_copy():
     _check(out, x, _gguf_ref(raw, "Q8_0").T, torch.float32)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ROW_TYPES)
 def test_word_and_byte_reads_unmasked_tiles(qtype):
     """2-byte-word and byte reads, x in float32 or as given, on tiles that divide the weight
     (the unmasked loads), one row and sixteen."""

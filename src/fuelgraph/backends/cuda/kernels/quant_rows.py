@@ -34,7 +34,7 @@ from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 ROW_QK = {Q4_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
 ROW_BB = {Q4_0: 18, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 FAST_FORMATS = frozenset(ROW_QK) | {NF4, AWQ}
-WORD_FORMATS = frozenset({Q4_0, Q8_0, Q4_K})     # read as 2-byte words (`_word_step`)
+WORD_FORMATS = frozenset({Q4_0, Q8_0, Q4_K, Q6_K})   # read as 2-byte words (`_word_step`)
 #: weight elements of one plane tile row per format block in a step (NF4: per 64-block)
 PLANE_PER_BLOCK = {Q4_0: 16, Q8_0: 32, Q4_K: 128, Q6_K: 256, NF4: 32}
 
@@ -166,7 +166,7 @@ def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic
                NB: tl.constexpr,
                USE_DOT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr,
                ELEM: tl.constexpr, EVEN: tl.constexpr):
-    """Q4_0, Q8_0, Q4_K read as 2-byte words (each word 4 nibbles / 2 int8, one load): word i of
+    """Q4_0, Q8_0, Q4_K, Q6_K read as 2-byte words (4 nibbles / 2 int8 a load): word i of
     a group holds the elements of bytes 2i, 2i + 1; every nibble plane keeps its bits in place
     and folds the power-of-two position into its scale, so dequantized values are unchanged."""
     nm = n_ok[:, None, None]
@@ -213,6 +213,51 @@ def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic
         acc = _acc_x(acc, lo * d, x0, x_rows, m_ok, ko, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
         acc = _acc_x(acc, hi * (d * 0.00390625), x1, x_rows, m_ok, ko + 1, k_ok, USE_DOT, PREC,
                      DEQ, ELEM, EVEN)
+    elif FMT == 9:    # Q6_K: group (block, half n, u), words i: elements l = 16u + 2i + t
+        g = tl.arange(0, 4 * NB)[:, None]
+        b = b0 + g // 4
+        hn = (g // 2) % 2
+        u = g % 2
+        i = tl.arange(0, 8)[None, :]
+        k_ok = (b < nblk) & (i < 8)
+        km = nm & k_ok[None]
+        g_ok = nm & (b < nblk)[None]
+        blk = rows[:, None, None] + (b * 210)[None]
+        lq = 64 * hn + 16 * u + 2 * i
+        ql_a = _u16_words(blk + lq[None], km, EVEN)
+        ql_b = _u16_words(blk + (lq + 32)[None], km, EVEN)
+        qh = _u16_words(blk + (128 + 32 * hn + 16 * u + 2 * i)[None], km, EVEN)
+        d = _f16(blk + 208, g_ok, EVEN)
+        sbase = blk + (192 + 8 * hn + u)[None]
+        kb = b * 256 + 128 * hn + 16 * u + 2 * i
+        for r in tl.static_range(4):
+            sc = _u8(sbase + 2 * r, g_ok, EVEN)
+            dr = d * tl.where(sc >= 128, sc - 256, sc).to(tl.float32)
+            if DEQ:
+                x0 = 0.0
+                x1 = 0.0
+            else:
+                x0, x1 = _x_pairs(x_rows, m_ok, kb + 32 * r, k_ok, USE_DOT, ELEM, EVEN)
+            if r % 2 == 0:
+                ql = ql_a
+            else:
+                ql = ql_b
+            for t in tl.static_range(2):
+                # q = lo + 16 hi: the nibble at bit S1 and the crumb at bit S2 stay in place,
+                # 2^S1 (q - 32) = (2^S1 lo - 2^S1 32) + 2^(S1 + 4 - S2) (2^S2 hi), exact
+                S1 = 8 * t + 4 * (r // 2)
+                S2 = 8 * t + 2 * r
+                lo = ((ql & (15 << S1)) | magic).to(tl.float32, bitcast=True) - \
+                    (8388608.0 + 32.0 * (1 << S1))
+                hi = ((qh & (3 << S2)) | magic).to(tl.float32, bitcast=True) - 8388608.0
+                q = hi * (1 << (S1 + 4 - S2)) + lo
+                w = (dr * (1.0 / (1 << S1))) * q
+                if t == 0:
+                    acc = _acc_x(acc, w, x0, x_rows, m_ok, kb + 32 * r, k_ok, USE_DOT, PREC,
+                                 DEQ, ELEM, EVEN)
+                else:
+                    acc = _acc_x(acc, w, x1, x_rows, m_ok, kb + 32 * r + 1, k_ok, USE_DOT,
+                                 PREC, DEQ, ELEM, EVEN)
     else:             # Q4_K: group (block, c) of 32 bytes, word i = bytes 2i, 2i + 1
         g = tl.arange(0, 4 * NB)[:, None]
         b = b0 + g // 4
