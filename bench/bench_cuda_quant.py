@@ -36,8 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
-from fuelgraph.backends.cuda.kernels.quant_rows import (default_rows_config,  # noqa: E402
-                                                          make_config)
+from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
+                                                          default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
@@ -78,6 +78,11 @@ def sweep_configs(fmt, m):
     """RowConfigs to time for (format, M), plus the dense-copy path at many rows."""
     table = SWEEP_AWQ if fmt == AWQ else SWEEP_ROWS
     cfgs = [make_config(fmt, *v) for v in table.get(m, [])]
+    base = default_rows_config(fmt, m)
+    if m == 1:      # x per element instead of one float32 copy; bytes instead of 2-byte words
+        cfgs.append(dataclasses.replace(base, x32=0))
+        if fmt in WORD_FORMATS:
+            cfgs.append(dataclasses.replace(base, words=0))
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
     if m > 16:
