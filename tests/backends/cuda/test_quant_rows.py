@@ -77,9 +77,10 @@ def test_row_dequantizer_bit_exact(qtype):
     edge, n_e, k_e = gguf_edge_bytes(qtype)
     for blocks, n, k in ((raw, 5, 3 * qk), (edge, n_e, k_e)):
         w = _t(blocks.reshape(-1))
-        got = dequantize_rows(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n,
-                              dtype=torch.float32, block_n=16, steps=2)
-        same_bits(got.cpu().numpy(), _gguf_ref(blocks.reshape(n, -1), qtype))
+        for words in (False, True):
+            got = dequantize_rows(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n,
+                                  dtype=torch.float32, block_n=16, steps=2, words=words)
+            same_bits(got.cpu().numpy(), _gguf_ref(blocks.reshape(n, -1), qtype))
 
 
 def test_nf4_row_dequantizer_bit_exact():

@@ -738,9 +738,10 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
 
 
 def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.bfloat16,
-                    block_n: int = 32, steps: int = 0, words: bool = True):
+                    block_n: int = 32, steps: int = 0, words: bool = False):
     """The dense weight W [N, K] (GGUF / NF4 row formats) in `dtype`, written row by row in the
-    storage order (for the many-row GEMM path: then cuBLAS on x @ W.T)."""
+    storage order (for the many-row GEMM path: then cuBLAS on x @ W.T). Byte reads by default:
+    their planes store contiguous runs (2-byte-word planes store every other element)."""
     qk = i0 if fmt == NF4 else ROW_QK[fmt]
     out = torch.empty(n, k, dtype=dtype, device=w0.device)
     steps = steps or max(1, 4096 // block_n // PLANE_PER_BLOCK[fmt])
@@ -750,6 +751,6 @@ def dequantize_rows(fmt: int, w0, w1, w2, i0: int, k: int, n: int, dtype=torch.b
                        k // qk, k, k, MAGIC_BITS, STEPS=1, FMT=fmt, BLOCK_M=1, BLOCK_N=block_n,
                        NB=steps,
                        BS=i0 if fmt == NF4 else 32, USE_DOT=False, PREC="ieee", ATOMIC=False,
-                       LUT=0, DEQ=True, ELEM=False, num_warps=4, enable_fp_fusion=False,
+                       LUT=2 if fmt == NF4 else 0, DEQ=True, ELEM=False, num_warps=4, enable_fp_fusion=False,
                        **_plane_shape(fmt, steps, i0, words and fmt in WORD_FORMATS))
     return out
