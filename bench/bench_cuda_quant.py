@@ -6,10 +6,14 @@ ceiling measured in the same process. One process; `triton.testing.do_bench` med
 with CUDA graphs (launch overhead removed), `do_bench_cudagraph`. Effective bandwidth = packed
 weight bytes / time.
 
-    python3 bench/bench_cuda_quant.py [--out DIR] [--sweep] [--quick]
+    python3 bench/bench_cuda_quant.py [--out DIR] [--sweep] [--quick] [--ops nf4,awq,Q4_0,...]
+                                      [--ms 1,16,256]
 
---sweep also times tile-configuration variants of our kernels (impl "fuelgraph[cfg]"), so the
-default configurations can be retuned from one run. Every implementation is checked against
+--sweep also times launch variants of the storage-order kernels (quant_rows.RowConfig: rows,
+output features, plane elements per step, warps, stages, split; NF4 code lookups) and the
+dense-copy + cuBLAS path (impl "fuelgraph[...]"; CUDA-graph time only, to keep the run short),
+then prints the best variant per op and M next to the default, so ROWS_TABLE / AWQ_TABLE can be
+retuned from one run. Every implementation is checked against
 the dense product on the same weight before it is timed. Writes JSON records
 {"op","impl","device","shape","dtype","ms","ms_graph","gbps","date",...} to
 bench/results/cuda_quant_<date>.json (and to --out DIR), then prints the table and the targets.
@@ -17,6 +21,7 @@ bench/results/cuda_quant_<date>.json (and to --out DIR), then prints the table a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -31,6 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
+                                                          default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
@@ -51,16 +58,36 @@ RECORDS: list[dict] = []
 TARGETS = {"nf4_matmul": (0.015, 0.044, 0.064), "awq_matmul": (0.015, 0.044, 0.064),
            "qmatmul_Q4_0": (0.015, 0.044, 0.064), "qmatmul_Q4_K": (0.015, 0.044, 0.064),
            "qmatmul_Q8_0": (0.025, 0.05, 0.07), "qmatmul_Q6_K": (0.025, 0.05, 0.07)}
-SWEEP = {1: [K.QConfig(1, 32, 256, num_warps=4), K.QConfig(1, 64, 128, num_warps=4),
-             K.QConfig(1, 128, 64, num_warps=4), K.QConfig(1, 64, 256, num_warps=8),
-             K.QConfig(16, 64, 128, num_warps=4)],
-         16: [K.QConfig(16, 64, 128, num_warps=4), K.QConfig(16, 128, 64, num_warps=4),
-              K.QConfig(16, 32, 256, num_warps=4), K.QConfig(16, 64, 256, num_warps=8)],
-         256: [K.QConfig(128, 128, 64, num_warps=8, num_stages=3),
-               K.QConfig(64, 128, 64, num_warps=4, num_stages=3),
-               K.QConfig(128, 256, 64, num_warps=8, num_stages=3),
-               K.QConfig(128, 128, 32, num_warps=4, num_stages=4),
-               K.QConfig(256, 128, 64, num_warps=8, num_stages=3)]}
+# sweep variants: (block_m, block_n, plane elements per step, warps, stages[, split]) by M;
+# AWQ's block_n counts columns (8 per packed word)
+SWEEP_ROWS = {1: [(1, 16, 4096, 4, 2), (1, 32, 4096, 4, 2), (1, 16, 8192, 8, 2),
+                  (1, 8, 2048, 2, 2), (1, 32, 8192, 4, 3), (16, 64, 8192, 4, 2)],
+              16: [(16, 64, 8192, 4, 2), (16, 128, 8192, 4, 2), (16, 64, 4096, 4, 3),
+                   (16, 128, 16384, 8, 2), (16, 32, 4096, 4, 2)],
+              256: [(128, 128, 8192, 8, 3), (128, 128, 16384, 8, 2), (256, 64, 8192, 8, 2),
+                    (64, 128, 8192, 4, 3)]}
+SWEEP_AWQ = {1: [(1, 256, 8192, 8, 2), (1, 128, 4096, 4, 2), (1, 256, 4096, 4, 2),
+                 (1, 512, 8192, 8, 2), (1, 256, 16384, 8, 2), (16, 128, 8192, 4, 2)],
+             16: [(16, 128, 8192, 4, 2), (16, 256, 8192, 4, 2), (16, 128, 16384, 8, 2),
+                  (16, 256, 16384, 8, 3), (16, 128, 4096, 4, 2)],
+             256: [(128, 128, 16384, 8, 3), (128, 256, 16384, 8, 3), (64, 128, 8192, 4, 3),
+                   (128, 128, 8192, 4, 3)]}
+
+
+def sweep_configs(fmt, m):
+    """RowConfigs to time for (format, M), plus the dense-copy path at many rows."""
+    table = SWEEP_AWQ if fmt == AWQ else SWEEP_ROWS
+    cfgs = [make_config(fmt, *v) for v in table.get(m, [])]
+    base = default_rows_config(fmt, m)
+    if m == 1:      # x per element instead of one float32 copy; bytes instead of 2-byte words
+        cfgs.append(dataclasses.replace(base, x32=0))
+        if fmt in WORD_FORMATS:
+            cfgs.append(dataclasses.replace(base, words=0))
+    if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
+        cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
+    if m > 16:
+        cfgs.append("dequant")
+    return cfgs
 
 
 def t_ms(fn):
@@ -121,7 +148,14 @@ def gguf_weight(qtype, n, k, g):
     return raw.reshape(-1)
 
 
-def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g):
+def t_sweep_ms(fn):
+    try:
+        return float(do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    except Exception:  # noqa: BLE001
+        return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g, fmt):
     """Check `fused(x, cfg)` against x @ dense_w.T, then time it (and config variants)."""
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     want = TF.linear(x, dense_w)
@@ -129,14 +163,14 @@ def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g):
     record(op, "fuelgraph", m, n, k, t_ms(lambda: fused(x, None)),
            t_graph_ms(lambda: fused(x, None)), wbytes)
     if sweep:
-        for cfg in SWEEP.get(m, []):
+        for cfg in sweep_configs(fmt, m):
+            tag = cfg if isinstance(cfg, str) else cfg.tag()
             try:
-                _close(fused(x, cfg), want, f"{op} M={m} {cfg}")
-                record(op, f"fuelgraph[{cfg.block_m},{cfg.block_c},{cfg.block_r},"
-                       f"w{cfg.num_warps},s{cfg.num_stages}]", m, n, k,
-                       t_ms(lambda: fused(x, cfg)), t_graph_ms(lambda: fused(x, cfg)), wbytes)
+                _close(fused(x, cfg), want, f"{op} M={m} {tag}")
+                ms = t_sweep_ms(lambda: fused(x, cfg))
+                record(op, f"fuelgraph[{tag}]", m, n, k, ms, None, wbytes)
             except Exception as exc:  # noqa: BLE001
-                print(f"[bench] {op} M={m} {cfg} failed: {exc!r}", file=sys.stderr)
+                print(f"[bench] {op} M={m} {tag} failed: {str(exc)[:300]!r}", file=sys.stderr)
     return x
 
 
@@ -145,9 +179,13 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="N = K = 4096")
+    ap.add_argument("--size", type=int, default=8192, help="N = K (default 8192)")
+    ap.add_argument("--ops", default="nf4,awq,Q4_0,Q4_K,Q8_0,Q6_K")
+    ap.add_argument("--ms", default="1,16,256")
     args = ap.parse_args()
-    n = k = 4096 if args.quick else 8192
-    ms_list = (1, 16, 256)
+    n = k = 4096 if args.quick else args.size
+    ms_list = tuple(int(v) for v in args.ms.split(","))
+    ops = set(args.ops.split(","))
     g = torch.Generator(device=DEV).manual_seed(0)
     ceiling = copy_ceiling()
 
@@ -159,7 +197,9 @@ def main():
                t_graph_ms(lambda: TF.linear(x, w_dense)), 2 * n * k)
 
     # NF4: bitsandbytes' own quantization, shared by both implementations
-    if bnb is not None:
+    if "nf4" not in ops:
+        pass
+    elif bnb is not None:
         packed_b, state = bnbF.quantize_4bit(w_dense, blocksize=64, quant_type="nf4",
                                              compress_statistics=False)
         packed = packed_b.view(n, k // 2)
@@ -168,12 +208,13 @@ def main():
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
         absmax = torch.rand(n, k // 64, device=DEV, generator=g) * 0.05
     code = torch.tensor(NF4_CODE, device=DEV)
-    w_nf4 = K.dequantize(NF4, packed, absmax, code, 64, k, n).t().to(torch.bfloat16)
-    nf4_bytes = packed.numel() + 4 * absmax.numel()
-    for m in ms_list:
+    if "nf4" in ops:
+        w_nf4 = K.dequantize(NF4, packed, absmax, code, 64, k, n).t().to(torch.bfloat16)
+        nf4_bytes = packed.numel() + 4 * absmax.numel()
+    for m in (ms_list if "nf4" in ops else ()):
         x = run_case("nf4_matmul", m, n, k,
                      lambda x, c: K.nf4_matmul(x, packed, absmax, block_size=64, config=c),
-                     w_nf4, nf4_bytes, args.sweep, g)
+                     w_nf4, nf4_bytes, args.sweep, g, NF4)
         if bnb is not None:
             try:
                 fn = lambda: bnb.matmul_4bit(x, packed_b.t(), quant_state=state)  # noqa: E731
@@ -191,13 +232,13 @@ def main():
     scales = (torch.rand(k // 128, n, device=DEV, generator=g) * 2e-3).half()
     w_awq = K.dequantize(AWQ, words, zeros, scales, 128, k, n).t().to(torch.bfloat16)
     awq_bytes = 4 * (words.numel() + zeros.numel()) + 2 * scales.numel()
-    for m in ms_list:
+    for m in (ms_list if "awq" in ops else ()):
         run_case("awq_matmul", m, n, k,
                  lambda x, c: K.awq_matmul(x, words, zeros, scales, group_size=128, config=c),
-                 w_awq, awq_bytes, args.sweep, g)
+                 w_awq, awq_bytes, args.sweep, g, AWQ)
 
     # GGUF
-    for qtype in ("Q4_0", "Q4_K", "Q8_0", "Q6_K"):
+    for qtype in [q for q in ("Q4_0", "Q4_K", "Q8_0", "Q6_K") if q in ops]:
         raw = gguf_weight(qtype, n, k, g)
         f = FORMATS[qtype]
         w_q = K.dequantize(GGUF_IDS[qtype], raw, raw, raw, f.row_bytes(k), k, n).t()
@@ -206,7 +247,7 @@ def main():
             x = run_case(f"qmatmul_{qtype}", m, n, k,
                          lambda x, c, _q=qtype, _r=raw: K.qmatmul(x, _r, quant_type=_q, n=n,
                                                                   k=k, config=c),
-                         w_q, raw.numel(), args.sweep, g)
+                         w_q, raw.numel(), args.sweep, g, GGUF_IDS[qtype])
             if m == 256:   # the alternative GEMM path: dense bf16 dequantize, then cuBLAS
                 def deq_gemm(_q=qtype, _r=raw, _x=x):
                     b = K.dequantize(GGUF_IDS[_q], _r, _r, _r, f.row_bytes(k), k, n,
@@ -237,6 +278,19 @@ def main():
         line = " ".join(f"{cells[m][0]:9.4f} ({cells[m][1] or 0:6.0f})" if m in cells
                         else f"{'-':>18s}" for m in ms_list)
         print(f"{op:16s} {impl:28s} {line}")
+    if args.sweep:
+        print("\nbest variant per op and M (ms; default in parentheses):")
+        for op in sorted({r["op"] for r in RECORDS if r["op"] not in ("copy", "dense")}):
+            for m in ms_list:
+                mine = [r for r in RECORDS if r["op"] == op and r["shape"][0] == m
+                        and r["impl"].startswith("fuelgraph")]
+                if not mine:
+                    continue
+                best_of = lambda r: min(x for x in (r["ms"], r.get("ms_graph")) if x)  # noqa
+                top = min(mine, key=best_of)
+                base = [best_of(r) for r in mine if r["impl"] == "fuelgraph"]
+                print(f"  {op:14s} M={m:<4d} {best_of(top):8.4f} ({base[0] if base else 0:.4f})"
+                      f"  {top['impl']}")
     print("\ntargets (ms): " + ", ".join(f"{op} {t}" for op, t in TARGETS.items()))
     for op, t in TARGETS.items():
         got = rows.get((op, "fuelgraph"), {})

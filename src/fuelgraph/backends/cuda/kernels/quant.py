@@ -1,21 +1,26 @@
 """Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
-respect to the activations) as Triton kernels that dequantize the weight tile in registers
-(`quant_tiles.b_tile`) right before the dot product, so the packed weight is read once from
-memory and never written back as floats.
+respect to the activations).
 
-With x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`; for the gradients
-`out = g @ B.T`), each program owns an output tile and walks its share of R:
+Dispatch (`run`):
 
-* M == 1 (GEMV): no tensor cores; each program multiplies its [BR, BC] weight tile by one row
-  and reduces on the CUDA cores.
-* 1 < M <= 16: tl.dot with the row tile padded to 16.
-* Both small-M paths split R (split-K) so that ~4 programs per SM stream the weight, each
-  byte read by exactly one program; partial sums meet by float32 atomic adds.
-* M > 16 (GEMM): 64/128-row tiles on tensor cores, no split unless the grid is tiny.
+* Forward of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ, up to DEQUANT_GEMM_MIN_M rows: the
+  storage-order kernels of `quant_rows` (each weight byte read once, coalesced along K, unpacked
+  in registers; one-row GEMV, CUDA-core and tl.dot variants, split-K by atomics; launch table
+  `quant_rows.ROWS_TABLE` / `AWQ_TABLE`, retuned by `bench_cuda_quant.py --sweep`).
+* More rows: a dense copy of the weight in x's dtype (row formats written in storage order by
+  `quant_rows.dequantize_rows`) and cuBLAS.
+* The other GGUF formats and all gradients: the generic tile kernels below, which dequantize
+  a [BR, BC] tile of B per element (`quant_tiles.b_tile`) next to the dot product.
+
+Generic tile kernels: with x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`;
+for the gradients `out = g @ B.T`), each program owns an output tile and walks its share of R:
+M == 1 multiplies on the CUDA cores, 1 < M <= 16 uses tl.dot with the row tile padded to 16,
+both split R (split-K, float32 atomics); larger M uses 64/128-row tensor-core tiles.
 
 Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
 rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
-lower to the recipe. `QConfig` / `config=` let benchmarks sweep tile shapes."""
+lower to the recipe. `config=` (QConfig, RowConfig or "dequant") lets benchmarks pick a path
+and sweep tile shapes."""
 from __future__ import annotations
 
 import functools
@@ -32,6 +37,7 @@ from ....registry.quant import (AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, 
 from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
+from .quant_rows import FAST_FORMATS, ROW_QK, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
 
@@ -170,10 +176,29 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
     return triton.cdiv(total, steps), steps
 
 
+def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
+    """Formats of `quant_rows` (NF4 with a power-of-two block size >= 32, AWQ groups of 16k)."""
+    if fmt_id == NF4:
+        return i0 >= 32 and i0 & (i0 - 1) == 0
+    if fmt_id == AWQ:
+        return i0 % 16 == 0
+    return fmt_id in FAST_FORMATS
+
+
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | None = None):
+        config: QConfig | RowConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
-    returns [..., N] (or [..., K]) in x's dtype."""
+    returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
+    generic tile kernels), a RowConfig (the storage-order kernels of quant_rows) or
+    "dequant" (dense copy of the weight + cuBLAS)."""
+    rows_ok = not grad and _has_rows_kernel(fmt_id, i0) and x.dtype != torch.float64
+    m_all = x.numel() // max(x.shape[-1], 1)
+    if m_all == 0:
+        return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
+    if config == "dequant" or (config is None and m_all > DEQUANT_GEMM_MIN_M):
+        return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok)
+    if isinstance(config, RowConfig) or (config is None and rows_ok):
+        return run_rows(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
     red, cols = (n, k) if grad else (k, n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, red)
@@ -182,13 +207,6 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     m = x2.shape[0]
     if m == 0:
         return torch.zeros(*lead, cols, dtype=x.dtype, device=x.device)
-    if config is None and m > DEQUANT_GEMM_MIN_M:
-        # many rows: the weight is re-read per row tile, and cuBLAS on a dense copy wins (H200,
-        # 2026-12-01, N = K = 8192, M = 256, bf16: Q4_0 0.13 ms vs 0.31 fused in registers,
-        # Q4_K 0.22 vs 0.51, Q8_0 0.13 vs 0.28, Q6_K 0.16 vs 0.39)
-        b = dequantize(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)
-        out = x2 @ (b.T if grad else b)
-        return out.reshape(*lead, cols)
     cfg = config or default_config(m, cols, red, x.device)
     split, steps = _split(cfg, m, cols, red, x.device)
     atomic = split > 1
@@ -204,6 +222,17 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, cols)
+
+
+def _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok):
+    """Many rows: a dense copy of the weight in x's dtype, then cuBLAS (H200, 2026-12-01, N = K =
+    8192, M = 256, bf16, old tile kernels: Q4_0 0.13 ms vs 0.31 fused in registers, Q4_K 0.22 vs
+    0.51, Q8_0 0.13 vs 0.28, Q6_K 0.16 vs 0.39). Row formats write W [N, K] in storage order."""
+    if rows_ok and fmt_id != AWQ:
+        w = dequantize_rows(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)      # W [N, K]
+        return x @ w.T
+    b = dequantize(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)              # B [K, N]
+    return x @ (b.T if grad else b)
 
 
 def _aligned(t):

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Compile the storage-order quantized-matmul kernels (`quant_rows`) for sm_90 on a machine
+without a GPU and report, per launch configuration, registers, spill stack, shared memory and
+the SASS instructions of the main loop per weight element (with the most frequent opcodes).
+
+The weight-bound GEMV paths are limited by instruction issue as much as by memory: N = K = 8192
+at ~5 instructions per element is ~10 us of issue on an H200 (132 SMs x 4 schedulers), the
+4-bit weight's ~9 us of DRAM time. Use it to compare kernel variants before a GPU session.
+
+    python3 bench/sass_quant_rows.py [--fmt Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ] [--ms 1,16,256]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fuelgraph.backends.cuda.kernels import quant_rows as R  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+QK = {GGUF_IDS["Q4_0"]: 32, GGUF_IDS["Q8_0"]: 32, Q4_K: 256, GGUF_IDS["Q6_K"]: 256, NF4: 64}
+ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(12)}
+
+
+def rows_source(fmt, cfg):
+    xdt = "fp32" if cfg.block_m == 1 and cfg.x32 else "bf16"
+    sig = {"x_ptr": f"*{xdt}", "w_ptr": "*u8", "s_ptr": "*fp32", "c_ptr": "*fp32",
+           "out_ptr": "*fp32", "M": "i32", "N": "i32", "row_bytes": "i32", "s_row": "i32",
+           "nblk": "i32", "stride_x": "i32", "stride_o": "i32", "magic": "i32"}
+    words = bool(cfg.words) and fmt in R.WORD_FORMATS
+    cons = dict(STEPS=4, FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.steps, BS=64,
+                USE_DOT=cfg.use_dot, PREC="tf32", ATOMIC=True, LUT=cfg.lut,
+                ELEM=cfg.block_m == 1, EVEN=True, **R._plane_shape(fmt, cfg.steps, 64, words))
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 9, 12)}
+    return ASTSource(R._rows_kernel, sig, cons, attrs=attrs), QK[fmt] * cfg.steps * cfg.block_n
+
+
+def awq_source(cfg, group=128):
+    xdt = "fp32" if cfg.block_m == 1 and cfg.x32 else "bf16"
+    sig = {"x_ptr": f"*{xdt}", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
+           "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "group_size": "i32",
+           "stride_x": "i32", "stride_o": "i32", "magic": "i32"}
+    bk = min(cfg.steps, group)
+    sub = cfg.sub
+    while sub > 1 and group % (sub * bk):
+        sub //= 2
+    cons = dict(STEPS=4, BLOCK_M=cfg.block_m, BLOCK_W=cfg.block_n // 8, BLOCK_K=bk,
+                USE_DOT=cfg.use_dot, PREC="tf32", ATOMIC=True, ELEM=cfg.block_m == 1,
+                ACC_R=bk if cfg.block_m == 1 else cfg.block_m, SUB=sub)
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 11)}
+    return ASTSource(R._awq_kernel, sig, cons, attrs=attrs), bk * sub * cfg.block_n
+
+
+def main_loop_stats(cubin: bytes):
+    """(registers, stack, loop instructions a thread, opcode counts) from cuobjdump."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        pathlib.Path(path).write_bytes(cubin)
+        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True,
+                              text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    loop = None
+    for a, ln in zip(addr, lines):          # the main loop: the longest backward branch
+        m = re.search(r"BRA (0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < a:
+            if loop is None or a - int(m.group(1), 16) > loop[1] - loop[0]:
+                loop = (int(m.group(1), 16), a)
+    body = [ln.split("*/", 1)[1].split() for a, ln in zip(addr, lines)
+            if loop and loop[0] <= a <= loop[1]]
+    ops = collections.Counter((t[1] if t[0].startswith("@") else t[0]).split(".")[0]
+                              for t in body if t)
+    return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
+            len(body), ops)
+
+
+def report(name, src, elems, cfg, fuse=True):
+    try:
+        k = triton.compile(src, target=TARGET, options=dict(
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=fuse))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:48s} FAILED {str(exc)[:300]!r}")
+        return
+    regs, stack, n, ops = main_loop_stats(k.asm["cubin"])
+    per = n * cfg.num_warps * 32 / elems
+    top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))
+    print(f"{name:48s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  "
+          f"{per:5.2f} instr/weight  {top}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ")
+    ap.add_argument("--ms", default="1,16,256")
+    args = ap.parse_args()
+    ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
+    for name in args.fmt.split(","):
+        fmt = ids[name]
+        for m in (int(v) for v in args.ms.split(",")):
+            cfg = R.default_rows_config(fmt, m)
+            src, elems = awq_source(cfg) if fmt == AWQ else rows_source(fmt, cfg)
+            report(f"{name} M={m} {cfg.tag()}", src, elems, cfg, fuse=fmt != Q4_K)
+
+
+if __name__ == "__main__":
+    main()
