@@ -370,7 +370,7 @@ def main():
         print(f"{r['op']:32s} {r['impl']:42s} {r['ms']:9.4f} {rate:>16s}")
     print("\ntargets:")
     for name, val, want_s, verdict in rows:
-        print(f"  {name:62s} {str(val):>10s}  want {want_s:8s}  {verdict}")
+        print(f"  {name:62s} {str(val):>10s}  want {str(want_s):8s}  {verdict}")
 
 
 if __name__ == "__main__":

@@ -211,10 +211,12 @@ def bench_ce(recs, smoke, sweep):
                           reduction="mean", ignore_index=-100, **cfg)
             return dx
         try:
+            err = _rel(fn(), d_ref)
             ms = _time(fn, smoke)
         except Exception as exc:
             print(f"[bench] sweep {cfg} failed: {exc!r}")
             continue
+        cfg = dict(cfg, dlogits_rel_err=float(f"{err:.2e}"))
         results.append((ms, cfg))
     results.sort(key=lambda p: p[0])
     print("[bench] one-pass kernel sweep (best first; persistent: programs, block, warps, "

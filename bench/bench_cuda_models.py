@@ -117,6 +117,7 @@ def run(name, quick, recs, table):
                      **extra})
         table.append((f"{name} {case}", impl, f"{ms:.2f} ms", f"{tps:,.0f} tok/s",
                       ", ".join(f"{k} {v}" for k, v in extra.items())))
+        print("[bench]", *table[-1], flush=True)     # a run cut short still shows what it got
 
     def guarded(label, fn):
         try:

@@ -58,13 +58,14 @@ CE_L2_BYTES = 24 << 20
 CE_MAX_PROGRAMS_PER_SM = 8
 # the split-row one-pass kernel (_ce_split_kernel): rows cut into chunks of at most
 # CE_SPLIT_CHUNK logits (0: whole rows, one program each), BLOCK-wide loads. Measured on an
-# H200 (2026-12-01, bf16 8192x128256): one program per row, BLOCK 4096, 8 warps, 3 stages
-# 1.66 ms (2.53 TB/s counting one read + one write), against 2.18 ms for the persistent kernel
-# at 4 programs per SM; holding 16K-logit chunks in registers instead was 3.1-4.2 ms.
-CE_SPLIT_CHUNK = 0
+# H200 (2026-12-01, bf16 8192x128256, one read + one write counted): chunks of 16384, BLOCK
+# 2048, 4 warps, 3 stages 1.60 ms (2.62 TB/s); chunks of 65536 1.62 ms; whole rows 1.66-1.76 ms;
+# the persistent kernel at 2-4 programs per SM 2.19 ms; the forward + backward pair 2.08 ms;
+# holding 16K-logit chunks in registers instead of re-reading them from L2 3.1-4.2 ms.
+CE_SPLIT_CHUNK = 16384
 CE_SPLIT_MAX = 32
-CE_SPLIT_BLOCK = 4096
-CE_SPLIT_WARPS = 8
+CE_SPLIT_BLOCK = 2048
+CE_SPLIT_WARPS = 4
 CE_SPLIT_STAGES = 3
 CE_SPLIT_TICKET = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
