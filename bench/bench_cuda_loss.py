@@ -197,6 +197,7 @@ def bench_ce(recs, smoke, sweep):
             configs.append(dict(split_chunk=chunk, block=block, num_warps=warps, stages=stages))
     configs.append(dict(split_chunk=32768, block=4096, num_warps=8, stages=3, ticket=True))
     g32 = one.float().reshape(1)
+    n_valid = (t != -100).sum()          # the mean's divisor when rows may be ignored
     results = []
     for cfg in configs[:3] if smoke else configs:
         def fn(cfg=cfg):
@@ -205,9 +206,10 @@ def bench_ce(recs, smoke, sweep):
             if "split_chunk" in cfg:
                 kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
                 L.ce_split(logits, t, L.split_plan(v, cfg["split_chunk"]), loss_rows=loss_rows,
-                           dx=dx, grad=g32, reduction="mean", ignore_index=-100, **kw)
+                           dx=dx, grad=g32, n_valid=n_valid, reduction="mean",
+                           ignore_index=-100, **kw)
             else:
-                L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
+                L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                           reduction="mean", ignore_index=-100, **cfg)
             return dx
         try:
