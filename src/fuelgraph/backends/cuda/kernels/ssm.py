@@ -9,10 +9,11 @@ as small broadcast loads that do not wait on the state; y of the tile is stored 
 (float64 is not covered: the op runs its recipe there), outputs are written in the input
 dtype.
 
-Backward: one program per (batch, channel block) first walks time forward and stores the state entering each tile
-(float32 scratch), then walks the tiles in reverse: it recomputes the tile's states from the
-stored one, runs the reverse recurrence of the state cotangent (g_t = gy_t c_t +
-dA_{t+1} g_{t+1}, again an associative scan) and forms every gradient in registers. Sums over
+Backward: one program per (batch, channel block) first walks time forward and stores the
+state entering each tile (float32 scratch), then walks the tiles in reverse: it recomputes
+the tile's states from the stored one with an associative scan over the [T, BD, N] tile, runs
+the reverse recurrence of the state cotangent (g_t = gy_t c_t + dA_{t+1} g_{t+1}, again an
+associative scan) and forms every gradient in registers. Sums over
 channel blocks (db, dc) and over the batch (da, dd, ddelta_bias) are written as per-program
 partials and added by one torch reduction (deterministic, no atomics)."""
 from __future__ import annotations

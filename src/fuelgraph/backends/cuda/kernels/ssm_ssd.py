@@ -46,9 +46,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: wrong dt gradients); 16-bit inputs multiply in their own dtype on tensor cores
 F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 
-#: forward launch shape: chunk length q, scan row block bm and column block bk, P block bp,
-#: state-kernel N block bn, warps and pipeline stages of the scan and state kernels
-SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages")
+#: forward launch shape: chunk length q, scan row block bm and column block bk (also the
+#: state kernel's step block), P block bp, state-kernel N block bn, warps and pipeline stages
+#: of the scan kernel (warps, stages) and of the state kernel (swarps, sstages)
+SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages",
+                       defaults=(8, 3))
 #: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
 SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
 
@@ -67,11 +69,12 @@ def _p2(n, lo=16):
 
 def ssd_config(B, L, H, P, N):
     """Forward: Q = 256 (few stored states: the state traffic is B H (L / Q) P N), 64 x 64
-    tiles of the masked C B^T, all of N per scan program, the state kernel split in N blocks
-    of 64 so that B H P / 64 * N / 64 programs walk the chunks."""
+    tiles of the masked C B^T with all of N per scan program (4 warps, ~190 registers: two
+    programs per SM), the state kernel split in N blocks of 64 so that B H P / 64 * N / 64
+    programs walk the sequence (8 warps, 80 registers, 3 stages of prefetch)."""
     q = min(256, _p2(L))
     bm = min(64, q)
-    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2)
+    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3)
 
 
 def ssd_bwd_config(B, L, H, P, N):
@@ -146,26 +149,28 @@ def _ssd_state_kernel(x_ptr, b_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr,
     row = pid_bh * L
     x_base = x_ptr + bi * sx_b + hi * sx_h
     b_base = b_ptr + bi * sb_b + hi * sb_h
-    for ci in range(0, NC):
-        tl.store(st_ptr + (pid_bh * NC + ci) * P * N + pn_off,
-                 state.to(st_ptr.dtype.element_ty), mask=pn_mask)
-        c0 = ci * Q
-        cend = tl.minimum(c0 + Q, L)
+    st_base = st_ptr + pid_bh * NC * P * N + pn_off
+    # one flat loop over blocks of BK steps (Q % BK == 0), so that the loads of the next
+    # blocks are prefetched across chunk boundaries; at a chunk's first block the entering
+    # state is stored and decayed by the chunk's total exp(Acum_end)
+    for k0 in range(0, L, BK):
+        ci = k0 // Q
+        first = (k0 % Q) == 0
+        tl.store(st_base + ci * P * N, state.to(st_ptr.dtype.element_ty), mask=pn_mask & first)
+        cend = tl.minimum(ci * Q + Q, L)
         total = tl.load(acum_ptr + row + cend - 1)
-        acc = tl.zeros((BP, BN), tl.float32)
-        for k0 in range(c0, cend, BK):
-            t = k0 + offs_k
-            tmask = t < cend
-            ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
-            dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
-            w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
-            X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
-                        mask=tmask[:, None] & pmask[None, :], other=0.0)
-            Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
-                         mask=tmask[:, None] & nmask[None, :], other=0.0)
-            Xw = (X.to(tl.float32) * w[:, None]).to(op_t)
-            acc = tl.dot(tl.trans(Xw), Bm.to(op_t), acc, input_precision=F32_PREC)
-        state = state * tl.exp(total) + acc
+        t = k0 + offs_k
+        tmask = t < cend
+        ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
+        dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
+        w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
+        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
+                    mask=tmask[:, None] & pmask[None, :], other=0.0)
+        Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
+                     mask=tmask[:, None] & nmask[None, :], other=0.0)
+        Xw = (X.to(tl.float32) * w[:, None]).to(op_t)
+        state = state * tl.where(first, tl.exp(total), 1.0)
+        state = tl.dot(tl.trans(Xw), Bm.to(op_t), state, input_precision=F32_PREC)
     tl.store(hl_ptr + pid_bh * P * N + pn_off, state.to(hl_ptr.dtype.element_ty), mask=pn_mask)
 
 
@@ -179,15 +184,17 @@ def _ssd_scan_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, acum_ptr, st_ptr, d_ptr, z_pt
                      OP_T: tl.constexpr):
     """Outputs of one block of BM rows of one chunk (batch, head, chunk, rows, P block):
     y = exp(Acum) C h_in^T + (C B^T o decay o dt) x over the columns up to the diagonal."""
+    NM: tl.constexpr = Q // BM
     pid = tl.program_id(0).to(tl.int64)
-    ci = pid % NC
-    pid_bh = pid // NC
+    pid_m = NM - 1 - pid % NM                 # the longest rows first
+    ci = (pid // NM) % NC
+    pid_bh = pid // (NM * NC)
     bi = pid_bh // H
     hi = pid_bh % H
     c0 = ci * Q
-    m0 = c0 + tl.program_id(1) * BM
+    m0 = c0 + pid_m * BM
     offs_m = m0 + tl.arange(0, BM)
-    offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     cend = tl.minimum(c0 + Q, L)
@@ -223,7 +230,8 @@ def _ssd_scan_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, acum_ptr, st_ptr, d_ptr, z_pt
         X = tl.load(x_base + offs_m[:, None] * sx_l + offs_p[None, :], mask=mp_mask,
                     other=0.0).to(tl.float32)
         if D_PER_P:
-            acc += X * tl.load(d_ptr + hi * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
+            dsk = tl.load(d_ptr + hi * P + offs_p, mask=pmask, other=0.0).to(tl.float32)
+            acc += X * dsk[None, :]
         else:
             acc += X * tl.load(d_ptr + hi).to(tl.float32)
     if HAS_Z:
@@ -258,8 +266,8 @@ def _launch_dt_state(x, dt, a, b, bias, h0, hl, st_dtype, Q, cfg, has_bias, soft
     bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
     _ssd_state_kernel[(B * H, triton.cdiv(P, bp), triton.cdiv(N, bn))](
         x, b, dtp, acum, h0, st, hl, L, H, P, N, NC, *_strides3(x), *_strides3(b),
-        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, HAS_INIT=has_init, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, HAS_INIT=has_init, F32_PREC=F32_DOT,
+        OP_T=_op_type(x.dtype), num_warps=cfg.swarps, num_stages=cfg.sstages)
     return dtp, acum, st
 
 
@@ -268,12 +276,12 @@ def _launch_scan(x, b, c, d, z, dtp, acum, st, y, Q, cfg, has_d, has_z):
     N = b.shape[3]
     NC = triton.cdiv(L, Q)
     bm, bp = min(cfg.bm, Q), min(cfg.bp, _p2(P))
-    _ssd_scan_kernel[(B * H * NC, triton.cdiv(Q, bm), triton.cdiv(P, bp))](
+    _ssd_scan_kernel[(B * H * NC * (Q // bm), triton.cdiv(P, bp))](
         x, b, c, dtp, acum, st, d, z, y, L, H, P, N, NC,
         *_strides3(x), *_strides3(b), *_strides3(c), *_strides3(z),
         Q=Q, BM=bm, BK=min(cfg.bk, Q), BP=bp, BN=_p2(N), HAS_D=has_d,
-        D_PER_P=has_d and d.dim() == 2, HAS_Z=has_z, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        D_PER_P=has_d and d.dim() == 2, HAS_Z=has_z, F32_PREC=F32_DOT,
+        OP_T=_op_type(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 @kernel(FusedOps.SSD_CHUNK_SCAN, "cuda", dtypes=HALF_AND_F32, cost=_cost, strided_input=True,
@@ -446,7 +454,7 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     BH = B * H
     dev, dtype = x.device, x.dtype
     f32 = dict(dtype=torch.float32, device=dev)
-    cfg = SSDBwdConfig(*config[:3]) if config else ssd_bwd_config(B, L, H, P, N)
+    cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N)
     Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
@@ -473,8 +481,8 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
             *_strides3(x), *_strides3(dt), *_strides3(b), *_strides3(c), *_strides3(z),
             *_strides3(gy),
             Q=Q, BP=_p2(P), BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2,
-            HAS_Z=has_z, HAS_BIAS=has_dt_bias, SOFTPLUS=bool(dt_softplus), PREC=F32_DOT, OP_T=_op_type(dtype),
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            HAS_Z=has_z, HAS_BIAS=has_dt_bias, SOFTPLUS=bool(dt_softplus), PREC=F32_DOT,
+            OP_T=_op_type(dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
