@@ -124,13 +124,17 @@ def _ssd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, acum_ptr, L, H, NC, sdt_b, 
 
 
 @triton.jit
-def _ssd_state_kernel(x_ptr, b_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr,
-                      L, H, P, N, NC, sx_b, sx_l, sx_h, sb_b, sb_l, sb_h,
+def _ssd_state_kernel(x_ptr, b_ptr, z_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr,
+                      L, H, P, N, NC, sx_b, sx_l, sx_h, sb_b, sb_l, sb_h, sz_b, sz_l, sz_h,
                       Q: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                      HAS_INIT: tl.constexpr, F32_PREC: tl.constexpr,
-                      OP_T: tl.constexpr):
-    """Chunk-to-chunk state passing for one (batch, head, P block, N block): stores the
-    state entering every chunk (st [B H, NC, P, N]) and the final one (hl [B, H, P, N])."""
+                      HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
+                      F32_PREC: tl.constexpr, OP_T: tl.constexpr):
+    """Chunk-to-chunk passing for one (batch, head, P block, N block), st [B H, NC, P, N].
+    Forward: h_{c+1} = exp(Acum_end) h_c + sum_t (exp(Acum_end - Acum_t) dt_t x_t)^T b_t,
+    storing the state entering every chunk and the last one (hl). REVERSE (the backward's
+    state cotangent; x = grad_y, gated by silu(z) if HAS_Z, b = c): g_c = exp(Acum_end)
+    g_{c+1} + sum_t (exp(Acum_t) gy_t)^T c_t from the last chunk down, storing the cotangent
+    at the end of every chunk and the one of the initial state (hl)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     bi = pid_bh // H
     hi = pid_bh % H
@@ -150,26 +154,42 @@ def _ssd_state_kernel(x_ptr, b_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr,
     x_base = x_ptr + bi * sx_b + hi * sx_h
     b_base = b_ptr + bi * sb_b + hi * sb_h
     st_base = st_ptr + pid_bh * NC * P * N + pn_off
+    NKB = tl.cdiv(L, BK)
     # one flat loop over blocks of BK steps (Q % BK == 0), so that the loads of the next
-    # blocks are prefetched across chunk boundaries; at a chunk's first block the entering
-    # state is stored and decayed by the chunk's total exp(Acum_end)
-    for k0 in range(0, L, BK):
+    # blocks are prefetched across chunk boundaries; at a chunk's first block (in walking
+    # order) the carried state is stored and decayed by the chunk's total exp(Acum_end)
+    for kk in range(0, NKB):
+        if REVERSE:
+            k0 = (NKB - 1 - kk) * BK
+        else:
+            k0 = kk * BK
         ci = k0 // Q
-        first = (k0 % Q) == 0
-        tl.store(st_base + ci * P * N, state.to(st_ptr.dtype.element_ty), mask=pn_mask & first)
         cend = tl.minimum(ci * Q + Q, L)
+        if REVERSE:
+            edge = k0 + BK >= cend
+        else:
+            edge = (k0 % Q) == 0
+        tl.store(st_base + ci * P * N, state.to(st_ptr.dtype.element_ty), mask=pn_mask & edge)
         total = tl.load(acum_ptr + row + cend - 1)
         t = k0 + offs_k
         tmask = t < cend
         ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
-        dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
-        w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
-        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
-                    mask=tmask[:, None] & pmask[None, :], other=0.0)
+        tp_mask = tmask[:, None] & pmask[None, :]
+        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :], mask=tp_mask,
+                    other=0.0).to(tl.float32)
+        if REVERSE:
+            w = tl.where(tmask, tl.exp(ac), 0.0)
+            if HAS_Z:
+                zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
+                             mask=tp_mask, other=0.0).to(tl.float32)
+                X = X * zz * sigmoid_f32(zz)
+        else:
+            dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
+            w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
         Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
                      mask=tmask[:, None] & nmask[None, :], other=0.0)
-        Xw = (X.to(tl.float32) * w[:, None]).to(op_t)
-        state = state * tl.where(first, tl.exp(total), 1.0)
+        Xw = (X * w[:, None]).to(op_t)
+        state = state * tl.where(edge, tl.exp(total), 1.0)
         state = tl.dot(tl.trans(Xw), Bm.to(op_t), state, input_precision=F32_PREC)
     tl.store(hl_ptr + pid_bh * P * N + pn_off, state.to(hl_ptr.dtype.element_ty), mask=pn_mask)
 
@@ -251,24 +271,30 @@ def _last_contig(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_dt_state(x, dt, a, b, bias, h0, hl, st_dtype, Q, cfg, has_bias, softplus, has_init):
-    """Kernels 1 and 2 -> (dtp, acum [B, H, L] float32, entering states [B H, NC, P, N])."""
-    B, L, H, P = x.shape
-    N = b.shape[3]
+def _launch_dt(dt, a, bias, B, L, H, Q, has_bias, softplus):
+    """Kernel 1 -> dtp, acum [B, H, L] float32."""
     NC = triton.cdiv(L, Q)
-    f32 = dict(dtype=torch.float32, device=x.device)
+    f32 = dict(dtype=torch.float32, device=dt.device)
     dtp, acum = torch.empty((B, H, L), **f32), torch.empty((B, H, L), **f32)
     bh = min(_p2(H, 1), max(1, 4096 // Q))
     _ssd_dt_kernel[(B * NC, triton.cdiv(H, bh))](
         dt, a, bias, dtp, acum, L, H, NC, *_strides3(dt), Q=Q, BH=bh, HAS_BIAS=has_bias,
         SOFTPLUS=softplus, num_warps=4)
-    st = torch.empty((B * H, NC, P, N), dtype=st_dtype, device=x.device)
+    return dtp, acum
+
+
+def _launch_state(x, bm, z, dtp, acum, init, st, last, Q, cfg, has_init, reverse=False,
+                  has_z=False):
+    """Kernel 2 (or its reverse): x [B, L, H, P] against bm [B, L, H, N] -> st, last."""
+    B, L, H, P = x.shape
+    N = bm.shape[3]
     bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
     _ssd_state_kernel[(B * H, triton.cdiv(P, bp), triton.cdiv(N, bn))](
-        x, b, dtp, acum, h0, st, hl, L, H, P, N, NC, *_strides3(x), *_strides3(b),
-        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, HAS_INIT=has_init, F32_PREC=F32_DOT,
-        OP_T=_op_type(x.dtype), num_warps=cfg.swarps, num_stages=cfg.sstages)
-    return dtp, acum, st
+        x, bm, z, dtp, acum, init, st, last, L, H, P, N, triton.cdiv(L, Q),
+        *_strides3(x), *_strides3(bm), *_strides3(z),
+        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, HAS_INIT=has_init, REVERSE=reverse,
+        HAS_Z=has_z, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype), num_warps=cfg.swarps,
+        num_stages=cfg.sstages)
 
 
 def _launch_scan(x, b, c, d, z, dtp, acum, st, y, Q, cfg, has_d, has_z):
@@ -305,9 +331,10 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
     if L == 0:                               # no steps: the state is the initial one
         return y, (hl.copy_(h0) if has_initial_states else hl.zero_())
     cfg = SSDConfig(*config) if config else ssd_config(B, L, H, P, N)
+    dtp, acum = _launch_dt(dt, a, bias, B, L, H, cfg.q, has_dt_bias, bool(dt_softplus))
     # entering states feed a 16-bit dot: stored in x's dtype (float32 for float32 inputs)
-    dtp, acum, st = _launch_dt_state(x, dt, a, b, bias, h0, hl, x.dtype, cfg.q, cfg,
-                                     has_dt_bias, bool(dt_softplus), has_initial_states)
+    st = torch.empty((B * H, triton.cdiv(L, cfg.q), P, N), dtype=x.dtype, device=x.device)
+    _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
     _launch_scan(x, b, c, d, z, dtp, acum, st, y, cfg.q, cfg, has_d, has_z)
     return y, hl
 
@@ -320,9 +347,9 @@ def _mm(a, b, op_t: tl.constexpr, prec: tl.constexpr):
 
 
 @triton.jit
-def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, gy_ptr, gl_ptr,
-                    st_ptr, ys_ptr,
-                    dx_ptr, ddt_ptr, db_ptr, dc_ptr, dz_ptr, da_ptr, dd_ptr, dbias_ptr, dh0_ptr,
+def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, gy_ptr, st_ptr,
+                    dst_ptr, ys_ptr,
+                    dx_ptr, ddt_ptr, db_ptr, dc_ptr, dz_ptr, da_ptr, dd_ptr, dbias_ptr,
                     L, H, P, N, NC,
                     sx_b, sx_l, sx_h, sdt_b, sdt_l, sdt_h, sb_b, sb_l, sb_h, sc_b, sc_l, sc_h,
                     sz_b, sz_l, sz_h, sg_b, sg_l, sg_h,
@@ -330,7 +357,12 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
                     D_PER_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
                     SOFTPLUS: tl.constexpr, PREC: tl.constexpr,
                     OP_T: tl.constexpr):
-    pid_bh = tl.program_id(0).to(tl.int64)
+    """One chunk of one (batch, head), given the state entering it (st) and the cotangent of
+    the state at its end (dst): dx, ddt, db, dc, dz of the chunk and its partial sums of da,
+    dd, ddt_bias (written per program: [B H NC], [B H NC, P])."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_bh = pid // NC
+    ci = pid % NC
     bi = pid_bh // H
     hi = pid_bh % H
     op_t: tl.constexpr = OP_T
@@ -350,91 +382,85 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
         else:
             dsk = tl.load(d_ptr + hi).to(tl.float32)
     causal = offs_q[:, None] >= offs_q[None, :]
-    # cotangent of the state at the end of the current chunk
-    Dst = tl.load(gl_ptr + pid_bh * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-    da_acc = tl.sum(tl.zeros((Q,), tl.float32), 0)
-    dbias_acc = tl.sum(tl.zeros((Q,), tl.float32), 0)
+    # cotangent of the state at the end of this chunk
+    Dst = tl.load(dst_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
     dd_acc = tl.zeros((BP,), tl.float32)
-    for k in range(0, NC):
-        ci = NC - 1 - k
-        t = ci * Q + offs_q
-        tmask = t < L
-        pre = tl.load(dt_ptr + bi * sdt_b + t * sdt_l + hi * sdt_h, mask=tmask,
-                      other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            pre += bias
-        if SOFTPLUS:
-            dtp = softplus_f32(pre)
-        else:
-            dtp = pre
-        dtp = tl.where(tmask, dtp, 0.0)
-        s = dtp * a_h
-        acum = tl.cumsum(s, 0)
-        total = tl.sum(s, 0)
-        qp_mask = tmask[:, None] & pmask[None, :]
-        qn_mask = tmask[:, None] & nmask[None, :]
-        X = tl.load(x_ptr + bi * sx_b + t[:, None] * sx_l + hi * sx_h + offs_p[None, :],
-                    mask=qp_mask, other=0.0).to(tl.float32)
-        Bm = tl.load(b_ptr + bi * sb_b + t[:, None] * sb_l + hi * sb_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        Cm = tl.load(c_ptr + bi * sc_b + t[:, None] * sc_l + hi * sc_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        GY = tl.load(gy_ptr + bi * sg_b + t[:, None] * sg_l + hi * sg_h + offs_p[None, :],
+    t = ci * Q + offs_q
+    tmask = t < L
+    pre = tl.load(dt_ptr + bi * sdt_b + t * sdt_l + hi * sdt_h, mask=tmask,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        pre += bias
+    if SOFTPLUS:
+        dtp = softplus_f32(pre)
+    else:
+        dtp = pre
+    dtp = tl.where(tmask, dtp, 0.0)
+    s = dtp * a_h
+    acum = tl.cumsum(s, 0)
+    total = tl.sum(s, 0)
+    qp_mask = tmask[:, None] & pmask[None, :]
+    qn_mask = tmask[:, None] & nmask[None, :]
+    X = tl.load(x_ptr + bi * sx_b + t[:, None] * sx_l + hi * sx_h + offs_p[None, :],
+                mask=qp_mask, other=0.0).to(tl.float32)
+    Bm = tl.load(b_ptr + bi * sb_b + t[:, None] * sb_l + hi * sb_h + offs_n[None, :],
+                 mask=qn_mask, other=0.0).to(tl.float32)
+    Cm = tl.load(c_ptr + bi * sc_b + t[:, None] * sc_l + hi * sc_h + offs_n[None, :],
+                 mask=qn_mask, other=0.0).to(tl.float32)
+    GY = tl.load(gy_ptr + bi * sg_b + t[:, None] * sg_l + hi * sg_h + offs_p[None, :],
+                 mask=qp_mask, other=0.0).to(tl.float32)
+    y_off = ((bi * L + t[:, None]) * H + hi) * P + offs_p[None, :]
+    if HAS_Z:
+        zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
                      mask=qp_mask, other=0.0).to(tl.float32)
-        y_off = ((bi * L + t[:, None]) * H + hi) * P + offs_p[None, :]
-        if HAS_Z:
-            zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
-                         mask=qp_mask, other=0.0).to(tl.float32)
-            sz = sigmoid_f32(zz)
-            yp = tl.load(ys_ptr + y_off, mask=qp_mask, other=0.0)
-            if HAS_D:
-                yp += X * dsk
-            dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
-            tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
-            GY = GY * zz * sz
-        Hin = tl.load(st_ptr + (pid_bh * NC + ci) * P * N + pn_off, mask=pn_mask, other=0.0)
-        eA = tl.exp(acum)
-        wend = tl.exp(total - acum)
-        dec = tl.exp(total)
-        CB = _mm(Cm, tl.trans(Bm), op_t, PREC)
-        Lm = tl.exp(tl.where(causal, acum[:, None] - acum[None, :], float("-inf")))
-        QB = _mm(Bm, tl.trans(Dst), op_t, PREC)                    # [Q, BP]
-        gB = _mm(tl.trans(CB * Lm), GY, op_t, PREC) + wend[:, None] * QB
-        dX = dtp[:, None] * gB
+        sz = sigmoid_f32(zz)
+        yp = tl.load(ys_ptr + y_off, mask=qp_mask, other=0.0)
         if HAS_D:
-            dd_acc += tl.sum(GY * X, 0)
-            dX += GY * dsk
-        ddt = tl.sum(X * gB, 1)
-        W = _mm(GY, tl.trans(X), op_t, PREC) * Lm                  # [Q, Q]
-        dBv = _mm(tl.trans(W), Cm, op_t, PREC) + \
-            wend[:, None] * _mm(X, Dst, op_t, PREC)
-        dBv = dBv * dtp[:, None]
-        V = W * dtp[None, :]
-        yoffH = _mm(GY, Hin, op_t, PREC)                            # [Q, BN]
-        dCv = _mm(V, Bm, op_t, PREC) + eA[:, None] * yoffH
-        Zm = V * CB
-        r = wend * dtp * tl.sum(X * QB, 1)
-        dAc = tl.sum(Zm, 1) - tl.sum(Zm, 0) + eA * tl.sum(yoffH * Cm, 1) - r
-        dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * tl.sum(tl.sum(Dst * Hin, 1), 0),
-                        0.0)
-        ds = tl.sum(dAc, 0) - tl.cumsum(dAc, 0) + dAc                           # suffix sums
-        ddt += ds * a_h
-        da_acc += tl.sum(ds * dtp, 0)
-        if SOFTPLUS:
-            ddt = ddt * sigmoid_f32(pre)
-        ddt = tl.where(tmask, ddt, 0.0)
-        dbias_acc += tl.sum(ddt, 0)
-        tl.store(dx_ptr + y_off, dX.to(dx_ptr.dtype.element_ty), mask=qp_mask)
-        tl.store(ddt_ptr + (bi * L + t) * H + hi, ddt.to(ddt_ptr.dtype.element_ty), mask=tmask)
-        n_off = ((bi * L + t[:, None]) * H + hi) * N + offs_n[None, :]
-        tl.store(db_ptr + n_off, dBv.to(db_ptr.dtype.element_ty), mask=qn_mask)
-        tl.store(dc_ptr + n_off, dCv.to(dc_ptr.dtype.element_ty), mask=qn_mask)
-        Dst = dec * Dst + _mm(tl.trans(GY * eA[:, None]), Cm, op_t, PREC)
-    tl.store(dh0_ptr + pid_bh * P * N + pn_off, Dst, mask=pn_mask)
-    tl.store(da_ptr + pid_bh, da_acc)
-    tl.store(dbias_ptr + pid_bh, dbias_acc)
+            yp += X * dsk
+        dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
+        tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
+        GY = GY * zz * sz
+    Hin = tl.load(st_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    eA = tl.exp(acum)
+    wend = tl.exp(total - acum)
+    dec = tl.exp(total)
+    CB = _mm(Cm, tl.trans(Bm), op_t, PREC)
+    Lm = tl.exp(tl.where(causal, acum[:, None] - acum[None, :], float("-inf")))
+    QB = _mm(Bm, tl.trans(Dst), op_t, PREC)                    # [Q, BP]
+    gB = _mm(tl.trans(CB * Lm), GY, op_t, PREC) + wend[:, None] * QB
+    dX = dtp[:, None] * gB
     if HAS_D:
-        tl.store(dd_ptr + pid_bh * P + offs_p, dd_acc, mask=pmask)
+        dd_acc += tl.sum(GY * X, 0)
+        dX += GY * dsk
+    ddt = tl.sum(X * gB, 1)
+    W = _mm(GY, tl.trans(X), op_t, PREC) * Lm                  # [Q, Q]
+    dBv = _mm(tl.trans(W), Cm, op_t, PREC) + \
+        wend[:, None] * _mm(X, Dst, op_t, PREC)
+    dBv = dBv * dtp[:, None]
+    V = W * dtp[None, :]
+    yoffH = _mm(GY, Hin, op_t, PREC)                            # [Q, BN]
+    dCv = _mm(V, Bm, op_t, PREC) + eA[:, None] * yoffH
+    Zm = V * CB
+    r = wend * dtp * tl.sum(X * QB, 1)
+    dAc = tl.sum(Zm, 1) - tl.sum(Zm, 0) + eA * tl.sum(yoffH * Cm, 1) - r
+    dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * tl.sum(tl.sum(Dst * Hin, 1), 0),
+                    0.0)
+    ds = tl.sum(dAc, 0) - tl.cumsum(dAc, 0) + dAc                           # suffix sums
+    ddt += ds * a_h
+    da_acc = tl.sum(ds * dtp, 0)
+    if SOFTPLUS:
+        ddt = ddt * sigmoid_f32(pre)
+    ddt = tl.where(tmask, ddt, 0.0)
+    dbias_acc = tl.sum(ddt, 0)
+    tl.store(dx_ptr + y_off, dX.to(dx_ptr.dtype.element_ty), mask=qp_mask)
+    tl.store(ddt_ptr + (bi * L + t) * H + hi, ddt.to(ddt_ptr.dtype.element_ty), mask=tmask)
+    n_off = ((bi * L + t[:, None]) * H + hi) * N + offs_n[None, :]
+    tl.store(db_ptr + n_off, dBv.to(db_ptr.dtype.element_ty), mask=qn_mask)
+    tl.store(dc_ptr + n_off, dCv.to(dc_ptr.dtype.element_ty), mask=qn_mask)
+    tl.store(da_ptr + pid, da_acc)
+    tl.store(dbias_ptr + pid, dbias_acc)
+    if HAS_D:
+        tl.store(dd_ptr + pid * P + offs_p, dd_acc, mask=pmask)
 
 
 @kernel(SSD_CHUNK_SCAN_BACKWARD, "cuda", dtypes=HALF_AND_F32, strided_input=True,
@@ -462,22 +488,27 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     db = torch.empty((B, L, H, N), dtype=dtype, device=dev)
     dc = torch.empty((B, L, H, N), dtype=dtype, device=dev)
     dz = torch.empty((B, L, H, P), dtype=dtype, device=dev) if has_z else x
-    da_p, dbias_p = torch.zeros(BH, **f32), torch.zeros(BH, **f32)
-    dd_p = torch.zeros((BH, P), **f32)
+    da_p, dbias_p = torch.zeros((BH, NC), **f32), torch.zeros((BH, NC), **f32)
+    dd_p = torch.zeros((BH, NC, P), **f32)
     dh0 = gl.to(torch.float32).clone()
     if BH * P and L:
-        # the forward's states at the backward's chunk length, in float32
         fcfg = ssd_config(B, L, H, P, N)._replace(q=Q, bm=min(64, Q), bk=min(64, Q))
+        dtp, acum = _launch_dt(dt, a, bias, B, L, H, Q, has_dt_bias, bool(dt_softplus))
+        # states entering each chunk, and the cotangents at each chunk's end (reverse walk);
+        # in x's dtype (they feed 16-bit dots)
+        st = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
+        dst = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
         hl = torch.empty((B, H, P, N), **f32)
-        dtp, acum, st = _launch_dt_state(x, dt, a, b, bias, h0, hl, torch.float32, Q, fcfg,
-                                         has_dt_bias, bool(dt_softplus), has_initial_states)
+        _launch_state(x, b, z, dtp, acum, h0, st, hl, Q, fcfg, has_initial_states)
+        _launch_state(gy, c, z, dtp, acum, gl, dst, dh0, Q, fcfg, True, reverse=True,
+                      has_z=has_z)
         ys = x
         if has_z:                            # the ungated y, for dz
             ys = torch.empty((B, L, H, P), **f32)
             _launch_scan(x, b, c, d, z, dtp, acum, st, ys, Q, fcfg, False, False)
-        _ssd_bwd_kernel[(BH,)](
-            x, dt, a, b, c, d, z, bias, gy, gl, st, ys, dx, ddt, db, dc, dz, da_p, dd_p,
-            dbias_p, dh0, L, H, P, N, NC,
+        _ssd_bwd_kernel[(BH * NC,)](
+            x, dt, a, b, c, d, z, bias, gy, st, dst, ys, dx, ddt, db, dc, dz, da_p, dd_p,
+            dbias_p, L, H, P, N, NC,
             *_strides3(x), *_strides3(dt), *_strides3(b), *_strides3(c), *_strides3(z),
             *_strides3(gy),
             Q=Q, BP=_p2(P), BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2,
@@ -486,14 +517,14 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
-    grads = [dx, ddt, da_p.reshape(B, H).sum(0).to(dtype), db, dc]
+    grads = [dx, ddt, da_p.reshape(B, H, NC).sum((0, 2)).to(dtype), db, dc]
     if has_d:
-        ddp = dd_p.reshape(B, H, P).sum(0)
+        ddp = dd_p.reshape(B, H, NC, P).sum((0, 2))
         grads.append((ddp if d.dim() == 2 else ddp.sum(1)).to(dtype))
     if has_z:
         grads.append(dz)
     if has_dt_bias:
-        grads.append(dbias_p.reshape(B, H).sum(0).to(dtype))
+        grads.append(dbias_p.reshape(B, H, NC).sum((0, 2)).to(dtype))
     if has_initial_states:
         grads.append(dh0.reshape(B, H, P, N).to(dtype))
     return tuple(grads)
