@@ -128,7 +128,7 @@ def ssd_rows(mamba, why, quick, sweep):
         return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=bcfg)
 
     print(f"  ssd configs: forward {tuple(KD.ssd_config(B, L, H, P, N))}, "
-          f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N))}")
+          f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N, dt_))}")
     ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
     try:
         ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))

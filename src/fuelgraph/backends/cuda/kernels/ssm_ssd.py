@@ -7,7 +7,7 @@ does not change the result):
             cumulative sum of dt' a, stored as float32 [B, H, L] rows.
   2. state: per (batch, head, P block, N block): walks the chunks in order with the [BP, BN]
             state in registers, stores the state entering every chunk and moves it on by
-            exp(Acum_end) h + (x w)^T B (a tensor-core matmul per chunk, K = Q).
+            exp(Acum_end) h + (x w)^T B (tensor-core matmuls over blocks of BK steps).
   3. scan:  per (batch, head, chunk, block of rows, P block), fully parallel: the entering
             state's contribution exp(Acum_t) C h^T plus the within-chunk part
             sum_{s<=t} exp(Acum_t - Acum_s) (C_t . B_s) dt_s x_s (C B^T and its product with x
@@ -16,11 +16,13 @@ Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; th
 weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
 use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 
-Backward: kernels 1 and 2 rerun with float32 states (and kernel 3 for the ungated y when a gate
-z is present); then one program per (batch, head) walks the chunks in reverse with the
-cotangent of the chunk-end state in registers and forms dx, ddt, db, dc, dz and the partial
-sums of da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed).
-Partials over heads/batch are added by one torch sum.
+Backward, also parallel over chunks (at its own, shorter chunk length): kernel 1; kernel 2
+storing the entering states; kernel 2 in reverse (the state cotangent g_c = exp(Acum_end)
+g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the cotangent at every
+chunk's end and the initial state's); kernel 3 for the ungated y when a gate z is present;
+then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and the partial sums of
+da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed). Partials
+are added by one torch sum (deterministic, no atomics).
 
 Inputs may be strided along batch, time and head (e.g. B/C groups broadcast over heads with
 stride 0); the last axis must be contiguous."""
@@ -77,10 +79,12 @@ def ssd_config(B, L, H, P, N):
     return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3)
 
 
-def ssd_bwd_config(B, L, H, P, N):
-    """Backward: the reverse walk keeps [Q, N] and [P, N] float32 tiles live and feeds ~12
-    dots per chunk through shared memory; Q = 32 fits N = 128, P = 64 in the H200's 227 KiB."""
-    big = _p2(P) * _p2(N) >= 8192
+def ssd_bwd_config(B, L, H, P, N, dtype=None):
+    """Backward: the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32 tiles
+    live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255, no spill;
+    Q = 64 spills), at the price of stored states and cotangents every 32 steps. float32
+    inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+    big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
     return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1)
 
 
@@ -480,7 +484,7 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     BH = B * H
     dev, dtype = x.device, x.dtype
     f32 = dict(dtype=torch.float32, device=dev)
-    cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N)
+    cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N, dtype)
     Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
