@@ -91,7 +91,8 @@ def ss_fwd_config(B, L, D, N):
 def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr, h_ptr,
                    L, D, N, zero,
                    T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
-                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                   EVEN_N: tl.constexpr):
     """One program: batch pid 0, channels pid 1 * BD + [0, BD). The state is [BN, BD] with the
     channels across threads and all of N in each thread's registers. Per tile of T steps the
     [T, BD] inputs are loaded and transformed at once (coalesced along D, softplus once per
@@ -116,7 +117,8 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
         dskip = tl.load(d_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     h = tl.zeros((BN, BD), tl.float32)
     base_d = pid_b * L * D
-    base_n = pid_b * L * N
+    b_row = b_ptr + pid_b * L * N + offs_n
+    c_row = c_ptr + pid_b * L * N + offs_n
     for t0 in range(0, L, T):
         t = t0 + offs_t
         tmask = t < L
@@ -135,9 +137,14 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
             sel = offs_t[:, None] == i
             dl_i = tl.sum(tl.where(sel, dl, 0.0), 0)
             dlu_i = tl.sum(tl.where(sel, dlu, 0.0), 0)
-            nm = nmask & (t0 + i < L)
-            b_i = tl.load(b_ptr + base_n + (t0 + i) * N + offs_n, mask=nm, other=0.0).to(tl.float32)
-            c_i = tl.load(c_ptr + base_n + (t0 + i) * N + offs_n, mask=nm, other=0.0).to(tl.float32)
+            # steps past L (dl = 0: the state is unchanged, y is not stored) read row L - 1
+            row = tl.minimum(t0 + i, L - 1) * N
+            if EVEN_N:
+                b_i = tl.load(b_row + row).to(tl.float32)
+                c_i = tl.load(c_row + row).to(tl.float32)
+            else:
+                b_i = tl.load(b_row + row, mask=nmask, other=0.0).to(tl.float32)
+                c_i = tl.load(c_row + row, mask=nmask, other=0.0).to(tl.float32)
             h = tl.exp2(dl_i[None, :] * a2) * h + dlu_i[None, :] * b_i[:, None]
             y_i = tl.sum(h * c_i[:, None], 0)
             yv = tl.where(sel, y_i[None, :], yv)
@@ -176,8 +183,13 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     if N == 0:
         h.zero_()
     T, BD, warps = config or ss_fwd_config(B, L, D, N)
+    if b.dtype != torch.float32:
+        # every program reads all of b and c (B L N values, small): widened once here rather
+        # than per step and channel in the kernel's inner loop
+        b, c = b.float(), c.float()
     _ss_fwd_kernel[(B, triton.cdiv(D, BD))](
         u, delta, a, b, c, d, z, bias, y, h, L, D, N, 0, T=T, BD=BD, BN=_next_pow2(N),
+        EVEN_N=N == _next_pow2(N),
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
         num_warps=warps)
     return y, h
