@@ -387,7 +387,8 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
             dsk = tl.load(d_ptr + hi).to(tl.float32)
     causal = offs_q[:, None] >= offs_q[None, :]
     # cotangent of the state at the end of this chunk
-    Dst = tl.load(dst_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    # (kept in their stored dtype: dot operands, widened only for the one sum below)
+    Dst = tl.load(dst_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
     dd_acc = tl.zeros((BP,), tl.float32)
     t = ci * Q + offs_q
     tmask = t < L
@@ -424,7 +425,7 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
         dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
         tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
         GY = GY * zz * sz
-    Hin = tl.load(st_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
+    Hin = tl.load(st_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
     eA = tl.exp(acum)
     wend = tl.exp(total - acum)
     dec = tl.exp(total)
@@ -447,8 +448,8 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
     Zm = V * CB
     r = wend * dtp * tl.sum(X * QB, 1)
     dAc = tl.sum(Zm, 1) - tl.sum(Zm, 0) + eA * tl.sum(yoffH * Cm, 1) - r
-    dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * tl.sum(tl.sum(Dst * Hin, 1), 0),
-                    0.0)
+    dHH = tl.sum(tl.sum(Dst.to(tl.float32) * Hin.to(tl.float32), 1), 0)
+    dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * dHH, 0.0)
     ds = tl.sum(dAc, 0) - tl.cumsum(dAc, 0) + dAc                           # suffix sums
     ddt += ds * a_h
     da_acc = tl.sum(ds * dtp, 0)
