@@ -123,24 +123,37 @@ def ssd_rows(mamba, why, quick, sweep):
     ours = lambda cfg=None: KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
     gl = torch.zeros(B, H, P, N, device=DEV, dtype=dt_)
 
-    def ours_fb(cfg=None):
+    def ours_fb(cfg=None, bcfg=None):
         KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
-        return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=cfg)
+        return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=bcfg)
 
+    print(f"  ssd configs: forward {tuple(KD.ssd_config(B, L, H, P, N))}, "
+          f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N, dt_))}")
     ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
-    ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))
+    try:
+        ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))
+    except Exception:                   # keep the forward rows and the sweep
+        traceback.print_exc()
+        ms_fb = float("inf")
     if sweep:
-        for cfg in [(32, 64, 4), (64, 64, 4), (64, 32, 4), (64, 64, 8), (128, 64, 8)]:
+        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages)
+        for cfg in [(256, 64, 64, 64, 64, 4, 3), (256, 64, 64, 64, 64, 8, 2),
+                    (256, 128, 64, 64, 64, 8, 2), (256, 64, 32, 64, 64, 4, 2),
+                    (128, 64, 64, 64, 64, 4, 2), (128, 64, 64, 64, 64, 4, 3),
+                    (256, 64, 64, 64, 32, 4, 2), (256, 64, 64, 64, 128, 4, 2),
+                    (256, 64, 64, 64, 64, 4, 2, 4, 2), (256, 64, 64, 64, 64, 4, 2, 8, 4)]:
             try:
-                rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_, bench(lambda: ours(cfg), quick))
+                rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_,
+                    bench(lambda: ours(cfg), quick))
             except Exception as exc:
                 print(f"  cfg {cfg} failed: {exc!r}")
-        for cfg in [(32, 64, 8), (64, 64, 4), (64, 64, 8)]:
+        # backward: (q, warps, stages)
+        for bcfg in [(16, 8, 1), (32, 4, 1), (32, 8, 2), (64, 8, 1), (16, 4, 1)]:
             try:
-                rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{cfg}]", shape, dt_,
-                    bench(lambda: ours_fb(cfg), quick))
+                rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
+                    bench(lambda: ours_fb(None, bcfg), quick))
             except Exception as exc:
-                print(f"  cfg {cfg} failed: {exc!r}")
+                print(f"  bwd cfg {bcfg} failed: {exc!r}")
     anchors = {}
     if mamba is None:
         print(f"  mamba_ssm rows skipped: {why}")
@@ -190,7 +203,7 @@ def ss_rows(quick, sweep):
     ms_ref = rec("selective_scan", "torch eager", shape, torch.float32,
                  bench(ref, True), anchor="Mamba selective_scan_ref loop")
     if sweep:
-        for cfg in [(8, 8, 4), (16, 8, 4), (16, 16, 4), (32, 8, 4), (32, 4, 2), (16, 4, 2)]:
+        for cfg in [(16, 16, 1), (16, 32, 2), (8, 16, 1), (32, 16, 1), (16, 64, 4)]:
             rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.float32,
                 bench(lambda: ours(cfg), quick))
     rows.append(("selective_scan fwd f32", ms, ms_ref, "<= 0.2 ms", ms <= 0.2))
@@ -204,8 +217,8 @@ def ss_rows(quick, sweep):
         y, _ = torch_selective_scan_ref(*leaves)
         torch.autograd.grad(y, leaves, gyc)
 
-    def ours_fb(cfg=None):
-        KS.selective_scan(*ins, **SS_KW, config=cfg)
+    def ours_fb(cfg=None):                      # cfg: the backward's (T, BD, warps)
+        KS.selective_scan(*ins, **SS_KW)
         return KS.selective_scan_backward(*ins, gy, gl, **SS_KW, config=cfg)
     ms_fb = rec("selective_scan_fwd+bwd", "fuelgraph", shape, torch.float32, bench(ours_fb, quick))
     ms_rfb = rec("selective_scan_fwd+bwd", "torch eager", shape, torch.float32,
@@ -221,12 +234,15 @@ def ss_rows(quick, sweep):
     nbytes = 2 * (3 * B * L * D + 2 * B * L * N + D * N + B * D * N)
     ms16 = bench(lambda: KS.selective_scan(*ins16, **SS_KW), quick)
     gbps = nbytes / ms16 / 1e6
+    print(f"  selective_scan bf16 forward config {KS.ss_fwd_config(*shape)}")
     rec("selective_scan", "fuelgraph", shape, torch.bfloat16, ms16, gbps=gbps)
     ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
     rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
         gbps=CEILING_TBS * 1e3)
     if sweep:
-        for cfg in [(8, 16, 4), (16, 16, 4), (16, 32, 4), (32, 16, 8), (8, 32, 4)]:
+        # forward (T, BD, warps): BD channels over warps * 32 threads
+        for cfg in [(16, 64, 4), (16, 128, 4), (16, 128, 8), (8, 128, 4), (16, 64, 2),
+                    (16, 32, 2), (32, 64, 4), (16, 256, 8)]:
             m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
             rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
                 gbps=nbytes / m / 1e6)

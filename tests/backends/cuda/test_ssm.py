@@ -113,10 +113,30 @@ def test_ssd_chunk_scan(dt, opts, shape):
                         bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
     kw = dict(chunk_size=1, dt_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
               has_dt_bias="dt_bias" in inputs, has_initial_states="initial_states" in inputs)
-    cfg = None if HAS_CUDA or os.environ.get("SSD_GPU_CONFIG") else (16, 16, 1)  # 3 chunks, padded tail
+    cfg = bcfg = None
+    if not (HAS_CUDA or os.environ.get("SSD_GPU_CONFIG")):
+        # 3 chunks with a padded tail, 2 row blocks per chunk, 2 P and 2 N blocks
+        cfg, bcfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1), (16, 1, 1)
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
-          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=cfg), dt,
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(dt_softplus=sp), lambda a: KN.ssd_chunk_scan(*a, **kw))
+
+
+@pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
+def test_ssd_chunk_256(dt):
+    """The kernels' chunk length 256 (the forward's default on long sequences) and the op's
+    chunk_size 256, forward and backward, with N and P small enough for the interpreter."""
+    inputs = ssd_inputs(1, 512 if HAS_CUDA else 300, 2, 16, 16, dt, d="h", z=True, bias=True,
+                        softplus=True)
+    kw = dict(chunk_size=256 if HAS_CUDA else 300, dt_softplus=True, has_d=True, has_z=True,
+              has_dt_bias=True, has_initial_states=False)
+    cfg = None if HAS_CUDA else KD.SSDConfig(q=256, bm=64, bk=64, bp=16, bn=16, warps=4,
+                                             stages=1)
+    bcfg = None if HAS_CUDA else (256, 4, 1)
+    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
+          dict(dt_softplus=True))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="strided inputs: GPU shapes")

@@ -1,16 +1,19 @@
 """SELECTIVE_SCAN (Mamba-1) forward and backward on Triton; shared scan helpers.
 
-One program owns a (batch, channel block) pair and walks time in tiles of T steps. Within a
-tile the recurrence h_t = dA_t * h_{t-1} + dBu_t is evaluated for the whole [T, BD, N] block
-with an associative scan over time (so the T loads of a tile are independent and the
-sequential chain is only tile to tile); the state entering the tile stays in registers.
-Every sum and exponential is float32; inputs are float32, bfloat16 or float16 (float64 is not
-covered: the op runs its recipe there), outputs are written in the input dtype.
+Forward: one program owns a (batch, channel block) pair and walks time in tiles of T steps.
+A tile's [T, BD] inputs (delta, u, z) are loaded at once (coalesced along D) and transformed
+once per element (bias, softplus); then the T steps run unrolled on the [N, BD] state held in
+registers (no barrier: the state's N axis stays inside a warp), with the step's b_t and c_t
+as small broadcast loads that do not wait on the state; y of the tile is stored as one
+[T, BD] tile. Every sum and exponential is float32; inputs are float32, bfloat16 or float16
+(float64 is not covered: the op runs its recipe there), outputs are written in the input
+dtype.
 
-Backward: the program first walks time forward and stores the state entering each tile
-(float32 scratch), then walks the tiles in reverse: it recomputes the tile's states from the
-stored one, runs the reverse recurrence of the state cotangent (g_t = gy_t c_t +
-dA_{t+1} g_{t+1}, again an associative scan) and forms every gradient in registers. Sums over
+Backward: one program per (batch, channel block) first walks time forward and stores the
+state entering each tile (float32 scratch), then walks the tiles in reverse: it recomputes
+the tile's states from the stored one with an associative scan over the [T, BD, N] tile, runs
+the reverse recurrence of the state cotangent (g_t = gy_t c_t + dA_{t+1} g_{t+1}, again an
+associative scan) and forms every gradient in registers. Sums over
 channel blocks (db, dc) and over the batch (da, dd, ddelta_bias) are written as per-program
 partials and added by one torch reduction (deterministic, no atomics)."""
 from __future__ import annotations
@@ -59,40 +62,63 @@ def _next_pow2(n: int) -> int:
 
 
 def ss_config(B, L, D, N, backward=False):
-    """(T, BD, num_warps): tile steps and channels so that one [T, BD, BN] tile holds about
-    2048 (forward 4096) float32 values; more channel blocks when B * D is small."""
+    """Backward: (T, BD, num_warps) so that one [T, BD, BN] tile holds about 2048 float32
+    values, more channel blocks when B * D is small. Forward: see ss_fwd_config."""
+    if not backward:
+        return ss_fwd_config(B, L, D, N)
     bn = _next_pow2(N)
-    target = 2048 if backward else 4096
-    bd = max(1, min(_next_pow2(D), 32, target // (bn * 8)))
+    bd = max(1, min(_next_pow2(D), 32, 2048 // (bn * 8)))
     # keep enough programs to fill a GPU (~132 SMs) when the batch is small
     while bd > 4 and B * triton.cdiv(D, bd) < 264:
         bd //= 2
-    t = max(1, min(32, target // (bd * bn), _next_pow2(max(L, 1))))
+    t = max(1, min(32, 2048 // (bd * bn), _next_pow2(max(L, 1))))
     return t, bd, 4
+
+
+def ss_fwd_config(B, L, D, N):
+    """(T, BD, num_warps): 16 steps per tile (the [16, BD] inputs of a tile are loaded at
+    once), BD = 128 channels on 4 warps (two channels and 8 of N=16 per thread: the bfloat16
+    -> float32 conversions of b_t, c_t serve two channels), halved down to 16 channels on one
+    warp until there is a program per SM of the H200 (132 SMs)."""
+    bd = 128
+    while bd > 16 and B * triton.cdiv(D, bd) < 132:
+        bd //= 2
+    return min(16, _next_pow2(max(L, 1))), bd, max(1, min(4, bd // 16))
 
 
 # ---------------------------------------------------------------------------------- forward
 @triton.jit
 def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr, h_ptr,
-                   L, D, N,
+                   L, D, N, zero,
                    T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
-                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+                   HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                   EVEN_N: tl.constexpr):
+    """One program: batch pid 0, channels pid 1 * BD + [0, BD). The state is [BN, BD] with the
+    channels across threads and all of N in each thread's registers. Per tile of T steps the
+    [T, BD] inputs are loaded and transformed at once (coalesced along D, softplus once per
+    element), then the T steps run unrolled in registers: h = exp2(dt a log2 e) h + dt u b_t,
+    y_t = sum_n h c_t (b_t, c_t: [BN] broadcast loads that do not wait on h)."""
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
-    offs_d = pid_d * BD + tl.arange(0, BD)
+    # `^ zero` (zero == 0) hides the channels' contiguity from the compiler: loads then keep
+    # one channel per thread (coalesced across the warp) instead of 8-wide vectors, which
+    # would put the state's N axis across threads and cost a barrier per step
+    offs_d = pid_d * BD + (tl.arange(0, BD) ^ zero)
     offs_n = tl.arange(0, BN)
     offs_t = tl.arange(0, T)
     dmask = offs_d < D
     nmask = offs_n < N
-    a = tl.load(a_ptr + offs_d[:, None] * N + offs_n[None, :],
-                mask=dmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+    nd_mask = nmask[:, None] & dmask[None, :]
+    a2 = tl.load(a_ptr + offs_d[None, :] * N + (offs_n ^ zero)[:, None], mask=nd_mask,
+                 other=0.0).to(tl.float32) * 1.4426950408889634
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
     if HAS_D:
         dskip = tl.load(d_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-    h = tl.zeros((BD, BN), tl.float32)
+    h = tl.zeros((BN, BD), tl.float32)
     base_d = pid_b * L * D
-    base_n = pid_b * L * N
+    b_row = b_ptr + pid_b * L * N + offs_n
+    c_row = c_ptr + pid_b * L * N + offs_n
     for t0 in range(0, L, T):
         t = t0 + offs_t
         tmask = t < L
@@ -105,24 +131,31 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
             dl = softplus_f32(dl)
         dl = tl.where(m2, dl, 0.0)
         uu = tl.load(u_ptr + off2, mask=m2, other=0.0).to(tl.float32)
-        offn = base_n + t[:, None] * N + offs_n[None, :]
-        mn = tmask[:, None] & nmask[None, :]
-        bb = tl.load(b_ptr + offn, mask=mn, other=0.0).to(tl.float32)
-        cc = tl.load(c_ptr + offn, mask=mn, other=0.0).to(tl.float32)
-        dA = tl.exp(dl[:, :, None] * a[None, :, :])
-        dBu = (dl * uu)[:, :, None] * bb[:, None, :]
-        pa, pb = tl.associative_scan((dA, dBu), 0, lin_combine)
-        hs = pa * h[None, :, :] + pb
-        yv = tl.sum(hs * cc[:, None, :], 2)
-        h = tl.sum(tl.where(offs_t[:, None, None] == T - 1, hs, 0.0), 0)
+        dlu = dl * uu
+        yv = tl.zeros((T, BD), tl.float32)
+        for i in tl.static_range(T):
+            sel = offs_t[:, None] == i
+            dl_i = tl.sum(tl.where(sel, dl, 0.0), 0)
+            dlu_i = tl.sum(tl.where(sel, dlu, 0.0), 0)
+            # steps past L (dl = 0: the state is unchanged, y is not stored) read row L - 1
+            row = tl.minimum(t0 + i, L - 1) * N
+            if EVEN_N:
+                b_i = tl.load(b_row + row).to(tl.float32)
+                c_i = tl.load(c_row + row).to(tl.float32)
+            else:
+                b_i = tl.load(b_row + row, mask=nmask, other=0.0).to(tl.float32)
+                c_i = tl.load(c_row + row, mask=nmask, other=0.0).to(tl.float32)
+            h = tl.exp2(dl_i[None, :] * a2) * h + dlu_i[None, :] * b_i[:, None]
+            y_i = tl.sum(h * c_i[:, None], 0)
+            yv = tl.where(sel, y_i[None, :], yv)
         if HAS_D:
             yv += uu * dskip[None, :]
         if HAS_Z:
             zz = tl.load(z_ptr + off2, mask=m2, other=0.0).to(tl.float32)
             yv *= zz * sigmoid_f32(zz)
         tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m2)
-    tl.store(h_ptr + pid_b * D * N + offs_d[:, None] * N + offs_n[None, :],
-             h.to(h_ptr.dtype.element_ty), mask=dmask[:, None] & nmask[None, :])
+    tl.store(h_ptr + pid_b * D * N + offs_d[None, :] * N + offs_n[:, None],
+             h.to(h_ptr.dtype.element_ty), mask=nd_mask)
 
 
 def _ss_opts(u, opt, has_d, has_z, has_delta_bias):
@@ -149,9 +182,14 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
         return y, h
     if N == 0:
         h.zero_()
-    T, BD, warps = config or ss_config(B, L, D, N)
+    T, BD, warps = config or ss_fwd_config(B, L, D, N)
+    if b.dtype != torch.float32:
+        # every program reads all of b and c (B L N values, small): widened once here rather
+        # than per step and channel in the kernel's inner loop
+        b, c = b.float(), c.float()
     _ss_fwd_kernel[(B, triton.cdiv(D, BD))](
-        u, delta, a, b, c, d, z, bias, y, h, L, D, N, T=T, BD=BD, BN=_next_pow2(N),
+        u, delta, a, b, c, d, z, bias, y, h, L, D, N, 0, T=T, BD=BD, BN=_next_pow2(N),
+        EVEN_N=N == _next_pow2(N),
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
         num_warps=warps)
     return y, h

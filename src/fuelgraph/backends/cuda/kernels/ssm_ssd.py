@@ -1,26 +1,35 @@
 """SSD_CHUNK_SCAN (Mamba-2) forward and backward on Triton: the chunked state-space-dual
-algorithm in one kernel per direction.
+algorithm, split so the forward is parallel over chunks.
 
-Forward: one program per (batch, head, block of P) walks the chunks of Q steps in order with
-the [BP, N] state in registers. Per chunk: the within-chunk outputs are two tensor-core
-matmuls (C B^T masked by the segment decays exp(Acum_t - Acum_s), then times dt x), the
-contribution of the entering state is C h^T scaled by exp(Acum_t), and the state moves on by
-exp(Acum_end) h + (x w)^T B. Nothing but inputs and outputs touches memory.
+Forward, three kernels (Q = the kernels' chunk length, their own choice: the op's chunk_size
+does not change the result):
+  1. dt:    per (batch, chunk, head block): dt' = softplus(dt + bias) and its within-chunk
+            cumulative sum of dt' a, stored as float32 [B, H, L] rows.
+  2. state: per (batch, head, P block, N block): walks the chunks in order with the [BP, BN]
+            state in registers, stores the state entering every chunk and moves it on by
+            exp(Acum_end) h + (x w)^T B (tensor-core matmuls over blocks of BK steps).
+  3. scan:  per (batch, head, chunk, block of rows, P block), fully parallel: the entering
+            state's contribution exp(Acum_t) C h^T plus the within-chunk part
+            sum_{s<=t} exp(Acum_t - Acum_s) (C_t . B_s) dt_s x_s (C B^T and its product with x
+            on tensor cores, column blocks up to the diagonal only), then d and the silu(z) gate.
+Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; the decay
+weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
+use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 
-Backward: the forward kernel is rerun to store the state entering each chunk (float32
-scratch, and the ungated y when a gate z is present); then one program per (batch, head)
-walks the chunks in reverse with the cotangent of the chunk-end state in registers and forms
-dx, ddt, db, dc, dz and the partial sums of da, dd, ddt_bias from matmuls of the same shapes
-(the forward algorithm transposed). Partials over heads/batch are added by one torch sum.
+Backward, also parallel over chunks (at its own, shorter chunk length): kernel 1; kernel 2
+storing the entering states; kernel 2 in reverse (the state cotangent g_c = exp(Acum_end)
+g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the cotangent at every
+chunk's end and the initial state's); kernel 3 for the ungated y when a gate z is present;
+then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and the partial sums of
+da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed). Partials
+are added by one torch sum (deterministic, no atomics).
 
 Inputs may be strided along batch, time and head (e.g. B/C groups broadcast over heads with
-stride 0); the last axis must be contiguous. Dots take float32 operands: "tf32" for 16-bit
-inputs (inputs are exact in tf32, products carry ~11 bits, well under the output's rounding),
-"tf32x3" for float32 inputs. The chunk length Q is the kernel's own choice (ssd_config); the
-op's chunk_size does not change the result."""
+stride 0); the last axis must be contiguous."""
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 
 import torch
 import triton
@@ -35,26 +44,48 @@ from .ssm import sigmoid_f32, softplus_f32
 __all__ = ["ssd_chunk_scan", "ssd_chunk_scan_backward"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-#: dot precision for float32 inputs and for 16-bit inputs (tunable from the benchmark)
-# float32 dots in exact fp32 ("ieee"): on the H200 (Triton 3.6) the "tf32x3" split faulted
-# (illegal address) and gave wrong dt gradients in the backward kernel, which "ieee" does not
-DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
-if os.environ.get("FUELGRAPH_SSD_DOT_PRECISION"):      # diagnosis: e.g. "ieee" everywhere
-    DOT_PRECISION = dict.fromkeys(DOT_PRECISION, os.environ["FUELGRAPH_SSD_DOT_PRECISION"])
+#: dot precision of float32 operands ("ieee": the "tf32x3" split faulted on the H200 and gave
+#: wrong dt gradients); 16-bit inputs multiply in their own dtype on tensor cores
+F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
+
+#: forward launch shape: chunk length q, scan row block bm and column block bk (also the
+#: state kernel's step block), P block bp, state-kernel N block bn, warps and pipeline stages
+#: of the scan kernel (warps, stages) and of the state kernel (swarps, sstages)
+SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages",
+                       defaults=(8, 3))
+#: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
+
+
+def _op_type(dtype):
+    """Dot operand type: the input's (Triton's CPU interpreter multiplies bfloat16 as raw
+    integers, so it gets float32 there)."""
+    if dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16):
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
 def _p2(n, lo=16):
     return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
 
 
-def ssd_config(B, L, H, P, N, backward=False):
-    """(Q, BP, num_warps). Q = 64 keeps the masked Q x Q work small; the forward splits P in
-    two when there are few (batch, head) programs."""
-    q = 64 if L >= 64 else _p2(L)
-    bp = _p2(P)
-    if not backward and B * H < 264 and bp >= 64:
-        bp //= 2
-    return q, bp, 8 if backward or _p2(N) * bp >= 8192 else 4
+def ssd_config(B, L, H, P, N):
+    """Forward: Q = 256 (few stored states: the state traffic is B H (L / Q) P N), 64 x 64
+    tiles of the masked C B^T with all of N per scan program (4 warps, ~190 registers: two
+    programs per SM), the state kernel split in N blocks of 64 so that B H P / 64 * N / 64
+    programs walk the sequence (8 warps, 80 registers, 3 stages of prefetch)."""
+    q = min(256, _p2(L))
+    bm = min(64, q)
+    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3)
+
+
+def ssd_bwd_config(B, L, H, P, N, dtype=None):
+    """Backward: the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32 tiles
+    live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255, no spill;
+    Q = 64 spills), at the price of stored states and cotangents every 32 steps. float32
+    inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+    big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
+    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1)
 
 
 def _cost(shapes, params=None, q=64):
@@ -70,79 +101,169 @@ def _strides3(t):
 
 # ---------------------------------------------------------------------------------- forward
 @triton.jit
-def _ssd_fwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, h0_ptr,
-                    y_ptr, hl_ptr, st_ptr,
-                    L, H, P, N, NC,
-                    sx_b, sx_l, sx_h, sdt_b, sdt_l, sdt_h, sb_b, sb_l, sb_h, sc_b, sc_l, sc_h,
-                    sz_b, sz_l, sz_h,
-                    Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
-                    D_PER_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SOFTPLUS: tl.constexpr, HAS_INIT: tl.constexpr, STORE_STATES: tl.constexpr,
-                    PREC: tl.constexpr):
+def _ssd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, acum_ptr, L, H, NC, sdt_b, sdt_l, sdt_h,
+                   Q: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   SOFTPLUS: tl.constexpr):
+    """dt' and its within-chunk cumsum of dt' a for one chunk of one batch and BH heads,
+    written to [B, H, L] float32 rows (0 past L)."""
+    pid = tl.program_id(0).to(tl.int64)
+    bi = pid // NC
+    ci = pid % NC
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    t = ci * Q + tl.arange(0, Q)
+    hmask = offs_h < H
+    m2 = (t < L)[:, None] & hmask[None, :]
+    dtr = tl.load(dt_ptr + bi * sdt_b + t[:, None] * sdt_l + offs_h[None, :] * sdt_h, mask=m2,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dtr += tl.load(bias_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    if SOFTPLUS:
+        dtr = softplus_f32(dtr)
+    dtp = tl.where(m2, dtr, 0.0)
+    a_h = tl.load(a_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    acum = tl.cumsum(dtp * a_h[None, :], 0)
+    off = (bi * H + offs_h[None, :]) * L + t[:, None]
+    tl.store(dtp_ptr + off, dtp, mask=m2)
+    tl.store(acum_ptr + off, acum, mask=m2)
+
+
+@triton.jit
+def _ssd_state_kernel(x_ptr, b_ptr, z_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr,
+                      L, H, P, N, NC, sx_b, sx_l, sx_h, sb_b, sb_l, sb_h, sz_b, sz_l, sz_h,
+                      Q: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                      HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, HAS_Z: tl.constexpr,
+                      F32_PREC: tl.constexpr, OP_T: tl.constexpr):
+    """Chunk-to-chunk passing for one (batch, head, P block, N block), st [B H, NC, P, N].
+    Forward: h_{c+1} = exp(Acum_end) h_c + sum_t (exp(Acum_end - Acum_t) dt_t x_t)^T b_t,
+    storing the state entering every chunk and the last one (hl). REVERSE (the backward's
+    state cotangent; x = grad_y, gated by silu(z) if HAS_Z, b = c): g_c = exp(Acum_end)
+    g_{c+1} + sum_t (exp(Acum_t) gy_t)^T c_t from the last chunk down, storing the cotangent
+    at the end of every chunk and the one of the initial state (hl)."""
     pid_bh = tl.program_id(0).to(tl.int64)
-    pid_p = tl.program_id(1)
     bi = pid_bh // H
     hi = pid_bh % H
-    offs_q = tl.arange(0, Q)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
+    offs_n = tl.program_id(2) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
     pmask = offs_p < P
     nmask = offs_n < N
     pn_off = offs_p[:, None] * N + offs_n[None, :]
     pn_mask = pmask[:, None] & nmask[None, :]
-    a_h = tl.load(a_ptr + hi).to(tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + hi).to(tl.float32)
-    if HAS_D:
-        if D_PER_P:
-            dsk = tl.load(d_ptr + hi * P + offs_p, mask=pmask, other=0.0).to(tl.float32)[None, :]
-        else:
-            dsk = tl.load(d_ptr + hi).to(tl.float32)
+    op_t: tl.constexpr = OP_T
     if HAS_INIT:
         state = tl.load(h0_ptr + pid_bh * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
     else:
         state = tl.zeros((BP, BN), tl.float32)
-    causal = offs_q[:, None] >= offs_q[None, :]
-    for ci in range(0, NC):
-        t = ci * Q + offs_q
-        tmask = t < L
-        dtr = tl.load(dt_ptr + bi * sdt_b + t * sdt_l + hi * sdt_h, mask=tmask,
-                      other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            dtr += bias
-        if SOFTPLUS:
-            dtr = softplus_f32(dtr)
-        dtp = tl.where(tmask, dtr, 0.0)
-        s = dtp * a_h
-        acum = tl.cumsum(s, 0)
-        total = tl.sum(s, 0)
-        qp_mask = tmask[:, None] & pmask[None, :]
-        qn_mask = tmask[:, None] & nmask[None, :]
-        X = tl.load(x_ptr + bi * sx_b + t[:, None] * sx_l + hi * sx_h + offs_p[None, :],
-                    mask=qp_mask, other=0.0).to(tl.float32)
-        Bm = tl.load(b_ptr + bi * sb_b + t[:, None] * sb_l + hi * sb_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        Cm = tl.load(c_ptr + bi * sc_b + t[:, None] * sc_l + hi * sc_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        if STORE_STATES:
-            tl.store(st_ptr + (pid_bh * NC + ci) * P * N + pn_off, state, mask=pn_mask)
-        yv = tl.dot(Cm, tl.trans(state), input_precision=PREC) * tl.exp(acum)[:, None]
-        CB = tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
-        seg = tl.where(causal, acum[:, None] - acum[None, :], float("-inf"))
-        M = tl.exp(seg) * CB * dtp[None, :]
-        yv += tl.dot(M, X, input_precision=PREC)
-        w = tl.exp(total - acum) * dtp
-        state = state * tl.exp(total) + tl.dot(tl.trans(X * w[:, None]), Bm,
-                                                input_precision=PREC)
-        if HAS_D:
-            yv += X * dsk
-        y_off = ((bi * L + t[:, None]) * H + hi) * P + offs_p[None, :]
-        if HAS_Z:
-            zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
-                         mask=qp_mask, other=0.0).to(tl.float32)
-            yv *= zz * sigmoid_f32(zz)
-        tl.store(y_ptr + y_off, yv.to(y_ptr.dtype.element_ty), mask=qp_mask)
+    row = pid_bh * L
+    x_base = x_ptr + bi * sx_b + hi * sx_h
+    b_base = b_ptr + bi * sb_b + hi * sb_h
+    st_base = st_ptr + pid_bh * NC * P * N + pn_off
+    NKB = tl.cdiv(L, BK)
+    # one flat loop over blocks of BK steps (Q % BK == 0), so that the loads of the next
+    # blocks are prefetched across chunk boundaries; at a chunk's first block (in walking
+    # order) the carried state is stored and decayed by the chunk's total exp(Acum_end)
+    for kk in range(0, NKB):
+        if REVERSE:
+            k0 = (NKB - 1 - kk) * BK
+        else:
+            k0 = kk * BK
+        ci = k0 // Q
+        cend = tl.minimum(ci * Q + Q, L)
+        if REVERSE:
+            edge = k0 + BK >= cend
+        else:
+            edge = (k0 % Q) == 0
+        tl.store(st_base + ci * P * N, state.to(st_ptr.dtype.element_ty), mask=pn_mask & edge)
+        total = tl.load(acum_ptr + row + cend - 1)
+        t = k0 + offs_k
+        tmask = t < cend
+        ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
+        tp_mask = tmask[:, None] & pmask[None, :]
+        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :], mask=tp_mask,
+                    other=0.0).to(tl.float32)
+        if REVERSE:
+            w = tl.where(tmask, tl.exp(ac), 0.0)
+            if HAS_Z:
+                zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
+                             mask=tp_mask, other=0.0).to(tl.float32)
+                X = X * zz * sigmoid_f32(zz)
+        else:
+            dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
+            w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
+        Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
+                     mask=tmask[:, None] & nmask[None, :], other=0.0)
+        Xw = (X * w[:, None]).to(op_t)
+        state = state * tl.where(edge, tl.exp(total), 1.0)
+        state = tl.dot(tl.trans(Xw), Bm.to(op_t), state, input_precision=F32_PREC)
     tl.store(hl_ptr + pid_bh * P * N + pn_off, state.to(hl_ptr.dtype.element_ty), mask=pn_mask)
+
+
+@triton.jit
+def _ssd_scan_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, acum_ptr, st_ptr, d_ptr, z_ptr, y_ptr,
+                     L, H, P, N, NC, sx_b, sx_l, sx_h, sb_b, sb_l, sb_h, sc_b, sc_l, sc_h,
+                     sz_b, sz_l, sz_h,
+                     Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                     BN: tl.constexpr, HAS_D: tl.constexpr, D_PER_P: tl.constexpr,
+                     HAS_Z: tl.constexpr, F32_PREC: tl.constexpr,
+                     OP_T: tl.constexpr):
+    """Outputs of one block of BM rows of one chunk (batch, head, chunk, rows, P block):
+    y = exp(Acum) C h_in^T + (C B^T o decay o dt) x over the columns up to the diagonal."""
+    NM: tl.constexpr = Q // BM
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = NM - 1 - pid % NM                 # the longest rows first
+    ci = (pid // NM) % NC
+    pid_bh = pid // (NM * NC)
+    bi = pid_bh // H
+    hi = pid_bh % H
+    c0 = ci * Q
+    m0 = c0 + pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    cend = tl.minimum(c0 + Q, L)
+    mmask = offs_m < cend
+    pmask = offs_p < P
+    nmask = offs_n < N
+    op_t: tl.constexpr = OP_T
+    row = pid_bh * L
+    ac_m = tl.load(acum_ptr + row + offs_m, mask=mmask, other=0.0)
+    Cm = tl.load(c_ptr + bi * sc_b + offs_m[:, None] * sc_l + hi * sc_h + offs_n[None, :],
+                 mask=mmask[:, None] & nmask[None, :], other=0.0).to(op_t)
+    h_in = tl.load(st_ptr + (pid_bh * NC + ci) * P * N + offs_p[:, None] * N + offs_n[None, :],
+                   mask=pmask[:, None] & nmask[None, :], other=0.0).to(op_t)
+    acc = tl.dot(Cm, tl.trans(h_in), input_precision=F32_PREC) * tl.exp(ac_m)[:, None]
+    x_base = x_ptr + bi * sx_b + hi * sx_h
+    b_base = b_ptr + bi * sb_b + hi * sb_h
+    for k0 in range(c0, tl.minimum(m0 + BM, cend), BK):
+        t = k0 + offs_k
+        kmask = t < cend
+        ac_k = tl.load(acum_ptr + row + t, mask=kmask, other=0.0)
+        dtp_k = tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
+        Bk = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
+                     mask=kmask[:, None] & nmask[None, :], other=0.0).to(op_t)
+        Xk = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
+                     mask=kmask[:, None] & pmask[None, :], other=0.0).to(op_t)
+        CB = tl.dot(Cm, tl.trans(Bk), input_precision=F32_PREC)
+        causal = (offs_m[:, None] >= t[None, :]) & kmask[None, :]
+        seg = tl.where(causal, ac_m[:, None] - ac_k[None, :], float("-inf"))
+        Mx = CB * tl.exp(seg) * dtp_k[None, :]
+        acc = tl.dot(Mx.to(op_t), Xk, acc, input_precision=F32_PREC)
+    mp_mask = mmask[:, None] & pmask[None, :]
+    if HAS_D:
+        X = tl.load(x_base + offs_m[:, None] * sx_l + offs_p[None, :], mask=mp_mask,
+                    other=0.0).to(tl.float32)
+        if D_PER_P:
+            dsk = tl.load(d_ptr + hi * P + offs_p, mask=pmask, other=0.0).to(tl.float32)
+            acc += X * dsk[None, :]
+        else:
+            acc += X * tl.load(d_ptr + hi).to(tl.float32)
+    if HAS_Z:
+        zz = tl.load(z_ptr + bi * sz_b + offs_m[:, None] * sz_l + hi * sz_h + offs_p[None, :],
+                     mask=mp_mask, other=0.0).to(tl.float32)
+        acc *= zz * sigmoid_f32(zz)
+    y_off = ((bi * L + offs_m[:, None]) * H + hi) * P + offs_p[None, :]
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mp_mask)
 
 
 def _ssd_opts(x, opt, has_d, has_z, has_dt_bias, has_init):
@@ -154,22 +275,47 @@ def _last_contig(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_fwd(x, dt, a, b, c, d, z, bias, h0, y, hl, st, flags, cfg, prec):
+def _launch_dt(dt, a, bias, B, L, H, Q, has_bias, softplus):
+    """Kernel 1 -> dtp, acum [B, H, L] float32."""
+    NC = triton.cdiv(L, Q)
+    f32 = dict(dtype=torch.float32, device=dt.device)
+    dtp, acum = torch.empty((B, H, L), **f32), torch.empty((B, H, L), **f32)
+    bh = min(_p2(H, 1), max(1, 4096 // Q))
+    _ssd_dt_kernel[(B * NC, triton.cdiv(H, bh))](
+        dt, a, bias, dtp, acum, L, H, NC, *_strides3(dt), Q=Q, BH=bh, HAS_BIAS=has_bias,
+        SOFTPLUS=softplus, num_warps=4)
+    return dtp, acum
+
+
+def _launch_state(x, bm, z, dtp, acum, init, st, last, Q, cfg, has_init, reverse=False,
+                  has_z=False):
+    """Kernel 2 (or its reverse): x [B, L, H, P] against bm [B, L, H, N] -> st, last."""
+    B, L, H, P = x.shape
+    N = bm.shape[3]
+    bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
+    _ssd_state_kernel[(B * H, triton.cdiv(P, bp), triton.cdiv(N, bn))](
+        x, bm, z, dtp, acum, init, st, last, L, H, P, N, triton.cdiv(L, Q),
+        *_strides3(x), *_strides3(bm), *_strides3(z),
+        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, HAS_INIT=has_init, REVERSE=reverse,
+        HAS_Z=has_z, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype), num_warps=cfg.swarps,
+        num_stages=cfg.sstages)
+
+
+def _launch_scan(x, b, c, d, z, dtp, acum, st, y, Q, cfg, has_d, has_z):
     B, L, H, P = x.shape
     N = b.shape[3]
-    Q, BP, warps = cfg
     NC = triton.cdiv(L, Q)
-    has_d, has_z, has_bias, softplus, has_init, store = flags
-    _ssd_fwd_kernel[(B * H, triton.cdiv(P, BP))](
-        x, dt, a, b, c, d, z, bias, h0, y, hl, st, L, H, P, N, NC,
-        *_strides3(x), *_strides3(dt), *_strides3(b), *_strides3(c), *_strides3(z),
-        Q=Q, BP=BP, BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2, HAS_Z=has_z,
-        HAS_BIAS=has_bias, SOFTPLUS=softplus, HAS_INIT=has_init, STORE_STATES=store,
-        PREC=prec, num_warps=warps)
+    bm, bp = min(cfg.bm, Q), min(cfg.bp, _p2(P))
+    _ssd_scan_kernel[(B * H * NC * (Q // bm), triton.cdiv(P, bp))](
+        x, b, c, dtp, acum, st, d, z, y, L, H, P, N, NC,
+        *_strides3(x), *_strides3(b), *_strides3(c), *_strides3(z),
+        Q=Q, BM=bm, BK=min(cfg.bk, Q), BP=bp, BN=_p2(N), HAS_D=has_d,
+        D_PER_P=has_d and d.dim() == 2, HAS_Z=has_z, F32_PREC=F32_DOT,
+        OP_T=_op_type(x.dtype), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 @kernel(FusedOps.SSD_CHUNK_SCAN, "cuda", dtypes=HALF_AND_F32, cost=_cost, strided_input=True,
-        precision="fp32 state; tf32 (16-bit) / tf32x3 (fp32) dots")
+        precision="fp32 state and sums; 16-bit (fp32: exact) dot operands")
 def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, has_dt_bias,
                    has_initial_states, config=None):
     """SSD_CHUNK_SCAN: x [B, L, H, P], dt [B, L, H], a [H], b, c [B, L, H, N] (N >= 1; CUDA tensors,
@@ -188,27 +334,42 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
         return y, hl
     if L == 0:                               # no steps: the state is the initial one
         return y, (hl.copy_(h0) if has_initial_states else hl.zero_())
-    cfg = config or ssd_config(B, L, H, P, N)
-    _launch_fwd(x, dt, a, b, c, d, z, bias, h0, y, hl, x,
-                (has_d, has_z, has_dt_bias, bool(dt_softplus), has_initial_states, False),
-                cfg, DOT_PRECISION[x.dtype])
+    cfg = SSDConfig(*config) if config else ssd_config(B, L, H, P, N)
+    dtp, acum = _launch_dt(dt, a, bias, B, L, H, cfg.q, has_dt_bias, bool(dt_softplus))
+    # entering states feed a 16-bit dot: stored in x's dtype (float32 for float32 inputs)
+    st = torch.empty((B * H, triton.cdiv(L, cfg.q), P, N), dtype=x.dtype, device=x.device)
+    _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
+    _launch_scan(x, b, c, d, z, dtp, acum, st, y, cfg.q, cfg, has_d, has_z)
     return y, hl
 
 
 # ---------------------------------------------------------------------------------- backward
 @triton.jit
-def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, gy_ptr, gl_ptr,
-                    st_ptr, ys_ptr,
-                    dx_ptr, ddt_ptr, db_ptr, dc_ptr, dz_ptr, da_ptr, dd_ptr, dbias_ptr, dh0_ptr,
+def _mm(a, b, op_t: tl.constexpr, prec: tl.constexpr):
+    """a @ b with float32 accumulation, operands rounded to op_t (the input dtype)."""
+    return tl.dot(a.to(op_t), b.to(op_t), input_precision=prec)
+
+
+@triton.jit
+def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, gy_ptr, st_ptr,
+                    dst_ptr, ys_ptr,
+                    dx_ptr, ddt_ptr, db_ptr, dc_ptr, dz_ptr, da_ptr, dd_ptr, dbias_ptr,
                     L, H, P, N, NC,
                     sx_b, sx_l, sx_h, sdt_b, sdt_l, sdt_h, sb_b, sb_l, sb_h, sc_b, sc_l, sc_h,
                     sz_b, sz_l, sz_h, sg_b, sg_l, sg_h,
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                     D_PER_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    SOFTPLUS: tl.constexpr, PREC: tl.constexpr):
-    pid_bh = tl.program_id(0).to(tl.int64)
+                    SOFTPLUS: tl.constexpr, PREC: tl.constexpr,
+                    OP_T: tl.constexpr):
+    """One chunk of one (batch, head), given the state entering it (st) and the cotangent of
+    the state at its end (dst): dx, ddt, db, dc, dz of the chunk and its partial sums of da,
+    dd, ddt_bias (written per program: [B H NC], [B H NC, P])."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_bh = pid // NC
+    ci = pid % NC
     bi = pid_bh // H
     hi = pid_bh % H
+    op_t: tl.constexpr = OP_T
     offs_q = tl.arange(0, Q)
     offs_p = tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
@@ -225,96 +386,91 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
         else:
             dsk = tl.load(d_ptr + hi).to(tl.float32)
     causal = offs_q[:, None] >= offs_q[None, :]
-    # cotangent of the state at the end of the current chunk
-    Dst = tl.load(gl_ptr + pid_bh * P * N + pn_off, mask=pn_mask, other=0.0).to(tl.float32)
-    da_acc = tl.sum(tl.zeros((Q,), tl.float32), 0)
-    dbias_acc = tl.sum(tl.zeros((Q,), tl.float32), 0)
+    # cotangent of the state at the end of this chunk
+    # (kept in their stored dtype: dot operands, widened only for the one sum below)
+    Dst = tl.load(dst_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
     dd_acc = tl.zeros((BP,), tl.float32)
-    for k in range(0, NC):
-        ci = NC - 1 - k
-        t = ci * Q + offs_q
-        tmask = t < L
-        pre = tl.load(dt_ptr + bi * sdt_b + t * sdt_l + hi * sdt_h, mask=tmask,
-                      other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            pre += bias
-        if SOFTPLUS:
-            dtp = softplus_f32(pre)
-        else:
-            dtp = pre
-        dtp = tl.where(tmask, dtp, 0.0)
-        s = dtp * a_h
-        acum = tl.cumsum(s, 0)
-        total = tl.sum(s, 0)
-        qp_mask = tmask[:, None] & pmask[None, :]
-        qn_mask = tmask[:, None] & nmask[None, :]
-        X = tl.load(x_ptr + bi * sx_b + t[:, None] * sx_l + hi * sx_h + offs_p[None, :],
-                    mask=qp_mask, other=0.0).to(tl.float32)
-        Bm = tl.load(b_ptr + bi * sb_b + t[:, None] * sb_l + hi * sb_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        Cm = tl.load(c_ptr + bi * sc_b + t[:, None] * sc_l + hi * sc_h + offs_n[None, :],
-                     mask=qn_mask, other=0.0).to(tl.float32)
-        GY = tl.load(gy_ptr + bi * sg_b + t[:, None] * sg_l + hi * sg_h + offs_p[None, :],
+    t = ci * Q + offs_q
+    tmask = t < L
+    pre = tl.load(dt_ptr + bi * sdt_b + t * sdt_l + hi * sdt_h, mask=tmask,
+                  other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        pre += bias
+    if SOFTPLUS:
+        dtp = softplus_f32(pre)
+    else:
+        dtp = pre
+    dtp = tl.where(tmask, dtp, 0.0)
+    s = dtp * a_h
+    acum = tl.cumsum(s, 0)
+    total = tl.sum(s, 0)
+    qp_mask = tmask[:, None] & pmask[None, :]
+    qn_mask = tmask[:, None] & nmask[None, :]
+    X = tl.load(x_ptr + bi * sx_b + t[:, None] * sx_l + hi * sx_h + offs_p[None, :],
+                mask=qp_mask, other=0.0).to(tl.float32)
+    Bm = tl.load(b_ptr + bi * sb_b + t[:, None] * sb_l + hi * sb_h + offs_n[None, :],
+                 mask=qn_mask, other=0.0).to(tl.float32)
+    Cm = tl.load(c_ptr + bi * sc_b + t[:, None] * sc_l + hi * sc_h + offs_n[None, :],
+                 mask=qn_mask, other=0.0).to(tl.float32)
+    GY = tl.load(gy_ptr + bi * sg_b + t[:, None] * sg_l + hi * sg_h + offs_p[None, :],
+                 mask=qp_mask, other=0.0).to(tl.float32)
+    y_off = ((bi * L + t[:, None]) * H + hi) * P + offs_p[None, :]
+    if HAS_Z:
+        zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
                      mask=qp_mask, other=0.0).to(tl.float32)
-        y_off = ((bi * L + t[:, None]) * H + hi) * P + offs_p[None, :]
-        if HAS_Z:
-            zz = tl.load(z_ptr + bi * sz_b + t[:, None] * sz_l + hi * sz_h + offs_p[None, :],
-                         mask=qp_mask, other=0.0).to(tl.float32)
-            sz = sigmoid_f32(zz)
-            yp = tl.load(ys_ptr + y_off, mask=qp_mask, other=0.0)
-            if HAS_D:
-                yp += X * dsk
-            dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
-            tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
-            GY = GY * zz * sz
-        Hin = tl.load(st_ptr + (pid_bh * NC + ci) * P * N + pn_off, mask=pn_mask, other=0.0)
-        eA = tl.exp(acum)
-        wend = tl.exp(total - acum)
-        dec = tl.exp(total)
-        CB = tl.dot(Cm, tl.trans(Bm), input_precision=PREC)
-        Lm = tl.exp(tl.where(causal, acum[:, None] - acum[None, :], float("-inf")))
-        QB = tl.dot(Bm, tl.trans(Dst), input_precision=PREC)                    # [Q, BP]
-        gB = tl.dot(tl.trans(CB * Lm), GY, input_precision=PREC) + wend[:, None] * QB
-        dX = dtp[:, None] * gB
+        sz = sigmoid_f32(zz)
+        yp = tl.load(ys_ptr + y_off, mask=qp_mask, other=0.0)
         if HAS_D:
-            dd_acc += tl.sum(GY * X, 0)
-            dX += GY * dsk
-        ddt = tl.sum(X * gB, 1)
-        W = tl.dot(GY, tl.trans(X), input_precision=PREC) * Lm                  # [Q, Q]
-        dBv = tl.dot(tl.trans(W), Cm, input_precision=PREC) + \
-            wend[:, None] * tl.dot(X, Dst, input_precision=PREC)
-        dBv = dBv * dtp[:, None]
-        V = W * dtp[None, :]
-        yoffH = tl.dot(GY, Hin, input_precision=PREC)                            # [Q, BN]
-        dCv = tl.dot(V, Bm, input_precision=PREC) + eA[:, None] * yoffH
-        Zm = V * CB
-        r = wend * dtp * tl.sum(X * QB, 1)
-        dAc = tl.sum(Zm, 1) - tl.sum(Zm, 0) + eA * tl.sum(yoffH * Cm, 1) - r
-        dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * tl.sum(tl.sum(Dst * Hin, 1), 0),
-                        0.0)
-        ds = tl.sum(dAc, 0) - tl.cumsum(dAc, 0) + dAc                           # suffix sums
-        ddt += ds * a_h
-        da_acc += tl.sum(ds * dtp, 0)
-        if SOFTPLUS:
-            ddt = ddt * sigmoid_f32(pre)
-        ddt = tl.where(tmask, ddt, 0.0)
-        dbias_acc += tl.sum(ddt, 0)
-        tl.store(dx_ptr + y_off, dX.to(dx_ptr.dtype.element_ty), mask=qp_mask)
-        tl.store(ddt_ptr + (bi * L + t) * H + hi, ddt.to(ddt_ptr.dtype.element_ty), mask=tmask)
-        n_off = ((bi * L + t[:, None]) * H + hi) * N + offs_n[None, :]
-        tl.store(db_ptr + n_off, dBv.to(db_ptr.dtype.element_ty), mask=qn_mask)
-        tl.store(dc_ptr + n_off, dCv.to(dc_ptr.dtype.element_ty), mask=qn_mask)
-        Dst = dec * Dst + tl.dot(tl.trans(GY * eA[:, None]), Cm, input_precision=PREC)
-    tl.store(dh0_ptr + pid_bh * P * N + pn_off, Dst, mask=pn_mask)
-    tl.store(da_ptr + pid_bh, da_acc)
-    tl.store(dbias_ptr + pid_bh, dbias_acc)
+            yp += X * dsk
+        dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
+        tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
+        GY = GY * zz * sz
+    Hin = tl.load(st_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
+    eA = tl.exp(acum)
+    wend = tl.exp(total - acum)
+    dec = tl.exp(total)
+    CB = _mm(Cm, tl.trans(Bm), op_t, PREC)
+    Lm = tl.exp(tl.where(causal, acum[:, None] - acum[None, :], float("-inf")))
+    QB = _mm(Bm, tl.trans(Dst), op_t, PREC)                    # [Q, BP]
+    gB = _mm(tl.trans(CB * Lm), GY, op_t, PREC) + wend[:, None] * QB
+    dX = dtp[:, None] * gB
     if HAS_D:
-        tl.store(dd_ptr + pid_bh * P + offs_p, dd_acc, mask=pmask)
+        dd_acc += tl.sum(GY * X, 0)
+        dX += GY * dsk
+    ddt = tl.sum(X * gB, 1)
+    W = _mm(GY, tl.trans(X), op_t, PREC) * Lm                  # [Q, Q]
+    dBv = _mm(tl.trans(W), Cm, op_t, PREC) + \
+        wend[:, None] * _mm(X, Dst, op_t, PREC)
+    dBv = dBv * dtp[:, None]
+    V = W * dtp[None, :]
+    yoffH = _mm(GY, Hin, op_t, PREC)                            # [Q, BN]
+    dCv = _mm(V, Bm, op_t, PREC) + eA[:, None] * yoffH
+    Zm = V * CB
+    r = wend * dtp * tl.sum(X * QB, 1)
+    dAc = tl.sum(Zm, 1) - tl.sum(Zm, 0) + eA * tl.sum(yoffH * Cm, 1) - r
+    dHH = tl.sum(tl.sum(Dst.to(tl.float32) * Hin.to(tl.float32), 1), 0)
+    dAc += tl.where(offs_q == Q - 1, tl.sum(r, 0) + dec * dHH, 0.0)
+    ds = tl.sum(dAc, 0) - tl.cumsum(dAc, 0) + dAc                           # suffix sums
+    ddt += ds * a_h
+    da_acc = tl.sum(ds * dtp, 0)
+    if SOFTPLUS:
+        ddt = ddt * sigmoid_f32(pre)
+    ddt = tl.where(tmask, ddt, 0.0)
+    dbias_acc = tl.sum(ddt, 0)
+    tl.store(dx_ptr + y_off, dX.to(dx_ptr.dtype.element_ty), mask=qp_mask)
+    tl.store(ddt_ptr + (bi * L + t) * H + hi, ddt.to(ddt_ptr.dtype.element_ty), mask=tmask)
+    n_off = ((bi * L + t[:, None]) * H + hi) * N + offs_n[None, :]
+    tl.store(db_ptr + n_off, dBv.to(db_ptr.dtype.element_ty), mask=qn_mask)
+    tl.store(dc_ptr + n_off, dCv.to(dc_ptr.dtype.element_ty), mask=qn_mask)
+    tl.store(da_ptr + pid, da_acc)
+    tl.store(dbias_ptr + pid, dbias_acc)
+    if HAS_D:
+        tl.store(dd_ptr + pid * P + offs_p, dd_acc, mask=pmask)
 
 
 @kernel(SSD_CHUNK_SCAN_BACKWARD, "cuda", dtypes=HALF_AND_F32, strided_input=True,
         cost=lambda s, p=None: _cost(s[:5], p),
-        precision="fp32 state; tf32 (16-bit) / tf32x3 (fp32) dots")
+        precision="fp32 state and sums; 16-bit (fp32: exact) dot operands")
 def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_d, has_z,
                             has_dt_bias, has_initial_states, config=None):
     """Backward of SSD_CHUNK_SCAN: the forward inputs, then grad_y [B, L, H, P] and
@@ -329,43 +485,51 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     BH = B * H
     dev, dtype = x.device, x.dtype
     f32 = dict(dtype=torch.float32, device=dev)
-    Q, BP, warps = config or ssd_config(B, L, H, P, N, backward=True)
-    BP = _p2(P)
+    cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N, dtype)
+    Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
-    prec = DOT_PRECISION[dtype]
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
     ddt = torch.empty((B, L, H), dtype=dtype, device=dev)
     db = torch.empty((B, L, H, N), dtype=dtype, device=dev)
     dc = torch.empty((B, L, H, N), dtype=dtype, device=dev)
     dz = torch.empty((B, L, H, P), dtype=dtype, device=dev) if has_z else x
-    da_p, dbias_p = torch.zeros(BH, **f32), torch.zeros(BH, **f32)
-    dd_p = torch.zeros((BH, P), **f32)
+    da_p, dbias_p = torch.zeros((BH, NC), **f32), torch.zeros((BH, NC), **f32)
+    dd_p = torch.zeros((BH, NC, P), **f32)
     dh0 = gl.to(torch.float32).clone()
     if BH * P and L:
-        st = torch.empty((BH, NC, P, N), **f32)
-        ys = torch.empty((B, L, H, P), **f32)
+        fcfg = ssd_config(B, L, H, P, N)._replace(q=Q, bm=min(64, Q), bk=min(64, Q))
+        dtp, acum = _launch_dt(dt, a, bias, B, L, H, Q, has_dt_bias, bool(dt_softplus))
+        # states entering each chunk, and the cotangents at each chunk's end (reverse walk);
+        # in x's dtype (they feed 16-bit dots)
+        st = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
+        dst = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
         hl = torch.empty((B, H, P, N), **f32)
-        _launch_fwd(x, dt, a, b, c, d, z, bias, h0, ys, hl, st,
-                    (False, False, has_dt_bias, bool(dt_softplus), has_initial_states, True),
-                    (Q, _p2(P), warps), prec)
-        _ssd_bwd_kernel[(BH,)](
-            x, dt, a, b, c, d, z, bias, gy, gl, st, ys, dx, ddt, db, dc, dz, da_p, dd_p,
-            dbias_p, dh0, L, H, P, N, NC,
+        _launch_state(x, b, z, dtp, acum, h0, st, hl, Q, fcfg, has_initial_states)
+        _launch_state(gy, c, z, dtp, acum, gl, dst, dh0, Q, fcfg, True, reverse=True,
+                      has_z=has_z)
+        ys = x
+        if has_z:                            # the ungated y, for dz
+            ys = torch.empty((B, L, H, P), **f32)
+            _launch_scan(x, b, c, d, z, dtp, acum, st, ys, Q, fcfg, False, False)
+        _ssd_bwd_kernel[(BH * NC,)](
+            x, dt, a, b, c, d, z, bias, gy, st, dst, ys, dx, ddt, db, dc, dz, da_p, dd_p,
+            dbias_p, L, H, P, N, NC,
             *_strides3(x), *_strides3(dt), *_strides3(b), *_strides3(c), *_strides3(z),
             *_strides3(gy),
-            Q=Q, BP=BP, BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2, HAS_Z=has_z,
-            HAS_BIAS=has_dt_bias, SOFTPLUS=bool(dt_softplus), PREC=prec, num_warps=warps)
+            Q=Q, BP=_p2(P), BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2,
+            HAS_Z=has_z, HAS_BIAS=has_dt_bias, SOFTPLUS=bool(dt_softplus), PREC=F32_DOT,
+            OP_T=_op_type(dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
-    grads = [dx, ddt, da_p.reshape(B, H).sum(0).to(dtype), db, dc]
+    grads = [dx, ddt, da_p.reshape(B, H, NC).sum((0, 2)).to(dtype), db, dc]
     if has_d:
-        ddp = dd_p.reshape(B, H, P).sum(0)
+        ddp = dd_p.reshape(B, H, NC, P).sum((0, 2))
         grads.append((ddp if d.dim() == 2 else ddp.sum(1)).to(dtype))
     if has_z:
         grads.append(dz)
     if has_dt_bias:
-        grads.append(dbias_p.reshape(B, H).sum(0).to(dtype))
+        grads.append(dbias_p.reshape(B, H, NC).sum((0, 2)).to(dtype))
     if has_initial_states:
         grads.append(dh0.reshape(B, H, P, N).to(dtype))
     return tuple(grads)
