@@ -285,7 +285,7 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         return self
 
     # ---- decoding (GenerationMixin) -----------------------------------------------------------
-    def _prefill(self, ids: np.ndarray, max_new: int):
+    def _prefill(self, ids: np.ndarray, max_new: int, greedy: bool = False):
         b, s = ids.shape
         x = self.backbone.embeddings(self._ids(ids).reshape(-1))
         convs, ssms = [], []
