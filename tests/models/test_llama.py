@@ -80,6 +80,29 @@ def test_greedy_generate_matches_transformers(hf_llama, ids):
     np.testing.assert_array_equal(out, ref)
 
 
+def test_decode_loop_traces_once(hf_llama, ids):
+    """Each decode token replays one traced step (no graph building per token); the KV pools
+    are written in place; a later generate of a similar size reuses the decoder's traces."""
+    from fuelgraph.ir.tensor import _DATA
+    model = M.from_pretrained(hf_llama[0])
+    out = model.generate(ids[:, :11], max_new_tokens=12)
+    dec = model.decoder(2, 23)
+    assert dec.step.stats == {"traces": 2, "replays": 10}    # the prompt; decode token 1, 2..11
+    pool = dec.cache.pools(1)[1]
+    buf = _DATA[pool.value.node]
+    again = model.generate(ids[:, :9], max_new_tokens=20)    # new prompt length, same capacity
+    assert model.decoder(2, 29) is dec
+    assert dec.step.stats == {"traces": 3, "replays": 29}    # only the new prompt is traced
+    assert np.shares_memory(buf, _DATA[pool.value.node])
+    np.testing.assert_array_equal(model.generate(ids[:, :11], max_new_tokens=12), out)
+    np.testing.assert_array_equal(model.generate(ids[:, :9], max_new_tokens=20), again)
+    with torch.no_grad():
+        ref = hf_llama[1].generate(torch.tensor(ids[:, :9]), max_new_tokens=20, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(again, ref)
+    assert dec.step.stats["traces"] == 3
+
+
 def test_sampling_is_seeded_and_in_vocab(hf_llama, ids):
     model = M.from_pretrained(hf_llama[0])
     a = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=True, top_k=20, top_p=0.9, seed=3)
