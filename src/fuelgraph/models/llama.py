@@ -19,7 +19,7 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, tensor
+from ..ir.tensor import Tensor, arange, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
@@ -327,17 +327,16 @@ class LlamaForCausalLM(GenerationMixin, Module):
         b, s = ids.shape
         dec = self.decoder(b, s + max_new)
         seqs = dec.cache.add_sequences(b)
-        state = [dec, seqs, s, greedy]
+        state = [dec, seqs, greedy]
         try:
-            return state, dec.run(seqs, ids, 0, greedy)
+            return state, dec.run(seqs, ids, greedy)
         except BaseException:
             self._release(state)
             raise
 
     def _decode_step(self, state, tok: np.ndarray) -> Tensor:
-        dec, seqs, pos, greedy = state
-        state[2] = pos + 1
-        return dec.run(seqs, tok[:, None], pos, greedy)
+        dec, seqs, greedy = state
+        return dec.run(seqs, tok[:, None], greedy)
 
     def _release(self, state):
         state[0].cache.free(state[1])
@@ -370,45 +369,51 @@ class PagedStep:
 
 class PagedDecoder:
     """A Llama's paged KV cache for `batch` sequences of up to `capacity` tokens, with the
-    traced step that runs the model on it (`fuelgraph.jit`, as a CUDA graph on the GPU).
+    traced steps that run the model on it (`fuelgraph.jit`).
 
-    The step takes the new token ids [B, S], their positions [B, S] and the cache's slot
-    mapping, block table and context lengths as run-time tensors, writes the new k/v into the
-    pools inside its plan and returns the last position's logits [B, V] (or, greedy, the next
-    token ids [B] by an argmax in the graph). The pools and rope tables are fixed per decoder,
-    so there is one trace per (B, S, prompt, greedy): a prompt length, and one for all decode
-    tokens; every later token replays the plan on new input buffers."""
+    A step takes the new token ids [B, S] and the cache's slot mapping, block table and context
+    lengths as run-time tensors (the positions are derived from the lengths in the graph),
+    writes the new k/v into the pools inside its plan and returns the last position's logits
+    [B, V] (or, greedy, the next token ids [B] by an argmax in the graph). The pools and rope
+    tables are fixed per decoder, so each (B, S, greedy) is traced once: `prompt_step` per
+    prompt length, `step` once for all decode tokens (S = 1), which every later token replays
+    on new input buffers; on the GPU a decode replay is one CUDA graph."""
 
     def __init__(self, model: LlamaForCausalLM, batch: int, capacity: int):
         self.model = model
         self.cache = model.new_cache(batch, capacity)
         self.cos, self.sin = model.rope.at(0, capacity, model.dtype, model.device)
-        self.step = jit(self._step, cuda_graph=True)
+        self.prompt_step = jit(self._prompt)
+        self.step = jit(self._decode, cuda_graph=True)
 
-    def _step(self, ids, positions, slots, table, lens, prompt, greedy):
+    def _prompt(self, ids, slots, table, lens, greedy):
+        return self._forward(ids, slots, table, lens, greedy, True)
+
+    def _decode(self, ids, slots, table, lens, greedy):
+        return self._forward(ids, slots, table, lens, greedy, False)
+
+    def _forward(self, ids, slots, table, lens, greedy, prompt):
         m = self.model
         b, n = ids.shape
-        at = positions.reshape(-1)
+        pos = lens.astype(dt.int64).reshape(b, 1) - n + arange(n, dtype=dt.int64,
+                                                                device=ids.device).reshape(1, n)
 
         def rot(t):                                               # [B, 1, S, D]
-            return t.take(at, 0).reshape(b, 1, n, t.shape[-1])
-        h = m.model(ids, rot(self.cos), rot(self.sin), PagedStep(self.cache, slots, table, lens,
-                                                                 prompt))
+            return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
+        kv = PagedStep(self.cache, slots, table, lens, prompt)
+        h = m.model(ids, rot(self.cos), rot(self.sin), kv)
         last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
         logits = m.head(last)
         return logits.argmax(-1) if greedy else logits
 
-    def run(self, seqs, ids: np.ndarray, start: int, greedy: bool) -> Tensor:
-        """Tokens ids [B, S] at positions start... of the sequences `seqs` -> logits [B, V] or,
-        greedy, the next tokens [B] (computed)."""
-        b, n = ids.shape
-        self.cache.extend(seqs, n)
-        pos = np.broadcast_to(np.arange(start, start + n, dtype=np.int64), (b, n))
-        dev = self.model.device
-        out = self.step(tensor(np.ascontiguousarray(ids, np.int64), device=dev),
-                        tensor(np.ascontiguousarray(pos), device=dev),
-                        *self.cache.step_tensors(seqs), start == 0, greedy)
-        return out
+    def run(self, seqs, ids: np.ndarray, greedy: bool) -> Tensor:
+        """The next tokens ids [B, S] of the sequences `seqs` (a prompt when they are empty) ->
+        the last position's logits [B, V] or, greedy, the next tokens [B] (computed)."""
+        prompt = not self.cache.context_lens(seqs).any()
+        self.cache.extend(seqs, ids.shape[1])
+        step = self.prompt_step if prompt else self.step
+        return step(tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device),
+                    *self.cache.step_tensors(seqs), greedy)
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:
