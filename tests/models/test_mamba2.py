@@ -62,7 +62,11 @@ def test_greedy_generate_matches_transformers(hf_mamba2, ids):
             ref = hf.generate(torch.tensor(p), max_new_tokens=10, do_sample=False,
                               eos_token_id=None, pad_token_id=0).numpy()
         np.testing.assert_array_equal(out, ref)
-    assert model._step_fn.stats["traces"] == 1        # the decode step is traced once
+    dec = model.decoder(2)
+    assert dec.step.stats == {"traces": 1, "replays": 17}    # the decode step is traced once
+    assert dec.prompt_step.stats == {"traces": 2, "replays": 0}   # one per prompt length
+    np.testing.assert_array_equal(model.generate(p, max_new_tokens=10), out)
+    assert dec.step.stats["traces"] == 1 and dec.prompt_step.stats["replays"] == 1
 
 
 def test_adamw_steps_equal_torch(hf_mamba2, ids):

@@ -99,7 +99,8 @@ class GraphedPlan:
 class GraphedStep:
     """A traced step (fuelgraph.jit) captured as a CUDA graph. The buffers of donated inputs
     (parameters and optimizer state updated in place) are the graph's own static buffers: a
-    replay updates them where they are, with no copy in or out. Persistent inputs that the step
+    replay updates them where they are, with no copy in or out (a new value the plan computed
+    elsewhere is copied back into that buffer). Persistent inputs that the step
     only reads (`persistent`: parameters of a decode step, constants) are captured where they
     are too, so a replay copies no weights; `run` returns None when one of them has moved to
     another buffer since the capture, adding it to `moved` (capture again with it copied, as
@@ -137,6 +138,12 @@ class GraphedStep:
         out = []
         for j, o in enumerate(self.static_out):
             k = self.inplace_of.get(j)
-            same = k is not None and o.data_ptr() == self.static_in[k].data_ptr()
-            out.append(o if same else o.clone())
+            if k is None:
+                out.append(o.clone())
+                continue
+            if o.data_ptr() != self.static_in[k].data_ptr():
+                # a state the plan did not update in place (no destructive op wrote it): copied
+                # back into its input buffer, where the next replay reads it without a copy-in
+                self.static_in[k].copy_(o)
+            out.append(self.static_in[k])
         return out
