@@ -187,19 +187,28 @@ def bench_ce(recs, smoke, sweep):
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     configs = []
-    for per_sm in (1, 2, 4):
-        for block, warps, stages in ((4096, 8, 3), (4096, 4, 3), (8192, 8, 2), (2048, 4, 4)):
+    for per_sm in (2, 4):
+        for block, warps, stages in ((4096, 8, 3), (8192, 8, 2)):
             configs.append(dict(programs=per_sm * sms, block=block, num_warps=warps,
                                 stages=stages))
-    configs.append(dict(programs=r, block=4096, num_warps=8, stages=3))   # one program per row
+    # the split-row kernel: rows cut into chunks (0: one program per row), launch settings
+    for chunk in (0, 65536, 32768, 16384, 8192):
+        for block, warps, stages in ((4096, 8, 3), (2048, 4, 3), (8192, 8, 2), (4096, 16, 3)):
+            configs.append(dict(split_chunk=chunk, block=block, num_warps=warps, stages=stages))
+    configs.append(dict(split_chunk=32768, block=4096, num_warps=8, stages=3, ticket=True))
     g32 = one.float().reshape(1)
     results = []
     for cfg in configs[:3] if smoke else configs:
         def fn(cfg=cfg):
             loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
             dx = torch.empty_like(logits)
-            L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
-                      reduction="mean", ignore_index=-100, **cfg)
+            if "split_chunk" in cfg:
+                kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
+                L.ce_split(logits, t, L.split_plan(v, cfg["split_chunk"]), loss_rows=loss_rows,
+                           dx=dx, grad=g32, reduction="mean", ignore_index=-100, **kw)
+            else:
+                L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=None,
+                          reduction="mean", ignore_index=-100, **cfg)
             return dx
         try:
             ms = _time(fn, smoke)
@@ -208,7 +217,8 @@ def bench_ce(recs, smoke, sweep):
             continue
         results.append((ms, cfg))
     results.sort(key=lambda p: p[0])
-    print("[bench] one-pass kernel sweep (best first; programs, block, warps, stages):")
+    print("[bench] one-pass kernel sweep (best first; persistent: programs, block, warps, "
+          "stages; split-row: chunk, block, warps, stages):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,

@@ -15,11 +15,19 @@ importable: flash_attn_func on the dense copy and flash_attn_with_kvcache on the
 pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every attention result
 is checked against a reference before it is timed (field max_err).
 
-    python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick]
+    python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
 
---sweep also times launch variants of our kernel (block_n, warps, stages, splits) as impl
-"fuelgraph[...]"; --quick uses shorter timing. Writes bench/results/cuda_paged_<date>.json (and
-DIR/cuda_paged_<date>.json), prints the records, then the targets table.
+--sweep also times launch variants of our kernels as impl "fuelgraph[...]": tiles, warps,
+stages and split counts of the decode kernel and its unfused merge (a second launch); explicit
+tiles of the prefill kernel (the default autotunes) and the grouped kernel instead. --quick
+uses shorter timing; --only runs some cases (decode_B32, decode_B1, decode_B64, prefill,
+append). Every record also has host_us: the host time of one call (launch overhead); when it
+exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
+"fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
+separately" is the registry op's kernel once per pool. The prefill target compares with
+flash-attn's dense kernel when it is importable, else fuelgraph's own dense flash_attn. Writes
+bench/results/cuda_paged_<date>[_sweep][_<case>...].json (and the same name under DIR), prints
+the records, then the targets table.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 import traceback
 
 import torch
@@ -75,7 +84,8 @@ def record(op, impl, case, ms, *, nbytes=None, flops=None, **extra):
     perf = f"{rec['gbps']:8.1f} GB/s" if "gbps" in rec else \
         f"{rec['tflops']:8.1f} TFLOP/s" if "tflops" in rec else ""
     err = f"  err {rec['max_err']:.2e}" if "max_err" in rec else ""
-    print(f"  {case['name']:24s} {impl:36s} {ms:9.4f} ms {perf}{err}", flush=True)
+    host = f"  host {rec['host_us']:.0f} us" if "host_us" in rec else ""
+    print(f"  {case['name']:24s} {impl:36s} {ms:9.4f} ms {perf}{err}{host}", flush=True)
     return rec
 
 
@@ -91,6 +101,7 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
                 print(f"  {case['name']:24s} {impl:36s} WRONG RESULT: max err {err:.3g}",
                       flush=True)
                 extra["wrong"] = True
+        extra["host_us"] = round(host_us(fn), 1)
         return record(op, impl, case, t_ms(fn), **extra)
     except Exception as exc:  # noqa: BLE001
         print(f"  {case['name']:24s} {impl:36s} FAILED: {exc!r}", flush=True)
@@ -98,6 +109,18 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
         RECORDS.append({"op": op, "impl": impl, "case": case["name"], "shape": case["shape"],
                         "dtype": "bfloat16", "error": repr(exc)[:300], "date": DATE})
         return None
+
+
+def host_us(fn, n=50) -> float:
+    """Host time of one call (launch overhead, no sync): when it exceeds the GPU time (plus the
+    L2 flush do_bench runs before each call) the timing measures the host, not the kernel."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def max_err(ref, rows):
@@ -244,7 +267,9 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
 
 
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
-    """Launch variants of our kernel: tiles, warps, pipeline stages; splits for decode."""
+    """Launch variants of our kernels: tiles, warps, pipeline stages; for decode the split count
+    and the unfused merge (a second launch); for prefill the explicit tiles of the
+    FlashAttention-style kernel (the default autotunes) and the grouped kernel instead."""
     stages = (2, 3, 4) if decode else (2, 3)
     for bm in ((None,) if decode else (64, 128)):
         for bn in (32, 64, 128):
@@ -254,8 +279,15 @@ def sweep(case, inp, err, decode, nbytes=None, flops=None):
                     run("paged_attn", f"fuelgraph[{label}]", case,
                         kernel_fn(inp, block_m=bm, block_n=bn, num_warps=w, num_stages=st), err,
                         nbytes=nbytes, flops=flops)
-    for ns in ((1, 2, 4, 8, 16, 32, 64) if decode else ()):
-        run("paged_attn", f"fuelgraph[split={ns}]", case, kernel_fn(inp, n_split=ns), err,
+    if decode:
+        for ns in (1, 2, 4, 8, 16, 32, 64, 128):
+            run("paged_attn", f"fuelgraph[split={ns}]", case, kernel_fn(inp, n_split=ns), err,
+                nbytes=nbytes, flops=flops)
+        for ns in (None, 32):
+            run("paged_attn", f"fuelgraph[split={ns or 'auto'},merge launch]", case,
+                kernel_fn(inp, n_split=ns, fused_merge=False), err, nbytes=nbytes, flops=flops)
+    else:
+        run("paged_attn", "fuelgraph[grouped kernel]", case, kernel_fn(inp, prefill=False), err,
             nbytes=nbytes, flops=flops)
 
 
@@ -270,7 +302,13 @@ def bench_append(B=64, nb=16384):
     s32, s64 = slots.to(torch.int32).to(DEV), slots.to(DEV)
     nbytes = 2 * 2 * B * HKV * D * 2                    # read + write of the new k and v rows
 
+    kn4, vn4 = kn.reshape(B, HKV, 1, D), vn.reshape(B, HKV, 1, D)
+
     def ours():
+        K.paged_cache_write_kv(kp, vp, kn4, vn4, s32)
+        return kp
+
+    def ours_separately():
         K.paged_cache_write(kp, kn, s32, check=False)
         K.paged_cache_write(vp, vn, s32, check=False)
         return kp
@@ -283,7 +321,10 @@ def bench_append(B=64, nb=16384):
         return kp
     ours()
     ok = torch.equal(kf[s64], kn) and torch.equal(vf[s64], vn)
-    run("paged_cache_write", "fuelgraph kernel", case, ours, nbytes=nbytes, correct=bool(ok))
+    run("paged_cache_write", "fuelgraph kernel", case, ours, nbytes=nbytes, correct=bool(ok),
+        note="paged_cache_write_kv: k and v in one launch")
+    run("paged_cache_write", "fuelgraph kernel k, v separately", case, ours_separately,
+        nbytes=nbytes, note="the registry op's kernel, once per pool")
     run("paged_cache_write", "torch eager", case, torch_put, nbytes=nbytes,
         anchor="index_put_ (k and v)")
     # the whole PagedKVCache step a decode loop runs (host bookkeeping + uploads + 2 scatters)
@@ -324,7 +365,9 @@ def targets_table():
     print("\ncase                        ours ms   anchor ms   metric              target   ok")
     for case, metric, ours_i, anchor_i, (kind, goal) in TARGETS:
         ours = best(case, ours_i)
-        anchor = best(case, anchor_i) or (best(case, "torch eager") if anchor_i == "flash" else None)
+        anchor = best(case, anchor_i) or (
+            (best(case, "fuelgraph flash_attn") or best(case, "torch eager"))
+            if anchor_i == "flash" else None)
         if ours is None:
             print(f"{case:26s} (no result)")
             continue
@@ -346,6 +389,8 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "
+                    "decode_B32, decode_B1, decode_B64, prefill, append")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -354,11 +399,16 @@ def main():
     g = torch.Generator().manual_seed(2)
     mixed = torch.randint(128, 8193, (64,), generator=g).tolist()
     mixed[0] = 8192
-    for step in (lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
-                 lambda: bench_decode("decode_B1_ctx32768", [32768], args),
-                 lambda: bench_decode("decode_B64_mixed", mixed, args, pad_to_longest=True),
-                 lambda: bench_prefill(args),
-                 bench_append):
+    steps = {"decode_B32": lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
+             "decode_B1": lambda: bench_decode("decode_B1_ctx32768", [32768], args),
+             "decode_B64": lambda: bench_decode("decode_B64_mixed", mixed, args,
+                                                pad_to_longest=True),
+             "prefill": lambda: bench_prefill(args),
+             "append": bench_append}
+    only = [c for c in (args.only or "").split(",") if c]
+    for name, step in steps.items():
+        if only and not any(c in name for c in only):
+            continue
         try:
             step()
         except Exception:  # noqa: BLE001
@@ -366,9 +416,10 @@ def main():
         torch.cuda.empty_cache()
     doc = {"date": DATE, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "command": " ".join(sys.argv), "records": RECORDS}
-    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}.json"]
+    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
+    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
     if args.out:
-        paths.append(args.out / f"cuda_paged_{DATE}.json")
+        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
     for p in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(doc, indent=1))

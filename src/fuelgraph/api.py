@@ -13,7 +13,7 @@ from .errors import FuelGraphError
 from .interop import from_torch, to_torch
 from .ir import ops
 from .ir.node import Value
-from .ir.tensor import GRAD_LEAVES, OWNER, REALIZED, TRACE, Tensor, _leaf, _normalize_device
+from .ir.tensor import _DATA, GRAD_LEAVES, OWNER, REALIZED, TRACE, Tensor, _leaf, _normalize_device
 from .ir.tensor import tensor as _ir_tensor
 from .runtime.executor import group_gradients, realize_raw
 
@@ -102,7 +102,12 @@ def _move(self, device) -> Tensor:
     device = _normalize_device(device)
     if device == self.device:
         return self
-    data = _buffer(self)
+    op = self.value.node.op
+    if (TRACE[0] is not None and isinstance(op, ops.Input) and op.uid >= TRACE[0].first_uid
+            and self.value.node in _DATA):
+        data = _DATA[self.value.node]   # a constant the traced step made: copied in, not computed
+    else:
+        data = _buffer(self)
     return _leaf(get_backend(device).from_any(data, device), self.dtype, device,
                  self.requires_grad)
 

@@ -36,7 +36,7 @@ from .backends import get_backend
 from .errors import FuelGraphError
 from .ir import ops
 from .ir.node import Value, built_at
-from .ir.tensor import _DATA, GRAD_LEAVES, OWNER, TRACE, Tensor, _leaf
+from .ir.tensor import _DATA, _INPUT_UID, GRAD_LEAVES, OWNER, TRACE, Tensor, _leaf
 from .runtime.executor import _cut, _key_and_inputs, _known, compile_plan, realize_raw
 
 _SCALARS = (int, float, bool, str, bytes, type(None), complex)
@@ -48,6 +48,7 @@ class _Trace:
 
     def __init__(self, name):
         self.name = name
+        self.first_uid = next(_INPUT_UID)   # leaves numbered from here on were made by the step
         self.before: dict = {}        # (id(t), attr) -> (t, attr, value before the trace)
         self.guards: list = []        # (fn, value at trace time)
         self.guard_keys: set = set()

@@ -16,7 +16,7 @@ from . import dtype as dt
 from .api import assign, bind_buffer
 from .backends import get_backend
 from .errors import FuelGraphError
-from .ir.tensor import TRACE, Tensor, _normalize_device, const, iota, where
+from .ir.tensor import TRACE, Tensor, _leaf, _normalize_device, const, iota, where
 from .ir.tensor import tensor as _tensor
 
 _M32 = 0xFFFFFFFF
@@ -39,8 +39,8 @@ class Generator:
     def state(self, device: str) -> Tensor:
         st = self.states.get(device)
         if st is None:
-            st = Tensor(_tensor(np.zeros(2, np.int64)).value)
-            bind_buffer(st, _state_buffer(self.seed, 0, device))
+            # a leaf on its own device: a CPU node bound to a GPU buffer would mix devices
+            st = Tensor(_leaf(_state_buffer(self.seed, 0, device), dt.int64, device, False).value)
             self.states[device] = st
         return st
 

@@ -180,13 +180,22 @@ class PagedKVCache:
         pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
         blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
         slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
-        table, lens = self._to_device(self._tables[ids]), self._to_device(
-            new.astype(self.index_dtype.np))
-        if self.device != "cpu":      # valid by construction: spare paged_attn its check's sync
+        if self.device == "cpu":
+            table, lens = self._to_device(self._tables[ids]), self._to_device(
+                new.astype(self.index_dtype.np))
+            slots = self._to_device(slots)
+        else:                         # one upload: slots, lengths and table packed together
+            idt = self.index_dtype.np
+            packed = self._to_device(np.concatenate(
+                [slots, new.astype(idt), self._tables[ids].reshape(-1)]))
+            ns, B = slots.size, ids.size
+            slots, lens = packed[:ns], packed[ns:ns + B]
+            table = packed[ns + B:].view(B, self.max_blocks_per_seq)
+            # valid by construction: spare paged_attn its check's sync
             from ..backends.cuda.kernels.paged import assume_valid
             assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
                          int(new.sum()))
-        self._step = (ids.tobytes(), n_new, self._to_device(slots), table, lens)
+        self._step = (ids.tobytes(), n_new, slots, table, lens)
 
     def free(self, seqs):
         """Release sequences: their blocks return to the pool, their ids may be reused."""
@@ -240,7 +249,8 @@ class PagedKVCache:
 
     def write(self, seqs, k: Tensor, v: Tensor, layer: int = 0):
         """Store the k and v of the step's new tokens, `[B, Hkv, n_new, D]` each (B =
-        len(seqs)), into this layer's pools, in place: one fused scatter per pool."""
+        len(seqs)), into this layer's pools, in place: one fused scatter per pool (on a GPU, one
+        launch for both pools, reading k and v in their layout)."""
         ids = self._ids(seqs)
         _, n_new, slots, _, _ = self._current(ids, "write")
         want = (ids.size, self.num_kv_heads, n_new, self.head_dim)
@@ -252,6 +262,11 @@ class PagedKVCache:
             if t.device != self.device:
                 raise FuelGraphError(f"PagedKVCache.write: {name} lives on {t.device}, the cache "
                                      f"on {self.device}")
+        if self.device != "cpu":      # both pools in one launch, reading k/v's layout as is
+            from ..backends.cuda.kernels.paged import paged_cache_write_kv
+            kb, vb = realize_raw([k, v])
+            paged_cache_write_kv(*self._layer(layer), kb, vb, slots)
+            return
         rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
                 for t in (k, v)]
         bufs = [b.contiguous() if hasattr(b, "is_contiguous") else np.ascontiguousarray(b)

@@ -43,11 +43,12 @@ class OptResult:
 
 
 class _GraphOutput:
-    """Pseudo-consumer standing for 'is an output of the graph being optimized'."""
+    """Pseudo-consumer standing for 'is an output of the graph being optimized' (`srcs`: the
+    output value, so a later output of a multi-output recipe may be taken over)."""
     uid = "output"
 
-
-_GRAPH_OUTPUT = _GraphOutput()
+    def __init__(self, v: Value):
+        self.srcs = (v,)
 
 
 def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dict) -> list[Value]:
@@ -57,34 +58,44 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     that they were recognized."""
     reg = default_registry()
     by_sig: dict = {}
+    nodes = toposort(outputs)
+    present = None
     for e in reg:
         if e.has_pattern and (has_kernel(e.id, backend) or e.id.is_runtime()
                               if backend is not None else
                               # prefuse for autograd: never turn a differentiable idiom into
                               # an op that refuses to be differentiated
                               e.backward.kind != "not_differentiable"):
+            if e.pattern_needs:
+                present = present or {type(n.op) for n in nodes}
+                if not all(t in present for t in e.pattern_needs):
+                    continue
             for p in patterns_of(e):
                 by_sig.setdefault(p.root_key, []).append((e, p))
     for cands in by_sig.values():   # the larger pattern wins at a root (layer norm before RMS
         cands.sort(key=lambda ep: -ep[1].size)   # norm, which matches its tail); stable sort
     if not by_sig:
         return outputs
-    nodes = toposort(outputs)
     users = consumers(nodes)
     for v in outputs:   # a graph output is a consumer too: fusing over it would duplicate it
-        users.setdefault(id(v.node), []).append(_GRAPH_OUTPUT)
+        users.setdefault(id(v.node), []).append(_GraphOutput(v))
     matches: dict[Node, tuple] = {}
     claimed: set = set()
     canon = canonical_memo(nodes)   # re-traced recipes stop at the (canonical) graph
+    pos = {n: i for i, n in enumerate(nodes)}
     for n in reversed(nodes):       # roots first: the largest pattern at a node wins
         if n in claimed or n.nout != 1:
             continue
-        r = match_at(n, by_sig.get(_op_sig(n.op), ()), users, canon, misses)
+        r = match_at(n, by_sig.get(_op_sig(n.op), ()), users, canon, misses, pos)
         if r is not None:
             matches[n] = r
             claimed |= r[1].interior
+    if not matches:
+        return loss_rewrites(outputs, backend, log)
+    taken = {v: (root, slot, m.interior) for root, (_, m) in matches.items()
+             for slot, v in m.extras.items()}
     memo: dict[Node, Node] = {}
-    for n in nodes:
+    for n in _order(nodes, taken):
         if n in matches:
             e, m = matches[n]
             with built_at(n.site):
@@ -92,22 +103,64 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
                                  tuple(_remap(c, memo) for c in m.captures))
             log.events.append(("fuse", e.name, repr(n)))
         else:
-            srcs = tuple(Value(memo[s.node], s.slot) for s in n.srcs)
+            srcs = tuple(_moved(s, n, memo, taken) for s in n.srcs)
             new = n if srcs == n.srcs else rebuild(n, srcs)
         memo[n] = new
     for name in {e.name for e, _ in matches.values()}:
         misses.pop(name, None)
-    return loss_rewrites([Value(memo[v.node], v.slot) for v in outputs], backend, log)
+    return loss_rewrites([_moved(v, None, memo, taken) for v in outputs], backend, log)
 
 
-def match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict):
+def _source(v: Value, reader, taken: dict):
+    """(node, slot) that `reader` reads for v after fusion: a later output of a fused recipe
+    is read from the fused node (built at the match's root), except inside that match."""
+    t = taken.get(v)
+    if t is None or reader is t[0] or reader in t[2]:
+        return v.node, v.slot
+    return t[0], t[1]
+
+
+def _moved(v: Value, reader, memo: dict, taken: dict) -> Value:
+    n, slot = _source(v, reader, taken)
+    return Value(memo[n], slot)
+
+
+def _order(nodes: list, taken: dict) -> list:
+    """`nodes` (topologically ordered) reordered so that every reader of a taken-over later
+    output comes after the root whose fused node produces it."""
+    if not taken:
+        return nodes
+    pos = {n: i for i, n in enumerate(nodes)}
+    if all(pos[_source(s, n, taken)[0]] < pos[n] for n in nodes for s in n.srcs if s in taken):
+        return nodes
+    out, done = [], set()
+    for start in nodes:
+        if start in done:
+            continue
+        stack = [(start, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if n in done:
+                continue
+            if expanded:
+                done.add(n)
+                out.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((d, False) for d in (_source(s, n, taken)[0] for s in n.srcs)
+                         if d not in done)
+    return out
+
+
+def match_at(n: Node, cands: list, users: dict, canon: dict, misses: dict,
+             pos: dict | None = None):
     """(entry, Match) of the first pattern that fits at n, else None (misses recorded). Every
     pattern is first tried with its preferred inputs (the values the structural match reached);
     the other input candidates (see pattern._alternatives) only after all of them."""
     retry = []
     for tries in ((0, 1), (1, _MAX_TRIES)):
         for e, p in (cands if tries[0] == 0 else retry):
-            r = try_match(p, e, n.out(0), users, canon, tries)
+            r = try_match(p, e, n.out(0), users, canon, tries, pos)
             if isinstance(r, Match):
                 return e, r
             if r.more:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..dtype import round_scalar
 from ..errors import FuelGraphError
 from ..ir import ops
-from ..ir.node import Node, Value, apply, toposort
+from ..ir.node import Node, Value, apply, make_node, structural_key, toposort
 from ..ir.tensor import Tensor
 from ..registry.core import FusedOpRegistry, Traced
 from ..registry.core import trace_recipe as trace_raw
@@ -42,13 +42,17 @@ class Pattern:
     root_key: tuple = ()
     size: int = 0          # operation nodes in the pattern: larger patterns are tried first
     kinds: int = 0         # distinct op kinds among them
+    scans: bool = False    # holds a Scan: re-traced, its body has other placeholders
 
 
 @dataclass
 class Match:
+    """`extras`: {output slot >= 1 of the fused op: the graph value it replaces}, for recipes
+    with several outputs whose later outputs the graph also reads (a scan's last state)."""
     captures: list[Value]
     params: dict
     interior: set = field(default_factory=set)
+    extras: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -151,7 +155,8 @@ def derive_patterns(entry) -> list[Pattern]:
             else:
                 raise FuelGraphError(f"{entry.name}: cannot derive a pattern; param {f.name} "
                                      f"needs a value in pattern_variants")
-        traced = trace_recipe(recipe, entry.sample, params)
+        # a spelling may bring its own sample (e.g. one per GGUF format: block sizes differ)
+        traced = trace_recipe(recipe, getattr(recipe, "sample", entry.sample), params)
         slots = {}
         for n in toposort(traced.outputs):
             if isinstance(n.op, ops.Full):
@@ -168,7 +173,8 @@ def derive_patterns(entry) -> list[Pattern]:
         body = [n for n in toposort([root]) if n not in holes and n.srcs]
         pats.append(Pattern(f"{entry.name}#{k}", root, [p.node for p in traced.inputs], slots,
                             fixed_all, recipe, _op_sig(root.node.op), len(body),
-                            len({_op_sig(n.op) for n in body})))
+                            len({_op_sig(n.op) for n in body}),
+                            any(isinstance(n.op, ops.Scan) for n in body)))
     return pats
 
 
@@ -334,19 +340,20 @@ _MAX_TRIES = 16     # combinations of input candidates verified per structural m
 
 
 def try_match(pat: Pattern, entry, root: Value, users: dict, memo: dict | None = None,
-              tries: tuple[int, int] = (0, _MAX_TRIES)) -> "Match | Miss":
+              tries: tuple[int, int] = (0, _MAX_TRIES), pos: dict | None = None) -> "Match | Miss":
     """Match `pat` at `root` (see `_try_match`); a miss records how many kinds of op the
     partial match covered, so `explain` can tell a near miss from a reshape over a matrix
-    product that many patterns share."""
+    product that many patterns share. `pos`: node -> position in a topological order of the
+    graph; without it, the later outputs of a multi-output recipe are never taken over."""
     m = _Matcher(pat)
-    r = _try_match(m, pat, entry, root, users, memo, tries)
+    r = _try_match(m, pat, entry, root, users, memo, tries, pos)
     if isinstance(r, Miss):
         r.kinds, r.pattern_kinds = len(m.sigs), pat.kinds
     return r
 
 
 def _try_match(m, pat: Pattern, entry, root: Value, users: dict, memo: dict | None = None,
-              tries: tuple[int, int] = (0, _MAX_TRIES)) -> "Match | Miss":
+              tries: tuple[int, int] = (0, _MAX_TRIES), pos: dict | None = None) -> "Match | Miss":
     """Match `pat` at `root`; the recipe is re-traced on the captures to verify, for the
     combinations of input candidates numbered tries[0] .. tries[1] - 1 (0: the preferred one).
     `memo`: a canonicalization memo holding the (canonical) graph, so a re-trace stops at its
@@ -363,13 +370,15 @@ def _try_match(m, pat: Pattern, entry, root: Value, users: dict, memo: dict | No
         if isinstance(got, str):
             first = first or got
             continue
-        return _check_region(entry, m, list(caps), got, root, users)
+        params, outs = got
+        return _check_region(entry, m, list(caps), params, root, users, outs[1:], pos)
     return Miss(entry.name, repr(root), m.count, first or "no candidate inputs left",
                 more=min(combos, _MAX_TRIES) > tries[1])
 
 
 def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dict | None):
-    """The params when the recipe re-traced on `caps` is the graph at `root`, else why not."""
+    """(params, the re-traced outputs) when the recipe re-traced on `caps` is the graph at
+    `root`, else why not."""
     bind = {**m.bind, **dict(zip(pat.placeholders, caps))}
     params = {**pat.fixed, **m.params}
     try:
@@ -383,12 +392,18 @@ def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dic
         out = pat.recipe(*(Tensor(c) for c in caps), **dataclasses.asdict(p))
     except FuelGraphError as e:
         return f"captured inputs rejected: {e}"
-    out = out[0] if isinstance(out, (tuple, list)) else out
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
     # the graph is canonical already: stop at it (a fresh walk below the captures would make
     # fusing a chain of n idioms cost O(n^2)); fuse passes a memo of the whole graph
     if memo is None:
         memo = {c.node: tuple(c.node.out(i) for i in range(c.node.nout)) for c in caps}
-    got = run_pass([out.value], CANONICALIZE, memo=memo)[0]
+    outs = run_pass([o.value for o in outs], CANONICALIZE, memo=memo)
+    got = outs[0]
+    if got != root and pat.scans:
+        corr = _same_up_to_bodies(got, root)
+        if corr is not None:        # a scan traced again has fresh body placeholders
+            outs = [_translate(v, corr) for v in outs]
+            got = outs[0]
     if got != root:
         return ("structure matched but the recipe re-traced on the captured inputs differs "
                 f"(a constant, axis or shape does not fit: {_first_difference(got, root)})")
@@ -399,10 +414,67 @@ def _verify(pat: Pattern, entry, m: _Matcher, caps: list, root: Value, memo: dic
         v = params.get(name)
         if isinstance(v, float) and d.is_float and d.itemsize < 4:
             params[name] = round_scalar(v, d)
-    return params
+    return params, outs
 
 
-def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, users: dict):
+def _same_scan(a, b) -> bool:
+    """Two Scan ops equal up to the names of their body's placeholders."""
+    if not (isinstance(a, ops.Scan) and isinstance(b, ops.Scan)) or \
+            (a.n_carry, a.n_xs, a.length, a.reverse) != (b.n_carry, b.n_xs, b.length, b.reverse):
+        return False
+    key = lambda body: structural_key(body.outputs, order_inputs=body.inputs)   # noqa: E731
+    return len(a.body.inputs) == len(b.body.inputs) and key(a.body) == key(b.body)
+
+
+def _same_up_to_bodies(got: Value, root: Value) -> dict | None:
+    """{re-traced node: graph node} when the re-traced recipe `got` is the graph at `root` but
+    for scan bodies traced apart (the same sub-graph over other placeholders; commutative
+    operands may then be ordered the other way); else None."""
+    corr: dict = {}
+    return corr if _pair(got, root, corr) else None
+
+
+def _pair(a: Value, b: Value, corr: dict) -> bool:
+    if a == b:
+        return True
+    if a.slot != b.slot or len(a.node.srcs) != len(b.node.srcs):
+        return False
+    if a.node in corr:
+        return corr[a.node] is b.node
+    if a.node.op != b.node.op and not _same_scan(a.node.op, b.node.op):
+        return False
+    corr[a.node] = b.node
+    saved = dict(corr)
+    if all(_pair(x, y, corr) for x, y in zip(a.node.srcs, b.node.srcs)):
+        return True
+    if getattr(a.node.op, "kind", None) in _COMMUTATIVE and len(a.node.srcs) == 2:
+        corr.clear()
+        corr.update(saved)
+        if all(_pair(x, y, corr) for x, y in zip(a.node.srcs[::-1], b.node.srcs)):
+            return True
+    corr.clear()
+    corr.update(saved)
+    del corr[a.node]
+    return False
+
+
+def _translate(v: Value, corr: dict) -> Value:
+    """A re-traced value in terms of the graph's nodes (`corr`), rebuilt above them."""
+    if v.node in corr:
+        return Value(corr[v.node], v.slot)
+    if not v.node.srcs:
+        return v
+    srcs = tuple(_translate(s, corr) for s in v.node.srcs)
+    n = v.node if srcs == v.node.srcs else make_node(v.node.op, srcs)
+    corr[v.node] = n
+    return Value(n, v.slot)
+
+
+def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, users: dict,
+                  others: list = (), pos: dict | None = None):
+    """The match, unless fusing would duplicate work another consumer reads. `others`: the
+    recipe's later outputs re-traced on the captures; those the graph reads (with `pos`, and
+    when no capture depends on them) become outputs of the fused node instead."""
     stop = set()
     for c in caps:                  # a capture may be a reshape the graph reaches directly
         stop.add(c.node)
@@ -410,14 +482,58 @@ def _check_region(entry, m: _Matcher, caps: list, params: dict, root: Value, use
             c = c.node.srcs[0]
             stop.add(c.node)
     interior = _region(root.node, stop)
+    extras = _read_outputs(others, root, users, stop, pos) if pos is not None else {}
+    for v in extras.values():
+        if v.node is not root.node:
+            interior.add(v.node)
+            interior |= _region(v.node, stop)
+    replaced = set(extras.values())
     limit = max((math.prod(c.shape) for c in caps), default=0)
     for n in interior:
-        outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node]
+        outside = [u for u in users.get(id(n), ()) if u not in interior and u is not root.node
+                   and not _reads_only(u, n, replaced)]
         if outside and not _view_of_captures(n, stop) and not _cheap_copy(n, stop, limit):
             return Miss(entry.name, repr(root), m.count,
                         f"intermediate %{n.uid} ({n.op.name}) has another consumer "
                         f"(%{outside[0].uid}); fusing would duplicate it")
-    return Match(caps, params, interior)
+    return Match(caps, params, interior, extras)
+
+
+def _reads_only(u, n: Node, replaced: set) -> bool:
+    """Whether consumer `u` reads node `n` only through outputs the fused node takes over."""
+    srcs = getattr(u, "srcs", None)
+    return bool(replaced) and srcs is not None and all(s in replaced for s in srcs
+                                                       if s.node is n)
+
+
+def _read_outputs(others: list, root: Value, users: dict, stop: set, pos: dict) -> dict:
+    """{slot: value} of the recipe's later outputs (slot 1, 2, ...) that the graph reads,
+    leaving out any a captured input depends on (the fused node would feed itself)."""
+    out = {}
+    for slot, v in enumerate(others, 1):
+        n = v.node
+        if n not in pos or v == root or n in stop or not any(
+                v in getattr(u, "srcs", ()) for u in users.get(id(n), ())):
+            continue
+        if not _feeds(n, stop, pos):
+            out[slot] = v
+    return out
+
+
+def _feeds(target: Node, starts: set, pos: dict) -> bool:
+    """Whether any node of `starts` depends on `target` (`pos`: topological positions, sources
+    first, so nodes placed before `target` are not searched)."""
+    lim = pos[target]
+    stack, seen = [n for n in starts if pos.get(n, -1) > lim], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(s.node for s in n.srcs if pos.get(s.node, -1) >= lim)
+    return False
 
 
 _ELEMENTWISE = (ops.Unary, ops.Binary, ops.Compare, ops.Where, ops.Cast, ops.Reshape,

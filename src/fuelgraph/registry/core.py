@@ -124,6 +124,9 @@ class FusedOpEntry:
     extra_patterns: tuple = ()   # Callable | (Callable, dict)
     vjp: Callable | None = None
     read_params: Callable | None = None
+    # op types (primitives) every pattern of the op holds: a graph without one of them cannot
+    # match, so the fuser does not even derive the patterns (they cost time on first use)
+    pattern_needs: tuple = ()
     recipe_only: tuple[str, ...] = ()
     doc: str = ""
     body: "ops.Body | None" = None   # entries registered from a graph: the sub-graph itself

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .. import dtype as dt
@@ -307,12 +308,90 @@ def _write_sample(rng):
     return [cache, new, slots]
 
 
+# ---- fusion: the recipe fuses back ---------------------------------------------------------------
+# One pattern per form (with or without ALiBi slopes, with or without a softcap); softmax_scale
+# is located by its sentinel, the softcap read off the constant that multiplies the tanh. Only
+# the recipe's guarded form fuses: attention written plainly over the gathered blocks differs
+# from paged_attn on valid inputs (a sequence with context_lens 0 is NaN in a written softmax,
+# zeros in paged_attn), and whether that happens is in the data, which a plan cached by
+# structure cannot see.
+def _form(alibi, softcap, dtype):
+    """The recipe's form with or without ALiBi and softcap, traced in `dtype` (a 16-bit recipe
+    casts to float32 and back: another pattern)."""
+    def recipe(*xs, **params):
+        return paged_attn_recipe(*xs, **params)
+
+    def sample(rng):
+        xs = attn_sample(rng, alibi=alibi)
+        return [x.astype(dtype) for x in xs[:3]] + xs[3:]
+    recipe.sample = sample
+    recipe.softcap = softcap
+    recipe.__name__ = recipe.__qualname__ = (f"paged_attn_recipe{'_alibi' if alibi else ''}"
+                                             f"{'_softcap' if softcap else ''}_{dtype.__name__}")
+    return recipe, ({"softcap": 30.0} if softcap else {})
+
+
+def plain_paged_attention(q, k_cache, v_cache, block_table, context_lens, softmax_scale=1.0,
+                          softcap=None):
+    """Attention as first written over a paged cache (Hq == Hkv): gather the table's blocks,
+    mask keys past each query's position, softmax, no guard for an empty sequence. Never
+    fused (see above); its pattern only lets `fg.explain` say why."""
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    L = block_table.shape[1] * bs
+    idx = block_table.astype(dt.int64).reshape(-1)
+
+    def dense(cache):
+        return cache.take(idx, 0).reshape(B, L, hkv, d).permute(0, 2, 1, 3)
+
+    s = q @ dense(k_cache).mT * softmax_scale
+    pos = context_lens.astype(dt.int64).reshape(B, 1) - sq + arange(sq, device=q.device).reshape(1, sq)
+    mask = arange(L, device=q.device).reshape(1, 1, L) <= pos.reshape(B, sq, 1)
+    s = where(mask.reshape(B, 1, sq, L), s, float("-inf"))
+    e = (s - s.max(-1, keepdim=True)).exp()
+    return (e / e.sum(-1, keepdim=True)) @ dense(v_cache)
+
+
+def _plain_sample(rng):
+    xs = attn_sample(rng, alibi=False)
+    return [xs[0][:, :2]] + xs[1:]
+
+
+plain_paged_attention.sample = _plain_sample
+plain_paged_attention.diagnostic = True
+_FORMS = tuple(_form(alibi, cap, dtype) for dtype in (np.float32, ml_dtypes.bfloat16)
+               for alibi in (False, True) for cap in (False, True)) + ((plain_paged_attention, {}),)
+
+
+def _read_attn(bound):
+    """The softcap: the constant multiplying the tanh of the scaled scores."""
+    if getattr(bound.pattern.recipe, "diagnostic", False):
+        raise ValueError(
+            "attention written over gathered cache blocks is not fused into paged_attn: a "
+            "sequence with context_lens 0 gives NaN rows in a written softmax and zeros in "
+            "paged_attn, and the lengths are data the cached plan cannot see; call "
+            "F.paged_attn, or write the guards as registry.paged.paged_attn_recipe does")
+    if not getattr(bound.pattern.recipe, "softcap", False):
+        return {}
+    tanh = next(n for n in bound.nodes_of(ops.Unary) if n.op.kind == "tanh")
+    for g in bound.bind.values():
+        n = g.node
+        if isinstance(n.op, ops.Binary) and n.op.kind == "mul" and \
+                any(s.node is tanh for s in n.srcs):
+            c = next((s.node.op for s in n.srcs if isinstance(s.node.op, ops.Full)), None)
+            if c is not None:
+                return {"softcap": float(c.value)}
+    raise ValueError("softcap constant not found")
+
+
 def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.PAGED_ATTN, name=_ATTN, family="attention", params=PagedAttnParams,
         shape_rule=_attn_shape, dtype_rule=_attn_dtype, validate=_validate_attn,
         decompose=paged_attn_recipe, backward=BackwardKind.NOT_DIFFERENTIABLE,
-        pattern_variants=None, sample=attn_sample,
+        pattern_variants=None, extra_patterns=_FORMS, read_params=_read_attn,
+        pattern_needs=(ops.Take,),
+        sample=attn_sample,
         doc="Paged attention. q [B, Hq, Sq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, "
             "D] (q's float dtype, Hq % Hkv == 0); block_table [B, max_blocks] and context_lens "
             "[B] int32/uint32; optional alibi_slopes [Hq] or [B, Hq] float32 -> [B, Hq, Sq, D] "
@@ -320,7 +399,9 @@ def declare(reg):
             "keys j <= a (bottom-right causal); context_lens[b] == 0 gives zeros; softcap then "
             "ALiBi -slope*|a - j|; accumulates in float32 (float64 for float64). "
             "0 < context_len < Sq, context_len > max_blocks * block_size, or a live table entry "
-            "outside the pool raises. Not differentiable."))
+            "outside the pool raises. Not differentiable. Fuses from its recipe (the guarded form); "
+            "attention written plainly over gathered blocks does not fuse (an empty sequence "
+            "differs) and explain says so."))
     reg.add(FusedOpEntry(
         id=PAGED_CACHE_WRITE, name=_WRITE, family="forward", params=PagedCacheWriteParams,
         shape_rule=_attn_shape, dtype_rule=_attn_dtype, validate=_validate_write,

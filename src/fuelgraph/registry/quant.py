@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import dtype as dt
 from ..errors import FuelGraphError
-from ..ir.tensor import const
+from ..ir import ops
+from ..ir.tensor import const, stack
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .quant_gguf import FORMATS, dequantize_gguf_recipe, gguf_format
 from .rules import check_arity, check_float
@@ -384,6 +385,119 @@ def _sample_awq_grad(rng):
     return [rng.standard_normal((2, 16)).astype(np.float32)] + s[1:]
 
 
+# ---- fusion patterns: the recipes and the idioms as people write them --------------------------
+# Each op fuses from its recipe (so a lowered op fuses back) and from `a @ W.T` / `a @ W` over
+# the dequantized weight for activations of any rank (the recipe flattens them to rows first).
+# The packed weights are captured inputs; the GGUF format is one pattern per format (each with a
+# sample of its own block size); n, k, block_size and group_size are read off the shapes. The
+# NF4 idiom may also look its codes up in the 16-entry code book (a constant: a code book fed as
+# an input could change under the cached plan, so it never fuses).
+def _with_sample(fn, sample, name):
+    def spelling(*xs, **params):
+        return fn(*xs, **params)
+    spelling.sample = sample
+    spelling.__name__ = spelling.__qualname__ = name
+    return spelling
+
+
+def _batched(dequantize, transpose, check=None):
+    """The idiom `a @ W.T` (transpose) or `a @ W` on the dequantized float32 weight, cast to
+    a's dtype, for a of any rank >= 2 (a matmul broadcasting W over a's batch axes)."""
+    def idiom(a, *weights, **params):
+        if check is not None:
+            check(a, *weights, **params)
+        w = dequantize(*weights, **params).astype(a.dtype)
+        return a @ (w.mT if transpose else w)
+    return idiom
+
+
+def _gguf_dequantize(w_bytes, quant_type="Q4_0", n=None, k=None):
+    return dequantize_gguf(w_bytes, quant_type, n, k)
+
+
+def _gguf_check(a, w_bytes, quant_type="Q4_0", n=None, k=None):
+    if (n, k) != _qmatmul_dims("qmatmul", QMatMulParams(quant_type, n, k), a, w_bytes)[1:]:
+        raise FuelGraphError("qmatmul: n, k do not fit the inputs")
+
+
+def _gguf_sample(fmt, batch=()):
+    """a [*batch, 2, 256] and the bytes of a [3, 256] weight in format `fmt`."""
+    def sample(rng):
+        return [np.zeros(batch + (2, 256), np.float32),
+                np.zeros(fmt.nbytes(3, 256), np.uint8)]
+    return sample
+
+
+def _gguf_spellings():
+    out = []
+    for name, fmt in FORMATS.items():
+        out.append((_with_sample(qmatmul_recipe, _gguf_sample(fmt), f"qmatmul_{name}_recipe"),
+                    {"quant_type": name, "n": None, "k": None}))
+        idiom = _batched(_gguf_dequantize, True, _gguf_check)
+        out.append((_with_sample(idiom, _gguf_sample(fmt, (2,)), f"qmatmul_{name}_idiom"),
+                    {"quant_type": name, "n": 3, "k": 256}))
+    return tuple(out)
+
+
+def _read_qmatmul(bound):
+    """n and k of a matched qmatmul: the output's last axis and the activations' last axis."""
+    return {"n": bound.root.shape[-1], "k": bound.capture(0).shape[-1]}
+
+
+def dequantize_nf4_codebook(w_packed, absmax, block_size: int = 64):
+    """The NF4 weight as people write it: split each byte into its two codes (high nibble
+    first), look them up in the code book, scale each block by its absmax."""
+    n, k = w_packed.shape[0], 2 * w_packed.shape[1]
+    codes = stack([w_packed >> 4, w_packed & 15], -1).reshape(n, k)
+    vals = const(NF4_CODE, device=w_packed.device).take(codes, 0)
+    return vals * absmax.repeat_interleave(block_size, 1)
+
+
+def _nf4_sample(batch=()):
+    def sample(rng):
+        return [np.zeros(batch + (2, 128), np.float32), np.zeros((3, 64), np.uint8),
+                np.ones((3, 2), np.float32)]
+    return sample
+
+
+_NF4_FIXED = {"block_size": 64}
+_NF4_SPELLINGS = tuple(
+    (_with_sample(fn, _nf4_sample(batch), name), _NF4_FIXED) for fn, batch, name in (
+        (nf4_matmul_recipe, (), "nf4_matmul_recipe"),
+        (_batched(dequantize_nf4, True), (2,), "nf4_matmul_idiom"),
+        (_batched(dequantize_nf4_codebook, True), (), "nf4_codebook_idiom"),
+        (_batched(dequantize_nf4_codebook, True), (2,), "nf4_codebook_idiom_batched")))
+
+
+def _read_nf4(bound):
+    """block_size: K over the absmax entries per row."""
+    w, absmax = bound.capture(1).shape, bound.capture(2).shape
+    per_row = int(np.prod(absmax)) // w[0]
+    return {"block_size": 2 * w[1] // per_row if per_row else 0}
+
+
+def _awq_sample(batch=()):
+    """Two groups of 64 rows (one group would let canonicalization drop the group axis)."""
+    def sample(rng):
+        return [np.zeros(batch + (2, 128), np.float32), np.zeros((128, 2), np.int32),
+                np.zeros((2, 2), np.int32), np.ones((2, 16), np.float16)]
+    return sample
+
+
+_AWQ_FIXED = {"group_size": 64}
+_AWQ_SPELLINGS = tuple(
+    (_with_sample(fn, _awq_sample(batch), name), _AWQ_FIXED) for fn, batch, name in (
+        (awq_matmul_recipe, (), "awq_matmul_recipe"),
+        (_batched(dequantize_awq, False), (2,), "awq_matmul_idiom")))
+
+
+def _read_awq(bound):
+    """group_size: K over the rows of scales."""
+    k, scales = bound.capture(1).shape[0], bound.capture(3).shape
+    groups = int(np.prod(scales)) // (8 * bound.capture(1).shape[1])
+    return {"group_size": k // groups if groups else 0}
+
+
 def declare(reg):
     gguf_doc = ", ".join(FORMATS)
     reg.add(FusedOpEntry(
@@ -392,11 +506,15 @@ def declare(reg):
         validate=_validate_qmatmul, decompose=qmatmul_recipe,
         backward=BackwardKind.fused(QMATMUL_GRAD_A),
         vjp=_linear_vjp(QMATMUL_GRAD_A, ("w_bytes",), "qmatmul"),
-        pattern_variants=None, sample=_sample_qmatmul,
+        pattern_variants=None, extra_patterns=_gguf_spellings(), read_params=_read_qmatmul,
+        pattern_needs=(ops.Bitcast,),
+        sample=_sample_qmatmul,
         doc=f"out = a @ W.T with W [N, K] given as raw GGUF bytes (uint8, N * K / QK blocks "
             f"along K; formats {gguf_doc}); a [..., K] any float dtype -> out [..., N] in a's "
             f"dtype. Dequantization is bit-exact with gguf-py. Params quant_type, n, k. "
-            f"Differentiable in a only (backward: qmatmul_grad_a)."))
+            f"Differentiable in a only (backward: qmatmul_grad_a). Fuses from its recipe (every "
+            f"format) and from a @ W.T over W dequantized by the format's recipe "
+            f"(registry.quant.dequantize_gguf), a of any rank."))
     reg.add(FusedOpEntry(
         id=QMATMUL_GRAD_A, name="qmatmul_grad_a", family="backward", params=QMatMulParams,
         shape_rule=_out_shape(_qmatmul_k), dtype_rule=_act_dtype,
@@ -411,11 +529,16 @@ def declare(reg):
         validate=_validate_nf4, decompose=nf4_matmul_recipe,
         backward=BackwardKind.fused(NF4_MATMUL_GRAD_A),
         vjp=_linear_vjp(NF4_MATMUL_GRAD_A, ("w_packed", "absmax"), "nf4_matmul"),
-        pattern_variants=None, sample=_sample_nf4,
+        pattern_variants=None, extra_patterns=_NF4_SPELLINGS, read_params=_read_nf4,
+        pattern_needs=(ops.Take,),
+        sample=_sample_nf4,
         doc="out = a @ W.T, W[n, k] = NF4[code(n, k)] * absmax[n, k // block_size]; w_packed "
             "uint8 [N, K/2] (bitsandbytes order: element 2j in the high nibble of byte j, 2j+1 "
             "in the low), absmax float32 [N, K/block_size]; a [..., K] any float dtype -> "
-            "[..., N] in a's dtype. Differentiable in a only (backward: nf4_matmul_grad_a)."))
+            "[..., N] in a's dtype. Differentiable in a only (backward: nf4_matmul_grad_a). Fuses "
+            "from its recipe and from a @ W.T over W = NF4[code] * absmax, the codes looked up "
+            "per byte or per nibble (high first) in a constant code book, absmax repeated per "
+            "block; a of any rank."))
     reg.add(FusedOpEntry(
         id=NF4_MATMUL_GRAD_A, name="nf4_matmul_grad_a", family="backward", params=NF4Params,
         shape_rule=_out_shape(lambda s, p: 2 * s[1][1]), dtype_rule=_act_dtype,
@@ -429,11 +552,14 @@ def declare(reg):
         validate=_validate_awq, decompose=awq_matmul_recipe,
         backward=BackwardKind.fused(AWQ_MATMUL_GRAD_A),
         vjp=_linear_vjp(AWQ_MATMUL_GRAD_A, ("qweight", "qzeros", "scales"), "awq_matmul"),
-        pattern_variants=None, sample=_sample_awq,
+        pattern_variants=None, extra_patterns=_AWQ_SPELLINGS, read_params=_read_awq,
+        sample=_sample_awq,
         doc="out = a @ W, W[k, n] = (q - z) * s from AutoAWQ GEMM tensors: qweight int32 "
             "[K, N/8], qzeros int32 [K/G, N/8] (logical column 8c+e in nibble "
             "(0,4,1,5,2,6,3,7)[e] of word c), scales float16 [K/G, N], G = group_size; a "
-            "[..., K] any float dtype -> [..., N] in a's dtype. Differentiable in a only."))
+            "[..., K] any float dtype -> [..., N] in a's dtype. Differentiable in a only. Fuses "
+            "from its recipe and from a @ ((q - z) * s) unpacked as the recipe does, a of any "
+            "rank."))
     reg.add(FusedOpEntry(
         id=AWQ_MATMUL_GRAD_A, name="awq_matmul_grad_a", family="backward", params=AWQParams,
         shape_rule=_out_shape(lambda s, p: s[1][0]), dtype_rule=_act_dtype,

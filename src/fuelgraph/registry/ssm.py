@@ -24,13 +24,16 @@ depend on it (kernels pick their own tiles)."""
 from __future__ import annotations
 
 import dataclasses
-
+import itertools
+import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ..dtype import FLOATS
 from ..errors import FuelGraphError
+from ..ir import ops
 from ..ir.scan import scan
 from ..ir.tensor import zeros
 from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
@@ -471,20 +474,76 @@ def _ssd_sample(rng, B=1, L=64, H=2, P=2, N=3, grads=False):   # L: the default 
     return xs
 
 
+# ---- fusion patterns -------------------------------------------------------------------------
+# The recurrence written with the Scan primitive, as the recipes write it, fuses back (one
+# pattern per setting of the boolean flags; each traced on a sample holding its optional
+# inputs). y is the matched root; the last state, when the graph reads it, becomes the fused
+# node's second output. chunk_size does not show in the graph (it only tiles the kernels): a
+# fused SSD scan takes the largest power of two <= 64 that divides L.
+def _flagged(recipe, sample, optional, fixed, dtype):
+    """`recipe` with the flags `fixed`, traced on `sample` plus the optional inputs it needs,
+    in `dtype` (a 16-bit recipe casts its inputs up and its results down: another pattern)."""
+    def spelling(*xs, **params):
+        return recipe(*xs, **params)
+
+    def full_sample(rng):
+        xs = sample(rng)
+        return [x.astype(dtype) for x in xs + [optional[k](rng, xs) for k in _names(fixed)]]
+    spelling.sample = full_sample
+    spelling.__name__ = spelling.__qualname__ = \
+        recipe.__name__ + "".join(f"_{k}" for k, v in fixed.items() if v) + f"_{dtype.__name__}"
+    return spelling
+
+
+def _names(fixed):
+    return [k[4:] for k in fixed if k.startswith("has_") and fixed[k]]
+
+
+def _flag_spellings(recipe, sample, optional, flags, **other):
+    out = []
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        for values in itertools.product((False, True), repeat=len(flags)):
+            fixed = dict(zip(flags, values))
+            out.append((_flagged(recipe, sample, optional, fixed, dtype), {**fixed, **other}))
+    return tuple(out)
+
+
+_SS_OPTIONAL = {
+    "d": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "z": lambda rng, xs: rng.standard_normal(xs[0].shape).astype(xs[0].dtype),
+    "delta_bias": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype)}
+_SSD_OPTIONAL = {
+    "d": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "z": lambda rng, xs: rng.standard_normal(xs[0].shape).astype(xs[0].dtype),
+    "dt_bias": lambda rng, xs: rng.standard_normal(xs[0].shape[2]).astype(xs[0].dtype),
+    "initial_states": lambda rng, xs: rng.standard_normal(
+        (xs[0].shape[0], xs[0].shape[2], xs[0].shape[3], xs[3].shape[3])).astype(xs[0].dtype)}
+
+
+def _read_ssd(bound):
+    """chunk_size: a tiling hint the graph does not hold; the largest power of two <= 64 that
+    divides L."""
+    return {"chunk_size": math.gcd(bound.capture(0).shape[1], 64) or 64}
+
+
 _SS_DOC = (
     "Mamba-1 selective scan. u, delta [B, L, D]; a [D, N] (the decay rate A itself, normally "
     "negative); b, c [B, L, N]; optional d [D], z [B, L, D], delta_bias [D]; one float dtype. "
     "dt = delta + delta_bias, softplus'd if delta_softplus; h_0 = 0; "
     "h_t = exp(dt_t * a) * h_{t-1} + dt_t * u_t * b_t (outer over D x N); y_t = h_t @ c_t; "
     "y += u * d; y *= silu(z). Returns (y [B, L, D], last_state = h_L [B, D, N]) in the input "
-    "dtype; state and sums in float32 (float64 for float64).")
+    "dtype; state and sums in float32 (float64 for float64). Fuses from its recipe and from "
+    "the recurrence written with fg.scan as the recipe writes it (any optional inputs; the "
+    "last state becomes the second output when the graph reads it).")
 _SSD_DOC = (
     "Mamba-2 SSD scan. x [B, L, H, P]; dt [B, L, H]; a [H] (negative decay rate); b, c "
     "[B, L, H, N]; optional d [H] or [H, P], z [B, L, H, P], dt_bias [H], initial_states "
     "[B, H, P, N]; one float dtype. dt += dt_bias, softplus'd if dt_softplus; h_0 = "
     "initial_states or 0; h_t = exp(dt_t * a) * h_{t-1} + dt_t * x_t (outer) b_t; "
     "y_t = h_t @ c_t; y += x * d; y *= silu(z). Returns (y [B, L, H, P], last_state "
-    "[B, H, P, N]) in the input dtype. chunk_size (> 0, divides L) is a tiling hint only.")
+    "[B, H, P, N]) in the input dtype. chunk_size (> 0, divides L) is a tiling hint only. "
+    "Fuses from its recipe and from the recurrence written with fg.scan as the recipe "
+    "writes it (chunk_size then: the largest power of two <= 64 dividing L).")
 
 
 def declare(reg):
@@ -504,6 +563,8 @@ def declare(reg):
         shape_rule=_ss_shapes, dtype_rule=_two_of_input0, validate=_validate_ss,
         decompose=selective_scan_recipe, backward=BackwardKind.fused(SELECTIVE_SCAN_BACKWARD),
         vjp=_ss_vjp, pattern_variants=None, sample=_ss_sample, outputs=("y", "last_state"),
+        extra_patterns=_flag_spellings(selective_scan_recipe, _ss_sample, _SS_OPTIONAL, (
+            "delta_softplus", "has_d", "has_z", "has_delta_bias")), pattern_needs=(ops.Scan,),
         doc=_SS_DOC))
     reg.add(FusedOpEntry(
         id=SSD_CHUNK_SCAN_BACKWARD, name="ssd_chunk_scan_backward", family="backward",
@@ -521,6 +582,9 @@ def declare(reg):
         shape_rule=_ssd_shapes, dtype_rule=_two_of_input0, validate=_validate_ssd,
         decompose=ssd_chunk_scan_recipe, backward=BackwardKind.fused(SSD_CHUNK_SCAN_BACKWARD),
         vjp=_ssd_vjp, pattern_variants=None, sample=_ssd_sample, outputs=("y", "last_state"),
+        extra_patterns=_flag_spellings(ssd_chunk_scan_recipe, _ssd_sample, _SSD_OPTIONAL, (
+            "dt_softplus", "has_d", "has_z", "has_dt_bias", "has_initial_states"), chunk_size=64),
+        read_params=_read_ssd, pattern_needs=(ops.Scan,),
         doc=_SSD_DOC))
 
 

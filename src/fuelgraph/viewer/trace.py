@@ -82,8 +82,11 @@ class GraphTrace:
 
 
 class _Output:
-    """Stands for 'is a graph output' among a node's consumers (as the fuser counts it)."""
+    """Stands for 'is graph output `v`' among a node's consumers (as the fuser counts it)."""
     uid = "output"
+
+    def __init__(self, v):
+        self.srcs = (v,)
 
 
 def _uid_of(text: str) -> int | None:
@@ -172,10 +175,10 @@ def _describe(nodes: list[Node], prefix: str, outputs, backend: str) -> tuple[li
     return infos, ids
 
 
-def _rematch(entry, root: Node, users, canon) -> Match | None:
+def _rematch(entry, root: Node, users, canon, pos) -> Match | None:
     """The match the fuser made at `root` (the fuser's own matching, largest pattern first)."""
     cands = sorted(((entry, p) for p in patterns_of(entry)), key=lambda ep: -ep[1].size)
-    r = match_at(root, cands, users, canon, {})
+    r = match_at(root, cands, users, canon, {}, pos)
     return r[1] if r is not None else None
 
 
@@ -212,9 +215,10 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
     by_uid = {n.uid: n for n in cnodes}
     users = consumers(cnodes)
     for v in canon:
-        users.setdefault(id(v.node), []).append(_Output)
+        users.setdefault(id(v.node), []).append(_Output(v))
     reg = default_registry()
     canon_memo = canonical_memo(cnodes)
+    pos = {n: i for i, n in enumerate(cnodes)}
 
     matches: dict[Node, tuple] = {}
     interior_of: dict[Node, Node] = {}
@@ -224,7 +228,7 @@ def trace(outputs, backend: str, lower_all: bool = False, result: OptResult | No
         root, entry = by_uid.get(_uid_of(text)), reg.get(rule)
         if root is None or entry is None:
             continue
-        m = _rematch(entry, root, users, canon_memo)
+        m = _rematch(entry, root, users, canon_memo, pos)
         if m is None:
             continue
         matches[root] = (entry, m)

@@ -65,6 +65,27 @@ def test_causal_conv1d_kernels(case, dtype):
               g.to(F64).abs().sum() / c)
 
 
+# (B, C, L, W, rows of 8 per program): several position blocks per row, halos of one and
+# two chunks (W - 1 > 8), lengths that are not a multiple of 8
+CAUSAL_BLOCKS = [(2, 3, 45, 4, 2), (1, 2, 37, 11, 1), (2, 2, 16, 9, 1), (1, 3, 13, 2, 4)]
+
+
+@pytest.mark.parametrize("case", CAUSAL_BLOCKS, ids=str)
+def test_causal_conv1d_kernels_across_position_blocks(case, monkeypatch):
+    b_, c, length, k, rows = case
+    for name in ("FWD_ROWS", "BWD_ROWS"):
+        monkeypatch.setattr(K, name, rows)
+    x, g = rand((b_, c, length), torch.float32), rand((b_, c, length), torch.float32)
+    w, bias = rand((c, k), torch.float32, 0.5), rand((c,), torch.float32)
+    check(K.causal_conv1d(x, w, bias, use_silu=True), ref_causal(x, w, bias, True),
+          torch.float32, name="y")
+    dx, dw, db = K.causal_conv1d_backward(x, w, g, bias, use_silu=True)
+    ins = [t.to(F64).requires_grad_(True) for t in (x, w, bias)]
+    want = torch.autograd.grad(ref_causal(*ins, True), ins, g.to(F64))
+    for got, ref, name in zip((dx, dw, db), want, ("dx", "dw", "db")):
+        check(got, ref, torch.float32, name=name)
+
+
 def test_causal_kernels_declare_float64_unsupported():
     assert_half_and_f32_only(K.causal_conv1d, K.causal_conv1d_backward)
 

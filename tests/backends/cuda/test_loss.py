@@ -163,6 +163,7 @@ def test_float64_lowers_to_recipe(reduction):
 # no logits-sized buffer on the GPU
 if HAS_CUDA or INTERPRET:
     import torch.nn.functional as TF
+    import triton
 
     from fuelgraph.backends.cuda.kernels import loss as L
     from fuelgraph.backends.cuda.kernels import loss_linear as LL
@@ -210,6 +211,31 @@ def test_ce_fwd_bwd_matches_torch(dtype, reduction, ignore_index):
     assert _err(loss, L._fsce_forward(x, t, reduction, ignore_index).double()) < 2e-6
     sep = L._fsce_backward(x, t, g.float(), reduction, ignore_index).double()
     assert _err(dx, sep) < _tol(dtype) / 4
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU: the programs of a row wait for each other, "
+                    "which the one-by-one interpreter cannot run")
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chunk", [256, 1024, 4096])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("ticket", [False, True])
+def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction, ticket):
+    r, v = 777, 5003                      # S = 20, 5, 2 programs per row; ragged last chunk
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::5] = -100
+    t[3] = v - 1                          # the target in the ragged last chunk
+    g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
+    plan = (triton.cdiv(v, chunk), chunk)
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = x.clone()                        # written in place over its own input, as FLCE does
+    L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction=reduction, ignore_index=-100, block=256, ticket=ticket)
+    loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
 
 
 def test_ce_fwd_bwd_public_entry_and_edges():

@@ -110,3 +110,19 @@ def test_traced_step_cuda_graph_updates_in_place():
     assert [p.to_torch().data_ptr() for p in m2.parameters()] == ptrs   # updated in place
     for a, b in zip(m1.parameters(), m2.parameters()):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@on_gpu
+def test_traced_step_may_make_device_constants_from_host_data():
+    """A step that builds a table on the host and moves it to the GPU (as the Llama's RoPE
+    cache does) traces: the table is a constant of the step, not a realize inside the trace."""
+    table = np.arange(6, dtype=np.float32)
+
+    @fg.jit
+    def step(x):
+        return x + fg.tensor(table, device="cuda")
+
+    for k in range(3):
+        x = fg.tensor(np.full(6, k, np.float32), device="cuda")
+        np.testing.assert_array_equal(step(x).numpy(), table + k)
+    assert step.stats["traces"] == 1

@@ -23,6 +23,21 @@ if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import paged as K
 
 DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_prefill_config_per_flag_set():
+    """No autotuning of the prefill kernel in tests (it shares flash_attn's configs and switch):
+    one compile per flag set; the benchmark tunes."""
+    if not (HAS_CUDA or INTERPRET):
+        yield
+        return
+    from fuelgraph.backends.cuda.kernels import attention as A
+    old, A.TUNE = A.TUNE, False
+    yield
+    A.TUNE = old
+
+
 TD = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -108,6 +123,8 @@ LARGE = {  # GPU-sized cases: Hq 32 / Hkv 8, D 128, block 16
     "decode_b4": dict(B=4, hq=32, hkv=8, d=128, bs=16, lens=(1000, 17, 0, 2049)),
     "prefill_b2": dict(B=2, hq=32, hkv=8, sq=96, d=128, bs=16, lens=(700, 96)),
     "decode_mqa_d64": dict(B=3, hq=16, hkv=1, d=64, bs=16, lens=(300, 1, 5000)),
+    "prefill_bs1_d64": dict(B=2, hq=8, hkv=2, sq=128, d=64, bs=1, lens=(300, 128)),
+    "prefill_sq256": dict(B=2, hq=32, hkv=8, sq=256, d=128, bs=16, lens=(1100, 0)),
 }
 CASES = dict(TINY, **(LARGE if HAS_CUDA else {}))
 
@@ -144,6 +161,64 @@ def test_split_k_merge(n_split):
     case = make_case(np.random.default_rng(4), B=2, hq=4, hkv=2, sq=3, d=16, bs=4,
                      lens=(14, 3), mb=5)
     check(case, "float32", n_split=2)
+
+
+PREFILL = {   # the FlashAttention-style prefill kernel, forced on interpreter-sized cases
+    "gqa_bs4": dict(hq=4, hkv=2, sq=5, d=16, bs=4, lens=(40, 5, 0)),
+    "mqa_bs1_d12": dict(hq=3, hkv=1, sq=7, d=12, bs=1, lens=(26, 9, 7)),
+    "bs16_decode": dict(hq=4, hkv=2, sq=1, d=16, bs=16, lens=(50, 1, 17)),
+    "bs32_long_chunk": dict(B=2, hq=2, hkv=2, sq=20, d=16, bs=32, lens=(45, 20)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(PREFILL))
+def test_prefill_kernel(name, dtype):
+    """Key tiles gathered over several pages (block 1/4) or within one (16/32), wholly
+    admissible middle tiles and masked diagonal tiles, GQA/MQA, D not a power of two."""
+    case = make_case(np.random.default_rng(len(name) + 20), **PREFILL[name])
+    check(case, dtype, prefill=True)
+
+
+def test_prefill_kernel_alibi_softcap_uint32():
+    case = make_case(np.random.default_rng(21), sq=6, d=16, lens=(30, 6, 0), index="uint32",
+                     alibi=True, alibi_per_batch=True)
+    check(case, "float32", prefill=True, softcap=2.0, softmax_scale=0.3)
+    case = make_case(np.random.default_rng(22), sq=4, d=16, lens=(35, 4, 9), alibi=True)
+    check(case, "float32", prefill=True)
+
+
+def test_split_merge_in_a_second_launch():
+    """The unfused merge (benchmark variant) agrees with the fused one."""
+    case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),
+                     mb=8)
+    check(case, "float32", n_split=3, fused_merge=False)
+    check(case, "float32", n_split=3)
+    check(case, "float32", n_split=3)       # the fused merge's counters were reset
+    long = make_case(np.random.default_rng(24), B=2, hq=2, hkv=1, d=16, bs=4, lens=(330, 40),
+                     mb=84)
+    check(long, "float32", n_split=21)      # more splits than one merge chunk
+
+
+@on_gpu
+def test_many_splits_on_gpu():
+    """B1 long context: up to 128 splits merged in chunks by the last arriving program, three
+    launches in a row (the arrival counters reset themselves), against the unsplit kernel."""
+    case = make_case(np.random.default_rng(25), B=1, hq=32, hkv=8, d=128, bs=16, lens=(9000,))
+    dc = to_dev(case, "bfloat16")
+    whole = run(dc, n_split=1).float()
+    for ns in (None, 64, 128):
+        for _ in range(3):
+            torch.testing.assert_close(run(dc, n_split=ns).float(), whole, rtol=2e-2, atol=2e-2)
+    check(case, "bfloat16")
+
+
+def test_split_heuristic_uneven_lengths():
+    """One long sequence among short ones splits finer than the work average asks for."""
+    dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+    lens = [8192] + [200] * 63
+    kps, ns = K._splits(64, 8, 1, 8192, (8192, sum(lens)), 64, dev)
+    assert kps <= 8192 // K.UNEVEN_SPLITS and kps * ns >= 8192
 
 
 def test_split_heuristic():
@@ -200,8 +275,8 @@ def test_check_runs_once_per_buffer_version(monkeypatch):
         run(dc)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_nan_rows_when_the_check_is_skipped(split, monkeypatch):
+@pytest.mark.parametrize("split,prefill", [(1, False), (2, False), (1, True)])
+def test_nan_rows_when_the_check_is_skipped(split, prefill, monkeypatch):
     """While a CUDA graph is captured the check cannot sync; the kernels then write NaN rows
     for a sequence with invalid data (and never read outside the pool) instead of a number."""
     monkeypatch.setattr(K, "_capturing", lambda: True)
@@ -209,10 +284,10 @@ def test_nan_rows_when_the_check_is_skipped(split, monkeypatch):
     case["context_lens"] = np.array([1, 13, 6], np.int32)      # too short, too long, fine
     case["block_table"] = case["block_table"].copy()
     case["block_table"][2, 1] = 10 ** 6                          # live entry outside the pool
-    got = run(to_dev(case, "float32"), n_split=split).cpu().numpy()
+    got = run(to_dev(case, "float32"), n_split=split, prefill=prefill).cpu().numpy()
     assert np.isnan(got).all()
     case["block_table"][2, 1] = case["block_table"][2, 0]
-    got = run(to_dev(case, "float32"), n_split=split).cpu().numpy()
+    got = run(to_dev(case, "float32"), n_split=split, prefill=prefill).cpu().numpy()
     assert np.isnan(got[:2]).all() and np.isfinite(got[2]).all()
 
 
@@ -241,6 +316,22 @@ def test_cache_write(index):
     assert r is cache and torch.equal(cache.reshape(12, 2, 8), want)
     with pytest.raises(FuelGraphError, match="paged_cache_write: slot_mapping writes slot 0"):
         K.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
+
+
+@pytest.mark.parametrize("n_new", [1, 3])
+def test_cache_write_kv(n_new):
+    """k and v [B, Hkv, n_new, D] (a transposed view: strided) into both pools in one launch."""
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(4, 4, 3, 8, generator=g).to(DEV) for _ in range(2))
+    kn, vn = (torch.randn(2, n_new, 3, 8, generator=g).to(DEV).transpose(1, 2) for _ in range(2))
+    slots = torch.tensor([5, 14, 2, 9, 0, 15][:2 * n_new - 1] + [2 ** 31 - 1],
+                         dtype=torch.int32).to(DEV)
+    wk, wv = kc.clone().reshape(16, 3, 8), vc.clone().reshape(16, 3, 8)
+    for r, s in enumerate(slots.tolist()[:-1]):
+        b, t = divmod(r, n_new)
+        wk[s], wv[s] = kn[b, :, t], vn[b, :, t]
+    K.paged_cache_write_kv(kc, vc, kn, vn, slots)
+    assert torch.equal(kc.reshape(16, 3, 8), wk) and torch.equal(vc.reshape(16, 3, 8), wv)
 
 
 # ---- API level (a GPU) --------------------------------------------------------------------

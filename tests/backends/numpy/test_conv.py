@@ -1,6 +1,6 @@
 """NumPy conv kernels called directly (arrays in, arrays out) against torch CPU: each code path
-of conv2d (im2col over whole padded rows when the width stride is 1, strided windows
-otherwise, 1x1 without im2col, depthwise tap loop with and without a channel multiplier,
+of conv2d (im2col blocks over whole rows of the stride phases, or one GEMM per tap straight from
+the padded input, 1x1 without im2col, depthwise tap loop with and without a channel multiplier,
 row blocks), conv_transpose2d's overlap-add, the weight-gradient kernel (GEMM and
 depthwise paths, a gradient shorter than the conv output), causal conv1d forward/backward, in
 the four float dtypes."""
@@ -54,11 +54,15 @@ def _torch_conv2d(x, w, b, stride, pad, dil, g):
     return TF.conv2d(TF.pad(x, (pad[2], pad[3], pad[0], pad[1])), w, b, stride, 0, dil, g)
 
 
+@pytest.mark.parametrize("path", ["im2col", "shifted"])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("case", CONV2D, ids=[f"c{i}" for i in range(len(CONV2D))])
-def test_conv2d(case, dt, monkeypatch):
+def test_conv2d(case, dt, path, monkeypatch):
+    """Both GEMM paths: im2col blocks, and one GEMM per tap from the padded input (channel-rich
+    convs; forced here by a threshold of one channel)."""
     xs, ws, has_b, s, p, d, g = case
     monkeypatch.setattr(K, "BLOCK_ELEMS", 300)         # several row blocks per sample
+    monkeypatch.setattr(K, "SHIFTED_MIN_CHANNELS", 1 if path == "shifted" else 10 ** 9)
     x, w = arr(xs, dt, 0), arr(ws, dt, 1)
     b = arr((ws[0],), dt, 2) if has_b else None
     got = K.conv2d(x, w, *([b] if has_b else []), stride=s, padding=p, dilation=d, groups=g)
@@ -71,6 +75,30 @@ def test_conv2d(case, dt, monkeypatch):
     ref, same = ref_and_same(lambda xx, gg: torch.nn.grad.conv2d_weight(
         TF.pad(xx, (p[2], p[3], p[0], p[1])), ws, gg, s, 0, d, g), [x, gy], dt)
     close(dw, ref, same, dt)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+@pytest.mark.parametrize("case", [CONV2D[0], CONV2D[1], CONV2D[2], CONV2D[3], CONV2D[4]],
+                         ids=["rows", "sh2", "strided", "1x1", "depthwise"])
+def test_blocks_on_the_pool_threads_give_the_same_result(case, shifted, monkeypatch):
+    """Forced onto the pool (two threads, one block per row): forward and weight gradient are
+    bit-identical to the single-threaded run."""
+    from fuelgraph.backends.numpy import common
+    xs, ws, has_b, s, p, d, g = case
+    x, w = arr(xs, "float32", 0), arr(ws, "float32", 1)
+    extra = [arr((ws[0],), "float32", 2)] if has_b else []
+    kw = dict(stride=s, padding=p, dilation=d, groups=g)
+    monkeypatch.setattr(K, "BLOCK_ELEMS", 1)
+    monkeypatch.setattr(K, "DEPTHWISE_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(K, "SHIFTED_MIN_CHANNELS", 1 if shifted else 10 ** 9)
+    monkeypatch.setattr(common, "NUM_THREADS", 1)
+    y1 = K.conv2d(x, w, *extra, **kw)
+    gy = arr(y1.shape, "float32", 3)
+    dw1 = K.conv2d_backward_weight(x, gy, kernel_size=ws[2:], **kw)
+    monkeypatch.setattr(common, "NUM_THREADS", 2)
+    monkeypatch.setattr(K, "PARALLEL_CONV_FLOPS", 0)
+    np.testing.assert_array_equal(K.conv2d(x, w, *extra, **kw), y1)
+    np.testing.assert_array_equal(K.conv2d_backward_weight(x, gy, kernel_size=ws[2:], **kw), dw1)
 
 
 def test_weight_gradient_shorter_than_the_conv_output():
@@ -92,11 +120,13 @@ CONVT = [
 ]
 
 
+@pytest.mark.parametrize("path", ["im2col", "shifted"])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("case", CONVT, ids=[f"t{i}" for i in range(len(CONVT))])
-def test_conv_transpose2d(case, dt, monkeypatch):
+def test_conv_transpose2d(case, dt, path, monkeypatch):
     xs, ws, has_b, s, p, op, d, g = case
     monkeypatch.setattr(K, "BLOCK_ELEMS", 200)
+    monkeypatch.setattr(K, "SHIFTED_MIN_CHANNELS", 1 if path == "shifted" else 10 ** 9)
     x, w = arr(xs, dt, 0), arr(ws, dt, 1)
     b = arr((ws[1] * g,), dt, 2) if has_b else None
     got = K.conv_transpose2d(x, w, *([b] if has_b else []), stride=s, padding=p,

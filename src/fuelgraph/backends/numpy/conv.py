@@ -3,18 +3,27 @@ causal_conv1d and causal_conv1d_backward (the CPU reference implementations).
 
 Every kernel computes in the accumulation dtype (float32 for float32/bfloat16/float16, float64
 for float64) and rounds once to the input dtype. The 2-D convolutions are im2col + BLAS: the
-padded input is viewed through `as_strided` as [N, C, Kh, Kw, Ho, Wrow] (no Python loop over
-pixels or taps), copied once into a column buffer and multiplied by the weight in one batched
-GEMM per chunk of samples. When the width stride is 1 the column buffer spans whole padded rows
-(Wrow = padded width, the few columns past Wo are computed and dropped): each copy is then a
-long contiguous run instead of Wo-element pieces, which makes the copy several times faster.
-Depthwise convolutions (one input channel per output channel) skip the GEMM: a loop over the
-kernel taps does one vectorized multiply-add each. conv_transpose2d is the GEMM to the column
-stack followed by an overlap-add loop over the taps (col2im).
+input is zero-padded and split into its stride phases once (`_Unfold`), so that for any stride
+the columns of one kernel tap over a few output rows are one contiguous run (whole phase rows;
+the few columns past Wo are computed and dropped): the column block is built by memcpy-speed
+copies, never a gather of Wo-element pieces or a Python loop over pixels. Each block of output
+rows is then ONE GEMM per group, [Cout/g, Cin/g*Kh*Kw] x [Cin/g*Kh*Kw, rows*Wq], whose result
+is already in NCHW order (no transpose). With at least SHIFTED_MIN_CHANNELS input channels per
+group even that copy is skipped: each tap's window is a strided view BLAS reads directly, one
+GEMM per tap (K = Cin/g), summed in the L2-resident output block (BLAS packs its operand
+anyway, so the im2col copy was a second pass over the same data); the weight gradient does
+the same, one GEMM per tap into its own slice of dW. Blocks run on fuelgraph's pool threads, each GEMM a
+single-threaded BLAS call on a per-thread block that stays in the core's L2 (BLAS's own
+threads spin between many small calls, and collapse when another process shares the cores).
+Depthwise convolutions (one input channel per output channel) skip the GEMM: per chunk of
+(sample, channel) rows one vectorized multiply and add per tap. conv_transpose2d is sh*sw
+stride-1 convolutions, one per output phase, written straight into the strided output.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -22,7 +31,8 @@ from numpy.lib.stride_tricks import as_strided
 from ...registry.conv import CAUSAL_CONV1D_BACKWARD, CONV2D_BACKWARD_WEIGHT
 from ...registry.core import FusedOps
 from ..base import Cost, kernel, row_cost
-from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from . import common
+from .common import PARALLEL_MIN_ELEMS, acc_dtype, row_spans, run_spans, store, to_acc
 
 
 
@@ -60,136 +70,301 @@ def causal_conv1d_cost(shapes, p):
 causal_conv1d_backward_cost = row_cost(12)
 
 
+def _phase_span(p, s, pad, size, nq):
+    """Phase p of stride s over a padded axis (padded index i = p + s*q, q < nq): the first q
+    that lands on the input (i - pad >= 0), that input index and how many q do."""
+    q0 = min(nq, max(0, -(-(pad - p) // s)))
+    i0 = p + s * q0 - pad
+    return q0, i0, max(0, min(nq - q0, len(range(i0, size, s))))
+
+
 class _Unfold:
-    """The padded input `xp` (acc dtype, one spare zero row at the bottom) and strided views of
-    its im2col windows. Output column j of row oh reads xp[oh*sh + ky*dh, j*sw + kx*dw]; with
-    a width stride of 1, j runs over the whole padded row (Wrow = padded width; the spare row
-    keeps the last window inside the buffer)."""
+    """The zero-padded input split into its stride phases, in the accumulation dtype:
+    xq[n, c, py*sw + px, q, r] = padded x[n, c, q*sh + py, r*sw + px], plus one spare zero row
+    per phase. Tap (ky, kx) of output pixel (oh, ow) reads phase ((ky*dh) % sh, (kx*dw) % sw) at
+    (oh + ky*dh // sh, ow + kx*dw // sw), so for every stride the im2col columns of `rows`
+    consecutive output rows of one tap are ONE contiguous run of rows*Wq elements (Wq = phase
+    width >= Wo; the columns past Wo are computed and dropped): the column copy is a memcpy,
+    not a gather of Wo-element pieces."""
 
     def __init__(self, x, padding, kernel, out_hw, stride, dilation, acc):
+        self.x, self.acc = x, acc
         n, c, h, w = x.shape
-        pt, pb, pl, pr = padding
+        self.pad = padding
         self.kh, self.kw = kernel
         self.ho, self.wo = out_hw
         (self.sh, self.sw), (self.dh, self.dw) = stride, dilation
-        hp, self.wp = h + pt + pb, w + pl + pr
-        self.wrow = self.wp if self.sw == 1 else self.wo
-        xp = self.xp = np.empty((n, c, hp + 1, self.wp), acc)
-        xp[:, :, :pt], xp[:, :, pt + h:], xp[:, :, pt:pt + h, :pl] = 0, 0, 0
-        xp[:, :, pt:pt + h, pl + w:] = 0                     # only the border is zeroed
-        xp[:, :, pt:pt + h, pl:pl + w] = x if x.dtype == acc else to_acc(x, acc)
+        dh, dw = dilation
+        self.hq = -(-(h + padding[0] + padding[1]) // self.sh)
+        self.wq = self.wrow = -(-(w + padding[2] + padding[3]) // self.sw)
+        self.phases = self.sh * self.sw
+        self.xq = np.empty((n, c, self.phases, self.hq + 1, self.wq), acc)
+        #: per tap (ky, kx): (phase, offset of output row 0 in the flattened phase)
+        self.taps = []
+        for ky in range(self.kh):
+            for kx in range(self.kw):
+                (qy, py), (qx, px) = divmod(ky * dh, self.sh), divmod(kx * dw, self.sw)
+                self.taps.append((py * self.sw + px, qy * self.wq + qx))
 
-    def view(self, n0=0, n1=None):
-        """[n, C, Kh, Kw, Ho, Wrow] windows of samples n0:n1."""
-        xp = self.xp[n0:n1]
-        sn, sc, _, it = xp.strides
-        row = self.wp * it
-        return as_strided(xp, xp.shape[:2] + (self.kh, self.kw, self.ho, self.wrow),
-                          (sn, sc, self.dh * row, self.dw * it, self.sh * row, self.sw * it),
-                          writeable=False)
+    def fill(self, n0, n1):
+        """Pad and phase-split samples n0:n1 (only the border is zeroed)."""
+        x, xq = self.x[n0:n1], self.xq[n0:n1]
+        h, w = x.shape[2:]
+        pt, _, pl, _ = self.pad
+        for py in range(self.sh):
+            q0, y0, nq = _phase_span(py, self.sh, pt, h, self.hq)
+            for px in range(self.sw):
+                r0, x0, nr = _phase_span(px, self.sw, pl, w, self.wq)
+                d = xq[:, :, py * self.sw + px]
+                d[:, :, :q0], d[:, :, q0 + nq:] = 0, 0
+                d[:, :, q0:q0 + nq, :r0], d[:, :, q0:q0 + nq, r0 + nr:] = 0, 0
+                src = x[:, :, y0::self.sh, x0::self.sw][:, :, :nq, :nr]
+                d[:, :, q0:q0 + nq, r0:r0 + nr] = src if src.dtype == self.acc else \
+                    to_acc(src, self.acc)
 
-    def tap_rows(self, ky, kx):
-        """Window of tap (ky, kx) as rows [N*C, Ho*Wrow] (one contiguous run per row when the
-        height stride is 1 too) or [N*C, Ho, Wrow]."""
-        n, c = self.xp.shape[:2]
-        it = self.xp.itemsize
-        base = self.xp.reshape(n * c, -1)[:, ky * self.dh * self.wp + kx * self.dw:]
-        if self.sh == 1 and self.sw == 1:
-            return as_strided(base, (n * c, self.ho * self.wp), (base.strides[0], it),
-                              writeable=False)
-        return as_strided(base, (n * c, self.ho, self.wrow),
-                          (base.strides[0], self.sh * self.wp * it, self.sw * it),
-                          writeable=False)
+    def fill_all(self, parallel):
+        n = self.xq.shape[0]
+        if parallel:
+            run_spans(self.fill, [(i, i + 1) for i in range(n)], PARALLEL_MIN_ELEMS)
+        else:
+            self.fill(0, n)
+
+    def tap_rows(self, t):
+        """Window of tap t as rows [N*C, Ho*Wq] (row (n, c) of output pixels, Wq per row)."""
+        n, c = self.xq.shape[:2]
+        p, off = self.taps[t]
+        return self.xq.reshape(n * c, self.phases, -1)[:, p, off:off + self.ho * self.wq]
 
     def block(self, n, h0, h1, buf):
-        """Columns of sample n, output rows [h0, h1): [C*Kh*Kw, (h1-h0)*Wrow] copied into
-        `buf` (reused across blocks, so it stays in cache for the GEMM that reads it)."""
-        xp = self.xp[n, :, h0 * self.sh:]
-        sc, row, it = xp.strides[0], self.wp * xp.itemsize, xp.itemsize
-        v = as_strided(xp, (xp.shape[0], self.kh, self.kw, h1 - h0, self.wrow),
-                       (sc, self.dh * row, self.dw * it, self.sh * row, self.sw * it),
-                       writeable=False)
-        b = buf[:v.size].reshape(v.shape)
-        np.copyto(b, v)
-        return b.reshape(-1, (h1 - h0) * self.wrow)
+        """Columns of sample n, output rows [h0, h1): [C*Kh*Kw, (h1-h0)*Wq] copied into `buf`
+        (one buffer per thread, reused across blocks so it stays in cache for the GEMM)."""
+        c, taps = self.xq.shape[1], len(self.taps)
+        run = (h1 - h0) * self.wq
+        cols = buf[:c * taps * run].reshape(c, taps, run)
+        flat = self.xq[n].reshape(c, self.phases, -1)
+        if self.phases == 1:                # [C, Kh, Kw, run] in one copy
+            it = flat.itemsize
+            v = as_strided(flat[:, 0, h0 * self.wq:], (c, self.kh, self.kw, run),
+                           (flat.strides[0], self.dh * self.wq * it, self.dw * it, it),
+                           writeable=False)
+            np.copyto(cols.reshape(c, self.kh, self.kw, run), v)
+        else:
+            for t, (p, off) in enumerate(self.taps):
+                s0 = h0 * self.wq + off
+                np.copyto(cols[:, t], flat[:, p, s0:s0 + run])
+        return cols.reshape(c * taps, run)
+
+    def tap_block(self, n, t, h0, h1, groups):
+        """Tap t's window over output rows [h0, h1) of sample n, a strided VIEW [g, C/g,
+        (h1-h0)*Wq] whose rows are contiguous runs: BLAS reads it without an im2col copy."""
+        c = self.xq.shape[1]
+        p, off = self.taps[t]
+        s0 = h0 * self.wq + off
+        flat = self.xq[n].reshape(groups, c // groups, self.phases, -1)
+        return flat[:, :, p, s0:s0 + (h1 - h0) * self.wq]
+
+    def row_blocks(self, elems=None):
+        """(rows per block, [(sample, h0, h1)]) for blocks of about BLOCK_ELEMS columns."""
+        c = self.xq.shape[1]
+        per_row = (elems or BLOCK_ELEMS) // (c * len(self.taps) * self.wq) if elems is None \
+            else elems // self.wq
+        rows = max(1, min(self.ho, per_row))
+        return rows, [(i, h0, min(self.ho, h0 + rows)) for i in range(self.xq.shape[0])
+                      for h0 in range(0, self.ho, rows)]
 
 
-#: column-block elements per GEMM (2 MiB of float32: the block stays in cache for its GEMM,
-#: which is still large enough to amortize BLAS threading)
-BLOCK_ELEMS = 1 << 19
+#: column-block elements per GEMM (1 MiB of float32: the block, the weights and the output
+#: block stay in the core's L2 while its GEMM runs)
+BLOCK_ELEMS = 1 << 18
+#: convolutions with at least this many input channels per group skip the im2col copy: one GEMM
+#: per tap straight from the padded input (K = C/g is long enough for BLAS to run at full
+#: speed), summed in an L2-resident block of BLOCK_ELEMS / 4 outputs; fewer channels: im2col
+SHIFTED_MIN_CHANNELS = 16
+#: convolutions of at least this many flops run their blocks on fuelgraph's pool threads, each
+#: block's GEMM a single-threaded BLAS call (BLAS's own threads spin between the many small
+#: calls and collapse when another process competes for the cores)
+PARALLEL_CONV_FLOPS = 2e7
+
+
+#: products this large make OpenBLAS start its own threads (M*N*K >= 2^18)
+BLAS_THREADS_FLOPS = 5e5
+_BLAS_LIBS: list = []
+
+
+def _blas_libs():
+    """threadpoolctl's controllers of the loaded BLAS libraries ([] without threadpoolctl);
+    setting their thread count directly costs ~1 us, a `threadpool_limits` context ~40 us."""
+    if not _BLAS_LIBS:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS_LIBS.append(ThreadpoolController().select(user_api="blas").lib_controllers)
+        except ImportError:                                    # pragma: no cover
+            _BLAS_LIBS.append([])
+    return _BLAS_LIBS[0]
+
+
+@contextlib.contextmanager
+def _pool_gemms(flops):
+    """Yields whether to spread the blocks over the pool threads. Meanwhile BLAS stays on one
+    thread whenever it would start its own: they spin between the many small calls and
+    collapse when another process competes for the cores."""
+    libs = _blas_libs() if flops >= BLAS_THREADS_FLOPS else []
+    old = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        yield bool(libs) and common.NUM_THREADS > 1 and flops >= PARALLEL_CONV_FLOPS
+    finally:
+        for lib, n in zip(libs, old):
+            lib.set_num_threads(n)
+
+
+def _per_thread(make):
+    """get() -> this thread's own scratch array (made on first use)."""
+    local = threading.local()
+
+    def get():
+        b = getattr(local, "b", None)
+        if b is None:
+            b = local.b = make()
+        return b
+    return get
+
+
+def _run_items(work, items, parallel):
+    if parallel and len(items) > 1:
+        run_spans(lambda a, b: [work(*it) for it in items[a:b]],
+                  [(k, k + 1) for k in range(len(items))], PARALLEL_MIN_ELEMS)
+    else:
+        for it in items:
+            work(*it)
 
 
 def _store_block(dst, o, bias_a):
     """dst <- o (+ bias per channel, o's leading axis), rounded once to dst's dtype."""
-    if bias_a is not None:
-        np.add(o, bias_a.reshape((-1,) + (1,) * (o.ndim - 1)), out=o)
+    b = None if bias_a is None else bias_a.reshape((-1,) + (1,) * (o.ndim - 1))
     if dst.dtype == o.dtype:
-        np.copyto(dst, o)
-    else:
-        store(dst, np.ascontiguousarray(o))
+        if b is None:
+            np.copyto(dst, o)
+        else:
+            np.add(o, b, out=dst)
+        return
+    if b is not None:
+        np.add(o, b, out=o)
+    store(dst, np.ascontiguousarray(o))
 
 
 def _conv_into(dst, x, wa, padding, stride, dilation, groups, acc, bias_a=None):
     """dst[N, Cout, Ho, Wo] (any dtype, any strides) <- conv(x, wa) (+ bias), computed in the
-    accumulation dtype: im2col blocks of a few output rows, one GEMM each (per group)."""
-    n, c = x.shape[:2]
-    co, cg, kh, kw = wa.shape
-    ho, wo = dst.shape[2:]
-    if cg == 1 and groups > 1:
-        return _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a)
-    if (kh, kw) == (1, 1) and stride == (1, 1) and not any(padding):  # 1x1: x is its own im2col
-        xa = to_acc(np.ascontiguousarray(x), acc).reshape(n, groups, c // groups, ho * wo)
-        o = np.matmul(wa.reshape(groups, co // groups, cg), xa).reshape(n, co, ho, wo)
-        if bias_a is not None:
-            np.add(o, bias_a[:, None, None], out=o)
-        return _store_block(dst, o, None)
-    u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    wg = wa.reshape(groups, co // groups, cg * kh * kw)
-    rows = max(1, min(ho, BLOCK_ELEMS // (c * kh * kw * u.wrow)))
-    buf = np.empty(c * kh * kw * rows * u.wrow, acc)
-    for i in range(n):
-        for h0 in range(0, ho, rows):
-            h1 = min(ho, h0 + rows)
-            cols = u.block(i, h0, h1, buf).reshape(groups, cg * kh * kw, -1)
-            o = np.matmul(wg, cols).reshape(co, h1 - h0, u.wrow)[:, :, :wo]
-            _store_block(dst[i, :, h0:h1], o, bias_a)
+    accumulation dtype: im2col blocks of a few output rows, one GEMM each (per group), the
+    blocks spread over the pool's threads."""
+    _convs_into([(dst, x, wa, padding, stride, dilation, bias_a)], groups, acc)
+
+
+def _convs_into(jobs, groups, acc):
+    """Several independent convolutions (dst, x, wa, padding, stride, dilation, bias_a) as
+    _conv_into does each, their padding and their GEMM blocks each in ONE pass over the pool
+    (a transposed conv's phases: fewer thread hand-offs, which cost most when another process
+    holds a core)."""
+    gemm_jobs = []
+    for dst, x, wa, padding, stride, dilation, bias_a in jobs:
+        n, c = x.shape[:2]
+        co, cg, kh, kw = wa.shape
+        ho, wo = dst.shape[2:]
+        if cg == 1 and groups > 1:
+            _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a)
+        elif (kh, kw) == (1, 1) and stride == (1, 1) and not any(padding):
+            # 1x1: x is its own im2col
+            xa = to_acc(np.ascontiguousarray(x), acc).reshape(n, groups, c // groups, ho * wo)
+            wg = wa.reshape(groups, co // groups, cg)
+            with _pool_gemms(2.0 * dst.size * cg) as par:
+                _run_items(lambda i: _store_block(
+                    dst[i], np.matmul(wg, xa[i]).reshape(co, ho, wo), bias_a),
+                    [(i,) for i in range(n)], par)
+        else:
+            u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
+            gemm_jobs.append((u, dst, wa.reshape(groups, co // groups, cg * kh * kw), bias_a))
+    if not gemm_jobs:
+        return
+    items, size, flops = [], 0, 0.0
+    for j, (u, dst, wg, _) in enumerate(gemm_jobs):
+        k = wg.shape[2]
+        shifted = k // len(u.taps) >= SHIFTED_MIN_CHANNELS
+        rows, blocks = u.row_blocks(BLOCK_ELEMS // (4 * dst.shape[1]) if shifted else None)
+        items += [(j,) + b for b in blocks]
+        size = max(size, 2 * dst.shape[1] * rows * u.wq if shifted else k * groups * rows * u.wq)
+        flops += 2.0 * dst.size * k
+    buf = _per_thread(lambda: np.empty(size, acc))
+    # shifted GEMMs take the weights tap-major: [T, g, Cout/g, Cin/g]
+    taps_w = [np.ascontiguousarray(wg.reshape(wg.shape[:2] + (-1, len(u.taps))).transpose(
+        3, 0, 1, 2)) if wg.shape[2] // len(u.taps) >= SHIFTED_MIN_CHANNELS else None
+        for u, _, wg, _ in gemm_jobs]
+
+    def work(j, i, h0, h1):
+        u, dst, wg, bias_a = gemm_jobs[j]
+        if taps_w[j] is None:
+            cols = u.block(i, h0, h1, buf()).reshape(groups, wg.shape[2], -1)
+            o = np.matmul(wg, cols)
+        else:                        # sum over taps of W_t @ window_t, no im2col copy
+            wt, m = taps_w[j], wg.shape[1] * (h1 - h0) * u.wq
+            o = buf()[:groups * m].reshape(groups, wg.shape[1], -1)
+            tmp = buf()[groups * m:2 * groups * m].reshape(o.shape)
+            np.matmul(wt[0], u.tap_block(i, 0, h0, h1, groups), out=o)
+            for t in range(1, len(wt)):
+                np.add(o, np.matmul(wt[t], u.tap_block(i, t, h0, h1, groups), out=tmp), out=o)
+        _store_block(dst[i, :, h0:h1], o.reshape(-1, h1 - h0, u.wq)[:, :, :dst.shape[3]],
+                     bias_a)
+    with _pool_gemms(flops) as par:
+        _run_items(lambda j, i: gemm_jobs[j][0].fill(i, i + 1),
+                   [(j, i) for j in range(len(gemm_jobs))
+                    for i in range(gemm_jobs[j][0].xq.shape[0])], par)
+        _run_items(work, items, par)
+
+
+#: (sample, channel) rows per depthwise chunk: about this many elements, so the accumulator
+#: and the product of one tap stay in the core's L2
+DEPTHWISE_CHUNK_ELEMS = 1 << 15
 
 
 def _depthwise(dst, x, wa, padding, stride, dilation, acc, bias_a):
     """Grouped conv with one input channel per group: out[n, co] = sum over taps of
-    w[co, 0, ky, kx] * window(ky, kx)[n, co // (Cout/g)], one multiply-add per tap over
-    chunks of (sample, channel) rows, on the pool's threads."""
+    w[co, 0, ky, kx] * window(ky, kx)[n, co // (Cout/g)], one multiply and one add per tap
+    over chunks of (sample, channel) rows, on the pool's threads."""
     n, c = x.shape[:2]
     co, _, kh, kw = wa.shape
     ho, wo = dst.shape[2:]
     mult = co // c
     xr = x if mult == 1 else np.repeat(x, mult, axis=1)
     u = _Unfold(xr, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    rows = n * co
-    taps = [u.tap_rows(ky, kx) for ky in range(kh) for kx in range(kw)]
+    rows, run = n * co, ho * u.wq
+    par = common.NUM_THREADS > 1 and 2.0 * rows * run * kh * kw >= PARALLEL_CONV_FLOPS
+    u.fill_all(par)
+    taps = [u.tap_rows(t) for t in range(kh * kw)]
     wt = wa.reshape(co, kh * kw)
-    row_shape = (ho, u.wrow)
-    extra = (None,) * (taps[0].ndim - 1)
     d3 = dst.reshape(rows, ho, wo) if dst.flags.c_contiguous else None
+    step = max(1, DEPTHWISE_CHUNK_ELEMS // run)
+    scratch = _per_thread(lambda: np.empty(2 * step * run, acc))
 
     def work(r0, r1):
         ch = np.arange(r0, r1) % co
         wr = wt[ch]
-        acc_ = np.multiply(taps[0][r0:r1], wr[(slice(None), 0) + extra])
-        tmp = np.empty_like(acc_)
+        sbuf = scratch()
+        acc_ = sbuf[:(r1 - r0) * run].reshape(r1 - r0, run)
+        tmp = sbuf[step * run:step * run + acc_.size].reshape(acc_.shape)
+        np.multiply(taps[0][r0:r1], wr[:, :1], out=acc_)
         for t in range(1, kh * kw):
-            np.multiply(taps[t][r0:r1], wr[(slice(None), t) + extra], out=tmp)
+            np.multiply(taps[t][r0:r1], wr[:, t:t + 1], out=tmp)
             np.add(acc_, tmp, out=acc_)
-        o = acc_.reshape((r1 - r0,) + row_shape)[:, :, :wo]
-        target = d3[r0:r1] if d3 is not None else None
-        if target is None:
-            for r in range(r0, r1):        # a strided destination: row by row
+        o = acc_.reshape(r1 - r0, ho, u.wq)[:, :, :wo]
+        if d3 is None:                     # a strided destination: row by row
+            for r in range(r0, r1):
                 _store_block(dst[r // co, r % co], o[r - r0],
                              None if bias_a is None else bias_a[r % co:r % co + 1])
             return
-        _store_block(target, o, None if bias_a is None else bias_a[ch])
+        _store_block(d3[r0:r1], o, None if bias_a is None else bias_a[ch])
 
-    run_spans(work, row_spans(rows, ho * u.wrow, 1 << 16), rows * ho * u.wrow)
+    spans = [(r, min(r + step, rows)) for r in range(0, rows, step)]
+    run_spans(work, spans, PARALLEL_MIN_ELEMS if par else 0)
 
 
 @kernel(FusedOps.CONV2D, "numpy", cost=conv2d_cost)
@@ -249,20 +424,25 @@ def conv_transpose2d(x, w, *bias, stride, padding, output_padding, dilation, gro
     # as conv2d weights: [Cout, Cin/g, Kh, Kw]
     wc = to_acc(w, acc).reshape(g, cin // g, cog, kh, kw).transpose(0, 2, 1, 3, 4)
     wc = wc.reshape(cout, cin // g, kh, kw)
-    res = np.zeros((n, cout, ho, wo), acc)
+    # float32 phases write straight into the output, halves into an accumulation-dtype copy
+    res = out if out.dtype == acc else np.empty((n, cout, ho, wo), acc)
+    ba = to_acc(bias[0], acc) if bias else None
+    jobs = []
     for ry in range(sh):
         ph = _phase(ry, kh, dh, sh, h, pt, ho)
         for rx in range(sw):
             pw = _phase(rx, kw, dw, sw, wd, pl, wo)
-            if ph is None or pw is None:
+            dst = res[:, :, (ry - pt) % sh::sh, (rx - pl) % sw::sw]
+            if ph is None or pw is None:        # no tap lands here: bias only
+                dst[...] = 0 if ba is None else ba[:, None, None]
                 continue
             sub = np.ascontiguousarray(wc[:, :, ph[1]][:, :, :, pw[1]])
             xs = x[:, :, ph[3][0]:ph[3][1], pw[3][0]:pw[3][1]]
-            _conv_into(res[:, :, ph[0]::sh, pw[0]::sw], xs, sub, ph[4] + pw[4], (1, 1),
-                       (ph[2], pw[2]), g, acc)
-    if bias:
-        np.add(res, to_acc(bias[0], acc)[:, None, None], out=res)
-    store(out, res)
+            jobs.append((res[:, :, ph[0]::sh, pw[0]::sw], xs, sub, ph[4] + pw[4], (1, 1),
+                         (ph[2], pw[2]), ba))
+    _convs_into(jobs, g, acc)
+    if res is not out:
+        store(out, res)
     return out
 
 
@@ -277,21 +457,39 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
     g = groups
     cg, cog = c // g, co // g
     u = _Unfold(x, padding, (kh, kw), (ho, wo), stride, dilation, acc)
-    ga = np.zeros((n, co, ho, u.wrow), acc)          # zero past Wo: those columns are dropped
-    ga[..., :wo] = grad if grad.dtype == acc else to_acc(grad, acc)
     if cg == 1 and g > 1:
+        u.fill_all(common.NUM_THREADS > 1 and 2.0 * grad.size * kh * kw >= PARALLEL_CONV_FLOPS)
+        ga = np.zeros((n, co, ho, u.wq), acc)      # zero past Wo: those columns are dropped
+        ga[..., :wo] = grad if grad.dtype == acc else to_acc(grad, acc)
         dw = _depthwise_weight_grad(u, ga, c, kh, kw)
     else:
-        dw = np.zeros((g, cog, cg * kh * kw), acc)
-        rows = max(1, min(ho, BLOCK_ELEMS // (c * kh * kw * u.wrow)))
-        buf = np.empty(c * kh * kw * rows * u.wrow, acc)
-        part = np.empty_like(dw)
-        for i in range(n):                   # blocks of output rows, as in the forward
-            for h0 in range(0, ho, rows):
-                h1 = min(ho, h0 + rows)
-                cols = u.block(i, h0, h1, buf).reshape(g, cg * kh * kw, -1)
-                gb = ga[i, :, h0:h1].reshape(g, cog, -1)
-                dw += np.matmul(gb, cols.transpose(0, 2, 1), out=part)
+        taps = kh * kw
+        shifted = cg >= SHIFTED_MIN_CHANNELS
+        rows, items = u.row_blocks(BLOCK_ELEMS // (2 * co) if shifted else None)
+        buf = _per_thread(lambda: np.empty(0 if shifted else c * taps * rows * u.wq, acc))
+        gbuf = _per_thread(lambda: np.zeros((co, rows, u.wq), acc))  # zero past Wo
+        # per sample (a fixed summation order on any number of threads): [g, Cout/g, Cin/g, T]
+        # from im2col blocks, tap-major [T, g, Cout/g, Cin/g] from per-tap GEMMs
+        parts = np.zeros((n, taps, g, cog, cg) if shifted else (n, g, cog, cg * taps), acc)
+
+        def work(i):                 # one sample's blocks of output rows, as in the forward
+            for _, h0, h1 in (it for it in items if it[0] == i):
+                gb = gbuf()[:, :h1 - h0]
+                gb[..., :wo] = grad[i, :, h0:h1]
+                g3 = gb.reshape(g, cog, -1)
+                if shifted:
+                    for t in range(taps):
+                        parts[i, t] += np.matmul(g3, u.tap_block(i, t, h0, h1, g).transpose(
+                            0, 2, 1))
+                else:
+                    cols = u.block(i, h0, h1, buf()).reshape(g, cg * taps, -1)
+                    parts[i] += np.matmul(g3, cols.transpose(0, 2, 1))
+        with _pool_gemms(2.0 * grad.size * cg * taps) as par:
+            u.fill_all(par)
+            _run_items(work, [(i,) for i in range(n)], par)
+        dw = parts.sum(0)
+        if shifted:
+            dw = dw.transpose(1, 2, 3, 0)
     res = np.empty((co, cg, kh, kw), x.dtype)
     store(res, dw.reshape(co, cg, kh, kw))
     return res
@@ -301,14 +499,10 @@ def _depthwise_weight_grad(u, ga, c, kh, kw):
     """dW[co, 0, t] = sum over samples and pixels of grad[:, co] * window_t[:, co // mult]."""
     n, co = ga.shape[:2]
     dw = np.empty((co, kh * kw), ga.dtype)
-    for ky in range(kh):
-        for kx in range(kw):
-            win = u.tap_rows(ky, kx)
-            win = win.reshape((n, c, 1) + win.shape[1:])
-            g5 = ga.reshape((n, c, co // c) + win.shape[3:])
-            prod = np.vecdot(g5, win)
-            dw[:, ky * kw + kx] = prod.sum(tuple(i for i in range(prod.ndim) if i not in (1, 2))
-                                           ).reshape(co)
+    g4 = ga.reshape(n, c, co // c, -1)
+    for t in range(kh * kw):
+        win = u.tap_rows(t).reshape(n, c, 1, -1)
+        dw[:, t] = np.vecdot(g4, win).sum(0).reshape(co)
     return dw
 
 

@@ -8,12 +8,13 @@
   and elementwise ops converts once), "auto" keeps the input's format, "never" forces NCHW.
   The kernels accept strided (channels-last) inputs.
 * causal_conv1d and causal_conv1d_backward: Triton, float32/bfloat16/float16 (float64 runs the
-  recipe). Forward: one program per (row, block of positions) loads the W shifted windows of x
-  (the shifted loads hit L1) and computes bias + taps (+ silu) in float32. Backward: one program
-  per (channel, split of the batch x length range) recomputes z (for silu') at the W positions
-  each dx needs, writes dx, and reduces the weight/bias gradients of its range in registers;
-  the splits' partial sums (float32) are added by one small torch sum, so the result is
-  deterministic.
+  recipe). One program per (row, block of R*8 positions); every thread holds chunks of 8
+  positions loaded as aligned vectors, takes the W-1 halo from the neighbouring chunks (aligned
+  vector loads too) and splits them into columns in registers, so each x and g element is
+  loaded with wide loads and every shifted operand is a register. Forward: bias + taps (+ silu)
+  in float32. Backward, ONE kernel: dz = g * silu'(z) once per position (z recomputed from x),
+  dx from the W shifted dz, and the program's partial sums of dweight and dbias (float32),
+  added by one small torch sum over the programs (deterministic).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ....registry.core import FusedOps
 from ...base import kernel
 from ...numpy.conv import (causal_conv1d_backward_cost, causal_conv1d_cost,
                            conv2d_backward_weight_cost, conv2d_cost, conv_transpose2d_cost)
-from .common import HALF_AND_F32, next_pow2, num_sms
+from .common import HALF_AND_F32, next_pow2
 
 #: "always" | "auto" | "never" (see the module docstring). "auto" by measurement: on an H200
 #: (2026-12-01, bf16 N32 C256 56x56 3x3) NCHW inputs took 0.336 ms with "auto" / "never" and
@@ -132,78 +133,142 @@ def conv2d_backward_weight(x, grad, *, stride, padding, dilation, groups, kernel
 
 
 # ---- causal depthwise conv1d (Triton) -----------------------------------------------------------
+# Layout: a program owns one (sample, channel) row and R*8 consecutive positions; each thread
+# owns chunks of 8 consecutive positions, loaded as aligned 16-byte vectors (bf16/fp16). The
+# W-1 halo comes from the neighbouring chunks, loaded as aligned vectors too (they are L1/L2
+# hits: the neighbouring thread loads the same lines), and the chunk is split into its 8
+# columns IN REGISTERS (reshape + split; no shared memory, no shuffles): the shifted operands
+# x[t - s] are then plain register picks, where shifted pointer loads would be unaligned
+# 2-byte loads, W of them per element.
 @triton.jit
-def _causal_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, L, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       SILU: tl.constexpr, BLOCK_L: tl.constexpr):
+def _columns(t):
+    """[R, 8] -> its 8 columns, each [R], in order (register moves only)."""
+    R: tl.constexpr = t.shape[0]
+    e, o = tl.split(tl.reshape(t, [R, 4, 2]))
+    ee, eo = tl.split(tl.reshape(e, [R, 2, 2]))
+    oe, oo = tl.split(tl.reshape(o, [R, 2, 2]))
+    c0, c4 = tl.split(ee)
+    c2, c6 = tl.split(eo)
+    c1, c5 = tl.split(oe)
+    c3, c7 = tl.split(oo)
+    return (c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit
+def _tile(c):
+    """8 columns (a tuple of [R]) -> the [R, 8] tile (the inverse of _columns)."""
+    R: tl.constexpr = c[0].shape[0]
+    e = tl.reshape(tl.join(tl.join(c[0], c[4]), tl.join(c[2], c[6])), [R, 4])
+    o = tl.reshape(tl.join(tl.join(c[1], c[5]), tl.join(c[3], c[7])), [R, 4])
+    return tl.reshape(tl.join(e, o), [R, 8])
+
+
+@triton.jit
+def _chunk_columns(ptr, base, pos, shift, L):
+    """Columns of the chunks `shift` positions away (a multiple of 8), zeros outside [0, L)."""
+    p = pos + shift
+    return _columns(tl.load(ptr + base + p, mask=(p >= 0) & (p < L), other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _causal_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, C, L, W: tl.constexpr, HALO: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr, R: tl.constexpr):
     row = tl.program_id(0)
     c = row % C
-    t = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     base = row.to(tl.int64) * L
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + c).to(tl.float32)
-    for k in tl.static_range(W):
-        src = t + (k - (W - 1))
-        xv = tl.load(x_ptr + base + src, mask=(src >= 0) & (src < L), other=0.0)
-        acc += xv.to(tl.float32) * tl.load(w_ptr + c * W + k).to(tl.float32)
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + base + t, acc.to(y_ptr.dtype.element_ty), mask=t < L)
-
-
-@triton.jit
-def _causal_bwd_kernel(x_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr, C, L, n_lblk, total,
-                       PER_PROG: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_L: tl.constexpr):
-    c = tl.program_id(0)
-    split = tl.program_id(1)
-    kk = tl.arange(0, WP)
-    kmask = kk < W
-    wv = tl.load(w_ptr + c * W + kk, mask=kmask, other=0.0).to(tl.float32)
+    pos = tl.program_id(1) * (R * 8) + tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    xs = _chunk_columns(x_ptr, base, pos, 0, L)           # xs[8*HALO + m]: x at chunk pos + m
+    for h in tl.static_range(1, HALO + 1):
+        xs = _chunk_columns(x_ptr, base, pos, -8 * h, L) + xs
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + c).to(tl.float32)
-    acc_w = tl.zeros([WP, BLOCK_L], tl.float32)
-    acc_b = tl.zeros([BLOCK_L], tl.float32)
-    for i in range(0, PER_PROG):                        # items: (sample, block of positions)
-        it = split * PER_PROG + i
-        valid = it < total
-        bi = it // n_lblk
-        u = (it % n_lblk) * BLOCK_L + tl.arange(0, BLOCK_L)
-        base = (bi * C + c).to(tl.int64) * L
-        dx = tl.zeros([BLOCK_L], tl.float32)
+    ys = ()
+    for v in tl.static_range(8):
+        z = tl.zeros([R], tl.float32) + bias
+        for k in tl.static_range(W):
+            z += xs[8 * HALO + v - (W - 1) + k] * tl.load(w_ptr + c * W + k).to(tl.float32)
+        if SILU:
+            z = z / (1.0 + tl.exp(-z))
+        ys = ys + (z,)
+    tl.store(y_ptr + base + pos, _tile(ys).to(y_ptr.dtype.element_ty), mask=pos < L)
+
+
+@triton.jit
+def _causal_bwd_kernel(x_ptr, w_ptr, b_ptr, g_ptr, dx_ptr, part_ptr, C, L, n_lblk,
+                       W: tl.constexpr, HALO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SILU: tl.constexpr, R: tl.constexpr):
+    """dx, and this program's partial sums of dbias and dweight (float32, part[program, c, :],
+    summed by the caller in a fixed order). dz = g * silu'(z) is computed once per position of the chunk and
+    of the W-1 positions after it (z recomputed from x, never stored)."""
+    row = tl.program_id(0)
+    lblk = tl.program_id(1)
+    c = row % C
+    base = row.to(tl.int64) * L
+    pos = lblk * (R * 8) + tl.arange(0, R)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    xs = _chunk_columns(x_ptr, base, pos, 0, L)
+    gs = _chunk_columns(g_ptr, base, pos, 0, L)           # gs[m]: g at chunk pos + m
+    for h in tl.static_range(1, HALO + 1):
+        xs = _chunk_columns(x_ptr, base, pos, -8 * h, L) + xs + \
+            _chunk_columns(x_ptr, base, pos, 8 * h, L)
+        gs = gs + _chunk_columns(g_ptr, base, pos, 8 * h, L)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c).to(tl.float32)
+    dzs = ()
+    for t in tl.static_range(8 + W - 1):
+        if SILU:
+            z = tl.zeros([R], tl.float32) + bias
+            for k in tl.static_range(W):
+                z += xs[8 * HALO + t - (W - 1) + k] * tl.load(w_ptr + c * W + k).to(tl.float32)
+            sg = 1.0 / (1.0 + tl.exp(-z))
+            dzs = dzs + (gs[t] * (sg * (1.0 + z * (1.0 - sg))),)
+        else:
+            dzs = dzs + (gs[t],)
+    dxs = ()
+    for v in tl.static_range(8):                          # dx[u] = sum_j w[W-1-j] dz[u+j]
+        d = tl.zeros([R], tl.float32)
         for j in tl.static_range(W):
-            t = u + j                                       # dx[u] needs dz[u + j]
-            g = tl.load(g_ptr + base + t, mask=(t < L) & valid, other=0.0).to(tl.float32)
-            if SILU or j == 0:
-                src = t[None, :] + kk[:, None] - (W - 1)    # x under each tap of position t
-                xt = tl.load(x_ptr + base + src,
-                             mask=(src >= 0) & (src < L) & kmask[:, None] & valid,
-                             other=0.0).to(tl.float32)
-            if SILU:
-                z = tl.sum(xt * wv[:, None], 0) + bias
-                sg = 1.0 / (1.0 + tl.exp(-z))
-                dz = g * (sg * (1.0 + z * (1.0 - sg)))
-            else:
-                dz = g
-            dx += dz * tl.load(w_ptr + c * W + (W - 1 - j)).to(tl.float32)
-            if j == 0:
-                acc_w += xt * dz[None, :]
-                acc_b += dz
-        tl.store(dx_ptr + base + u, dx.to(dx_ptr.dtype.element_ty), mask=(u < L) & valid)
-    tl.store(dw_ptr + (split * C + c) * W + kk, tl.sum(acc_w, 1), mask=kmask)
-    tl.store(db_ptr + split * C + c, tl.sum(acc_b, 0))
+            d += dzs[v + j] * tl.load(w_ptr + c * W + (W - 1 - j)).to(tl.float32)
+        dxs = dxs + (d,)
+    tl.store(dx_ptr + base + pos, _tile(dxs).to(dx_ptr.dtype.element_ty), mask=pos < L)
+    # this program's partial sums: dbias, then dw[k] = sum_t dz[t] x[t - (W-1) + k]
+    out = part_ptr + (((row // C) * n_lblk + lblk) * C + c) * (W + 1)
+    db = dzs[0]
+    for v in tl.static_range(1, 8):
+        db += dzs[v]
+    sums = (db,)
+    for k in tl.static_range(W):
+        acc = dzs[0] * xs[8 * HALO - (W - 1) + k]
+        for v in tl.static_range(1, 8):
+            acc += dzs[v] * xs[8 * HALO + v - (W - 1) + k]
+        sums = sums + (acc,)
+    if W + 1 <= 8:                  # one reduction of an [R, 8] tile: fewer barriers than W+1
+        for _ in tl.static_range(W + 1, 8):
+            sums = sums + (tl.zeros([R], tl.float32),)
+        i = tl.arange(0, 8)
+        tl.store(out + i, tl.sum(_tile(sums), 0), mask=i < W + 1)
+    else:
+        for k in tl.static_range(W + 1):
+            tl.store(out + k, tl.sum(sums[k], 0))
 
 
-#: forward launch config: positions per program and warps (None: from the length); the
-#: benchmark sweeps them (bench/bench_cuda_conv.py --sweep)
-FWD_BLOCK_L = None
+#: launch configs: chunks of 8 positions per program (R, a power of two) and warps; None picks
+#: from the length (forward: 2 chunks per thread, for more bytes in flight; backward: 1, it
+#: holds ~80 registers per chunk). The benchmark sweeps them (bench_cuda_conv.py --sweep).
+FWD_ROWS = None
 FWD_WARPS = None
+BWD_ROWS = None
+BWD_WARPS = None
 
 
-def _fwd_config(length):
-    block = FWD_BLOCK_L or max(16, min(2048, next_pow2(length)))
-    return block, FWD_WARPS or max(1, min(8, block // 256))
+def _config(length, rows, warps, default_rows, chunks_per_thread):
+    r = rows or max(1, min(default_rows, next_pow2(triton.cdiv(length, 8))))
+    return r, warps or max(1, min(8, r // (32 * chunks_per_thread)))
+
+
+def _halo(k):
+    return triton.cdiv(k - 1, 8)
 
 
 @kernel(FusedOps.CAUSAL_CONV1D, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_cost)
@@ -215,40 +280,29 @@ def causal_conv1d(x, w, *bias, use_silu):
     y = torch.empty_like(x)
     if y.numel() == 0:
         return y
-    block, warps = _fwd_config(length)
-    _causal_fwd_kernel[(b * c, triton.cdiv(length, block))](
-        x, w, bias[0].contiguous() if bias else w, y, c, length, W=k, HAS_BIAS=bool(bias),
-        SILU=bool(use_silu), BLOCK_L=block, num_warps=warps)
+    rows, warps = _config(length, FWD_ROWS, FWD_WARPS, 512, 2)
+    _causal_fwd_kernel[(b * c, triton.cdiv(length, 8 * rows))](
+        x, w, bias[0].contiguous() if bias else w, y, c, length, W=k, HALO=_halo(k),
+        HAS_BIAS=bool(bias), SILU=bool(use_silu), R=rows, num_warps=warps)
     return y
-
-
-#: backward: positions per iteration, programs per SM it aims for, warps (None: from the block)
-BWD_BLOCK_L = 1024
-BWD_PROGRAMS_PER_SM = 4
-BWD_WARPS = None
 
 
 @kernel(CAUSAL_CONV1D_BACKWARD, "cuda", dtypes=HALF_AND_F32, cost=causal_conv1d_backward_cost)
 def causal_conv1d_backward(x, w, grad, *bias, use_silu):
-    """CAUSAL_CONV1D_BACKWARD: (x, w, grad, [bias]) -> (dx, dw shaped like w, dbias [C])."""
+    """CAUSAL_CONV1D_BACKWARD: (x, w, grad, [bias]) -> (dx, dw shaped like w, dbias [C]), in
+    one kernel (dx and per-program dweight/dbias partials) plus one small sum of the partials."""
     b, c, length = x.shape
     k = w.shape[-1]
     x, w, grad = x.contiguous(), w.contiguous(), grad.contiguous()
     if x.numel() == 0:
         return (torch.empty_like(x), torch.zeros_like(w),
                 torch.zeros(c, dtype=x.dtype, device=x.device))
-    block = max(16, min(BWD_BLOCK_L, next_pow2(length)))
-    n_lblk = triton.cdiv(length, block)
-    total = b * n_lblk
-    splits = max(1, min(total, triton.cdiv(BWD_PROGRAMS_PER_SM * num_sms(x.device), c)))
-    per_prog = next_pow2(triton.cdiv(total, splits))    # a power of two: few compiled variants
-    splits = triton.cdiv(total, per_prog)
+    rows, warps = _config(length, BWD_ROWS, BWD_WARPS, 256, 1)
+    n_lblk = triton.cdiv(length, 8 * rows)
     dx = torch.empty_like(x)
-    dw_part = torch.empty((splits, c, k), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((splits, c), dtype=torch.float32, device=x.device)
-    _causal_bwd_kernel[(c, splits)](
-        x, w, bias[0].contiguous() if bias else w, grad, dx, dw_part, db_part, c, length, n_lblk,
-        total, PER_PROG=per_prog, W=k, WP=next_pow2(k), HAS_BIAS=bool(bias), SILU=bool(use_silu),
-        BLOCK_L=block, num_warps=BWD_WARPS or max(1, min(8, block // 128)))
-    dwt = dw_part.sum(0).to(w.dtype).reshape(w.shape)
-    return dx, dwt, db_part.sum(0).to(x.dtype)
+    part = torch.empty((b * n_lblk, c, k + 1), dtype=torch.float32, device=x.device)
+    _causal_bwd_kernel[(b * c, n_lblk)](
+        x, w, bias[0].contiguous() if bias else w, grad, dx, part, c, length, n_lblk,
+        W=k, HALO=_halo(k), HAS_BIAS=bool(bias), SILU=bool(use_silu), R=rows, num_warps=warps)
+    sums = part.sum(0)                   # [C, 1 + W]: dbias, dweight
+    return dx, sums[:, 1:].to(w.dtype).reshape(w.shape), sums[:, 0].to(x.dtype)

@@ -56,6 +56,18 @@ CE_ROWS_WARPS = 8
 CE_ROWS_STAGES = 3
 CE_L2_BYTES = 24 << 20
 CE_MAX_PROGRAMS_PER_SM = 8
+# the split-row one-pass kernel (_ce_split_kernel): rows cut into chunks of at most
+# CE_SPLIT_CHUNK logits (0: whole rows, one program each), BLOCK-wide loads. Measured on an
+# H200 (2026-12-01, bf16 8192x128256): one program per row, BLOCK 4096, 8 warps, 3 stages
+# 1.66 ms (2.53 TB/s counting one read + one write), against 2.18 ms for the persistent kernel
+# at 4 programs per SM; holding 16K-logit chunks in registers instead was 3.1-4.2 ms.
+CE_SPLIT_CHUNK = 0
+CE_SPLIT_MAX = 32
+CE_SPLIT_BLOCK = 4096
+CE_SPLIT_WARPS = 8
+CE_SPLIT_STAGES = 3
+CE_SPLIT_TICKET = False
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -240,6 +252,78 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
                          eviction_policy="evict_first")
 
 
+@triton.jit
+def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
+                     CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
+                     REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                     S: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                     TICKET: tl.constexpr):
+    """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
+    stream the chunk for its running (max, sum) (loads kept in L2), publish them, wait for the
+    row's other S - 1 programs through a per-row arrival counter (sync_ptr[r]), then stream the
+    chunk again -- from L2: a chunk is small, so it is still there -- writing
+    w * (softmax - onehot). S = 1 is one program per row, no waiting.
+
+    A program waits only for programs of its own row, which come right after it in launch
+    order; with TICKET the (row, chunk) items are handed out by a counter (sync_ptr[R]) in the
+    order programs really start, so nothing can wait on a program stuck behind it in the queue
+    (without it, the GPU's in-order dispatch of program ids gives the same). The CPU
+    interpreter runs programs one by one: it only ever gets S = 1."""
+    if TICKET:
+        item = tl.atomic_add(sync_ptr + R, 1)
+    else:
+        item = tl.program_id(0)
+    r = item // S
+    c = item % S
+    t = tl.load(t_ptr + r)
+    valid = _row_valid(t, ignore_index, HAS_IGNORE)
+    base = r.to(tl.int64) * V
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    m, s = _lse_chunk(x_ptr, base, start, tl.where(valid, end, start), BLOCK, "evict_last",
+                      STAGES)
+    if S > 1:
+        if valid:   # ignored rows: no program of the row publishes or waits
+            tl.atomic_xchg(pm_ptr + item, m)
+            tl.atomic_xchg(ps_ptr + item, s)
+            arrived = tl.atomic_add(sync_ptr + r, 1) + 1
+            while arrived < S:
+                arrived = tl.atomic_add(sync_ptr + r, 0)
+            idx = r * S + tl.arange(0, S)
+            # read back through atomics: the values come from L2, never a stale L1 line
+            pm = tl.atomic_add(pm_ptr + idx, tl.zeros((S,), tl.float32))
+            ps = tl.atomic_add(ps_ptr + idx, tl.zeros((S,), tl.float32))
+            m = tl.max(pm, 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            s = tl.sum(ps * tl.exp(pm - m_safe), 0)
+    in_range = (t >= 0) & (t < V)
+    lse = tl.where(in_range, m + tl.log(s), float("nan"))
+    if STORE_LOSS:
+        if c == tl.where(in_range, t // CHUNK, 0):      # the chunk holding the target
+            tc = tl.minimum(tl.maximum(t, 0), V - 1)
+            xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
+            tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
+    if WRITE_GRAD:
+        if REDUCTION == 2:
+            w = tl.load(g_ptr + r).to(tl.float32)
+        else:
+            w = tl.load(g_ptr).to(tl.float32)
+        if REDUCTION == 0:
+            if HAS_IGNORE:
+                w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
+            else:
+                w = w / N_MEAN
+        for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+            cols = off + tl.arange(0, BLOCK)
+            mask = cols < end
+            x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
+            d = tl.where(valid, d, 0.0)
+            tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -317,6 +401,12 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     has_ignore = ignore_index is not None
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
+    plan = split_plan(V) if splits is None and block is None and R >= num_sms(dev) else None
+    if plan is not None:
+        ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
+                 n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
+                 ignore_index=ignore_index)
+        return dx
     blk = block or CE_BLOCK
     nw = num_warps or CE_WARPS
     nsplit, chunk = _split_plan(R, V, dev, splits)
@@ -375,10 +465,48 @@ def rows_programs(R: int, V: int, itemsize: int, device: torch.device, programs=
     return max(1, min(R, max(sms, min(by_l2, CE_MAX_PROGRAMS_PER_SM * sms))))
 
 
+def split_plan(V: int, chunk=None):
+    """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide."""
+    if V <= 0:
+        return None
+    chunk = chunk if chunk is not None else CE_SPLIT_CHUNK
+    if _INTERPRET or not chunk or chunk >= V:   # the interpreter: no program may wait on another
+        return 1, V
+    chunk = triton.cdiv(chunk, CE_SPLIT_BLOCK) * CE_SPLIT_BLOCK
+    n = triton.cdiv(V, chunk)
+    return (n, chunk) if n <= CE_SPLIT_MAX else None
+
+
+def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
+             ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
+             ticket=None):
+    """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`)."""
+    R, V = x2.shape
+    S, chunk = plan
+    dev = x2.device
+    ticket = CE_SPLIT_TICKET if ticket is None else ticket
+    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if (S > 1 or ticket) else t
+    pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+    ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+    dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
+    g = grad if grad is not None else dummy
+    nv = n_valid if n_valid is not None else g
+    has_ignore = ignore_index is not None
+    _ce_split_kernel[(R * S,)](
+        x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
+        pm, ps, sync, R, V, chunk, float(n_mean or R), int(ignore_index) if has_ignore else 0,
+        HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
+        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S,
+        BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES, TICKET=bool(ticket),
+        num_warps=num_warps or CE_SPLIT_WARPS)
+
+
 def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
             ignore_index=None, n_mean=None, programs=None, block=None, num_warps=None,
             stages=None):
-    """Launch the one-pass row kernel over ``x2 [R, V]`` (contiguous) and int64 ``t [R]``.
+    """One pass over ``x2 [R, V]`` (contiguous) and int64 ``t [R]``: the split-row kernel when
+    the rows are narrow enough and no persistent-kernel launch setting is given, else the
+    persistent row kernel.
 
     loss_rows: float32 [R] for the per-row losses (or None); dx: [R, V] for
     ``w * (softmax - onehot)`` (may be ``x2`` itself; or None). grad: float32 0-d/[1] (mean,
@@ -387,6 +515,11 @@ def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reductio
     R, V = x2.shape
     if R == 0:
         return
+    plan = split_plan(V) if programs is None and block is None and stages is None else None
+    if plan is not None:
+        return ce_split(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad, n_valid=n_valid,
+                        reduction=reduction, ignore_index=ignore_index, n_mean=n_mean,
+                        num_warps=num_warps)
     has_ignore = ignore_index is not None
     red = _REDUCTIONS[reduction]
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
@@ -447,20 +580,14 @@ def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Ten
                                         reduction: str, ignore_index: int | None):
     """``(loss, dlogits)`` of the softmax cross-entropy. Same results as
     ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
-    bfloat16 and float16 logits. Runs the forward and backward kernels back to back unless
-    ``ONE_PASS`` is set: on an H200 (2026-12-01, bf16 8192x128256) the pair took 2.08 ms and
-    the one-pass kernel (`one_pass_fwd_bwd`, each row streamed once, the gradient pass
-    re-reading it from L2) 3.30 ms with its untuned launch defaults."""
+    bfloat16 and float16 logits. One pass: each row is read once and its gradient written once
+    (the split-row kernel; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK`` take the
+    persistent kernel, which re-reads a row from L2)."""
     op = "fused_softmax_cross_entropy_fwd_bwd"
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
         _check_targets(op, targets, V, ignore_index)
-    if ONE_PASS:
-        return one_pass_fwd_bwd(logits, targets, grad, reduction, ignore_index)
-    return (_fsce_forward(logits, targets, reduction, ignore_index),
-            _fsce_backward(logits, targets, grad, reduction, ignore_index))
+    return _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index)
 
 
-#: run the one-pass kernel for the forward+backward op (see fused_softmax_cross_entropy_fwd_bwd)
-ONE_PASS = False
 one_pass_fwd_bwd = _fsce_fwd_bwd

@@ -1,15 +1,23 @@
 """Triton kernels of the paged family: paged attention over a block-pool KV cache (decode and
 chunked prefill) and the cache write.
 
-Attention: one program owns one kv head of one sequence, a tile of rows = (query head of that
-kv head's group) x (query position), and one key range (split). It walks the live keys of its
-range BLOCK_N at a time, looking each key's pool block up in the block table, so every live k/v
-block is read once per (tile, split) and one load of a kv head serves its whole group of query
-heads (GQA/MQA). Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax
-in base 2. Long contexts with few sequences split the keys over several programs
-(flash-decoding): each writes an unnormalised partial (max, sum, accumulator) and a second kernel
-merges them. Sq > 1 (chunked prefill) runs through the same kernel with the bottom-right causal
-mask; each tile stops at the last key its rows can see.
+Decode (and short chunks, Sq < PREFILL_MIN_SQ), the grouped kernel: one program owns one kv head
+of one sequence, a tile of rows = (query head of that kv head's group) x (query position), and
+one key range (split). It walks the live keys of its range BLOCK_N at a time, looking each key's
+pool block up in the block table, so every live k/v block is read once per (tile, split) and one
+load of a kv head serves its whole group of query heads (GQA/MQA). Scores are float32
+(`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
+keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
+one split length for the launch, sized from the live lengths (finer when lengths are uneven);
+a split past its own sequence's length exits at once, so each sequence runs as many programs as
+its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
+sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
+to arrive merges them and resets the counter, so the split path is a single launch.
+
+Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (BLOCK_M query
+positions, query head), autotuned tiles; each key tile is gathered row by row through the
+block table (several pages per tile when block_size < BLOCK_N); the tiles wholly below the
+bottom-right causal diagonal run with no mask code, the diagonal ones with the mask.
 
 Invalid index data raises FuelGraphError before the launch: the check costs one device->host
 sync, done once per (context_lens, block_table) buffer version and skipped while a CUDA graph is
@@ -17,6 +25,9 @@ being captured. The kernels themselves never read outside the pool (block ids ar
 write NaN rows for a sequence whose lengths or live block ids are invalid, so a captured graph
 replayed on bad data yields NaN, never a plausible wrong number.
 
+The split scratch (partials, arrival counters) is cached per device and reused by every launch:
+launches on one stream are ordered, so they may share it; two paged_attn calls running
+concurrently on different streams of one device would not (fuelgraph runs them on one stream).
 float64 inputs and head dims above MAX_HEAD_DIM are not covered (`supports`): the planner runs
 the recipe for them.
 """
@@ -32,10 +43,11 @@ import triton.language as tl
 from ....registry.core import FusedOps
 from ....registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
 from ...base import Cost, kernel
+from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 
-__all__ = ["paged_attn", "paged_cache_write", "supports_paged_attn", "assume_valid",
-           "MAX_HEAD_DIM"]
+__all__ = ["paged_attn", "paged_cache_write", "paged_cache_write_kv", "supports_paged_attn",
+           "assume_valid", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +56,16 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256
 #: resident programs per SM assumed when sizing splits
 PROGRAMS_PER_SM = 4
+#: with uneven lengths (longest > UNEVEN x mean) the longest sequence splits into at least this
+#: many pieces, so that no long program starts late and forms the tail of the launch
+UNEVEN, UNEVEN_SPLITS = 1.25, 8
+#: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers)
+MERGE_CHUNK = 16
+#: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
+#: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
+#: heads of one kv head share each k/v load)
+PREFILL_MIN_SQ = 64
+PREFILL_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "G", "HAS_ALIBI", "HAS_CAP", "IEEE"]
 
 
 @triton.jit
@@ -55,10 +77,11 @@ def _tanh(x):
 @triton.jit
 def _paged_attn_kernel(
         Q, K, V, BT, CL, SL, O, PO, PM, PL,
-        sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
+        CNT, sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
         G: tl.constexpr, G_T: tl.constexpr, SQ_T: tl.constexpr, BS: tl.constexpr,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
@@ -141,6 +164,23 @@ def _paged_attn_kernel(
         tl.store(PO + prow[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(PM + prow, m_i, mask=row_ok)
         tl.store(PL + prow, l_i, mask=row_ok)
+        if FUSED_MERGE:
+            # the last split of this (sequence, kv head, tile) to finish merges all of them:
+            # no second launch. Every live split (lo < n, or the first) arrives exactly once.
+            n_live = (tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split
+            tl.debug_barrier()               # all threads' partial stores precede the release
+            cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
+            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_live - 1:
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
+                bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
+                for rr in range(0, BLOCK_M):
+                    gi_r = gt * G_T + rr % G_T
+                    i_r = qt * SQ_T + rr // G_T
+                    if (gi_r < G) & (i_r < sq):
+                        row_r = (b * hq + hk * G + gi_r).to(tl.int64) * sq + i_r
+                        _merge_row(PO, PM, PL, O, row_r, n_split, n_live, bad, D, BLOCK_D,
+                                   S_P2, MERGE_CHUNK)
     else:
         bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0) | poison
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -150,30 +190,159 @@ def _paged_attn_kernel(
 
 
 @triton.jit
+def _prefill_tiles(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, a_pos, L,
+                   qk_scale, cap_val, slope, MASK: tl.constexpr, HAS_CAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                   BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Keys [start, end) of one sequence, BLOCK_N at a time, each tile gathered row by row from
+    its pool blocks (tab: the sequence's block-table row). MASK: the elementwise length + causal
+    mask (the diagonal tiles); without it the tiles are wholly admissible (no mask code)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + offs_n
+        if MASK:
+            j_ok = j < end
+            phys = tl.load(tab + j // BS, mask=j_ok, other=0).to(tl.int64)
+            p_ok = (phys >= 0) & (phys < nb)
+            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+        else:
+            phys = tl.load(tab + j // BS).to(tl.int64)
+            p_ok = (phys >= 0) & (phys < nb)
+            n_bad += (p_ok == 0).to(tl.int32)
+        phys = tl.where(p_ok, phys, 0)
+        kv_off = ((phys * BS + j % BS) * hkv + hk)[:, None] * D + d[None, :]
+        if MASK:
+            k = tl.load(K + kv_off, mask=j_ok[:, None] & (d < D)[None, :], other=0.0)
+        elif D == BLOCK_D:
+            k = tl.load(K + kv_off)
+        else:
+            k = tl.load(K + kv_off, mask=(d < D)[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s, _t = _scores(qk, a_pos, j[None, :], L, qk_scale, cap_val, slope, 0, 0, MASK, True,
+                        False, False, HAS_CAP, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(V + kv_off, mask=j_ok[:, None] & (d < D)[None, :], other=0.0)
+        elif D == BLOCK_D:
+            v = tl.load(V + kv_off)
+        else:
+            v = tl.load(V + kv_off, mask=(d < D)[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i, n_bad
+
+
+@triton.jit
+def _paged_prefill_kernel(
+        Q, K, V, BT, CL, SL, O, sq, hq, hkv, mb, nb, qk_scale, cap_val, sl_stride_b,
+        TUNE_Q, TUNE_K, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, IEEE: tl.constexpr,
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Chunked prefill, FlashAttention-2 style: one program per (BLOCK_M query positions, one
+    query head); keys in three ranges (masked / wholly admissible / masked diagonal) as the
+    dense flash_attn kernel, each key tile gathered through the block table."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # the longest rows first
+    bh = tl.program_id(1)
+    b = bh // hq
+    h = bh % hq
+    hk = h // G
+    ctx64 = tl.load(CL + b).to(tl.int64)
+    cap = mb * BS
+    L = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)
+    bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
+    off = L - sq
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row = bh.to(tl.int64) * sq + offs_m
+    io_mask = (offs_m < sq)[:, None] & (d < D)[None, :]
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=io_mask, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SL + b * sl_stride_b + h).to(tl.float32)
+    a_pos = (offs_m + off)[:, None]
+    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, 0, 0,
+                                                 BLOCK_N, True, False, False)
+    tab = BT + b.to(tl.int64) * mb
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n_bad = tl.zeros([BLOCK_N], tl.int32)
+    acc, l_i, m_i, n_bad = _prefill_tiles(
+        acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, lo, lo_end, a_pos, L, qk_scale,
+        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i, n_bad = _prefill_tiles(
+        acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_lo, mid_hi, a_pos, L, qk_scale,
+        cap_val, slope, False, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+    acc, l_i, m_i, n_bad = _prefill_tiles(
+        acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_hi, hi, a_pos, L, qk_scale,
+        cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, BS, D, BLOCK_D, BLOCK_N)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = tl.where(bad | (tl.sum(n_bad, 0) > 0), float("nan"), out)
+    tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=io_mask)
+
+
+_paged_prefill_tuned = triton.autotune(configs=FWD_CONFIGS, key=PREFILL_TUNE_KEYS,
+                                       prune_configs_by=_PRUNE_FWD)(_paged_prefill_kernel)
+
+
+@triton.jit
+def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               S_P2: tl.constexpr, S_CHUNK: tl.constexpr):
+    """One output row from its first n_live splits' partials:
+    o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the accumulators S_CHUNK splits at a
+    time (few registers: it runs inside the split kernel). Loads bypass L1 (.cg): the partials
+    were written by other programs of the same launch."""
+    s = tl.arange(0, S_P2)
+    s_ok = s < n_live
+    m = tl.load(PM + row * n_split + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(PL + row * n_split + s, mask=s_ok, other=0.0, cache_modifier=".cg")
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.sum(tl.where(s_ok, tl.exp2(m - mx), 0.0) * l, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    out = tl.zeros([BLOCK_D], tl.float32)
+    for c0 in range(0, n_live, S_CHUNK):
+        sc = c0 + tl.arange(0, S_CHUNK)
+        c_ok = sc < n_live
+        m_c = tl.load(PM + row * n_split + sc, mask=c_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        w = tl.where(c_ok, tl.exp2(m_c - mx), 0.0)
+        po = tl.load(PO + (row * n_split + sc)[:, None] * D + d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        out += tl.sum(w[:, None] * po, 0)
+    out = out / tl.where(den > 0, den, 1.0)
+    out = tl.where(bad, float("nan"), out)
+    tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
 def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, S_P2: tl.constexpr):
-    """One output row from its splits' partials: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    """The unfused merge (a second launch; kept for the benchmark sweep): one row per program."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (hq * sq)
     ctx = tl.load(CL + b).to(tl.int64)
-    n_live = (tl.minimum(tl.maximum(ctx, 0), cap) + keys_per_split - 1) // keys_per_split
-    s = tl.arange(0, S_P2)
-    s_ok = s < n_live
-    m = tl.load(PM + row * n_split + s, mask=s_ok, other=float("-inf"))
-    l = tl.load(PL + row * n_split + s, mask=s_ok, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
-    den = tl.sum(w * l, 0)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    po = tl.load(PO + (row * n_split + s)[:, None] * D + d[None, :],
-                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(tl.where(s_ok[:, None], w[:, None] * po, 0.0), 0)
-    out = out / tl.where(den > 0, den, 1.0)
+    n_live = (tl.maximum(tl.minimum(tl.maximum(ctx, 0), cap), 1) + keys_per_split - 1) \
+        // keys_per_split
     bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0)
-    out = tl.where(bad, float("nan"), out)
-    tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
+    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_P2)
 
 
 @triton.jit
@@ -185,6 +354,26 @@ def _paged_write_kernel(C, NEW, S, cap, skip, W: tl.constexpr, BLOCK: tl.constex
     m = offs < W
     x = tl.load(NEW + r * W + offs, mask=m)
     tl.store(C + slot * W + offs, x, mask=m & ok)
+
+
+@triton.jit
+def _paged_write_kv_kernel(KC, VC, KN, VN, S, cap, skip, n_new, hkv, kn_b, kn_h, kn_t, vn_b, vn_h,
+                           vn_t, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token r = (b, t) of new k and v [B, Hkv, n_new, D] (any strides, unit stride in D) into
+    slot S[r] of both pools: one program per token, both pools in one launch."""
+    r = tl.program_id(0)
+    b = (r // n_new).to(tl.int64)
+    t = (r % n_new).to(tl.int64)
+    slot = tl.load(S + r).to(tl.int64)
+    ok = (slot != skip) & (slot >= 0) & (slot < cap)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h < hkv)[:, None] & (d < D)[None, :]
+    dst = slot * hkv * D + (h * D)[:, None] + d[None, :]
+    k = tl.load(KN + b * kn_b + t * kn_t + (h * kn_h)[:, None] + d[None, :], mask=m)
+    v = tl.load(VN + b * vn_b + t * vn_t + (h * vn_h)[:, None] + d[None, :], mask=m)
+    tl.store(KC + dst, k, mask=m & ok)
+    tl.store(VC + dst, v, mask=m & ok)
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -200,8 +389,17 @@ def _memo_key(lens, table, sq, nb, bs):
             tuple(table.shape), table.dtype, sq, nb, bs)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)              # not triton.cdiv: a jit function, slow to call from the host
+
+
+_HAS_CUDA: list = []
+
+
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _HAS_CUDA:
+        _HAS_CUDA.append(torch.cuda.is_available())
+    return _HAS_CUDA[0] and torch.cuda.is_current_stream_capturing()
 
 
 def _check_and_stats(lens, table, sq, nb, bs):
@@ -255,16 +453,42 @@ def _tiles(g, sq, block_m=None):
 def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
     """(keys per split, number of splits). Sized from the live lengths when known, so the
     programs fill the GPU and no program walks far more keys than the average; always covering
-    the table's capacity, so any lengths (e.g. in a replayed CUDA graph) stay correct."""
+    the table's capacity, so any lengths (e.g. in a replayed CUDA graph) stay correct. Splits
+    past a sequence's own length exit at once: short sequences run one program, long ones many
+    (per-sequence split counts with no host sync)."""
     slots = num_sms(device) * PROGRAMS_PER_SM
     longest, total = (cap, B * cap) if stats is None else stats
     longest = max(1, min(longest, cap))
     work = max(1, total) * hkv * n_tiles          # keys x (kv head, tile) pairs to walk
     kps = max(MIN_SPLIT_KEYS, -(-work // slots))
+    if B > 1 and longest > UNEVEN * max(1, total) / B:
+        kps = min(kps, max(MIN_SPLIT_KEYS, -(-longest // UNEVEN_SPLITS)))
     if kps >= longest:
         return cap, 1
     kps = -(-kps // block_n) * block_n
     return kps, -(-cap // kps)
+
+
+#: per-device scratch reused by every split launch (stream-ordered, so back-to-back launches on
+#: one stream may share it): float32 partials, and the arrival counters of the fused merge,
+#: which the last arriving program resets to zero
+_SCRATCH: dict = {}
+
+
+def _scratch(device, n_float, n_count):
+    """(float32 buffer of >= n_float, int32 zeros of >= n_count). Fresh (not cached) buffers
+    while a CUDA graph is captured: the graph owns them and replays their zeroing."""
+    if _capturing():
+        return (torch.empty(n_float, dtype=torch.float32, device=device),
+                torch.zeros(n_count, dtype=torch.int32, device=device))
+    key = (device.type, device.index)
+    f, c = _SCRATCH.get(key, (None, None))
+    if f is None or f.numel() < n_float:
+        f = torch.empty(max(n_float, 1 << 16), dtype=torch.float32, device=device)
+    if c is None or c.numel() < n_count:
+        c = torch.zeros(max(n_count, 1 << 12), dtype=torch.int32, device=device)
+    _SCRATCH[key] = (f, c)
+    return f, c
 
 
 def paged_attn_cost(shapes, params=None):
@@ -286,20 +510,60 @@ def supports_paged_attn(shapes, dtypes, params=None) -> bool:
         supports=supports_paged_attn)
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-               n_split=None):
+               n_split=None, fused_merge=True, prefill=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
-    launch knobs (block_m, block_n, num_warps, num_stages, n_split) are for benchmarks."""
+    launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
+    the prefill kernel autotunes when they are None), n_split (key splits of the grouped
+    kernel), fused_merge (False: merge the splits in a second launch), prefill (True / False:
+    force the prefill / grouped kernel; None: by Sq)."""
+    out = torch.empty_like(q)
+    if out.numel() == 0:
+        return out
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    stats = _check_and_stats(context_lens, block_table, q.shape[2], nb, bs)
+    sl = alibi[0].float().contiguous() if alibi else q
+    key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
+           sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
+           num_stages, n_split, fused_merge, prefill)
+    capturing = _capturing()          # a graph being captured gets its own scratch: no cache
+    launch = None if capturing else _LAUNCHES.get(key)
+    if launch is None:
+        launch = _configure(q, k_cache, block_table, bool(alibi), sl.dim(), stats,
+                            softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
+                            n_split, fused_merge, prefill)
+        if not capturing:
+            if len(_LAUNCHES) >= 256:
+                _LAUNCHES.clear()
+            _LAUNCHES[key] = launch
+    launch(q, k_cache, v_cache, block_table, context_lens, sl, out)
+    return out
+
+
+#: launch closures by (shapes, dtype, device, flags, length stats, knobs): the host work of a
+#: repeated call is one dict lookup (a decode loop's lengths change every step: a miss costs
+#: what the configuration costs anyway)
+_LAUNCHES: dict = {}
+
+
+def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
+               block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill):
+    """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
+    launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     mb = block_table.shape[1]
     g = hq // hkv
-    out = torch.empty_like(q)
-    if out.numel() == 0:
-        return out
-    stats = _check_and_stats(context_lens, block_table, sq, nb, bs)
+    sl_stride_b = (hq if sl_dim == 2 else 0) if has_alibi else 0
+    dot_f32 = INTERPRET and q.dtype == torch.bfloat16
+    dot_prec = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
+    block_d = max(16, next_pow2(d))
+    if prefill if prefill is not None else sq >= PREFILL_MIN_SQ:
+        return _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap,
+                                  has_alibi, dot_prec, dot_f32, block_d, block_m, block_n,
+                                  num_warps, num_stages)
     g_t, sq_t = _tiles(g, sq, block_m)
-    n_qt, n_gt = triton.cdiv(sq, sq_t), triton.cdiv(g, g_t)
+    n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -308,35 +572,62 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
     if n_split is not None:
         ns = max(1, int(n_split))
-        kps = triton.cdiv(triton.cdiv(cap, ns), bn) * bn
-        ns = triton.cdiv(cap, kps)
-    has_alibi = bool(alibi)
-    sl = alibi[0].float().contiguous() if has_alibi else q
-    sl_stride_b = (hq if sl.dim() == 2 else 0) if has_alibi else 0
-    dot_f32 = INTERPRET and q.dtype == torch.bfloat16
-    dot_prec = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"
-    kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_N=bn,
+        kps = _cdiv(_cdiv(cap, ns), bn) * bn
+        ns = _cdiv(cap, kps)
+    kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
-              DOT_F32=dot_f32,
+              DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
+              MERGE_CHUNK=min(MERGE_CHUNK, max(2, next_pow2(ns))),
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (3 if decode else 2))
     grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
+    kernel_ = _paged_attn_kernel[grid]
     if ns == 1:
-        _paged_attn_kernel[grid](q, k_cache, v_cache, block_table, context_lens, sl, out,
-                                 out, out, out, *scal, SPLIT=False, **kw)
-        return out
+        def launch(q, kc, vc, bt, cl, sl, out):
+            kernel_(q, kc, vc, bt, cl, sl, out, out, out, out, cl, *scal, SPLIT=False,
+                    FUSED_MERGE=False, **kw)
+        return launch
     rows = B * hq * sq
-    po = torch.empty((rows * ns, d), dtype=torch.float32, device=q.device)
-    pm = torch.empty((rows * ns,), dtype=torch.float32, device=q.device)
-    pl = torch.empty((rows * ns,), dtype=torch.float32, device=q.device)
-    _paged_attn_kernel[grid](q, k_cache, v_cache, block_table, context_lens, sl, out,
-                             po, pm, pl, *scal, SPLIT=True, **kw)
-    _paged_merge_kernel[(rows,)](po, pm, pl, context_lens, out, sq, hq, cap, kps, ns, D=d,
-                                 BLOCK_D=max(16, next_pow2(d)), S_P2=max(2, next_pow2(ns)),
-                                 num_warps=4)
-    return out
+    buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1])
+    po = buf[:rows * ns * d]
+    pm = buf[rows * ns * d:rows * ns * (d + 1)]
+    pl = buf[rows * ns * (d + 1):rows * ns * (d + 2)]
+    fused = bool(fused_merge)
+    merge_ = _paged_merge_kernel[(rows,)]
+
+    def launch(q, kc, vc, bt, cl, sl, out):
+        kernel_(q, kc, vc, bt, cl, sl, out, po, pm, pl, cnt, *scal, SPLIT=True,
+                FUSED_MERGE=fused, **kw)
+        if not fused:
+            merge_(po, pm, pl, cl, out, sq, hq, cap, kps, ns, D=d, BLOCK_D=block_d,
+                   S_P2=max(2, next_pow2(ns)), num_warps=4)
+    return launch
+
+
+def _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap, has_alibi,
+                       dot_prec, dot_f32, block_d, block_m, block_n, num_warps, num_stages):
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    mb = block_table.shape[1]
+    has_cap = softcap is not None
+    qk_scale = float(softmax_scale) / float(softcap) if has_cap else float(softmax_scale)
+    scal = (sq, hq, hkv, mb, nb, qk_scale, float(softcap) if has_cap else 1.0, sl_stride_b,
+            next_pow2(sq), next_pow2(mb * bs))
+    kw = dict(G=hq // hkv, BS=bs, D=d, BLOCK_D=block_d, HAS_ALIBI=has_alibi, HAS_CAP=has_cap,
+              IEEE=q.dtype == torch.float32, DOT_PREC=dot_prec, DOT_F32=dot_f32)
+    if block_m is None and block_n is None and num_warps is None and num_stages is None:
+        kernel_ = _paged_prefill_tuned[lambda meta: (_cdiv(sq, meta["BLOCK_M"]), B * hq)]
+    else:
+        bm, bn = block_m or (16 if INTERPRET else 128), block_n or (16 if INTERPRET else 64)
+        kw.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or (1 if INTERPRET else 8),
+                  num_stages=num_stages or (1 if INTERPRET else 3))
+        kernel_ = _paged_prefill_kernel[(_cdiv(sq, bm), B * hq)]
+
+    def launch(q, kc, vc, bt, cl, sl, out):
+        kernel_(q, kc, vc, bt, cl, sl, out, *scal, **kw)
+    return launch
 
 
 @kernel(PAGED_CACHE_WRITE, "cuda", cost=paged_cache_write_cost)
@@ -356,7 +647,35 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     if n == 0:
         return dst
     w = hkv * d
-    skip = index_max(str(slot_mapping.dtype).replace("torch.", ""))
+    skip = _skip_value(slot_mapping.dtype)
     _paged_write_kernel[(n,)](dst, new, slot_mapping, cap, skip, W=w,
                               BLOCK=next_pow2(w), num_warps=4 if w >= 1024 else 1)
     return dst
+
+
+_SKIP: dict = {}
+
+
+def _skip_value(torch_dtype) -> int:
+    v = _SKIP.get(torch_dtype)
+    if v is None:
+        v = _SKIP[torch_dtype] = index_max(str(torch_dtype).replace("torch.", ""))
+    return v
+
+
+def paged_cache_write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """k_cache, v_cache [NB, BS, Hkv, D] <- new k, v [B, Hkv, n_new, D] (token (b, t) to slot
+    slot_mapping[b * n_new + t]; the index type's maximum skips it), in place, in one launch.
+    The strided layout of k_new / v_new is read directly (no transposed copy). For callers that
+    computed valid, distinct slots on the host (PagedKVCache): nothing is checked."""
+    nb, bs, hkv, d = k_cache.shape
+    B, _, n_new, _ = k_new.shape
+    if B * n_new == 0:
+        return
+    k_new = k_new if k_new.stride(3) == 1 else k_new.contiguous()
+    v_new = v_new if v_new.stride(3) == 1 else v_new.contiguous()
+    _paged_write_kv_kernel[(B * n_new,)](
+        k_cache, v_cache, k_new, v_new, slot_mapping, nb * bs, _skip_value(slot_mapping.dtype),
+        n_new, hkv, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0),
+        v_new.stride(1), v_new.stride(2), D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d),
+        num_warps=4 if hkv * d >= 1024 else 1)
