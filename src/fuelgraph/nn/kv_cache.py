@@ -265,14 +265,14 @@ class PagedKVCache:
         if self.device != "cpu":      # both pools in one launch, reading k/v's layout as is
             from ..backends.cuda.kernels.paged import paged_cache_write_kv
             kb, vb = realize_raw([k, v])
-            paged_cache_write_kv(*self._layer(layer), kb, vb, slots)
+            paged_cache_write_kv(*(self._buffer(p) for p in self._layer(layer)), kb, vb, slots)
             return
         rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
                 for t in (k, v)]
         bufs = [b.contiguous() if hasattr(b, "is_contiguous") else np.ascontiguousarray(b)
                 for b in realize_raw(rows)]
-        for pool, buf in zip(self._layer(layer), bufs):
-            self._write_kernel()(self._buffer(pool), buf, slots, check=False)   # slots are valid by construction
+        for pool, buf in zip(self._layer(layer), bufs):     # slots are valid by construction
+            self._write_kernel()(self._buffer(pool), buf, slots, check=False)
 
     def inputs(self, seqs, layer: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(k_cache, v_cache, block_table, context_lens) of this step for `paged_attn`."""
