@@ -47,7 +47,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
         slopes = np.broadcast_to(np.asarray(alibi[0], np.float64).reshape(-1, hq), (B, hq))
     lens = context_lens.astype(np.int64)
     longest = -(-int(lens.max(initial=0)) // bs) * bs
-    if B * hkv * longest * d <= BATCHED_MAX_ELEMS:
+    if B * hkv * longest * max(d, sq * (hq // hkv)) <= BATCHED_MAX_ELEMS:     # k/v and scores
         with np.errstate(over="ignore", invalid="ignore"):
             store(out, _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
                                      softcap, slopes))
@@ -121,7 +121,8 @@ def _attend(qb, k_cache, v_cache, pages, n, acc, scale, softcap, slopes, h0, h1)
     return o.reshape(hq, sq, d)
 
 
-#: gathered k (or v) elements up to which a batch of short sequences is attended in one pass
+#: gathered k (or v) elements and scores up to which a batch of short sequences is attended in
+#: one pass
 #: (a few NumPy calls for the whole batch instead of a few per sequence and kv head)
 BATCHED_MAX_ELEMS = 1 << 20
 
