@@ -33,6 +33,7 @@ def _ref(case, dtype=None, **kw):
 CASES = {
     "decode_bs16_gqa": dict(hq=8, hkv=2, bs=16, lens=(70, 33, 0), d=32),
     "decode_bs1_mqa": dict(hq=4, hkv=1, bs=1, lens=(21, 1, 9)),
+    "decode_full_blocks": dict(B=2, hq=4, hkv=2, bs=4, lens=(8, 8)),   # no padding, no empty row
     "prefill_bs16": dict(hq=4, hkv=2, bs=16, sq=7, lens=(50, 7, 0)),
     "prefill_bs1": dict(hq=2, hkv=2, bs=1, sq=4, lens=(19, 4, 4), alibi=True),
 }

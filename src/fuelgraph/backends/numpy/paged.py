@@ -144,28 +144,39 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
 
     def dense(cache):                                                      # [B, Hkv, L, D]
         return to_acc(cache[pages].reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
-    valid = (np.arange(L)[None, :] < lens[:, None])[:, None, :, None]      # [B, 1, L, 1]
+    short = int(lens.min()) < L                    # padding rows (they may hold anything)
+    empty = int(lens.min()) == 0
     qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
     s = qg @ dense(k_cache).transpose(0, 1, 3, 2)                          # [B, Hkv, g*Sq, L]
     s *= acc.type(scale)
     if softcap is not None:
         c = acc.type(softcap)
         s = np.tanh(s / c) * c
-    pos = lens[:, None] - sq + np.arange(sq)[None, :]                       # [B, Sq]
-    rel = np.tile(pos, (1, g))[:, :, None] - np.arange(L)[None, None, :]    # [B, g*Sq, L]
-    if slopes is not None:
-        sl = np.repeat(np.asarray(slopes, acc).reshape(B, hkv, g), sq, 2)   # [B, Hkv, g*Sq]
-        s -= sl[..., None] * np.abs(rel).astype(acc)[:, None]
-    s = np.where((rel >= 0)[:, None], s, -np.inf)
+    if sq == 1 and slopes is None:                 # decode: only the length mask
+        if short:
+            s = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, None, :], s, -np.inf)
+    else:
+        pos = lens[:, None] - sq + np.arange(sq)[None, :]                   # [B, Sq]
+        rel = np.tile(pos, (1, g))[:, :, None] - np.arange(L)[None, None, :]   # [B, g*Sq, L]
+        if slopes is not None:
+            sl = np.repeat(np.asarray(slopes, acc).reshape(B, hkv, g), sq, 2)  # [B, Hkv, g*Sq]
+            s -= sl[..., None] * np.abs(rel).astype(acc)[:, None]
+        s = np.where((rel >= 0)[:, None], s, -np.inf)
     m = s.max(-1, keepdims=True)
-    m = np.where(m == -np.inf, 0, m)
+    if empty:                                      # a row with every key masked
+        m = np.where(m == -np.inf, 0, m)
     s -= m
     p = np.exp(s, out=s)
     den = p.sum(-1, keepdims=True)
-    o = p @ np.where(valid, dense(v_cache), 0)     # rows past a length may hold anything
-
-    o /= np.where(den > 0, den, 1)
-    o[lens == 0] = 0
+    v = dense(v_cache)
+    if short:
+        v = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, :, None], v, 0)
+    o = p @ v                                                              # [B, Hkv, g*Sq, D]
+    if empty:
+        o /= np.where(den > 0, den, 1)
+        o[lens == 0] = 0
+    else:
+        o /= den
     return o.reshape(B, hq, sq, d)
 
 
