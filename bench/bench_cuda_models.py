@@ -8,7 +8,9 @@ Cases (issue 17):
 - Llama ~1B (hidden 2048, 16 layers, 32/8 heads, FFN 8192, vocabulary 32000), sequence 2048:
   training step tokens/s (forward + backward + AdamW; fuelgraph as one traced step replayed as
   a CUDA graph) and its peak memory; prefill tokens/s (one forward of 2048 tokens); decode
-  tokens/s at batch 1 and 32 (128-token prompt, 128 new tokens, greedy).
+  tokens/s at batch 1 and 32 (128-token prompt, 128 new tokens, greedy; fuelgraph's decode
+  step traced once and replayed as a CUDA graph per token: the record says whether it was
+  captured and how often it was traced).
 - Mamba-2 of similar size (hidden 2048, 48 layers, head dim 64, state 128, vocabulary 32000):
   the same cases against transformers' Mamba2, which runs the mamba_ssm Triton kernels when
   mamba_ssm (and causal_conv1d) are installed ("transformers+mamba_ssm") and its torch path
@@ -182,7 +184,11 @@ def run(name, quick, recs, table):
         ms = _sync_ms(lambda: model.generate(pn, max_new_tokens=new), max(2, runs // 3), 1)
         with torch.no_grad():
             ref = hf.generate(p, **kw).cpu().numpy()
-        add(f"decode_b{b}", "fuelgraph", ms, b * new, same_tokens=float((ours == ref).mean()))
+        dec = model.decoder(b, prompt + new) if name == "llama" else model.decoder(b)
+        entries = [e for es in dec.step.cache.values() for e in es]
+        add(f"decode_b{b}", "fuelgraph", ms, b * new, same_tokens=float((ours == ref).mean()),
+            decode_traces=dec.step.stats["traces"],
+            cuda_graph=all(e.graphed not in (None, False) for e in entries))
         with torch.no_grad():
             ms = _sync_ms(lambda: hf.generate(p, **kw), max(2, runs // 3), 1)
             add(f"decode_b{b}", anchor, ms, b * new)

@@ -27,6 +27,11 @@ for s in "$@"; do
         tests/backends/cuda/test_glue.py tests/backends/cuda/test_ssm.py \
         tests/registry/test_attention.py tests/registry/test_loss.py \
         > "$OUT/r/pytest_new.log" 2>&1; tail -25 "$OUT/r/pytest_new.log" | grep -vE "^\.+ *\[|^$|Warning|warner" ;;
+    tests_decode) stage tests_decode   # traced decode steps (paged KV cache, Mamba-2 states) as CUDA graphs
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+        tests/models/test_llama.py tests/models/test_mamba2.py tests/nn/test_kv_cache.py \
+        tests/backends/cuda/test_optim.py tests/backends/cuda/test_paged.py \
+        > "$OUT/r/pytest_decode.log" 2>&1; tail -25 "$OUT/r/pytest_decode.log" | grep -vE "^\.+ *\[|^$" ;;
     tests_cuda) stage tests_cuda
       timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests/backends/cuda \
         tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1

@@ -349,19 +349,29 @@ class Jitted:
         return _build(e.tree, iter(res))
 
     def _graphed(self, e: _Entry, bufs):
-        if e.graphed is None:
-            from .backends.cuda.backend import GraphedStep
-            try:
-                e.graphed = GraphedStep(e.plan, bufs, e.inplace_of)
-            except Exception as err:    # a kernel that syncs with the host cannot be captured
-                import warnings
-                warnings.warn(f"fuelgraph.jit({self.__name__}): CUDA graph capture failed "
-                              f"({type(err).__name__}: {err}); replaying the plan without it",
-                              RuntimeWarning, stacklevel=3)
-                e.graphed = False
-        if e.graphed is False:
-            return e.plan.run(bufs)
-        return e.graphed.run(bufs)
+        moved = ()
+        for _ in range(2):
+            if e.graphed is None:
+                from .backends.cuda.backend import GraphedStep
+                # tensors it only reads (parameters, constants) usually keep their buffers:
+                # captured where they are, so a replay copies no weights; one that moves
+                # between calls is copied in from then on
+                persistent = [k for k, s in enumerate(e.sources) if s[0] != "arg"]
+                try:
+                    e.graphed = GraphedStep(e.plan, bufs, e.inplace_of, persistent, moved)
+                except Exception as err:    # a kernel that syncs with the host cannot be captured
+                    import warnings
+                    warnings.warn(f"fuelgraph.jit({self.__name__}): CUDA graph capture failed "
+                                  f"({type(err).__name__}: {err}); replaying the plan without it",
+                                  RuntimeWarning, stacklevel=3)
+                    e.graphed = False
+            if e.graphed is False:
+                return e.plan.run(bufs)
+            outs = e.graphed.run(bufs)
+            if outs is not None:
+                return outs
+            moved, e.graphed = e.graphed.moved, None      # capture again, those copied in
+        return e.plan.run(bufs)
 
 
 def _owned(be, outs, bufs, e) -> list:

@@ -80,6 +80,52 @@ def test_greedy_generate_matches_transformers(hf_llama, ids):
     np.testing.assert_array_equal(out, ref)
 
 
+def test_decode_loop_traces_once(hf_llama, ids):
+    """Each decode token replays one traced step (no graph building per token); the KV pools
+    are written in place; a later generate of a similar size reuses the decoder's traces."""
+    from fuelgraph.ir.tensor import _DATA
+    model = M.from_pretrained(hf_llama[0])
+    out = model.generate(ids[:, :11], max_new_tokens=12)
+    dec = model.decoder(2, 23)
+    assert dec.prompt_step.stats == {"traces": 1, "replays": 0}
+    assert dec.step.stats == {"traces": 1, "replays": 10}    # decode token 1, then 2..11 replay
+    pool = dec.cache.pools(1)[1]
+    buf = _DATA[pool.value.node]
+    again = model.generate(ids[:, :9], max_new_tokens=20)    # new prompt length, same capacity
+    assert model.decoder(2, 29) is dec
+    assert dec.prompt_step.stats == {"traces": 2, "replays": 0}   # the new prompt length
+    assert dec.step.stats == {"traces": 1, "replays": 29}
+    assert np.shares_memory(buf, _DATA[pool.value.node])
+    np.testing.assert_array_equal(model.generate(ids[:, :11], max_new_tokens=12), out)
+    np.testing.assert_array_equal(model.generate(ids[:, :9], max_new_tokens=20), again)
+    with torch.no_grad():
+        ref = hf_llama[1].generate(torch.tensor(ids[:, :9]), max_new_tokens=20, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(again, ref)
+    assert (dec.prompt_step.stats["traces"], dec.step.stats["traces"]) == (2, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_decode_on_cuda_replays_one_cuda_graph_per_token(hf_llama, ids):
+    """On the GPU the decode step is captured as a CUDA graph once and replayed per token, the
+    weights captured where they are (no copy per replay); the tokens stay transformers'."""
+    model = M.from_pretrained(hf_llama[0], device="cuda")
+    prompt = ids[:, :11]
+    out = model.generate(prompt, max_new_tokens=12)
+    with torch.no_grad():
+        ref = hf_llama[1].generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(out, ref)
+    dec = model.decoder(2, 23)
+    assert dec.step.stats == {"traces": 1, "replays": 10}
+    (entry,) = [e for es in dec.step.cache.values() for e in es]
+    graph = entry.graphed
+    assert graph not in (None, False), "the decode step was not captured as a CUDA graph"
+    assert graph.persistent and not graph.moved            # weights read in place
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=12), out)
+    assert entry.graphed is graph                            # replayed, not captured again
+
+
 def test_sampling_is_seeded_and_in_vocab(hf_llama, ids):
     model = M.from_pretrained(hf_llama[0])
     a = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=True, top_k=20, top_p=0.9, seed=3)

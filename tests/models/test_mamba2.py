@@ -1,6 +1,7 @@
 """fuelgraph.models Mamba-2 against transformers: logits, gradients, greedy generation through
 the recurrent step, AdamW training steps, fusion report."""
 import numpy as np
+import pytest
 import torch
 
 import fuelgraph as fg
@@ -62,7 +63,32 @@ def test_greedy_generate_matches_transformers(hf_mamba2, ids):
             ref = hf.generate(torch.tensor(p), max_new_tokens=10, do_sample=False,
                               eos_token_id=None, pad_token_id=0).numpy()
         np.testing.assert_array_equal(out, ref)
-    assert model._step_fn.stats["traces"] == 1        # the decode step is traced once
+    dec = model.decoder(2)
+    assert dec.step.stats == {"traces": 1, "replays": 17}    # the decode step is traced once
+    assert dec.prompt_step.stats == {"traces": 2, "replays": 0}   # one per prompt length
+    np.testing.assert_array_equal(model.generate(p, max_new_tokens=10), out)
+    assert dec.step.stats["traces"] == 1 and dec.prompt_step.stats["replays"] == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_decode_on_cuda_replays_one_cuda_graph_per_token(hf_mamba2, ids):
+    """On the GPU the recurrent decode step is one CUDA graph, captured once; the states are
+    copied back into the graph's buffers (no copy-in per token); tokens as transformers'."""
+    path, hf = hf_mamba2
+    model = M.from_pretrained(path, device="cuda")
+    prompt = ids[:, :9]
+    out = model.generate(prompt, max_new_tokens=8)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(out, ref)
+    dec = model.decoder(2)
+    (entry,) = [e for es in dec.step.cache.values() for e in es]
+    graph = entry.graphed
+    assert graph not in (None, False) and not graph.moved
+    ptr = dec.ssms[0].to_torch().data_ptr()
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=8), out)
+    assert entry.graphed is graph and dec.ssms[0].to_torch().data_ptr() == ptr
 
 
 def test_adamw_steps_equal_torch(hf_mamba2, ids):

@@ -100,6 +100,43 @@ def test_decode_loop_with_reuse(device, dtype, index, bs):
     assert cache.free_blocks == free0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_step_writes_the_pools_in_place(device):
+    """The write as part of a traced step (pools / step_tensors / append): one trace for every
+    decode token, the pool buffers overwritten where they are, attention against the dense
+    reference, and eager writes after it see what the traced ones wrote."""
+    B, hq, hkv, d, bs = 2, 4, 2, 8, 4
+    cache = PagedKVCache(num_blocks=16, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                         max_blocks_per_seq=8, max_seqs=2, num_layers=2, device=device)
+    m = Model(hq, hkv, d, "float32", seed=3)
+    seqs = cache.add_sequences(B)
+
+    def step(q, k, v, slots, table, lens):
+        rows = [t.permute(0, 2, 1, 3).reshape(-1, hkv, d) for t in (k, v)]
+        kp, vp = cache.append(1, rows[0], rows[1], slots)
+        return fg.functional.paged_attn(q, kp, vp, table, lens)
+    traced = fg.jit(step)
+    pool = cache.pools(1)[0]
+    first = None
+    for i, n in enumerate((5, 1, 1, 1, 1)):
+        cache.extend(seqs, n)
+        q, k, v = m.step(seqs, n)
+        out = traced(*(fg.tensor(a, device=device) for a in (q, k, v)), *cache.step_tensors(seqs))
+        _check(out, m.reference(seqs, q), "float32")
+        buf = kv_mod._DATA[pool.value.node]
+        first = buf if first is None else first
+        same = buf.data_ptr() == first.data_ptr() if device == "cuda" else \
+            np.shares_memory(buf, first)
+        assert same, f"step {i}: the pool moved to a new buffer"
+    assert traced.stats == {"traces": 2, "replays": 3}       # the prompt, then one decode trace
+    cache.extend(seqs, 1)                                     # an eager step on the same pools
+    q, k, v = m.step(seqs, 1)
+    cache.write(seqs, fg.tensor(k, device=device), fg.tensor(v, device=device), layer=1)
+    _check(cache.attention(seqs, fg.tensor(q, device=device), layer=1), m.reference(seqs, q),
+           "float32")
+    assert not np.any(cache.pools(0)[0].numpy())             # other layers untouched
+
+
 def test_layers_have_their_own_pools_and_share_tables():
     cache = PagedKVCache(16, 4, 1, 8, max_blocks_per_seq=4, num_layers=2)
     m0, m1 = Model(2, 1, 8, "float32", 1), Model(2, 1, 8, "float32", 2)

@@ -51,9 +51,10 @@ def pick(logits: np.ndarray, do_sample: bool, temperature: float, top_k, top_p,
 
 
 class GenerationMixin:
-    """`generate` for a model that implements `_prefill(ids) -> (state, last_logits)` and
-    `_decode_step(state, tokens [B]) -> last_logits` (logits as tensors [B, V]) and
-    `_release(state)`."""
+    """`generate` for a model that implements `_prefill(ids, max_new, greedy) -> (state, out)`,
+    `_decode_step(state, tokens [B]) -> out` and `_release(state)`: `out` is a tensor, the last
+    position's logits [B, V], or with greedy=True the next tokens [B] (an argmax the model
+    computed in its step, so only B ids come back to the host)."""
 
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None,
@@ -74,12 +75,14 @@ class GenerationMixin:
         eos = None if eos_token_id is None else np.atleast_1d(np.asarray(eos_token_id))
         rng = np.random.default_rng(seed)
         bar = _bar(progress, max_new_tokens)
-        state, logits = self._prefill(ids, max_new_tokens)
+        state, step_out = self._prefill(ids, max_new_tokens, not do_sample)
         out = [ids]
         done = np.zeros(ids.shape[0], bool)
         try:
             for i in range(max_new_tokens):
-                tok = pick(logits.numpy(), do_sample, temperature, top_k, top_p, rng)
+                got = step_out.numpy()
+                tok = got if got.ndim == 1 else pick(got, do_sample, temperature, top_k, top_p,
+                                                     rng)
                 if eos is not None:
                     tok = np.where(done, out[-1][:, -1] if i else tok, tok)
                     done |= np.isin(tok, eos)
@@ -88,7 +91,7 @@ class GenerationMixin:
                     bar.update(1)
                 if i + 1 == max_new_tokens or (eos is not None and done.all()):
                     break
-                logits = self._decode_step(state, tok)
+                step_out = self._decode_step(state, tok)
         finally:
             self._release(state)
             if bar is not None:

@@ -19,7 +19,8 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, tensor
+from ..ir.tensor import Tensor, arange, tensor
+from ..jit import jit
 from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
 from ..nn.layers import Embedding, Linear
@@ -169,22 +170,19 @@ class LlamaAttention(Module):
         self.v_proj = linear(h, hkv * d, b, dtype, device)
         self.o_proj = linear(hq * d, h, b, dtype, device)
 
-    def forward(self, x, shape, cos, sin, cache=None, seqs=None, layer=0):
-        """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] for the
-        S positions. Without a cache: causal attention over x itself. With one: the S new
-        tokens' k/v go into the cache; a prompt (the cache held nothing before) attends itself
-        with flash_attn, a decode step attends every cached token with paged_attn."""
+    def forward(self, x, shape, cos, sin, kv=None, layer=0):
+        """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] (or
+        [B, 1, S, D]) for the S positions. Without `kv`: causal attention over x itself. With a
+        `PagedStep`: the S new tokens' k/v go into its cache and attend what it holds."""
         b, s = shape
         heads = lambda t, n: t.reshape(b, s, n, self.d).permute(0, 2, 1, 3)   # noqa: E731
         q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
         k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
         v = heads(self.v_proj(x), self.hkv)
-        if cache is not None:
-            cache.write(seqs, k, v, layer)
-        if cache is None or int(cache.context_lens(seqs).max()) == s:
+        if kv is None:
             o = FF.flash_attn(q, k, v, softmax_scale=self.scale, causal=True)
         else:
-            o = cache.attention(seqs, q, layer, softmax_scale=self.scale)
+            o = kv.attend(layer, q, k, v, self.scale)
         return self.o_proj(o.permute(0, 2, 1, 3).reshape(b * s, self.hq * self.d))
 
 
@@ -209,8 +207,8 @@ class LlamaDecoderLayer(Module):
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
                                                      device)
 
-    def forward(self, x, shape, cos, sin, cache=None, seqs=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), shape, cos, sin, cache, seqs, layer)
+    def forward(self, x, shape, cos, sin, kv=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), shape, cos, sin, kv, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -222,12 +220,12 @@ class LlamaModel(Module):
                                   for _ in range(cfg.num_hidden_layers)])
         self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, ids, cos, sin, cache=None, seqs=None):
+    def forward(self, ids, cos, sin, kv=None):
         """ids [B, S] -> final hidden states [B*S, hidden]. The residual stream is kept as rows
-        (one GEMM per projection, no reshapes around it)."""
+        (one GEMM per projection, no reshapes around it). kv: a `PagedStep` (decoding)."""
         x = self.embed_tokens(ids.reshape(-1))
         for i, layer in enumerate(self.layers):
-            x = layer(x, tuple(ids.shape), cos, sin, cache, seqs, i)
+            x = layer(x, tuple(ids.shape), cos, sin, kv, i)
         return self.norm(x)
 
 
@@ -305,28 +303,117 @@ class LlamaForCausalLM(GenerationMixin, Module):
                             max_blocks_per_seq=per_seq, num_layers=cfg.num_hidden_layers,
                             max_seqs=batch, dtype=self.dtype, device=self.device)
 
-    def _prefill(self, ids: np.ndarray, max_new: int):
-        b, s = ids.shape
-        cache = self.new_cache(b, s + max_new)
-        seqs = cache.add_sequences(b)
-        return [cache, seqs, s], self._step(cache, seqs, ids, 0)
+    def decoder(self, batch: int, max_tokens: int) -> "PagedDecoder":
+        """The traced decoder (cache + step) for `batch` sequences of up to `max_tokens` tokens.
+        Capacities are rounded up to a power of two of KV blocks and the last
+        `DECODERS_KEPT` decoders are kept, so later generate calls of similar sizes replay
+        their traced steps; `release_decoders()` frees them (and their caches)."""
+        blocks = 1 << max(-(-max_tokens // KV_BLOCK_SIZE) - 1, 0).bit_length()
+        key = (batch, blocks, self.dtype, self.device)
+        kept = self.__dict__.setdefault("_decoders", {})
+        dec = kept.pop(key, None)
+        if dec is None:
+            dec = PagedDecoder(self, batch, blocks * KV_BLOCK_SIZE)
+            while len(kept) >= DECODERS_KEPT:
+                kept.pop(next(iter(kept)))
+        kept[key] = dec                                   # most recently used last
+        return dec
 
-    def _step(self, cache, seqs, ids: np.ndarray, start: int) -> Tensor:
-        n = ids.shape[1]
-        cache.extend(seqs, n)
-        cos, sin = self.rope.at(start, n, self.dtype, self.device)
-        b = ids.shape[0]
-        h = self.model(self._ids(ids), cos, sin, cache, seqs)
-        last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
-        return self.head(last).realize()
+    def release_decoders(self):
+        """Drop the kept decoders: their KV caches and traced steps."""
+        self.__dict__.pop("_decoders", None)
+
+    def _prefill(self, ids: np.ndarray, max_new: int, greedy: bool = False):
+        b, s = ids.shape
+        dec = self.decoder(b, s + max_new)
+        seqs = dec.cache.add_sequences(b)
+        state = [dec, seqs, greedy]
+        try:
+            return state, dec.run(seqs, ids, greedy)
+        except BaseException:
+            self._release(state)
+            raise
 
     def _decode_step(self, state, tok: np.ndarray) -> Tensor:
-        cache, seqs, pos = state
-        state[2] = pos + 1
-        return self._step(cache, seqs, tok[:, None], pos)
+        dec, seqs, greedy = state
+        return dec.run(seqs, tok[:, None], greedy)
 
     def _release(self, state):
-        state[0].free(state[1])
+        state[0].cache.free(state[1])
+
+
+#: decoders (KV cache + traced steps) a model keeps between generate calls
+DECODERS_KEPT = 2
+
+
+class PagedStep:
+    """The paged KV cache as the layers of one traced step see it: the cache, the step's slot
+    mapping [B*S], block table [B, max_blocks] and context lengths [B] (run-time tensors), and
+    whether it is a prompt (every sequence started empty: the tokens attend each other with
+    flash_attn; else paged_attn over the cache)."""
+
+    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool):
+        self.cache, self.slots, self.table, self.lens = cache, slots, table, lens
+        self.prompt = prompt
+
+    def attend(self, layer, q, k, v, scale):
+        """q [B, Hq, S, D], k/v [B, Hkv, S, D]: write k/v into the layer's pools (in the graph),
+        then attention -> [B, Hq, S, D]."""
+        b, hkv, s, d = k.shape
+        rows = [t.permute(0, 2, 1, 3).reshape(b * s, hkv, d) for t in (k, v)]
+        kp, vp = self.cache.append(layer, rows[0], rows[1], self.slots)
+        if self.prompt:
+            return FF.flash_attn(q, k, v, softmax_scale=scale, causal=True)
+        return FF.paged_attn(q, kp, vp, self.table, self.lens, softmax_scale=scale)
+
+
+class PagedDecoder:
+    """A Llama's paged KV cache for `batch` sequences of up to `capacity` tokens, with the
+    traced steps that run the model on it (`fuelgraph.jit`).
+
+    A step takes the new token ids [B, S] and the cache's slot mapping, block table and context
+    lengths as run-time tensors (the positions are derived from the lengths in the graph),
+    writes the new k/v into the pools inside its plan and returns the last position's logits
+    [B, V] (or, greedy, the next token ids [B] by an argmax in the graph). The pools and rope
+    tables are fixed per decoder, so each (B, S, greedy) is traced once: `prompt_step` per
+    prompt length, `step` once for all decode tokens (S = 1), which every later token replays
+    on new input buffers; on the GPU a decode replay is one CUDA graph."""
+
+    def __init__(self, model: LlamaForCausalLM, batch: int, capacity: int):
+        self.model = model
+        self.cache = model.new_cache(batch, capacity)
+        self.cos, self.sin = model.rope.at(0, capacity, model.dtype, model.device)
+        self.prompt_step = jit(self._prompt)
+        self.step = jit(self._decode, cuda_graph=True)
+
+    def _prompt(self, ids, slots, table, lens, greedy):
+        return self._forward(ids, slots, table, lens, greedy, True)
+
+    def _decode(self, ids, slots, table, lens, greedy):
+        return self._forward(ids, slots, table, lens, greedy, False)
+
+    def _forward(self, ids, slots, table, lens, greedy, prompt):
+        m = self.model
+        b, n = ids.shape
+        pos = lens.astype(dt.int64).reshape(b, 1) - n + arange(n, dtype=dt.int64,
+                                                                device=ids.device).reshape(1, n)
+
+        def rot(t):                                               # [B, 1, S, D]
+            return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
+        kv = PagedStep(self.cache, slots, table, lens, prompt)
+        h = m.model(ids, rot(self.cos), rot(self.sin), kv)
+        last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
+        logits = m.head(last)
+        return logits.argmax(-1) if greedy else logits
+
+    def run(self, seqs, ids: np.ndarray, greedy: bool) -> Tensor:
+        """The next tokens ids [B, S] of the sequences `seqs` (a prompt when they are empty) ->
+        the last position's logits [B, V] or, greedy, the next tokens [B] (computed)."""
+        prompt = not self.cache.context_lens(seqs).any()
+        self.cache.extend(seqs, ids.shape[1])
+        step = self.prompt_step if prompt else self.step
+        return step(tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device),
+                    *self.cache.step_tensors(seqs), greedy)
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:

@@ -18,12 +18,14 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, cat, tensor
+from ..api import bind_buffer, rebind
+from ..backends import get_backend
+from ..ir.tensor import Tensor, cat, full, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
-from ..runtime.executor import realize
+from ..runtime.executor import realize_raw
 from .config import inf_or, load_into, save_pretrained
 from .generation import GenerationMixin
 from .llama import causal_lm_loss
@@ -234,8 +236,6 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
                                   device=device)
-        # the decode step, traced once; on a GPU each replay is one CUDA graph
-        object.__setattr__(self, "_step_fn", jit(self._step, cuda_graph=True))
 
     @property
     def dtype(self):
@@ -285,39 +285,83 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         return self
 
     # ---- decoding (GenerationMixin) -----------------------------------------------------------
-    def _prefill(self, ids: np.ndarray, max_new: int):
-        b, s = ids.shape
-        x = self.backbone.embeddings(self._ids(ids).reshape(-1))
-        convs, ssms = [], []
-        for layer in self.backbone.layers:
-            x, (cs, ss) = layer(x, (b, s), True)
-            convs.append(cs)
-            ssms.append(ss)
-        last = x if s == 1 else x.reshape(b, s, -1)[:, -1]
-        logits = self.head(self.backbone.norm_f(last))
-        state = [convs, ssms]
-        return state, self._settle(state, logits)
+    def decoder(self, batch: int) -> "Mamba2Decoder":
+        """The traced decoder (recurrent states + steps) for `batch` sequences; the last
+        `DECODERS_KEPT` are kept, so later generate calls replay their traced steps."""
+        key = (batch, self.dtype, self.device)
+        kept = self.__dict__.setdefault("_decoders", {})
+        dec = kept.pop(key, None)
+        if dec is None:
+            dec = Mamba2Decoder(self, batch)
+            while len(kept) >= DECODERS_KEPT:
+                kept.pop(next(iter(kept)))
+        kept[key] = dec
+        return dec
 
-    def _step(self, tok, convs, ssms):
-        x = self.backbone.embeddings(tok)
-        new_c, new_s = [], []
-        for layer, cs, ss in zip(self.backbone.layers, convs, ssms):
-            x, cs, ss = layer.step(x, cs, ss)
-            new_c.append(cs)
-            new_s.append(ss)
-        return self.head(self.backbone.norm_f(x)), new_c, new_s
+    def release_decoders(self):
+        """Drop the kept decoders: their states and traced steps."""
+        self.__dict__.pop("_decoders", None)
+
+    def _prefill(self, ids: np.ndarray, max_new: int, greedy: bool = False):
+        dec = self.decoder(ids.shape[0])
+        return [dec, greedy], dec.prompt_step(self._ids(ids), greedy)
 
     def _decode_step(self, state, tok: np.ndarray) -> Tensor:
-        logits, state[0], state[1] = self._step_fn(self._ids(tok), state[0], state[1])
-        return logits
-
-    @staticmethod
-    def _settle(state, logits):
-        """Compute the logits and the states in one plan (they share the prompt's graph)."""
-        outs = realize([logits] + state[0] + state[1])
-        n = len(state[0])
-        state[0], state[1] = outs[1:1 + n], outs[1 + n:]
-        return outs[0]
+        dec, greedy = state
+        return dec.step(self._ids(tok), greedy)
 
     def _release(self, state):
         state.clear()
+
+
+#: decoders (recurrent states + traced steps) a model keeps between generate calls
+DECODERS_KEPT = 2
+
+
+class Mamba2Decoder:
+    """The recurrent states of `batch` sequences, one conv window [B, C, W-1] and one SSM state
+    [B, H, P, N] (float32) per layer, held as persistent tensor handles, with the traced steps
+    that run the model on them (`fuelgraph.jit`): `prompt_step(ids [B, S], greedy)` runs the
+    prompt through the chunked scan and sets the states, `step(tokens [B], greedy)` advances
+    them by one token (traced once, replayed for every later token; one CUDA graph on the GPU).
+    Both return the last position's logits [B, V], or with greedy the next tokens [B] (an
+    argmax in the graph)."""
+
+    def __init__(self, model: Mamba2ForCausalLM, batch: int):
+        self.model = model
+        cfg = model.config
+        dev, dtype = model.device, model.dtype
+
+        def state(shape, d):
+            t = full(shape, 0, d, dev)
+            bind_buffer(t, get_backend(dev).copy(realize_raw([t])[0]))
+            return t
+        self.convs = [state((batch, cfg.conv_dim, cfg.conv_kernel - 1), dtype)
+                      for _ in model.backbone.layers]
+        self.ssms = [state((batch, cfg.num_heads, cfg.head_dim, cfg.state_size), dtype.acc)
+                     for _ in model.backbone.layers]
+        self.prompt_step = jit(self._prompt)
+        self.step = jit(self._decode, cuda_graph=True)
+
+    def _out(self, h, greedy):
+        logits = self.model.head(self.model.backbone.norm_f(h))
+        return logits.argmax(-1) if greedy else logits
+
+    def _prompt(self, ids, greedy):
+        bb = self.model.backbone
+        b, s = ids.shape
+        x = bb.embeddings(ids.reshape(-1))
+        for layer, conv, ssm in zip(bb.layers, self.convs, self.ssms):
+            x, (cs, ss) = layer(x, (b, s), True)
+            rebind(conv, cs.value)
+            rebind(ssm, ss.value)
+        return self._out(x if s == 1 else x.reshape(b, s, -1)[:, -1], greedy)
+
+    def _decode(self, tok, greedy):
+        bb = self.model.backbone
+        x = bb.embeddings(tok)
+        for layer, conv, ssm in zip(bb.layers, self.convs, self.ssms):
+            x, cs, ss = layer.step(x, conv, ssm)
+            rebind(conv, cs.value)
+            rebind(ssm, ss.value)
+        return self._out(x, greedy)

@@ -31,17 +31,30 @@ The pools are mutable state owned by the cache: `write` runs the cache-write ker
 them (graph inputs are immutable values, so a lazy write would copy the whole pool each step).
 Tensors returned by `attention` / `inputs` read the pool when they are realized: realize a step's
 outputs before the next `write` (a decode loop does, since the next token depends on them).
+
+Inside a traced step (`fuelgraph.jit`) the write is part of the graph instead: `pools(layer)` are
+the pools as persistent tensor handles (like parameters), `step_tensors(seqs)` this step's slot
+mapping, block table and context lengths as tensors (run-time inputs of the trace), and
+`append(layer, k_rows, v_rows, slot_mapping)` rebinds the handles to the written pools. The
+traced plan then overwrites the pool buffers in place and every later step replays it with the
+new index tensors (see `fuelgraph.models.llama`):
+
+    step = fg.jit(lambda q, k, v, slots, table, lens: ...)   # append, then paged_attn
+    cache.extend(seqs, 1)
+    out = step(q, k, v, *cache.step_tensors(seqs))
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import dtype as dt
-from ..backends import backend_name, select_kernel
+from ..api import bind_buffer, rebind
+from ..backends import backend_name, get_backend, select_kernel
 from ..errors import FuelGraphError
 from ..interop import from_dlpack, from_torch
-from ..ir.tensor import Tensor, _normalize_device
-from ..registry.paged import PAGED_CACHE_WRITE, paged_attn
+from ..ir import ops
+from ..ir.tensor import _DATA, OWNER, Tensor, _leaf, _normalize_device
+from ..registry.paged import PAGED_CACHE_WRITE, paged_attn, paged_cache_write
 from ..runtime.executor import realize_raw
 
 
@@ -74,7 +87,9 @@ class PagedKVCache:
         self.max_blocks_per_seq, self.num_layers = int(max_blocks_per_seq), int(num_layers)
         self.max_seqs = int(max_seqs)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self._pools = [(self._zeros(shape), self._zeros(shape)) for _ in range(self.num_layers)]
+        # tensor handles owning the pool buffers: persistent state a traced step reads and
+        # rebinds (like a parameter), so its plan writes the pools in place
+        self._pools = [(self._handle(shape), self._handle(shape)) for _ in range(self.num_layers)]
         self._pad = int(np.iinfo(self.index_dtype.np).max)
         self._tables = np.full((self.max_seqs, self.max_blocks_per_seq), self._pad,
                                self.index_dtype.np)
@@ -90,6 +105,20 @@ class PagedKVCache:
             return np.zeros(shape, self.dtype.np)
         import torch
         return torch.zeros(shape, dtype=self.dtype.torch, device=self.device)
+
+    def _handle(self, shape) -> Tensor:
+        t = _leaf(self._zeros(shape), self.dtype, self.device, False)
+        OWNER[t.value.node] = (t, "value")
+        return t
+
+    def _buffer(self, t: Tensor):
+        """The buffer a pool handle holds now (a lazy append made outside a traced step is
+        computed first, into a buffer of the handle's own)."""
+        node = t.value.node
+        if not isinstance(node.op, ops.Input):
+            bind_buffer(t, get_backend(self.device).copy(realize_raw([t])[0]))
+            node = t.value.node
+        return _DATA[node]
 
     @property
     def free_blocks(self) -> int:
@@ -236,21 +265,22 @@ class PagedKVCache:
         if self.device != "cpu":      # both pools in one launch, reading k/v's layout as is
             from ..backends.cuda.kernels.paged import paged_cache_write_kv
             kb, vb = realize_raw([k, v])
-            paged_cache_write_kv(*self._layer(layer), kb, vb, slots)
+            paged_cache_write_kv(*(self._buffer(p) for p in self._layer(layer)), kb, vb, slots)
             return
         rows = [t.permute(0, 2, 1, 3).reshape(ids.size * n_new, self.num_kv_heads, self.head_dim)
                 for t in (k, v)]
         bufs = [b.contiguous() if hasattr(b, "is_contiguous") else np.ascontiguousarray(b)
                 for b in realize_raw(rows)]
-        for pool, buf in zip(self._layer(layer), bufs):
-            self._write_kernel()(pool, buf, slots, check=False)   # slots are valid by construction
+        for pool, buf in zip(self._layer(layer), bufs):     # slots are valid by construction
+            self._write_kernel()(self._buffer(pool), buf, slots, check=False)
 
     def inputs(self, seqs, layer: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(k_cache, v_cache, block_table, context_lens) of this step for `paged_attn`."""
         ids = self._ids(seqs)
         _, _, _, table, lens = self._current(ids, "inputs")
         kp, vp = self._layer(layer)
-        return self._leaf(kp), self._leaf(vp), self._leaf(table), self._leaf(lens)
+        return (self._leaf(self._buffer(kp)), self._leaf(self._buffer(vp)), self._leaf(table),
+                self._leaf(lens))
 
     def attention(self, seqs, q: Tensor, layer: int = 0, alibi_slopes=None, softmax_scale=None,
                   softcap=None) -> Tensor:
@@ -259,3 +289,29 @@ class PagedKVCache:
         return paged_attn(q, *self.inputs(seqs, layer), alibi_slopes=alibi_slopes,
                           softmax_scale=softmax_scale, softcap=softcap)
 
+
+    # ---- traced steps (the write as part of the graph) ----------------------------------------
+    def pools(self, layer: int = 0) -> tuple[Tensor, Tensor]:
+        """This layer's (k, v) pools `[num_blocks, block_size, Hkv, D]` as the cache's persistent
+        tensor handles: what a traced step reads, and `append` rebinds."""
+        return self._layer(layer)
+
+    def step_tensors(self, seqs) -> tuple[Tensor, Tensor, Tensor]:
+        """(slot_mapping [B * n_new], block_table [B, max_blocks_per_seq], context_lens [B]) of
+        the step prepared by `extend`, as new leaf tensors on the cache's device: the run-time
+        inputs of a traced step (their shapes stay fixed while B and n_new do)."""
+        ids = self._ids(seqs)
+        _, _, slots, table, lens = self._current(ids, "step_tensors")
+        return tuple(_leaf(b, self.index_dtype, self.device, False) for b in (slots, table, lens))
+
+    def append(self, layer: int, k_rows: Tensor, v_rows: Tensor, slot_mapping: Tensor):
+        """Record the write of new rows `[N, Hkv, D]` (k and v, N = B * n_new in the order of
+        `slot_mapping`) into this layer's pools as graph ops: the pool handles are rebound to
+        the written pools and returned, (k_pool, v_pool). Meant for a traced step, whose plan
+        writes in place; outside one the next `write` / `inputs` computes the result (a copy of
+        the pool)."""
+        out = []
+        for pool, rows in zip(self._layer(layer), (k_rows, v_rows)):
+            rebind(pool, paged_cache_write(pool, rows, slot_mapping).value)
+            out.append(pool)
+        return tuple(out)

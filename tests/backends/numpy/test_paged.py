@@ -1,7 +1,8 @@
 """NumPy kernels of the paged family, called directly on arrays: paged attention against the
 float64 dense reference (several online-softmax chunks per sequence, block sizes 1 and 16,
 shuffled blocks, GQA/MQA, ALiBi, softcap, Sq = 1 and Sq > 1, the four dtypes), the data errors
-it raises, and the cache write in place and into a fresh buffer."""
+it raises, and the cache write in place and into a fresh buffer. The attention tests run both
+paths (per sequence with an online softmax; the whole batch at once for short contexts)."""
 import math
 
 import numpy as np
@@ -32,14 +33,26 @@ def _ref(case, dtype=None, **kw):
 CASES = {
     "decode_bs16_gqa": dict(hq=8, hkv=2, bs=16, lens=(70, 33, 0), d=32),
     "decode_bs1_mqa": dict(hq=4, hkv=1, bs=1, lens=(21, 1, 9)),
+    "decode_full_blocks": dict(B=2, hq=4, hkv=2, bs=4, lens=(8, 8)),   # no padding, no empty row
     "prefill_bs16": dict(hq=4, hkv=2, bs=16, sq=7, lens=(50, 7, 0)),
     "prefill_bs1": dict(hq=2, hkv=2, bs=1, sq=4, lens=(19, 4, 4), alibi=True),
 }
 
 
+@pytest.fixture(params=["per_sequence", "batched"])
+def path(request, monkeypatch):
+    """Both attention paths: per sequence and kv head with an online softmax (long contexts),
+    and the whole batch in one pass (short contexts)."""
+    if request.param == "per_sequence":
+        monkeypatch.setattr(K, "BATCHED_MAX_ELEMS", 0)
+    else:
+        monkeypatch.setattr(K, "BATCHED_MAX_ELEMS", 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", [2048, 8])         # 8 keys: many online-softmax steps
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_reference(name, chunk, monkeypatch):
+def test_kernel_matches_reference(name, chunk, path, monkeypatch):
     monkeypatch.setattr(K, "CHUNK_KEYS", chunk)
     case = make_case(np.random.default_rng(len(name) + chunk), **CASES[name])
     for kw in (dict(), dict(softcap=1.25, softmax_scale=0.4)):
@@ -49,7 +62,7 @@ def test_kernel_matches_reference(name, chunk, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", list(NP))
-def test_dtypes(dtype, monkeypatch):
+def test_dtypes(dtype, path, monkeypatch):
     monkeypatch.setattr(K, "CHUNK_KEYS", 16)
     case = make_case(np.random.default_rng(9), dtype=dtype, bs=4, sq=3, lens=(30, 3, 0),
                      alibi=True, alibi_per_batch=True)
@@ -64,7 +77,7 @@ def test_dtypes(dtype, monkeypatch):
         assert_flash_rule(got, ref, _ref(case, dtype, softcap=3.0))
 
 
-def test_only_live_blocks_are_read():
+def test_only_live_blocks_are_read(path):
     """Table entries past a sequence's blocks may name anything (here ids far outside the pool)
     and the pool's other blocks may hold NaN: neither reaches the result."""
     case = make_case(np.random.default_rng(1), lens=(9, 5, 0), extra_blocks=4, mb=5)
@@ -84,7 +97,7 @@ def test_only_live_blocks_are_read():
     ((5, 13), None, r"context_lens\[1\] = 13 exceeds max_blocks \* block_size = 3 \* 4 = 12"),
     ((5, 3), (1, 0, 40), r"block_table\[1, 0\] = 40 is not a block of the pool"),
 ])
-def test_data_errors(lens, bad, msg):
+def test_data_errors(lens, bad, msg, path):
     case = make_case(np.random.default_rng(2), B=2, sq=3, lens=(5, 3), mb=3)
     case["context_lens"] = np.asarray(lens, np.int32)
     if bad:

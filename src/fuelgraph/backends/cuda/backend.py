@@ -99,26 +99,38 @@ class GraphedPlan:
 class GraphedStep:
     """A traced step (fuelgraph.jit) captured as a CUDA graph. The buffers of donated inputs
     (parameters and optimizer state updated in place) are the graph's own static buffers: a
-    replay updates them where they are, with no copy in or out; other inputs are copied into
-    static buffers when their storage differs, and outputs other than those in-place results
-    are cloned out of the graph's pool. `inplace_of`: output index -> the input index it
-    overwrites."""
+    replay updates them where they are, with no copy in or out (a new value the plan computed
+    elsewhere is copied back into that buffer). Persistent inputs that the step
+    only reads (`persistent`: parameters of a decode step, constants) are captured where they
+    are too, so a replay copies no weights; `run` returns None when one of them has moved to
+    another buffer since the capture, adding it to `moved` (capture again with it copied, as
+    the other inputs are). Other inputs are copied into static buffers when their storage
+    differs, and outputs other than the in-place results are cloned out of the graph's pool.
+    `inplace_of`: output index -> the input index it overwrites."""
 
-    def __init__(self, plan, bufs, inplace_of):
+    def __init__(self, plan, bufs, inplace_of, persistent=(), moved=()):
         self.inplace_of = dict(inplace_of)
         own = set(self.inplace_of.values())
-        self.static_in = [b if k in own else b.clone() for k, b in enumerate(bufs)]
+        self.moved = set(moved)
+        self.persistent = [k for k in persistent if k not in own and k not in self.moved]
+        keep = own | set(self.persistent)
+        self.static_in = [b if k in keep else b.clone() for k, b in enumerate(bufs)]
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up on copies: the step must not run twice
-            plan.run([b.clone() for b in bufs])
+        with torch.cuda.stream(side):       # warm-up on copies of what the step overwrites:
+            plan.run([b.clone() if k in own else b    # it must not run twice
+                      for k, b in enumerate(self.static_in)])
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_out = plan.run(self.static_in)
 
     def run(self, bufs):
+        moved = {k for k in self.persistent if self.static_in[k].data_ptr() != bufs[k].data_ptr()}
+        if moved:
+            self.moved |= moved
+            return None
         for dst, src in zip(self.static_in, bufs):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
@@ -126,6 +138,12 @@ class GraphedStep:
         out = []
         for j, o in enumerate(self.static_out):
             k = self.inplace_of.get(j)
-            same = k is not None and o.data_ptr() == self.static_in[k].data_ptr()
-            out.append(o if same else o.clone())
+            if k is None:
+                out.append(o.clone())
+                continue
+            if o.data_ptr() != self.static_in[k].data_ptr():
+                # a state the plan did not update in place (no destructive op wrote it): copied
+                # back into its input buffer, where the next replay reads it without a copy-in
+                self.static_in[k].copy_(o)
+            out.append(self.static_in[k])
         return out

@@ -46,6 +46,12 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     if alibi:
         slopes = np.broadcast_to(np.asarray(alibi[0], np.float64).reshape(-1, hq), (B, hq))
     lens = context_lens.astype(np.int64)
+    longest = -(-int(lens.max(initial=0)) // bs) * bs
+    if B * hkv * longest * max(d, sq * (hq // hkv)) <= BATCHED_MAX_ELEMS:     # k/v and scores
+        with np.errstate(over="ignore", invalid="ignore"):
+            store(out, _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
+                                     softcap, slopes))
+        return out
     # work units (sequence, kv-head range); with fewer sequences than threads the heads of a
     # sequence are split too, so one long sequence still uses every core
     parts = max(1, min(hkv, -(-NUM_THREADS // max(B, 1))))
@@ -113,6 +119,65 @@ def _attend(qb, k_cache, v_cache, pages, n, acc, scale, softcap, slopes, h0, h1)
         m = m_new
     o /= np.where(den > 0, den, 1).transpose(0, 2, 1)
     return o.reshape(hq, sq, d)
+
+
+#: gathered k (or v) elements and scores up to which a batch of short sequences is attended in
+#: one pass
+#: (a few NumPy calls for the whole batch instead of a few per sequence and kv head)
+BATCHED_MAX_ELEMS = 1 << 20
+
+
+def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, slopes):
+    """All sequences at once, for short contexts: every sequence's live blocks gathered into
+    one padded [B, Hkv, L, D] (L = the longest context, rounded up to whole blocks; a shorter
+    sequence's padding reads block 0, masked out of the scores and zeroed in v), batched
+    products and one masked softmax -> [B, Hq, Sq, D] in acc. Rows of a sequence with no
+    tokens come out zero."""
+    B, hq, sq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    mb = -(-int(lens.max(initial=0)) // bs)
+    L, g = mb * bs, hq // hkv
+    if mb == 0:
+        return np.zeros(q.shape, acc)
+    live = np.arange(mb)[None, :] * bs < lens[:, None]
+    pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)         # pads read block 0
+
+    def dense(cache):                                                      # [B, Hkv, L, D]
+        return to_acc(cache[pages].reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
+    short = int(lens.min()) < L                    # padding rows (they may hold anything)
+    empty = int(lens.min()) == 0
+    qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
+    s = qg @ dense(k_cache).transpose(0, 1, 3, 2)                          # [B, Hkv, g*Sq, L]
+    s *= acc.type(scale)
+    if softcap is not None:
+        c = acc.type(softcap)
+        s = np.tanh(s / c) * c
+    if sq == 1 and slopes is None:                 # decode: only the length mask
+        if short:
+            s = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, None, :], s, -np.inf)
+    else:
+        pos = lens[:, None] - sq + np.arange(sq)[None, :]                   # [B, Sq]
+        rel = np.tile(pos, (1, g))[:, :, None] - np.arange(L)[None, None, :]   # [B, g*Sq, L]
+        if slopes is not None:
+            sl = np.repeat(np.asarray(slopes, acc).reshape(B, hkv, g), sq, 2)  # [B, Hkv, g*Sq]
+            s -= sl[..., None] * np.abs(rel).astype(acc)[:, None]
+        s = np.where((rel >= 0)[:, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    if empty:                                      # a row with every key masked
+        m = np.where(m == -np.inf, 0, m)
+    s -= m
+    p = np.exp(s, out=s)
+    den = p.sum(-1, keepdims=True)
+    v = dense(v_cache)
+    if short:
+        v = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, :, None], v, 0)
+    o = p @ v                                                              # [B, Hkv, g*Sq, D]
+    if empty:
+        o /= np.where(den > 0, den, 1)
+        o[lens == 0] = 0
+    else:
+        o /= den
+    return o.reshape(B, hq, sq, d)
 
 
 def _rows(cache, pages, h, nk, acc):
