@@ -235,8 +235,7 @@ def test_second_process_reuses_the_compiled_kernel(tmp_path):
                            text=True, check=True).stdout.split()
     second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, check=True).stdout.split()
-    assert first[1] == "1" and second[1] == "0"
-    assert float(second[0]) < 1.0, second
+    assert first[1] == "1" and second[1] == "0", (first, second)   # no source written again
 
 
 def _compile_for_sm90(prog):

@@ -257,8 +257,8 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
                      CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
                      REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                     S: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                     TICKET: tl.constexpr):
+                     S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
+                     STAGES: tl.constexpr, TICKET: tl.constexpr):
     """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
     stream the chunk for its running (max, sum) (loads kept in L2), publish them, wait for the
     row's other S - 1 programs through a per-row arrival counter (sync_ptr[r]), then stream the
@@ -290,10 +290,13 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             arrived = tl.atomic_add(sync_ptr + r, 1) + 1
             while arrived < S:
                 arrived = tl.atomic_add(sync_ptr + r, 0)
-            idx = r * S + tl.arange(0, S)
+            lane = tl.arange(0, S_P2)
+            mine = lane < S
             # read back through atomics: the values come from L2, never a stale L1 line
-            pm = tl.atomic_add(pm_ptr + idx, tl.zeros((S,), tl.float32))
-            ps = tl.atomic_add(ps_ptr + idx, tl.zeros((S,), tl.float32))
+            pm = tl.atomic_add(pm_ptr + r * S + lane, tl.zeros((S_P2,), tl.float32), mask=mine)
+            ps = tl.atomic_add(ps_ptr + r * S + lane, tl.zeros((S_P2,), tl.float32), mask=mine)
+            pm = tl.where(mine, pm, float("-inf"))
+            ps = tl.where(mine, ps, 0.0)
             m = tl.max(pm, 0)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             s = tl.sum(ps * tl.exp(pm - m_safe), 0)
@@ -497,7 +500,7 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
         x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
         pm, ps, sync, R, V, chunk, float(n_mean or R), int(ignore_index) if has_ignore else 0,
         HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
-        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S,
+        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S, S_P2=next_pow2(S),
         BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES, TICKET=bool(ticket),
         num_warps=num_warps or CE_SPLIT_WARPS)
 
