@@ -470,15 +470,21 @@ def rows_programs(R: int, V: int, itemsize: int, device: torch.device, programs=
 
 
 def split_plan(V: int, chunk=None):
-    """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide."""
+    """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide.
+    S is a power of two (the configuration measured on the GPU): when V / CHUNK is not one,
+    the chunks shrink (to a multiple of 64 logits) and a last chunk may be empty."""
     if V <= 0:
         return None
     chunk = chunk if chunk is not None else CE_SPLIT_CHUNK
     if _INTERPRET or not chunk or chunk >= V:   # the interpreter: no program may wait on another
         return 1, V
-    chunk = triton.cdiv(chunk, CE_SPLIT_BLOCK) * CE_SPLIT_BLOCK
     n = triton.cdiv(V, chunk)
-    return (n, chunk) if n <= CE_SPLIT_MAX else None
+    if n > CE_SPLIT_MAX:
+        return None
+    S = next_pow2(n)
+    if S != n:
+        chunk = triton.cdiv(triton.cdiv(V, S), 64) * 64
+    return S, chunk
 
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
