@@ -197,16 +197,21 @@ class _Problem:
         return out
 
     def tiles(self, i0, i1):
-        """(j0, j1, outside-mask [nk, 1, nq] or None) of the key blocks rows i0:i1 see."""
+        """(j0, j1, outside-mask [nk, 1, nq] or None) of the key blocks rows i0:i1 see (the
+        block tests are vectorized over blocks: a Python loop of small NumPy calls per block
+        cost ~5% of a forward)."""
         lo, hi = self.lo[i0:i1], self.hi[i0:i1]
         live = hi > lo
         jstart, jend = int(lo[live].min()), int(hi[live].max())
+        j0s = np.arange(jstart, jend, self.bk)
+        j1s = np.minimum(j0s + self.bk, jend)
+        masked = ((hi[None, :] <= j0s[:, None]) | (lo[None, :] >= j1s[:, None])).all(1)
+        whole = ((lo[None, :] <= j0s[:, None]) & (hi[None, :] >= j1s[:, None])).all(1)
         out = []
-        for j0 in range(jstart, jend, self.bk):
-            j1 = min(j0 + self.bk, jend)
-            if np.all((hi <= j0) | (lo >= j1)):
+        for j0, j1, m, w in zip(j0s.tolist(), j1s.tolist(), masked.tolist(), whole.tolist()):
+            if m:
                 continue                                        # wholly masked
-            if np.all((lo <= j0) & (hi >= j1)):
+            if w:
                 out.append((j0, j1, None))                      # wholly admissible
             else:
                 j = np.arange(j0, j1)[:, None]
@@ -331,19 +336,19 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
 def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     """Online softmax over the key tiles of rows i0:i1 of heads h0:h1. `base` is the shift
     (the running max, or 0 while a row has seen no admissible key); o accumulates
-    exp(s - base) @ v, with the row sums in its last column when values carry the ones
-    column (else in l)."""
+    exp(s - base) @ v and l the row sums (a reduction of the tile: a ones column in the values
+    would make the P V product an N = D + 1 GEMM, which BLAS runs markedly slower)."""
     acc, D, ext = pb.acc, pb.D, pb.fold
     hc, nq = h1 - h0, i1 - i0
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
     empty = np.ones((hc, R), bool)
-    o = np.zeros((hc, R, D + ext), acc)
-    l = None if ext else np.zeros((hc, R), acc)
+    o = np.zeros((hc, R, D), acc)
+    l = np.zeros((hc, R), acc)
     pv = np.empty_like(o)
+    rs = np.empty_like(l)
     first = True
-    values = pb.vx if ext else pb.v
     for j0, j1, outside in pb.tiles(i0, i1):
         s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
         if not ext:
@@ -357,32 +362,28 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
             if not first:
                 alpha = np.exp(-shift)
                 o *= alpha[..., None]
-                if l is not None:
-                    l *= alpha
+                l *= alpha
             base += shift
             empty &= ~seen
             if ext:
                 np.negative(base, out=qb[..., D])
         np.exp(s, out=s)
-        if l is not None:
-            l += s.sum(1)
-        vb = values[h0:h1, j0:j1]
+        l += np.sum(s, axis=1, out=rs)
+        vb = pb.v[h0:h1, j0:j1]
         if first:
             np.matmul(s.transpose(0, 2, 1), vb, out=o)
             first = False
         else:
             np.matmul(s.transpose(0, 2, 1), vb, out=pv)
             o += pv
-    if l is None:
-        l = o[..., D]
     live = l > 0
     if live.all():
-        o[..., :D] /= l[..., None]
+        o /= l[..., None]
         ls = base + np.log(l)
     else:
-        o[..., :D] *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
+        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
         ls = np.where(live, base + np.log(np.where(live, l, 1)), np.inf)
-    out[h0:h1, :, i0:i1] = o[..., :D].reshape(hc, pb.G, nq, D)
+    out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
     lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
 
 
