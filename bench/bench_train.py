@@ -70,7 +70,9 @@ def main(argv=None):
     from common import record, write_results
     from llama_step import Config, batch, fg_model, torch_model
 
-    threadpool_limits(n, user_api="blas")
+    # kept alive: a discarded threadpool_limits object restores the previous limit when it is
+    # collected, so `--threads 1` would leave BLAS on every core
+    blas_limit = threadpool_limits(n, user_api="blas")  # noqa: F841
     torch.set_num_threads(n)
     cfg = Config(layers=2, seq=64, vocab=512) if args.quick else Config()
     runs = args.runs or (3 if args.quick else 15)

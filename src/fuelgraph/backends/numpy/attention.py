@@ -79,8 +79,11 @@ def _run_parallel(groups, work) -> None:
     """work(group) for every group; the calling thread takes the first."""
     groups = [g for g in groups if g]
     if len(groups) <= 1:
+        # single-threaded BLAS here too: a tile's batched GEMMs are small, and OpenBLAS's own
+        # threads on them cost more than they give (measured: 5-50x slower on a shared 2-core
+        # machine with FUELGRAPH_NUM_THREADS=1 and two BLAS threads)
         for g in groups:
-            work(g)
+            _blas_single(lambda: work(g))
         return
     err = np.geterr()
 
