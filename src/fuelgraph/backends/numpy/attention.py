@@ -111,7 +111,9 @@ class _Problem:
     P V product also yields the row sums of P. A softcap (tanh between the product and the
     shift) takes the explicit path."""
 
-    def __init__(self, op, q, k, v, opt, p):
+    def __init__(self, op, q, k, v, opt, p, values_ext=True):
+        """values_ext: the folded layout also extends the values (the backward's dP - delta
+        GEMM); the forward reads them as they are."""
         self.op = op
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
@@ -149,11 +151,14 @@ class _Problem:
         if alibi is not None:
             sl = np.broadcast_to(np.asarray(alibi, np.float32).reshape(-1, Hq), (B, Hq))
             self.slopes = sl.astype(acc).reshape(self.BH, 1, G, 1)
+        plain = lambda x: to_acc(x[:, :, :L].reshape(self.BH, L, D), acc)  # noqa: E731
         if self.fold:
-            self.kx, self.vx = self._ext(k), self._ext(v)
-            self.k, self.v = self.kx[..., :D], self.vx[..., :D]
+            self.kx = self._ext(k)
+            self.k = self.kx[..., :D]
+            self.vx = self._ext(v) if values_ext else None
+            self.v = self.vx[..., :D] if values_ext else plain(v)
         else:
-            self.k, self.v = (to_acc(x[:, :, :L].reshape(self.BH, L, D), acc) for x in (k, v))
+            self.k, self.v = plain(k), plain(v)
         # tile: rows x keys x heads ~ TILE_ELEMS; few rows (decoding) get long key blocks
         self.bq = min(max(8, BLOCK_ROWS // G), max(Sq, 1))
         rows = G * self.bq
@@ -318,7 +323,7 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     is outside [0, Sk]."""
     pb = _Problem("flash_attn", q, k, v, opt, _params(
         softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
-        has_alibi, k_len_input))
+        has_alibi, k_len_input), values_ext=False)
     G, D = pb.G, pb.D
     out = np.zeros((pb.BH, G, pb.Sq, D), pb.acc)
     lse = np.full((pb.BH, G, pb.Sq), np.inf, pb.acc)
@@ -331,9 +336,8 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
 
     with np.errstate(all="ignore"):
         _run_parallel(_thread_groups(pb, pb.units(), _threads(pb), by_head=False), work)
-    res = np.empty(q.shape, q.dtype)
-    store(res, out.reshape(q.shape))
-    return res, lse.reshape(q.shape[:3])
+    # [B*Hkv, G, Sq, D] is [B, Hq, Sq, D] (query head h = kv head * G + g): no copy needed
+    return _narrow(out.reshape(q.shape), q.dtype), lse.reshape(q.shape[:3])
 
 
 def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
@@ -432,6 +436,9 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
             tot += b
         if mul is not None:
             tot *= mul
+        if L == pb.Sk:
+            grads.append(_narrow(tot.reshape(k.shape), k.dtype))
+            continue
         res = np.zeros(k.shape, k.dtype)
         store(res[:, :, :L], tot.reshape(pb.B, pb.Hkv, L, D))
         grads.append(res)

@@ -222,6 +222,8 @@ class GlueEvaluator:
             if space not in (FULL, ROW):
                 continue
             item = np.dtype(ins.cd.np).itemsize
+            if i in self.direct:                     # computed in its output: no scratch
+                continue
             if ins.op in ("unary", "binary", "compare", "where", "reduce") or \
                     (ins.op == "load" and ins.cd != ins.dtype):
                 size[i] = self.flat_size[space] * item
