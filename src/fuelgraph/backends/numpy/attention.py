@@ -428,7 +428,6 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
 
     with np.errstate(all="ignore"):
         _run_parallel(groups, work)
-    dq *= acc.type(pb.scale)
     grads = [_narrow(dq.reshape(q.shape), q.dtype)]
     for bufs, mul in ((dks, kmul), (dvs, None)):
         tot = bufs[0]
@@ -488,7 +487,9 @@ def _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq
         dqb += np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1])
         np.matmul(ds, qbv, out=part)
         dk[h0:h1, j0:j1] += part
-    dq[h0:h1, :, i0:i1] = dqb.reshape(hc, pb.G, i1 - i0, D)
+    # times the softmax scale as it is stored (each query row belongs to one unit)
+    np.multiply(dqb.reshape(hc, pb.G, i1 - i0, D), pb.acc.type(pb.scale),
+                out=dq[h0:h1, :, i0:i1])
 
 
 def _params(softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
