@@ -4,7 +4,7 @@ layers, 8 query / 4 key-value heads, FFN 1024, batch 4, sequence 256, vocabulary
 forward + backward + AdamW, as one traced fuelgraph step (`fg.jit`) against torch CPU eager
 (same weights, same math: explicit attention scores; torch's SDPA is timed too).
 
-    python bench/bench_train.py [--quick] [--threads N] [--compete] [--runs N]
+    python bench/bench_train.py [--quick] [--threads N] [--compete] [--runs N] [--profile]
 
 Reported: the median of --runs steps (after warm-up) and the spread (max - min) of each, the
 ratio to torch, and the traced step's overhead: the time a replay spends outside its plan's
@@ -20,6 +20,10 @@ OMP_WAIT_POLICY=PASSIVE keeps idle OpenMP threads from spinning. With `--compete
 process keeps one core busy (a single-threaded matmul loop) while both sides are timed: static
 work splits and spinning BLAS threads are what makes a step collapse under contention;
 fuelgraph's pool hands out work dynamically, so it slows by the lost core and no more.
+
+--profile: after the timing, the traced step's plan runs --runs more times with every kernel
+timed, and a table gives per op kind (kernel name) the median wall ms per step, the process
+CPU ms (all threads) and their ratio (how many cores the kernel kept busy), and the calls.
 
 Writes bench/results/train_<date>.json."""
 from __future__ import annotations
@@ -52,12 +56,51 @@ def _timed(fn, runs, warmup=3):
     return statistics.median(ts), max(ts) - min(ts)
 
 
+def profile_plan(step, args, runs):
+    """Run the traced step's plan `runs` times with every kernel timed: rows (kernel, wall ms,
+    cpu ms, calls) per step (medians over the runs), slowest first, and the median step ms."""
+    from collections import defaultdict
+    plan = next(iter(step.cache.values()))[0].plan
+    wall, cpu, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    per_run, steps = defaultdict(list), []
+    saved = [st.fn for st in plan.steps]
+
+    def timed(fn, name):
+        def run(*a, **kw):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                wall[name] += (time.perf_counter() - t0) * 1e3
+                cpu[name] += (time.process_time() - c0) * 1e3
+        return run
+    for st in plan.steps:
+        calls[st.name] += 1
+        st.fn = timed(st.fn, st.name)
+    try:
+        for _ in range(runs):
+            wall.clear()
+            cpu.clear()
+            t0 = time.perf_counter()
+            step(*args).realize()
+            steps.append((time.perf_counter() - t0) * 1e3)
+            for k in wall:
+                per_run[k].append((wall[k], cpu[k]))
+    finally:
+        for st, fn in zip(plan.steps, saved):
+            st.fn = fn
+    rows = [(k, statistics.median(w for w, _ in v), statistics.median(c for _, c in v), calls[k])
+            for k, v in per_run.items()]
+    return sorted(rows, key=lambda r: -r[1]), statistics.median(steps)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small model, few runs (proves it works)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--compete", action="store_true", help="time with a competing process")
     ap.add_argument("--runs", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="per-op profile of the traced step")
     args = ap.parse_args(argv)
     n = args.threads
     os.environ["FUELGRAPH_NUM_THREADS"] = str(n)
@@ -70,7 +113,9 @@ def main(argv=None):
     from common import record, write_results
     from llama_step import Config, batch, fg_model, torch_model
 
-    threadpool_limits(n, user_api="blas")
+    # kept alive: a discarded threadpool_limits object restores the previous limit when it is
+    # collected, so `--threads 1` would leave BLAS on every core
+    blas_limit = threadpool_limits(n, user_api="blas")  # noqa: F841
     torch.set_num_threads(n)
     cfg = Config(layers=2, seq=64, vocab=512) if args.quick else Config()
     runs = args.runs or (3 if args.quick else 15)
@@ -159,6 +204,14 @@ def main(argv=None):
           f"{over / fgt * 100:.1f}% of the step ({over:.2f} ms); threads {n}; "
           f"compete {args.compete}; config {cfg}")
     print(f"wrote {path}")
+    if args.profile:
+        entry.plan.run = plan_run
+        rows, med = profile_plan(step, (idx, tgt), runs)
+        print(f"per-op profile of the traced step (median of {runs} runs; step {med:.1f} ms, "
+              f"kernels {sum(r[1] for r in rows):.1f} ms):")
+        print(f"{'kernel':44s} {'wall ms':>9s} {'cpu ms':>9s} {'cores':>6s} {'calls':>6s}")
+        for name, w, c, k in rows:
+            print(f"{name:44s} {w:9.2f} {c:9.2f} {c / max(w, 1e-9):6.2f} {k:6d}")
     return records
 
 

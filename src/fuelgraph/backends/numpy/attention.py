@@ -79,8 +79,11 @@ def _run_parallel(groups, work) -> None:
     """work(group) for every group; the calling thread takes the first."""
     groups = [g for g in groups if g]
     if len(groups) <= 1:
+        # single-threaded BLAS here too: a tile's batched GEMMs are small, and OpenBLAS's own
+        # threads on them cost more than they give (measured: 5-50x slower on a shared 2-core
+        # machine with FUELGRAPH_NUM_THREADS=1 and two BLAS threads)
         for g in groups:
-            work(g)
+            _blas_single(lambda: work(g))
         return
     err = np.geterr()
 
@@ -108,7 +111,9 @@ class _Problem:
     P V product also yields the row sums of P. A softcap (tanh between the product and the
     shift) takes the explicit path."""
 
-    def __init__(self, op, q, k, v, opt, p):
+    def __init__(self, op, q, k, v, opt, p, values_ext=True):
+        """values_ext: the folded layout also extends the values (the backward's dP - delta
+        GEMM); the forward reads them as they are."""
         self.op = op
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
@@ -146,11 +151,14 @@ class _Problem:
         if alibi is not None:
             sl = np.broadcast_to(np.asarray(alibi, np.float32).reshape(-1, Hq), (B, Hq))
             self.slopes = sl.astype(acc).reshape(self.BH, 1, G, 1)
+        plain = lambda x: to_acc(x[:, :, :L].reshape(self.BH, L, D), acc)  # noqa: E731
         if self.fold:
-            self.kx, self.vx = self._ext(k), self._ext(v)
-            self.k, self.v = self.kx[..., :D], self.vx[..., :D]
+            self.kx = self._ext(k)
+            self.k = self.kx[..., :D]
+            self.vx = self._ext(v) if values_ext else None
+            self.v = self.vx[..., :D] if values_ext else plain(v)
         else:
-            self.k, self.v = (to_acc(x[:, :, :L].reshape(self.BH, L, D), acc) for x in (k, v))
+            self.k, self.v = plain(k), plain(v)
         # tile: rows x keys x heads ~ TILE_ELEMS; few rows (decoding) get long key blocks
         self.bq = min(max(8, BLOCK_ROWS // G), max(Sq, 1))
         rows = G * self.bq
@@ -197,16 +205,21 @@ class _Problem:
         return out
 
     def tiles(self, i0, i1):
-        """(j0, j1, outside-mask [nk, 1, nq] or None) of the key blocks rows i0:i1 see."""
+        """(j0, j1, outside-mask [nk, 1, nq] or None) of the key blocks rows i0:i1 see (the
+        block tests are vectorized over blocks: a Python loop of small NumPy calls per block
+        cost ~5% of a forward)."""
         lo, hi = self.lo[i0:i1], self.hi[i0:i1]
         live = hi > lo
         jstart, jend = int(lo[live].min()), int(hi[live].max())
+        j0s = np.arange(jstart, jend, self.bk)
+        j1s = np.minimum(j0s + self.bk, jend)
+        masked = ((hi[None, :] <= j0s[:, None]) | (lo[None, :] >= j1s[:, None])).all(1)
+        whole = ((lo[None, :] <= j0s[:, None]) & (hi[None, :] >= j1s[:, None])).all(1)
         out = []
-        for j0 in range(jstart, jend, self.bk):
-            j1 = min(j0 + self.bk, jend)
-            if np.all((hi <= j0) | (lo >= j1)):
+        for j0, j1, m, w in zip(j0s.tolist(), j1s.tolist(), masked.tolist(), whole.tolist()):
+            if m:
                 continue                                        # wholly masked
-            if np.all((lo <= j0) & (hi >= j1)):
+            if w:
                 out.append((j0, j1, None))                      # wholly admissible
             else:
                 j = np.arange(j0, j1)[:, None]
@@ -310,7 +323,7 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     is outside [0, Sk]."""
     pb = _Problem("flash_attn", q, k, v, opt, _params(
         softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
-        has_alibi, k_len_input))
+        has_alibi, k_len_input), values_ext=False)
     G, D = pb.G, pb.D
     out = np.zeros((pb.BH, G, pb.Sq, D), pb.acc)
     lse = np.full((pb.BH, G, pb.Sq), np.inf, pb.acc)
@@ -323,27 +336,26 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
 
     with np.errstate(all="ignore"):
         _run_parallel(_thread_groups(pb, pb.units(), _threads(pb), by_head=False), work)
-    res = np.empty(q.shape, q.dtype)
-    store(res, out.reshape(q.shape))
-    return res, lse.reshape(q.shape[:3])
+    # [B*Hkv, G, Sq, D] is [B, Hq, Sq, D] (query head h = kv head * G + g): no copy needed
+    return _narrow(out.reshape(q.shape), q.dtype), lse.reshape(q.shape[:3])
 
 
 def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     """Online softmax over the key tiles of rows i0:i1 of heads h0:h1. `base` is the shift
     (the running max, or 0 while a row has seen no admissible key); o accumulates
-    exp(s - base) @ v, with the row sums in its last column when values carry the ones
-    column (else in l)."""
+    exp(s - base) @ v and l the row sums (a reduction of the tile: a ones column in the values
+    would make the P V product an N = D + 1 GEMM, which BLAS runs markedly slower)."""
     acc, D, ext = pb.acc, pb.D, pb.fold
     hc, nq = h1 - h0, i1 - i0
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
     empty = np.ones((hc, R), bool)
-    o = np.zeros((hc, R, D + ext), acc)
-    l = None if ext else np.zeros((hc, R), acc)
+    o = np.zeros((hc, R, D), acc)
+    l = np.zeros((hc, R), acc)
     pv = np.empty_like(o)
+    rs = np.empty_like(l)
     first = True
-    values = pb.vx if ext else pb.v
     for j0, j1, outside in pb.tiles(i0, i1):
         s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
         if not ext:
@@ -357,32 +369,28 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
             if not first:
                 alpha = np.exp(-shift)
                 o *= alpha[..., None]
-                if l is not None:
-                    l *= alpha
+                l *= alpha
             base += shift
             empty &= ~seen
             if ext:
                 np.negative(base, out=qb[..., D])
         np.exp(s, out=s)
-        if l is not None:
-            l += s.sum(1)
-        vb = values[h0:h1, j0:j1]
+        l += np.sum(s, axis=1, out=rs)
+        vb = pb.v[h0:h1, j0:j1]
         if first:
             np.matmul(s.transpose(0, 2, 1), vb, out=o)
             first = False
         else:
             np.matmul(s.transpose(0, 2, 1), vb, out=pv)
             o += pv
-    if l is None:
-        l = o[..., D]
     live = l > 0
     if live.all():
-        o[..., :D] /= l[..., None]
+        o /= l[..., None]
         ls = base + np.log(l)
     else:
-        o[..., :D] *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
+        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
         ls = np.where(live, base + np.log(np.where(live, l, 1)), np.inf)
-    out[h0:h1, :, i0:i1] = o[..., :D].reshape(hc, pb.G, nq, D)
+    out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
     lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
 
 
@@ -420,7 +428,6 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
 
     with np.errstate(all="ignore"):
         _run_parallel(groups, work)
-    dq *= acc.type(pb.scale)
     grads = [_narrow(dq.reshape(q.shape), q.dtype)]
     for bufs, mul in ((dks, kmul), (dvs, None)):
         tot = bufs[0]
@@ -428,6 +435,9 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
             tot += b
         if mul is not None:
             tot *= mul
+        if L == pb.Sk:
+            grads.append(_narrow(tot.reshape(k.shape), k.dtype))
+            continue
         res = np.zeros(k.shape, k.dtype)
         store(res[:, :, :L], tot.reshape(pb.B, pb.Hkv, L, D))
         grads.append(res)
@@ -477,7 +487,9 @@ def _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq
         dqb += np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1])
         np.matmul(ds, qbv, out=part)
         dk[h0:h1, j0:j1] += part
-    dq[h0:h1, :, i0:i1] = dqb.reshape(hc, pb.G, i1 - i0, D)
+    # times the softmax scale as it is stored (each query row belongs to one unit)
+    np.multiply(dqb.reshape(hc, pb.G, i1 - i0, D), pb.acc.type(pb.scale),
+                out=dq[h0:h1, :, i0:i1])
 
 
 def _params(softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,

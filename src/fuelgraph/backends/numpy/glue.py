@@ -149,6 +149,17 @@ class GlueEvaluator:
             self.loads.append((i, ld.input, kind, ld.shape, ld.strides, target))
         self.chunk_list = self.chunks()
         self.whole_shapes = {FULL: self.joint, ROW: self.row_joint}
+        # values computed straight into an output (no scratch buffer, no copy afterwards): the
+        # first output of a computed value of the output's dtype and iteration space
+        self.direct = {}
+        for j, (v, shape, d) in enumerate(prog.outputs):
+            ins = prog.values[v]
+            space = ROW if ins.op == "reduce" else ins.space
+            if v in self.direct or ins.op not in _DIRECT_OPS or ins.cd != ins.dtype or \
+                    np.dtype(ins.cd.np) != self.out_specs[j][1] or space not in (FULL, ROW) or \
+                    self.out_shapes[j] != self.whole_shapes[space]:
+                continue
+            self.direct[v] = j
 
     def __call__(self, *inputs):
         outs = [np.empty(shape, d) for shape, d in self.out_specs]
@@ -181,12 +192,17 @@ class GlueEvaluator:
         shapes = self.whole_shapes
         vals: list = [None] * len(self.steps)
 
+        direct = self.direct
+
         def alloc(i, dtype, space):
-            return np.empty(shapes[space], dtype)
+            j = direct.get(i)
+            return np.empty(shapes[space], dtype) if j is None else out_views[j]
 
         for i, (step, outs, dies) in enumerate(self.steps):
             v = vals[i] = step(vals, (), views, alloc, shapes)
             for j in outs:
+                if direct.get(i) == j:
+                    continue
                 dst = out_views[j]
                 if dst.shape == np.shape(v):
                     store(dst, v)
@@ -206,6 +222,8 @@ class GlueEvaluator:
             if space not in (FULL, ROW):
                 continue
             item = np.dtype(ins.cd.np).itemsize
+            if i in self.direct:                     # computed in its output: no scratch
+                continue
             if ins.op in ("unary", "binary", "compare", "where", "reduce") or \
                     (ins.op == "load" and ins.cd != ins.dtype):
                 size[i] = self.flat_size[space] * item
@@ -224,12 +242,16 @@ class GlueEvaluator:
     def _run(self, views, out_views, chunks):
         pool: dict = {}
         steps = self.steps
+        direct = self.direct
         for sl in chunks:
             shapes = {FULL: self.shape_of(sl, FULL), ROW: self.shape_of(sl, ROW)}
             vals: list = [None] * len(steps)
             owned: dict = {}
 
             def scratch(i, dtype, space, _sl=sl):
+                j = direct.get(i)
+                if j is not None:
+                    return out_views[j][_sl] if _sl else out_views[j]
                 key = (dtype, space)
                 free = pool.setdefault(key, [])
                 flat = free.pop() if free else np.empty(self.flat_size[space], dtype)
@@ -240,6 +262,8 @@ class GlueEvaluator:
             for i, (step, outs, dies) in enumerate(steps):
                 v = vals[i] = step(vals, sl, views, scratch, shapes)
                 for j in outs:
+                    if direct.get(i) == j:
+                        continue
                     dst = out_views[j][sl] if sl else out_views[j]
                     if dst.shape == np.shape(v):
                         store(dst, v)
@@ -258,6 +282,10 @@ class GlueEvaluator:
         for i, ins in enumerate(self.prog.values):
             steps.append((_step(i, ins, self), tuple(self.out_of.get(i, ())), tuple(self.dies[i])))
         return steps
+
+
+#: instructions that write their value through `scratch` (so into an output when direct)
+_DIRECT_OPS = ("unary", "binary", "compare", "reduce")
 
 
 def _step(i, ins, ev):

@@ -14,6 +14,7 @@ import numpy as np
 from ...registry.core import FusedOps
 from ..base import Cost, kernel
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from .primitives import gemm
 
 
 def _linear_cost(shapes, params=None):
@@ -42,9 +43,9 @@ def fused_linear(a, b, bias):
     if b.ndim == 2:
         # one big GEMM over all leading rows of a (a is C-contiguous)
         rows = int(np.prod(a.shape[:-1]))
-        out = np.matmul(a.reshape(rows, a.shape[-1]), b).reshape(*a.shape[:-1], n)
+        out = gemm(a.reshape(rows, a.shape[-1]), b).reshape(*a.shape[:-1], n)
     else:
-        out = np.matmul(a, b)
+        out = gemm(a, b)
     res = out if dt == acc else np.empty(out.shape, dt)
     if out.size == 0:
         return res

@@ -38,6 +38,7 @@ from ...registry.loss import (FUSED_LINEAR_CROSS_ENTROPY, FUSED_LINEAR_CROSS_ENT
                               FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
 from ..base import Cost, kernel, row_cost
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from .primitives import gemm
 
 _CE = "fused_softmax_cross_entropy"
 _FLCE = "fused_linear_cross_entropy"
@@ -263,7 +264,7 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     for r0 in range(0, n, step):
         r1 = min(r0 + step, n)
         xc = xa[r0:r1]
-        z = np.matmul(xc, wa.T, out=z_buf[:r1 - r0])
+        z = gemm(xc, wa.T, out=z_buf[:r1 - r0])
         if ba is not None:
             np.add(z, ba, out=z)
         if dt != acc:                               # logits are stored in the input dtype
@@ -273,17 +274,17 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
                       nll=nll[r0:r1] if want_loss else None, grad=z)
             if step >= _DX_DIRECT_ROWS:
                 if dt == acc:
-                    np.matmul(z, wa, out=dx[r0:r1])
+                    gemm(z, wa, out=dx[r0:r1])
                 else:
-                    store(dx[r0:r1], np.matmul(z, wa, out=part[:r1 - r0]))
+                    store(dx[r0:r1], gemm(z, wa, out=part[:r1 - r0]))
             else:     # (W^T dl^T)^T: OpenBLAS threads a short, very deep product badly
-                store(dx[r0:r1], np.matmul(wa.T, z.T, out=part_t[:, :r1 - r0]).T)
+                store(dx[r0:r1], gemm(wa.T, z.T, out=part_t[:, :r1 - r0]).T)
             if r0 == 0:
-                np.matmul(z.T, xc, out=dw)
+                gemm(z.T, xc, out=dw)
             else:                                   # dW += dl^T x_c, in blocks of V rows
                 for v0 in range(0, v, _DW_BLOCK):
                     v1 = min(v0 + _DW_BLOCK, v)
-                    dw[v0:v1] += np.matmul(z[:, v0:v1].T, xc, out=dw_part[:v1 - v0])
+                    dw[v0:v1] += gemm(z[:, v0:v1].T, xc, out=dw_part[:v1 - v0])
             if db is not None:
                 db += z.sum(axis=0)
         else:

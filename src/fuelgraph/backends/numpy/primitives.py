@@ -62,7 +62,30 @@ def binary(a, b, *, op):
         return np.floor_divide(a, b)
     if op.kind == "pow" and a.dtype.kind in "iu" and (b < 0).any():
         raise FuelGraphError("pow: negative integer exponent on an integer tensor")
-    return _down(_BINARY[op.kind](_up(a), _up(b)), a.dtype)
+    f = _BINARY[op.kind]
+    if a.dtype in _HALF or a.dtype != b.dtype or max(a.size, b.size) < common.PARALLEL_MIN_ELEMS \
+            or common.NUM_THREADS < 2:
+        return _down(f(_up(a), _up(b)), a.dtype)
+    return _split_elementwise(f, a, b)
+
+
+def _split_elementwise(f, a, b):
+    """`f(a, b)` (same dtype, broadcasting) into a fresh array, in blocks of the first axis
+    with at least NUM_THREADS entries, over the pool; elementwise results are the same
+    whatever the split."""
+    shape = np.broadcast_shapes(a.shape, b.shape)
+    out = np.empty(shape, a.dtype)
+    ax = next((i for i, d in enumerate(shape) if d >= common.NUM_THREADS), None)
+    if ax is None:
+        return f(a, b, out=out)
+    a, b = np.broadcast_to(a, shape), np.broadcast_to(b, shape)
+    lead = (slice(None),) * ax
+
+    def work(r0, r1):
+        sl = lead + (slice(r0, r1),)
+        f(a[sl], b[sl], out=out[sl])
+    common.run_spans(work, common.row_spans(shape[ax], math.prod(shape[ax + 1:])), out.size)
+    return out
 
 
 def compare(a, b, *, op):
@@ -146,16 +169,14 @@ def scatter_add(base, idx, src, *, op):
 def matmul(a, b, *, op):
     if a.dtype in _HALF:
         return matmul(a.astype(np.float32), b.astype(np.float32), op=op).astype(a.dtype)
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    if common.NUM_THREADS < 2 or 2.0 * batch * m * k * n < PARALLEL_GEMM_FLOPS or \
-            a.dtype.kind != "f":
-        return np.matmul(a, b)
-    return _pool_matmul(a, b, batch, m, n)
+    return gemm(a, b)
 
 
 #: products at least this large are split over fuelgraph's thread pool (below: one BLAS call)
 PARALLEL_GEMM_FLOPS = 2e7
+#: parts per pool thread of a split product: 2 lets a thread slowed by another process take
+#: fewer parts, and keeps each part large (every part packs the whole other operand again)
+GEMM_PARTS_PER_THREAD = 2
 _BLAS = []
 
 
@@ -171,32 +192,59 @@ def _one_blas_thread():
     return c.limit(limits=1, user_api="blas") if c is not None else None
 
 
-def _pool_matmul(a, b, batch, m, n):
+def gemm(a, b, out=None):
+    """`np.matmul(a, b, out=out)` for float arrays (a [..., M, K], b [..., K, N]), large
+    products split over fuelgraph's pool (see `_pool_matmul`). Each output element is one BLAS
+    dot product of the same operands whatever the split, so results do not depend on the
+    thread count beyond what BLAS kernels themselves do per block."""
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if common.NUM_THREADS < 2 or 2.0 * batch * m * k * n < PARALLEL_GEMM_FLOPS or \
+            a.dtype.kind != "f":
+        return np.matmul(a, b, out=out)
+    return _pool_matmul(a, b, m, n, out)
+
+
+def _pool_matmul(a, b, m, n, out=None):
     """A large product split over fuelgraph's pool, each part one single-threaded BLAS call:
-    batches of a stacked product, or row blocks of one. BLAS's own threads spin-wait between
-    calls, which takes cores from whatever runs next and collapses a step when another process
-    competes for the cores; the pool's threads sleep instead."""
+    batches of a stacked product, or blocks of rows (of columns when N > M: a part packs the
+    operand it does not split, so the smaller one is packed again). BLAS's own threads
+    spin-wait between calls, which takes cores from whatever runs next and collapses a step
+    when another process competes for the cores; the pool's threads sleep instead."""
     lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    out = np.empty(lead + (m, n), a.dtype)
+    if out is None:
+        out = np.empty(lead + (m, n), np.result_type(a, b))
+    parts = GEMM_PARTS_PER_THREAD * common.NUM_THREADS
     if lead and lead[0] >= common.NUM_THREADS and a.ndim == b.ndim:
         # stacked products: split the first batch axis (slices of broadcast views copy nothing)
         a = np.broadcast_to(a, lead + a.shape[-2:])
         b = np.broadcast_to(b, lead + b.shape[-2:])
-        spans = [(i, i + 1) for i in range(lead[0])]
+        spans = _even_spans(lead[0], parts, 1, 1)
         work = lambda i0, i1: np.matmul(a[i0:i1], b[i0:i1], out=out[i0:i1])  # noqa: E731
-    elif not lead and m >= 2 * common.NUM_THREADS:
-        # a few row blocks per thread, so that threads balance when one is slowed down
-        step = max(64, -(-m // (4 * common.NUM_THREADS)))
-        spans = [(r, min(r + step, m)) for r in range(0, m, step)]
-        work = lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1])  # noqa: E731
+    elif not lead and max(m, n) >= 2 * common.NUM_THREADS:
+        if m >= n:
+            spans = _even_spans(m, parts, 64)
+            work = lambda r0, r1: np.matmul(a[r0:r1], b, out=out[r0:r1])  # noqa: E731
+        else:
+            spans = _even_spans(n, parts, 64)
+            work = lambda c0, c1: np.matmul(a, b[:, c0:c1], out=out[:, c0:c1])  # noqa: E731
     else:
-        return np.matmul(a, b)
+        return np.matmul(a, b, out=out)
     ctx = _one_blas_thread()
     if ctx is None:
-        return np.matmul(a, b)
+        return np.matmul(a, b, out=out)
     with ctx:
         common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
     return out
+
+
+def _even_spans(n: int, parts: int, least: int, align: int = 16) -> list[tuple[int, int]]:
+    """[0, n) in at most `parts` consecutive near-equal spans of at least `least` (one span
+    when n < 2 * least); inner edges are rounded up to multiples of `align` (whole SIMD blocks
+    of BLAS's packed panels)."""
+    parts = max(1, min(parts, n // max(1, least)))
+    edges = [0] + [min(n, -(-(n * i // parts) // align) * align) for i in range(1, parts)] + [n]
+    return [(e0, e1) for e0, e1 in zip(edges, edges[1:]) if e1 > e0]
 
 
 def full(*, op):
