@@ -7,6 +7,7 @@ weight -- the reference the kernel is held to (target: within 2x at M = 256).
 
     python bench/bench_quant.py [--quick]
     python bench/bench_quant.py --ratios [--one-thread] [--reps 7] [--nk 4096] [--m 1,16,256]
+                                [--formats Q4_0,Q4_K,NF4,...]
 
 Writes bench/results/quant_<date>.json and prints one line per case with ratios to "fuelgraph".
 `--ratios` times every format (the ten GGUF types, NF4, AWQ) against the dense float32 matmul
@@ -106,7 +107,7 @@ def _ratio_ops(rng, n, k, qtypes):
 _K_F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q5_K": (0, 2)}
 
 
-def ratios(ms=(1, 16, 256), nk=4096, reps=7, one_thread=False):
+def ratios(ms=(1, 16, 256), nk=4096, reps=7, one_thread=False, only=None):
     """Median ratio of each kernel to the dense float32 matmul, interleaved (see the module
     docstring); prints a table, returns and writes the records."""
     import statistics
@@ -125,8 +126,9 @@ def ratios(ms=(1, 16, 256), nk=4096, reps=7, one_thread=False):
         return (clock() - t0) / reps_ * 1e3
 
     rng = np.random.default_rng(0)
-    qtypes = list(FORMATS)
-    ops = _ratio_ops(rng, nk, nk, qtypes)
+    qtypes = [q for q in FORMATS if only is None or q in only]
+    ops = {name: op for name, op in _ratio_ops(rng, nk, nk, qtypes).items()
+           if only is None or name in only}
     records = []
     for m in ms:
         a = rng.standard_normal((m, nk)).astype(np.float32)
@@ -177,6 +179,7 @@ if __name__ == "__main__":
             threadpool_limits(1)
             torch.set_num_threads(1)
         ratios(ms=[int(m) for m in _arg("--m", "1,16,256").split(",")], nk=int(_arg("--nk", 4096)),
-               reps=int(_arg("--reps", 7)), one_thread="--one-thread" in sys.argv)
+               reps=int(_arg("--reps", 7)), one_thread="--one-thread" in sys.argv,
+               only=_arg("--formats", None) and _arg("--formats", None).split(","))
     else:
         main(quick="--quick" in sys.argv)

@@ -69,11 +69,12 @@ def _spans(total: int, other: int, align: int, x=None):
 
 
 def _tile_elems(x) -> int:
-    """Weight elements per tile: TILE_ELEMS (a 1 MiB float32 scratch, which stays in a core's
-    L2 beside the codes: dequantization and a GEMV/thin GEMM over it then run from cache), twice
-    that for products of many rows (the GEMM re-reads its A panel once per tile)."""
+    """Weight elements per tile: TILE_ELEMS (1 MiB of float32, which stays in a core's L2:
+    a GEMV or thin GEMM then reads it from cache) for a few rows of activations; for many
+    rows up to 8x that, since BLAS packs the whole activation matrix again for every tile
+    (dequantization still runs in L2-sized pieces, see _parallel_rows)."""
     m = 1 if x is None else math.prod(x.shape[:-1])
-    return TILE_ELEMS * (2 if m >= 64 else 1)
+    return TILE_ELEMS * max(1, min(8, m // 32))
 
 
 #: products of at least this many flops (and more than one tile) run whole tiles on the pool
@@ -121,12 +122,15 @@ def _tiled_product(x, nout: int, spans, make_tile, transpose: bool):
 
 
 def _parallel_rows(fn, nrows: int, row_elems: int):
-    """fn(r0, r1) over row spans, split over the thread pool for large tiles (inline when this
-    thread is already a pool thread working on a whole tile)."""
+    """fn(r0, r1) over row spans of about TILE_ELEMS elements (so that the several passes of a
+    dequantizer over them stay in L2), split over the thread pool (in turn on this thread when
+    it is already a pool thread working on a whole tile)."""
+    spans = row_spans(nrows, row_elems, TILE_ELEMS)
     if getattr(_LOCAL, "inline", False):
-        fn(0, nrows)
+        for r0, r1 in spans:
+            fn(r0, r1)
     else:
-        run_spans(fn, row_spans(nrows, row_elems), nrows * row_elems)
+        run_spans(fn, spans, nrows * row_elems)
 
 
 class _Scratch:
