@@ -1,13 +1,19 @@
 """NumPy kernels of the quantized matmuls (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their
 gradients with respect to the activations).
 
-The weight is never dequantized whole: it is streamed in tiles of about `TILE_ELEMS` float32
-elements (whole rows of W for the forward, whole columns for the gradient, so that every output
-element comes from one GEMM and nothing is accumulated across tiles). Each tile is dequantized
-into a reused float32 scratch (split over the thread pool), then multiplied by BLAS. The
-activations are widened once to the accumulation dtype (float32 for 16/32-bit, float64 for
-float64) and the result is rounded once to their dtype. The dequantized values are bit-exact
-with the formats' references (gguf-py for GGUF)."""
+The weight is never dequantized whole: it is streamed in tiles (whole rows of W for the
+forward, whole columns for the gradient, so that every output element comes from one GEMM and
+nothing is accumulated across tiles) of `_tile_elems` float32 elements: 1 MiB for a few rows
+of activations (M = 1 decode: the tile stays in L2 for the GEMV), up to 8 MiB for many (BLAS
+packs the activations again for each tile). Each tile is dequantized into a reused float32
+scratch in L2-sized row pieces, then multiplied by BLAS. Products with several tiles run whole
+tiles on each pool thread with single-threaded BLAS, so one thread's dequantization overlaps
+the other's GEMM; nothing but the tiles scales with the weight. GGUF K-quant tiles come in a
+kernel column order (see quant_gguf): the activations' columns are put in that order once
+(the gradient's result is put back). The activations are widened once to the accumulation
+dtype (float32 for 16/32-bit, float64 for float64) and the result is rounded once to their
+dtype. The dequantized values are bit-exact with the formats' references (gguf-py for GGUF).
+"""
 from __future__ import annotations
 
 import math
@@ -28,7 +34,7 @@ from .quant_gguf import FORMATS, LO4
 TILE_ELEMS = 1 << 18
 _F32 = np.float32
 _ORDER = np.array(AWQ_ORDER)
-if not np.little_endian:  # pragma: no cover - the byte-table unpacking below reads int32 as LE
+if not np.little_endian:  # pragma: no cover - the word-level unpacking reads bytes as LE words
     raise ImportError("fuelgraph's NumPy quantized kernels need a little-endian host")
 
 
