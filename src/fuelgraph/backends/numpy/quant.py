@@ -68,9 +68,14 @@ _AWQ_GRAD_COST = _cost(lambda s, p: 4 + 20 / p.group_size, lambda s, p: s[1][0])
 
 
 def _spans(total: int, other: int, align: int, x=None):
-    """Tiles of `align`-aligned extent over `total`, each about tile_elems(x) / other long."""
+    """Tiles of `align`-aligned extent over `total`, each about tile_elems(x) / other long, and
+    at least two per pool thread (so that a large product always runs whole tiles on the pool,
+    never one tile whose GEMM would need BLAS's own threads)."""
     elems = _tile_elems(x)
-    step = max(align, (elems // max(other, 1)) // align * align)
+    step = (elems // max(other, 1)) // align * align
+    if NUM_THREADS > 1:
+        step = min(step, -(-total // (2 * NUM_THREADS * align)) * align)
+    step = max(align, step)
     return [(s, min(s + step, total)) for s in range(0, total, step)]
 
 
