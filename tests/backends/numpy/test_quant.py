@@ -48,7 +48,7 @@ def small_tiles(monkeypatch, request):
                         0 if request.param == "tiles on the pool" else float("inf"))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_qmatmul_tiles_equal_one_gemm(qtype, small_tiles):
     qk = GGUF[qtype][0]
     rng = np.random.default_rng(3)
@@ -56,6 +56,11 @@ def test_qmatmul_tiles_equal_one_gemm(qtype, small_tiles):
     raw = gguf_bytes(rng, qtype, n, k)
     w = _ref(raw, qtype)
     same_bits(K.dequantize_gguf(raw.reshape(-1), qtype, n, k), w)
+    # the kernel-order tiles (K-quants) are a column permutation of the weight
+    tile = K._gguf_tile(FORMATS[qtype], raw.reshape(n, -1, FORMATS[qtype].type_size),
+                        K._Scratch(), n, k)
+    perm = K._kernel_columns(FORMATS[qtype], k)
+    same_bits(tile, w if perm is None else w[:, perm])
     a = rng.standard_normal((2, 3, k)).astype(np.float32)
     g = rng.standard_normal((2, 3, n)).astype(np.float32)
     out = K.qmatmul(a, raw.reshape(-1), quant_type=qtype, n=n, k=k)
