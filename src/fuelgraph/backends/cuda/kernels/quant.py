@@ -176,6 +176,14 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
     return triton.cdiv(total, steps), steps
 
 
+#: GGUF rows up to which the storage-order kernels run. H200, 2026-12-01, N = K = 8192, bf16,
+#: default launch settings (not yet swept): at M = 1 they beat the tile kernels (Q4_0 0.066 vs
+#: 0.133 ms, Q8_0 0.105 vs 0.143, Q4_K 0.077 vs 0.187) but at M = 16 they lost (Q4_0 0.158 vs
+#: 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and AWQ won at both (M = 16: 0.068 vs
+#: 0.741, 0.063 vs 0.886).
+ROWS_GGUF_MAX_M = 1
+
+
 def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
     """Formats of `quant_rows` (NF4 with a power-of-two block size >= 32, AWQ groups of 16k)."""
     if fmt_id == NF4:
@@ -197,7 +205,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
         return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
     if config == "dequant" or (config is None and m_all > DEQUANT_GEMM_MIN_M):
         return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok)
-    if isinstance(config, RowConfig) or (config is None and rows_ok):
+    if isinstance(config, RowConfig) or (config is None and rows_ok and
+                                         (fmt_id in (NF4, AWQ) or m_all <= ROWS_GGUF_MAX_M)):
         return run_rows(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
     red, cols = (n, k) if grad else (k, n)
     lead = x.shape[:-1]
