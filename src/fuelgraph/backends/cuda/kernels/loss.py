@@ -177,15 +177,7 @@ def _ce_bwd_kernel(x_ptr, t_ptr, g_ptr, n_ptr, dx_ptr, mpart_ptr, spart_ptr, R, 
     t = tl.load(t_ptr + r)
     valid = _row_valid(t, ignore_index, HAS_IGNORE)
     base = r.to(tl.int64) * V
-    if REDUCTION == 2:
-        w = tl.load(g_ptr + r).to(tl.float32)
-    else:
-        w = tl.load(g_ptr).to(tl.float32)
-    if REDUCTION == 0:
-        if HAS_IGNORE:
-            w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
-        else:
-            w = w / R
+    w = _row_weight(g_ptr, n_ptr, r, R, HAS_IGNORE, REDUCTION)
     if SPLIT:
         lse = _combine_partials(mpart_ptr, spart_ptr, r, NSPLIT, BLOCK_SPLIT)
     else:
@@ -195,16 +187,39 @@ def _ce_bwd_kernel(x_ptr, t_ptr, g_ptr, n_ptr, dx_ptr, mpart_ptr, spart_ptr, R, 
     in_range = (t >= 0) & (t < V)
     lse = tl.where(in_range, lse, float("nan"))
     start = sp * CHUNK
-    end = tl.minimum(start + CHUNK, V)
+    _write_grad(x_ptr, dx_ptr, base, start, tl.minimum(start + CHUNK, V), t, lse, w, valid, True,
+                BLOCK, STAGES)
+
+
+@triton.jit
+def _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr):
+    """The gradient weight of row r: grad[r] (none), grad (sum), grad / N_valid (mean)."""
+    if REDUCTION == 2:
+        w = tl.load(g_ptr + r).to(tl.float32)
+    else:
+        w = tl.load(g_ptr).to(tl.float32)
+    if REDUCTION == 0:
+        if HAS_IGNORE:
+            w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
+        else:
+            w = w / N_MEAN
+    return w
+
+
+@triton.jit
+def _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, live, BLOCK: tl.constexpr,
+                STAGES: tl.constexpr):
+    """dx[base + start : base + end] = w * (softmax - onehot(t)) (0 where not valid), streaming
+    the logits once more (evict_first: nothing reads them again)."""
     for off in tl.range(start, end, BLOCK, num_stages=STAGES):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < end
         x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
-        p = tl.exp(x - lse)
-        d = w * (p - (cols == t).to(tl.float32))
+        d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
         d = tl.where(valid, d, 0.0)
-        tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask & live,
+                 eviction_policy="evict_first")
 
 
 @triton.jit
@@ -233,24 +248,8 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
             xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
             tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0), mask=live)
         if WRITE_GRAD:
-            if REDUCTION == 2:
-                w = tl.load(g_ptr + r).to(tl.float32)
-            else:
-                w = tl.load(g_ptr).to(tl.float32)
-            if REDUCTION == 0:
-                if HAS_IGNORE:
-                    w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
-                else:
-                    w = w / N_MEAN
-            for off in tl.range(0, V, BLOCK, num_stages=STAGES):
-                cols = off + tl.arange(0, BLOCK)
-                mask = cols < V
-                x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-                d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
-                d = tl.where(valid, d, 0.0)
-                tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask & live,
-                         eviction_policy="evict_first")
+            w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
+            _write_grad(x_ptr, dx_ptr, base, 0, V, t, lse, w, valid, live, BLOCK, STAGES)
 
 
 @triton.jit
@@ -308,24 +307,8 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
             tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
     if WRITE_GRAD:
-        if REDUCTION == 2:
-            w = tl.load(g_ptr + r).to(tl.float32)
-        else:
-            w = tl.load(g_ptr).to(tl.float32)
-        if REDUCTION == 0:
-            if HAS_IGNORE:
-                w = w / tl.maximum(tl.load(n_ptr), 1).to(tl.float32)
-            else:
-                w = w / N_MEAN
-        for off in tl.range(start, end, BLOCK, num_stages=STAGES):
-            cols = off + tl.arange(0, BLOCK)
-            mask = cols < end
-            x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            d = w * (tl.exp(x - lse) - (cols == t).to(tl.float32))
-            d = tl.where(valid, d, 0.0)
-            tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
-                     eviction_policy="evict_first")
+        w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
+        _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, True, BLOCK, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
