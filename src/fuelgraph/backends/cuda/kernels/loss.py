@@ -4,10 +4,12 @@ fused linear + cross-entropy of ``loss_linear.py`` runs on each token chunk, too
 The logits are streamed in ``BLOCK``-wide chunks with an online (running max, rescaled sum)
 log-sum-exp; no logits-sized scratch buffer is ever allocated. Forward and backward: one program
 per row, rows split over several programs (partial max/sum per split, combined afterwards) only
-when there are too few rows to fill the GPU. One pass (``_ce_rows_kernel``): persistent
-programs, few enough rows in flight that a row read for its log-sum-exp is still in L2 when it
-is read again to write ``w * (softmax - onehot)`` -- the logits cross HBM once, the gradient
-once.
+when there are too few rows to fill the GPU. One pass (loss and gradient together, and the
+backward alone): ``_ce_split_kernel`` cuts each row into a power-of-two number of chunks, one
+program each; a program streams its chunk for its partial (max, sum), meets the row's other
+programs through a per-row arrival counter, then streams the chunk again -- from L2, the chunk
+being small -- writing ``w * (softmax - onehot)``: the logits cross HBM once, the gradient
+once. ``_ce_rows_kernel`` (persistent over rows) remains for rows too wide to split.
 
 Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the chunked float32
 reduction lands ~1e-6 relative); the mean/sum over rows is accumulated in float64 in a
