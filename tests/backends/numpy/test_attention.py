@@ -233,12 +233,12 @@ def test_run_time_k_len_out_of_range_raises():
 def test_blas_thread_limit_is_found_and_restored():
     """The per-thread OpenBLAS limit is applied around pool work and restored after."""
     calls = []
-    fn = A._find_set_local()
+    fn = common._find_set_local()
     if fn is None:
         pytest.skip("this NumPy's BLAS has no per-thread thread count")
     before = fn(1)
     fn(before if before > 0 else 0)
-    A._blas_single(lambda: calls.append(1))
+    common.blas_single(lambda: calls.append(1))
     after = fn(1)
     fn(after if after > 0 else 0)
     assert calls == [1] and after == before

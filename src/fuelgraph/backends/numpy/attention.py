@@ -17,7 +17,6 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -26,7 +25,7 @@ from ...errors import FuelGraphError
 from ...registry.attention import FLASH_ATTN_BACKWARD
 from ...registry.core import FusedOps
 from ..base import Cost, kernel
-from .common import NUM_THREADS, _get_pool, acc_dtype, store, to_acc
+from .common import NUM_THREADS, _get_pool, acc_dtype, blas_single, store, to_acc
 
 #: elements of one score tile (heads x rows x keys); 2^18 float32 = 1 MiB stays in L2
 TILE_ELEMS = 1 << 18
@@ -37,44 +36,6 @@ BLOCK_ROWS = 128
 PARALLEL_MIN = 1 << 20
 
 
-# ---- BLAS threads ---------------------------------------------------------------------------
-def _find_set_local():
-    """OpenBLAS's per-thread thread-count setter (0.3.27+), or None."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            fn = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        return fn
-    return None
-
-
-_set_local = None
-_set_local_lock = threading.Lock()
-_set_local_done = False
-
-
-def _blas_single(fn):
-    """Run fn() with this thread's OpenBLAS limited to one thread (when it can be)."""
-    global _set_local, _set_local_done
-    if not _set_local_done:
-        with _set_local_lock:
-            _set_local, _set_local_done = _find_set_local(), True
-    if _set_local is None:
-        return fn()
-    old = _set_local(1)
-    try:
-        return fn()
-    finally:
-        _set_local(old if old > 0 else 0)
-
-
 def _run_parallel(groups, work) -> None:
     """work(group) for every group; the calling thread takes the first."""
     groups = [g for g in groups if g]
@@ -83,13 +44,13 @@ def _run_parallel(groups, work) -> None:
         # threads on them cost more than they give (measured: 5-50x slower on a shared 2-core
         # machine with FUELGRAPH_NUM_THREADS=1 and two BLAS threads)
         for g in groups:
-            _blas_single(lambda: work(g))
+            blas_single(lambda: work(g))
         return
     err = np.geterr()
 
     def run(g):
         with np.errstate(**err):
-            _blas_single(lambda: work(g))
+            blas_single(lambda: work(g))
     futures = [_get_pool().submit(run, g) for g in groups[1:]]
     try:
         run(groups[0])

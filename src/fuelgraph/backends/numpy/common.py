@@ -7,6 +7,7 @@ the pool. `to_acc` / `store` widen and narrow halves; float16 goes through integ
 are bit-identical to NumPy's but avoid its very slow path for float16 subnormal results."""
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
@@ -201,3 +202,52 @@ def span_scratch(temps: int):
         rows = min(nrows, sum(r1 - r0 for r0, r1 in spans[:NUM_THREADS]))
         return temps * rows * row * acc_dtype(dtypes[0].np).itemsize
     return workspace
+
+
+# ---- BLAS threads ---------------------------------------------------------------------------
+def _find_set_local():
+    """OpenBLAS's per-thread thread-count setter (0.3.27+), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            fn = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+_set_local = None
+_set_local_lock = threading.Lock()
+_set_local_done = False
+
+
+def has_blas_single() -> bool:
+    """Whether `blas_single` can limit this thread's BLAS (OpenBLAS 0.3.27+ is loaded)."""
+    global _set_local, _set_local_done
+    if not _set_local_done:
+        with _set_local_lock:
+            _set_local, _set_local_done = _find_set_local(), True
+    return _set_local is not None
+
+
+def blas_single(fn):
+    """Run fn() with this thread's OpenBLAS limited to one thread (when it can be). The limit
+    is OpenBLAS's per-thread one: setting the process-wide count instead around every call
+    (threadpoolctl) made two pooled GEMM halves as slow as one single-threaded GEMM."""
+    global _set_local, _set_local_done
+    if not _set_local_done:
+        with _set_local_lock:
+            _set_local, _set_local_done = _find_set_local(), True
+    if _set_local is None:
+        return fn()
+    old = _set_local(1)
+    try:
+        return fn()
+    finally:
+        _set_local(old if old > 0 else 0)

@@ -238,6 +238,10 @@ def _pool_matmul(a, b, m, n, out=None):
             work = lambda c0, c1: np.matmul(a, b[:, c0:c1], out=out[:, c0:c1])  # noqa: E731
     else:
         return np.matmul(a, b, out=out)
+    if common.has_blas_single():
+        common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
+                         common.PARALLEL_MIN_ELEMS)
+        return out
     ctx = _one_blas_thread()
     if ctx is None:
         return np.matmul(a, b, out=out)
