@@ -322,3 +322,11 @@ def test_schedulers_match_torch_without_retracing(make):
     assert step.stats["traces"] == 1
     for p, tp in zip(m.parameters(), tm.parameters()):
         np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_schedule_must_state_its_formula():
+    """LRScheduler is abstract: a subclass without lr_at cannot be made."""
+    from fuelgraph.optim.lr_scheduler import LRScheduler
+    opt = fg.optim.SGD([fg.nn.Parameter(fg.zeros(2))], lr=0.1)
+    with pytest.raises(TypeError, match="lr_at"):
+        type("NoFormula", (LRScheduler,), {})(opt)

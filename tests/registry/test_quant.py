@@ -384,3 +384,14 @@ def test_quantizer_errors():
         Q.quantize_awq(np.zeros((64, 12), np.float32), 32)
     with pytest.raises(FuelGraphError, match="no quantizer for Q4_K"):
         Q.quantize_gguf(np.zeros((2, 256), np.float32), "Q4_K")
+
+
+def test_a_format_without_its_math_is_refused_when_declared():
+    """Every GGUF format states its dequantization recipe and has a NumPy tile kernel: one
+    missing either is a TypeError when the class is written, not a failure at run time."""
+    from fuelgraph.backends.numpy.quant_gguf import _Format
+    from fuelgraph.registry.quant_gguf import GGUFFormat
+    with pytest.raises(TypeError, match="defines no recipe"):
+        type("Q9_X", (GGUFFormat,), {"name": "Q9_X", "code": 99, "block": 32, "type_size": 9})
+    with pytest.raises(TypeError, match="defines no tile"):
+        type("Q9_X", (_Format,), {"name": "Q9_X", "block": 32, "type_size": 9})

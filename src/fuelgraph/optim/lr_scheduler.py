@@ -3,12 +3,13 @@ each parameter group's "lr", a run-time input of the optimizer's plan: a traced 
 replaying the same plan with the new rate."""
 from __future__ import annotations
 
+import abc
 import math
 
 __all__ = ["LRScheduler", "LambdaLR", "StepLR", "CosineAnnealingLR"]
 
 
-class LRScheduler:
+class LRScheduler(abc.ABC):
     """torch.optim.lr_scheduler's protocol: `step()` once per epoch (or per step) sets every
     group's learning rate (a run-time input of the step's plan: no new graph);
     `get_last_lr()`."""
@@ -21,8 +22,9 @@ class LRScheduler:
         self.last_epoch = last_epoch
         self.step()
 
+    @abc.abstractmethod
     def lr_at(self, epoch: int, base: float, i: int) -> float:
-        raise NotImplementedError
+        """The learning rate of group i at `epoch`, from its base rate (each schedule's formula)."""
 
     def step(self):
         self.last_epoch += 1

@@ -102,9 +102,10 @@ class GGUFFormat:
     def nbytes(cls, n: int, k: int) -> int:
         return n * cls.row_bytes(k)
 
-    @staticmethod
-    def recipe(blk):
-        raise NotImplementedError
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not callable(getattr(cls, "recipe", None)):     # every format states its math
+            raise TypeError(f"GGUF format {cls.__name__} defines no recipe(blk)")
 
 
 class Q4_0(GGUFFormat):

@@ -132,9 +132,10 @@ class _Format:
             cls.tile(blk, t)
             out[:, cls.order] = t
 
-    @staticmethod
-    def tile(blk, out):  # pragma: no cover - every format defines it
-        raise NotImplementedError
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not callable(getattr(cls, "tile", None)):       # every format has its kernel
+            raise TypeError(f"GGUF format {cls.__name__} defines no tile(blk, out)")
 
 
 class Q4_0(_Format):
