@@ -8,19 +8,13 @@ in Triton's CPU interpreter on tiny shapes (bfloat16 tl.dot is not emulated fait
 the dot paths are checked in float32 and float16 only in that mode)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-gguf = pytest.importorskip("gguf")
+from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HAS_CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs a CUDA GPU")]
+gguf = pytest.importorskip("gguf")
+pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
 
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import quant as K
@@ -30,7 +24,6 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-DEV = "cuda" if HAS_CUDA else "cpu"
 TYPES = list(GGUF)
 DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 # (M, config): GEMV, small M split over the reduction, a GEMM tile (bigger on the GPU)

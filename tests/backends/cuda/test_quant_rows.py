@@ -8,19 +8,13 @@ Runs on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny 
 bfloat16 dots are not emulated faithfully (checked in float32 and float16 there)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
-gguf = pytest.importorskip("gguf")
+from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HAS_CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not (HAS_CUDA or INTERPRET), reason="needs a CUDA GPU")]
+gguf = pytest.importorskip("gguf")
+pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
 
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import quant as K
@@ -31,7 +25,6 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-DEV = "cuda" if HAS_CUDA else "cpu"
 ROW_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
 # (M, config): defaults (M = 1, 3, 16, 33 take the one-row, CUDA-core, dot and dot paths) and
 # small explicit tiles with a split reduction (partial sums by atomics)
