@@ -17,7 +17,6 @@ from .api import assign, bind_buffer
 from .backends import get_backend
 from .errors import FuelGraphError
 from .ir.tensor import TRACE, Tensor, _leaf, _normalize_device, const, iota, where
-from .ir.tensor import tensor as _tensor
 
 _M32 = 0xFFFFFFFF
 _DEFAULT_SEED = 0x5EED

@@ -4,7 +4,6 @@ each sequence's full k/v history; blocks freed by finished sequences are reused 
 example; every error."""
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch

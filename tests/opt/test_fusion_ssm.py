@@ -4,7 +4,6 @@ the last state when the graph reads it, and the recurrence written by hand with 
 primitive (as the recipes write it) fuses with torch's values and gradients."""
 import numpy as np
 import pytest
-import torch
 
 import fuelgraph as fg
 import fuelgraph.functional as F

@@ -384,6 +384,14 @@ def _read_attn(bound):
     raise ValueError("softcap constant not found")
 
 
+def paged_attn_work(shapes) -> tuple[int, int]:
+    """(flops, bytes) of paged_attn for its input shapes, an upper bound from the block table's
+    capacity (the live tokens are data, known only at run time); kernels' cost functions."""
+    (B, hq, sq, d), (_, bs, hkv, _) = shapes[0], shapes[1]
+    keys = shapes[3][1] * bs
+    return 4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d)
+
+
 def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.PAGED_ATTN, name=_ATTN, family="attention", params=PagedAttnParams,

@@ -17,7 +17,6 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 

@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from ...registry.core import FusedOps
-from ...registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
+from ...registry.paged import (PAGED_CACHE_WRITE, check_lengths, check_slots, index_max,
+                               paged_attn_work)
 from ..base import Cost, kernel
 from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
 
@@ -20,10 +21,7 @@ CHUNK_KEYS = 512
 
 
 def paged_attn_cost(shapes, params=None):
-    """Upper bound from the table's capacity: the live tokens are unknown until run time."""
-    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
-    keys = shapes[3][1] * bs
-    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
+    return Cost(*paged_attn_work(shapes))
 
 
 def paged_cache_write_cost(shapes, params=None):

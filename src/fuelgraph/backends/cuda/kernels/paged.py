@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from ....registry.core import FusedOps
-from ....registry.paged import PAGED_CACHE_WRITE, check_lengths, check_slots, index_max
+from ....registry.paged import (PAGED_CACHE_WRITE, check_lengths, check_slots, index_max,
+                                paged_attn_work)
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
@@ -492,9 +493,7 @@ def _scratch(device, n_float, n_count):
 
 
 def paged_attn_cost(shapes, params=None):
-    (B, hq, sq, d), (nb, bs, hkv, _) = shapes[0], shapes[1]
-    keys = shapes[3][1] * bs
-    return Cost(4 * B * hq * sq * keys * d, 2 * (2 * B * hkv * keys * d + 2 * B * hq * sq * d))
+    return Cost(*paged_attn_work(shapes))
 
 
 def paged_cache_write_cost(shapes, params=None):

@@ -204,7 +204,6 @@ def _ss_bwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, g
                    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
-    n_db = tl.num_programs(1)
     B = tl.num_programs(0)
     offs_d = pid_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
