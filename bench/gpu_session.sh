@@ -3,7 +3,7 @@
 # wheels, then run the named stages, writing logs and bench records under $OUT (packed into
 # one archive, since only a few files come back). Anchors live in the git-ignored ./anchors/
 # (bitsandbytes, liger-kernel, einops, gguf wheels; mamba_ssm_src/ with mamba-ssm's Python
-# sources). Usage: bash bench/gpu_session.sh tests bench_core bench_families ...
+# sources; transformers-<v>-site.tar.xz, the tests' transformers version, unpacked as is). Usage: bash bench/gpu_session.sh tests bench_core bench_families ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fg_out}; mkdir -p "$OUT/r"
@@ -11,6 +11,9 @@ if ls anchors/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site anchors/*.whl >/dev/null 2>&1
 fi
+for t in anchors/*-site.tar.xz; do       # pure-Python packages pinned to the tested version
+  [ -e "$t" ] && mkdir -p /tmp/site && tar xJf "$t" -C /tmp/site
+done
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/bench
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
