@@ -54,7 +54,8 @@ class GenerationMixin:
     """`generate` for a model that implements `_prefill(ids, max_new, greedy) -> (state, out)`,
     `_decode_step(state, tokens [B]) -> out` and `_release(state)`: `out` is a tensor, the last
     position's logits [B, V], or with greedy=True the next tokens [B] (an argmax the model
-    computed in its step, so only B ids come back to the host)."""
+    computed in its step, so only B ids come back to the host). `tokens` is a NumPy array,
+    or in greedy decoding the previous step's `out` tensor itself (left on its device)."""
 
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None,
@@ -79,6 +80,9 @@ class GenerationMixin:
         out = [ids]
         done = np.zeros(ids.shape[0], bool)
         try:
+            if not do_sample and eos is None:
+                return np.concatenate(out + self._greedy_queued(state, step_out,
+                                                                max_new_tokens, bar), 1)
             for i in range(max_new_tokens):
                 got = step_out.numpy()
                 tok = got if got.ndim == 1 else pick(got, do_sample, temperature, top_k, top_p,
@@ -97,6 +101,19 @@ class GenerationMixin:
             if bar is not None:
                 bar.close()
         return np.concatenate(out, 1)
+
+    def _greedy_queued(self, state, step_out: Tensor, n: int, bar) -> list:
+        """Greedy decoding with nothing to stop on: each step's next tokens [B] (computed in
+        the step) feed the next step where they are, so on the GPU the host queues steps
+        without waiting for one to finish; the ids come to the host once, at the end."""
+        steps = [step_out]
+        for _ in range(n - 1):
+            steps.append(self._decode_step(state, steps[-1]))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.update(1)
+        return [t.numpy().reshape(-1, 1).astype(np.int64) for t in steps]
 
 
 def _bar(progress, total):

@@ -334,9 +334,9 @@ class LlamaForCausalLM(GenerationMixin, Module):
             self._release(state)
             raise
 
-    def _decode_step(self, state, tok: np.ndarray) -> Tensor:
+    def _decode_step(self, state, tok) -> Tensor:
         dec, seqs, greedy = state
-        return dec.run(seqs, tok[:, None], greedy)
+        return dec.run(seqs, tok if isinstance(tok, Tensor) else tok[:, None], greedy)
 
     def _release(self, state):
         state[0].cache.free(state[1])
@@ -394,6 +394,8 @@ class PagedDecoder:
 
     def _forward(self, ids, slots, table, lens, greedy, prompt):
         m = self.model
+        if ids.ndim == 1:                              # the previous step's tokens [B]
+            ids = ids.reshape(-1, 1)
         b, n = ids.shape
         pos = lens.astype(dt.int64).reshape(b, 1) - n + arange(n, dtype=dt.int64,
                                                                 device=ids.device).reshape(1, n)
@@ -406,14 +408,17 @@ class PagedDecoder:
         logits = m.head(last)
         return logits.argmax(-1) if greedy else logits
 
-    def run(self, seqs, ids: np.ndarray, greedy: bool) -> Tensor:
-        """The next tokens ids [B, S] of the sequences `seqs` (a prompt when they are empty) ->
-        the last position's logits [B, V] or, greedy, the next tokens [B] (computed)."""
+    def run(self, seqs, ids, greedy: bool) -> Tensor:
+        """The next tokens ids [B, S] (NumPy) of the sequences `seqs` (a prompt when they are
+        empty), or one token each as an int64 tensor [B] on the model's device (a previous
+        step's result, never copied to the host) -> the last position's logits [B, V] or,
+        greedy, the next tokens [B] (computed)."""
         prompt = not self.cache.context_lens(seqs).any()
-        self.cache.extend(seqs, ids.shape[1])
+        self.cache.extend(seqs, 1 if isinstance(ids, Tensor) else ids.shape[1])
         step = self.prompt_step if prompt else self.step
-        return step(tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device),
-                    *self.cache.step_tensors(seqs), greedy)
+        if not isinstance(ids, Tensor):
+            ids = tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device)
+        return step(ids, *self.cache.step_tensors(seqs), greedy)
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:

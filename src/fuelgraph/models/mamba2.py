@@ -306,7 +306,7 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         dec = self.decoder(ids.shape[0])
         return [dec, greedy], dec.prompt_step(self._ids(ids), greedy)
 
-    def _decode_step(self, state, tok: np.ndarray) -> Tensor:
+    def _decode_step(self, state, tok) -> Tensor:
         dec, greedy = state
         return dec.step(self._ids(tok), greedy)
 
