@@ -88,12 +88,23 @@ def fg_model(name, hf):
     return model
 
 
-def mamba_label():
-    try:
-        import mamba_ssm  # noqa: F401
-        return "transformers+mamba_ssm"
-    except ImportError:
-        return "transformers (torch path; mamba_ssm missing)"
+def use_mamba_triton(src):
+    """Make transformers' Mamba-2 run mamba_ssm's Triton kernels (the chunked scan and the
+    one-token state update) from mamba_ssm's Python sources, before transformers imports its
+    Mamba-2 module. causal_conv1d is a CUDA extension that cannot be carried here, so the
+    fused conv + scan training path stays off (it needs it) and the conv runs in torch."""
+    from bench_cuda_ssm import import_mamba_ssd
+    scan, why = import_mamba_ssd(src, [])
+    if scan is None:
+        return f"transformers (torch path; mamba_ssm: {why})"
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    pkg = sys.modules["mamba_ssm"]
+    pkg.mamba_chunk_scan_combined, pkg.selective_state_update = scan, selective_state_update
+    pkg.mamba_split_conv1d_scan_combined = lambda *a, **k: None    # "not fused": torch conv
+    return "transformers + mamba_ssm Triton"
+
+
+MAMBA_ANCHOR = ["transformers (torch path; no --mamba-src)"]
 
 
 def run(name, quick, recs, table, cases=("train", "prefill", "decode")):
@@ -105,7 +116,7 @@ def run(name, quick, recs, table, cases=("train", "prefill", "decode")):
     prompt, new = (32, 16) if quick else (128, 128)
     runs = 3 if quick else 10
     hf = hf_model(name, quick)
-    anchor = "transformers eager" if name == "llama" else mamba_label()
+    anchor = "transformers eager" if name == "llama" else MAMBA_ANCHOR[0]
     model = fg_model(name, hf)
     ids = torch.randint(0, hf.config.vocab_size, (batch, seq), device="cuda")
     fids = fg.from_torch(ids)
@@ -238,7 +249,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default="llama,mamba2")
     ap.add_argument("--cases", default="train,prefill,decode")
+    ap.add_argument("--mamba-src", default=None, help="mamba_ssm's sources: the Mamba-2 anchor "
+                    "runs its Triton kernels")
     args = ap.parse_args(argv)
+    if args.mamba_src and "mamba2" in args.models:
+        MAMBA_ANCHOR[0] = use_mamba_triton(args.mamba_src)
     import torch
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda_models: needs a CUDA GPU")

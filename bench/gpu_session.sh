@@ -40,7 +40,7 @@ for s in "$@"; do
         tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1
       tail -45 "$OUT/r/pytest_cuda.log" | grep -vE "^\.+ *\[|^$" ;;
     bench_*) name=${s#bench_}; stage "$s"; extra=""
-      [ "$name" = ssm ] && extra="--mamba-src anchors/mamba_ssm_src"
+      [ "$name" = ssm ] || [ "$name" = models ] && extra="--mamba-src anchors/mamba_ssm_src"
       per="ARGS_$name"; extra="$extra ${!per:-}"
       tmo="TMO_$name"; timeout ${!tmo:-420} python3 "bench/bench_cuda_${name}.py" --out "$OUT/r" $extra ${BENCH_ARGS:-} \
         > "$OUT/r/$s.log" 2>&1; tail -${TAIL:-25} "$OUT/r/$s.log" ;;
