@@ -287,13 +287,15 @@ def groupable_product(node) -> bool:
         2.0 * a[0] * a[1] * b[1] >= PARALLEL_GEMM_FLOPS
 
 
-def gemm_group(pairs) -> list:
+def gemm_group(pairs, outs=None) -> list:
     """[a @ b for (a, b) in pairs] for independent 2-D products, run together over the pool:
     each product whole, or in row/column blocks when it is larger than a thread's share of the
     group, one single-threaded BLAS call per part, parts taken from a shared queue (largest
     first). A part packs the whole operand it does not split, ~6% more work per extra part
-    (measured), so whole products sharing the threads beat each product split in four."""
-    outs = [np.empty((a.shape[0], b.shape[1]), np.result_type(a, b)) for a, b in pairs]
+    (measured), so whole products sharing the threads beat each product split in four.
+    `outs`: arrays to write the products into (default: new C-contiguous ones)."""
+    if outs is None:
+        outs = [np.empty((a.shape[0], b.shape[1]), np.result_type(a, b)) for a, b in pairs]
     flops = [a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs]
     share = sum(flops) / common.NUM_THREADS
     items = []
