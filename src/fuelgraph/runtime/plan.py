@@ -252,8 +252,10 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
 
 
 #: how far ahead (nodes of the schedule) a product looks for independent partners, and the
-#: largest group
-GROUP_WINDOW = 64
+#: largest group. Far: a backward pass schedules the weight gradients last, and pairing each
+#: with its layer's input gradient also frees the activations it reads earlier (the training
+#: step's measured peak went down, 189 -> 182 MiB)
+GROUP_WINDOW = 1024
 GROUP_MAX = 4
 
 
