@@ -5,9 +5,10 @@ from the same random transformers checkpoint, against transformers on torch CPU 
     python bench/bench_models.py [--quick] [--threads N] [--profile] [--decode-only]
 
 Per model: the training step (forward + backward + AdamW; fuelgraph as one traced step) in
-ms and tokens/s, and greedy decode tokens/s (prompt, then one token per step; batch 1 and 4;
-fuelgraph and transformers runs interleaved, the speed ratio being the median of the rounds'
-ratios). --decode-only skips the training step.
+ms and tokens/s, and greedy decode tokens/s (prompt, then one token per step; batch 1 and 4).
+fuelgraph and transformers runs are interleaved (one of each per round, the order
+alternating) and every ratio is the median of the rounds' ratios, each taken under the same
+machine load. --decode-only skips the training step.
 Targets (issue 17): training step <= 1.2x torch eager, decode tokens/s >= torch eager. Where a
 target is missed, or with --profile, the traced step's plan is run once more with every kernel
 timed and the ops taking the most time are printed (where the time goes).
@@ -28,17 +29,6 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-
-
-def _median_ms(fn, runs, warmup=2):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def hf_models(quick: bool, tmp: str):
@@ -120,9 +110,24 @@ def bench_training(name, path, hf, batch, seq, runs, fg, M, optim, torch):
         return loss
     a, b = step(ids).item(), torch_step().item()
     assert abs(a - b) <= 1e-3 * abs(b), (name, a, b)
-    t_fg = _median_ms(lambda: step(ids).realize(), runs)
-    t_torch = _median_ms(torch_step, runs)
-    return t_fg, t_torch, step, (ids,)
+    t_fg, t_torch, ratio = _interleaved(lambda: step(ids).realize(), torch_step, runs)
+    return t_fg, t_torch, ratio, step, (ids,)
+
+
+def _interleaved(fn_a, fn_b, runs, warmup=2):
+    """(median ms of a, median ms of b, median of the per-round ratios a/b): one call of each
+    per round, the order alternating, so every ratio is taken under the same machine load."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for r in range(runs):
+        for fn, ts in ((fn_a, ta), (fn_b, tb))[::1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return (statistics.median(ta), statistics.median(tb),
+            statistics.median(a / b for a, b in zip(ta, tb)))
 
 
 def bench_decode(name, path, hf, batch, prompt, new, runs, M, torch):
@@ -179,7 +184,9 @@ def main(argv=None):
     import fuelgraph.optim as optim
     from common import record, write_results
 
-    threadpool_limits(args.threads, user_api="blas")
+    # kept alive: a discarded threadpool_limits object restores the previous limit when it is
+    # collected, so `--threads 1` would leave BLAS on every core
+    blas_limit = threadpool_limits(args.threads, user_api="blas")  # noqa: F841
     torch.set_num_threads(args.threads)
     batch, seq = (2, 64) if args.quick else (4, 256)
     runs = 3 if args.quick else 10
@@ -190,13 +197,13 @@ def main(argv=None):
         for name in args.models.split(","):
             path, hf = models[name]
             if not args.decode_only:
-                t_fg, t_torch, step, step_args = bench_training(name, path, hf, batch, seq, runs,
-                                                                fg, M, optim, torch)
+                t_fg, t_torch, ratio, step, step_args = bench_training(
+                    name, path, hf, batch, seq, runs, fg, M, optim, torch)
                 toks = batch * seq
                 for impl, ms in (("fuelgraph", t_fg), ("torch eager", t_torch)):
                     recs.append(record(f"{name}_train_step", impl, (batch, seq), "float32", ms,
-                                       tokens_per_s=round(toks / ms * 1e3, 1)))
-                ratio = t_fg / t_torch
+                                       tokens_per_s=round(toks / ms * 1e3, 1),
+                                       median_time_ratio=round(ratio, 3)))
                 table.append((f"{name} train step", f"{t_fg:.1f} ms", f"{t_torch:.1f} ms",
                               f"{ratio:.2f}x time", "<= 1.2x", "ok" if ratio <= 1.2 else "MISSED"))
                 if ratio > 1.2 or args.profile:

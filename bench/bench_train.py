@@ -7,7 +7,8 @@ forward + backward + AdamW, as one traced fuelgraph step (`fg.jit`) against torc
     python bench/bench_train.py [--quick] [--threads N] [--compete] [--runs N] [--profile]
 
 Reported: the median of --runs steps (after warm-up) and the spread (max - min) of each, the
-ratio to torch, and the traced step's overhead: the time a replay spends outside its plan's
+ratio to torch (the steps run interleaved, one of each implementation per round: the median of
+the rounds' ratios, each taken under the same machine load), and the traced step's overhead: the time a replay spends outside its plan's
 run (gathering buffers, handing them over, rebinding parameters, guards), measured inside the
 timed replays themselves.
 
@@ -45,15 +46,22 @@ def _compete(stop):
         a = np.tanh(a @ a * 1e-3)
 
 
-def _timed(fn, runs, warmup=3):
+def _interleaved(fns: dict, runs, anchor, warmup=3):
+    """Time the callables in rounds (one call of each per round, the order reversed every other
+    round): ({name: (median ms, spread ms)}, {name: median of the per-round ratios to
+    `anchor`}). Each ratio is taken under the machine load of its own round."""
     for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts), max(ts) - min(ts)
+        for fn in fns.values():
+            fn()
+    ts = {k: [] for k in fns}
+    for r in range(runs):
+        for k, fn in list(fns.items())[::1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append((time.perf_counter() - t0) * 1e3)
+    res = {k: (statistics.median(v), max(v) - min(v)) for k, v in ts.items()}
+    ratios = {k: statistics.median(a / b for a, b in zip(v, ts[anchor])) for k, v in ts.items()}
+    return res, ratios
 
 
 def profile_plan(step, args, runs):
@@ -179,27 +187,26 @@ def main(argv=None):
             n0 = len(inside)
             step(idx, tgt).realize()
             outside.append((time.perf_counter() - t0) * 1e3 - sum(inside[n0:]))
-        results = {
-            "fuelgraph (traced step)": _timed(replay, runs),
-            "torch eager": _timed(torch_step, runs),
-            "torch eager (sdpa)": _timed(lambda: torch_step(ts, tso), runs),
-        }
+        results, ratios = _interleaved({"fuelgraph (traced step)": replay,
+                                        "torch eager": torch_step,
+                                        "torch eager (sdpa)": lambda: torch_step(ts, tso)},
+                                       runs, anchor="torch eager")
     finally:
         if proc is not None:
             stop.set()
             proc.join(5)
     fgt, _ = results["fuelgraph (traced step)"]
     over = statistics.median(outside[-runs:])
-    tt, _ = results["torch eager"]
     shape = (cfg.batch, cfg.seq, cfg.hidden)
     records = [record("llama_train_step", impl, shape, "float32", ms, threads=n,
                       compete=args.compete, spread_ms=round(sp, 3), runs=runs,
-                      config=cfg.__dict__,
+                      config=cfg.__dict__, median_ratio_to_torch=round(ratios[impl], 3),
                       **({"overhead_ms": round(over, 3)} if impl.startswith("fuelgraph") else {}))
                for impl, (ms, sp) in results.items()]
     path = write_results("train" + ("_quick" if args.quick else ""), records)
     for impl, (ms, sp) in results.items():
-        print(f"{impl:26s} median {ms:9.2f} ms  spread {sp:8.2f} ms  ({ms / tt:5.2f}x torch)")
+        print(f"{impl:26s} median {ms:9.2f} ms  spread {sp:8.2f} ms  "
+              f"({ratios[impl]:5.2f}x torch: median of the rounds' ratios)")
     print(f"traced-step overhead (replay time outside its plan's kernels): "
           f"{over / fgt * 100:.1f}% of the step ({over:.2f} ms); threads {n}; "
           f"compete {args.compete}; config {cfg}")

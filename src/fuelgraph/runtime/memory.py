@@ -116,7 +116,14 @@ def predict_memory(plan, inputs=None) -> MemoryPlan:
                 store[step.outs[0]], strides[step.outs[0]] = store[src], vs
                 store[src].refs += 1
         else:
-            flops += op_flops(op, in_shapes, in_dtypes, out_shapes, be.name)
+            if step.group:                              # products run together
+                k = 0
+                for j, (gop, nsrc) in enumerate(step.group):
+                    flops += op_flops(gop, in_shapes[k:k + nsrc], in_dtypes[k:k + nsrc],
+                                      out_shapes[j:j + 1], be.name)
+                    k += nsrc
+            else:
+                flops += op_flops(op, in_shapes, in_dtypes, out_shapes, be.name)
             contig = [is_contiguous(types[s][0], strides[s]) for s in step.srcs]
             moved += sum(unique_elements(types[s][0], strides[s]) * types[s][1].itemsize
                          for s in step.srcs)

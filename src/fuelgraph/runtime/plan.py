@@ -38,6 +38,8 @@ class Step:
     asynchronous: bool = False  # the kernel returns (handle, outputs) (a collective in flight)
     waits: tuple[int, ...] = ()  # slots written by asynchronous steps that this step reads:
     #                              their handles are waited for before it runs
+    group: tuple = ()          # independent products run together (see _group_products):
+    #                            (op, number of srcs) per product, srcs and outs concatenated
 
 
 @dataclass(eq=False)
@@ -186,6 +188,11 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     order, inplace_ok, extra = _order_destructive(nodes, users, outputs, view_ops,
                                                   donated_nodes)
     order = collectives.schedule(order, extra)      # unchanged when there is no collective
+    groups: dict = {}
+    accepts = getattr(backend, "groups_product", None)
+    if accepts is not None:
+        order, groups = _group_products(order, accepts, view_ops)
+    in_group = {m for g in groups.values() for m in g[1:]}
     slot_of: dict[tuple[Node, int], int] = {}
     slot_types = []
     for n in order:
@@ -219,6 +226,12 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
                 buf.flags.writeable = False  # shared by every run of the plan
             const_slots[slot_of[(n, 0)]] = buf
             continue
+        if n in in_group:                   # runs inside its group's step
+            continue
+        if n in groups:
+            steps.append(_group_step(groups[n], backend, slot_of, last_use, pos, keep, impl, fn,
+                                     async_slots))
+            continue
         srcs = tuple(slot_of[(s.node, s.slot)] for s in n.srcs)
         free = tuple(sorted({s for s in srcs if last_use.get(s) == pos and s not in keep}))
         d = _destructive(n)
@@ -236,6 +249,94 @@ def build_plan(outputs: list[Value], backend, backend_name: str, input_order: li
     return Plan(backend, steps, input_slots, const_slots,
                 [slot_of[(v.node, v.slot)] for v in outputs], n_slots, slot_types=slot_types,
                 prologue=check)
+
+
+#: how far ahead (nodes of the schedule) a product looks for independent partners, and the
+#: largest group. Far: a backward pass schedules the weight gradients last, and pairing each
+#: with its layer's input gradient also frees the activations it reads earlier (the training
+#: step's measured peak went down, 189 -> 182 MiB)
+GROUP_WINDOW = 1024
+GROUP_MAX = 4
+
+
+def _group_products(order: list[Node], accepts, view_ops) -> tuple[list[Node], dict]:
+    """Put independent products that the backend runs together (`accepts(node)`: the NumPy
+    backend's large 2-D products) next to each other: a product joins an earlier one when all
+    its inputs exist by then, possibly through views that are moved up with it (views copy
+    nothing). Only moves nodes earlier, past nodes they do not depend on, so the order stays
+    topological and every reader of a buffer a destructive op overwrites still runs before it.
+    Returns the new order and {leader: [leader, member, ...]} (members follow their leader)."""
+    pos = {n: i for i, n in enumerate(order)}
+    moved: set = set()
+    groups: dict = {}
+    before: dict = {}                       # leader -> views moved up to run just before it
+
+    def ready(n, at, chain) -> bool:
+        if pos[n] < at or n in moved or not n.srcs:
+            return True
+        if not isinstance(n.op, view_ops):
+            return False
+        if all(ready(s.node, at, chain) for s in n.srcs):
+            if n not in chain:
+                chain.append(n)
+            return True
+        return False
+
+    for i, n in enumerate(order):
+        if n in moved or not accepts(n):
+            continue
+        members, views = [n], []
+        for m in order[i + 1:i + GROUP_WINDOW]:
+            if len(members) >= GROUP_MAX:
+                break
+            if m in moved or not accepts(m):
+                continue
+            chain: list = []
+            if all(ready(s.node, i, chain) for s in m.srcs):
+                views += chain
+                moved.update(chain)
+                members.append(m)
+                moved.add(m)
+        if len(members) > 1:
+            groups[n], before[n] = members, views
+    if not groups:
+        return order, {}
+    out = []
+    for n in order:
+        if n in moved:
+            continue
+        if n in groups:
+            out += before[n]
+            out += groups[n]
+        else:
+            out.append(n)
+    return out, groups
+
+
+def _group_step(members, backend, slot_of, last_use, pos, keep, impl, fn, async_slots) -> Step:
+    """One step running the products `members` (adjacent in the order, the leader at `pos`)
+    together through the backend's `run_products`."""
+    srcs, outs, parts = [], [], []
+    for n in members:
+        srcs += [slot_of[(s.node, s.slot)] for s in n.srcs]
+        outs += [slot_of[(n, i)] for i in range(n.nout)]
+        parts.append((n.op, len(n.srcs)))
+    end = pos + len(members) - 1
+    free = tuple(sorted({s for s in srcs if pos <= last_use.get(s, -1) <= end and
+                         s not in keep}))
+    run = backend.run_products
+    sizes = [k for _, k in parts]
+
+    def run_group(*args):
+        i, pairs = 0, []
+        for k in sizes:
+            pairs.append(args[i:i + k])
+            i += k
+        return tuple(run(pairs))
+    lead = members[0]
+    return Step(lead.op, run_group, tuple(srcs), tuple(outs), free, (), (), False,
+                not impl.strided_input, f"{impl.name or lead.op.name}_group", lead.site,
+                False, tuple(sorted({s for s in srcs if s in async_slots})), tuple(parts))
 
 
 # ops whose kernels return views (no allocation of their own)

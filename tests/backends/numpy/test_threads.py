@@ -108,3 +108,93 @@ def test_split_binary_integers_and_mixed_dtypes(monkeypatch):
     got = primitives.binary(f, np.asarray(0.5), op=_Op("mul"))     # mixed: the unsplit path
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, np.full((40, 100), 0.5, np.float32))
+
+
+GROUP_CASES = [[((300, 70), (70, 40)), ((300, 70), (70, 40))],            # two equal products
+               [((200, 64), (64, 96)), ((200, 64), (64, 32)), ((200, 64), (64, 32))],  # q, k, v
+               [((512, 40), (40, 520)), ((30, 40), (40, 20))],             # one split in blocks
+               [((64, 700), (700, 90)), ((90, 700), (700, 64))]]           # split by columns
+
+
+@pytest.mark.parametrize("shapes", GROUP_CASES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_products_equal_single_calls(shapes, transposed, monkeypatch):
+    """Products run together over the pool (`gemm_group`: whole or in blocks, single-threaded
+    BLAS each) give the bits of one call each, and the float64 products."""
+    import torch
+    rng = np.random.default_rng(6)
+    pairs = []
+    for sa, sb in shapes:
+        a = rng.standard_normal(sa).astype(np.float32)
+        b = rng.standard_normal(sb[::-1] if transposed else sb).astype(np.float32)
+        pairs.append((a, b.T if transposed else b))
+    # one single-threaded BLAS call per product (BLAS's own threads may round differently)
+    one = [common.blas_single(lambda: np.matmul(a, b)) for a, b in pairs]
+    _split_everything(monkeypatch)
+    got = primitives.gemm_group(pairs)
+    for g, o, (a, b) in zip(got, one, pairs):
+        assert g.shape == o.shape and g.dtype == np.float32 and g.flags.c_contiguous
+        np.testing.assert_array_equal(g, o)
+        ref = torch.from_numpy(a).double() @ torch.from_numpy(np.ascontiguousarray(b)).double()
+        np.testing.assert_allclose(g, ref.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_scatter_add_of_whole_slices_matches_torch():
+    """An index constant along every axis but the scattered one (an embedding gradient: a
+    broadcast [N, 1] index) adds whole slices, repeated indices in order (as np.add.at, bit for
+    bit); checked against torch's float64 index_add on every axis and dtype."""
+    import torch
+    rng = np.random.default_rng(7)
+    for axis, base_shape, idx_shape in [(0, (20, 6), (30, 6)), (1, (3, 9, 5), (3, 12, 5)),
+                                        (0, (20, 6), (30, 4)), (2, (2, 3, 7), (2, 2, 11)),
+                                        (0, (5, 3), (0, 3))]:
+        for dt in (np.float32, np.float16, np.float64):
+            base = rng.standard_normal(base_shape).astype(dt)
+            shape = [1] * len(idx_shape)
+            shape[axis] = idx_shape[axis]
+            rows = rng.integers(0, base_shape[axis], idx_shape[axis])
+            idx = np.broadcast_to(rows.reshape(shape), idx_shape)
+            src = rng.standard_normal(idx_shape).astype(dt)
+            got = primitives.scatter_add(base, idx, src, op=_Axis(axis))
+            assert got.dtype == dt and got.shape == base.shape
+            want = torch.from_numpy(base.astype(np.float64)).clone()
+            part = want[tuple(slice(None) if a == axis else slice(0, d)
+                              for a, d in enumerate(idx_shape))]
+            part.index_add_(axis, torch.from_numpy(rows), torch.from_numpy(src.astype(np.float64)))
+            tol = 2e-3 if dt == np.float16 else 1e-5
+            np.testing.assert_allclose(got.astype(np.float64), want.numpy(), rtol=tol, atol=tol)
+            full = list(np.indices(idx.shape, sparse=True))      # the element-wise path
+            full[axis] = idx
+            slow = base.astype(np.float32 if dt == np.float16 else dt)
+            np.add.at(slow, tuple(full), src.astype(slow.dtype))
+            np.testing.assert_array_equal(got, slow.astype(dt))
+
+
+class _Axis:
+    def __init__(self, axis):
+        self.axis = axis
+
+
+def test_linear_cross_entropy_grouped_gradients_match_torch(monkeypatch):
+    """One token chunk tall enough for dx = dl @ W as is: dx and dW run as one group of two
+    products; both match torch's float64 autograd."""
+    import torch
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((120, 48)).astype(np.float32)
+    w = (rng.standard_normal((150, 48)) * 0.3).astype(np.float32)
+    t = rng.integers(0, 150, 120)
+    _split_everything(monkeypatch)
+    monkeypatch.setattr(loss, "_DX_DIRECT_ROWS", 1)
+    calls = []
+    real = loss.gemm_group
+    monkeypatch.setattr(loss, "gemm_group", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = loss.fused_linear_cross_entropy_fwd_bwd(x, w, t, np.float32(1.0), reduction="mean",
+                                                  ignore_index=-100)
+    assert calls == [1]
+    xt = torch.from_numpy(x).double().requires_grad_()
+    wt = torch.from_numpy(w).double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xt @ wt.T, torch.from_numpy(t))
+    ref.backward()
+    np.testing.assert_allclose(got[0], ref.item(), rtol=1e-5)
+    np.testing.assert_allclose(got[1], xt.grad.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got[2], wt.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -30,6 +30,17 @@ class NumpyBackend:
         import_kernel_modules(__name__)
 
     @staticmethod
+    def groups_product(node) -> bool:
+        """Whether the planner may run this node with other independent products in one step
+        (`run_products`): large 2-D float products when the pool has threads."""
+        return primitives.groupable_product(node)
+
+    @staticmethod
+    def run_products(pairs) -> list:
+        """[(a, b), ...] -> [a @ b, ...] for independent products, computed together."""
+        return primitives.gemm_group(pairs)
+
+    @staticmethod
     def run_context():
         return np.errstate(all="ignore")
 

@@ -38,7 +38,8 @@ from ...registry.loss import (FUSED_LINEAR_CROSS_ENTROPY, FUSED_LINEAR_CROSS_ENT
                               FUSED_SOFTMAX_CROSS_ENTROPY_FWD_BWD)
 from ..base import Cost, kernel, row_cost
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
-from .primitives import gemm
+from . import common as _common, primitives as _primitives
+from .primitives import gemm, gemm_group
 
 _CE = "fused_softmax_cross_entropy"
 _FLCE = "fused_linear_cross_entropy"
@@ -261,6 +262,8 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     part_t = np.empty((h, min(step, n)), acc) if want_grads and step < _DX_DIRECT_ROWS else None
     dw_part = np.empty((min(_DW_BLOCK, v), h), acc) if want_grads and n > step else None
     z_buf = np.empty((min(step, n), v), acc)
+    groupable = _common.NUM_THREADS > 1 and 2.0 * min(step, n) * v * h >= \
+        _primitives.PARALLEL_GEMM_FLOPS
     for r0 in range(0, n, step):
         r1 = min(r0 + step, n)
         xc = xa[r0:r1]
@@ -272,14 +275,19 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
         if want_grads:
             _run_rows(z, t[r0:r1], valid[r0:r1], acc, w=w[r0:r1],
                       nll=nll[r0:r1] if want_loss else None, grad=z)
-            if step >= _DX_DIRECT_ROWS:
+            if r0 == 0 and step >= _DX_DIRECT_ROWS and dt == acc and groupable:
+                # dx = dl @ W and dW = dl^T x_c are independent: whole products side by side
+                gemm_group([(z, wa), (z.T, xc)], outs=[dx[r0:r1], dw])
+            elif step >= _DX_DIRECT_ROWS:
                 if dt == acc:
                     gemm(z, wa, out=dx[r0:r1])
                 else:
                     store(dx[r0:r1], gemm(z, wa, out=part[:r1 - r0]))
             else:     # (W^T dl^T)^T: OpenBLAS threads a short, very deep product badly
                 store(dx[r0:r1], gemm(wa.T, z.T, out=part_t[:, :r1 - r0]).T)
-            if r0 == 0:
+            if r0 == 0 and step >= _DX_DIRECT_ROWS and dt == acc and groupable:
+                pass                                # computed with dx above
+            elif r0 == 0:
                 gemm(z.T, xc, out=dw)
             else:                                   # dW += dl^T x_c, in blocks of V rows
                 for v0 in range(0, v, _DW_BLOCK):

@@ -158,12 +158,39 @@ def take(x, idx, *, op):
 
 
 def scatter_add(base, idx, src, *, op):
-    _check_bounds("scatter_add", idx, base.shape[op.axis])
+    ax = op.axis
+    if idx.ndim > 1 and idx.shape == src.shape and \
+            all(st == 0 for a, st in enumerate(idx.strides) if a != ax):
+        # one index per slice along the axis (an embedding gradient): whole slices added
+        rows = idx[tuple(slice(None) if a == ax else 0 for a in range(idx.ndim))]
+        _check_bounds("scatter_add", rows, base.shape[ax])
+        out = _up(base).copy()
+        sub = out[tuple(slice(None) if a == ax else slice(0, d) for a, d in enumerate(idx.shape))]
+        _add_slices(np.moveaxis(sub, ax, 0), rows.astype(np.intp, copy=False),
+                    np.moveaxis(_up(src), ax, 0))
+        return _down(out, base.dtype)
+    _check_bounds("scatter_add", idx, base.shape[ax])
     out = _up(base).copy()
     full = list(np.indices(idx.shape, sparse=True))
     full[op.axis] = idx.astype(np.intp, copy=False)
     np.add.at(out, tuple(full), _up(src))
     return _down(out, base.dtype)
+
+
+def _add_slices(out, rows, src) -> None:
+    """`out[rows[i]] += src[i]` for every i, repeated rows added in the order of i (as
+    np.add.at, bit for bit), but whole slices at a time: pass k adds the k-th occurrence of
+    every row, so each pass is one fancy-indexed add without repeats (np.add.at over the
+    elements is ~6x slower)."""
+    if not rows.size:
+        return
+    order = np.argsort(rows, kind="stable")
+    s = rows[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    rank = np.arange(s.size) - np.repeat(starts, np.diff(np.r_[starts, s.size]))
+    for k in range(int(rank.max()) + 1):
+        sel = rank == k
+        out[s[sel]] += src[order[sel]]
 
 
 def matmul(a, b, *, op):
@@ -202,13 +229,20 @@ def gemm(a, b, out=None):
     dot product of the same operands whatever the split, so results do not depend on the
     thread count beyond what BLAS kernels themselves do per block."""
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    # small products take one BLAS thread: BLAS's threads gain little there, and while another
+    # process holds a core they wait for each other (measured: ~10 ms per 4-MFLOP product on a
+    # loaded 2-core machine instead of 0.05 ms)
+    small = 2.0 * batch * m * k * n < PARALLEL_GEMM_FLOPS and common.NUM_THREADS > 1
     if 1 < m <= SMALL_M_ROWS and a.ndim == 2 and b.ndim == 2 and b.strides[0] < b.strides[1] \
             and out is None and a.dtype.kind == "f":
         # x @ W.T with few rows (a decode step): OpenBLAS is up to 2x faster computing W @ x.T
-        return np.ascontiguousarray(np.matmul(b.T, a.T).T)
-    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    if common.NUM_THREADS < 2 or 2.0 * batch * m * k * n < PARALLEL_GEMM_FLOPS or \
-            a.dtype.kind != "f":
+        def product():
+            return np.ascontiguousarray(np.matmul(b.T, a.T).T)
+        return common.blas_single(product) if small else product()
+    if small:
+        return common.blas_single(lambda: np.matmul(a, b, out=out))
+    if common.NUM_THREADS < 2 or a.dtype.kind != "f":
         return np.matmul(a, b, out=out)
     return _pool_matmul(a, b, m, n, out)
 
@@ -248,6 +282,58 @@ def _pool_matmul(a, b, m, n, out=None):
     with ctx:
         common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
     return out
+
+
+def groupable_product(node) -> bool:
+    """A MatMul node worth running with other products in one step (`gemm_group`): 2-D,
+    float32/float64, large enough to be split over the pool on its own."""
+    if common.NUM_THREADS < 2 or not isinstance(node.op, ops.MatMul):
+        return False
+    (a, b), dt = (s.shape for s in node.srcs), node.srcs[0].dtype.np
+    return len(a) == 2 and np.dtype(dt) in (np.float32, np.float64) and \
+        2.0 * a[0] * a[1] * b[1] >= PARALLEL_GEMM_FLOPS
+
+
+def gemm_group(pairs, outs=None) -> list:
+    """[a @ b for (a, b) in pairs] for independent 2-D products, run together over the pool:
+    each product whole, or in row/column blocks when it is larger than a thread's share of the
+    group, one single-threaded BLAS call per part, parts taken from a shared queue (largest
+    first). A part packs the whole operand it does not split, ~6% more work per extra part
+    (measured), so whole products sharing the threads beat each product split in four.
+    `outs`: arrays to write the products into (default: new C-contiguous ones)."""
+    if outs is None:
+        outs = [np.empty((a.shape[0], b.shape[1]), np.result_type(a, b)) for a, b in pairs]
+    flops = [a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs]
+    share = sum(flops) / common.NUM_THREADS
+    items = []
+    for (a, b), out, f in zip(pairs, outs, flops):
+        m, n = out.shape
+        parts = max(1, round(f / share))
+        if parts > 1 and m >= n:
+            for r0, r1 in _even_spans(m, parts, 64):
+                items.append((f * (r1 - r0) / m, a[r0:r1], b, out[r0:r1]))
+        elif parts > 1:
+            for c0, c1 in _even_spans(n, parts, 64):
+                items.append((f * (c1 - c0) / n, a, b[:, c0:c1], out[:, c0:c1]))
+        else:
+            items.append((f, a, b, out))
+    items.sort(key=lambda it: -it[0])
+
+    def work(i0, i1):
+        for _, a, b, out in items[i0:i1]:
+            np.matmul(a, b, out=out)
+    spans = [(i, i + 1) for i in range(len(items))]
+    if common.has_blas_single():
+        common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
+                         common.PARALLEL_MIN_ELEMS)
+        return outs
+    ctx = _one_blas_thread()
+    if ctx is None:
+        work(0, len(items))
+        return outs
+    with ctx:
+        common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
+    return outs
 
 
 def _even_spans(n: int, parts: int, least: int, align: int = 16) -> list[tuple[int, int]]:
