@@ -141,7 +141,7 @@ def host_us(fn, n=50) -> float:
 
 
 def max_err(ref, rows):
-    return lambda out: (out[rows].float() - ref[rows].float()).abs().max().item()
+    return lambda out: (torch.as_tensor(out)[rows].float() - ref[rows].float()).abs().max().item()
 
 
 # ---- inputs -------------------------------------------------------------------------------
