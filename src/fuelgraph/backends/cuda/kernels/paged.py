@@ -5,19 +5,25 @@ Decode (and short chunks, Sq < PREFILL_MIN_SQ), the grouped kernel: one program 
 of one sequence, a tile of rows = (query head of that kv head's group) x (query position), and
 one key range (split). It walks the live keys of its range BLOCK_N at a time, looking each key's
 pool block up in the block table, so every live k/v block is read once per (tile, split) and one
-load of a kv head serves its whole group of query heads (GQA/MQA). Scores are float32
+load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
+are read one iteration ahead: a gathered load whose address comes from a load of the same
+iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
+with the ids carried over, the k/v tiles stream num_stages - 1 deep. Scores are float32
 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
 keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
 one split length for the launch, sized from the live lengths (finer when lengths are uneven);
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
-to arrive merges them and resets the counter, so the split path is a single launch.
+to arrive merges them (up to MERGE_CHUNK splits of a row in one step whose loads are
+independent: one round trip per row) and resets the counter, so the split path is a single
+launch.
 
-Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (BLOCK_M query
-positions, query head), autotuned tiles; each key tile is gathered row by row through the
-block table (several pages per tile when block_size < BLOCK_N); the tiles wholly below the
-bottom-right causal diagonal run with no mask code, the diagonal ones with the mask.
+Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (query
+positions, PREFILL_GROUP_HEADS query heads of one group), autotuned tiles; the tiles wholly
+below the bottom-right causal diagonal run with no mask code, page-aligned (block ids read a
+tile ahead, in-page offsets loop-invariant: close to the dense kernel's instruction count), the
+diagonal ones gathered row by row with the mask. Pools under 2**31 elements use int32 offsets.
 
 Invalid index data raises FuelGraphError before the launch: the check costs one device->host
 sync, done once per (context_lens, block_table) buffer version and skipped while a CUDA graph is
