@@ -195,7 +195,8 @@ def test_prefill_kernel_group_heads(group_heads):
     case = make_case(np.random.default_rng(26), hq=8, hkv=2, sq=5, d=16, bs=4, lens=(40, 5, 0),
                      alibi=True)
     check(case, "float32", prefill=True, group_heads=group_heads)
-    case = make_case(np.random.default_rng(27), B=2, hq=4, hkv=1, sq=7, d=12, bs=1, lens=(26, 9))
+    case = make_case(np.random.default_rng(27), B=2, hq=4, hkv=1, sq=7, d=12, bs=1,
+                     lens=(26, 9))
     check(case, "bfloat16", prefill=True, group_heads=group_heads, block_m=16, block_n=16)
     case = make_case(np.random.default_rng(28), B=2, hq=6, hkv=2, sq=3, d=16, bs=2, lens=(7, 3))
     check(case, "float32", prefill=True, group_heads=group_heads)
