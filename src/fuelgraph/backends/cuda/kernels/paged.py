@@ -159,7 +159,7 @@ def _paged_attn_kernel(
             phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
         else:
             phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-        p_ok = phys.to(tl.uint32, bitcast=True) < nb.to(tl.uint32)     # 0 <= id < nb
+        p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
         n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
         phys = tl.where(p_ok, phys, 0)
         if BLOCK_N % BS != 0:
@@ -302,7 +302,7 @@ def _prefill_pages(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, 
     for j0 in range(start, end, BLOCK_N):
         pg = pg_next
         pg_next = tl.load(tab + (j0 + BLOCK_N) // BS + pg_of, mask=j0 + BLOCK_N < end, other=0)
-        ok = pg.to(tl.uint32, bitcast=True) < nb.to(tl.uint32)     # 0 <= id < nb, one compare
+        ok = pg.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
         n_bad += (ok == 0).to(tl.int32)
         if OFF32:                # the pool's element offsets fit int32: cheaper addresses
             row = tl.where(ok, pg, 0) * (BS * hkv * D)
