@@ -300,7 +300,7 @@ SWEEPS = {
         dict(n_split=16, block_n=128, num_warps=8, num_stages=3),
         dict(n_split=64, block_n=32, num_stages=4)],
     "decode_B64_mixed": [
-        dict(prefetch_index=False), dict(num_stages=4), dict(n_split=16),
+        dict(prefetch_index=False), dict(num_stages=4), dict(n_split=4), dict(n_split=16),
         dict(block_n=32, num_stages=4), dict(block_n=128, num_warps=8, num_stages=3)],
     "decode_B32_ctx4096": [dict(prefetch_index=False), dict(num_stages=4)],
     "prefill_Sq256_ctx4096_B8": [
