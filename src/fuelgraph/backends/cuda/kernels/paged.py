@@ -582,7 +582,8 @@ def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
         kps = min(kps, max(MIN_SPLIT_KEYS, -(-longest // UNEVEN_SPLITS)))
     if kps >= longest:
         return cap, 1
-    kps = -(-kps // block_n) * block_n
+    pieces = max(1, longest // kps)               # the longest sequence in equal pieces
+    kps = -(-(-(-longest // pieces)) // block_n) * block_n
     return kps, -(-cap // kps)
 
 
