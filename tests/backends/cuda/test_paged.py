@@ -269,6 +269,17 @@ def test_split_heuristic():
     assert kps * ns >= 8192
 
 
+def test_prefetch_rule():
+    """Block ids are read ahead when the programs are few or their lengths uneven; many
+    programs of equal length rely on occupancy instead (and are sized for more programs)."""
+    dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+    sms = K.num_sms(dev)
+    assert K._use_prefetch(1, 1, 1, (32768, 32768), dev) and sms > 1
+    assert not K._use_prefetch(sms, 8, 1, (4096, sms * 4096), dev)
+    assert K._use_prefetch(sms, 8, 1, (8192, 8192 + (sms - 1) * 200), dev)
+    assert not K._use_prefetch(sms, 8, 1, None, dev)
+
+
 @pytest.mark.parametrize("lens,bad,msg", [
     ((5, 2), None, r"context_lens\[1\] = 2 is smaller than the 3 new"),
     ((5, 13), None, r"context_lens\[1\] = 13 exceeds max_blocks \* block_size"),

@@ -61,8 +61,11 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 #: a split covers at least this many keys (smaller splits cost more in the merge than they gain)
 MIN_SPLIT_KEYS = 256
-#: resident programs per SM assumed when sizing splits
-PROGRAMS_PER_SM = 4
+#: resident programs per SM assumed when sizing splits: programs that read block ids ahead
+#: keep two k/v tiles in flight (~72 KB of buffers), so fewer of them fit and each is given more
+#: keys (measured on the H200, B1 context 32768: 32 splits of 1024 keys 52.6 us, 64 of 512 keys
+#: 64.2 us)
+PROGRAMS_PER_SM, PROGRAMS_PER_SM_PREFETCH = 4, 2
 #: with uneven lengths (longest > UNEVEN x mean) the longest sequence splits into at least this
 #: many pieces, so that no long program starts late and forms the tail of the launch
 UNEVEN, UNEVEN_SPLITS = 1.25, 8
@@ -80,8 +83,12 @@ INT32_OFFSETS_BELOW = 2 ** 31
 PREFILL_GROUP_HEADS = 1
 #: the grouped kernel reads the block ids of the next key tile one iteration ahead, so its k/v
 #: loads depend on no load of their own iteration and the compiler pipelines them num_stages - 1
-#: deep (without it, the gathered loads get one buffer whatever num_stages says)
-PREFETCH_INDEX = True
+#: deep (without it, the gathered loads get one buffer whatever num_stages says) -- when its
+#: programs are few (fewer (sequence, kv head, tile) triples than SMs) or their lengths uneven
+#: (a tail run by few programs): each program then needs several tiles in flight. Many programs
+#: of equal length hide the latency by occupancy instead, which the larger buffers would lower
+#: (H200, B32 x 4096: 139.6 us without, 160.0 us with; B64 mixed lengths: 298.5 us with)
+#: (_use_prefetch; the launch knob prefetch_index forces either)
 #: the prefill kernel walks its wholly admissible key tiles page by page (one block id per page,
 #: read one tile ahead; in-page offsets loop-invariant) when BLOCK_N is a multiple of the block
 PREFILL_PAGE_TILES = True
@@ -567,18 +574,28 @@ def _tiles(g, sq, block_m=None):
     return g_t, max(1, block_m // g_t)
 
 
-def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
+def _uneven(B, stats):
+    """Whether the longest live length exceeds UNEVEN x the mean."""
+    return stats is not None and B > 1 and stats[0] > UNEVEN * max(1, stats[1]) / B
+
+
+def _use_prefetch(B, hkv, n_tiles, stats, device):
+    """Read block ids a tile ahead: few programs, or uneven lengths (see PROGRAMS_PER_SM)."""
+    return B * hkv * n_tiles < num_sms(device) or _uneven(B, stats)
+
+
+def _splits(B, hkv, n_tiles, cap, stats, block_n, device, per_sm=PROGRAMS_PER_SM):
     """(keys per split, number of splits). Sized from the live lengths when known, so the
     programs fill the GPU and no program walks far more keys than the average; always covering
     the table's capacity, so any lengths (e.g. in a replayed CUDA graph) stay correct. Splits
     past a sequence's own length exit at once: short sequences run one program, long ones many
     (per-sequence split counts with no host sync)."""
-    slots = num_sms(device) * PROGRAMS_PER_SM
+    slots = num_sms(device) * per_sm
     longest, total = (cap, B * cap) if stats is None else stats
     longest = max(1, min(longest, cap))
     work = max(1, total) * hkv * n_tiles          # keys x (kv head, tile) pairs to walk
     kps = max(MIN_SPLIT_KEYS, -(-work // slots))
-    if B > 1 and longest > UNEVEN * max(1, total) / B:
+    if _uneven(B, stats):
         kps = min(kps, max(MIN_SPLIT_KEYS, -(-longest // UNEVEN_SPLITS)))
     if kps >= longest:
         return cap, 1
@@ -692,7 +709,10 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     if INTERPRET:
         bn = block_n or 16
     cap = mb * bs
-    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
+    pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
+        else bool(prefetch_index)
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device,
+                      PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM)
     if n_split is not None:
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
@@ -701,7 +721,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
               MERGE_CHUNK=min(merge_chunk or MERGE_CHUNK, max(2, next_pow2(ns))),
-              PREFETCH_IDX=PREFETCH_INDEX if prefetch_index is None else bool(prefetch_index),
+              PREFETCH_IDX=pf,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (3 if decode else 2))
