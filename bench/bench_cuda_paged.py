@@ -295,14 +295,13 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
 #: fused merge's step; prefill: query heads per program (group_heads) and explicit tiles.
 SWEEPS = {
     "decode_B1_ctx32768": [
-        dict(prefetch_index=False), dict(merge_chunk=16), dict(num_stages=4), dict(n_split=48),
-        dict(n_split=32), dict(n_split=32, num_stages=4), dict(n_split=16, num_stages=4),
-        dict(n_split=16, block_n=128, num_warps=8, num_stages=3),
-        dict(n_split=64, block_n=32, num_stages=4)],
+        dict(prefetch_index=False), dict(n_split=64), dict(n_split=48), dict(n_split=24),
+        dict(n_split=32, num_stages=4), dict(n_split=16, num_stages=4),
+        dict(n_split=16, block_n=128, num_warps=8, num_stages=3)],
     "decode_B64_mixed": [
         dict(prefetch_index=False), dict(num_stages=4), dict(n_split=4), dict(n_split=16),
         dict(block_n=32, num_stages=4), dict(block_n=128, num_warps=8, num_stages=3)],
-    "decode_B32_ctx4096": [dict(prefetch_index=False), dict(num_stages=4)],
+    "decode_B32_ctx4096": [dict(prefetch_index=True), dict(prefetch_index=True, num_stages=4)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
