@@ -17,11 +17,11 @@ is checked against a reference before it is timed (field max_err).
 
     python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
 
---sweep also times launch variants of our kernels as impl "fuelgraph[...]": tiles, warps,
-stages and split counts of the decode kernel and its unfused merge (a second launch); explicit
-tiles of the prefill kernel (the default autotunes) and the grouped kernel instead. --quick
-uses shorter timing; --only runs some cases (decode_B32, decode_B1, decode_B64, prefill,
-append). Every record also has host_us: the host time of one call (launch overhead); when it
+--sweep also times the launch candidates listed in SWEEPS as impl "fuelgraph[...]" (a few per
+case: each is one compile). --warm compiles and checks every launch once and times nothing: run
+one such process per case in parallel first, and the timed run then loads its kernels from
+Triton's cache. --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
+prefill, decode_B32, append). Every record also has host_us: the host time of one call (launch overhead); when it
 exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
 separately" is the registry op's kernel once per pool. The prefill target compares with
@@ -60,7 +60,12 @@ except Exception as exc:  # noqa: BLE001
     print(f"[bench] flash_attn not importable: {exc!r}", file=sys.stderr)
     HAVE_FLASH = False
 
-DEV = torch.device("cuda")
+# --smoke (a check of this script without a GPU): TRITON_INTERPRET=1 on the CPU, tiny cases
+SMOKE = "--smoke" in sys.argv
+DEV = torch.device("cpu" if SMOKE else "cuda")
+if SMOKE:      # the interpreter workaround the CUDA tests use (Triton 3.6 with NumPy 2.4)
+    sys.path.insert(0, str(ROOT / "tests" / "backends" / "cuda"))
+    import conftest  # noqa: E402,F401
 DT = torch.bfloat16
 HQ, HKV, D, BS = 32, 8, 128, 16
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
@@ -68,12 +73,23 @@ RECORDS: list[dict] = []
 REP = {"warmup": 25, "rep": 100}
 
 
+def device_name() -> str:
+    return "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+
+
+def sync():
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
 def t_ms(fn) -> float:
+    if REP.get("warm_only"):
+        return float("nan")
     return float(do_bench(fn, warmup=REP["warmup"], rep=REP["rep"], return_mode="median"))
 
 
 def record(op, impl, case, ms, *, nbytes=None, flops=None, **extra):
-    rec = {"op": op, "impl": impl, "case": case["name"], "device": torch.cuda.get_device_name(),
+    rec = {"op": op, "impl": impl, "case": case["name"], "device": device_name(),
            "shape": case["shape"], "dtype": "bfloat16", "ms": round(ms, 5), "date": DATE}
     if nbytes is not None:
         rec["gbps"] = round(nbytes / (ms * 1e-3) / 1e9, 1)
@@ -93,7 +109,7 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
     """Time fn after checking its result: err_fn(result) -> max abs error vs a reference."""
     try:
         out = fn()
-        torch.cuda.synchronize()
+        sync()
         if err_fn is not None:
             err = float(err_fn(out))
             extra["max_err"] = err
@@ -101,7 +117,8 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
                 print(f"  {case['name']:24s} {impl:36s} WRONG RESULT: max err {err:.3g}",
                       flush=True)
                 extra["wrong"] = True
-        extra["host_us"] = round(host_us(fn), 1)
+        if not REP.get("warm_only"):
+            extra["host_us"] = round(host_us(fn), 1)
         return record(op, impl, case, t_ms(fn), **extra)
     except Exception as exc:  # noqa: BLE001
         print(f"  {case['name']:24s} {impl:36s} FAILED: {exc!r}", flush=True)
@@ -124,7 +141,7 @@ def host_us(fn, n=50) -> float:
 
 
 def max_err(ref, rows):
-    return lambda out: (out[rows].float() - ref[rows].float()).abs().max().item()
+    return lambda out: (torch.as_tensor(out)[rows].float() - ref[rows].float()).abs().max().item()
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -143,9 +160,10 @@ def paged_inputs(lens, sq, seed=0):
     for b in range(B):
         table[b, :nblk[b]] = perm[c:c + nblk[b]]
         c += int(nblk[b])
-    q = torch.randn(B, HQ, sq, D, generator=g).to(DT).to(DEV)
-    kc = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
-    vc = torch.randn(nb, BS, HKV, D, generator=g).to(DT).to(DEV)
+    gd = torch.Generator(device=DEV).manual_seed(seed)       # the pools drawn on the device:
+    q = torch.randn(B, HQ, sq, D, generator=gd, device=DEV).to(DT)    # seconds less per case
+    kc = torch.randn(nb, BS, HKV, D, generator=gd, device=DEV).to(DT)
+    vc = torch.randn(nb, BS, HKV, D, generator=gd, device=DEV).to(DT)
     return dict(q=q, k_cache=kc, v_cache=vc, block_table=table.to(torch.int32).to(DEV),
                 context_lens=lens.to(torch.int32).to(DEV), lens=lens, table64=table)
 
@@ -204,6 +222,10 @@ def bench_decode(name, lens, args, pad_to_longest=False):
     err = max_err(reference(inp, rows), rows)
     run("paged_attn", "fuelgraph", case, plan_fn(inp), err, nbytes=nbytes)
     run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, nbytes=nbytes)
+    if args.sweep:
+        sweep(case, inp, err, nbytes=nbytes, decode=True)
+    if args.no_anchors or args.warm:
+        return case
     # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
     # no length mask: that only makes the anchor faster; its result is then not comparable)
     L = int(max(lens))
@@ -221,26 +243,30 @@ def bench_decode(name, lens, args, pad_to_longest=False):
         run("paged_attn", "flash", case, fa, err, nbytes=nbytes,
             anchor="flash_attn_with_kvcache on the same paged pool")
     del kd, vd
-    if args.sweep:
-        sweep(case, inp, err, nbytes=nbytes, decode=True)
     return case
 
 
 def bench_prefill(args, B=8, sq=256, ctx=4096):
-    name = f"prefill_Sq{sq}_ctx{ctx}_B{B}"
+    name = "prefill_Sq256_ctx4096_B8" if SMOKE else f"prefill_Sq{sq}_ctx{ctx}_B{B}"
     inp = paged_inputs([ctx] * B, sq)
     case = {"name": name, "shape": [B, HQ, sq, D, ctx]}
     flops = 4.0 * B * HQ * D * sum(ctx - sq + i + 1 for i in range(sq))
     err = max_err(reference(inp, [0, B - 1]), [0, B - 1])
     run("paged_attn", "fuelgraph", case, plan_fn(inp), err, flops=flops)
     run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, flops=flops)
+    if args.sweep:
+        sweep(case, inp, err, flops=flops, decode=False)
+    if args.no_anchors:
+        return case
     kd = torch.stack([dense(inp, b)[0] for b in range(B)])          # [B, Hkv, ctx, D]
     vd = torch.stack([dense(inp, b)[1] for b in range(B)])
-    if HAVE_FLASH:
+    if HAVE_FLASH and not args.warm:
         qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (inp["q"], kd, vd))
         run("paged_attn", "flash", case,
             lambda: flash_attn_func(qf, kf, vf, causal=True).transpose(1, 2), err, flops=flops, anchor="flash_attn_func dense (bottom-right causal)")
     try:
+        if args.warm:
+            raise RuntimeError("not in --warm")
         from torch.nn.attention.bias import causal_lower_right
         bias = causal_lower_right(sq, ctx)
         kr, vr = kd.repeat_interleave(HQ // HKV, 1), vd.repeat_interleave(HQ // HKV, 1)
@@ -261,34 +287,45 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
         except Exception as exc:  # noqa: BLE001
             print(f"[bench] fuelgraph flash_attn anchor failed: {exc!r}", file=sys.stderr)
     del kd, vd
-    if args.sweep:
-        sweep(case, inp, err, flops=flops, decode=False)
     return case
 
 
+#: launch candidates per case (kernel keyword arguments), kept few: each is one compile. Decode:
+#: block ids read a tile ahead (prefetch_index) or not, pipeline depth, tile, split count and the
+#: fused merge's step; prefill: query heads per program (group_heads) and explicit tiles.
+SWEEPS = {
+    "decode_B1_ctx32768": [
+        dict(prefetch_index=False), dict(n_split=64), dict(n_split=48), dict(n_split=24),
+        dict(n_split=32, num_stages=4), dict(n_split=16, num_stages=4),
+        dict(n_split=16, block_n=128, num_warps=8, num_stages=3)],
+    "decode_B64_mixed": [
+        dict(prefetch_index=False), dict(num_stages=4), dict(n_split=4), dict(n_split=16),
+        dict(block_n=32, num_stages=4), dict(block_n=128, num_warps=8, num_stages=3)],
+    "decode_B32_ctx4096": [dict(prefetch_index=True), dict(prefetch_index=True, num_stages=4)],
+    "prefill_Sq256_ctx4096_B8": [
+        dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
+        dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
+        dict(block_m=128, block_n=64, num_warps=8, num_stages=4),
+        dict(block_m=128, block_n=64, num_warps=8, num_stages=3, group_heads=4),
+        dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+        dict(block_m=64, block_n=64, num_warps=4, num_stages=3),
+        dict(prefill=False)],
+}
+
+
+def label(kw):
+    short = {"prefetch_index": "pf", "merge_chunk": "mc", "num_stages": "st", "num_warps": "w",
+             "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
+             "prefill": "prefill", "page_tiles": "pt"}
+    return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}"
+                    for k, v in kw.items())
+
+
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
-    """Launch variants of our kernels: tiles, warps, pipeline stages; for decode the split count
-    and the unfused merge (a second launch); for prefill the explicit tiles of the
-    FlashAttention-style kernel (the default autotunes) and the grouped kernel instead."""
-    stages = (2, 3, 4) if decode else (2, 3)
-    for bm in ((None,) if decode else (64, 128)):
-        for bn in (32, 64, 128):
-            for w in (4, 8):
-                for st in stages:
-                    label = ("" if bm is None else f"bm={bm},") + f"bn={bn},w={w},st={st}"
-                    run("paged_attn", f"fuelgraph[{label}]", case,
-                        kernel_fn(inp, block_m=bm, block_n=bn, num_warps=w, num_stages=st), err,
-                        nbytes=nbytes, flops=flops)
-    if decode:
-        for ns in (1, 2, 4, 8, 16, 32, 64, 128):
-            run("paged_attn", f"fuelgraph[split={ns}]", case, kernel_fn(inp, n_split=ns), err,
-                nbytes=nbytes, flops=flops)
-        for ns in (None, 32):
-            run("paged_attn", f"fuelgraph[split={ns or 'auto'},merge launch]", case,
-                kernel_fn(inp, n_split=ns, fused_merge=False), err, nbytes=nbytes, flops=flops)
-    else:
-        run("paged_attn", "fuelgraph[grouped kernel]", case, kernel_fn(inp, prefill=False), err,
-            nbytes=nbytes, flops=flops)
+    """The launch candidates of SWEEPS for this case, as impl "fuelgraph[...]"."""
+    for kw in SWEEPS.get(case["name"], []):
+        run("paged_attn", f"fuelgraph[{label(kw)}]", case, kernel_fn(inp, **kw), err,
+            nbytes=nbytes, flops=flops, launch=kw)
 
 
 def bench_append(B=64, nb=16384):
@@ -382,6 +419,13 @@ def targets_table():
             desc = f"{val:6.2f}x vs {anchor['impl'] if anchor else '-'}"
             tgt = f">= {goal:.1f}x"
         print(f"{case:26s} {ours['ms']:8.4f} {a_ms}   {desc:19s} {tgt:10s} {'yes' if ok else 'NO'}")
+        variants = [r for r in RECORDS if r.get("case") == case and "ms" in r
+                    and r.get("impl", "").startswith("fuelgraph[") and not r.get("wrong")]
+        if variants:
+            v = min(variants, key=lambda r: r["ms"])
+            vs = f"{v['gbps']:.0f} GB/s" if kind == "abs" else \
+                (f"{anchor['ms'] / v['ms']:.2f}x" if anchor else "")
+            print(f"  best variant {v['impl']}: {v['ms']:.4f} ms {vs}")
 
 
 def main():
@@ -389,21 +433,33 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--warm", action="store_true", help="compile and check every launch once, "
+                    "time nothing (fills Triton's cache; run cases in parallel processes first)")
+    ap.add_argument("--no-anchors", action="store_true", help="ours only (no SDPA, flash)")
+    ap.add_argument("--smoke", action="store_true", help="check this script without a GPU: "
+                    "TRITON_INTERPRET=1, CPU tensors, tiny cases, implies --warm")
     ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "
                     "decode_B32, decode_B1, decode_B64, prefill, append")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  flash_attn "
+    if args.smoke:
+        args.warm = True
+    REP["warm_only"] = args.warm
+    print(f"device: {device_name()}  torch {torch.__version__}  flash_attn "
           f"{'yes' if HAVE_FLASH else 'no'}", flush=True)
     g = torch.Generator().manual_seed(2)
     mixed = torch.randint(128, 8193, (64,), generator=g).tolist()
     mixed[0] = 8192
-    steps = {"decode_B32": lambda: bench_decode("decode_B32_ctx4096", [4096] * 32, args),
-             "decode_B1": lambda: bench_decode("decode_B1_ctx32768", [32768], args),
+    long, batch32, pre = [32768], [4096] * 32, {}
+    if args.smoke:
+        long, mixed, batch32, pre = [256], [v // 64 for v in mixed[:4]], [64] * 2, \
+            dict(B=2, sq=64, ctx=160)
+    steps = {"decode_B1": lambda: bench_decode("decode_B1_ctx32768", long, args),
              "decode_B64": lambda: bench_decode("decode_B64_mixed", mixed, args,
                                                 pad_to_longest=True),
-             "prefill": lambda: bench_prefill(args),
+             "prefill": lambda: bench_prefill(args, **pre),
+             "decode_B32": lambda: bench_decode("decode_B32_ctx4096", batch32, args),
              "append": bench_append}
     only = [c for c in (args.only or "").split(",") if c]
     for name, step in steps.items():
@@ -413,8 +469,12 @@ def main():
             step()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-        torch.cuda.empty_cache()
-    doc = {"date": DATE, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    if args.warm:
+        print(f"warm: {len(RECORDS)} launches compiled and checked")
+        return
+    doc = {"date": DATE, "device": device_name(), "torch": torch.__version__,
            "command": " ".join(sys.argv), "records": RECORDS}
     tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
     paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]

@@ -188,6 +188,42 @@ def test_prefill_kernel_alibi_softcap_uint32():
     check(case, "float32", prefill=True)
 
 
+@pytest.mark.parametrize("group_heads", [2, 4])
+def test_prefill_kernel_group_heads(group_heads):
+    """Several query heads of a group per prefill program (each gathered k/v tile serving
+    them): GQA and MQA groups, a group of 3 (falls back to 1 head), ALiBi per head."""
+    case = make_case(np.random.default_rng(26), hq=8, hkv=2, sq=5, d=16, bs=4, lens=(40, 5, 0),
+                     alibi=True)
+    check(case, "float32", prefill=True, group_heads=group_heads)
+    case = make_case(np.random.default_rng(27), B=2, hq=4, hkv=1, sq=7, d=12, bs=1,
+                     lens=(26, 9))
+    check(case, "bfloat16", prefill=True, group_heads=group_heads, block_m=16, block_n=16)
+    case = make_case(np.random.default_rng(28), B=2, hq=6, hkv=2, sq=3, d=16, bs=2, lens=(7, 3))
+    check(case, "float32", prefill=True, group_heads=group_heads)
+
+
+def test_prefill_kernel_row_gather_and_int64_offsets(monkeypatch):
+    """The wholly admissible tiles gathered row by row (page_tiles=False), and both kernels
+    with int64 pool offsets (what pools of 2**31 elements or more use)."""
+    case = make_case(np.random.default_rng(30), hq=4, hkv=2, sq=5, d=16, bs=4, lens=(40, 5, 0))
+    check(case, "float32", prefill=True, page_tiles=False)
+    monkeypatch.setattr(K, "INT32_OFFSETS_BELOW", 0)
+    monkeypatch.setattr(K, "_LAUNCHES", {})       # launches configured before: int32 offsets
+    check(case, "float32", prefill=True)
+    check(case, "float32", prefill=False, n_split=2)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_index_prefetch_and_merge_chunk(prefetch):
+    """Block ids read one key tile ahead or in the tile's own iteration; the fused merge
+    taking 2 or all splits per step."""
+    case = make_case(np.random.default_rng(29), B=2, hq=4, hkv=2, d=16, bs=4, lens=(37, 5),
+                     mb=10)
+    check(case, "float32", prefetch_index=prefetch, n_split=1)
+    check(case, "float32", prefetch_index=prefetch, n_split=3, merge_chunk=2)
+    check(case, "bfloat16", prefetch_index=prefetch, n_split=3, merge_chunk=4)
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),
@@ -231,6 +267,17 @@ def test_split_heuristic():
     assert ns == 1 and kps == 4096
     kps, ns = K._splits(2, 8, 1, 8192, None, 64, dev)      # lengths unknown: capacity
     assert kps * ns >= 8192
+
+
+def test_prefetch_rule():
+    """Block ids are read ahead when the programs are few or their lengths uneven; many
+    programs of equal length rely on occupancy instead (and are sized for more programs)."""
+    dev = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+    sms = K.num_sms(dev)
+    assert K._use_prefetch(1, 1, 1, (32768, 32768), dev) and sms > 1
+    assert not K._use_prefetch(sms, 8, 1, (4096, sms * 4096), dev)
+    assert K._use_prefetch(sms, 8, 1, (8192, 8192 + (sms - 1) * 200), dev)
+    assert not K._use_prefetch(sms, 8, 1, None, dev)
 
 
 @pytest.mark.parametrize("lens,bad,msg", [

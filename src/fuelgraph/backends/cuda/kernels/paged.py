@@ -5,19 +5,25 @@ Decode (and short chunks, Sq < PREFILL_MIN_SQ), the grouped kernel: one program 
 of one sequence, a tile of rows = (query head of that kv head's group) x (query position), and
 one key range (split). It walks the live keys of its range BLOCK_N at a time, looking each key's
 pool block up in the block table, so every live k/v block is read once per (tile, split) and one
-load of a kv head serves its whole group of query heads (GQA/MQA). Scores are float32
+load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
+are read one iteration ahead: a gathered load whose address comes from a load of the same
+iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
+with the ids carried over, the k/v tiles stream num_stages - 1 deep. Scores are float32
 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
 keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
 one split length for the launch, sized from the live lengths (finer when lengths are uneven);
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
-to arrive merges them and resets the counter, so the split path is a single launch.
+to arrive merges them (up to MERGE_CHUNK splits of a row in one step whose loads are
+independent: one round trip per row) and resets the counter, so the split path is a single
+launch.
 
-Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (BLOCK_M query
-positions, query head), autotuned tiles; each key tile is gathered row by row through the
-block table (several pages per tile when block_size < BLOCK_N); the tiles wholly below the
-bottom-right causal diagonal run with no mask code, the diagonal ones with the mask.
+Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (query
+positions, PREFILL_GROUP_HEADS query heads of one group), autotuned tiles; the tiles wholly
+below the bottom-right causal diagonal run with no mask code, page-aligned (block ids read a
+tile ahead, in-page offsets loop-invariant: close to the dense kernel's instruction count), the
+diagonal ones gathered row by row with the mask. Pools under 2**31 elements use int32 offsets.
 
 Invalid index data raises FuelGraphError before the launch: the check costs one device->host
 sync, done once per (context_lens, block_table) buffer version and skipped while a CUDA graph is
@@ -55,18 +61,39 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 #: a split covers at least this many keys (smaller splits cost more in the merge than they gain)
 MIN_SPLIT_KEYS = 256
-#: resident programs per SM assumed when sizing splits
-PROGRAMS_PER_SM = 4
+#: resident programs per SM assumed when sizing splits: programs that read block ids ahead
+#: keep two k/v tiles in flight (~72 KB of buffers), so fewer of them fit and each is given more
+#: keys (measured on the H200, B1 context 32768: 32 splits of 1024 keys 52.6 us, 64 of 512 keys
+#: 64.2 us)
+PROGRAMS_PER_SM, PROGRAMS_PER_SM_PREFETCH = 4, 2
 #: with uneven lengths (longest > UNEVEN x mean) the longest sequence splits into at least this
 #: many pieces, so that no long program starts late and forms the tail of the launch
 UNEVEN, UNEVEN_SPLITS = 1.25, 8
-#: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers)
-MERGE_CHUNK = 16
+#: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers);
+#: up to this many splits merge in one step, whose loads are all independent (one round trip)
+MERGE_CHUNK = 64
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
 PREFILL_MIN_SQ = 64
-PREFILL_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "G", "HAS_ALIBI", "HAS_CAP", "IEEE"]
+#: pools with fewer elements than this address their keys with int32 offsets (fewer
+#: instructions per gathered tile); larger ones with int64
+INT32_OFFSETS_BELOW = 2 ** 31
+#: query heads of one group per prefill program (each gathered k/v tile serves them all)
+PREFILL_GROUP_HEADS = 1
+#: the grouped kernel reads the block ids of the next key tile one iteration ahead, so its k/v
+#: loads depend on no load of their own iteration and the compiler pipelines them num_stages - 1
+#: deep (without it, the gathered loads get one buffer whatever num_stages says) -- when its
+#: programs are few (fewer (sequence, kv head, tile) triples than SMs) or their lengths uneven
+#: (a tail run by few programs): each program then needs several tiles in flight. Many programs
+#: of equal length hide the latency by occupancy instead, which the larger buffers would lower
+#: (H200, B32 x 4096: 139.6 us without, 160.0 us with; B64 mixed lengths: 298.5 us with)
+#: (_use_prefetch; the launch knob prefetch_index forces either)
+#: the prefill kernel walks its wholly admissible key tiles page by page (one block id per page,
+#: read one tile ahead; in-page offsets loop-invariant) when BLOCK_N is a multiple of the block
+PREFILL_PAGE_TILES = True
+PREFILL_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "G", "G_T", "HAS_ALIBI", "HAS_CAP",
+                     "IEEE"]
 
 
 @triton.jit
@@ -83,7 +110,8 @@ def _paged_attn_kernel(
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
+        OFF32: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -121,15 +149,33 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_bad = tl.zeros([BLOCK_N], tl.int32)    # live keys whose block id is outside the pool
+    tab = BT + b * mb
+    offs_n = tl.arange(0, BLOCK_N)
+    # tiles start at multiples of BLOCK_N (keys_per_split is one): when a tile spans whole
+    # pages, a key's offset within its page is the same in every tile
+    in_page = ((offs_n % BS) * hkv + hk) * D
+    if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load of
+        j = lo + offs_n                         # their own iteration and pipeline deeper
+        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
+        j = start + offs_n
         j_ok = j < hi
-        phys = tl.load(BT + b * mb + j // BS, mask=j_ok, other=0).to(tl.int64)
-        p_ok = (phys >= 0) & (phys < nb)
+        if PREFETCH_IDX:
+            phys = phys_next
+            j_next = j + BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        else:
+            phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+        p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
         n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
         phys = tl.where(p_ok, phys, 0)
-        kv_row = (phys * BS + j % BS) * hkv + hk      # row of the pool viewed as [NB*BS*Hkv, D]
-        kv_off = kv_row[:, None] * D + d[None, :]
+        if BLOCK_N % BS != 0:
+            in_page = ((j % BS) * hkv + hk) * D
+        if OFF32:                # the pool's element offsets fit int32: cheaper addresses
+            kv_row = phys * (BS * hkv * D) + in_page
+        else:
+            kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+        kv_off = kv_row[:, None] + d[None, :]
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
         if DOT_F32:
@@ -246,38 +292,101 @@ def _prefill_tiles(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, 
 
 
 @triton.jit
+def _prefill_pages(acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, start, end, a_pos, L,
+                   qk_scale, cap_val, slope, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+                   BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, OFF32: tl.constexpr):
+    """The wholly admissible key tiles [start, end) (multiples of BLOCK_N, BLOCK_N a multiple of
+    BS) page by page: one block id per page, read one tile ahead, so the k/v loads depend on no
+    load of their own iteration (the compiler pipelines them num_stages - 1 deep) and a key's
+    address is its page's offset plus a loop-invariant in-page offset."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_page = (((offs_n % BS) * hkv + hk) * D)[:, None] + d[None, :]      # int32, fixed
+    pg_of = offs_n // BS
+    pg_next = tl.load(tab + start // BS + pg_of, mask=start < end, other=0)
+    for j0 in range(start, end, BLOCK_N):
+        pg = pg_next
+        pg_next = tl.load(tab + (j0 + BLOCK_N) // BS + pg_of, mask=j0 + BLOCK_N < end, other=0)
+        ok = pg.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
+        n_bad += (ok == 0).to(tl.int32)
+        if OFF32:                # the pool's element offsets fit int32: cheaper addresses
+            row = tl.where(ok, pg, 0) * (BS * hkv * D)
+        else:
+            row = tl.where(ok, pg, 0).to(tl.int64) * (BS * hkv * D)
+        kv_off = row[:, None] + in_page
+        if D == BLOCK_D:
+            k = tl.load(K + kv_off)
+        else:
+            k = tl.load(K + kv_off, mask=(d < D)[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        j = j0 + offs_n
+        s, _t = _scores(qk, a_pos, j[None, :], L, qk_scale, cap_val, slope, 0, 0, False, True,
+                        False, False, HAS_CAP, HAS_ALIBI, IEEE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if D == BLOCK_D:
+            v = tl.load(V + kv_off)
+        else:
+            v = tl.load(V + kv_off, mask=(d < D)[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i, n_bad
+
+
+@triton.jit
 def _paged_prefill_kernel(
         Q, K, V, BT, CL, SL, O, sq, hq, hkv, mb, nb, qk_scale, cap_val, sl_stride_b,
         TUNE_Q, TUNE_K, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, IEEE: tl.constexpr,
-        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """Chunked prefill, FlashAttention-2 style: one program per (BLOCK_M query positions, one
-    query head); keys in three ranges (masked / wholly admissible / masked diagonal) as the
-    dense flash_attn kernel, each key tile gathered through the block table."""
+        DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, G_T: tl.constexpr,
+        PAGE_TILES: tl.constexpr, OFF32: tl.constexpr):
+    """Chunked prefill, FlashAttention-2 style: one program per (BLOCK_M // G_T query
+    positions, G_T query heads of one kv head's group; row r = position r // G_T, head r % G_T),
+    so each gathered k/v tile serves G_T heads; keys in three ranges (masked / wholly admissible
+    / masked diagonal) as the dense flash_attn kernel, each key tile gathered through the block
+    table."""
+    SQ_T: tl.constexpr = BLOCK_M // G_T
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # the longest rows first
-    bh = tl.program_id(1)
-    b = bh // hq
-    h = bh % hq
-    hk = h // G
+    bh = tl.program_id(1)                    # (sequence, group of G_T query heads)
+    b = bh // (hq // G_T)
+    h0 = (bh % (hq // G_T)) * G_T
+    hk = h0 // G
     ctx64 = tl.load(CL + b).to(tl.int64)
     cap = mb * BS
     L = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)
     bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
     off = L - sq
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m0 = pid_m * SQ_T
+    r = tl.arange(0, BLOCK_M)
+    if G_T == 1:
+        offs_m = m0 + r
+        h = h0
+    else:
+        offs_m = m0 + r // G_T
+        h = h0 + r % G_T
     d = tl.arange(0, BLOCK_D)
-    row = bh.to(tl.int64) * sq + offs_m
+    row = (b * hq + h).to(tl.int64) * sq + offs_m
     io_mask = (offs_m < sq)[:, None] & (d < D)[None, :]
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=io_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(SL + b * sl_stride_b + h).to(tl.float32)
+        if G_T == 1:
+            slope = tl.load(SL + b * sl_stride_b + h).to(tl.float32)
+        else:
+            slope = tl.load(SL + b * sl_stride_b + h).to(tl.float32)[:, None]
     a_pos = (offs_m + off)[:, None]
-    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, 0, 0,
+    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + SQ_T - 1 + off, L, 0, 0,
                                                  BLOCK_N, True, False, False)
     tab = BT + b.to(tl.int64) * mb
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -287,9 +396,16 @@ def _paged_prefill_kernel(
     acc, l_i, m_i, n_bad = _prefill_tiles(
         acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, lo, lo_end, a_pos, L, qk_scale,
         cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i, n_bad = _prefill_tiles(
-        acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_lo, mid_hi, a_pos, L, qk_scale,
-        cap_val, slope, False, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
+    if PAGE_TILES and BLOCK_N % BS == 0:
+        acc, l_i, m_i, n_bad = _prefill_pages(
+            acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_lo, mid_hi, a_pos, L, qk_scale,
+            cap_val, slope, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N,
+            OFF32)
+    else:
+        acc, l_i, m_i, n_bad = _prefill_tiles(
+            acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_lo, mid_hi, a_pos, L, qk_scale,
+            cap_val, slope, False, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D,
+            BLOCK_N)
     acc, l_i, m_i, n_bad = _prefill_tiles(
         acc, l_i, m_i, n_bad, q, K, V, tab, hk, hkv, nb, mid_hi, hi, a_pos, L, qk_scale,
         cap_val, slope, True, HAS_CAP, HAS_ALIBI, DOT_PREC, DOT_F32, IEEE, BS, D, BLOCK_D, BLOCK_N)
@@ -318,16 +434,22 @@ def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_
     den = tl.sum(tl.where(s_ok, tl.exp2(m - mx), 0.0) * l, 0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    out = tl.zeros([BLOCK_D], tl.float32)
-    for c0 in range(0, n_live, S_CHUNK):
-        sc = c0 + tl.arange(0, S_CHUNK)
-        c_ok = sc < n_live
-        m_c = tl.load(PM + row * n_split + sc, mask=c_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.where(c_ok, tl.exp2(m_c - mx), 0.0)
-        po = tl.load(PO + (row * n_split + sc)[:, None] * D + d[None, :],
-                     mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        out += tl.sum(w[:, None] * po, 0)
+    if S_CHUNK >= S_P2:      # one step: the three loads are independent, one round trip
+        po = tl.load(PO + (row * n_split + s)[:, None] * D + d[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
+        out = tl.sum(w[:, None] * po, 0)
+    else:
+        out = tl.zeros([BLOCK_D], tl.float32)
+        for c0 in range(0, n_live, S_CHUNK):
+            sc = c0 + tl.arange(0, S_CHUNK)
+            c_ok = sc < n_live
+            m_c = tl.load(PM + row * n_split + sc, mask=c_ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            w = tl.where(c_ok, tl.exp2(m_c - mx), 0.0)
+            po = tl.load(PO + (row * n_split + sc)[:, None] * D + d[None, :],
+                         mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+            out += tl.sum(w[:, None] * po, 0)
     out = out / tl.where(den > 0, den, 1.0)
     out = tl.where(bad, float("nan"), out)
     tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
@@ -335,7 +457,8 @@ def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_
 
 @triton.jit
 def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, S_P2: tl.constexpr):
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, S_P2: tl.constexpr,
+                        S_CHUNK: tl.constexpr):
     """The unfused merge (a second launch; kept for the benchmark sweep): one row per program."""
     row = tl.program_id(0).to(tl.int64)
     b = row // (hq * sq)
@@ -343,7 +466,7 @@ def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
     n_live = (tl.maximum(tl.minimum(tl.maximum(ctx, 0), cap), 1) + keys_per_split - 1) \
         // keys_per_split
     bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0)
-    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_P2)
+    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_CHUNK)
 
 
 @triton.jit
@@ -451,22 +574,33 @@ def _tiles(g, sq, block_m=None):
     return g_t, max(1, block_m // g_t)
 
 
-def _splits(B, hkv, n_tiles, cap, stats, block_n, device):
+def _uneven(B, stats):
+    """Whether the longest live length exceeds UNEVEN x the mean."""
+    return stats is not None and B > 1 and stats[0] > UNEVEN * max(1, stats[1]) / B
+
+
+def _use_prefetch(B, hkv, n_tiles, stats, device):
+    """Read block ids a tile ahead: few programs, or uneven lengths (see PROGRAMS_PER_SM)."""
+    return B * hkv * n_tiles < num_sms(device) or _uneven(B, stats)
+
+
+def _splits(B, hkv, n_tiles, cap, stats, block_n, device, per_sm=PROGRAMS_PER_SM):
     """(keys per split, number of splits). Sized from the live lengths when known, so the
     programs fill the GPU and no program walks far more keys than the average; always covering
     the table's capacity, so any lengths (e.g. in a replayed CUDA graph) stay correct. Splits
     past a sequence's own length exit at once: short sequences run one program, long ones many
     (per-sequence split counts with no host sync)."""
-    slots = num_sms(device) * PROGRAMS_PER_SM
+    slots = num_sms(device) * per_sm
     longest, total = (cap, B * cap) if stats is None else stats
     longest = max(1, min(longest, cap))
     work = max(1, total) * hkv * n_tiles          # keys x (kv head, tile) pairs to walk
     kps = max(MIN_SPLIT_KEYS, -(-work // slots))
-    if B > 1 and longest > UNEVEN * max(1, total) / B:
+    if _uneven(B, stats):
         kps = min(kps, max(MIN_SPLIT_KEYS, -(-longest // UNEVEN_SPLITS)))
     if kps >= longest:
         return cap, 1
-    kps = -(-kps // block_n) * block_n
+    pieces = max(1, longest // kps)               # the longest sequence in equal pieces
+    kps = -(-(-(-longest // pieces)) // block_n) * block_n
     return kps, -(-cap // kps)
 
 
@@ -509,13 +643,17 @@ def supports_paged_attn(shapes, dtypes, params=None) -> bool:
         supports=supports_paged_attn)
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-               n_split=None, fused_merge=True, prefill=None):
+               n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
+               prefetch_index=None, group_heads=None, page_tiles=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
     the prefill kernel autotunes when they are None), n_split (key splits of the grouped
     kernel), fused_merge (False: merge the splits in a second launch), prefill (True / False:
-    force the prefill / grouped kernel; None: by Sq)."""
+    force the prefill / grouped kernel; None: by Sq), merge_chunk (splits per step of the fused
+    merge), prefetch_index (grouped kernel: read block ids one tile ahead), group_heads (prefill:
+    query heads per program, sharing each k/v tile), page_tiles (prefill: the wholly admissible
+    key tiles page by page, block ids one tile ahead)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -524,13 +662,15 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     sl = alibi[0].float().contiguous() if alibi else q
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
-           num_stages, n_split, fused_merge, prefill)
+           num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
+           page_tiles)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
         launch = _configure(q, k_cache, block_table, bool(alibi), sl.dim(), stats,
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
-                            n_split, fused_merge, prefill)
+                            n_split, fused_merge, prefill, merge_chunk, prefetch_index,
+                            group_heads, page_tiles)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -546,7 +686,8 @@ _LAUNCHES: dict = {}
 
 
 def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
-               block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill):
+               block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
+               merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -560,7 +701,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     if prefill if prefill is not None else sq >= PREFILL_MIN_SQ:
         return _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap,
                                   has_alibi, dot_prec, dot_f32, block_d, block_m, block_n,
-                                  num_warps, num_stages)
+                                  num_warps, num_stages, group_heads, page_tiles)
     g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
@@ -568,7 +709,10 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     if INTERPRET:
         bn = block_n or 16
     cap = mb * bs
-    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device)
+    pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
+        else bool(prefetch_index)
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device,
+                      PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM)
     if n_split is not None:
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
@@ -576,7 +720,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
-              MERGE_CHUNK=min(MERGE_CHUNK, max(2, next_pow2(ns))),
+              MERGE_CHUNK=min(merge_chunk or MERGE_CHUNK, max(2, next_pow2(ns))),
+              PREFETCH_IDX=pf,
+              OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (3 if decode else 2))
     grid = (B * hkv, n_gt * n_qt, ns)
@@ -601,12 +747,21 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                 FUSED_MERGE=fused, **kw)
         if not fused:
             merge_(po, pm, pl, cl, out, sq, hq, cap, kps, ns, D=d, BLOCK_D=block_d,
-                   S_P2=max(2, next_pow2(ns)), num_warps=4)
+                   S_P2=max(2, next_pow2(ns)), S_CHUNK=kw["MERGE_CHUNK"], num_warps=4)
     return launch
 
 
+def _group_heads(g, want):
+    """Query heads per prefill program: the largest power of two <= want dividing the group."""
+    g_t = 1
+    while g_t * 2 <= max(1, int(want)) and g % (g_t * 2) == 0:
+        g_t *= 2
+    return g_t
+
+
 def _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, softcap, has_alibi,
-                       dot_prec, dot_f32, block_d, block_m, block_n, num_warps, num_stages):
+                       dot_prec, dot_f32, block_d, block_m, block_n, num_warps, num_stages,
+                       group_heads=None, page_tiles=None):
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     mb = block_table.shape[1]
@@ -614,15 +769,21 @@ def _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, soft
     qk_scale = float(softmax_scale) / float(softcap) if has_cap else float(softmax_scale)
     scal = (sq, hq, hkv, mb, nb, qk_scale, float(softcap) if has_cap else 1.0, sl_stride_b,
             next_pow2(sq), next_pow2(mb * bs))
-    kw = dict(G=hq // hkv, BS=bs, D=d, BLOCK_D=block_d, HAS_ALIBI=has_alibi, HAS_CAP=has_cap,
-              IEEE=q.dtype == torch.float32, DOT_PREC=dot_prec, DOT_F32=dot_f32)
+    g = hq // hkv
+    g_t = _group_heads(g, PREFILL_GROUP_HEADS if group_heads is None else group_heads)
+    kw = dict(G=g, BS=bs, D=d, BLOCK_D=block_d, HAS_ALIBI=has_alibi, HAS_CAP=has_cap,
+              IEEE=q.dtype == torch.float32, DOT_PREC=dot_prec, DOT_F32=dot_f32, G_T=g_t,
+              PAGE_TILES=PREFILL_PAGE_TILES if page_tiles is None else bool(page_tiles),
+              OFF32=k_cache.numel() < INT32_OFFSETS_BELOW)
     if block_m is None and block_n is None and num_warps is None and num_stages is None:
-        kernel_ = _paged_prefill_tuned[lambda meta: (_cdiv(sq, meta["BLOCK_M"]), B * hq)]
+        kernel_ = _paged_prefill_tuned[
+            lambda meta: (_cdiv(sq, max(1, meta["BLOCK_M"] // g_t)), B * hq // g_t)]
     else:
         bm, bn = block_m or (16 if INTERPRET else 128), block_n or (16 if INTERPRET else 64)
+        bm = max(bm, g_t)
         kw.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=num_warps or (1 if INTERPRET else 8),
                   num_stages=num_stages or (1 if INTERPRET else 3))
-        kernel_ = _paged_prefill_kernel[(_cdiv(sq, bm), B * hq)]
+        kernel_ = _paged_prefill_kernel[(_cdiv(sq, bm // g_t), B * hq // g_t)]
 
     def launch(q, kc, vc, bt, cl, sl, out):
         kernel_(q, kc, vc, bt, cl, sl, out, *scal, **kw)
