@@ -37,6 +37,7 @@ from ....registry.quant import (AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, 
 from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
+from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -182,6 +183,9 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #: 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and AWQ won at both (M = 16: 0.068 vs
 #: 0.741, 0.063 vs 0.886).
 ROWS_GGUF_MAX_M = 1
+#: above DEQUANT_GEMM_MIN_M rows: the fused dequantizing GEMM of `quant_gemm` (True) or a dense
+#: copy of the weight (`quant_gemm.dequantize_natural`) and cuBLAS (False)
+FUSED_GEMM = False
 
 
 def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
@@ -203,8 +207,13 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
         return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
-    if config == "dequant" or (config is None and m_all > DEQUANT_GEMM_MIN_M):
-        return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok)
+    gemm_ok = rows_ok and fmt_id in GEMM_FORMATS and (fmt_id != AWQ or i0 % 16 == 0)
+    if isinstance(config, GemmConfig) or (config is None and gemm_ok and
+                                          m_all > DEQUANT_GEMM_MIN_M and FUSED_GEMM):
+        return run_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+    if config in ("dequant", "dequant_rows") or (config is None and m_all > DEQUANT_GEMM_MIN_M):
+        return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok,
+                               natural=config != "dequant_rows")
     if isinstance(config, RowConfig) or (config is None and rows_ok and
                                          (fmt_id in (NF4, AWQ) or m_all <= ROWS_GGUF_MAX_M)):
         return run_rows(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
@@ -233,12 +242,13 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     return out.reshape(*lead, cols)
 
 
-def _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok):
+def _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok, natural=True):
     """Many rows: a dense copy of the weight in x's dtype, then cuBLAS (H200, 2026-12-01, N = K =
     8192, M = 256, bf16, old tile kernels: Q4_0 0.13 ms vs 0.31 fused in registers, Q4_K 0.22 vs
     0.51, Q8_0 0.13 vs 0.28, Q6_K 0.16 vs 0.39). Row formats write W [N, K] in storage order."""
     if rows_ok and fmt_id != AWQ:
-        w = dequantize_rows(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)      # W [N, K]
+        deq = dequantize_natural if natural else dequantize_rows
+        w = deq(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)                  # W [N, K]
         return x @ w.T
     b = dequantize(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)              # B [K, N]
     return x @ (b.T if grad else b)

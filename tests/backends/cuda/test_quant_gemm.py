@@ -1,0 +1,118 @@
+"""The fused dequantizing GEMMs of the quantized matmuls (`quant_gemm`: Q4_0, Q8_0, Q4_K, Q6_K,
+NF4 rows, AWQ columns): the K-order dequantizer bit-exact with gguf-py and the NF4 reference on
+random and edge bytes, and the products (both operand orders, a split reduction by atomics,
+partial tiles) against float64 torch on the dequantized weight.
+
+Runs on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
+
+gguf = pytest.importorskip("gguf")
+pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
+
+if HAS_CUDA or INTERPRET:
+    from fuelgraph.backends.cuda.kernels import quant as K
+    from fuelgraph.backends.cuda.kernels.quant_gemm import GemmConfig, dequantize_natural
+    from fuelgraph.backends.cuda.kernels.quant_tiles import GGUF_IDS, NF4
+    from fuelgraph.registry.quant import NF4_CODE
+
+from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
+                         same_bits)
+
+ROW_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+# (M, N, config): partial tiles (masked), whole tiles (unmasked), a split reduction, the weight
+# as the left operand
+CASES = [(20, 24, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
+         (32, 32, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
+         (16, 16, GemmConfig(16, 16, 64, split=2, num_warps=4, num_stages=2)),
+         (17, 16, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2, w_left=1))]
+IDS = ["partial", "whole", "split", "w_left"]
+
+
+def _t(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+
+
+def _gguf_ref(raw, qtype):
+    with np.errstate(all="ignore"):
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+
+
+def _dtypes():
+    return [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
+
+
+def _check(got, x, b, dt):
+    ref = x.double().cpu() @ torch.as_tensor(np.asarray(b, np.float64))
+    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dt]
+    assert got.dtype == dt and got.shape == ref.shape
+    err = (got.double().cpu() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), err
+
+
+@pytest.mark.parametrize("qtype", ROW_TYPES)
+def test_natural_dequantizer_bit_exact(qtype):
+    qk, bb, _ = GGUF[qtype]
+    raw = np.random.default_rng(bb).integers(0, 256, size=(5, 2 * bb), dtype=np.uint8)
+    edge, n_e, k_e = gguf_edge_bytes(qtype)
+    for blocks, n, k, bn in ((raw, 5, 2 * qk, 4), (edge, n_e, k_e, 64)):
+        w = _t(blocks.reshape(-1))
+        got = dequantize_natural(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n,
+                                 dtype=torch.float32, block_n=bn, block_k=64)
+        same_bits(got.cpu().numpy(), _gguf_ref(blocks.reshape(n, -1), qtype))
+
+
+@pytest.mark.parametrize("lut", [0, 2])
+def test_nf4_natural_dequantizer_bit_exact(lut):
+    rng = np.random.default_rng(4)
+    packed = rng.integers(0, 256, size=(9, 96), dtype=np.uint8)
+    absmax = rng.uniform(0, 3, size=(9, 3)).astype(np.float32)
+    absmax[0, 0] = 0.0
+    code = torch.tensor(NF4_CODE, device=DEV)
+    got = dequantize_natural(NF4, _t(packed), _t(absmax), code, 64, 192, 9,
+                             dtype=torch.float32, block_n=8, block_k=128, lut=lut)
+    same_bits(got.cpu().numpy(), nf4_reference(packed, absmax, 64))
+
+
+@pytest.mark.parametrize("m,n,cfg", CASES, ids=IDS)
+@pytest.mark.parametrize("qtype", ROW_TYPES)
+def test_qmatmul_gemm(qtype, m, n, cfg):
+    qk = GGUF[qtype][0]
+    rng = np.random.default_rng(qk + m)
+    k = 4 * qk if qk == 32 else qk
+    raw = gguf_bytes(rng, qtype, n, k)
+    w = _gguf_ref(raw, qtype)
+    for dt in _dtypes():
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
+        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+        _check(out, x, w.T, dt)
+
+
+@pytest.mark.parametrize("m,n,cfg", CASES, ids=IDS)
+def test_nf4_gemm(m, n, cfg):
+    rng = np.random.default_rng(m)
+    k = 256
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+    wn = nf4_reference(packed, absmax, 64)
+    for dt in _dtypes():
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
+        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg), x, wn.T, dt)
+
+
+@pytest.mark.parametrize("m,n,cfg", CASES[:3], ids=IDS[:3])
+def test_awq_gemm(m, n, cfg):
+    rng = np.random.default_rng(m + 5)
+    n, k, gs = 2 * n, 128, 32
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    wa = awq_reference(qw, qz, sc, gs)
+    for dt in _dtypes():
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
+        cfg2 = GemmConfig(cfg.block_m, 16, 32, cfg.split, 4, 2)
+        _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg2), x, wa, dt)
