@@ -165,10 +165,10 @@ def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, 
                 ql = ql_a
             else:
                 ql = ql_b
-            S1a: tl.constexpr = 4 * (r // 2)
-            S2a: tl.constexpr = 2 * r
-            S1b: tl.constexpr = 8 + 4 * (r // 2)
-            S2b: tl.constexpr = 8 + 2 * r
+            S1a = 4 * (r // 2)
+            S2a = 2 * r
+            S1b = 8 + 4 * (r // 2)
+            S2b = 8 + 2 * r
             lo = ((ql & (15 << S1a)) | magic).to(tl.float32, bitcast=True) - \
                 (8388608.0 + 32.0 * (1 << S1a))
             hi = ((qh & (3 << S2a)) | magic).to(tl.float32, bitcast=True) - 8388608.0
