@@ -51,8 +51,8 @@ def _use(acc, w, koff, k_ok, x_rows, m_ok, n_ok, W_LEFT: tl.constexpr, PREC: tl.
     else:
         BM: tl.constexpr = x_rows.shape[0]
         ptrs = x_rows[:, None, None] + koff[None, :, :]
-        if EVEN:
-            xt = tl.load(ptrs)
+        if EVEN:    # the weight tiles divide W; rows of x may not fill the tile
+            xt = tl.load(ptrs, mask=m_ok[:, None, None], other=0.0)
         else:
             xt = tl.load(ptrs, mask=m_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         x2 = tl.reshape(xt, (BM, G * R))
@@ -234,8 +234,6 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, n
         o_mask = m_ok[:, None] & n_ok[None, :]
         if ATOMIC:
             tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
-        elif EVEN:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
         else:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -279,7 +277,7 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size
             zw = tl.load(qz_ptr + g * nw + offs_w)
             s = tl.load(sc_ptr + g.to(tl.int64) * N + offs_c).to(tl.float32)
             words = tl.load(qw_ptr + kk.to(tl.int64)[:, None] * nw + offs_w[None, :])
-            xt = tl.load(x_rows + kk[None, :])
+            xt = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
         else:
             zw = tl.load(qz_ptr + g * nw + offs_w, mask=w_ok & (k0 < K), other=0)
             s = tl.load(sc_ptr + g.to(tl.int64) * N + offs_c, mask=c_ok & (k0 < K),
@@ -299,8 +297,6 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_c[None, :]
     if ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=m_ok[:, None] & c_ok[None, :], sem="relaxed")
-    elif EVEN:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
@@ -367,13 +363,13 @@ def run_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: GemmConfi
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 enable_fp_fusion=fmt not in (Q4_K, AWQ))
     if fmt == AWQ:
-        even = (m % cfg.block_m == 0 and (n // 8) % bw == 0 and k == split * steps * bk)
+        even = (n // 8) % bw == 0 and k == split * steps * bk
         grid = (triton.cdiv(n // 8, bw), triton.cdiv(m, cfg.block_m), split)
         _awq_gemm_kernel[grid](x2, w0, w1, w2, out, m, n, k, i0, x2.stride(0), out.stride(0),
                                MAGIC_BITS, BLOCK_W=bw, BLOCK_K=bk, EVEN=even, **opts)
     else:
         row_bytes = k // 2 if fmt == NF4 else (k // ROW_QK[fmt]) * ROW_BB[fmt]
-        even = (m % cfg.block_m == 0 and n % cfg.block_n == 0 and nunit == split * steps * g)
+        even = n % cfg.block_n == 0 and nunit == split * steps * g
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         _qgemm_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, k // i0 if fmt == NF4 else 0,
                             nunit, x2.stride(0), out.stride(0), MAGIC_BITS, FMT=fmt,
