@@ -323,11 +323,12 @@ class GemmConfig:
                 + ("" if self.lut == 2 else f",lut{self.lut}") + "]")
 
 
-def _split_steps(tiles: int, total: int, split: int, device) -> tuple[int, int]:
-    """(split, steps per split): split K while the tile grid is under one wave."""
+def _split_steps(tiles: int, total: int, split: int, block_m: int, device) -> tuple[int, int]:
+    """(split, steps per split): split K until the grid has about 4 programs per SM for the
+    weight-streaming few-row tiles (block_m <= 32), one wave for GEMM tiles."""
     if split <= 0:
-        sms = num_sms(device)
-        split = 1 if tiles >= sms * 3 // 4 else max(1, min(total, sms // max(tiles, 1)))
+        want = (4 if block_m <= 32 else 1) * num_sms(device)
+        split = 1 if tiles >= want * 3 // 4 else max(1, min(total, want // max(tiles, 1)))
     steps = triton.cdiv(total, split)
     return triton.cdiv(total, steps), steps
 
@@ -349,13 +350,15 @@ def run_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: GemmConfi
             bk //= 2
         bw = max(1, cfg.block_n // 8)
         tiles = triton.cdiv(n // 8, bw) * triton.cdiv(m, cfg.block_m)
-        split, steps = _split_steps(tiles, triton.cdiv(k, bk), cfg.split, x.device)
+        split, steps = _split_steps(tiles, triton.cdiv(k, bk), cfg.split, cfg.block_m,
+                                    x.device)
     else:
         unit = i0 if fmt == NF4 else UNIT[fmt]
         nunit = k // unit
         g = 1 << max(0, (max(1, cfg.block_k // unit)).bit_length() - 1)
         tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-        split, steps = _split_steps(tiles, triton.cdiv(nunit, g), cfg.split, x.device)
+        split, steps = _split_steps(tiles, triton.cdiv(nunit, g), cfg.split, cfg.block_m,
+                                    x.device)
     atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
