@@ -93,6 +93,7 @@ SMALL_GEMM = {1: [(16, 64, 256, 0, 4, 4)], 16: [(16, 64, 256, 0, 4, 4), (16, 128
 SMALL_ROWS = {1: [(1, 16, 8192, 4, 2), (1, 16, 4096, 4, 2, 4)]}
 SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
 SWEEP_KIND = "full"
+PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
 
 
 def sweep_configs(fmt, m):
@@ -100,6 +101,10 @@ def sweep_configs(fmt, m):
     rows."""
     if SWEEP_KIND == "small":
         cfgs = [make_config(fmt, *v) for v in (SMALL_AWQ if fmt == AWQ else SMALL_ROWS).get(m, [])]
+        if m == 1 and fmt in PREFETCH:      # next step's bytes loaded ahead (quant_gemv)
+            cfgs += [dataclasses.replace(default_rows_config(fmt, 1), prefetch=1),
+                     dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1),
+                     dataclasses.replace(make_config(fmt, 1, 32, 4096, 4), prefetch=1)]
         cfgs += [GemmConfig(*v) for v in SMALL_GEMM.get(m, [])]
         if m > 16:
             cfgs += ["dequant"] + (["dequant_rows"] if fmt not in (AWQ,) else [])
@@ -111,6 +116,9 @@ def sweep_configs(fmt, m):
         cfgs.append(dataclasses.replace(base, x32=0))
         if fmt in WORD_FORMATS:
             cfgs.append(dataclasses.replace(base, words=0))
+    if m == 1 and fmt in PREFETCH:
+        cfgs += [dataclasses.replace(base, prefetch=1),
+                 dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1)]
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
     cfgs += [GemmConfig(*v) for v in SWEEP_GEMM.get(m, [])]

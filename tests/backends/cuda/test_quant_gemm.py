@@ -116,3 +116,24 @@ def test_awq_gemm(m, n, cfg):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
         cfg2 = GemmConfig(cfg.block_m, 16, 32, cfg.split, 4, 2)
         _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg2), x, wa, dt)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "NF4"])
+def test_one_row_prefetch(qtype, split):
+    """The one-row GEMV that loads the next step's bytes ahead (`quant_gemv`), partial row tile,
+    a reduction split unevenly (the last program's prefetch runs past its range)."""
+    from fuelgraph.backends.cuda.kernels.quant_rows import RowConfig
+    rng = np.random.default_rng(split)
+    n, k = 20, 7 * 64
+    cfg = RowConfig(1, 16, 2, split=split, prefetch=1)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
+    if qtype == "NF4":
+        packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+        absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+        out = K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg)
+        _check(out, x, nf4_reference(packed, absmax, 64).T, torch.float32)
+    else:
+        raw = gguf_bytes(rng, qtype, n, k)
+        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+        _check(out, x, _gguf_ref(raw, qtype).T, torch.float32)
