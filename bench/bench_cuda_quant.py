@@ -103,8 +103,7 @@ def sweep_configs(fmt, m):
         cfgs = [make_config(fmt, *v) for v in (SMALL_AWQ if fmt == AWQ else SMALL_ROWS).get(m, [])]
         if m == 1 and fmt in PREFETCH:      # next step's bytes loaded ahead (quant_gemv)
             cfgs += [dataclasses.replace(default_rows_config(fmt, 1), prefetch=1),
-                     dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1),
-                     dataclasses.replace(make_config(fmt, 1, 32, 4096, 4), prefetch=1)]
+                     dataclasses.replace(make_config(fmt, 1, 32, 8192, 4), prefetch=1)]
         cfgs += [GemmConfig(*v) for v in SMALL_GEMM.get(m, [])]
         if m > 16:
             cfgs += ["dequant"] + (["dequant_rows"] if fmt not in (AWQ,) else [])
