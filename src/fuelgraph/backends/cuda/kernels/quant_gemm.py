@@ -112,8 +112,16 @@ def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, 
         i = tl.arange(0, 16)[None, :]
         g_ok = nm & (u < nunit)[None]
         blk = rows[:, None, None] + (b * 144)[None]
-        v = _u16_words(blk + (16 + 32 * c + 2 * i)[None], nm & ((u < nunit) & (i < 16))[None],
-                       EVEN)
+        # the 32 bytes of (b, c) start 16-aligned: said so, they load as 16-byte vectors
+        # the 32 bytes of (b, c) start 16-aligned: addressed as 2-byte words and said so, they
+        # load as 16-byte vectors (and asynchronously, ahead of the dot)
+        u1 = u0 + tl.arange(0, G)
+        qoff = tl.multiple_of((u1 // 4) * 72 + 8 + 16 * (u1 % 4), 8)
+        p16 = rows.to(tl.pointer_type(tl.uint16))[:, None, None] + (qoff[:, None] + i)[None]
+        if EVEN:
+            v = tl.load(p16).to(tl.int32)
+        else:
+            v = tl.load(p16, mask=nm & ((u < nunit) & (i < 16))[None], other=0).to(tl.int32)
         d = _f16(blk, g_ok, EVEN)
         dmin = _f16(blk + 2, g_ok, EVEN)
         s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
