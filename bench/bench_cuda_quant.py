@@ -105,6 +105,8 @@ def sweep_configs(fmt, m):
             cfgs += [dataclasses.replace(default_rows_config(fmt, 1), prefetch=1),
                      dataclasses.replace(make_config(fmt, 1, 32, 8192, 4), prefetch=1)]
         cfgs += [GemmConfig(*v) for v in SMALL_GEMM.get(m, [])]
+        if fmt in PREFETCH[:2] and m > 1:   # Q4_0 / Q8_0 words loaded a step ahead
+            cfgs.append(dataclasses.replace(GemmConfig(*SMALL_GEMM[m][0]), prefetch=1))
         if m > 16:
             cfgs += ["dequant"] + (["dequant_rows"] if fmt not in (AWQ,) else [])
         return cfgs
@@ -121,6 +123,8 @@ def sweep_configs(fmt, m):
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
     cfgs += [GemmConfig(*v) for v in SWEEP_GEMM.get(m, [])]
+    if fmt in PREFETCH[:2]:
+        cfgs += [dataclasses.replace(GemmConfig(*v), prefetch=1) for v in SWEEP_GEMM.get(m, [])]
     if m > 16:
         cfgs += ["dequant"] + (["dequant_rows"] if fmt != AWQ else [])
     return cfgs

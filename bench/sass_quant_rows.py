@@ -83,7 +83,8 @@ def gemm_source(fmt, cfg, group=128):
     unit = 64 if fmt == NF4 else QG.UNIT[fmt]
     g = max(1, cfg.block_k // unit)
     cons = dict(STEPS=4, FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, G=g, BS=64,
-                LUT=cfg.lut, W_LEFT=bool(cfg.w_left), PREC="tf32", ATOMIC=False, EVEN=True)
+                LUT=cfg.lut, W_LEFT=bool(cfg.w_left), PREC="tf32", ATOMIC=False, EVEN=True,
+                PREFETCH=bool(cfg.prefetch))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 9, 12)}
     return ASTSource(QG._qgemm_kernel, sig, cons, attrs=attrs), g * unit * cfg.block_n
 
@@ -134,14 +135,15 @@ def main():
     ap.add_argument("--fmt", default="Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ")
     ap.add_argument("--ms", default="1,16,256")
     ap.add_argument("--gemm", default=None,
-                    help="fused GEMM configs instead: m,n,k,warps,stages[,w_left];...")
+                    help="fused GEMM configs instead: m,n,k,warps,stages[,w_left[,prefetch]];...")
     args = ap.parse_args()
     ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
     if args.gemm:
         for name in args.fmt.split(","):
             for spec in args.gemm.split(";"):
                 v = [int(t) for t in spec.split(",")]
-                cfg = QG.GemmConfig(v[0], v[1], v[2], 1, v[3], v[4], v[5] if len(v) > 5 else 0)
+                cfg = QG.GemmConfig(v[0], v[1], v[2], 1, v[3], v[4], v[5] if len(v) > 5 else 0,
+                                    prefetch=v[6] if len(v) > 6 else 0)
                 src, elems = gemm_source(ids[name], cfg)
                 report(f"{name} {cfg.tag()}", src, elems, cfg,
                        fuse=ids[name] not in (Q4_K, AWQ))

@@ -25,12 +25,13 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
 
 ROW_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
 # (M, N, config): partial tiles (masked), whole tiles (unmasked), a split reduction, the weight
-# as the left operand
+# as the left operand, the next step's words loaded ahead (Q4_0 / Q8_0; an uneven split)
 CASES = [(20, 24, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
          (32, 32, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
          (16, 16, GemmConfig(16, 16, 64, split=2, num_warps=4, num_stages=2)),
-         (17, 16, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2, w_left=1))]
-IDS = ["partial", "whole", "split", "w_left"]
+         (17, 16, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2, w_left=1)),
+         (20, 24, GemmConfig(16, 16, 32, split=3, num_warps=4, num_stages=2, prefetch=1))]
+IDS = ["partial", "whole", "split", "w_left", "prefetch"]
 
 
 def _t(a):

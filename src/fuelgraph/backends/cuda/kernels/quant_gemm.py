@@ -71,19 +71,33 @@ def _pair(a, b, BN: tl.constexpr, G: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, u0, nunit,
-               magic, G: tl.constexpr, BS: tl.constexpr, LUT: tl.constexpr,
-               W_LEFT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr, EVEN: tl.constexpr):
-    """acc += the product over units u0 .. u0 + G (see UNIT; NF4: absmax blocks of BS) of the
-    weight rows at byte pointers `rows` [BN]."""
-    BN: tl.constexpr = rows.shape[0]
+def _raw_words(FMT: tl.constexpr, rows, n_ok, u0, lim, G: tl.constexpr, EVEN: tl.constexpr):
+    """Q4_0 / Q8_0: the 2-byte words [BN, G, 8 | 16] and f16 scales [BN, G, 1] of blocks u0 ..
+    u0 + G (those < lim), as loaded (converted where used, so a prefetch does not wait)."""
     nm = n_ok[:, None, None]
-    if FMT == 0:      # Q4_0: word i = bytes 2i, 2i + 1: elements 2i, 2i + 1 (low), 16 + ... (high)
-        b = u0 + tl.arange(0, G)[:, None]
-        i = tl.arange(0, 8)[None, :]
-        blk = rows[:, None, None] + (b * 18)[None]
-        v = _u16_words(blk + 2 + 2 * i[None], nm & ((b < nunit) & (i < 8))[None], EVEN)
-        d = _f16(blk, nm & (b < nunit)[None], EVEN)
+    W: tl.constexpr = 8 if FMT == 0 else 16
+    b = u0 + tl.arange(0, G)[:, None]
+    i = tl.arange(0, W)[None, :]
+    blk = rows[:, None, None] + (b * (2 + 2 * W))[None]
+    p16 = (blk + 2 + 2 * i[None]).to(tl.pointer_type(tl.uint16))
+    pd = blk.to(tl.pointer_type(tl.float16))
+    if EVEN:
+        return tl.load(p16), tl.load(pd)
+    else:
+        return (tl.load(p16, mask=nm & ((b < lim) & (i < W))[None], other=0),
+                tl.load(pd, mask=nm & (b < lim)[None], other=0.0))
+
+
+@triton.jit
+def _mul_words(FMT: tl.constexpr, acc, v, d, u0, nunit, magic, x_rows, m_ok, n_ok,
+               G: tl.constexpr, W_LEFT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr,
+               EVEN: tl.constexpr):
+    """acc += the K-ordered Q4_0 / Q8_0 tiles of the raw words and scales of `_raw_words`."""
+    BN: tl.constexpr = v.shape[0]
+    v = v.to(tl.int32)
+    d = d.to(tl.float32)
+    b = u0 + tl.arange(0, G)[:, None]
+    if FMT == 0:      # word i = bytes 2i, 2i + 1: elements 2i, 2i + 1 (low), 16 + 2i, ... (high)
         w0 = d * _nib_scaled(v, magic, 0, 8)
         w1 = (d * 0.0625) * _nib_scaled(v, magic, 4, 8)
         w2 = (d * 0.00390625) * _nib_scaled(v, magic, 8, 8)
@@ -94,17 +108,27 @@ def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, 
                    W_LEFT, PREC, DEQ, EVEN)
         acc = _use(acc, _pair(w1, w3, BN, G, 16), b * 32 + 16 + j, k_ok, x_rows, m_ok, n_ok,
                    W_LEFT, PREC, DEQ, EVEN)
-    elif FMT == 4:    # Q8_0: word i = int8 elements 2i, 2i + 1
-        b = u0 + tl.arange(0, G)[:, None]
-        i = tl.arange(0, 16)[None, :]
-        blk = rows[:, None, None] + (b * 34)[None]
-        v = _u16_words(blk + 2 + 2 * i[None], nm & ((b < nunit) & (i < 16))[None], EVEN)
-        d = _f16(blk, nm & (b < nunit)[None], EVEN)
+    else:             # Q8_0: word i = int8 elements 2i, 2i + 1
         lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
         hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
         j = tl.arange(0, 32)[None, :]
         acc = _use(acc, _pair(lo * d, hi * (d * 0.00390625), BN, G, 32), b * 32 + j,
                    (b < nunit) & (j < 32), x_rows, m_ok, n_ok, W_LEFT, PREC, DEQ, EVEN)
+    return acc
+
+
+@triton.jit
+def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, u0, nunit,
+               magic, G: tl.constexpr, BS: tl.constexpr, LUT: tl.constexpr,
+               W_LEFT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr, EVEN: tl.constexpr):
+    """acc += the product over units u0 .. u0 + G (see UNIT; NF4: absmax blocks of BS) of the
+    weight rows at byte pointers `rows` [BN]."""
+    BN: tl.constexpr = rows.shape[0]
+    nm = n_ok[:, None, None]
+    if FMT == 0 or FMT == 4:
+        v, d = _raw_words(FMT, rows, n_ok, u0, nunit, G, EVEN)
+        acc = _mul_words(FMT, acc, v, d, u0, nunit, magic, x_rows, m_ok, n_ok, G, W_LEFT, PREC,
+                         DEQ, EVEN)
     elif FMT == 7:    # Q4_K: unit (block, c) = 32 bytes, low nibbles 64c + 0..31, high + 32..63
         u = u0 + tl.arange(0, G)[:, None]
         b = u // 4
@@ -211,7 +235,7 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, n
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                   BS: tl.constexpr, LUT: tl.constexpr, W_LEFT: tl.constexpr,
                   PREC: tl.constexpr, ATOMIC: tl.constexpr, EVEN: tl.constexpr,
-                  DEQ: tl.constexpr = False):
+                  DEQ: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over units [pid_s * STEPS * G, ...) of W's rows
     [pid_n * BLOCK_N, ...). DEQ: x_ptr is the dense W [N, K] to write (stride_x = K)."""
     pid_n = tl.program_id(0)
@@ -231,10 +255,22 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, M, N, row_bytes, s_row, n
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for i in range(STEPS):
-        acc = _gemm_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr,
-                         (pid_s * STEPS + i) * G, nunit, magic, G, BS, LUT, W_LEFT, PREC, DEQ,
-                         EVEN)
+    if PREFETCH and (FMT == 0 or FMT == 4):     # next step's words loaded before this one's dot
+        first = pid_s * STEPS * G
+        lim = tl.minimum(nunit, first + STEPS * G)
+        v, d = _raw_words(FMT, rows, n_ok, first, lim, G, False)
+        for i in range(STEPS):
+            u0 = first + i * G
+            v_next, d_next = _raw_words(FMT, rows, n_ok, u0 + G, lim, G, False)
+            acc = _mul_words(FMT, acc, v, d, u0, nunit, magic, x_rows, m_ok, n_ok, G, W_LEFT,
+                             PREC, DEQ, EVEN)
+            v = v_next
+            d = d_next
+    else:
+        for i in range(STEPS):
+            acc = _gemm_step(FMT, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr,
+                             (pid_s * STEPS + i) * G, nunit, magic, G, BS, LUT, W_LEFT, PREC,
+                             DEQ, EVEN)
     if not DEQ:
         if W_LEFT:
             acc = tl.trans(acc)
@@ -324,11 +360,13 @@ class GemmConfig:
     num_stages: int = 3
     w_left: int = 0
     lut: int = 2
+    prefetch: int = 0   # Q4_0 / Q8_0: next step's words loaded ahead in registers
 
     def tag(self) -> str:
         return (f"gemm[m{self.block_m},n{self.block_n},k{self.block_k},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (",wl" if self.w_left else "")
-                + ("" if self.lut == 2 else f",lut{self.lut}") + "]")
+                + ("" if self.lut == 2 else f",lut{self.lut}") + (",pf" if self.prefetch else "")
+                + "]")
 
 
 def _split_steps(tiles: int, total: int, split: int, block_m: int, device) -> tuple[int, int]:
@@ -385,7 +423,8 @@ def run_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: GemmConfi
         _qgemm_kernel[grid](x2, w0, w1, w2, out, m, n, row_bytes, k // i0 if fmt == NF4 else 0,
                             nunit, x2.stride(0), out.stride(0), MAGIC_BITS, FMT=fmt,
                             BLOCK_N=cfg.block_n, G=g, BS=i0 if fmt == NF4 else 32, LUT=cfg.lut,
-                            W_LEFT=bool(cfg.w_left), EVEN=even, **opts)
+                            W_LEFT=bool(cfg.w_left), EVEN=even, PREFETCH=bool(cfg.prefetch),
+                            **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, n)
