@@ -315,7 +315,8 @@ def main():
                          lambda x, c, _q=qtype, _r=raw: K.qmatmul(x, _r, quant_type=_q, n=n,
                                                                   k=k, config=c),
                          w_q, raw.numel(), args.sweep, g, GGUF_IDS[qtype])
-            if m == 256 and SWEEP_KIND != "small":   # the alternative GEMM path: dense bf16 dequantize, then cuBLAS
+            # the tile kernels' dense bf16 dequantize, then cuBLAS
+            if m == 256 and SWEEP_KIND != "small":
                 def deq_gemm(_q=qtype, _r=raw, _x=x):
                     b = K.dequantize(GGUF_IDS[_q], _r, _r, _r, f.row_bytes(k), k, n,
                                      dtype=torch.bfloat16)
