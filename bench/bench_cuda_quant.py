@@ -103,6 +103,7 @@ def sweep_configs(fmt, m):
         cfgs = [make_config(fmt, *v) for v in (SMALL_AWQ if fmt == AWQ else SMALL_ROWS).get(m, [])]
         if m == 1 and fmt in PREFETCH:      # next step's bytes loaded ahead (quant_gemv)
             cfgs += [dataclasses.replace(default_rows_config(fmt, 1), prefetch=1),
+                     dataclasses.replace(default_rows_config(fmt, 1), prefetch=2),
                      dataclasses.replace(make_config(fmt, 1, 32, 8192, 4), prefetch=1)]
         cfgs += [GemmConfig(*v) for v in SMALL_GEMM.get(m, [])]
         if fmt in PREFETCH[:2] and m > 1:   # Q4_0 / Q8_0 words loaded a step ahead
@@ -118,7 +119,7 @@ def sweep_configs(fmt, m):
         if fmt in WORD_FORMATS:
             cfgs.append(dataclasses.replace(base, words=0))
     if m == 1 and fmt in PREFETCH:
-        cfgs += [dataclasses.replace(base, prefetch=1),
+        cfgs += [dataclasses.replace(base, prefetch=1), dataclasses.replace(base, prefetch=2),
                  dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1)]
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]

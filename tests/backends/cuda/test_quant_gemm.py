@@ -119,15 +119,16 @@ def test_awq_gemm(m, n, cfg):
         _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg2), x, wa, dt)
 
 
-@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("split,mode", [(1, 1), (3, 1), (3, 2)])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "NF4"])
-def test_one_row_prefetch(qtype, split):
+def test_one_row_prefetch(qtype, split, mode):
     """The one-row GEMV that loads the next step's bytes ahead (`quant_gemv`), partial row tile,
-    a reduction split unevenly (the last program's prefetch runs past its range)."""
+    a reduction split unevenly (the last program's prefetch runs past its range); mode 2 reads x
+    at the weight's positions."""
     from fuelgraph.backends.cuda.kernels.quant_rows import RowConfig
     rng = np.random.default_rng(split)
     n, k = 20, 7 * 64
-    cfg = RowConfig(1, 16, 2, split=split, prefetch=1)
+    cfg = RowConfig(1, 16, 2, split=split, prefetch=mode)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     if qtype == "NF4":
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)

@@ -39,8 +39,22 @@ def _raw(FMT: tl.constexpr, rows, n_ok, s_rows, b0, lim, NB: tl.constexpr, BS: t
 
 
 @triton.jit
+def _x_at(x_ptr, m_ok, koff, k_ok, like, XB: tl.constexpr):
+    """x (float32) at the element offsets koff [G, Q] and koff + 1, shaped to broadcast against
+    the weight tiles `like` [BN, G, Q]. XB: read at the weight's own [BN, G, Q] positions (the
+    same layout, no exchange through shared memory and its barriers; more L1 reads)."""
+    if XB:
+        xp = x_ptr + koff[None, :, :] + 0 * like
+        km = k_ok[None, :, :]
+        return tl.load(xp, mask=km, other=0.0), tl.load(xp + 1, mask=km, other=0.0)
+    else:
+        x0, x1 = _x_pairs(x_ptr, m_ok, koff, k_ok, False, True, False)
+        return x0[None, :, :], x1[None, :, :]
+
+
+@triton.jit
 def _mul(FMT: tl.constexpr, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic,
-         NB: tl.constexpr, BS: tl.constexpr, LUT: tl.constexpr):
+         NB: tl.constexpr, BS: tl.constexpr, LUT: tl.constexpr, XB: tl.constexpr):
     """acc [BN, NB, Q] += the planes of the raw tiles (v, d) of blocks b0 .. b0 + NB times x."""
     b = b0 + tl.arange(0, NB)[:, None]
     if FMT == 0:
@@ -49,30 +63,30 @@ def _mul(FMT: tl.constexpr, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic
         ko = b * 32 + 2 * i
         v = v.to(tl.int32)
         d = d.to(tl.float32)
-        xa0, xa1 = _x_pairs(x_ptr, m_ok, ko, k_ok, False, True, False)
-        xb0, xb1 = _x_pairs(x_ptr, m_ok, ko + 16, k_ok, False, True, False)
-        acc += d * _nib_scaled(v, magic, 0, 8) * xa0[None, :, :]
-        acc += (d * 0.0625) * _nib_scaled(v, magic, 4, 8) * xb0[None, :, :]
-        acc += (d * 0.00390625) * _nib_scaled(v, magic, 8, 8) * xa1[None, :, :]
-        acc += (d * 0.000244140625) * _nib_scaled(v, magic, 12, 8) * xb1[None, :, :]
+        xa0, xa1 = _x_at(x_ptr, m_ok, ko, k_ok, v, XB)
+        xb0, xb1 = _x_at(x_ptr, m_ok, ko + 16, k_ok, v, XB)
+        acc += d * _nib_scaled(v, magic, 0, 8) * xa0
+        acc += (d * 0.0625) * _nib_scaled(v, magic, 4, 8) * xb0
+        acc += (d * 0.00390625) * _nib_scaled(v, magic, 8, 8) * xa1
+        acc += (d * 0.000244140625) * _nib_scaled(v, magic, 12, 8) * xb1
     elif FMT == 4:
         i = tl.arange(0, 16)[None, :]
         k_ok = (b < nblk) & (i < 16)
         ko = b * 32 + 2 * i
         v = v.to(tl.int32)
         d = d.to(tl.float32)
-        x0, x1 = _x_pairs(x_ptr, m_ok, ko, k_ok, False, True, False)
+        x0, x1 = _x_at(x_ptr, m_ok, ko, k_ok, v, XB)
         lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
         hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
-        acc += (lo * d) * x0[None, :, :]
-        acc += (hi * (d * 0.00390625)) * x1[None, :, :]
+        acc += (lo * d) * x0
+        acc += (hi * (d * 0.00390625)) * x1
     else:
         j = tl.arange(0, BS // 2)[None, :]
         k_ok = (b < nblk) & (j < BS // 2)
         byte = v.to(tl.int32)
-        x0, x1 = _x_pairs(x_ptr, m_ok, b * BS + 2 * j, k_ok, False, True, False)
-        acc += (_nf4_value(byte >> 4, c_ptr, LUT) * d) * x0[None, :, :]
-        acc += (_nf4_value(byte & 15, c_ptr, LUT) * d) * x1[None, :, :]
+        x0, x1 = _x_at(x_ptr, m_ok, b * BS + 2 * j, k_ok, byte, XB)
+        acc += (_nf4_value(byte >> 4, c_ptr, LUT) * d) * x0
+        acc += (_nf4_value(byte & 15, c_ptr, LUT) * d) * x1
     return acc
 
 
@@ -80,7 +94,7 @@ def _mul(FMT: tl.constexpr, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic
 def _gemv_prefetch_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, N, row_bytes, s_row, nblk, magic,
                           STEPS: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
                           NB: tl.constexpr, BS: tl.constexpr, LUT: tl.constexpr,
-                          PQ: tl.constexpr, ATOMIC: tl.constexpr):
+                          PQ: tl.constexpr, ATOMIC: tl.constexpr, XB: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over blocks [pid_s * STEPS * NB, ...) of rows
     [pid_n * BLOCK_N, ...); x float32."""
     pid_n = tl.program_id(0)
@@ -97,7 +111,7 @@ def _gemv_prefetch_kernel(x_ptr, w_ptr, s_ptr, c_ptr, out_ptr, N, row_bytes, s_r
     for i in range(STEPS):
         b0 = first + i * NB
         v_next, d_next = _raw(FMT, rows, n_ok, s_rows, b0 + NB, lim, NB, BS)
-        acc = _mul(FMT, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic, NB, BS, LUT)
+        acc = _mul(FMT, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic, NB, BS, LUT, XB)
         v = v_next
         d = d_next
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
