@@ -740,11 +740,13 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
                                         num_stages=1)
             return (out.to(x.dtype) if atomic and x.dtype != torch.float32 else
                     out).reshape(*lead, n)
+        # a dot needs >= 16 elements along K: one Q4_0 block's word planes have 8 (bytes: 16)
+        words = cfg.words and fmt in WORD_FORMATS and not (
+            cfg.use_dot and fmt == Q4_0 and cfg.steps < 2)
         _rows_kernel[grid](xk, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, xk.stride(0),
                            out.stride(0), MAGIC_BITS, FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
                            BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, EVEN=even,
-                           **_plane_shape(fmt, cfg.steps, i0, cfg.words and fmt in WORD_FORMATS),
-                           **opts)
+                           **_plane_shape(fmt, cfg.steps, i0, words), **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, n)
