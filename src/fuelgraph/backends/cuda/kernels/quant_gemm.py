@@ -310,7 +310,9 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, sc_ptr, out_ptr, M, N, K, group_size
     c_ok = offs_c < N
     m_ok = offs_m < M
     # scale of column c divided by the power of two 2^(4 * ((c % 8) // 2)) its nibble sits at
-    shift = tl.exp2(-4.0 * ((tl.arange(0, 8 * BLOCK_W) % 8) // 2).to(tl.float32))
+    q = (tl.arange(0, 8 * BLOCK_W) % 8) // 2
+    shift = tl.where(q == 0, 1.0, tl.where(q == 1, 0.0625,
+                                           tl.where(q == 2, 0.00390625, 0.000244140625)))
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, 8 * BLOCK_W), tl.float32)
     for i in range(STEPS):
