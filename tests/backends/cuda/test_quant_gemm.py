@@ -139,3 +139,38 @@ def test_one_row_prefetch(qtype, split, mode):
         raw = gguf_bytes(rng, qtype, n, k)
         out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
         _check(out, x, _gguf_ref(raw, qtype).T, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ROW_TYPES + ["NF4", "AWQ"])
+def test_gemm_dequantizes_bit_exact(fmt):
+    """x = I (float32, IEEE dot: every product is 0 or one weight, every sum exact) reads the
+    fused GEMM's in-register weights back: bit-identical to the references (up to the sign of
+    zero: -0 + 0 sums to +0)."""
+    rng = np.random.default_rng(7)
+    cfg = GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)
+    if fmt == "AWQ":
+        n, k, gs = 32, 64, 32
+        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8),
+                          dtype=np.int64).astype(np.int32)
+        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+        x = torch.eye(k).to(DEV)
+        got = K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg)
+        same_bits(got.cpu().numpy(), awq_reference(qw, qz, sc, gs) + np.float32(0))
+        return
+    if fmt == "NF4":
+        n, k = 16, 128
+        packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+        absmax = rng.uniform(0, 3, size=(n, k // 64)).astype(np.float32)
+        x = torch.eye(k).to(DEV)
+        got = K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg)
+        same_bits(got.cpu().numpy(), nf4_reference(packed, absmax, 64).T + np.float32(0))
+        return
+    qk = GGUF[fmt][0]
+    n, k = 16, 2 * qk if qk == 32 else qk
+    raw = gguf_bytes(rng, fmt, n, k)
+    x = torch.eye(k).to(DEV)
+    for pf in (0, 1):
+        got = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=fmt, n=n, k=k,
+                        config=GemmConfig(16, 16, 64, 1, 4, 2, prefetch=pf))
+        same_bits(got.cpu().numpy(), _gguf_ref(raw, fmt).T + np.float32(0))
