@@ -174,3 +174,22 @@ def test_gemm_dequantizes_bit_exact(fmt):
         got = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=fmt, n=n, k=k,
                         config=GemmConfig(16, 16, 64, 1, 4, 2, prefetch=pf))
         same_bits(got.cpu().numpy(), _gguf_ref(raw, fmt).T + np.float32(0))
+
+
+def test_many_rows_default_paths():
+    """Above DEQUANT_GEMM_MIN_M rows: AWQ takes the fused GEMM for 16-bit x (the dense copy for
+    float32), NF4 the K-order dense copy."""
+    rng = np.random.default_rng(12)
+    m = K.DEQUANT_GEMM_MIN_M + 3
+    n, k, gs = 24, 64, 32
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+    for dt in (torch.float32, torch.float16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(dt).to(DEV)
+        _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs), x,
+               awq_reference(qw, qz, sc, gs), dt)
+        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64), x,
+               nf4_reference(packed, absmax, 64).T, dt)

@@ -180,14 +180,22 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 
 #: default path per format and activation rows (the first key >= M applies): "rows" (the
 #: storage-order kernels of `quant_rows` with their launch table), a RowConfig / GemmConfig
-#: (`quant_gemm`'s fused dequantizing GEMM), "tiles" (the generic tile kernels below),
-#: "dequant" (dense K-order copy of the weight + cuBLAS). H200, 2026-12-01, N = K = 8192, bf16:
-#: rows beat tiles at M = 1 (Q4_0 0.066 vs 0.133 ms, Q8_0 0.105 vs 0.143, Q4_K 0.077 vs 0.187)
-#: but lost at M = 16 (Q4_0 0.158 vs 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and
-#: AWQ rows won at both (M = 16: 0.068 vs 0.741, 0.063 vs 0.886).
-_GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant"}
-_FAST_ROUTE = {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"}
-ROUTES = {NF4: _FAST_ROUTE, AWQ: _FAST_ROUTE,
+#: (`quant_gemm`'s fused dequantizing GEMM; 16-bit x only, float32 x takes "dequant"), "tiles"
+#: (the generic tile kernels below), "dequant" (dense K-order copy of the weight + cuBLAS),
+#: "dequant_rows" (the copy written in storage order). H200, N = K = 8192, bf16:
+#: * rows beat tiles at M = 1 (Q4_0 0.066 vs 0.133 ms, Q8_0 0.105 vs 0.143, Q4_K 0.077 vs 0.187)
+#:   but lost at M = 16 (Q4_0 0.158 vs 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and
+#:   AWQ rows won at both (M = 16: 0.068 vs 0.741, 0.063 vs 0.886). Session 4 sweep: the fused
+#:   GEMM with 16-row tiles lost to tiles at Q4_0 M = 16 (0.124 vs 0.086); the one-row prefetch
+#:   GEMV tied the rows kernel (Q4_0 0.0589 vs 0.0585, CUDA-graph times).
+#: * M = 256: AWQ's fused GEMM (128 x 256 tiles, split 2) 0.143 ms vs 0.370 (dense copy + cuBLAS);
+#:   Q4_0's dense copy in storage order 0.126 vs 0.164 in K order vs 0.358 fused (its 18-byte
+#:   blocks allow only 2-byte loads, which Triton does not pipeline). NF4's storage-order copy
+#:   (every other element a store, 1.03 ms) is replaced by the K-order copy (16-byte stores).
+AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+_GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+ROUTES = {NF4: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
+          AWQ: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
           **{fmt: _GGUF_ROUTE for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
 
@@ -221,6 +229,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     if config is None:
         if rows_ok and fmt_id in ROUTES:
             config = default_route(fmt_id, m_all)
+            if isinstance(config, GemmConfig) and x.dtype == torch.float32:
+                config = "dequant"      # the GEMM tiles are sized for 16-bit operands
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
     if isinstance(config, GemmConfig) and rows_ok and fmt_id in GEMM_FORMATS:
