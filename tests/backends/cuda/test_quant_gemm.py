@@ -26,11 +26,8 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
 ROW_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q6_K"]
 # (M, N, config): partial tiles (masked), whole tiles (unmasked), a split reduction, the weight
 # as the left operand, the next step's words loaded ahead (Q4_0 / Q8_0; an uneven split)
-CASES = [(20, 24, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
-         (32, 32, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2)),
-         (16, 16, GemmConfig(16, 16, 64, split=2, num_warps=4, num_stages=2)),
-         (17, 16, GemmConfig(16, 16, 64, split=1, num_warps=4, num_stages=2, w_left=1)),
-         (20, 24, GemmConfig(16, 16, 32, split=3, num_warps=4, num_stages=2, prefetch=1))]
+CASES = [(20, 24, dict(split=1)), (32, 32, dict(split=1)), (16, 16, dict(split=2)),
+         (17, 16, dict(split=1, w_left=1)), (20, 24, dict(split=3, block_k=32, prefetch=1))]
 IDS = ["partial", "whole", "split", "w_left", "prefetch"]
 
 
@@ -41,6 +38,12 @@ def _t(a):
 def _gguf_ref(raw, qtype):
     with np.errstate(all="ignore"):
         return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+
+
+def _gemm(opts):
+    """A small GemmConfig: 16 x 16 tiles, 64 elements of K a step unless `opts` says."""
+    return GemmConfig(**{"block_m": 16, "block_n": 16, "block_k": 64, "num_warps": 4,
+                         "num_stages": 2, **opts})
 
 
 def _dtypes():
@@ -89,7 +92,7 @@ def test_qmatmul_gemm(qtype, m, n, cfg):
     w = _gguf_ref(raw, qtype)
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
-        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_gemm(cfg))
         _check(out, x, w.T, dt)
 
 
@@ -102,7 +105,8 @@ def test_nf4_gemm(m, n, cfg):
     wn = nf4_reference(packed, absmax, 64)
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
-        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg), x, wn.T, dt)
+        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=_gemm(cfg)), x,
+               wn.T, dt)
 
 
 @pytest.mark.parametrize("m,n,cfg", CASES[:3], ids=IDS[:3])
@@ -115,7 +119,7 @@ def test_awq_gemm(m, n, cfg):
     wa = awq_reference(qw, qz, sc, gs)
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
-        cfg2 = GemmConfig(cfg.block_m, 16, 32, cfg.split, 4, 2)
+        cfg2 = _gemm({**cfg, "block_k": 32})
         _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg2), x, wa, dt)
 
 
