@@ -36,6 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_gemm import GemmConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
                                                           default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
@@ -54,6 +55,9 @@ except Exception as exc:  # noqa: BLE001
 DEV = torch.device("cuda")
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 RECORDS: list[dict] = []
+COMPILE_ONLY = False
+JSONL = None    # --out DIR: each record also appended to DIR/cuda_quant_records.jsonl
+REP = 200       # ms of repetitions a timing (--sweep small: 80)
 # targets (ms) from the issue: (M=1, M=16, M=256)
 TARGETS = {"nf4_matmul": (0.015, 0.044, 0.064), "awq_matmul": (0.015, 0.044, 0.064),
            "qmatmul_Q4_0": (0.015, 0.044, 0.064), "qmatmul_Q4_K": (0.015, 0.044, 0.064),
@@ -74,8 +78,39 @@ SWEEP_AWQ = {1: [(1, 256, 8192, 8, 2), (1, 128, 4096, 4, 2), (1, 256, 4096, 4, 2
                    (128, 128, 8192, 4, 3)]}
 
 
+# the fused dequantizing GEMM (quant_gemm.GemmConfig: block_m, block_n, block_k, split, warps,
+# stages[, w_left]) by M; AWQ's block_n counts columns
+SWEEP_GEMM = {1: [(16, 64, 256, 0, 4, 4), (16, 128, 128, 0, 4, 4)],
+              16: [(16, 64, 256, 0, 4, 4), (16, 128, 128, 0, 4, 4), (16, 64, 128, 0, 4, 3)],
+              256: [(128, 128, 64, 1, 8, 3), (256, 64, 128, 1, 8, 3), (128, 256, 64, 1, 8, 3),
+                    (128, 128, 128, 1, 8, 3, 1)]}
+# --sweep small: the few variants a 90-second GPU slot can afford (compiled ahead in parallel
+# by --compile-only processes): the fused GEMM, the two dense-copy dequantizers
+SMALL_GEMM = {1: [(16, 64, 256, 0, 4, 4)], 16: [(16, 64, 256, 0, 4, 4), (16, 128, 128, 0, 4, 4)],
+              256: [(128, 128, 64, 1, 8, 3), (256, 64, 128, 1, 8, 3), (128, 256, 64, 0, 8, 3)]}
+# --sweep small, one row: storage-order kernels with more bytes in flight (a bigger step, or
+# the reduction split over more programs)
+SMALL_ROWS = {1: [(1, 16, 8192, 4, 2), (1, 16, 4096, 4, 2, 4)]}
+SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
+SWEEP_KIND = "full"
+PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
+
+
 def sweep_configs(fmt, m):
-    """RowConfigs to time for (format, M), plus the dense-copy path at many rows."""
+    """RowConfigs / GemmConfigs to time for (format, M), plus the dense-copy paths at many
+    rows."""
+    if SWEEP_KIND == "small":
+        cfgs = [make_config(fmt, *v) for v in (SMALL_AWQ if fmt == AWQ else SMALL_ROWS).get(m, [])]
+        if m == 1 and fmt in PREFETCH:      # next step's bytes loaded ahead (quant_gemv)
+            cfgs += [dataclasses.replace(default_rows_config(fmt, 1), prefetch=1),
+                     dataclasses.replace(default_rows_config(fmt, 1), prefetch=2),
+                     dataclasses.replace(make_config(fmt, 1, 32, 8192, 4), prefetch=1)]
+        cfgs += [GemmConfig(*v) for v in SMALL_GEMM.get(m, [])]
+        if fmt in PREFETCH[:2] and m > 1:   # Q4_0 / Q8_0 words loaded a step ahead
+            cfgs.append(dataclasses.replace(GemmConfig(*SMALL_GEMM[m][0]), prefetch=1))
+        if m > 16:
+            cfgs += ["dequant"] + (["dequant_rows"] if fmt not in (AWQ,) else [])
+        return cfgs
     table = SWEEP_AWQ if fmt == AWQ else SWEEP_ROWS
     cfgs = [make_config(fmt, *v) for v in table.get(m, [])]
     base = default_rows_config(fmt, m)
@@ -83,26 +118,39 @@ def sweep_configs(fmt, m):
         cfgs.append(dataclasses.replace(base, x32=0))
         if fmt in WORD_FORMATS:
             cfgs.append(dataclasses.replace(base, words=0))
+    if m == 1 and fmt in PREFETCH:
+        cfgs += [dataclasses.replace(base, prefetch=1), dataclasses.replace(base, prefetch=2),
+                 dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1)]
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
+    cfgs += [GemmConfig(*v) for v in SWEEP_GEMM.get(m, [])]
+    if fmt in PREFETCH[:2]:
+        cfgs += [dataclasses.replace(GemmConfig(*v), prefetch=1) for v in SWEEP_GEMM.get(m, [])]
     if m > 16:
-        cfgs.append("dequant")
+        cfgs += ["dequant"] + (["dequant_rows"] if fmt != AWQ else [])
     return cfgs
 
 
 def t_ms(fn):
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    if COMPILE_ONLY:
+        fn()
+        return 0.0
+    return float(do_bench(fn, warmup=25, rep=REP, return_mode="median"))
 
 
 def t_graph_ms(fn):
+    if COMPILE_ONLY:
+        return None
     try:
-        return float(do_bench_cudagraph(fn, rep=200, return_mode="median"))
+        return float(do_bench_cudagraph(fn, rep=REP, return_mode="median"))
     except Exception as exc:  # noqa: BLE001  (e.g. a path that cannot be captured)
         print(f"[bench] cuda graph timing failed: {exc!r}", file=sys.stderr)
         return None
 
 
 def record(op, impl, m, n, k, ms, ms_graph, wbytes, **extra):
+    if COMPILE_ONLY:
+        return None
     best = min(x for x in (ms, ms_graph) if x is not None)
     r = {"op": op, "impl": impl, "device": torch.cuda.get_device_name(), "shape": [m, n, k],
          "dtype": "bfloat16", "ms": round(ms, 5),
@@ -110,6 +158,9 @@ def record(op, impl, m, n, k, ms, ms_graph, wbytes, **extra):
          "gbps": round(wbytes / best / 1e6, 1) if wbytes else None, "date": DATE}
     r.update(extra)
     RECORDS.append(r)
+    if JSONL:       # survives a timeout that cuts the run short
+        with open(JSONL, "a") as f:
+            f.write(json.dumps(r) + "\n")
     print(f"{op:14s} M={m:<4d} {impl:28s} {ms:8.4f} ms  graph {ms_graph or float('nan'):8.4f} ms"
           + (f"  {r['gbps']:7.1f} GB/s" if wbytes else ""), flush=True)
     return r
@@ -159,9 +210,22 @@ def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g, fmt):
     """Check `fused(x, cfg)` against x @ dense_w.T, then time it (and config variants)."""
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     want = TF.linear(x, dense_w)
-    _close(fused(x, None), want, f"{op} M={m}")
-    record(op, "fuelgraph", m, n, k, t_ms(lambda: fused(x, None)),
-           t_graph_ms(lambda: fused(x, None)), wbytes)
+    try:
+        _close(fused(x, None), want, f"{op} M={m}")
+        default_ok = True
+    except Exception as exc:  # noqa: BLE001  (report, and still try the variants)
+        print(f"[bench] {op} M={m} default failed: {str(exc)[:300]!r}", file=sys.stderr)
+        default_ok = False
+    if COMPILE_ONLY:    # warm Triton's on-disk cache for a later timed run
+        for cfg in (sweep_configs(fmt, m) if sweep else ()):
+            try:
+                fused(x, cfg)
+            except Exception as exc:  # noqa: BLE001
+                print(f"[compile] {op} M={m} {cfg} failed: {str(exc)[:300]!r}", file=sys.stderr)
+        return x
+    if default_ok:
+        record(op, "fuelgraph", m, n, k, t_ms(lambda: fused(x, None)),
+               t_graph_ms(lambda: fused(x, None)), wbytes)
     if sweep:
         for cfg in sweep_configs(fmt, m):
             tag = cfg if isinstance(cfg, str) else cfg.tag()
@@ -177,17 +241,27 @@ def run_case(op, m, n, k, fused, dense_w, wbytes, sweep, g, fmt):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="full", default=None,
+                    help="time launch variants: full (default) or small")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="run every case once (no timing, no JSON): warms Triton's cache")
     ap.add_argument("--quick", action="store_true", help="N = K = 4096")
     ap.add_argument("--size", type=int, default=8192, help="N = K (default 8192)")
     ap.add_argument("--ops", default="nf4,awq,Q4_0,Q4_K,Q8_0,Q6_K")
     ap.add_argument("--ms", default="1,16,256")
     args = ap.parse_args()
+    global SWEEP_KIND, COMPILE_ONLY, REP, JSONL
+    SWEEP_KIND = args.sweep or "full"
+    REP = 80 if SWEEP_KIND == "small" else 200
+    COMPILE_ONLY = args.compile_only
+    if args.out and not COMPILE_ONLY:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        JSONL = str(pathlib.Path(args.out) / "cuda_quant_records.jsonl")
     n = k = 4096 if args.quick else args.size
     ms_list = tuple(int(v) for v in args.ms.split(","))
     ops = set(args.ops.split(","))
     g = torch.Generator(device=DEV).manual_seed(0)
-    ceiling = copy_ceiling()
+    ceiling = 0.0 if COMPILE_ONLY else copy_ceiling()
 
     # dense cuBLAS anchor
     w_dense = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(torch.bfloat16)
@@ -248,7 +322,8 @@ def main():
                          lambda x, c, _q=qtype, _r=raw: K.qmatmul(x, _r, quant_type=_q, n=n,
                                                                   k=k, config=c),
                          w_q, raw.numel(), args.sweep, g, GGUF_IDS[qtype])
-            if m == 256:   # the alternative GEMM path: dense bf16 dequantize, then cuBLAS
+            # the tile kernels' dense bf16 dequantize, then cuBLAS
+            if m == 256 and SWEEP_KIND != "small":
                 def deq_gemm(_q=qtype, _r=raw, _x=x):
                     b = K.dequantize(GGUF_IDS[_q], _r, _r, _r, f.row_bytes(k), k, n,
                                      dtype=torch.bfloat16)
@@ -256,6 +331,9 @@ def main():
                 record(f"qmatmul_{qtype}", "fuelgraph dequant+cublas", m, n, k,
                        t_ms(deq_gemm), t_graph_ms(deq_gemm), raw.numel())
 
+    if COMPILE_ONLY:
+        print("compiled", ",".join(sorted(ops)))
+        return
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "bitsandbytes": BNB, "copy_gbps": round(ceiling, 1), "records": RECORDS}
     paths = [ROOT / "bench" / "results" / f"cuda_quant_{DATE}.json"]

@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from fuelgraph.backends.cuda.kernels import quant_gemm as QG  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_rows as R  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K  # noqa: E402
 
@@ -63,6 +64,29 @@ def awq_source(cfg, group=128):
                 ACC_R=bk if cfg.block_m == 1 else cfg.block_m, SUB=sub)
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 11)}
     return ASTSource(R._awq_kernel, sig, cons, attrs=attrs), bk * sub * cfg.block_n
+
+
+def gemm_source(fmt, cfg, group=128):
+    """The fused dequantizing GEMM (`quant_gemm`) with bf16 x, EVEN tiles, float32 atomics."""
+    if fmt == AWQ:
+        sig = {"x_ptr": "*bf16", "qw_ptr": "*i32", "qz_ptr": "*i32", "sc_ptr": "*fp16",
+               "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "group_size": "i32",
+               "stride_x": "i32", "stride_o": "i32", "magic": "i32"}
+        bk = min(cfg.block_k, group)
+        cons = dict(STEPS=4, BLOCK_M=cfg.block_m, BLOCK_W=cfg.block_n // 8, BLOCK_K=bk,
+                    PREC="tf32", ATOMIC=False, EVEN=True)
+        attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 11)}
+        return ASTSource(QG._awq_gemm_kernel, sig, cons, attrs=attrs), bk * cfg.block_n
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "c_ptr": "*fp32",
+           "out_ptr": "*bf16", "M": "i32", "N": "i32", "row_bytes": "i32", "s_row": "i32",
+           "nunit": "i32", "stride_x": "i32", "stride_o": "i32", "magic": "i32"}
+    unit = 64 if fmt == NF4 else QG.UNIT[fmt]
+    g = max(1, cfg.block_k // unit)
+    cons = dict(STEPS=4, FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, G=g, BS=64,
+                LUT=cfg.lut, W_LEFT=bool(cfg.w_left), PREC="tf32", ATOMIC=False, EVEN=True,
+                PREFETCH=bool(cfg.prefetch))
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (5, 9, 12)}
+    return ASTSource(QG._qgemm_kernel, sig, cons, attrs=attrs), g * unit * cfg.block_n
 
 
 def main_loop_stats(cubin: bytes):
@@ -110,8 +134,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fmt", default="Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ")
     ap.add_argument("--ms", default="1,16,256")
+    ap.add_argument("--gemm", default=None,
+                    help="fused GEMM configs instead: m,n,k,warps,stages[,w_left[,prefetch]];...")
     args = ap.parse_args()
     ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
+    if args.gemm:
+        for name in args.fmt.split(","):
+            for spec in args.gemm.split(";"):
+                v = [int(t) for t in spec.split(",")]
+                cfg = QG.GemmConfig(v[0], v[1], v[2], 1, v[3], v[4], v[5] if len(v) > 5 else 0,
+                                    prefetch=v[6] if len(v) > 6 else 0)
+                src, elems = gemm_source(ids[name], cfg)
+                report(f"{name} {cfg.tag()}", src, elems, cfg,
+                       fuse=ids[name] not in (Q4_K, AWQ))
+        return
     for name in args.fmt.split(","):
         fmt = ids[name]
         for m in (int(v) for v in args.ms.split(",")):

@@ -1,16 +1,17 @@
 """Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
 respect to the activations).
 
-Dispatch (`run`):
+Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
 
-* Forward of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ, up to DEQUANT_GEMM_MIN_M rows: the
-  storage-order kernels of `quant_rows` (each weight byte read once, coalesced along K, unpacked
-  in registers; one-row GEMV, CUDA-core and tl.dot variants, split-K by atomics; launch table
-  `quant_rows.ROWS_TABLE` / `AWQ_TABLE`, retuned by `bench_cuda_quant.py --sweep`).
-* More rows: a dense copy of the weight in x's dtype (row formats written in storage order by
-  `quant_rows.dequantize_rows`) and cuBLAS.
+* Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
+  weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
+  tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
+  `quant_gemv` loads a step ahead for one row), the fused dequantizing GEMM of `quant_gemm`
+  (weight tiles joined back into K order next to the tensor-core dot), or a dense K-order copy
+  of the weight in x's dtype (`quant_gemm.dequantize_natural`) and cuBLAS.
 * The other GGUF formats and all gradients: the generic tile kernels below, which dequantize
-  a [BR, BC] tile of B per element (`quant_tiles.b_tile`) next to the dot product.
+  a [BR, BC] tile of B per element (`quant_tiles.b_tile`) next to the dot product (many rows:
+  a dense copy and cuBLAS).
 
 Generic tile kernels: with x [M, R] (R = reduction), the packed matrix B [R, C] (`out = x @ B`;
 for the gradients `out = g @ B.T`), each program owns an output tile and walks its share of R:
@@ -19,8 +20,8 @@ both split R (split-K, float32 atomics); larger M uses 64/128-row tensor-core ti
 
 Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
 rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
-lower to the recipe. `config=` (QConfig, RowConfig or "dequant") lets benchmarks pick a path
-and sweep tile shapes."""
+lower to the recipe. `config=` (QConfig, RowConfig, GemmConfig or a path name) lets benchmarks
+pick a path and sweep tile shapes (`bench_cuda_quant.py --sweep`)."""
 from __future__ import annotations
 
 import functools
@@ -37,6 +38,7 @@ from ....registry.quant import (AWQ_MATMUL_GRAD_A, NF4_CODE, NF4_MATMUL_GRAD_A, 
 from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
+from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -176,12 +178,31 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
     return triton.cdiv(total, steps), steps
 
 
-#: GGUF rows up to which the storage-order kernels run. H200, 2026-12-01, N = K = 8192, bf16,
-#: default launch settings (not yet swept): at M = 1 they beat the tile kernels (Q4_0 0.066 vs
-#: 0.133 ms, Q8_0 0.105 vs 0.143, Q4_K 0.077 vs 0.187) but at M = 16 they lost (Q4_0 0.158 vs
-#: 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and AWQ won at both (M = 16: 0.068 vs
-#: 0.741, 0.063 vs 0.886).
-ROWS_GGUF_MAX_M = 1
+#: default path per format and activation rows (the first key >= M applies): "rows" (the
+#: storage-order kernels of `quant_rows` with their launch table), a RowConfig / GemmConfig
+#: (`quant_gemm`'s fused dequantizing GEMM; 16-bit x only, float32 x takes "dequant"), "tiles"
+#: (the generic tile kernels below), "dequant" (dense K-order copy of the weight + cuBLAS),
+#: "dequant_rows" (the copy written in storage order). H200, N = K = 8192, bf16:
+#: * rows beat tiles at M = 1 (Q4_0 0.066 vs 0.133 ms, Q8_0 0.105 vs 0.143, Q4_K 0.077 vs 0.187)
+#:   but lost at M = 16 (Q4_0 0.158 vs 0.086, Q8_0 0.247 vs 0.097, Q4_K 0.202 vs 0.132); NF4 and
+#:   AWQ rows won at both (M = 16: 0.068 vs 0.741, 0.063 vs 0.886). Session 4 sweep: the fused
+#:   GEMM with 16-row tiles lost to tiles at Q4_0 M = 16 (0.124 vs 0.086); the one-row prefetch
+#:   GEMV tied the rows kernel (Q4_0 0.0589 vs 0.0585, CUDA-graph times).
+#: * M = 256: AWQ's fused GEMM (128 x 256 tiles, split 2) 0.143 ms vs 0.370 (dense copy + cuBLAS);
+#:   Q4_0's dense copy in storage order 0.126 vs 0.164 in K order vs 0.358 fused (its 18-byte
+#:   blocks allow only 2-byte loads, which Triton does not pipeline). NF4's storage-order copy
+#:   (every other element a store, 1.03 ms) is replaced by the K-order copy (16-byte stores).
+AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+_GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+ROUTES = {NF4: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
+          AWQ: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
+          **{fmt: _GGUF_ROUTE for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
+
+
+def default_route(fmt_id: int, m: int):
+    """The default path (see ROUTES) for `m` rows of a format that has the fast kernels."""
+    table = ROUTES[fmt_id]
+    return table[min(key for key in table if m <= key)]
 
 
 def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
@@ -194,20 +215,34 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | str | None = None):
+        config: QConfig | RowConfig | GemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
-    generic tile kernels), a RowConfig (the storage-order kernels of quant_rows) or
-    "dequant" (dense copy of the weight + cuBLAS)."""
+    generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
+    (the fused dequantizing GEMM of quant_gemm), "tiles", "rows", "dequant" (dense K-order copy
+    of the weight + cuBLAS) or "dequant_rows" (the copy written in storage order). Configs a
+    format / direction has no kernel for fall back to the tile kernels."""
     rows_ok = not grad and _has_rows_kernel(fmt_id, i0) and x.dtype != torch.float64
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
         return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
-    if config == "dequant" or (config is None and m_all > DEQUANT_GEMM_MIN_M):
-        return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok)
-    if isinstance(config, RowConfig) or (config is None and rows_ok and
-                                         (fmt_id in (NF4, AWQ) or m_all <= ROWS_GGUF_MAX_M)):
-        return run_rows(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+    if config is None:
+        if rows_ok and fmt_id in ROUTES:
+            config = default_route(fmt_id, m_all)
+            if isinstance(config, GemmConfig) and x.dtype == torch.float32:
+                config = "dequant"      # the GEMM tiles are sized for 16-bit operands
+        else:
+            config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, GemmConfig) and rows_ok and fmt_id in GEMM_FORMATS:
+        return run_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+    if config in ("dequant", "dequant_rows"):
+        return _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok,
+                               natural=config != "dequant_rows")
+    if (config == "rows" or isinstance(config, RowConfig)) and rows_ok:
+        return run_rows(fmt_id, x, w0, w1, w2, i0, k, n,
+                        config=config if isinstance(config, RowConfig) else None)
+    if not isinstance(config, QConfig):
+        config = None
     red, cols = (n, k) if grad else (k, n)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, red)
@@ -233,12 +268,13 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     return out.reshape(*lead, cols)
 
 
-def _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok):
+def _dequant_matmul(fmt_id, x, w0, w1, w2, i0, k, n, grad, rows_ok, natural=True):
     """Many rows: a dense copy of the weight in x's dtype, then cuBLAS (H200, 2026-12-01, N = K =
     8192, M = 256, bf16, old tile kernels: Q4_0 0.13 ms vs 0.31 fused in registers, Q4_K 0.22 vs
     0.51, Q8_0 0.13 vs 0.28, Q6_K 0.16 vs 0.39). Row formats write W [N, K] in storage order."""
     if rows_ok and fmt_id != AWQ:
-        w = dequantize_rows(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)      # W [N, K]
+        deq = dequantize_natural if natural else dequantize_rows
+        w = deq(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)                  # W [N, K]
         return x @ w.T
     b = dequantize(fmt_id, w0, w1, w2, i0, k, n, dtype=x.dtype)              # B [K, N]
     return x @ (b.T if grad else b)

@@ -626,6 +626,8 @@ class RowConfig:
     words: int = 1      # Q4_0 / Q8_0 / Q4_K: read 2-byte words (0: bytes)
     x32: int = 1        # one row: x converted to float32 once up front (0: per element)
     sub: int = 4        # AWQ: row tiles per step sharing one group's unpacked zeros / scales
+    prefetch: int = 0   # one row of Q4_0 / Q8_0 / NF4: next step's bytes loaded ahead (quant_gemv;
+    #                     2: and x read at the weight's positions)
 
     @property
     def use_dot(self) -> bool:
@@ -635,7 +637,8 @@ class RowConfig:
         return (f"rows[m{self.block_m},n{self.block_n},k{self.steps},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",lut{self.lut}" if self.lut else "")
                 + ("" if self.words else ",bytes") + ("" if self.x32 else ",x16")
-                + ("" if self.sub == 4 else f",sub{self.sub}") + "]")
+                + ("" if self.sub == 4 else f",sub{self.sub}") + (f",pf{self.prefetch}" if self.prefetch else "")
+                + "]")
 
 
 #: default launches by activation rows (up to the key): (block_m, block_n, plane elements per
@@ -727,11 +730,23 @@ def run_rows(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, config: RowConfig
         s_row = k // i0 if fmt == NF4 else 0
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
         even = n % cfg.block_n == 0 and nblk == split * steps * cfg.steps
+        if cfg.prefetch and m == 1 and cfg.block_m == 1 and fmt in (Q4_0, Q8_0, NF4):
+            from .quant_gemv import _gemv_prefetch_kernel     # it imports this module's helpers
+            _gemv_prefetch_kernel[grid](xk, w0, w1, w2, out, n, row_bytes, s_row, nblk,
+                                        MAGIC_BITS, STEPS=steps, FMT=fmt, BLOCK_N=cfg.block_n,
+                                        NB=cfg.steps, BS=i0 if fmt == NF4 else 32, LUT=cfg.lut,
+                                        PQ={Q4_0: 8, Q8_0: 16}.get(fmt, i0 // 2), ATOMIC=atomic,
+                                        XB=cfg.prefetch == 2, num_warps=cfg.num_warps,
+                                        num_stages=1)
+            return (out.to(x.dtype) if atomic and x.dtype != torch.float32 else
+                    out).reshape(*lead, n)
+        # a dot needs >= 16 elements along K: one Q4_0 block's word planes have 8 (bytes: 16)
+        words = cfg.words and fmt in WORD_FORMATS and not (
+            cfg.use_dot and fmt == Q4_0 and cfg.steps < 2)
         _rows_kernel[grid](xk, w0, w1, w2, out, m, n, row_bytes, s_row, nblk, xk.stride(0),
                            out.stride(0), MAGIC_BITS, FMT=fmt, BLOCK_N=cfg.block_n, NB=cfg.steps,
                            BS=i0 if fmt == NF4 else 32, LUT=cfg.lut, EVEN=even,
-                           **_plane_shape(fmt, cfg.steps, i0, cfg.words and fmt in WORD_FORMATS),
-                           **opts)
+                           **_plane_shape(fmt, cfg.steps, i0, words), **opts)
     if atomic and x.dtype != torch.float32:
         out = out.to(x.dtype)
     return out.reshape(*lead, n)
