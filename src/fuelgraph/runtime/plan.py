@@ -87,7 +87,7 @@ class Plan:
                 r = st.fn(*args)
             except Exception as e:
                 raise _run_error(st, e) from e
-            env[out] = r[0] if type(r) is tuple else r
+            env[out] = r[0] if isinstance(r, tuple) else r
             for i in free:
                 env[i] = None
         for h in {id(h): h for h in pending.values()}.values():
