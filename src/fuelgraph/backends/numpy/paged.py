@@ -168,8 +168,11 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     live = np.arange(mb)[None, :] * bs < lens[:, None]
     pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)         # pads read block 0
 
-    def dense(cache):                                                      # [B, Hkv, L, D]
-        return to_acc(cache[pages].reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
+    def dense(cache, zero_padding=False):                                  # [B, Hkv, L, D]
+        rows = cache[pages].reshape(B, L, hkv, d)          # a fresh gather: zeroed in place,
+        if zero_padding:                                   # in its contiguous layout
+            rows[np.arange(L)[None, :] >= lens[:, None]] = 0
+        return to_acc(rows.transpose(0, 2, 1, 3), acc)
     short = int(lens.min()) < L                    # padding rows (they may hold anything)
     empty = int(lens.min()) == 0
     qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
@@ -194,9 +197,7 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     s -= m
     p = np.exp(s, out=s)
     den = p.sum(-1, keepdims=True)
-    v = dense(v_cache)
-    if short:
-        v = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, :, None], v, 0)
+    v = dense(v_cache, short)
     o = p @ v                                                              # [B, Hkv, g*Sq, D]
     if empty:
         o /= np.where(den > 0, den, 1)
