@@ -2,7 +2,7 @@
 """Real models on the CPU (NumPy backend, float32): fuelgraph.models' Llama and Mamba-2 loaded
 from the same random transformers checkpoint, against transformers on torch CPU eager.
 
-    python bench/bench_models.py [--quick] [--threads N] [--profile] [--decode-only]
+    python bench/bench_models.py [--quick] [--threads N] [--profile] [--decode-only] [--out DIR]
 
 Per model: the training step (forward + backward + AdamW; fuelgraph as one traced step) in
 ms and tokens/s, and greedy decode tokens/s (prompt, then one token per step; batch 1 and 4).
@@ -16,7 +16,8 @@ timed and the ops taking the most time are printed (where the time goes).
 Small config (default): Llama hidden 512, 4 layers, 8/4 heads, FFN 1024, vocabulary 2048,
 batch 4 x 256 tokens; Mamba-2 hidden 512, 4 layers, 16 heads of 64, state 64, 1 group.
 --quick: 2 layers, hidden 128, 64 tokens, few runs (proves the script works on a shared
-machine). Writes bench/results/models_<date>.json."""
+machine). Writes bench/results/models_<date>.json (or DIR/models_<date>.json with --out DIR:
+trial runs leave the recorded results alone)."""
 from __future__ import annotations
 
 import argparse
@@ -171,6 +172,8 @@ def main(argv=None):
     ap.add_argument("--decode-only", action="store_true", help="skip the training step")
     ap.add_argument("--decode-runs", type=int, default=None,
                     help="interleaved rounds per decode case (default: runs // 2, >= 3)")
+    ap.add_argument("--out", default=None,
+                    help="folder for the JSON records (default bench/results)")
     args = ap.parse_args(argv)
     os.environ["FUELGRAPH_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -220,7 +223,7 @@ def main(argv=None):
                                        same_tokens=same, median_speed_ratio=round(speed, 3)))
                 table.append((f"{name} decode B={b}", f"{fg_tps:.0f} tok/s", f"{hf_tps:.0f} tok/s",
                               f"{speed:.2f}x speed", ">= 1x", "ok" if speed >= 1 else "MISSED"))
-    path = write_results("models", recs)
+    path = write_results("models", recs, args.out)
     head = ("case", "fuelgraph", "transformers eager", "ratio", "target", "")
     rows = [head] + table
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

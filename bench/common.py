@@ -50,9 +50,11 @@ def record(op, impl, shape, dtype, ms, device="cpu", **extra) -> dict:
     return r
 
 
-def write_results(name: str, records: list[dict]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}_{_dt.date.today().isoformat()}.json"
+def write_results(name: str, records: list[dict], directory=None) -> Path:
+    """Write the records to `directory` (default bench/results) as <name>_<date>.json."""
+    out = Path(directory) if directory is not None else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}_{_dt.date.today().isoformat()}.json"
     doc = {"machine": machine(), "command": " ".join([Path(sys.executable).name] + sys.argv),
            "date": _dt.datetime.now().isoformat(timespec="seconds"), "records": records}
     path.write_text(json.dumps(doc, indent=1))

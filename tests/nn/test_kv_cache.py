@@ -11,6 +11,7 @@ import torch
 import fuelgraph as fg
 from fuelgraph import FuelGraphError
 from fuelgraph.nn import PagedKVCache
+from fuelgraph.ir.tensor import bound_data
 from fuelgraph.nn import kv_cache as kv_mod
 
 HAS_CUDA = torch.cuda.is_available()
@@ -151,6 +152,30 @@ def test_layers_have_their_own_pools_and_share_tables():
     k1, _, t1, l1 = cache.inputs(seqs, 1)
     assert not np.array_equal(k0.numpy(), k1.numpy())
     assert np.array_equal(t0.numpy(), t1.numpy()) and list(l0.numpy()) == [6, 6]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_table_uploaded_only_when_it_changes(device):
+    """Decode steps that start no new block reuse the uploaded table; a new block, another
+    set of sequences or a freed sequence uploads it again, with the right contents."""
+    cache = PagedKVCache(16, 4, 1, 8, max_blocks_per_seq=4, device=device)
+    seqs = cache.add_sequences(2)
+    tables = []
+    for n in (3, 1, 1, 1):                   # 3, 4 (same block), 5 (new block), 6
+        cache.extend(seqs, n)
+        tables.append(cache.step_tensors(seqs)[1])
+    assert tables[1].value.node is not tables[0].value.node
+    same = [bound_data(t.value.node) for t in tables]
+    assert same[1] is same[0] and same[3] is same[2] and same[2] is not same[1]
+    want = cache._tables[seqs]
+    np.testing.assert_array_equal(tables[3].numpy(), want)
+    assert (want[:, :2] != cache._pad).all() and (want[:, 2:] == cache._pad).all()
+    one = seqs[:1]
+    cache.extend(one, 1)                     # other sequences: a table of their own
+    np.testing.assert_array_equal(cache.step_tensors(one)[1].numpy(), cache._tables[one])
+    cache.free(seqs[1:])
+    cache.extend(one, 1)
+    np.testing.assert_array_equal(cache.step_tensors(one)[1].numpy(), cache._tables[one])
 
 
 def test_inputs_feed_paged_attn_directly():

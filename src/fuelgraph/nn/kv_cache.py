@@ -23,7 +23,8 @@ the device (`device="cuda"` keeps it in GPU memory); block tables are shared by 
 hold the same tokens). Blocks are handed out from a free list as sequences grow, so a sequence's
 blocks are scattered over the pool; `free` returns them. `extend` does the bookkeeping for one
 step: it allocates blocks, computes the pool slot of every new token (vectorised: no Python loop
-per token) and uploads the batch's block table, context lengths and slot mapping once;
+per token) and uploads the batch's context lengths and slot mapping once, and its block table
+when it changed (a decode step that starts no new block reuses the last one);
 `write` and `attention` (or `inputs`, which hands `paged_attn` its arguments) reuse them for
 every layer.
 
@@ -98,6 +99,8 @@ class PagedKVCache:
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._step = None
         self._writer = None
+        self._table_version = 0       # bumped whenever a block table changes
+        self._table_dev = None        # (ids and version, the table on the device) last uploaded
 
     # ---- allocation -----------------------------------------------------------------------
     def _zeros(self, shape):
@@ -180,21 +183,31 @@ class PagedKVCache:
         pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
         blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
         slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
+        # the block table of these sequences is uploaded again only when it changed (a block
+        # was handed out or freed, or other sequences): most decode steps reuse the last one
+        if total:
+            self._table_version += 1
+        key = (ids.tobytes(), self._table_version)
+        table = self._table_dev[1] if self._table_dev is not None and \
+            self._table_dev[0] == key else None
+        idt = self.index_dtype.np
         if self.device == "cpu":
-            table, lens = self._to_device(self._tables[ids]), self._to_device(
-                new.astype(self.index_dtype.np))
-            slots = self._to_device(slots)
-        else:                         # one upload: slots, lengths and table packed together
-            idt = self.index_dtype.np
-            packed = self._to_device(np.concatenate(
-                [slots, new.astype(idt), self._tables[ids].reshape(-1)]))
+            if table is None:
+                table = self._to_device(self._tables[ids])
+            lens, slots = self._to_device(new.astype(idt)), self._to_device(slots)
+        else:                         # one upload: slots, lengths and (if new) table together
+            parts = [slots, new.astype(idt)] + ([] if table is not None else
+                                                [self._tables[ids].reshape(-1)])
+            packed = self._to_device(np.concatenate(parts))
             ns, B = slots.size, ids.size
             slots, lens = packed[:ns], packed[ns:ns + B]
-            table = packed[ns + B:].view(B, self.max_blocks_per_seq)
+            if table is None:
+                table = packed[ns + B:].view(B, self.max_blocks_per_seq)
             # valid by construction: spare paged_attn its check's sync
             from ..backends.cuda.kernels.paged import assume_valid
             assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
                          int(new.sum()))
+        self._table_dev = (key, table)
         self._step = (ids.tobytes(), n_new, slots, table, lens)
 
     def free(self, seqs):
@@ -204,6 +217,7 @@ class PagedKVCache:
         used = t[t != self._pad].astype(np.int64)
         self._free_blocks.extend(int(b) for b in used[::-1])
         self._tables[ids] = self._pad
+        self._table_version += 1
         self._lens[ids] = 0
         self._live[ids] = False
         self._step = None

@@ -66,6 +66,7 @@ class Plan:
             return self._run(inputs)
 
     def _run(self, inputs: list) -> list:
+        prog = self._program()
         env: list = [None] * self.n_slots
         for slot, buf in zip(self.input_slots, inputs):
             if slot >= 0:
@@ -73,12 +74,76 @@ class Plan:
         for slot, buf in self.const_slots.items():
             env[slot] = buf
         be = self.backend
-        # live buffers per storage, kept only when a step may overwrite its input: aliasing is
-        # read off the buffers themselves (not a list of view ops), so an op whose output
-        # happens to alias its input (a scan returning its init carry, a kernel returning its
-        # argument) can never be overwritten while another live slot still reads it
-        refs = _StorageRefs(be, env) if self.destructive else None
+        if prog.dynamic or (prog.alias_targets and _inputs_alias(be, env, prog)):
+            return self._run_counted(env)
+        is_c, contiguous, writable_needed = be.is_contiguous, be.contiguous, be.writable_copy_needed
         pending: dict = {}      # slot -> handle of the asynchronous step still writing it
+        for st, srcs, out, free, contig, special in prog.steps:
+            if special is not None:         # the general path; `special`: the copy decisions
+                self._special_step(st, env, pending, writable_needed, special)
+                continue
+            args = [env[i] for i in srcs]
+            if contig:
+                args = [a if is_c(a) else contiguous(a) for a in args]
+            try:
+                r = st.fn(*args)
+            except Exception as e:
+                raise _run_error(st, e) from e
+            env[out] = r[0] if isinstance(r, tuple) else r
+            for i in free:
+                env[i] = None
+        for h in {id(h): h for h in pending.values()}.values():
+            h.wait()
+        return [env[i] for i in self.output_slots]
+
+    def _special_step(self, st, env, pending, writable_needed, static_copy):
+        """A step with more than the common case: destructive inputs (overwritten in place
+        unless `static_copy`, decided when the plan was built, or the buffer cannot be
+        written), waits on asynchronous steps, an asynchronous kernel, several outputs."""
+        for i in st.waits:
+            h = pending.pop(i, None)
+            if h is not None:
+                h.wait()
+        be = self.backend
+        args = [env[i] for i in st.srcs]
+        if st.contiguous:
+            args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
+        kw = {}
+        for k, copy in zip(st.inplace, static_copy):
+            if copy or writable_needed(args[k]):
+                if st.takes_out:
+                    kw["out"] = self.backend.empty_like(args[k])
+                else:
+                    args[k] = self.backend.copy(args[k])
+                self.stats["inplace_copies"] = self.stats.get("inplace_copies", 0) + 1
+            else:
+                self.stats["inplace_reused"] = self.stats.get("inplace_reused", 0) + 1
+        try:
+            r = st.fn(*args, **kw)
+        except Exception as e:
+            raise _run_error(st, e) from e
+        if st.asynchronous:
+            h, r = r
+            if h is not None:
+                pending.update((o, h) for o in st.outs)
+        if len(st.outs) == 1:
+            env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
+        else:
+            for i, o in enumerate(st.outs):
+                env[o] = r[i]
+        for i in st.free:
+            env[i] = None
+
+    def _run_counted(self, env: list) -> list:
+        """The run with live buffers counted per storage, for plans whose in-place overwrites
+        could not be proved safe when the plan was built (or whose input buffers alias each
+        other this time): aliasing is read off the buffers themselves (not a list of view
+        ops), so an op whose output happens to alias its input (a scan returning its init
+        carry, a kernel returning its argument) can never be overwritten while another live
+        slot still reads it."""
+        be = self.backend
+        refs = _StorageRefs(be, env)
+        pending: dict = {}
         for st in self.steps:
             for i in st.waits:
                 h = pending.pop(i, None)
@@ -112,14 +177,22 @@ class Plan:
             else:
                 for i, o in enumerate(st.outs):
                     env[o] = r[i]
-            if refs is not None:
-                refs.add(env[o] for o in st.outs)
-                refs.drop(env[i] for i in st.free)
+            refs.add(env[o] for o in st.outs)
+            refs.drop(env[i] for i in st.free)
             for i in st.free:
                 env[i] = None
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]
+
+    def _program(self) -> "_Program":
+        """The run's per-step data, prepared once (steps are read each run, so a kernel
+        swapped into a step, as profilers do, is the one called)."""
+        key = (id(self.steps), len(self.steps))
+        prog = self.__dict__.get("_prog")
+        if prog is None or prog.key != key:
+            prog = self.__dict__["_prog"] = _Program(self, key)
+        return prog
 
     @property
     def destructive(self) -> bool:
@@ -128,6 +201,100 @@ class Plan:
     def nbytes(self) -> int:
         """Bytes the plan keeps alive between runs (its materialized constants)."""
         return sum(self.backend.storage_nbytes(b) for b in self.const_slots.values())
+
+
+class _Program:
+    """What a run needs per step, prepared once per plan: (step, srcs, output slot, slots
+    freed, wants contiguous inputs, needs the general path), and for the destructive steps
+    whether each overwritten input must be copied first.
+
+    Whether an overwrite is safe depends on which live buffers share the overwritten one's
+    storage. That is decided here, from the plan alone, where it can be: a kernel's output can
+    only alias memory it was given, so a buffer may share storage only with the slots it
+    derives from (and the slots derived from those). When no other slot live at a destructive
+    step may alias its input, the overwrite is safe whatever the kernels return, provided the
+    run's input buffers do not alias each other (checked per run, for the inputs such a proof
+    relied on: `alias_inputs`). When the plan cannot be proved safe (`dynamic`), every run
+    counts live buffers per storage instead (`Plan._run_counted`)."""
+
+    #: above this much work (destructive inputs x slots) the proof is not attempted
+    MAX_WORK = 4_000_000
+
+    def __init__(self, plan: Plan, key):
+        self.key = key
+        steps = plan.steps
+        copy = self._copies(plan)
+        self.steps = [(st, st.srcs, st.outs[0] if st.outs else -1, st.free, st.contiguous,
+                       copy.get(id(st), ()) if st.inplace or st.waits or st.asynchronous or
+                       len(st.outs) != 1 else None)
+                      for st in steps]
+
+    def _copies(self, plan) -> dict:
+        """{id(step): per destructive input, whether it is copied before the step}, and sets
+        `dynamic`, `alias_targets`, `alias_inputs`."""
+        steps = plan.steps
+        copy: dict = {}
+        self.dynamic = False
+        self.alias_targets: tuple = ()      # input/const slots an in-place proof relied on,
+        self.alias_inputs: tuple = ()       # which must not share storage with these
+        destructive = [st for st in steps if st.inplace]
+        if not destructive:
+            return copy
+        if len(destructive) * max(plan.n_slots, 1) > self.MAX_WORK:
+            self.dynamic = True
+            return copy
+        producer_srcs: dict[int, tuple] = {}    # slot -> slots its step read
+        readers: dict[int, list] = {}           # slot -> output slots of the steps reading it
+        for st in steps:
+            for o in st.outs:
+                producer_srcs[o] = st.srcs
+            for s in set(st.srcs):
+                readers.setdefault(s, []).extend(st.outs)
+        leaves = [s for s in plan.input_slots if s >= 0] + list(plan.const_slots)
+        live = set(leaves)
+        targets: set = set()
+        for st in steps:
+            if st.inplace:
+                copies = []
+                for k, static_copy in zip(st.inplace, st.copy_first):
+                    s = st.srcs[k]
+                    if static_copy or s not in st.free or st.srcs.count(s) > 1:
+                        copies.append(True)
+                        continue
+                    roots = _closure([s], lambda x: producer_srcs.get(x, ()))
+                    near = _closure(roots, lambda x: readers.get(x, ()))
+                    if (live - {s}) & near:
+                        self.dynamic = True
+                        return copy
+                    targets.update(r for r in roots if r not in producer_srcs)
+                    copies.append(False)
+                copy[id(st)] = tuple(copies)
+            live.update(st.outs)
+            live.difference_update(st.free)
+        self.alias_targets = tuple(sorted(targets))
+        self.alias_inputs = tuple(s for s in leaves if s not in targets) if targets else ()
+        return copy
+
+
+def _closure(start, nxt) -> set:
+    """`start` and everything reachable from it through `nxt(slot) -> slots`."""
+    seen, stack = set(start), list(start)
+    while stack:
+        for y in nxt(stack.pop()):
+            if y not in seen:
+                seen.add(y)
+                stack.append(y)
+    return seen
+
+
+def _inputs_alias(be, env, prog: _Program) -> bool:
+    """Whether the buffer of an input (or constant) that an in-place proof relied on shares
+    storage with another input or constant of this run."""
+    storage = be.storage
+    mine = {storage(env[s]) for s in prog.alias_targets}
+    if len(mine) < len(prog.alias_targets):
+        return True
+    return any(storage(env[s]) in mine for s in prog.alias_inputs)
 
 
 class _StorageRefs:

@@ -92,6 +92,20 @@ def test_only_live_blocks_are_read(path):
     np.testing.assert_allclose(got, _ref(case), rtol=2e-6, atol=2e-6)
 
 
+def test_rows_past_a_length_inside_its_last_block_are_never_read():
+    """The rows of a sequence's last block past its length hold NaN (stale or never written):
+    a decode step (the whole batch at once, shorter sequences padded) keeps them out."""
+    case = make_case(np.random.default_rng(4), hq=8, hkv=2, bs=16, lens=(37, 20, 5), d=16)
+    for c in ("k_cache", "v_cache"):
+        case[c] = case[c].copy()
+        for b, n in enumerate(case["context_lens"].astype(np.int64)):
+            last = case["block_table"][b, (n - 1) // 16]
+            case[c][last, (n - 1) % 16 + 1:] = np.nan
+    got = _run(case)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, _ref(case), rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("lens,bad,msg", [
     ((5, 2), None, r"context_lens\[1\] = 2 is smaller than the 3 new"),
     ((5, 13), None, r"context_lens\[1\] = 13 exceeds max_blocks \* block_size = 3 \* 4 = 12"),

@@ -141,19 +141,21 @@ def run_spans(fn, spans, total_elems: int, *, row_elems: int | None = None) -> N
     The caller's `np.errstate` applies in every thread; with `row_elems` (the row length of the
     kernel's row view) the ufunc buffer size is `row_bufsize(row_elems)` while `fn` runs.
     Exceptions propagate."""
-    err = np.geterr()
     bufsize = row_bufsize(row_elems)
     nthr = min(NUM_THREADS, len(spans))
-    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:
-        with np.errstate(**err):
-            old = np.setbufsize(bufsize) if bufsize else None
-            try:
-                for r0, r1 in spans:
-                    fn(r0, r1)
-            finally:
-                if bufsize:
-                    np.setbufsize(old)
+    if nthr <= 1 or total_elems < PARALLEL_MIN_ELEMS:     # on this thread: its own errstate
+        if not bufsize:
+            for r0, r1 in spans:
+                fn(r0, r1)
+            return
+        old = np.setbufsize(bufsize)
+        try:
+            for r0, r1 in spans:
+                fn(r0, r1)
+        finally:
+            np.setbufsize(old)
         return
+    err = np.geterr()
     queue = iter(spans)
     lock = threading.Lock()
     failed: list = []

@@ -20,6 +20,28 @@ from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
 CHUNK_KEYS = 512
 
 
+class _Checked:
+    """The index arrays (and parameters) that passed their data check last. A decode step
+    hands the same slot mapping to every layer's cache write and the same lengths and table to
+    every layer's attention: checked once per step. Only arrays that own their memory and are
+    read-only are remembered (what they hold cannot have changed since)."""
+
+    def __init__(self):
+        self.last = None
+
+    def seen(self, arrays, params) -> bool:
+        last = self.last
+        return last is not None and last[1] == params and \
+            all(a is b for a, b in zip(last[0], arrays))
+
+    def remember(self, arrays, params):
+        if all(a.base is None and not a.flags.writeable for a in arrays):
+            self.last = (arrays, params)
+
+
+_LENGTHS, _SLOTS = _Checked(), _Checked()
+
+
 def paged_attn_cost(shapes, params=None):
     return Cost(*paged_attn_work(shapes))
 
@@ -37,9 +59,10 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     for an invalid length or a live table entry outside the pool."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    check_lengths("paged_attn", context_lens, block_table, sq, nb, bs, block_table.shape[1])
+    if not _LENGTHS.seen((context_lens, block_table), (sq, nb, bs)):
+        check_lengths("paged_attn", context_lens, block_table, sq, nb, bs, block_table.shape[1])
+        _LENGTHS.remember((context_lens, block_table), (sq, nb, bs))
     acc = acc_dtype(q.dtype)
-    out = np.zeros(q.shape, q.dtype)
     slopes = None
     if alibi:
         slopes = np.broadcast_to(np.asarray(alibi[0], np.float64).reshape(-1, hq), (B, hq))
@@ -47,9 +70,14 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     longest = -(-int(lens.max(initial=0)) // bs) * bs
     if B * hkv * longest * max(d, sq * (hq // hkv)) <= BATCHED_MAX_ELEMS:     # k/v and scores
         with np.errstate(over="ignore", invalid="ignore"):
-            store(out, _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
-                                     softcap, slopes))
+            o = _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
+                              softcap, slopes)
+        if o.dtype == q.dtype and o.flags.c_contiguous:    # a fresh array of the kernel's own
+            return o
+        out = np.empty(q.shape, q.dtype)
+        store(out, o)
         return out
+    out = np.zeros(q.shape, q.dtype)
     # work units (sequence, kv-head range); with fewer sequences than threads the heads of a
     # sequence are split too, so one long sequence still uses every core
     parts = max(1, min(hkv, -(-NUM_THREADS // max(B, 1))))
@@ -140,8 +168,11 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     live = np.arange(mb)[None, :] * bs < lens[:, None]
     pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)         # pads read block 0
 
-    def dense(cache):                                                      # [B, Hkv, L, D]
-        return to_acc(cache[pages].reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
+    def dense(cache, zero_padding=False):                                  # [B, Hkv, L, D]
+        rows = cache[pages].reshape(B, L, hkv, d)          # a fresh gather: zeroed in place,
+        if zero_padding:                                   # in its contiguous layout
+            rows[np.arange(L)[None, :] >= lens[:, None]] = 0
+        return to_acc(rows.transpose(0, 2, 1, 3), acc)
     short = int(lens.min()) < L                    # padding rows (they may hold anything)
     empty = int(lens.min()) == 0
     qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
@@ -166,9 +197,7 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     s -= m
     p = np.exp(s, out=s)
     den = p.sum(-1, keepdims=True)
-    v = dense(v_cache)
-    if short:
-        v = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, :, None], v, 0)
+    v = dense(v_cache, short)
     o = p @ v                                                              # [B, Hkv, g*Sq, D]
     if empty:
         o /= np.where(den > 0, den, 1)
@@ -191,8 +220,9 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     (a fresh array shaped like cache) the result goes there and cache is only read.
     `check=False` skips the slot check, for callers whose slots are valid by construction."""
     nb, bs = cache.shape[:2]
-    if check:
+    if check and not _SLOTS.seen((slot_mapping,), nb * bs):
         check_slots("paged_cache_write", slot_mapping, nb * bs)
+        _SLOTS.remember((slot_mapping,), nb * bs)
     dst = cache if out is None else out
     if out is not None:
         np.copyto(out, cache)

@@ -63,6 +63,8 @@ def rope(x, cos, sin, *, interleaved):
     """
     s, d = x.shape[-2], x.shape[-1]
     dt, acc = x.dtype, acc_dtype(x.dtype)
+    if dt == acc and 0 < x.size < _h.PARALLEL_MIN_ELEMS:
+        return _rope_small(x, to_acc(cos, acc), to_acc(sin, acc), interleaved)
     out = np.empty(x.shape, dt)
     if x.size == 0:
         return out
@@ -111,3 +113,33 @@ def rope(x, cos, sin, *, interleaved):
     with np.errstate(over="ignore", invalid="ignore"):
         run_spans(work, _spans(batch, s, d), x.size)
     return out
+
+
+def _rope_small(x, cos, sin, interleaved):
+    """The whole of a small float32/float64 x at once (a decode step's few rows: the span
+    machinery would cost more than the arithmetic), the tables broadcast: the same operations
+    per element as `rope` (x*cos plus the partner times the signed sin), so the same bits."""
+    swap, sign = _pairing(x.shape[-1], interleaved, x.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.multiply(x, cos)                     # the tables broadcast to x: x's shape
+        t = np.take(x, swap, axis=-1)
+        np.multiply(t, np.multiply(sin, sign), out=t)
+        np.add(y, t, out=y)
+    return y
+
+
+_PAIRING: dict = {}
+
+
+def _pairing(d: int, interleaved: bool, dtype):
+    """(index of each feature's partner [D], sign of the partner's term [D]) of a layout."""
+    key = (d, interleaved, np.dtype(dtype))
+    got = _PAIRING.get(key)
+    if got is None:
+        i = np.arange(d)
+        if interleaved:
+            swap, neg = i ^ 1, i % 2 == 0
+        else:
+            swap, neg = (i + d // 2) % d, i < d // 2
+        got = _PAIRING[key] = (swap.astype(np.intp), np.where(neg, -1, 1).astype(dtype))
+    return got
