@@ -136,19 +136,18 @@ def ssd_rows(mamba, why, quick, sweep):
         traceback.print_exc()
         ms_fb = float("inf")
     if sweep:
-        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages)
-        for cfg in [(256, 64, 64, 64, 64, 4, 3), (256, 64, 64, 64, 64, 8, 2),
-                    (256, 128, 64, 64, 64, 8, 2), (256, 64, 32, 64, 64, 4, 2),
-                    (128, 64, 64, 64, 64, 4, 2), (128, 64, 64, 64, 64, 4, 3),
-                    (256, 64, 64, 64, 32, 4, 2), (256, 64, 64, 64, 128, 4, 2),
-                    (256, 64, 64, 64, 64, 4, 2, 4, 2), (256, 64, 64, 64, 64, 4, 2, 8, 4)]:
+        ssd_parts(x, dt, a16, bE, cE, bias16, gy, gl, kw, shape, quick)
+        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages, cb)
+        for cfg in [(256, 64, 64, 64, 64, 4, 2, 8, 3, 0), (256, 64, 64, 64, 64, 4, 2, 8, 3, 2),
+                    (256, 64, 64, 64, 64, 4, 3, 8, 3, 1), (256, 64, 64, 64, 64, 8, 2, 8, 3, 1),
+                    (256, 64, 64, 64, 32, 4, 2, 4, 3, 1), (128, 64, 64, 64, 64, 4, 2, 8, 3, 1)]:
             try:
                 rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_,
                     bench(lambda: ours(cfg), quick))
             except Exception as exc:
                 print(f"  cfg {cfg} failed: {exc!r}")
         # backward: (q, warps, stages)
-        for bcfg in [(16, 8, 1), (32, 4, 1), (32, 8, 2), (64, 8, 1), (16, 4, 1)]:
+        for bcfg in [(16, 8, 1), (32, 4, 1), (64, 8, 1)]:
             try:
                 rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: ours_fb(None, bcfg), quick))
@@ -177,6 +176,45 @@ def ssd_rows(mamba, why, quick, sweep):
              ms_fb <= 3.5)]
 
 
+def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
+    """Each kernel of the default forward and backward timed alone (same inputs), as
+    ssd_chunk_scan[part] rows: where the time goes."""
+    B, L, H, P = x.shape
+    N = b.shape[3]
+    cfg = KD.ssd_config(B, L, H, P, N)
+    parts = {}
+    try:
+        dtp, acum = KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
+        NC = -(-L // cfg.q)
+        st = torch.empty((B * H, NC, P, N), dtype=x.dtype, device=DEV)
+        hl = torch.empty((B, H, P, N), dtype=x.dtype, device=DEV)
+        y = torch.empty_like(x)
+        parts["fwd dt"] = lambda: KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
+        parts["fwd state"] = lambda: KD._launch_state(x, b, x, dtp, acum, x, st, hl, cfg.q,
+                                                      cfg, False)
+        parts["fwd cb"] = lambda: KD._launch_cb(b, c, cfg.q, cfg.bm)
+        for cb in (0, 1, 2):
+            parts[f"fwd scan cb={cb}"] = (lambda cb=cb: KD._launch_scan(
+                x, b, c, x, x, dtp, acum, st, y, cfg.q, cfg._replace(cb=cb), False, False))
+        bq = KD.ssd_bwd_config(B, L, H, P, N, x.dtype).q
+        bdtp, bacum = KD._launch_dt(dt, a, bias, B, L, H, bq, True, True)
+        bcfg = cfg._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
+        bst = torch.empty((B * H, -(-L // bq), P, N), dtype=x.dtype, device=DEV)
+        hl32 = torch.empty((B, H, P, N), dtype=torch.float32, device=DEV)
+        parts["bwd state"] = lambda: KD._launch_state(x, b, x, bdtp, bacum, x, bst, hl32, bq,
+                                                      bcfg, False)
+        parts["bwd reverse state"] = lambda: KD._launch_state(
+            gy, c, x, bdtp, bacum, gl, bst, hl32, bq, bcfg, True, reverse=True)
+        parts["bwd all"] = lambda: KD.ssd_chunk_scan_backward(x, dt, a, b, c, bias, gy, gl, **kw)
+    except Exception:
+        traceback.print_exc()
+    for name, fn in parts.items():
+        try:
+            rec(f"ssd_chunk_scan[{name}]", "fuelgraph", shape, x.dtype, bench(fn, quick))
+        except Exception as exc:
+            print(f"  part {name} failed: {exc!r}")
+
+
 def ss_inputs(B, L, D, N, dtype, g):
     u = torch.randn(B, L, D, device=DEV, generator=g).to(dtype)
     delta = (torch.randn(B, L, D, device=DEV, generator=g) * 0.5 - 1).to(dtype)
@@ -202,10 +240,6 @@ def ss_rows(quick, sweep):
     ms = rec("selective_scan", "fuelgraph", shape, torch.float32, bench(ours, quick))
     ms_ref = rec("selective_scan", "torch eager", shape, torch.float32,
                  bench(ref, True), anchor="Mamba selective_scan_ref loop")
-    if sweep:
-        for cfg in [(16, 16, 1), (16, 32, 2), (8, 16, 1), (32, 16, 1), (16, 64, 4)]:
-            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.float32,
-                bench(lambda: ours(cfg), quick))
     rows.append(("selective_scan fwd f32", ms, ms_ref, "<= 0.2 ms", ms <= 0.2))
     # fwd+bwd vs the reference loop's autograd
     gy = torch.randn(*shape[:3], device=DEV, generator=g)
@@ -223,10 +257,6 @@ def ss_rows(quick, sweep):
     ms_fb = rec("selective_scan_fwd+bwd", "fuelgraph", shape, torch.float32, bench(ours_fb, quick))
     ms_rfb = rec("selective_scan_fwd+bwd", "torch eager", shape, torch.float32,
                  bench(ref_fb, True), anchor="Mamba selective_scan_ref loop, autograd")
-    if sweep:
-        for cfg in [(8, 8, 4), (8, 16, 4), (16, 8, 4), (4, 16, 4)]:
-            rec("selective_scan_fwd+bwd", f"fuelgraph[{cfg}]", shape, torch.float32,
-                bench(lambda: ours_fb(cfg), quick))
     # bf16 forward vs the bandwidth ceiling
     shape = (2, 1024, 4096, 16) if quick else (8, 2048, 4096, 16)
     B, L, D, N = shape
@@ -241,8 +271,7 @@ def ss_rows(quick, sweep):
         gbps=CEILING_TBS * 1e3)
     if sweep:
         # forward (T, BD, warps): BD channels over warps * 32 threads
-        for cfg in [(16, 64, 4), (16, 128, 4), (16, 128, 8), (8, 128, 4), (16, 64, 2),
-                    (16, 32, 2), (32, 64, 4), (16, 256, 8)]:
+        for cfg in [(16, 64, 2), (8, 128, 4), (16, 32, 1)]:
             m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
             rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
                 gbps=nbytes / m / 1e6)

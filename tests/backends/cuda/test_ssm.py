@@ -182,3 +182,29 @@ def test_through_the_api_on_cuda(dt):
     tol = {fg.float64: 1e-9, fg.float32: 1e-3, fg.bfloat16: 5e-2}[dt]
     for a, b in zip(res["cpu"], res["cuda"]):
         assert np.abs(a - b).max() <= tol * max(np.abs(a).max(), 1.0)
+
+
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
+def test_ssd_heads_share_b_c(dt):
+    """b and c with one group broadcast over the heads (head stride 0): C B^T is formed once
+    per chunk for all heads (a separate kernel); forward and gradients against the float64
+    reference, with a padded tail chunk."""
+    B, L, H, P, N = (2, 200, 3, 32, 32) if HAS_CUDA else (1, 37, 2, 4, 5)
+    inputs = ssd_inputs(B, L, H, P, N, dt, d="h", z=True, bias=True, softplus=True)
+    for k in ("b", "c"):
+        inputs[k] = np.ascontiguousarray(np.broadcast_to(inputs[k][:, :, :1], inputs[k].shape))
+    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
+              has_initial_states=False)
+    cfg, bcfg = None, None
+    if not HAS_CUDA:        # 3 chunks, 2 row blocks each
+        cfg, bcfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1), (16, 1, 1)
+
+    def shared(ts):          # b, c as one head expanded (stride 0)
+        ts = list(ts)
+        for i in (3, 4):
+            ts[i] = ts[i][:, :, :1].expand(ts[i].shape)
+        return ts
+    _case(ssd_ref, SSD_ORDER, inputs,
+          lambda ts: KD.ssd_chunk_scan(*shared(ts), **kw, config=cfg),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*shared(ts), gy, gl, **kw, config=bcfg),
+          dt, dict(dt_softplus=True))

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Compile the state-space scan kernels for sm_90 on a machine without a GPU and report
+registers, spill stack, shared memory and the SASS of the main loop (instructions a thread,
+most frequent opcodes), per launch option. Use it to compare variants before a GPU session.
+
+    python3 bench/sass_ssm.py
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from sass_quant_rows import TARGET, main_loop_stats  # noqa: E402
+from fuelgraph.backends.cuda.kernels import ssm_ssd as KD  # noqa: E402
+
+
+
+
+
+
+
+def compile_report(name, kern, ptr_types, cons, warps, stages, per=None):
+
+    sig = {n: ptr_types.get(n, "i32") for n in kern.arg_names if n not in cons}
+    # every pointer and integer of the benchmark shape is a multiple of 16 (as the launcher's
+    # specialization sees them)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    try:
+        k = triton.compile(ASTSource(kern, sig, cons, attrs=attrs), target=TARGET,
+                           options=dict(num_warps=warps, num_stages=stages))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:44s} FAILED {str(exc)[:400]!r}")
+        return
+    regs, stack, n, ops = main_loop_stats(k.asm["cubin"])
+    if n == 0:                              # no backward branch found: count the whole kernel
+        import collections
+        import re
+        sass = k.asm.get("sass") or ""
+        body = [ln.split("*/", 1)[1].split() for ln in sass.splitlines()
+                if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+        ops = collections.Counter((t[1] if t[0].startswith("@") else t[0]).split(".")[0]
+                                  for t in body if t)
+        n = sum(ops.values())
+    top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
+    extra = f" {n * warps * 32 / per:5.2f} instr/elem" if per else ""
+    print(f"{name:44s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d} loop {n:5d}"
+          f"{extra}  {top}", flush=True)
+
+
+def ssd(cfg=None, cb=False):
+    cfg = cfg or KD.ssd_config(4, 4096, 80, 64, 128)
+    bf = "*bf16"
+    p = {n: bf for n in ("x_ptr", "b_ptr", "c_ptr", "z_ptr", "st_ptr", "h0_ptr", "hl_ptr",
+                         "d_ptr", "y_ptr")}
+    p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*fp32" if cb else "*bf16")
+    op = triton.language.bfloat16
+    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, HAS_INIT=False, REVERSE=False,
+                HAS_Z=False, F32_PREC="ieee", OP_T=op)
+    compile_report(f"ssd state {tuple(cfg)}", KD._ssd_state_kernel, p, cons, cfg.swarps,
+                   cfg.sstages)
+    cons = dict(Q=cfg.q, BM=cfg.bm, BK=cfg.bk, BP=cfg.bp, BN=128, HAS_D=False, D_PER_P=False,
+                HAS_Z=False, F32_PREC="ieee", OP_T=op)
+    compile_report(f"ssd scan {tuple(cfg)} cb={cb}", KD._ssd_scan_kernel, p,
+                   dict(cons, HAS_CB=cb), cfg.warps, cfg.stages)
+    if cb:
+        compile_report(f"ssd cb bm={cfg.bm}", KD._ssd_cb_kernel, p,
+                       dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    for cb in (False, True):
+        ssd(cb=cb)
+
+
+if __name__ == "__main__":
+    main()
