@@ -75,10 +75,23 @@ def ssd(cfg=None, cb=False):
                        dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
 
 
+def ssd_bwd(q=32, warps=8, stages=1, r=1):
+    p = {n: "*bf16" for n in ("x_ptr", "dt_ptr", "a_ptr", "b_ptr", "c_ptr", "d_ptr", "z_ptr",
+                              "bias_ptr", "gy_ptr", "st_ptr", "dst_ptr", "ys_ptr", "dx_ptr",
+                              "ddt_ptr", "db_ptr", "dc_ptr", "dz_ptr")}
+    p.update(da_ptr="*fp32", dd_ptr="*fp32", dbias_ptr="*fp32")
+    cons = dict(Q=q, BP=64, BN=128, HAS_D=False, D_PER_P=False, HAS_Z=False, HAS_BIAS=True,
+                SOFTPLUS=True, PREC="ieee", OP_T=triton.language.bfloat16, R=r)
+    compile_report(f"ssd bwd q={q} warps={warps} stages={stages} r={r}", KD._ssd_bwd_kernel, p,
+                   cons, warps, stages)
+
+
 def main():
     argparse.ArgumentParser(description=__doc__).parse_args()
     for cb in (False, True):
         ssd(cb=cb)
+    for q, warps, r in ((32, 8, 1), (32, 8, 2), (32, 8, 4), (64, 8, 1)):
+        ssd_bwd(q, warps, 1, r)
 
 
 if __name__ == "__main__":
