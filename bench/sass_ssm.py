@@ -73,6 +73,12 @@ def ssd(cfg=None, cb=False):
     if cb:
         compile_report(f"ssd cb bm={cfg.bm}", KD._ssd_cb_kernel, p,
                        dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
+        p["s_ptr"] = "*fp32"
+        compile_report(f"ssd chunk state (par) {tuple(cfg)}", KD._ssd_chunk_state_kernel, p,
+                       dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, F32_PREC="ieee", OP_T=op),
+                       cfg.swarps, cfg.sstages)
+        compile_report("ssd pass (par)", KD._ssd_pass_kernel, p,
+                       dict(Q=cfg.q, BLOCK=1024, HAS_INIT=False), 4, 1)
 
 
 def ssd_bwd(q=32, warps=8, stages=1, r=1):

@@ -224,3 +224,20 @@ def test_ssd_backward_sparse_states(dt, r):
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(dt_softplus=True))
+
+
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
+def test_ssd_forward_parallel_states(dt):
+    """The forward with chunk-parallel states (each chunk's own, then a pass over the chunks)
+    and an initial state, a padded tail chunk: y and last_state against the float64
+    reference."""
+    shape = (2, 200, 4, 64, 32) if HAS_CUDA else (2, 37, 2, 4, 5)
+    inputs = ssd_inputs(*shape, dt, d="h", z=True, bias=True, softplus=True, init=True)
+    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
+              has_initial_states=True)
+    cfg = (KD.ssd_config(*shape)._replace(q=64, bm=64, bk=64, par=1) if HAS_CUDA else
+           KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, par=1))
+    bcfg = None if HAS_CUDA else (16, 1, 1)
+    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
+          dict(dt_softplus=True))

@@ -58,9 +58,11 @@ F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 #: and cb: when b and c are one group broadcast over the heads (head stride 0), 1 computes
 #: the C B^T of every chunk once per batch (float32, [B, NC, Q, Q]) for all heads to read,
 #: and orders the scan programs heads-fastest so that they read it from L2; 2 the same stored
-#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program
-SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb",
-                       defaults=(8, 3, 1))
+#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program;
+#: and par: 1 forms the states chunk-parallel (every chunk's own state, float32, then a short
+#: elementwise pass over the chunks) instead of one sequential walk per (batch, head, block)
+SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb par",
+                       defaults=(8, 3, 1, 0))
 #: backward: chunk length, warps, pipeline stages of the per-chunk gradient kernel, and r:
 #: states and cotangents are stored every r chunks (r q steps; r = 1, 2 or 4), the gradient
 #: kernel re-forms the ones between from the stored one and the neighbouring chunks' inputs
@@ -87,7 +89,7 @@ def ssd_config(B, L, H, P, N):
     programs walk the sequence (8 warps, 80 registers, 3 stages of prefetch)."""
     q = min(256, _p2(L))
     bm = min(64, q)
-    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3, 1)
+    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3, 1, 0)
 
 
 def ssd_bwd_config(B, L, H, P, N, dtype=None):
@@ -210,6 +212,67 @@ def _ssd_state_kernel(x_ptr, b_ptr, z_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl
         state = state * tl.where(edge, tl.exp(total), 1.0)
         state = tl.dot(tl.trans(Xw), Bm.to(op_t), state, input_precision=F32_PREC)
     tl.store(hl_ptr + pid_bh * P * N + pn_off, state.to(hl_ptr.dtype.element_ty), mask=pn_mask)
+
+
+@triton.jit
+def _ssd_chunk_state_kernel(x_ptr, b_ptr, dtp_ptr, acum_ptr, s_ptr, L, H, P, N, NC,
+                            sx_b, sx_l, sx_h, sb_b, sb_l, sb_h,
+                            Q: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                            BN: tl.constexpr, F32_PREC: tl.constexpr, OP_T: tl.constexpr):
+    """One chunk's own state (from a zero state), one (P block, N block) of it:
+    s = sum_t (exp(Acum_end - Acum_t) dt_t x_t)^T b_t, float32 into s [B H, NC, P, N]."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_bh = pid // NC
+    ci = pid % NC
+    bi = pid_bh // H
+    hi = pid_bh % H
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
+    offs_n = tl.program_id(2) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    pmask = offs_p < P
+    nmask = offs_n < N
+    row = pid_bh * L
+    c0 = ci * Q
+    cend = tl.minimum(c0 + Q, L)
+    total = tl.load(acum_ptr + row + cend - 1)
+    x_base = x_ptr + bi * sx_b + hi * sx_h
+    b_base = b_ptr + bi * sb_b + hi * sb_h
+    acc = tl.zeros((BP, BN), tl.float32)
+    for k0 in range(c0, cend, BK):
+        t = k0 + offs_k
+        tmask = t < cend
+        ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
+        dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
+        w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
+        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
+                    mask=tmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
+        Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
+                     mask=tmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(tl.trans((X * w[:, None]).to(OP_T)), Bm.to(OP_T), acc,
+                     input_precision=F32_PREC)
+    tl.store(s_ptr + (pid * P + offs_p[:, None]) * N + offs_n[None, :], acc,
+             mask=pmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _ssd_pass_kernel(s_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr, L, NC, PN,
+                     Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr):
+    """The states entering every chunk from the chunks' own states s (one block of P N
+    values of one (batch, head)): h_{c+1} = exp(Acum_end,c) h_c + s_c; st [B H, NC, P, N],
+    the last state into hl."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < PN
+    if HAS_INIT:
+        h = tl.load(h0_ptr + pid_bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros((BLOCK,), tl.float32)
+    for ci in range(0, NC):
+        off = (pid_bh * NC + ci) * PN + offs
+        tl.store(st_ptr + off, h.to(st_ptr.dtype.element_ty), mask=mask)
+        total = tl.load(acum_ptr + pid_bh * L + tl.minimum(ci * Q + Q, L) - 1)
+        h = tl.exp(total) * h + tl.load(s_ptr + off, mask=mask, other=0.0)
+    tl.store(hl_ptr + pid_bh * PN + offs, h.to(hl_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -360,6 +423,23 @@ def _launch_state(x, bm, z, dtp, acum, init, st, last, Q, cfg, has_init, reverse
         num_stages=cfg.sstages)
 
 
+def _launch_state_par(x, bm, dtp, acum, init, st, last, Q, cfg, has_init):
+    """Kernel 2 chunk-parallel: every chunk's own state (float32 scratch), then the pass."""
+    B, L, H, P = x.shape
+    N = bm.shape[3]
+    NC = triton.cdiv(L, Q)
+    bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
+    s = torch.empty((B * H, NC, P, N), dtype=torch.float32, device=x.device)
+    _ssd_chunk_state_kernel[(B * H * NC, triton.cdiv(P, bp), triton.cdiv(N, bn))](
+        x, bm, dtp, acum, s, L, H, P, N, NC, *_strides3(x), *_strides3(bm),
+        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype),
+        num_warps=cfg.swarps, num_stages=cfg.sstages)
+    block = min(1024, _p2(P * N))
+    _ssd_pass_kernel[(B * H, triton.cdiv(P * N, block))](
+        s, acum, init, st, last, L, NC, P * N, Q=Q, BLOCK=block, HAS_INIT=has_init,
+        num_warps=4)
+
+
 def _heads_share_bc(b, c):
     return b.shape[2] > 1 and b.stride(2) == 0 and c.stride(2) == 0
 
@@ -416,7 +496,10 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
     dtp, acum = _launch_dt(dt, a, bias, B, L, H, cfg.q, has_dt_bias, bool(dt_softplus))
     # entering states feed a 16-bit dot: stored in x's dtype (float32 for float32 inputs)
     st = torch.empty((B * H, triton.cdiv(L, cfg.q), P, N), dtype=x.dtype, device=x.device)
-    _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
+    if cfg.par:
+        _launch_state_par(x, b, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
+    else:
+        _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
     _launch_scan(x, b, c, d, z, dtp, acum, st, y, cfg.q, cfg, has_d, has_z)
     return y, hl
 
