@@ -189,7 +189,7 @@ def test_ssd_heads_share_b_c(dt):
     """b and c with one group broadcast over the heads (head stride 0): C B^T is formed once
     per chunk for all heads (a separate kernel); forward and gradients against the float64
     reference, with a padded tail chunk."""
-    B, L, H, P, N = (2, 200, 3, 32, 32) if HAS_CUDA else (1, 37, 2, 4, 5)
+    B, L, H, P, N = (2, 200, 3, 32, 80) if HAS_CUDA else (1, 37, 2, 4, 5)
     inputs = ssd_inputs(B, L, H, P, N, dt, d="h", z=True, bias=True, softplus=True)
     for k in ("b", "c"):
         inputs[k] = np.ascontiguousarray(np.broadcast_to(inputs[k][:, :, :1], inputs[k].shape))
