@@ -141,8 +141,9 @@ def test_ssd_chunk_256(dt):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="strided inputs: GPU shapes")
 def test_ssd_groups_broadcast_over_heads():
-    """b and c with one group expanded over the heads (stride 0) give the same results as
-    their contiguous copies."""
+    """b and c with one group expanded over the heads (stride 0) give the results of their
+    contiguous copies (up to the rounding of C B^T, which the broadcast path forms once in its
+    own kernel)."""
     B, L, H, P, N = 2, 128, 4, 32, 16
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(B, L, H, P, generator=g).to(DEV, torch.bfloat16)
@@ -155,7 +156,9 @@ def test_ssd_groups_broadcast_over_heads():
     y1, h1 = KD.ssd_chunk_scan(x, dt, a, b1.expand(B, L, H, N), c1.expand(B, L, H, N), **kw)
     y2, h2 = KD.ssd_chunk_scan(x, dt, a, b1.expand(B, L, H, N).contiguous(),
                                c1.expand(B, L, H, N).contiguous(), **kw)
-    assert torch.equal(y1, y2) and torch.equal(h1, h2)
+    assert torch.equal(h1, h2)              # the state walk is the same kernel
+    scale = y2.float().abs().max().item()
+    assert (y1.float() - y2.float()).abs().max().item() <= 1e-2 * scale
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the CUDA backend needs a GPU")
