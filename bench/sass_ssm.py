@@ -66,7 +66,7 @@ def compile_report(name, kern, ptr_types, cons, warps, stages):
         k = triton.compile(ASTSource(kern, sig, cons, attrs=attrs), target=TARGET,
                            options=dict(num_warps=warps, num_stages=stages))
     except Exception as exc:  # noqa: BLE001
-        print(f"{name:44s} FAILED {str(exc)[:400]!r}")
+        print(f"{name:44s} FAILED {str(exc)[-600:]!r}")
         return
     regs, stack, n, ops = loop_stats(k.asm["cubin"])
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
