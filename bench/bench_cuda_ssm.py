@@ -144,22 +144,18 @@ def ssd_rows(mamba, why, quick, sweep):
         traceback.print_exc()
         ms_fb = float("inf")
     if sweep:
-        # backward: (q, warps, stages, r: states stored every r chunks)
-        for bcfg in [(32, 8, 1, 1), (32, 8, 1, 4)]:
+        # backward: (q, warps, stages)
+        for bcfg in [(16, 8, 1), (64, 8, 1)]:
             try:
                 rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: ours_fb(None, bcfg), quick))
             except Exception as exc:
                 print(f"  bwd cfg {bcfg} failed: {exc!r}")
         ssd_parts(x, dt, a16, bE, cE, bias16, gy, gl, kw, shape, quick)
-        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages, cb, par);
-        # the cb variants are compared by the parts above
-        for cfg in [(256, 64, 64, 64, 64, 4, 2, 8, 3, 1, 1),
-                    (256, 64, 64, 64, 64, 4, 2, 4, 3, 1, 1),
-                    (256, 64, 64, 64, 64, 4, 3, 8, 3, 1, 0),
-                    (256, 64, 64, 64, 64, 8, 2, 8, 3, 1, 0),
-                    (256, 64, 64, 64, 32, 4, 2, 4, 3, 1, 0),
-                    (256, 128, 64, 64, 64, 8, 2, 8, 3, 1, 0)]:
+        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages, cb); the cb
+        # variants are compared by the parts above
+        for cfg in [(256, 64, 64, 64, 64, 4, 3, 8, 3, 2), (256, 64, 64, 64, 64, 8, 2, 8, 3, 2),
+                    (256, 64, 64, 64, 32, 4, 2, 4, 3, 2), (256, 128, 64, 64, 64, 8, 2, 8, 3, 2)]:
             try:
                 rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_,
                     bench(lambda: ours(cfg), quick))
@@ -205,14 +201,11 @@ def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
         parts["fwd dt"] = lambda: KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
         parts["fwd state"] = lambda: KD._launch_state(x, b, x, dtp, acum, x, st, hl, cfg.q,
                                                       cfg, False)
-        parts["fwd state par"] = lambda: KD._launch_state_par(x, b, dtp, acum, x, st, hl, cfg.q,
-                                                              cfg, False)
         parts["fwd cb"] = lambda: KD._launch_cb(b, c, cfg.q, cfg.bm)
         for cb in (0, 1, 2):
             parts[f"fwd scan cb={cb}"] = (lambda cb=cb: KD._launch_scan(
                 x, b, c, x, x, dtp, acum, st, y, cfg.q, cfg._replace(cb=cb), False, False))
-        bc = KD.ssd_bwd_config(B, L, H, P, N, x.dtype)
-        bq = bc.q * bc.r                    # the walks' chunk: states stored every r chunks
+        bq = KD.ssd_bwd_config(B, L, H, P, N, x.dtype).q
         bdtp, bacum = KD._launch_dt(dt, a, bias, B, L, H, bq, True, True)
         bcfg = cfg._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
         bst = torch.empty((B * H, -(-L // bq), P, N), dtype=x.dtype, device=DEV)

@@ -79,7 +79,7 @@ def ssd(cfg=None, cb=False):
     bf = "*bf16"
     p = {n: bf for n in ("x_ptr", "b_ptr", "c_ptr", "z_ptr", "st_ptr", "h0_ptr", "hl_ptr",
                          "d_ptr", "y_ptr")}
-    p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*fp32" if cb else "*bf16")
+    p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*bf16")
     op = triton.language.bfloat16
     cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, HAS_INIT=False, REVERSE=False,
                 HAS_Z=False, F32_PREC="ieee", OP_T=op)
@@ -92,22 +92,17 @@ def ssd(cfg=None, cb=False):
     if cb:
         compile_report(f"ssd cb bm={cfg.bm}", KD._ssd_cb_kernel, p,
                        dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
-        p["s_ptr"] = "*fp32"
-        compile_report(f"ssd chunk state (par) {tuple(cfg)}", KD._ssd_chunk_state_kernel, p,
-                       dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, F32_PREC="ieee", OP_T=op),
-                       cfg.swarps, cfg.sstages)
-        compile_report("ssd pass (par)", KD._ssd_pass_kernel, p,
-                       dict(Q=cfg.q, BLOCK=1024, HAS_INIT=False), 4, 1)
 
 
-def ssd_bwd(q=32, warps=8, stages=1, r=1):
+
+def ssd_bwd(q=32, warps=8, stages=1):
     p = {n: "*bf16" for n in ("x_ptr", "dt_ptr", "a_ptr", "b_ptr", "c_ptr", "d_ptr", "z_ptr",
                               "bias_ptr", "gy_ptr", "st_ptr", "dst_ptr", "ys_ptr", "dx_ptr",
                               "ddt_ptr", "db_ptr", "dc_ptr", "dz_ptr")}
     p.update(da_ptr="*fp32", dd_ptr="*fp32", dbias_ptr="*fp32")
     cons = dict(Q=q, BP=64, BN=128, HAS_D=False, D_PER_P=False, HAS_Z=False, HAS_BIAS=True,
-                SOFTPLUS=True, PREC="ieee", OP_T=triton.language.bfloat16, R=r)
-    compile_report(f"ssd bwd q={q} warps={warps} stages={stages} r={r}", KD._ssd_bwd_kernel, p,
+                SOFTPLUS=True, PREC="ieee", OP_T=triton.language.bfloat16)
+    compile_report(f"ssd bwd q={q} warps={warps} stages={stages}", KD._ssd_bwd_kernel, p,
                    cons, warps, stages)
 
 
@@ -115,8 +110,8 @@ def main():
     argparse.ArgumentParser(description=__doc__).parse_args()
     for cb in (False, True):
         ssd(cb=cb)
-    for q, warps, r in ((32, 8, 1), (32, 8, 2), (32, 8, 4), (64, 8, 1)):
-        ssd_bwd(q, warps, 1, r)
+    for q, warps in ((32, 8), (16, 8), (64, 8)):
+        ssd_bwd(q, warps, 1)
 
 
 if __name__ == "__main__":

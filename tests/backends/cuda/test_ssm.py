@@ -187,20 +187,22 @@ def test_through_the_api_on_cuda(dt):
         assert np.abs(a - b).max() <= tol * max(np.abs(a).max(), 1.0)
 
 
+@pytest.mark.parametrize("cb", [1, 2], ids=["cb_f32", "cb_input_dtype"])
 @pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
-def test_ssd_heads_share_b_c(dt):
+def test_ssd_heads_share_b_c(dt, cb):
     """b and c with one group broadcast over the heads (head stride 0): C B^T is formed once
-    per chunk for all heads (a separate kernel); forward and gradients against the float64
-    reference, with a padded tail chunk."""
+    per chunk for all heads (a separate kernel; stored in float32 or in the input dtype);
+    forward and gradients against the float64 reference, with a padded tail chunk."""
     B, L, H, P, N = (2, 200, 3, 32, 80) if HAS_CUDA else (1, 37, 2, 4, 5)
     inputs = ssd_inputs(B, L, H, P, N, dt, d="h", z=True, bias=True, softplus=True)
     for k in ("b", "c"):
         inputs[k] = np.ascontiguousarray(np.broadcast_to(inputs[k][:, :, :1], inputs[k].shape))
     kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
               has_initial_states=False)
-    cfg, bcfg = None, None
+    cfg, bcfg = KD.ssd_config(B, L, H, P, N)._replace(cb=cb), None
     if not HAS_CUDA:        # 3 chunks, 2 row blocks each
-        cfg, bcfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1), (16, 1, 1)
+        cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
+        bcfg = (16, 1, 1)
 
     def shared(ts):          # b, c as one head expanded (stride 0)
         ts = list(ts)
@@ -212,35 +214,3 @@ def test_ssd_heads_share_b_c(dt):
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*shared(ts), gy, gl, **kw, config=bcfg),
           dt, dict(dt_softplus=True))
 
-
-@pytest.mark.parametrize("r", [2, 4])
-@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
-def test_ssd_backward_sparse_states(dt, r):
-    """The backward storing states and cotangents every r chunks (the chunks between re-form
-    theirs), a padded tail group, every option: gradients against the float64 reference."""
-    shape = (2, 200, 4, 64, 32) if HAS_CUDA else (2, 37, 2, 4, 5)
-    inputs = ssd_inputs(*shape, dt, d="h", z=True, bias=True, softplus=True, init=True)
-    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
-              has_initial_states=True)
-    cfg = None if HAS_CUDA else KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1)
-    bcfg = (32, 8, 1, r) if HAS_CUDA else (16, 1, 1, r)
-    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
-          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
-          dict(dt_softplus=True))
-
-
-@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
-def test_ssd_forward_parallel_states(dt):
-    """The forward with chunk-parallel states (each chunk's own, then a pass over the chunks)
-    and an initial state, a padded tail chunk: y and last_state against the float64
-    reference."""
-    shape = (2, 200, 4, 64, 32) if HAS_CUDA else (2, 37, 2, 4, 5)
-    inputs = ssd_inputs(*shape, dt, d="h", z=True, bias=True, softplus=True, init=True)
-    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
-              has_initial_states=True)
-    cfg = (KD.ssd_config(*shape)._replace(q=64, bm=64, bk=64, par=1) if HAS_CUDA else
-           KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, par=1))
-    bcfg = None if HAS_CUDA else (16, 1, 1)
-    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
-          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
-          dict(dt_softplus=True))

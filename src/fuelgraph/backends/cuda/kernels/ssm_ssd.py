@@ -13,7 +13,7 @@ does not change the result):
             sum_{s<=t} exp(Acum_t - Acum_s) (C_t . B_s) dt_s x_s (C B^T and its product with x
             on tensor cores, column blocks up to the diagonal only), then d and the silu(z) gate.
             When b and c are one group broadcast over the heads, C B^T of every chunk is formed
-            once by its own kernel (float32 [B, NC, Q, Q]) and read by every head's program.
+            once by its own kernel ([B, NC, Q, Q] in x's dtype) and read by every head's program.
 Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; the decay
 weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
 use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
@@ -21,10 +21,8 @@ use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 Backward, also parallel over chunks (at its own, shorter chunk length): kernel 1; kernel 2
 storing the entering states; kernel 2 in reverse (the state cotangent g_c = exp(Acum_end)
 g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the cotangent at every
-chunk's end and the initial state's), both walks storing every r-th chunk's only (they walk
-chunks of r Q steps); kernel 3 for the ungated y when a gate z is present; then one program
-per (batch, head, chunk) re-forms its state and cotangent from the stored ones over the
-chunks between (one [P, N] product each), forms dx, ddt, db, dc, dz and the partial sums of
+chunk's end and the initial state's); kernel 3 for the ungated y when a gate z is present;
+then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and the partial sums of
 da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed). Partials
 are added by one torch sum (deterministic, no atomics).
 
@@ -58,16 +56,11 @@ F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 #: and cb: when b and c are one group broadcast over the heads (head stride 0), 1 computes
 #: the C B^T of every chunk once per batch (float32, [B, NC, Q, Q]) for all heads to read,
 #: and orders the scan programs heads-fastest so that they read it from L2; 2 the same stored
-#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program;
-#: and par: 1 forms the states chunk-parallel (every chunk's own state, float32, then a short
-#: elementwise pass over the chunks) instead of one sequential walk per (batch, head, block)
-SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb par",
-                       defaults=(8, 3, 1, 0))
-#: backward: chunk length, warps, pipeline stages of the per-chunk gradient kernel, and r:
-#: states and cotangents are stored every r chunks (r q steps; r = 1, 2 or 4), the gradient
-#: kernel re-forms the ones between from the stored one and the neighbouring chunks' inputs
-#: (one [P, N] product of q steps per chunk between: state traffic / r)
-SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages r", defaults=(1,))
+#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program
+SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb",
+                       defaults=(8, 3, 2))
+#: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
 
 
 def _op_type(dtype):
@@ -86,22 +79,23 @@ def ssd_config(B, L, H, P, N):
     """Forward: Q = 256 (few stored states: the state traffic is B H (L / Q) P N), 64 x 64
     tiles of the masked C B^T with all of N per scan program (4 warps, ~190 registers: two
     programs per SM), the state kernel split in N blocks of 64 so that B H P / 64 * N / 64
-    programs walk the sequence (8 warps, 80 registers, 3 stages of prefetch)."""
+    programs walk the sequence (8 warps, 80 registers, 3 stages of prefetch). C B^T shared by
+    the heads stored in x's dtype (cb = 2): on the H200 at B4 L4096 H80 P64 N128 the scan
+    kernel took 0.40 ms so, 0.44 ms with it in float32, 0.53 ms formed per head. The chunk-
+    parallel alternative to the state walk (every chunk's own state, then a pass) measured
+    0.27 ms against the walk's 0.20 ms."""
     q = min(256, _p2(L))
     bm = min(64, q)
-    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3, 1, 0)
+    return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3, 2)
 
 
 def ssd_bwd_config(B, L, H, P, N, dtype=None):
     """Backward: the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32 tiles
     live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255, no spill;
-    Q = 64 spills). States and cotangents are stored every 2 chunks (r = 2): the
-    [B H, L / (r Q), P, N] states and cotangents, written by the walks and read by the
-    gradient kernel, are most of the backward's memory traffic; the gradient kernel re-forms
-    the ones between. float32 inputs (exact dots on CUDA cores, operands in registers) take
-    Q = 32 too."""
+    Q = 64 spills), at the price of stored states and cotangents every 32 steps. float32
+    inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
     big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
-    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1, 2)
+    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1)
 
 
 def _cost(shapes, params=None, q=64):
@@ -215,72 +209,11 @@ def _ssd_state_kernel(x_ptr, b_ptr, z_ptr, dtp_ptr, acum_ptr, h0_ptr, st_ptr, hl
 
 
 @triton.jit
-def _ssd_chunk_state_kernel(x_ptr, b_ptr, dtp_ptr, acum_ptr, s_ptr, L, H, P, N, NC,
-                            sx_b, sx_l, sx_h, sb_b, sb_l, sb_h,
-                            Q: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
-                            BN: tl.constexpr, F32_PREC: tl.constexpr, OP_T: tl.constexpr):
-    """One chunk's own state (from a zero state), one (P block, N block) of it:
-    s = sum_t (exp(Acum_end - Acum_t) dt_t x_t)^T b_t, float32 into s [B H, NC, P, N]."""
-    pid = tl.program_id(0).to(tl.int64)
-    pid_bh = pid // NC
-    ci = pid % NC
-    bi = pid_bh // H
-    hi = pid_bh % H
-    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
-    offs_n = tl.program_id(2) * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    pmask = offs_p < P
-    nmask = offs_n < N
-    row = pid_bh * L
-    c0 = ci * Q
-    cend = tl.minimum(c0 + Q, L)
-    total = tl.load(acum_ptr + row + cend - 1)
-    x_base = x_ptr + bi * sx_b + hi * sx_h
-    b_base = b_ptr + bi * sb_b + hi * sb_h
-    acc = tl.zeros((BP, BN), tl.float32)
-    for k0 in range(c0, cend, BK):
-        t = k0 + offs_k
-        tmask = t < cend
-        ac = tl.load(acum_ptr + row + t, mask=tmask, other=0.0)
-        dtp = tl.load(dtp_ptr + row + t, mask=tmask, other=0.0)
-        w = tl.where(tmask, tl.exp(total - ac) * dtp, 0.0)
-        X = tl.load(x_base + t[:, None] * sx_l + offs_p[None, :],
-                    mask=tmask[:, None] & pmask[None, :], other=0.0).to(tl.float32)
-        Bm = tl.load(b_base + t[:, None] * sb_l + offs_n[None, :],
-                     mask=tmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(tl.trans((X * w[:, None]).to(OP_T)), Bm.to(OP_T), acc,
-                     input_precision=F32_PREC)
-    tl.store(s_ptr + (pid * P + offs_p[:, None]) * N + offs_n[None, :], acc,
-             mask=pmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _ssd_pass_kernel(s_ptr, acum_ptr, h0_ptr, st_ptr, hl_ptr, L, NC, PN,
-                     Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr):
-    """The states entering every chunk from the chunks' own states s (one block of P N
-    values of one (batch, head)): h_{c+1} = exp(Acum_end,c) h_c + s_c; st [B H, NC, P, N],
-    the last state into hl."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < PN
-    if HAS_INIT:
-        h = tl.load(h0_ptr + pid_bh * PN + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros((BLOCK,), tl.float32)
-    for ci in range(0, NC):
-        off = (pid_bh * NC + ci) * PN + offs
-        tl.store(st_ptr + off, h.to(st_ptr.dtype.element_ty), mask=mask)
-        total = tl.load(acum_ptr + pid_bh * L + tl.minimum(ci * Q + Q, L) - 1)
-        h = tl.exp(total) * h + tl.load(s_ptr + off, mask=mask, other=0.0)
-    tl.store(hl_ptr + pid_bh * PN + offs, h.to(hl_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _ssd_cb_kernel(b_ptr, c_ptr, cb_ptr, L, N, NC, sb_b, sb_l, sc_b, sc_l,
                    Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, F32_PREC: tl.constexpr,
                    OP_T: tl.constexpr):
     """C B^T of one chunk of one batch (b, c: one group shared by every head), one [BM, BM]
-    tile (rows m, columns k), float32 into cb [B, NC, Q, Q]; tiles above the diagonal are
+    tile (rows m, columns k), into cb [B, NC, Q, Q] (its dtype); tiles above the diagonal are
     written as zeros (a scan block may read past the diagonal, where its mask drops them)."""
     pid = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -318,8 +251,8 @@ def _ssd_scan_kernel(x_ptr, b_ptr, c_ptr, dtp_ptr, acum_ptr, st_ptr, d_ptr, z_pt
                      OP_T: tl.constexpr, HAS_CB: tl.constexpr = False):
     """Outputs of one block of BM rows of one chunk (batch, head, chunk, rows, P block):
     y = exp(Acum) C h_in^T + (C B^T o decay o dt) x over the columns up to the diagonal.
-    HAS_CB: C B^T read from cb [B, NC, Q, Q] (float32, shared by the heads), programs ordered
-    (rows, head, chunk, batch) from the fastest, so that the heads of a chunk run together."""
+    HAS_CB: C B^T read from cb [B, NC, Q, Q] (shared by the heads), programs ordered (rows,
+    head, chunk, batch) from the fastest, so that the heads of a chunk run together."""
     NM: tl.constexpr = Q // BM
     pid = tl.program_id(0).to(tl.int64)
     pid_m = NM - 1 - pid % NM                 # the longest rows first
@@ -423,23 +356,6 @@ def _launch_state(x, bm, z, dtp, acum, init, st, last, Q, cfg, has_init, reverse
         num_stages=cfg.sstages)
 
 
-def _launch_state_par(x, bm, dtp, acum, init, st, last, Q, cfg, has_init):
-    """Kernel 2 chunk-parallel: every chunk's own state (float32 scratch), then the pass."""
-    B, L, H, P = x.shape
-    N = bm.shape[3]
-    NC = triton.cdiv(L, Q)
-    bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
-    s = torch.empty((B * H, NC, P, N), dtype=torch.float32, device=x.device)
-    _ssd_chunk_state_kernel[(B * H * NC, triton.cdiv(P, bp), triton.cdiv(N, bn))](
-        x, bm, dtp, acum, s, L, H, P, N, NC, *_strides3(x), *_strides3(bm),
-        Q=Q, BK=min(cfg.bk, Q), BP=bp, BN=bn, F32_PREC=F32_DOT, OP_T=_op_type(x.dtype),
-        num_warps=cfg.swarps, num_stages=cfg.sstages)
-    block = min(1024, _p2(P * N))
-    _ssd_pass_kernel[(B * H, triton.cdiv(P * N, block))](
-        s, acum, init, st, last, L, NC, P * N, Q=Q, BLOCK=block, HAS_INIT=has_init,
-        num_warps=4)
-
-
 def _heads_share_bc(b, c):
     return b.shape[2] > 1 and b.stride(2) == 0 and c.stride(2) == 0
 
@@ -496,10 +412,7 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
     dtp, acum = _launch_dt(dt, a, bias, B, L, H, cfg.q, has_dt_bias, bool(dt_softplus))
     # entering states feed a 16-bit dot: stored in x's dtype (float32 for float32 inputs)
     st = torch.empty((B * H, triton.cdiv(L, cfg.q), P, N), dtype=x.dtype, device=x.device)
-    if cfg.par:
-        _launch_state_par(x, b, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
-    else:
-        _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
+    _launch_state(x, b, z, dtp, acum, h0, st, hl, cfg.q, cfg, has_initial_states)
     _launch_scan(x, b, c, d, z, dtp, acum, st, y, cfg.q, cfg, has_d, has_z)
     return y, hl
 
@@ -521,12 +434,10 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
                     Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                     D_PER_P: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
                     SOFTPLUS: tl.constexpr, PREC: tl.constexpr,
-                    OP_T: tl.constexpr, R: tl.constexpr = 1):
+                    OP_T: tl.constexpr):
     """One chunk of one (batch, head), given the state entering it (st) and the cotangent of
     the state at its end (dst): dx, ddt, db, dc, dz of the chunk and its partial sums of da,
-    dd, ddt_bias (written per program: [B H NC], [B H NC, P]). st and dst hold one state per
-    R chunks (the one entering chunk R k, the cotangent leaving chunk R k + R - 1); the ones
-    of the chunks between are moved on from those over the neighbouring chunks."""
+    dd, ddt_bias (written per program: [B H NC], [B H NC, P])."""
     pid = tl.program_id(0).to(tl.int64)
     pid_bh = pid // NC
     ci = pid % NC
@@ -551,37 +462,7 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
     causal = offs_q[:, None] >= offs_q[None, :]
     # cotangent of the state at the end of this chunk
     # (kept in their stored dtype: dot operands, widened only for the one sum below)
-    NCS = tl.cdiv(NC, R)                    # stored states per (batch, head)
-    sidx = pid_bh * NCS + ci // R
-    Dst = tl.load(dst_ptr + sidx * P * N + pn_off, mask=pn_mask, other=0.0)
-    if R > 1:
-        # move the stored cotangent back over the later chunks of its group
-        g = Dst.to(tl.float32)
-        for j in range(0, R - 1 - ci % R):
-            cj = (ci // R) * R + R - 1 - j
-            tj = cj * Q + offs_q
-            jm = tj < L
-            prej = tl.load(dt_ptr + bi * sdt_b + tj * sdt_l + hi * sdt_h, mask=jm,
-                           other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                prej += bias
-            if SOFTPLUS:
-                prej = softplus_f32(prej)
-            sj = tl.where(jm, prej, 0.0) * a_h
-            acj = tl.cumsum(sj, 0)
-            GYj = tl.load(gy_ptr + bi * sg_b + tj[:, None] * sg_l + hi * sg_h + offs_p[None, :],
-                          mask=jm[:, None] & pmask[None, :], other=0.0).to(tl.float32)
-            if HAS_Z:
-                zj = tl.load(z_ptr + bi * sz_b + tj[:, None] * sz_l + hi * sz_h
-                             + offs_p[None, :], mask=jm[:, None] & pmask[None, :],
-                             other=0.0).to(tl.float32)
-                GYj = GYj * zj * sigmoid_f32(zj)
-            Cj = tl.load(c_ptr + bi * sc_b + tj[:, None] * sc_l + hi * sc_h + offs_n[None, :],
-                         mask=jm[:, None] & nmask[None, :], other=0.0)
-            GYw = tl.where(jm[:, None], GYj * tl.exp(acj)[:, None], 0.0)
-            g = g * tl.exp(tl.sum(sj, 0))
-            g = tl.dot(tl.trans(GYw.to(op_t)), Cj.to(op_t), g, input_precision=PREC)
-        Dst = g.to(dst_ptr.dtype.element_ty)
+    Dst = tl.load(dst_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
     dd_acc = tl.zeros((BP,), tl.float32)
     t = ci * Q + offs_q
     tmask = t < L
@@ -618,31 +499,7 @@ def _ssd_bwd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, 
         dz = GY * yp * sz * (1.0 + zz * (1.0 - sz))
         tl.store(dz_ptr + y_off, dz.to(dz_ptr.dtype.element_ty), mask=qp_mask)
         GY = GY * zz * sz
-    Hin = tl.load(st_ptr + sidx * P * N + pn_off, mask=pn_mask, other=0.0)
-    if R > 1:
-        # move the stored state on over the earlier chunks of its group
-        hh = Hin.to(tl.float32)
-        for j in range(0, ci % R):
-            tj = ((ci // R) * R + j) * Q + offs_q
-            jm = tj < L
-            prej = tl.load(dt_ptr + bi * sdt_b + tj * sdt_l + hi * sdt_h, mask=jm,
-                           other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                prej += bias
-            if SOFTPLUS:
-                prej = softplus_f32(prej)
-            dtj = tl.where(jm, prej, 0.0)
-            sj = dtj * a_h
-            acj = tl.cumsum(sj, 0)
-            totj = tl.sum(sj, 0)
-            Xj = tl.load(x_ptr + bi * sx_b + tj[:, None] * sx_l + hi * sx_h + offs_p[None, :],
-                         mask=jm[:, None] & pmask[None, :], other=0.0).to(tl.float32)
-            Bj = tl.load(b_ptr + bi * sb_b + tj[:, None] * sb_l + hi * sb_h + offs_n[None, :],
-                         mask=jm[:, None] & nmask[None, :], other=0.0)
-            Xw = Xj * (tl.exp(totj - acj) * dtj)[:, None]
-            hh = hh * tl.exp(totj)
-            hh = tl.dot(tl.trans(Xw.to(op_t)), Bj.to(op_t), hh, input_precision=PREC)
-        Hin = hh.to(st_ptr.dtype.element_ty)
+    Hin = tl.load(st_ptr + pid * P * N + pn_off, mask=pn_mask, other=0.0)
     eA = tl.exp(acum)
     wend = tl.exp(total - acum)
     dec = tl.exp(total)
@@ -705,8 +562,6 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N, dtype)
     Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
-    R = max(1, min(cfg.r, _p2(NC, 1)))      # chunks per stored state (a power of 2)
-    QS = Q * R
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
     ddt = torch.empty((B, L, H), dtype=dtype, device=dev)
     db = torch.empty((B, L, H, N), dtype=dtype, device=dev)
@@ -716,21 +571,20 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     dd_p = torch.zeros((BH, NC, P), **f32)
     dh0 = gl.to(torch.float32).clone()
     if BH * P and L:
-        fcfg = ssd_config(B, L, H, P, N)._replace(q=QS, bm=min(64, QS), bk=min(64, QS))
-        dtp, acum = _launch_dt(dt, a, bias, B, L, H, QS, has_dt_bias, bool(dt_softplus))
-        # states entering every R-th chunk, and the cotangents at the end of every R-th
-        # chunk group (reverse walk); in x's dtype (they feed 16-bit dots)
-        NCS = triton.cdiv(L, QS)
-        st = torch.empty((BH, NCS, P, N), dtype=dtype, device=dev)
-        dst = torch.empty((BH, NCS, P, N), dtype=dtype, device=dev)
+        fcfg = ssd_config(B, L, H, P, N)._replace(q=Q, bm=min(64, Q), bk=min(64, Q))
+        dtp, acum = _launch_dt(dt, a, bias, B, L, H, Q, has_dt_bias, bool(dt_softplus))
+        # states entering each chunk, and the cotangents at each chunk's end (reverse walk);
+        # in x's dtype (they feed 16-bit dots)
+        st = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
+        dst = torch.empty((BH, NC, P, N), dtype=dtype, device=dev)
         hl = torch.empty((B, H, P, N), **f32)
-        _launch_state(x, b, z, dtp, acum, h0, st, hl, QS, fcfg, has_initial_states)
-        _launch_state(gy, c, z, dtp, acum, gl, dst, dh0, QS, fcfg, True, reverse=True,
+        _launch_state(x, b, z, dtp, acum, h0, st, hl, Q, fcfg, has_initial_states)
+        _launch_state(gy, c, z, dtp, acum, gl, dst, dh0, Q, fcfg, True, reverse=True,
                       has_z=has_z)
         ys = x
         if has_z:                            # the ungated y, for dz
             ys = torch.empty((B, L, H, P), **f32)
-            _launch_scan(x, b, c, d, z, dtp, acum, st, ys, QS, fcfg, False, False)
+            _launch_scan(x, b, c, d, z, dtp, acum, st, ys, Q, fcfg, False, False)
         _ssd_bwd_kernel[(BH * NC,)](
             x, dt, a, b, c, d, z, bias, gy, st, dst, ys, dx, ddt, db, dc, dz, da_p, dd_p,
             dbias_p, L, H, P, N, NC,
@@ -738,7 +592,7 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
             *_strides3(gy),
             Q=Q, BP=_p2(P), BN=_p2(N), HAS_D=has_d, D_PER_P=has_d and d.dim() == 2,
             HAS_Z=has_z, HAS_BIAS=has_dt_bias, SOFTPLUS=bool(dt_softplus), PREC=F32_DOT,
-            OP_T=_op_type(dtype), R=R, num_warps=cfg.warps, num_stages=cfg.stages)
+            OP_T=_op_type(dtype), num_warps=cfg.warps, num_stages=cfg.stages)
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
