@@ -16,18 +16,19 @@ are imported from its Python sources: pass --mamba-src DIR (the folder that hold
 wheel or folder). Without them the mamba rows are skipped and say so.
 
     python3 bench/bench_cuda_ssm.py --out DIR [--mamba-src DIR] [--path WHEEL_OR_DIR ...]
-                                   [--sweep] [--quick]
+                                   [--sweep] [--quick] [--rep MS] [--no-f32]
 
-Writes JSON records {"op","impl","device","shape","dtype","ms","date", "gbps"?} to
-bench/results/cuda_ssm_<date>.json and DIR/cuda_ssm_<date>.json, then prints the table and
-the targets.
+--sweep adds each SSD kernel timed alone (ssd_chunk_scan[part] rows: where the time goes) and
+a few launch configurations. Writes JSON records {"op","impl","device","shape","dtype","ms",
+"date", "gbps"?} to bench/results/cuda_ssm_<date>.json and DIR/cuda_ssm_<date>.json (and to
+DIR/records.jsonl as they are made, so a run cut short keeps its rows), then prints the table
+and the targets. mamba_ssm's rows run last (its autotuning compiles many configurations).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import math
 import pathlib
 import sys
 import traceback
@@ -56,14 +57,21 @@ def rec(op, impl, shape, dtype, ms, **extra):
          "date": datetime.date.today().isoformat()}
     r.update({k: v for k, v in extra.items() if v is not None})
     RECORDS.append(r)
+    if JSONL[0]:
+        with open(JSONL[0], "a") as f:
+            f.write(json.dumps(r) + "\n")
     print(f"  {op:26s} {impl:22s} {str(shape):28s} {r['dtype']:9s} {ms:9.4f} ms"
           + (f"  {extra['gbps']:.0f} GB/s" if extra.get("gbps") else ""), flush=True)
     return ms
 
 
+REP_MS = [None]            # --rep: do_bench's time budget per case (ms)
+JSONL = [None]             # --out DIR: every record also appended to DIR/records.jsonl as made
+
+
 def bench(fn, quick):
-    return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
-                    return_mode="median")
+    rep = REP_MS[0] or (30 if quick else 100)
+    return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
 
 
 # ---- anchors ----------------------------------------------------------------------------------
@@ -136,45 +144,84 @@ def ssd_rows(mamba, why, quick, sweep):
         traceback.print_exc()
         ms_fb = float("inf")
     if sweep:
-        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages)
-        for cfg in [(256, 64, 64, 64, 64, 4, 3), (256, 64, 64, 64, 64, 8, 2),
-                    (256, 128, 64, 64, 64, 8, 2), (256, 64, 32, 64, 64, 4, 2),
-                    (128, 64, 64, 64, 64, 4, 2), (128, 64, 64, 64, 64, 4, 3),
-                    (256, 64, 64, 64, 32, 4, 2), (256, 64, 64, 64, 128, 4, 2),
-                    (256, 64, 64, 64, 64, 4, 2, 4, 2), (256, 64, 64, 64, 64, 4, 2, 8, 4)]:
-            try:
-                rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_,
-                    bench(lambda: ours(cfg), quick))
-            except Exception as exc:
-                print(f"  cfg {cfg} failed: {exc!r}")
         # backward: (q, warps, stages)
-        for bcfg in [(16, 8, 1), (32, 4, 1), (32, 8, 2), (64, 8, 1), (16, 4, 1)]:
+        for bcfg in [(16, 8, 1), (64, 8, 1)]:
             try:
                 rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: ours_fb(None, bcfg), quick))
             except Exception as exc:
                 print(f"  bwd cfg {bcfg} failed: {exc!r}")
-    anchors = {}
-    if mamba is None:
-        print(f"  mamba_ssm rows skipped: {why}")
-    else:
+        ssd_parts(x, dt, a16, bE, cE, bias16, gy, gl, kw, shape, quick)
+        # forward: (q, bm, bk, bp, bn, warps, stages, state warps, state stages, cb); the cb
+        # variants are compared by the parts above
+        for cfg in [(256, 64, 64, 64, 64, 4, 3, 8, 3, 2), (256, 64, 64, 64, 64, 8, 2, 8, 3, 2),
+                    (256, 64, 64, 64, 32, 4, 2, 4, 3, 2), (256, 128, 64, 64, 64, 8, 2, 8, 3, 2)]:
+            try:
+                rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_,
+                    bench(lambda: ours(cfg), quick))
+            except Exception as exc:
+                print(f"  cfg {cfg} failed: {exc!r}")
+    rows = [["ssd_chunk_scan fwd bf16", ms_f, None, "<= 0.6 ms", ms_f <= 0.6],
+            ["ssd_chunk_scan fwd+bwd bf16", ms_fb, None, "<= 3.5 ms", ms_fb <= 3.5]]
+
+    def anchor_rows():          # run last: mamba_ssm's autotuning compiles many configs
+        if mamba is None:
+            print(f"  mamba_ssm rows skipped: {why}")
+            return
+
         xm = x.clone().requires_grad_(True)
         run = lambda: mamba(x, dt, a, b1, c1, Q, dt_bias=bias, dt_softplus=True)
-        anchors["fwd"] = rec("ssd_chunk_scan", "mamba_ssm", shape, dt_, bench(run, quick))
+        rows[0][2] = rec("ssd_chunk_scan", "mamba_ssm", shape, dt_, bench(run, quick))
 
         def run_fb():
             out = mamba(xm, dt, a, b1, c1, Q, dt_bias=bias, dt_softplus=True)
             out.backward(gy)
-        anchors["fb"] = rec("ssd_chunk_scan_fwd+bwd", "mamba_ssm", shape, dt_,
-                            bench(run_fb, quick))
+        rows[1][2] = rec("ssd_chunk_scan_fwd+bwd", "mamba_ssm", shape, dt_,
+                         bench(run_fb, quick))
         ym = run()
         yo, _ = ours()
         err = (ym.float() - yo.float()).abs().max().item() / ym.float().abs().max().item()
         print(f"  ours vs mamba_ssm: max |diff| / max |y| = {err:.2e}")
-    return [("ssd_chunk_scan fwd bf16", ms_f, anchors.get("fwd"), "<= 0.6 ms",
-             ms_f <= 0.6),
-            ("ssd_chunk_scan fwd+bwd bf16", ms_fb, anchors.get("fb"), "<= 3.5 ms",
-             ms_fb <= 3.5)]
+    return rows, anchor_rows
+
+
+def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
+    """Each kernel of the default forward and backward timed alone (same inputs), as
+    ssd_chunk_scan[part] rows: where the time goes."""
+    B, L, H, P = x.shape
+    N = b.shape[3]
+    cfg = KD.ssd_config(B, L, H, P, N)
+    parts = {}
+    try:
+        dtp, acum = KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
+        NC = -(-L // cfg.q)
+        st = torch.empty((B * H, NC, P, N), dtype=x.dtype, device=DEV)
+        hl = torch.empty((B, H, P, N), dtype=x.dtype, device=DEV)
+        y = torch.empty_like(x)
+        parts["fwd dt"] = lambda: KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
+        parts["fwd state"] = lambda: KD._launch_state(x, b, x, dtp, acum, x, st, hl, cfg.q,
+                                                      cfg, False)
+        parts["fwd cb"] = lambda: KD._launch_cb(b, c, cfg.q, cfg.bm)
+        for cb in (0, 1, 2):
+            parts[f"fwd scan cb={cb}"] = (lambda cb=cb: KD._launch_scan(
+                x, b, c, x, x, dtp, acum, st, y, cfg.q, cfg._replace(cb=cb), False, False))
+        bq = KD.ssd_bwd_config(B, L, H, P, N, x.dtype).q
+        bdtp, bacum = KD._launch_dt(dt, a, bias, B, L, H, bq, True, True)
+        bcfg = cfg._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
+        bst = torch.empty((B * H, -(-L // bq), P, N), dtype=x.dtype, device=DEV)
+        hl32 = torch.empty((B, H, P, N), dtype=torch.float32, device=DEV)
+        parts["bwd state"] = lambda: KD._launch_state(x, b, x, bdtp, bacum, x, bst, hl32, bq,
+                                                      bcfg, False)
+        parts["bwd reverse state"] = lambda: KD._launch_state(
+            gy, c, x, bdtp, bacum, gl, bst, hl32, bq, bcfg, True, reverse=True)
+        parts["bwd all"] = lambda: KD.ssd_chunk_scan_backward(x, dt, a, b, c, bias, gy, gl, **kw)
+    except Exception:
+        traceback.print_exc()
+    for name, fn in parts.items():
+        try:
+            rec(f"ssd_chunk_scan[{name}]", "fuelgraph", shape, x.dtype, bench(fn, quick))
+        except Exception as exc:
+            print(f"  part {name} failed: {exc!r}")
 
 
 def ss_inputs(B, L, D, N, dtype, g):
@@ -186,9 +233,32 @@ def ss_inputs(B, L, D, N, dtype, g):
     return u, delta, a, b, c
 
 
-def ss_rows(quick, sweep):
+def ss_rows(quick, sweep, f32=True):
     g = torch.Generator(device=DEV).manual_seed(1)
     rows = []
+    # bf16 forward vs the bandwidth ceiling
+    # (first: the reference loops below are slow)
+    shape = (2, 1024, 4096, 16) if quick else (8, 2048, 4096, 16)
+    B, L, D, N = shape
+    ins16 = ss_inputs(*shape, torch.bfloat16, g)
+    nbytes = 2 * (3 * B * L * D + 2 * B * L * N + D * N + B * D * N)
+    ms16 = bench(lambda: KS.selective_scan(*ins16, **SS_KW), quick)
+    gbps = nbytes / ms16 / 1e6
+    print(f"  selective_scan bf16 forward config {KS.ss_fwd_config(*shape)}")
+    rec("selective_scan", "fuelgraph", shape, torch.bfloat16, ms16, gbps=gbps)
+    ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
+    rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
+        gbps=CEILING_TBS * 1e3)
+    if sweep:
+        # forward (T, BD, warps): BD channels over warps * 32 threads
+        for cfg in [(16, 64, 2), (8, 128, 4)]:
+            m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
+            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
+                gbps=nbytes / m / 1e6)
+    rows.append(("selective_scan fwd bf16", ms16, ceil_ms, ">= 50% of ceiling",
+                 ceil_ms / ms16 >= 0.5))
+    if not f32:
+        return rows
     # f32 forward vs the reference loop
     shape = (2, 1024, 1536, 16)
     ins = ss_inputs(*shape, torch.float32, g)
@@ -202,10 +272,6 @@ def ss_rows(quick, sweep):
     ms = rec("selective_scan", "fuelgraph", shape, torch.float32, bench(ours, quick))
     ms_ref = rec("selective_scan", "torch eager", shape, torch.float32,
                  bench(ref, True), anchor="Mamba selective_scan_ref loop")
-    if sweep:
-        for cfg in [(16, 16, 1), (16, 32, 2), (8, 16, 1), (32, 16, 1), (16, 64, 4)]:
-            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.float32,
-                bench(lambda: ours(cfg), quick))
     rows.append(("selective_scan fwd f32", ms, ms_ref, "<= 0.2 ms", ms <= 0.2))
     # fwd+bwd vs the reference loop's autograd
     gy = torch.randn(*shape[:3], device=DEV, generator=g)
@@ -223,31 +289,6 @@ def ss_rows(quick, sweep):
     ms_fb = rec("selective_scan_fwd+bwd", "fuelgraph", shape, torch.float32, bench(ours_fb, quick))
     ms_rfb = rec("selective_scan_fwd+bwd", "torch eager", shape, torch.float32,
                  bench(ref_fb, True), anchor="Mamba selective_scan_ref loop, autograd")
-    if sweep:
-        for cfg in [(8, 8, 4), (8, 16, 4), (16, 8, 4), (4, 16, 4)]:
-            rec("selective_scan_fwd+bwd", f"fuelgraph[{cfg}]", shape, torch.float32,
-                bench(lambda: ours_fb(cfg), quick))
-    # bf16 forward vs the bandwidth ceiling
-    shape = (2, 1024, 4096, 16) if quick else (8, 2048, 4096, 16)
-    B, L, D, N = shape
-    ins16 = ss_inputs(*shape, torch.bfloat16, g)
-    nbytes = 2 * (3 * B * L * D + 2 * B * L * N + D * N + B * D * N)
-    ms16 = bench(lambda: KS.selective_scan(*ins16, **SS_KW), quick)
-    gbps = nbytes / ms16 / 1e6
-    print(f"  selective_scan bf16 forward config {KS.ss_fwd_config(*shape)}")
-    rec("selective_scan", "fuelgraph", shape, torch.bfloat16, ms16, gbps=gbps)
-    ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
-    rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
-        gbps=CEILING_TBS * 1e3)
-    if sweep:
-        # forward (T, BD, warps): BD channels over warps * 32 threads
-        for cfg in [(16, 64, 4), (16, 128, 4), (16, 128, 8), (8, 128, 4), (16, 64, 2),
-                    (16, 32, 2), (32, 64, 4), (16, 256, 8)]:
-            m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
-            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
-                gbps=nbytes / m / 1e6)
-    rows.append(("selective_scan fwd bf16", ms16, ceil_ms, ">= 50% of ceiling",
-                 ceil_ms / ms16 >= 0.5))
     rows.append(("selective_scan fwd+bwd", ms_fb, ms_rfb, ">= 200x faster",
                  ms_rfb / ms_fb >= 200))
     return rows
@@ -259,14 +300,25 @@ def main():
     ap.add_argument("--mamba-src", default=None)
     ap.add_argument("--path", action="append", default=[])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
+    ap.add_argument("--rep", type=int, default=None, help="timing budget per case, ms")
+    ap.add_argument("--no-f32", action="store_true",
+                    help="skip the float32 selective-scan rows (slow torch reference loops)")
     args = ap.parse_args()
+    REP_MS[0] = args.rep
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        JSONL[0] = pathlib.Path(args.out) / "records.jsonl"
     mamba, why = import_mamba_ssd(args.mamba_src, args.path)
-    rows = []
-    for part in (lambda: ssd_rows(mamba, why, args.quick, args.sweep),
-                 lambda: ss_rows(args.quick, args.sweep)):
+    rows, anchor_rows = [], None
+    try:
+        ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
+        rows += ssd
+    except Exception:
+        traceback.print_exc()
+    for part in (lambda: ss_rows(args.quick, args.sweep, not args.no_f32), anchor_rows):
         try:
-            rows += part()
+            rows += (part and part()) or []
         except Exception:
             traceback.print_exc()
     day = datetime.date.today().isoformat()

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Compile the state-space scan kernels for sm_90 on a machine without a GPU and report
+registers, spill stack, shared memory and the SASS of the main loop (instructions a thread,
+most frequent opcodes), per launch option. Use it to compare variants before a GPU session.
+
+    python3 bench/sass_ssm.py
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from sass_quant_rows import BIN, TARGET  # noqa: E402
+from fuelgraph.backends.cuda.kernels import ssm_ssd as KD  # noqa: E402
+
+
+def loop_stats(cubin: bytes):
+    """(registers, stack, instructions of the longest loop a thread, its opcode counts); SASS
+    addresses of any width (large kernels pass 0x10000)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        pathlib.Path(path).write_bytes(cubin)
+        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True,
+                              text=True).stdout
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
+    loop = (0, max(addr, default=0))       # no loop: the whole kernel
+    found = False
+    for a, ln in zip(addr, lines):
+        m = re.search(r"BRA (0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) < a:
+            start = int(m.group(1), 16)
+            if not found or a - start > loop[1] - loop[0]:
+                loop, found = (start, a), True
+    body = [ln.split("*/", 1)[1].split() for a, ln in zip(addr, lines)
+            if loop[0] <= a <= loop[1]]
+    ops = collections.Counter((t[1] if t[0].startswith("@") else t[0]).split(".")[0]
+                              for t in body if t)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
+            len(body), ops)
+
+
+def compile_report(name, kern, ptr_types, cons, warps, stages):
+    sig = {n: ptr_types.get(n, "i32") for n in kern.arg_names if n not in cons}
+    # every pointer and integer of the benchmark shape is a multiple of 16 (as the launcher's
+    # specialization sees them)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    try:
+        k = triton.compile(ASTSource(kern, sig, cons, attrs=attrs), target=TARGET,
+                           options=dict(num_warps=warps, num_stages=stages))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:44s} FAILED {str(exc)[-600:]!r}")
+        return
+    regs, stack, n, ops = loop_stats(k.asm["cubin"])
+    top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
+    print(f"{name:44s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d} loop {n:5d}"
+          f"  {top}", flush=True)
+
+
+def ssd(cfg=None, cb=False):
+    cfg = cfg or KD.ssd_config(4, 4096, 80, 64, 128)
+    bf = "*bf16"
+    p = {n: bf for n in ("x_ptr", "b_ptr", "c_ptr", "z_ptr", "st_ptr", "h0_ptr", "hl_ptr",
+                         "d_ptr", "y_ptr")}
+    p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*bf16")
+    op = triton.language.bfloat16
+    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, HAS_INIT=False, REVERSE=False,
+                HAS_Z=False, F32_PREC="ieee", OP_T=op)
+    compile_report(f"ssd state {tuple(cfg)}", KD._ssd_state_kernel, p, cons, cfg.swarps,
+                   cfg.sstages)
+    cons = dict(Q=cfg.q, BM=cfg.bm, BK=cfg.bk, BP=cfg.bp, BN=128, HAS_D=False, D_PER_P=False,
+                HAS_Z=False, F32_PREC="ieee", OP_T=op)
+    compile_report(f"ssd scan {tuple(cfg)} cb={cb}", KD._ssd_scan_kernel, p,
+                   dict(cons, HAS_CB=cb), cfg.warps, cfg.stages)
+    if cb:
+        compile_report(f"ssd cb bm={cfg.bm}", KD._ssd_cb_kernel, p,
+                       dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
+
+
+
+def ssd_bwd(q=32, warps=8, stages=1):
+    p = {n: "*bf16" for n in ("x_ptr", "dt_ptr", "a_ptr", "b_ptr", "c_ptr", "d_ptr", "z_ptr",
+                              "bias_ptr", "gy_ptr", "st_ptr", "dst_ptr", "ys_ptr", "dx_ptr",
+                              "ddt_ptr", "db_ptr", "dc_ptr", "dz_ptr")}
+    p.update(da_ptr="*fp32", dd_ptr="*fp32", dbias_ptr="*fp32")
+    cons = dict(Q=q, BP=64, BN=128, HAS_D=False, D_PER_P=False, HAS_Z=False, HAS_BIAS=True,
+                SOFTPLUS=True, PREC="ieee", OP_T=triton.language.bfloat16)
+    compile_report(f"ssd bwd q={q} warps={warps} stages={stages}", KD._ssd_bwd_kernel, p,
+                   cons, warps, stages)
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    for cb in (False, True):
+        ssd(cb=cb)
+    for q, warps in ((32, 8), (16, 8), (64, 8)):
+        ssd_bwd(q, warps, 1)
+
+
+if __name__ == "__main__":
+    main()
