@@ -35,6 +35,11 @@ for s in "$@"; do
         tests/models/test_llama.py tests/models/test_mamba2.py tests/nn/test_kv_cache.py \
         tests/backends/cuda/test_optim.py tests/backends/cuda/test_paged.py \
         > "$OUT/r/pytest_decode.log" 2>&1; tail -25 "$OUT/r/pytest_decode.log" | grep -vE "^\.+ *\[|^$" ;;
+    tests_files) stage tests_files    # TEST_FILES: the test files to run (-v: failures named as they happen)
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider -n ${WORKERS:-14} -rfE \
+        --tb=short $TEST_FILES > "$OUT/r/pytest_files.log" 2>&1; echo "rc=$?"
+      grep -E " FAILED | ERROR |^FAILED|^ERROR" "$OUT/r/pytest_files.log" | head -30
+      grep -E "[0-9]+ (passed|failed)" "$OUT/r/pytest_files.log" | tail -2 ;;
     tests_cuda) stage tests_cuda
       timeout 480 python3 -m pytest -q -p no:cacheprovider -n 8 --maxfail=60 tests/backends/cuda \
         tests/registry tests/nn tests/opt > "$OUT/r/pytest_cuda.log" 2>&1
