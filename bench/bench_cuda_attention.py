@@ -21,6 +21,12 @@ expanded" (SDPA flash on k/v already repeated to 32 heads; the copy is not timed
 SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
+        [--configs "128,64,8,3;128,128,8,3"] [--sweep]
+
+--configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
+(each is a compile per flag set); --sweep records every tuned forward config's time (impl
+"config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
+`attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -36,6 +42,7 @@ import sys
 import traceback
 
 import torch
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -61,6 +68,7 @@ D = 128
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 RECORDS: list[dict] = []
 REP = {"warmup": 25, "rep": 100}
+SWEEP = {"on": False}
 SDPA = torch.nn.functional.scaled_dot_product_attention
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -81,6 +89,23 @@ def pairs(sq, sk, causal=False, wl=None):
         lo = max(0, a - wl) if wl is not None else 0
         total += max(0, hi - lo)
     return total
+
+
+def fwd_tuning():
+    """{"config": the config the forward's autotuner chose for its last key} and, with --sweep,
+    the time of every config it tried."""
+    kern = K._fwd_kernel
+    best = getattr(kern, "best_config", None)
+    if best is None:
+        return {}
+    tag = lambda c: "{},{},{},{}".format(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],  # noqa: E731
+                                         c.num_warps, c.num_stages)
+    out = {"config": tag(best)}
+    if SWEEP["on"]:
+        timings = getattr(kern, "configs_timings", None) or {}
+        out["sweep"] = {tag(c): round(float(t[0] if isinstance(t, (list, tuple)) else t), 5)
+                        for c, t in timings.items()}
+    return out
 
 
 def record(row, case, impl, ms, flops, err=None, **extra):
@@ -136,7 +161,8 @@ def forward_row(row, name, B, H, HKV, S, causal, anchors=("flash", "cudnn")):
     ref = sdpa("flash", q, k, v, causal, gqa=HKV != H)
     err = maxerr(out, ref)
     res = {"fuelgraph kernel": record(row, case, "fuelgraph kernel",
-                                      t_ms(lambda: K.flash_attn(q, k, v, **p)), flops, err)}
+                                      t_ms(lambda: K.flash_attn(q, k, v, **p)), flops, err,
+                                      **fwd_tuning())}
     run = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=causal), [q, k, v])
     res["fuelgraph"] = record(row, case, "fuelgraph", t_ms(run), flops, maxerr(run()[0], ref))
     for name_ in anchors:
@@ -207,14 +233,33 @@ def variants_row(row, B, H, S):
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=DEV)
     res = {}
-    for name, p, opt, wl in (("plain causal", params(True), (), None),
-                             ("window 1024", params(True, wl=1024), (), 1024),
-                             ("softcap 50", params(True, softcap=50.0), (), None),
-                             ("alibi", params(True, alibi=True), (slopes,), None)):
+    cases = (("plain causal", params(True), (), None),
+             ("window 1024", params(True, wl=1024), (), 1024),
+             ("softcap 50", params(True, softcap=50.0), (), None),
+             ("alibi", params(True, alibi=True), (slopes,), None))
+    for name, p, opt, wl in cases:
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
         flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+        ref = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
         res[name] = record(row, case, "fuelgraph kernel",
-                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops)
+                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+                           **fwd_tuning())
+        if not SWEEP["on"]:
+            continue
+        for var, default in list(K.VARIANTS.items()):      # each code variant flipped
+            if var == "ALIBI_COLS" and name != "alibi":
+                continue
+            K.VARIANTS[var] = not default
+            try:
+                got = K.flash_attn(q, k, v, *opt, **p)[0]
+                res[f"{name} {var}"] = record(
+                    row, case, f"fuelgraph kernel {var}={int(not default)}",
+                    t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops, maxerr(got, ref),
+                    **fwd_tuning())
+            except Exception as exc:  # noqa: BLE001
+                print(f"  row {row} {name} {var}={int(not default)} failed: {exc!r}", flush=True)
+            finally:
+                K.VARIANTS[var] = default
     return res
 
 
@@ -258,9 +303,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="1,2,3,4,5,6")
+    ap.add_argument("--configs", default=None)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
+    SWEEP["on"] = args.sweep
+    if args.configs:
+        K._fwd_kernel.configs = [
+            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in (map(int, c.split(",")) for c in args.configs.split(";"))]
     rows = {int(x) for x in args.rows.split(",")}
     B, H, S = 4, 32, 4096
     jobs = {1: lambda: forward_row(1, "causal fwd", B, H, H, S, True),
