@@ -23,6 +23,9 @@ SDPA before it is timed (field max_err).
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--sweep]
 
+--warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
+(with --configs and --sweep) will use, on small tensors with the same specializations, into
+Triton's disk cache: N such processes in parallel take the cold compiles off the timed run.
 --configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
 (each is a compile per flag set); --sweep records every tuned forward config's time (impl
 "config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
@@ -42,7 +45,6 @@ import sys
 import traceback
 
 import torch
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -227,17 +229,51 @@ def fwd_bwd_row(row, B, H, S):
     return res
 
 
+def variant_cases(H):
+    """(name, params, optional inputs, window) of row 5."""
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=DEV)
+    return (("plain causal", params(True), (), None),
+            ("window 1024", params(True, wl=1024), (), 1024),
+            ("softcap 50", params(True, softcap=50.0), (), None),
+            ("alibi", params(True, alibi=True), (slopes,), None))
+
+
+def flipped(name):
+    """The code variants row 5 measures flipped for case `name` (with --sweep)."""
+    return [v for v in K.VARIANTS if v != "ALIBI_COLS" or name == "alibi"]
+
+
+def warm(part, nparts):
+    """Compile every (case, variant, config) of rows 1 and 5 in this part, without timing."""
+    B, H, S = 1, 16, 256      # the specializations of B4 H32 S4096: sizes divisible by 16
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    configs = list(K._fwd_kernel.configs)
+    jobs = [(case, var, c) for case in variant_cases(H)
+            for var in [None] + (flipped(case[0]) if SWEEP["on"] else []) for c in configs]
+    for n, ((name, p, opt, _), var, c) in enumerate(jobs):
+        if n % nparts != part:
+            continue
+        K._fwd_kernel.configs = [c]
+        if var:
+            K.VARIANTS[var] = not K.VARIANTS[var]
+        try:
+            K.flash_attn(q, k, v, *opt, **p)
+            if DEV.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"warm {name} {var} {c}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"warm {name} {var} {c} failed: {exc!r}", flush=True)
+        finally:
+            if var:
+                K.VARIANTS[var] = not K.VARIANTS[var]
+
+
 def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
     causal, compared per unit of work (TFLOP/s)."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=DEV)
     res = {}
-    cases = (("plain causal", params(True), (), None),
-             ("window 1024", params(True, wl=1024), (), 1024),
-             ("softcap 50", params(True, softcap=50.0), (), None),
-             ("alibi", params(True, alibi=True), (slopes,), None))
-    for name, p, opt, wl in cases:
+    for name, p, opt, wl in variant_cases(H):
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
         flops = 4.0 * D * pairs(S, S, True, wl) * B * H
         ref = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
@@ -246,9 +282,8 @@ def variants_row(row, B, H, S):
                            **fwd_tuning())
         if not SWEEP["on"]:
             continue
-        for var, default in list(K.VARIANTS.items()):      # each code variant flipped
-            if var == "ALIBI_COLS" and name != "alibi":
-                continue
+        for var in flipped(name):                          # each code variant flipped
+            default = K.VARIANTS[var]
             K.VARIANTS[var] = not default
             try:
                 got = K.flash_attn(q, k, v, *opt, **p)[0]
@@ -291,6 +326,14 @@ def targets(results):
         for n in ("window 1024", "softcap 50", "alibi"):
             x = base / r[5][n]["tflops"]
             line(5, n, x, "<= 1.15x plain (work)", x <= 1.15, f"{x:.2f}x plain causal")
+        for n in r[5]:                  # --sweep: variants against plain causal, same variant
+            var = n.split(" ")[-1]
+            if n.startswith("plain") or var not in K.VARIANTS:
+                continue
+            plain = r[5].get(f"plain causal {var}", r[5]["plain causal"])
+            x = plain["tflops"] / r[5][n]["tflops"]
+            line(5, n + " flipped", x, "<= 1.15x plain (work)", x <= 1.15,
+                 f"{x:.2f}x {plain['impl']} ({r[5][n]['tflops']:.0f} TFLOP/s)")
     if 6 in r and "flash" in r[6]:
         x = r[6]["fuelgraph kernel"]["tflops"] / r[6]["flash"]["tflops"]
         line(6, "long context B1 H32 S32768 causal fwd", x, ">= 1.0x flash", x >= 1.0,
@@ -305,14 +348,17 @@ def main():
     ap.add_argument("--rows", default="1,2,3,4,5,6")
     ap.add_argument("--configs", default=None)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--warm", default=None)
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
     SWEEP["on"] = args.sweep
     if args.configs:
-        K._fwd_kernel.configs = [
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-            for m, n, w, st in (map(int, c.split(",")) for c in args.configs.split(";"))]
+        K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
+                                 for c in args.configs.split(";")]
+    if args.warm:
+        warm(*map(int, args.warm.split("/")))
+        return
     rows = {int(x) for x in args.rows.split(",")}
     B, H, S = 4, 32, 4096
     jobs = {1: lambda: forward_row(1, "causal fwd", B, H, H, S, True),

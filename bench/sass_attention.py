@@ -35,13 +35,16 @@ def source(case, m, n, variant):
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
              "SLOPES": "*fp32", "KLEN": "*i32"}
     sig = dict(types)
+    desc = f"tensordesc<bf16[1,1,{n},128]>" if variant.get("TMA") else "*bf16"
+    sig.update(KD=desc, VD=desc)
     sig.update({k: "i32" for k in INTS if k != "G"})
     sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
-                ALIBI_COLS=flags["HAS_ALIBI"] and variant.get("ALIBI_COLS", False))
+                ALIBI_COLS=flags["HAS_ALIBI"] and variant.get("ALIBI_COLS", False),
+                TMA=variant.get("TMA", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -68,7 +71,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
     ap.add_argument("--cases", default="plain,window,softcap,alibi")
-    ap.add_argument("--variants", default="base,ALIBI_COLS")
+    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA")
     args = ap.parse_args()
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))
@@ -77,7 +80,8 @@ def main():
                 variant = {} if var == "base" else {var: True}
                 if var == "ALIBI_COLS" and case != "alibi":
                     continue
-                report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant), w, st)
+                report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant),
+                       w, st)
 
 
 if __name__ == "__main__":

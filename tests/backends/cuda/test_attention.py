@@ -91,7 +91,8 @@ OPTS = [dict(), dict(causal=True), dict(window_size_left=5, window_size_right=0)
 #: bands a few tiles wide (interpreter tiles are 16 x 16, GPU ones up to 128 x 128): masked
 #: edge tiles on both sides of unmasked ones
 _W = 300 if HAS_CUDA else 40
-BANDS = [dict(causal=True, window_size_left=_W), dict(window_size_left=_W - 7, window_size_right=20),
+BANDS = [dict(causal=True, window_size_left=_W),
+         dict(window_size_left=_W - 7, window_size_right=20),
          dict(causal=True, window_size_left=_W - 3, alibi=True, softcap=1.3)]
 
 
