@@ -272,25 +272,27 @@ def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
     causal, compared per unit of work (TFLOP/s)."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    res = {}
-    for name, p, opt, wl in variant_cases(H):
+    res, refs = {}, {}
+    cases = variant_cases(H)
+    for name, p, opt, wl in cases:
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
         flops = 4.0 * D * pairs(S, S, True, wl) * B * H
-        ref = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
+        refs[name] = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
         res[name] = record(row, case, "fuelgraph kernel",
                            t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
                            **fwd_tuning())
-        if not SWEEP["on"]:
-            continue
-        for var in flipped(name):                          # each code variant flipped
+    for name, p, opt, wl in cases if SWEEP["on"] else ():   # then each code variant flipped
+        case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
+        flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+        for var in flipped(name):
             default = K.VARIANTS[var]
             K.VARIANTS[var] = not default
             try:
                 got = K.flash_attn(q, k, v, *opt, **p)[0]
                 res[f"{name} {var}"] = record(
                     row, case, f"fuelgraph kernel {var}={int(not default)}",
-                    t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops, maxerr(got, ref),
-                    **fwd_tuning())
+                    t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+                    maxerr(got, refs[name]), **fwd_tuning())
             except Exception as exc:  # noqa: BLE001
                 print(f"  row {row} {name} {var}={int(not default)} failed: {exc!r}", flush=True)
             finally:
