@@ -3,8 +3,9 @@ FLASH_ATTN_BACKWARD_Q/K/V (22-24) lower to it).
 
 The work is tiled like FlashAttention: the rows of a query block (for every query head that
 shares a key/value head, so grouped-query attention reads each key block once and copies no
-k/v) against blocks of keys, with an online softmax (running max and sum, rescaled accumulator)
-in the forward and recomputed probabilities from the saved row log-sum-exp in the backward.
+k/v) against blocks of keys, with an online softmax in the forward (exponents relative to a
+per-row base that moves only when a tile's row sum grows past 2^40: no max pass over the tiles)
+and recomputed probabilities from the saved row log-sum-exp in the backward.
 Scores are never held for more than one (query block, key block) tile; every product is one
 batched BLAS call over a chunk of heads. Tiles wholly outside the mask are skipped, tiles
 wholly inside it are not masked, the rest are masked from per-row admissible key intervals
