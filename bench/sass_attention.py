@@ -44,7 +44,8 @@ def source(case, m, n, variant):
     flags.update(CASES[case])
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
                 ALIBI_COLS=flags["HAS_ALIBI"] and variant.get("ALIBI_COLS", False),
-                TMA=variant.get("TMA", False))
+                TMA=variant.get("TMA", False),
+                FMA=not flags["HAS_ALIBI"] and not variant.get("NOFMA", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -71,14 +72,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
     ap.add_argument("--cases", default="plain,window,softcap,alibi")
-    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA")
+    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA,NOFMA")
     args = ap.parse_args()
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))
         for case in args.cases.split(","):
             for var in args.variants.split(","):
                 variant = {} if var == "base" else {var: True}
-                if var == "ALIBI_COLS" and case != "alibi":
+                if var == "ALIBI_COLS" and case != "alibi" or var == "NOFMA" and case == "alibi":
                     continue
                 report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant),
                        w, st)

@@ -87,7 +87,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA", "FMA"]
 def _fwd_pre_hook(nargs):
     """Tensor-descriptor block shapes follow the config's BLOCK_N (TMA variant)."""
     for name in ("KD", "VD"):
@@ -119,7 +119,10 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: TMA -- the unmasked key blocks loaded through tensor descriptors (Hopper's TMA engine:
 #: no address arithmetic in the loop; masked blocks keep pointer loads, which never touch keys
 #: at or past k_len). FUELGRAPH_ATTN_VARIANTS="TMA=1,ALIBI_COLS=0" overrides these.
-VARIANTS = {"ALIBI_COLS": True, "TMA": False}
+#: FMA_SCORES -- without ALiBi, exp2's argument as one fused multiply-add of the raw product
+#: (or tanh) and the row max (the max taken before the multiply): sm_90 SASS of the loop
+#: loses a multiply a score.
+VARIANTS = {"ALIBI_COLS": True, "TMA": False, "FMA_SCORES": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -189,17 +192,19 @@ def _key_ranges(a_first, a_last, L, WL, WR, BLOCK_N: tl.constexpr, CAUSAL: tl.co
 def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
             HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
-            ALIBI_COLS: tl.constexpr = False):
+            ALIBI_COLS: tl.constexpr = False, RAW: tl.constexpr = False):
     """Scores in log2 units from the raw product tile; a_pos / k_pos are the query and key
     positions broadcast to the tile's shape. Returns (scores, tanh or 0). ALIBI_COLS (causal
     only: every admissible key is <= its row) adds slope * key instead of -slope * (row - key):
-    the scores are off by slope * row, a per-row constant the caller takes out of the lse."""
+    the scores are off by slope * row, a per-row constant the caller takes out of the lse.
+    RAW (no ALiBi): the scores before their positive multiplier (QK_SCALE or CAP, times
+    log2(e)), which the caller fuses into exp2's argument."""
     if HAS_CAP:
         t = _tanh(qk * QK_SCALE, IEEE)
-        s = t * (CAP * 1.4426950408889634)
+        s = t if RAW else t * (CAP * 1.4426950408889634)
     else:
         t = 0.0
-        s = qk * (QK_SCALE * 1.4426950408889634)
+        s = qk if RAW else qk * (QK_SCALE * 1.4426950408889634)
     if HAS_ALIBI:
         if ALIBI_COLS:
             s += (slope * 1.4426950408889634) * k_pos.to(tl.float32)
@@ -241,7 +246,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, TMA: tl.constexpr):
+               ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
     band: [start, jump_at) and [jump_at + jump, end + jump))."""
@@ -259,12 +264,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
         else:
             qk = tl.dot(q, tl.trans(k))
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
+        if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
+            if HAS_CAP:
+                mult = CAP * 1.4426950408889634
+            else:
+                mult = QK_SCALE * 1.4426950408889634
+            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
         if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
+        if FMA:    # one fused multiply-add a score
+            p = tl.exp2(s * mult - m_use[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
@@ -287,7 +302,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, TMA: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -322,12 +337,12 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn, svn,
                                mid_lo, mid_hi, 0, 0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL,
                                WR, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, TMA)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, TMA, FMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn, svn, lo,
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, False)
+                               BLOCK_N, ALIBI_COLS, False, FMA)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -634,7 +649,9 @@ class _Launch:
         self.fwd_flags = dict(
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
-            TMA=VARIANTS["TMA"] and all(_tma_ok(t) for t in (self.k, self.v)))
+            TMA=VARIANTS["TMA"] and all(_tma_ok(t) for t in (self.k, self.v)),
+            FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
+                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
 
     def kv_descriptors(self):
         """(KD, VD): 4-D tensor descriptors of k and v for the TMA variant (block shapes set
