@@ -18,6 +18,7 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 """
 from __future__ import annotations
 
+import collections
 
 import numpy as np
 
@@ -313,14 +314,25 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     lse = np.full((pb.BH, G, pb.Sq), np.inf, pb.acc)
     qs = pb.q_like(q, pb.qmul, np.zeros(q.shape[:3], pb.acc) if pb.fold else None)
 
-    def work(part):
+    # threads take units from one queue, the most work first (causal masks make query blocks
+    # unequal): a thread whose core another process takes meanwhile simply takes fewer
+    units = pb.units()
+    span = pb.hi - pb.lo
+    queue = collections.deque(sorted(
+        units, key=lambda u: -(u[1] - u[0]) * int(span[u[2]:u[3]].sum())))
+
+    def work(_):
         bufs = _scratch(pb, 2)
-        for h0, h1, i0, i1 in part:
+        while True:
+            try:
+                h0, h1, i0, i1 = queue.popleft()
+            except IndexError:
+                return
             if not _forward_unit_fast(pb, qs, h0, h1, i0, i1, *bufs, out, lse):
                 _forward_unit(pb, qs, h0, h1, i0, i1, *bufs, out, lse)
 
     with np.errstate(all="ignore"):
-        _run_parallel(_thread_groups(pb, pb.units(), _threads(pb), by_head=False), work)
+        _run_parallel([[t] for t in range(min(_threads(pb), len(units)))], work)
     # [B*Hkv, G, Sq, D] is [B, Hq, Sq, D] (query head h = kv head * G + g): no copy needed
     return _narrow(out.reshape(q.shape), q.dtype), lse.reshape(q.shape[:3])
 
