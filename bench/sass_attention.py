@@ -45,7 +45,8 @@ def source(case, m, n, variant):
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
                 ALIBI_COLS=flags["HAS_ALIBI"] and variant.get("ALIBI_COLS", False),
                 TMA=variant.get("TMA", False),
-                FMA=not flags["HAS_ALIBI"] and not variant.get("NOFMA", False))
+                FMA=not flags["HAS_ALIBI"] and not variant.get("NOFMA", False),
+                ONE_LOOP=variant.get("ONE_LOOP", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -72,7 +73,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
     ap.add_argument("--cases", default="plain,window,softcap,alibi")
-    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA,NOFMA")
+    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA,NOFMA,ONE_LOOP")
     args = ap.parse_args()
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))

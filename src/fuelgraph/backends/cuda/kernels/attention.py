@@ -87,7 +87,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA", "FMA"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA", "FMA", "ONE_LOOP"]
 def _fwd_pre_hook(nargs):
     """Tensor-descriptor block shapes follow the config's BLOCK_N (TMA variant)."""
     for name in ("KD", "VD"):
@@ -122,7 +122,9 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: FMA_SCORES -- without ALiBi, exp2's argument as one fused multiply-add of the raw product
 #: (or tanh) and the row max (the max taken before the multiply): sm_90 SASS of the loop
 #: loses a multiply a score.
-VARIANTS = {"ALIBI_COLS": True, "TMA": False, "FMA_SCORES": True}
+#: ONE_LOOP -- every key block in one loop (one software pipeline: no second ramp-up for
+#: the masked blocks), the mask behind a run-time branch taken by the edge blocks only.
+VARIANTS = {"ALIBI_COLS": True, "TMA": False, "FMA_SCORES": True, "ONE_LOOP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -211,15 +213,22 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
         else:
             s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
     if MASK:
-        adm = k_pos < L
-        if CAUSAL:
-            adm &= k_pos <= a_pos
-        if HAS_WL:
-            adm &= k_pos >= a_pos - WL
-        if HAS_WR:
-            adm &= k_pos <= a_pos + WR
-        s = tl.where(adm, s, float("-inf"))
+        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR)
     return s, t
+
+
+@triton.jit
+def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+          HAS_WR: tl.constexpr):
+    """-inf outside the admissible keys."""
+    adm = k_pos < L
+    if CAUSAL:
+        adm &= k_pos <= a_pos
+    if HAS_WL:
+        adm &= k_pos >= a_pos - WL
+    if HAS_WR:
+        adm &= k_pos <= a_pos + WR
+    return tl.where(adm, s, float("-inf"))
 
 
 @triton.jit
@@ -246,13 +255,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr):
+               ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr,
+               ONE: tl.constexpr = False):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump))."""
+    band: [start, jump_at) and [jump_at + jump, end + jump)). ONE (with MASK): no jump; the
+    blocks outside [jump_at, jump) (the wholly admissible ones) skip the mask at run time."""
     for j in range(start, end, BLOCK_N):
         j0 = j
-        if MASK:
+        if MASK and not ONE:
             j0 = j + tl.where(j >= jump_at, jump, 0)
         kn = j0 + offs_n
         if TMA:
@@ -263,8 +274,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR,
+                       MASK and not ONE, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
+                       ALIBI_COLS, FMA)
+        if ONE:
+            if (j0 < jump_at) | (j0 >= jump):
+                s = _mask(s, a_pos, kn[None, :], L, WL, WR, CAUSAL, HAS_WL, HAS_WR)
         if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
             if HAS_CAP:
                 mult = CAP * 1.4426950408889634
@@ -302,7 +317,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, 
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr,
+                ONE_LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -331,9 +347,19 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
-    # masked edges (a window's far edge and the diagonal) in one loop
+    # masked edges (a window's far edge and the diagonal) in one loop; ONE_LOOP: all blocks in
+    # one loop, the mask applied where a block needs it
     b32 = bh // H
     hk32 = h // G
+    if ONE_LOOP:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn,
+                                   svn, lo, hi, mid_lo, mid_hi, a_pos, offs_n, L, QK_SCALE, CAP,
+                                   slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
+                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS,
+                                   False, FMA, True)
+        mid_hi = mid_lo            # nothing left for the two loops below
+        hi = lo
+        lo_end = lo
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn, svn,
                                mid_lo, mid_hi, 0, 0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL,
                                WR, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
@@ -651,7 +677,8 @@ class _Launch:
                         and VARIANTS["ALIBI_COLS"]),
             TMA=VARIANTS["TMA"] and all(_tma_ok(t) for t in (self.k, self.v)),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
+                 and (f["HAS_CAP"] or self.qk_scale > 0)),     # the multiplier must be > 0
+            ONE_LOOP=VARIANTS["ONE_LOOP"])
 
     def kv_descriptors(self):
         """(KD, VD): 4-D tensor descriptors of k and v for the TMA variant (block shapes set
