@@ -119,6 +119,9 @@ def record(row, case, impl, ms, flops, err=None, **extra):
     rec.update(extra)
     RECORDS.append(rec)
     e = f"  err {rec['max_err']:.2e}" if err is not None else ""
+    e += f"  config {rec['config']}" if "config" in rec else ""
+    e += "  sweep " + " ".join(f"{k}:{v}" for k, v in rec["sweep"].items()) if "sweep" in rec \
+        else ""
     print(f"  row {row} {case['name']:28s} {impl:30s} {ms:9.4f} ms {rec['tflops']:7.1f} TFLOP/s{e}",
           flush=True)
     return rec
@@ -379,11 +382,11 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         torch.cuda.empty_cache()
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "records": RECORDS}
-    for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"cuda_attention_{DATE}.json").write_text(json.dumps(doc, indent=1))
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS}
+        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
+            d.mkdir(parents=True, exist_ok=True)        # after every row: a timeout keeps them
+            (d / f"cuda_attention_{DATE}.json").write_text(json.dumps(doc, indent=1))
     print("\ntargets (issue 12)")
     for line in targets(results):
         print(line)
