@@ -88,6 +88,8 @@ _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO 
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
               "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA", "FMA", "ONE_LOOP"]
+
+
 def _fwd_pre_hook(nargs):
     """Tensor-descriptor block shapes follow the config's BLOCK_N (TMA variant)."""
     for name in ("KD", "VD"):
