@@ -9,9 +9,12 @@ dk and dv over the query heads of its key/value head (no atomics, no k/v copies 
 grouped-query attention) and a second kernel per query block accumulates dq.
 
 Masks: a query row i sits at key position a_i = i + L - Sq (L = k_len or Sk). Every
-constraint (causal, window left/right, keys < L) is an interval of keys, so each program
-splits its loop into at most three ranges: blocks that need the elementwise mask, blocks that
-are wholly admissible (the plain path: no mask arithmetic at all) and masked blocks again.
+constraint (causal, window left/right, keys < L) is an interval of keys, so the key blocks of
+a query block form at most three ranges: masked blocks at the band's far edge, wholly
+admissible blocks (the plain path: no mask arithmetic at all) and masked blocks at its near
+edge (the diagonal). The forward runs the admissible range first, then both masked ranges in
+one loop (one pipeline ramp for the two edges of a sliding window); blocks wholly outside the
+band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
 them carries none of their code.
 
