@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Compile the flash_attn forward kernel for sm_90 on a machine without a GPU and report, per
 case (plain causal, window, softcap, ALiBi), launch configuration and code variant
-(`attention.VARIANTS`): registers, spill stack, shared memory, and the SASS of the longest
-loop (instructions, special-function MUFU ones, tensor-core HGMMA ones). Use it to check that a
-variant compiles for Hopper and what it costs before a GPU session.
+(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it): registers, spill
+stack, shared memory, and the SASS of the longest loop (instructions, special-function MUFU
+ones, tensor-core HGMMA ones). Use it to check that a variant compiles for Hopper and what it
+costs before a GPU session.
 
     python3 bench/sass_attention.py [--configs 128,64,8,3;128,128,8,3] [--cases plain,window]
 """
@@ -35,18 +36,16 @@ def source(case, m, n, variant):
     types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
              "SLOPES": "*fp32", "KLEN": "*i32"}
     sig = dict(types)
-    desc = f"tensordesc<bf16[1,1,{n},128]>" if variant.get("TMA") else "*bf16"
-    sig.update(KD=desc, VD=desc)
     sig.update({k: "i32" for k in INTS if k != "G"})
     sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
-                ALIBI_COLS=flags["HAS_ALIBI"] and variant.get("ALIBI_COLS", False),
-                TMA=variant.get("TMA", False),
-                FMA=not flags["HAS_ALIBI"] and not variant.get("NOFMA", False),
-                ONE_LOOP=variant.get("ONE_LOOP", False))
+                ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"] != variant.get(
+                    "ALIBI_COLS", False),
+                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
+                    "FMA_SCORES", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -73,14 +72,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
     ap.add_argument("--cases", default="plain,window,softcap,alibi")
-    ap.add_argument("--variants", default="base,ALIBI_COLS,TMA,NOFMA,ONE_LOOP")
+    ap.add_argument("--variants", default="base,ALIBI_COLS,FMA_SCORES")
     args = ap.parse_args()
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))
         for case in args.cases.split(","):
             for var in args.variants.split(","):
                 variant = {} if var == "base" else {var: True}
-                if var == "ALIBI_COLS" and case != "alibi" or var == "NOFMA" and case == "alibi":
+                if (var == "ALIBI_COLS") != (case == "alibi") and var != "base":
                     continue
                 report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant),
                        w, st)

@@ -31,7 +31,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ....errors import fail
 from ....registry.attention import FLASH_ATTN_BACKWARD
@@ -90,27 +89,16 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "TMA", "FMA", "ONE_LOOP"]
-
-
-def _fwd_pre_hook(nargs):
-    """Tensor-descriptor block shapes follow the config's BLOCK_N (TMA variant)."""
-    for name in ("KD", "VD"):
-        d = nargs.get(name)
-        if isinstance(d, TensorDescriptor):
-            d.block_shape = [1, 1, nargs["BLOCK_N"], nargs["BLOCK_D"]]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA"]
 
 
 def fwd_config(m, n, warps, stages):
     """A forward launch config (BLOCK_M, BLOCK_N, warps, stages)."""
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages,
-                         pre_hook=_fwd_pre_hook)
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
 
 
-FWD_CONFIGS = [fwd_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
-               for c in _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
-                                  (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4),
-                                  (128, 128, 16, 3)])]
+FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                        (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 16, 3)])
 BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 
@@ -121,15 +109,13 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: multiply-add per score instead of a subtract, abs, convert and multiply-add (sm_90 SASS of
 #: the loop: 554 instead of 650 instructions a thread). A float32 (ieee) kernel keeps the exact
 #: form: the large per-key terms would cost it digits.
-#: TMA -- the unmasked key blocks loaded through tensor descriptors (Hopper's TMA engine:
-#: no address arithmetic in the loop; masked blocks keep pointer loads, which never touch keys
-#: at or past k_len). FUELGRAPH_ATTN_VARIANTS="TMA=1,ALIBI_COLS=0" overrides these.
 #: FMA_SCORES -- without ALiBi, exp2's argument as one fused multiply-add of the raw product
 #: (or tanh) and the row max (the max taken before the multiply): sm_90 SASS of the loop
-#: loses a multiply a score.
-#: ONE_LOOP -- every key block in one loop (one software pipeline: no second ramp-up for
-#: the masked blocks), the mask behind a run-time branch taken by the edge blocks only.
-VARIANTS = {"ALIBI_COLS": True, "TMA": False, "FMA_SCORES": True, "ONE_LOOP": False}
+#: loses a multiply a score. FUELGRAPH_ATTN_VARIANTS="FMA_SCORES=0,ALIBI_COLS=0" overrides.
+#: Measured on the H200 (B4 H32 S4096 D128 bf16 causal): FMA_SCORES 427 vs 409 TFLOP/s, ALiBi
+#: 395 vs 374 with ALIBI_COLS. Tried and dropped: the unmasked blocks' k/v through TMA tensor
+#: descriptors (401), all blocks in one loop with the mask behind a run-time branch (421).
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -255,36 +241,27 @@ def _load(ptrs, rows_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl
 
 # ---- forward ------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start, end, jump_at,
-               jump, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, jump, a_pos,
+               offs_n, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr,
-               ONE: tl.constexpr = False):
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump)). ONE (with MASK): no jump; the
-    blocks outside [jump_at, jump) (the wholly admissible ones) skip the mask at run time."""
+    band: [start, jump_at) and [jump_at + jump, end + jump))."""
     for j in range(start, end, BLOCK_N):
         j0 = j
-        if MASK and not ONE:
+        if MASK:
             j0 = j + tl.where(j >= jump_at, jump, 0)
         kn = j0 + offs_n
-        if TMA:
-            k = KD.load([b, hk, j0, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
         if IEEE:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR,
-                       MASK and not ONE, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-                       ALIBI_COLS, FMA)
-        if ONE:
-            if (j0 < jump_at) | (j0 >= jump):
-                s = _mask(s, a_pos, kn[None, :], L, WL, WR, CAUSAL, HAS_WL, HAS_WR)
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
         if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
             if HAS_CAP:
                 mult = CAP * 1.4426950408889634
@@ -302,10 +279,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
             p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = VD.load([b, hk, j0, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
         if IEEE:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -316,14 +290,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b, hk, skn, svn, start,
 
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
                 TUNE_Q, TUNE_K, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, TMA: tl.constexpr, FMA: tl.constexpr,
-                ONE_LOOP: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -352,28 +325,16 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, KD, VD, sqb, sqh, sqm, skb, skh, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
-    # masked edges (a window's far edge and the diagonal) in one loop; ONE_LOOP: all blocks in
-    # one loop, the mask applied where a block needs it
-    b32 = bh // H
-    hk32 = h // G
-    if ONE_LOOP:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn,
-                                   svn, lo, hi, mid_lo, mid_hi, a_pos, offs_n, L, QK_SCALE, CAP,
-                                   slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS,
-                                   False, FMA, True)
-        mid_hi = mid_lo            # nothing left for the two loops below
-        hi = lo
-        lo_end = lo
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn, svn,
-                               mid_lo, mid_hi, 0, 0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL,
-                               WR, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, TMA, FMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, KD, VD, b32, hk32, skn, svn, lo,
+    # masked edges (a window's far edge and the diagonal) in one loop
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, ALIBI_COLS, FMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, False, FMA)
+                               BLOCK_N, ALIBI_COLS, FMA)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -627,12 +588,6 @@ def attention_cost(products):
     return cost
 
 
-def _tma_ok(t):
-    """TMA's rules: 16-byte aligned base and strides, last dim contiguous, no empty dim."""
-    return (t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
-
-
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -680,18 +635,8 @@ class _Launch:
         self.fwd_flags = dict(
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
-            TMA=VARIANTS["TMA"] and all(_tma_ok(t) for t in (self.k, self.v)),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)),     # the multiplier must be > 0
-            ONE_LOOP=VARIANTS["ONE_LOOP"])
-
-    def kv_descriptors(self):
-        """(KD, VD): 4-D tensor descriptors of k and v for the TMA variant (block shapes set
-        per config by the pre-hook), else k and v themselves (unused)."""
-        if not self.fwd_flags["TMA"]:
-            return self.k, self.v
-        return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()),
-                                      [1, 1, 16, self.flags["BLOCK_D"]]) for t in (self.k, self.v))
+                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
@@ -721,10 +666,9 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
         lse.fill_(float("inf"))
         return out.zero_(), lse
     grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
-    _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, *a.kv_descriptors(), q.stride(0),
-                      q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                      v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
-                      out.stride(2), a.slb,
+    _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
+                      k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                      v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
                       **a.fwd_flags)
     return out, lse
