@@ -11,9 +11,13 @@ Impls: "fuelgraph" (fused kernels), "fuelgraph lowered" (the recipes: scores mat
 "torch eager" (scaled_dot_product_attention; torch autograd for the backward).
 
     python bench/bench_attention.py [--quick]
+    python bench/bench_attention.py --ratios [ROUNDS]
 
 Writes bench/results/attention_<date>.json and prints one line per case with ratios to
-"fuelgraph".
+"fuelgraph". --ratios times the two target cases (causal forward; forward + backward) as
+fuelgraph / torch ratios in interleaved rounds (each round: a short batch of each, best of 3
+calls) and prints the median ratio with its quartiles: on a shared machine the ratio of runs
+taken side by side is steadier than either time.
 """
 from __future__ import annotations
 
@@ -79,6 +83,36 @@ def idiom_case(rng, B, h, s, d):
     return ("flash_attn (written idiom)", (B, h, h, s, s, d), fg_case(build, arrays), torch_run)
 
 
+def ratios(rounds=15):
+    """Median fuelgraph / torch time ratio (and quartiles) of the two target cases."""
+    import statistics
+    import time
+
+    def best(fn, n=3):
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    rng = np.random.default_rng(0)
+    for name, _, make, torch_run in (forward_case(rng, 1, 8, 8, 1024, 1024, 64, True),
+                                     backward_case(rng, 1, 8, 1024, 64)):
+        fused = make(False)
+        for _ in range(3):
+            fused(), torch_run()
+        rs, tf, tt = [], [], []
+        for _ in range(rounds):
+            a, b = best(fused), best(torch_run)
+            tf.append(a * 1e3), tt.append(b * 1e3), rs.append(a / b)
+        q = statistics.quantiles(rs, n=4)
+        print(f"{name:20s} fuelgraph/torch median {statistics.median(rs):.3f} "
+              f"(quartiles {q[0]:.3f}-{q[2]:.3f}, min {min(rs):.3f} max {max(rs):.3f}); "
+              f"median ms fuelgraph {statistics.median(tf):.2f} torch {statistics.median(tt):.2f}",
+              flush=True)
+
+
 def main(quick=False):
     rng = np.random.default_rng(0)
     cases = [forward_case(rng, 1, 8, 8, 1024, 1024, 64, True),
@@ -89,4 +123,8 @@ def main(quick=False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    if "--ratios" in sys.argv:
+        i = sys.argv.index("--ratios")
+        ratios(int(sys.argv[i + 1]) if len(sys.argv) > i + 1 else 15)
+    else:
+        main(quick="--quick" in sys.argv)

@@ -21,6 +21,15 @@ expanded" (SDPA flash on k/v already repeated to 32 heads; the copy is not timed
 SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
+        [--configs "128,64,8,3;128,128,8,3"] [--sweep]
+
+--warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
+(with --configs and --sweep) will use, on small tensors with the same specializations, into
+Triton's disk cache: N such processes in parallel take the cold compiles off the timed run.
+--configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
+(each is a compile per flag set); --sweep records every tuned forward config's time (impl
+"config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
+`attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -61,6 +70,7 @@ D = 128
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 RECORDS: list[dict] = []
 REP = {"warmup": 25, "rep": 100}
+SWEEP = {"on": False}
 SDPA = torch.nn.functional.scaled_dot_product_attention
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -83,6 +93,23 @@ def pairs(sq, sk, causal=False, wl=None):
     return total
 
 
+def fwd_tuning():
+    """{"config": the config the forward's autotuner chose for its last key} and, with --sweep,
+    the time of every config it tried."""
+    kern = K._fwd_kernel
+    best = getattr(kern, "best_config", None)
+    if best is None:
+        return {}
+    tag = lambda c: "{},{},{},{}".format(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"],  # noqa: E731
+                                         c.num_warps, c.num_stages)
+    out = {"config": tag(best)}
+    if SWEEP["on"]:
+        timings = getattr(kern, "configs_timings", None) or {}
+        out["sweep"] = {tag(c): round(float(t[0] if isinstance(t, (list, tuple)) else t), 5)
+                        for c, t in timings.items()}
+    return out
+
+
 def record(row, case, impl, ms, flops, err=None, **extra):
     rec = {"op": case["op"], "impl": impl, "row": row, "case": case["name"],
            "device": torch.cuda.get_device_name(), "shape": case["shape"], "dtype": "bfloat16",
@@ -92,6 +119,9 @@ def record(row, case, impl, ms, flops, err=None, **extra):
     rec.update(extra)
     RECORDS.append(rec)
     e = f"  err {rec['max_err']:.2e}" if err is not None else ""
+    e += f"  config {rec['config']}" if "config" in rec else ""
+    e += "  sweep " + " ".join(f"{k}:{v}" for k, v in rec["sweep"].items()) if "sweep" in rec \
+        else ""
     print(f"  row {row} {case['name']:28s} {impl:30s} {ms:9.4f} ms {rec['tflops']:7.1f} TFLOP/s{e}",
           flush=True)
     return rec
@@ -136,7 +166,8 @@ def forward_row(row, name, B, H, HKV, S, causal, anchors=("flash", "cudnn")):
     ref = sdpa("flash", q, k, v, causal, gqa=HKV != H)
     err = maxerr(out, ref)
     res = {"fuelgraph kernel": record(row, case, "fuelgraph kernel",
-                                      t_ms(lambda: K.flash_attn(q, k, v, **p)), flops, err)}
+                                      t_ms(lambda: K.flash_attn(q, k, v, **p)), flops, err,
+                                      **fwd_tuning())}
     run = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=causal), [q, k, v])
     res["fuelgraph"] = record(row, case, "fuelgraph", t_ms(run), flops, maxerr(run()[0], ref))
     for name_ in anchors:
@@ -201,20 +232,75 @@ def fwd_bwd_row(row, B, H, S):
     return res
 
 
+def variant_cases(H):
+    """(name, params, optional inputs, window) of row 5."""
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=DEV)
+    return (("plain causal", params(True), (), None),
+            ("window 1024", params(True, wl=1024), (), 1024),
+            ("softcap 50", params(True, softcap=50.0), (), None),
+            ("alibi", params(True, alibi=True), (slopes,), None))
+
+
+def flipped(name):
+    """The code variants row 5 measures flipped for case `name` (with --sweep)."""
+    return [v for v in K.VARIANTS if (v != "ALIBI_COLS" or name == "alibi")
+            and (v != "FMA_SCORES" or name != "alibi")]
+
+
+def warm(part, nparts):
+    """Compile every (case, variant, config) of rows 1 and 5 in this part, without timing."""
+    B, H, S = 1, 16, 256      # the specializations of B4 H32 S4096: sizes divisible by 16
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    configs = list(K._fwd_kernel.configs)
+    jobs = [(case, var, c) for case in variant_cases(H)
+            for var in [None] + (flipped(case[0]) if SWEEP["on"] else []) for c in configs]
+    for n, ((name, p, opt, _), var, c) in enumerate(jobs):
+        if n % nparts != part:
+            continue
+        K._fwd_kernel.configs = [c]
+        if var:
+            K.VARIANTS[var] = not K.VARIANTS[var]
+        try:
+            K.flash_attn(q, k, v, *opt, **p)
+            if DEV.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"warm {name} {var} {c}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(f"warm {name} {var} {c} failed: {exc!r}", flush=True)
+        finally:
+            if var:
+                K.VARIANTS[var] = not K.VARIANTS[var]
+
+
 def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
     causal, compared per unit of work (TFLOP/s)."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device=DEV)
-    res = {}
-    for name, p, opt, wl in (("plain causal", params(True), (), None),
-                             ("window 1024", params(True, wl=1024), (), 1024),
-                             ("softcap 50", params(True, softcap=50.0), (), None),
-                             ("alibi", params(True, alibi=True), (slopes,), None)):
+    res, refs = {}, {}
+    cases = variant_cases(H)
+    for name, p, opt, wl in cases:
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
         flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+        refs[name] = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
         res[name] = record(row, case, "fuelgraph kernel",
-                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops)
+                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+                           **fwd_tuning())
+    for name, p, opt, wl in cases if SWEEP["on"] else ():   # then each code variant flipped
+        case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
+        flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+        for var in flipped(name):
+            default = K.VARIANTS[var]
+            K.VARIANTS[var] = not default
+            try:
+                got = K.flash_attn(q, k, v, *opt, **p)[0]
+                res[f"{name} {var}"] = record(
+                    row, case, f"fuelgraph kernel {var}={int(not default)}",
+                    t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+                    maxerr(got, refs[name]), **fwd_tuning())
+            except Exception as exc:  # noqa: BLE001
+                print(f"  row {row} {name} {var}={int(not default)} failed: {exc!r}", flush=True)
+            finally:
+                K.VARIANTS[var] = default
     return res
 
 
@@ -246,6 +332,14 @@ def targets(results):
         for n in ("window 1024", "softcap 50", "alibi"):
             x = base / r[5][n]["tflops"]
             line(5, n, x, "<= 1.15x plain (work)", x <= 1.15, f"{x:.2f}x plain causal")
+        for n in r[5]:                  # --sweep: variants against plain causal, same variant
+            var = n.split(" ")[-1]
+            if n.startswith("plain") or var not in K.VARIANTS:
+                continue
+            plain = r[5].get(f"plain causal {var}", r[5]["plain causal"])
+            x = plain["tflops"] / r[5][n]["tflops"]
+            line(5, n + " flipped", x, "<= 1.15x plain (work)", x <= 1.15,
+                 f"{x:.2f}x {plain['impl']} ({r[5][n]['tflops']:.0f} TFLOP/s)")
     if 6 in r and "flash" in r[6]:
         x = r[6]["fuelgraph kernel"]["tflops"] / r[6]["flash"]["tflops"]
         line(6, "long context B1 H32 S32768 causal fwd", x, ">= 1.0x flash", x >= 1.0,
@@ -258,9 +352,19 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="1,2,3,4,5,6")
+    ap.add_argument("--configs", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--warm", default=None)
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
+    SWEEP["on"] = args.sweep
+    if args.configs:
+        K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
+                                 for c in args.configs.split(";")]
+    if args.warm:
+        warm(*map(int, args.warm.split("/")))
+        return
     rows = {int(x) for x in args.rows.split(",")}
     B, H, S = 4, 32, 4096
     jobs = {1: lambda: forward_row(1, "causal fwd", B, H, H, S, True),
@@ -278,11 +382,11 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         torch.cuda.empty_cache()
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "records": RECORDS}
-    for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"cuda_attention_{DATE}.json").write_text(json.dumps(doc, indent=1))
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS}
+        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
+            d.mkdir(parents=True, exist_ok=True)        # after every row: a timeout keeps them
+            (d / f"cuda_attention_{DATE}.json").write_text(json.dumps(doc, indent=1))
     print("\ntargets (issue 12)")
     for line in targets(results):
         print(line)

@@ -88,6 +88,15 @@ OPTS = [dict(), dict(causal=True), dict(window_size_left=5, window_size_right=0)
              window_size_right=2)]
 
 
+#: bands a few tiles wide (interpreter tiles are 16 x 16, GPU ones up to 128 x 128): masked
+#: edge tiles on both sides of unmasked ones
+_W = 300 if HAS_CUDA else 40
+BANDS = [dict(causal=True, window_size_left=_W),
+         dict(window_size_left=_W - 7, window_size_right=20),
+         dict(causal=True, window_size_left=_W - 3, alibi=True, softcap=1.3),
+         dict(causal=True, softmax_scale=-0.3)]
+
+
 def _opts(o, B, hq, sk):
     o = dict(o)
     if o.get("alibi"):
@@ -114,10 +123,11 @@ def _cases():
     is a compile."""
     if not HAS_CUDA:
         shapes = [(1, 2, 1, 37, 21, 8), (1, 2, 2, 9, 40, 24), (1, 1, 1, 1, 33, 16)]
-        return [(s, o) for s in shapes for o in OPTS]
+        return [(s, o) for s in shapes for o in OPTS] + \
+            [((1, 2, 1, 70, 90, 8), o) for o in BANDS]
     return [((2, 8, 2, 300, 700, 64), o) for o in OPTS] + \
         [((1, 4, 4, 1000, 1000, 128), OPTS[1]), ((2, 4, 1, 257, 129, 96), OPTS[1]),
-         ((1, 2, 1, 1, 900, 64), OPTS[1])]
+         ((1, 2, 1, 1, 900, 64), OPTS[1])] + [((1, 4, 2, 1000, 1200, 64), o) for o in BANDS]
 
 
 @KERNEL_TESTS
@@ -134,7 +144,7 @@ def test_float32_vs_torch(shape, opts):
 
 @KERNEL_TESTS
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("opts", [OPTS[1], OPTS[-1]], ids=["causal", "all"])
+@pytest.mark.parametrize("opts", [OPTS[1], OPTS[-1], BANDS[2]], ids=["causal", "all", "band"])
 def test_16bit_flash_rule(dtype, opts):
     if dtype == "bfloat16" and not HAS_CUDA:
         pytest.skip("no GPU: Triton 3.6's CPU interpreter multiplies bfloat16 tiles wrongly "

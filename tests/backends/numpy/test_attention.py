@@ -196,6 +196,22 @@ def test_online_softmax_rescales_when_the_max_jumps(monkeypatch):
                          torch_ref(q, k, v, go, softmax_scale=1.0, **o), 2e-5)
 
 
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+def test_scores_far_below_zero(dt):
+    """Every score near -120 (exp underflows float32) and one row block near +60: the forward
+    without a max pass falls back to true maxima for the first and shifts for the second."""
+    rng = np.random.default_rng(8)
+    q = np.ones((1, 2, 6, 4), NP[dt])
+    q[:, 1] = -1
+    k = (-30 + 0.1 * rng.standard_normal((1, 1, 20, 4))).astype(NP[dt])
+    v = rng.standard_normal((1, 1, 20, 4)).astype(NP[dt])
+    go = np.ones_like(q)
+    for o in (dict(), dict(causal=True, alibi=np.array([0.5, 0.2], np.float32))):
+        assert_all_close(run(q, k, v, go, softmax_scale=1.0, **o),
+                         torch_ref(q, k, v, go, softmax_scale=1.0, **o),
+                         1e-4 if dt == "float32" else 1e-10)   # scores ~120: float32 digits
+
+
 def test_garbage_past_k_len_and_empty_rows():
     rng = np.random.default_rng(5)
     q, k, v, go = data(rng, 1, 2, 1, 12, 30, 8)

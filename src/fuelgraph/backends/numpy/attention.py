@@ -3,8 +3,9 @@ FLASH_ATTN_BACKWARD_Q/K/V (22-24) lower to it).
 
 The work is tiled like FlashAttention: the rows of a query block (for every query head that
 shares a key/value head, so grouped-query attention reads each key block once and copies no
-k/v) against blocks of keys, with an online softmax (running max and sum, rescaled accumulator)
-in the forward and recomputed probabilities from the saved row log-sum-exp in the backward.
+k/v) against blocks of keys, with an online softmax in the forward (exponents relative to a
+per-row base that moves only when a tile's row sum grows past 2^40: no max pass over the tiles)
+and recomputed probabilities from the saved row log-sum-exp in the backward.
 Scores are never held for more than one (query block, key block) tile; every product is one
 batched BLAS call over a chunk of heads. Tiles wholly outside the mask are skipped, tiles
 wholly inside it are not masked, the rest are masked from per-row admissible key intervals
@@ -17,6 +18,7 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 """
 from __future__ import annotations
 
+import collections
 
 import numpy as np
 
@@ -71,9 +73,11 @@ class _Problem:
     P V product also yields the row sums of P. A softcap (tanh between the product and the
     shift) takes the explicit path."""
 
-    def __init__(self, op, q, k, v, opt, p, values_ext=True):
+    def __init__(self, op, q, k, v, opt, p, values_ext=True, fold=True):
         """values_ext: the folded layout also extends the values (the backward's dP - delta
-        GEMM); the forward reads them as they are."""
+        GEMM); fold=False: never fold (the forward, whose shift is 0 but for rare rows).
+        Scores stay in natural units (not base 2 for NumPy's faster exp2): the backward
+        recomputes them bit for bit, so exp(s - lse) is consistent to the last digit."""
         self.op = op
         B, Hq, Sq, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
@@ -100,11 +104,12 @@ class _Problem:
         if p["window_size_left"] is not None:
             lo = np.maximum(lo, a - int(p["window_size_left"]))
         self.lo, self.hi = lo, np.maximum(hi, lo)        # empty rows: lo == hi
+        self._masks = {}
         self.scale = float(p["softmax_scale"])
         self.cap = None if p["softcap"] is None else float(p["softcap"])
         # shifts folded into the GEMMs: costs one extended copy of k and v, which pays when
         # there are at least ~D/2 query rows per key (or the inputs are converted anyway)
-        self.fold = self.cap is None and (acc != q.dtype or G * Sq * 2 >= D)
+        self.fold = fold and self.cap is None and (acc != q.dtype or G * Sq * 2 >= D)
         # scores are (q * qmul) @ k^T, then cap * tanh(.) with a softcap
         self.qmul = acc.type(self.scale / self.cap if self.cap else self.scale)
         self.slopes = None
@@ -165,9 +170,10 @@ class _Problem:
         return out
 
     def tiles(self, i0, i1):
-        """(j0, j1, outside-mask [nk, 1, nq] or None) of the key blocks rows i0:i1 see (the
-        block tests are vectorized over blocks: a Python loop of small NumPy calls per block
-        cost ~5% of a forward)."""
+        """(j0, j1, None or (m0, m1, outside-mask [m1 - m0, 1, nq])) of the key blocks rows
+        i0:i1 see: a partial block masks only its keys m0:m1 (relative to j0) that some row
+        excludes, e.g. the diagonal's keys of a causal block (the block tests are vectorized
+        over blocks: a Python loop of small NumPy calls per block cost ~5% of a forward)."""
         lo, hi = self.lo[i0:i1], self.hi[i0:i1]
         live = hi > lo
         jstart, jend = int(lo[live].min()), int(hi[live].max())
@@ -181,17 +187,30 @@ class _Problem:
                 continue                                        # wholly masked
             if w:
                 out.append((j0, j1, None))                      # wholly admissible
-            else:
-                j = np.arange(j0, j1)[:, None]
-                out.append((j0, j1, ((j < lo) | (j >= hi))[:, None, :]))
+                continue
+            lo_max, hi_min = int(lo.max()), int(hi.min())
+            m0 = j0 if lo_max > j0 else max(j0, hi_min)
+            m1 = j1 if hi_min < j1 else min(j1, lo_max)
+            out.append((j0, j1, (m0 - j0, m1 - j0, self._mask(m0, m1, lo, hi))))
         return out
 
-    def score_tile(self, qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp):
+    def _mask(self, m0, m1, lo, hi):
+        """outside [m1 - m0, 1, nq]: keys m0:m1 against rows with intervals [lo, hi); kept by
+        pattern relative to m0 (every diagonal block of a causal mask has the same one)."""
+        key = (m1 - m0, (lo - m0).tobytes(), (hi - m0).tobytes())
+        mask = self._masks.get(key)
+        if mask is None:
+            j = np.arange(m0, m1)[:, None]
+            mask = self._masks[key] = ((j < lo) | (j >= hi))[:, None, :]
+        return mask
+
+    def score_tile(self, qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp, want_tanh=True):
         """Transposed scores of keys j0:j1 against the rows qb ([hc, R = G*nq, D (+1)], times
         qmul) into buf: s [hc, nk, R], a query per column (per-row statistics are then
         reductions over axis 1 and broadcasts of contiguous vectors). With the folded layout qb
         carries the shift column; with a softcap s is cap * tanh(product). Then the ALiBi bias
-        and -inf outside the mask. Returns (s, tanh or None)."""
+        and -inf outside the mask. Returns (s, tanh or None: with want_tanh a copy of the
+        softcap's tanh)."""
         hc, nq, nk = h1 - h0, i1 - i0, j1 - j0
         R = qb.shape[1]
         s = buf[:hc * nk * R].reshape(hc, nk, R)
@@ -200,7 +219,7 @@ class _Problem:
         t = None
         if self.cap is not None:
             np.tanh(s, out=s)
-            t = s.copy()
+            t = s.copy() if want_tanh else None
             s *= self.acc.type(self.cap)
         s4 = s.reshape(hc, nk, self.G, nq)
         if self.slopes is not None:
@@ -209,7 +228,8 @@ class _Problem:
             np.multiply(self.slopes[h0:h1], dist.astype(self.acc)[:, None, :], out=b)
             s4 -= b
         if outside is not None:
-            np.copyto(s4, -np.inf, where=outside)
+            m0, m1, mask = outside
+            np.copyto(s4[:, m0:m1], -np.inf, where=mask)
         return s, t
 
 
@@ -266,6 +286,11 @@ def attention_cost(products):
 #: the forward keeps exponents relative to a stale running max while a tile's max exceeds it
 #: by at most this much (exp(8) ~ 3e3: no float32 overflow); larger jumps rescale
 RESCALE_AT = 8.0
+#: the folded forward (no max pass): a row moves its base once a tile's sum of exponentials
+#: passes SUM_LIMIT (or overflows); a unit with a live row whose total stays below SUM_FLOOR
+#: (terms near float32's smallest normals) is computed again from true maxima
+SUM_LIMIT = 2.0 ** 40
+SUM_FLOOR = 2.0 ** -60
 
 
 @kernel(FusedOps.FLASH_ATTN, "numpy", cost=attention_cost(2))
@@ -283,21 +308,100 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     is outside [0, Sk]."""
     pb = _Problem("flash_attn", q, k, v, opt, _params(
         softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
-        has_alibi, k_len_input), values_ext=False)
+        has_alibi, k_len_input), fold=False)
     G, D = pb.G, pb.D
     out = np.zeros((pb.BH, G, pb.Sq, D), pb.acc)
     lse = np.full((pb.BH, G, pb.Sq), np.inf, pb.acc)
     qs = pb.q_like(q, pb.qmul, np.zeros(q.shape[:3], pb.acc) if pb.fold else None)
 
-    def work(part):
+    # threads take units from one queue, the most work first (causal masks make query blocks
+    # unequal): a thread whose core another process takes meanwhile simply takes fewer
+    units = pb.units()
+    span = pb.hi - pb.lo
+    queue = collections.deque(sorted(
+        units, key=lambda u: -(u[1] - u[0]) * int(span[u[2]:u[3]].sum())))
+
+    def work(_):
         bufs = _scratch(pb, 2)
-        for h0, h1, i0, i1 in part:
-            _forward_unit(pb, qs, h0, h1, i0, i1, *bufs, out, lse)
+        while True:
+            try:
+                h0, h1, i0, i1 = queue.popleft()
+            except IndexError:
+                return
+            if not _forward_unit_fast(pb, qs, h0, h1, i0, i1, *bufs, out, lse):
+                _forward_unit(pb, qs, h0, h1, i0, i1, *bufs, out, lse)
 
     with np.errstate(all="ignore"):
-        _run_parallel(_thread_groups(pb, pb.units(), _threads(pb), by_head=False), work)
+        _run_parallel([[t] for t in range(min(_threads(pb), len(units)))], work)
     # [B*Hkv, G, Sq, D] is [B, Hq, Sq, D] (query head h = kv head * G + g): no copy needed
     return _narrow(out.reshape(q.shape), q.dtype), lse.reshape(q.shape[:3])
+
+
+def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
+    """The forward without a max pass: exponents relative to a per-row base that starts at 0
+    (and, folded, lives in the GEMM's shift column). A tile's row sums bound its largest term,
+    so a row whose sum passes SUM_LIMIT (rare: scores above ~28) has that tile's scores
+    computed again and shifted by their true max. Per tile: one GEMM, exp, a row sum and the
+    P V GEMM. Returns False (nothing written) when a live row ends with its sum below
+    SUM_FLOOR (scores all far below 0): the caller then runs `_forward_unit`."""
+    acc, D, ext = pb.acc, pb.D, pb.fold
+    hc, nq = h1 - h0, i1 - i0
+    qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1: -base)]
+    R = qb.shape[1]
+    base = np.zeros((hc, R), acc)
+    shifted = False                                      # some base is not 0 (unfolded)
+    o = np.empty((hc, R, D), acc)
+    l = np.zeros((hc, R), acc)
+    pv = np.empty_like(o)
+    rs = np.empty_like(l)
+    rs3 = rs[:, None, :]
+    ones = np.ones((1, max(pb.bk, 1)), acc)
+    first = True
+    for j0, j1, outside in pb.tiles(i0, i1):
+        s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp, False)
+        if shifted:
+            s -= base[:, None, :]
+        np.exp(s, out=s)
+        np.matmul(ones[:, :j1 - j0], s, out=rs3)         # row sums: a GEMV beats sum(axis=1)
+        big = ~(rs <= SUM_LIMIT)                         # also inf / nan sums
+        if big.any():
+            s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp, False)
+            if shifted:
+                s -= base[:, None, :]
+            shift = np.where(big, s.max(1), 0)
+            s -= shift[:, None, :]
+            if not first:
+                alpha = np.exp(-shift)
+                o *= alpha[..., None]
+                l *= alpha
+            base += shift
+            if ext:
+                np.negative(base, out=qb[..., D])
+            else:
+                shifted = True
+            np.exp(s, out=s)
+            np.matmul(ones[:, :j1 - j0], s, out=rs3)
+        l += rs
+        vb = pb.v[h0:h1, j0:j1]
+        if first:
+            np.matmul(s.transpose(0, 2, 1), vb, out=o)
+            first = False
+        else:
+            np.matmul(s.transpose(0, 2, 1), vb, out=pv)
+            o += pv
+    has_keys = np.tile(pb.hi[i0:i1] > pb.lo[i0:i1], pb.G)          # [R], rows g * nq + i
+    if first or (has_keys & (l < SUM_FLOOR)).any():
+        return False
+    live = l > 0
+    if live.all():
+        o /= l[..., None]
+        ls = (base + np.log(l))
+    else:
+        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
+        ls = np.where(live, (base + np.log(np.where(live, l, 1))), np.inf)
+    out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
+    lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
+    return True
 
 
 def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
@@ -317,7 +421,7 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     rs = np.empty_like(l)
     first = True
     for j0, j1, outside in pb.tiles(i0, i1):
-        s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
+        s, _ = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp, False)
         if not ext:
             s -= base[:, None, :]
         mx = s.max(1)                                    # relative to base
@@ -346,10 +450,10 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     live = l > 0
     if live.all():
         o /= l[..., None]
-        ls = base + np.log(l)
+        ls = (base + np.log(l))
     else:
         o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
-        ls = np.where(live, base + np.log(np.where(live, l, 1)), np.inf)
+        ls = np.where(live, (base + np.log(np.where(live, l, 1))), np.inf)
     out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
     lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
 

@@ -9,9 +9,12 @@ dk and dv over the query heads of its key/value head (no atomics, no k/v copies 
 grouped-query attention) and a second kernel per query block accumulates dq.
 
 Masks: a query row i sits at key position a_i = i + L - Sq (L = k_len or Sk). Every
-constraint (causal, window left/right, keys < L) is an interval of keys, so each program
-splits its loop into at most three ranges: blocks that need the elementwise mask, blocks that
-are wholly admissible (the plain path: no mask arithmetic at all) and masked blocks again.
+constraint (causal, window left/right, keys < L) is an interval of keys, so the key blocks of
+a query block form at most three ranges: masked blocks at the band's far edge, wholly
+admissible blocks (the plain path: no mask arithmetic at all) and masked blocks at its near
+edge (the diagonal). The forward runs the admissible range first, then both masked ranges in
+one loop (one pipeline ramp for the two edges of a sliding window); blocks wholly outside the
+band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
 them carries none of their code.
 
@@ -86,11 +89,36 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA"]
+
+
+def fwd_config(m, n, warps, stages):
+    """A forward launch config (BLOCK_M, BLOCK_N, warps, stages)."""
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+
+
 FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
                         (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 16, 3)])
 BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
+
+
+#: forward code variants, compile-time (the benchmark's --sweep flips them): ALIBI_COLS --
+#: causal ALiBi on 16-bit inputs as a per-key bias (slope * key position; the per-row part of
+#: -slope * (row - key) cancels in the softmax and is put back into the lse): one fused
+#: multiply-add per score instead of a subtract, abs, convert and multiply-add (sm_90 SASS of
+#: the loop: 554 instead of 650 instructions a thread). A float32 (ieee) kernel keeps the exact
+#: form: the large per-key terms would cost it digits.
+#: FMA_SCORES -- without ALiBi, exp2's argument as one fused multiply-add of the raw product
+#: (or tanh) and the row max (the max taken before the multiply): sm_90 SASS of the loop
+#: loses a multiply a score. FUELGRAPH_ATTN_VARIANTS="FMA_SCORES=0,ALIBI_COLS=0" overrides.
+#: Measured on the H200 (B4 H32 S4096 D128 bf16 causal): FMA_SCORES 427 vs 409 TFLOP/s, ALiBi
+#: 395 vs 374 with ALIBI_COLS. Tried and dropped: the unmasked blocks' k/v through TMA tensor
+#: descriptors (401), all blocks in one loop with the mask behind a run-time branch (421).
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
+for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
+    _k, _v = _kv.split("=")
+    VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -156,27 +184,42 @@ def _key_ranges(a_first, a_last, L, WL, WR, BLOCK_N: tl.constexpr, CAUSAL: tl.co
 @triton.jit
 def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-            HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr):
+            HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+            ALIBI_COLS: tl.constexpr = False, RAW: tl.constexpr = False):
     """Scores in log2 units from the raw product tile; a_pos / k_pos are the query and key
-    positions broadcast to the tile's shape. Returns (scores, tanh or 0)."""
+    positions broadcast to the tile's shape. Returns (scores, tanh or 0). ALIBI_COLS (causal
+    only: every admissible key is <= its row) adds slope * key instead of -slope * (row - key):
+    the scores are off by slope * row, a per-row constant the caller takes out of the lse.
+    RAW (no ALiBi): the scores before their positive multiplier (QK_SCALE or CAP, times
+    log2(e)), which the caller fuses into exp2's argument."""
     if HAS_CAP:
         t = _tanh(qk * QK_SCALE, IEEE)
-        s = t * (CAP * 1.4426950408889634)
+        s = t if RAW else t * (CAP * 1.4426950408889634)
     else:
         t = 0.0
-        s = qk * (QK_SCALE * 1.4426950408889634)
+        s = qk if RAW else qk * (QK_SCALE * 1.4426950408889634)
     if HAS_ALIBI:
-        s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
+        if ALIBI_COLS:
+            s += (slope * 1.4426950408889634) * k_pos.to(tl.float32)
+        else:
+            s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
     if MASK:
-        adm = k_pos < L
-        if CAUSAL:
-            adm &= k_pos <= a_pos
-        if HAS_WL:
-            adm &= k_pos >= a_pos - WL
-        if HAS_WR:
-            adm &= k_pos <= a_pos + WR
-        s = tl.where(adm, s, float("-inf"))
+        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR)
     return s, t
+
+
+@triton.jit
+def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+          HAS_WR: tl.constexpr):
+    """-inf outside the admissible keys."""
+    adm = k_pos < L
+    if CAUSAL:
+        adm &= k_pos <= a_pos
+    if HAS_WL:
+        adm &= k_pos >= a_pos - WL
+    if HAS_WR:
+        adm &= k_pos <= a_pos + WR
+    return tl.where(adm, s, float("-inf"))
 
 
 @triton.jit
@@ -198,12 +241,19 @@ def _load(ptrs, rows_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl
 
 # ---- forward ------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n, L,
-               QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    for j0 in range(start, end, BLOCK_N):
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, jump, a_pos,
+               offs_n, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+               HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+    """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
+    jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
+    band: [start, jump_at) and [jump_at + jump, end + jump))."""
+    for j in range(start, end, BLOCK_N):
+        j0 = j
+        if MASK:
+            j0 = j + tl.where(j >= jump_at, jump, 0)
         kn = j0 + offs_n
         k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
         if IEEE:
@@ -211,12 +261,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, of
         else:
             qk = tl.dot(q, tl.trans(k))
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
+        if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
+            if HAS_CAP:
+                mult = CAP * 1.4426950408889634
+            else:
+                mult = QK_SCALE * 1.4426950408889634
+            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
         if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
+        if FMA:    # one fused multiply-add a score
+            p = tl.exp2(s * mult - m_use[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
@@ -235,7 +295,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 TUNE_Q, TUNE_K, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
+                HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -263,16 +324,19 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo, lo_end, a_pos,
-                               offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
-                               CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
-                               BLOCK_D, BLOCK_N)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_hi, hi, a_pos,
-                               offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
+    # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
+    # masked edges (a window's far edge and the diagonal) in one loop
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, ALIBI_COLS, FMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
+                               lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, ALIBI_COLS, FMA)
+    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
+        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
     out = acc / tl.where(live, l_i, 1.0)[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
@@ -567,6 +631,12 @@ class _Launch:
                           HAS_ALIBI=alibi is not None, DYN_KLEN=dyn,
                           IEEE=q.dtype == torch.float32)
         self.tune = dict(TUNE_Q=next_pow2(SQ), TUNE_K=next_pow2(self.SK))
+        f = self.flags
+        self.fwd_flags = dict(
+            ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+                        and VARIANTS["ALIBI_COLS"]),
+            FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
+                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
@@ -599,7 +669,8 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
-                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags)
+                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
+                      **a.fwd_flags)
     return out, lse
 
 

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Compile the flash_attn forward kernel for sm_90 on a machine without a GPU and report, per
+case (plain causal, window, softcap, ALiBi), launch configuration and code variant
+(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it): registers, spill
+stack, shared memory, and the SASS of the longest loop (instructions, special-function MUFU
+ones, tensor-core HGMMA ones). Use it to check that a variant compiles for Hopper and what it
+costs before a GPU session.
+
+    python3 bench/sass_attention.py [--configs 128,64,8,3;128,128,8,3] [--cases plain,window]
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "src"))
+sys.path.insert(0, str(ROOT))
+
+from fuelgraph.backends.cuda.kernels import attention as A  # noqa: E402
+from sass_quant_rows import TARGET, main_loop_stats  # noqa: E402
+
+PTRS = ["Q", "K", "V", "O", "LSE", "SLOPES", "KLEN"]
+INTS = ["sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "som",
+        "slb", "H", "G", "SQ", "SK", "KLEN_STATIC"]
+CASES = {"plain": dict(CAUSAL=True), "window": dict(CAUSAL=True, HAS_WL=True),
+         "softcap": dict(CAUSAL=True, HAS_CAP=True), "alibi": dict(CAUSAL=True, HAS_ALIBI=True)}
+
+
+def source(case, m, n, variant):
+    """ASTSource of the forward for bfloat16, D = 128."""
+    types = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
+             "SLOPES": "*fp32", "KLEN": "*i32"}
+    sig = dict(types)
+    sig.update({k: "i32" for k in INTS if k != "G"})
+    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
+    flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
+                 DYN_KLEN=False, IEEE=False)
+    flags.update(CASES[case])
+    cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
+                ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"] != variant.get(
+                    "ALIBI_COLS", False),
+                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
+                    "FMA_SCORES", False))
+    known = set(A._fwd_kernel.fn.arg_names)
+    cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
+    names = list(sig)
+    # pointers, strides and sizes divisible by 16 as the JIT finds them for B4 H32 S4096
+    aligned = {(names.index(k),): [["tt.divisibility", 16]]
+               for k in PTRS[:5] + INTS if k not in ("slb", "G", "KLEN_STATIC")}
+    cons["G"] = 1                 # H == Hkv: the JIT specializes an argument equal to 1
+    return ASTSource(A._fwd_kernel.fn, sig, cons, attrs=aligned)
+
+
+def report(name, src, warps, stages):
+    try:
+        k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
+        return
+    regs, stack, n, ops = main_loop_stats(k.asm["cubin"])
+    top = " ".join(f"{op}:{c}" for op, c in ops.most_common(6))
+    print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  loop {n:5d} "
+          f"MUFU {ops.get('MUFU', 0):3d} HGMMA {ops.get('HGMMA', 0):3d}  {top}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
+    ap.add_argument("--cases", default="plain,window,softcap,alibi")
+    ap.add_argument("--variants", default="base,ALIBI_COLS,FMA_SCORES")
+    args = ap.parse_args()
+    for cfg in args.configs.split(";"):
+        m, n, w, st = (int(x) for x in cfg.split(","))
+        for case in args.cases.split(","):
+            for var in args.variants.split(","):
+                variant = {} if var == "base" else {var: True}
+                if (var == "ALIBI_COLS") != (case == "alibi") and var != "base":
+                    continue
+                report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant),
+                       w, st)
+
+
+if __name__ == "__main__":
+    main()
