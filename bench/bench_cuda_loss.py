@@ -127,11 +127,33 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
         ms = _time(fn, smoke)
         recs.append(record(op, impl, shape, "bfloat16", ms, DEVICE_NAME,
                            peak_extra_mib=_peak_extra_mib(fn), **extra))
+        print(f"[bench] {op} / {impl}: {ms:.3f} ms, peak extra "
+              f"{recs[-1]['peak_extra_mib']} MiB", flush=True)
         return ms
     except Exception:
         print(f"[bench] {op} / {impl} failed:")
         traceback.print_exc()
         return None
+
+
+def split_sweep_configs():
+    """Launch settings of the split-row one-pass kernel the sweep times. The first is the default before the persistent
+    variant; earlier sweeps (persistent row kernel 2.18+ ms, 8 or 16 warps, BLOCK 8192, chunks
+    in registers 3.1-4.2 ms) are not repeated. The persistent kernel fits 6 programs of 4
+    warps per SM with the light meeting (77 registers; 7 with the fenced one, 72), the
+    one-program-per-item kernel 10 (48; bench/sass_ce_split.py)."""
+    base = dict(block=2048, num_warps=4, stages=3)
+    cfgs = [dict(split_chunk=16384, **base), dict(split_chunk=16384, light_sync=True, **base),
+            dict(split_chunk=65536, light_sync=True, **base),
+            dict(split_chunk=8192, light_sync=True, **base)]
+    # persistent: programs per SM x chunk bytes held under L2 (50 MB) for the second read
+    for chunk, per_sm in ((16384, 4), (16384, 6), (8192, 4), (8192, 6)):
+        cfgs.append(dict(split_chunk=chunk, programs_per_sm=per_sm, light_sync=True, **base))
+    cfgs.append(dict(split_chunk=16384, programs_per_sm=6, **base))
+    cfgs.append(dict(split_chunk=16384, programs_per_sm=6, light_sync=True, evict="", **base))
+    cfgs.append(dict(split_chunk=32768, programs_per_sm=3, light_sync=True, block=4096,
+                     num_warps=8, stages=3))
+    return cfgs
 
 
 # ---- 1. cross-entropy forward+backward --------------------------------------------------------
@@ -185,16 +207,7 @@ def bench_ce(recs, smoke, sweep):
     print(f"[bench] CE check: dlogits rel err {_rel(got_d, d_ref):.2e}")
     if not sweep:
         return
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
-    configs = []
-    for per_sm in (2, 4):
-        for block, warps, stages in ((4096, 8, 3), (8192, 8, 2)):
-            configs.append(dict(programs=per_sm * sms, block=block, num_warps=warps,
-                                stages=stages))
-    # the split-row kernel: rows cut into chunks (0: one program per row), launch settings
-    for chunk in (0, 65536, 32768, 16384, 8192):
-        for block, warps, stages in ((4096, 8, 3), (2048, 4, 3), (8192, 8, 2), (4096, 16, 3)):
-            configs.append(dict(split_chunk=chunk, block=block, num_warps=warps, stages=stages))
+    configs = split_sweep_configs()
     g32 = one.float().reshape(1)
     n_valid = (t != -100).sum()          # the mean's divisor when rows may be ignored
     results = []
@@ -204,9 +217,9 @@ def bench_ce(recs, smoke, sweep):
             dx = torch.empty_like(logits)
             if "split_chunk" in cfg:
                 kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
-                L.ce_split(logits, t, L.split_plan(v, cfg["split_chunk"]), loss_rows=loss_rows,
-                           dx=dx, grad=g32, n_valid=n_valid, reduction="mean",
-                           ignore_index=-100, **kw)
+                plan = L.split_plan(v, cfg["split_chunk"])
+                L.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32,
+                           n_valid=n_valid, reduction="mean", ignore_index=-100, **kw)
             else:
                 L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                           reduction="mean", ignore_index=-100, **cfg)
@@ -219,9 +232,10 @@ def bench_ce(recs, smoke, sweep):
             continue
         cfg = dict(cfg, dlogits_rel_err=float(f"{err:.2e}"))
         results.append((ms, cfg))
+        print(f"[bench] sweep {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}", flush=True)
     results.sort(key=lambda p: p[0])
-    print("[bench] one-pass kernel sweep (best first; persistent: programs, block, warps, "
-          "stages; split-row: chunk, block, warps, stages):")
+    print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
+          "persistent programs per SM, light meeting, first-read cache hint):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,
@@ -321,9 +335,10 @@ def main():
     ap.add_argument("--out", default=None, help="also copy the JSON into this folder")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    ap.add_argument("--ce-only", action="store_true", help="only the cross-entropy case")
     args = ap.parse_args()
     recs = []
-    for part in (bench_ce, bench_flce):
+    for part in (bench_ce,) if args.ce_only else (bench_ce, bench_flce):
         try:
             part(recs, args.smoke, not args.no_sweep)
         except Exception:
