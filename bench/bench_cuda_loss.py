@@ -137,22 +137,26 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
 
 
 def split_sweep_configs():
-    """Launch settings of the split-row one-pass kernel the sweep times. The first is the default before the persistent
-    variant; earlier sweeps (persistent row kernel 2.18+ ms, 8 or 16 warps, BLOCK 8192, chunks
-    in registers 3.1-4.2 ms) are not repeated. The persistent kernel fits 6 programs of 4
-    warps per SM with the light meeting (77 registers; 7 with the fenced one, 72), the
-    one-program-per-item kernel 10 (48; bench/sass_ce_split.py)."""
-    base = dict(block=2048, num_warps=4, stages=3)
-    cfgs = [dict(split_chunk=16384, **base), dict(split_chunk=16384, light_sync=True, **base),
-            dict(split_chunk=65536, light_sync=True, **base),
-            dict(split_chunk=8192, light_sync=True, **base)]
-    # persistent: programs per SM x chunk bytes held under L2 (50 MB) for the second read
-    for chunk, per_sm in ((16384, 4), (16384, 6), (8192, 4), (8192, 6)):
-        cfgs.append(dict(split_chunk=chunk, programs_per_sm=per_sm, light_sync=True, **base))
-    cfgs.append(dict(split_chunk=16384, programs_per_sm=6, **base))
-    cfgs.append(dict(split_chunk=16384, programs_per_sm=6, light_sync=True, evict="", **base))
-    cfgs.append(dict(split_chunk=32768, programs_per_sm=3, light_sync=True, block=4096,
-                     num_warps=8, stages=3))
+    """Launch settings of the split-row one-pass kernel the sweep times, the likeliest first
+    (a GPU session may stop the sweep early). Persistent programs per SM x chunk bytes are held
+    under the L2 (50 MB) so the second read of a chunk hits it; "group" keeps running
+    statistics per 8 logits (no cross-warp reduction per BLOCK step); the last one is the
+    default before these variants. Earlier sweeps (persistent row kernel 2.18+ ms, 8 or 16
+    warps, BLOCK 8192, chunks in registers 3.1-4.2 ms) are not repeated. Programs that fit on
+    one SM (bench/sass_ce_split.py): 10 (12 grouped) one per item, 6 (7 grouped) persistent."""
+    base = dict(block=2048, num_warps=4, stages=3, light_sync=True)
+    cfgs = [dict(split_chunk=16384, programs_per_sm=6, group=8, **base),
+            dict(split_chunk=16384, programs_per_sm=6, **base),
+            dict(split_chunk=8192, programs_per_sm=7, group=8, **base),
+            dict(split_chunk=8192, programs_per_sm=6, **base),
+            dict(split_chunk=8192, group=8, **base),
+            dict(split_chunk=8192, **base),
+            dict(split_chunk=16384, programs_per_sm=4, **base),
+            dict(split_chunk=16384, programs_per_sm=6, evict="", **base),
+            dict(split_chunk=16384, group=8, **base),
+            dict(split_chunk=16384, **base),
+            dict(split_chunk=65536, **base)]
+    cfgs.append(dict(base, split_chunk=16384, light_sync=False))
     return cfgs
 
 
@@ -235,7 +239,7 @@ def bench_ce(recs, smoke, sweep):
         print(f"[bench] sweep {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}", flush=True)
     results.sort(key=lambda p: p[0])
     print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
-          "persistent programs per SM, light meeting, first-read cache hint):")
+          "persistent programs per SM, light meeting, first-read cache hint, statistics group):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,

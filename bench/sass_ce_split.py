@@ -37,7 +37,8 @@ def compile_cfg(cfg):
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
                 S_P2=next_pow2(S), BLOCK=cfg["block"], STAGES=cfg["stages"],
                 PERSISTENT=bool(cfg.get("programs_per_sm")),
-                LIGHT_SYNC=cfg.get("light_sync", False), EVICT=cfg.get("evict", "evict_last"))
+                LIGHT_SYNC=cfg.get("light_sync", False), EVICT=cfg.get("evict", "evict_last"),
+                GROUP=cfg.get("group", 0))
     src = ASTSource(L._ce_split_kernel, SIG, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))

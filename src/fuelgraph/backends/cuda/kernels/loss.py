@@ -74,6 +74,7 @@ CE_SPLIT_STAGES = 3
 CE_SPLIT_PROGRAMS_PER_SM = 0     # persistent programs per SM (0: one program per work item)
 CE_SPLIT_LIGHT_SYNC = False      # a row's programs meet with relaxed atomics + release/acquire
 CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
+CE_SPLIT_GROUP = 0               # first read: running (max, sum) per group of logits (0: per step)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -101,6 +102,28 @@ def _lse_chunk(x_ptr, base, start, end, BLOCK: tl.constexpr, EVICT: tl.constexpr
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
         m = m_new
     return m, s
+
+
+@triton.jit
+def _lse_chunk_grouped(x_ptr, base, start, end, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+                       STAGES: tl.constexpr, GROUP: tl.constexpr):
+    """`_lse_chunk` with a running (max, sum) per group of GROUP consecutive logits (one
+    thread's vector load), combined across the block once at the end: no cross-warp reduction
+    (and no barrier) per BLOCK step, for one more exp per group."""
+    m = tl.full((BLOCK // GROUP,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK // GROUP,), tl.float32)
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < end, other=float("-inf"),
+                    eviction_policy=EVICT).to(tl.float32)
+        x = tl.reshape(x, (BLOCK // GROUP, GROUP))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), 1)
+        m = m_new
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    return m_all, tl.sum(s * tl.exp(m - m_safe), 0)
 
 
 @triton.jit
@@ -263,7 +286,8 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
                 CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
                 STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, S: tl.constexpr,
                 S_P2: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                PERSISTENT: tl.constexpr, LIGHT_SYNC: tl.constexpr, EVICT: tl.constexpr):
+                PERSISTENT: tl.constexpr, LIGHT_SYNC: tl.constexpr, EVICT: tl.constexpr,
+                GROUP: tl.constexpr):
     """Work item ``item`` = (row item // S, chunk item % S) of `_ce_split_kernel`; returns the
     program's next item when PERSISTENT (its ticket taken before the gradient pass, so the
     atomic's round trip overlaps the pass)."""
@@ -274,7 +298,12 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
     base = r.to(tl.int64) * V
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    m, s = _lse_chunk(x_ptr, base, start, tl.where(valid, end, start), BLOCK, EVICT, STAGES)
+    if GROUP:
+        m, s = _lse_chunk_grouped(x_ptr, base, start, tl.where(valid, end, start), BLOCK,
+                                  EVICT, STAGES, GROUP)
+    else:
+        m, s = _lse_chunk(x_ptr, base, start, tl.where(valid, end, start), BLOCK, EVICT,
+                          STAGES)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
             if LIGHT_SYNC:
@@ -331,7 +360,7 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                      REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                      S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
                      STAGES: tl.constexpr, PERSISTENT: tl.constexpr, LIGHT_SYNC: tl.constexpr,
-                     EVICT: tl.constexpr):
+                     EVICT: tl.constexpr, GROUP: tl.constexpr):
     """One pass with each row cut into S chunks of CHUNK logits, one work item per (row, chunk):
     stream the chunk for its running (max, sum) (loads kept in L2), publish them, wait for the
     row's other S - 1 items through a per-row arrival counter (sync_ptr[r]), then stream the
@@ -343,6 +372,7 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
     under the L2 size (one program per item keeps ~10 chunks per SM in flight, 42 MB at 16384
     bf16 logits, and part of the second read then comes from HBM). LIGHT_SYNC: the meeting
     uses relaxed atomics and one release/acquire pair instead of a full fence per atomic.
+    GROUP: the first read keeps a running (max, sum) per GROUP logits (`_lse_chunk_grouped`).
 
     A program waits only for items of its own row. With S > 1 the items are handed out by a
     ticket counter (sync_ptr[R]) in the order programs really take them, so no program can
@@ -356,7 +386,7 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             item = _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr,
                                ps_ptr, sync_ptr, R, V, CHUNK, N_MEAN, ignore_index, HAS_IGNORE,
                                REDUCTION, STORE_LOSS, WRITE_GRAD, S, S_P2, BLOCK, STAGES, True,
-                               LIGHT_SYNC, EVICT)
+                               LIGHT_SYNC, EVICT, GROUP)
     else:
         if S > 1:
             item = tl.atomic_add(sync_ptr + R, 1)
@@ -364,7 +394,8 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             item = tl.program_id(0)
         _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr,
                     sync_ptr, R, V, CHUNK, N_MEAN, ignore_index, HAS_IGNORE, REDUCTION,
-                    STORE_LOSS, WRITE_GRAD, S, S_P2, BLOCK, STAGES, False, LIGHT_SYNC, EVICT)
+                    STORE_LOSS, WRITE_GRAD, S, S_P2, BLOCK, STAGES, False, LIGHT_SYNC, EVICT,
+                    GROUP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,11 +568,12 @@ def split_programs(items: int, device: torch.device, per_sm=None) -> int:
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
-             programs_per_sm=None, light_sync=None, evict=None):
+             programs_per_sm=None, light_sync=None, evict=None, group=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
     programs_per_sm: persistent programs per SM (0: one program per work item); light_sync:
     the programs of a row meet with relaxed atomics and one release/acquire pair; evict: cache
-    hint of the first read of a chunk ("evict_last" or "")."""
+    hint of the first read of a chunk ("evict_last" or ""); group: running statistics per
+    group of that many logits (0: per BLOCK step)."""
     R, V = x2.shape
     S, chunk = plan
     dev = x2.device
@@ -562,6 +594,7 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
         BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES, PERSISTENT=persistent,
         LIGHT_SYNC=CE_SPLIT_LIGHT_SYNC if light_sync is None else light_sync,
         EVICT=CE_SPLIT_EVICT if evict is None else evict,
+        GROUP=CE_SPLIT_GROUP if group is None else group,
         num_warps=num_warps or CE_SPLIT_WARPS)
 
 
