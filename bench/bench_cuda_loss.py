@@ -109,6 +109,15 @@ def _f64(c):
 
 
 def _rel(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_cuda and \
+            a.numel() > 1 << 24:        # a logits-sized gradient: float32 on the GPU, in slabs
+        a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        num = den = 0.0
+        for i in range(0, a2.shape[0], 1024):
+            d = b2[i:i + 1024].float()
+            num += (a2[i:i + 1024].float() - d).double().square().sum().item()
+            den += d.double().square().sum().item()
+        return (num / max(den, 1e-60)) ** 0.5
     a, b = _f64(a), _f64(b)
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
@@ -147,6 +156,8 @@ def split_sweep_configs():
     base = dict(block=2048, num_warps=4, stages=3, light_sync=True)
     cfgs = [dict(split_chunk=16384, programs_per_sm=6, group=8, **base),
             dict(split_chunk=16384, programs_per_sm=6, **base),
+            dict(split_chunk=16384, programs_per_sm=6, group=8, **dict(base, stages=4)),
+            dict(split_chunk=8192, programs_per_sm=6, group=8, **dict(base, stages=4)),
             dict(split_chunk=8192, programs_per_sm=7, group=8, **base),
             dict(split_chunk=8192, programs_per_sm=6, **base),
             dict(split_chunk=8192, group=8, **base),
