@@ -152,7 +152,8 @@ def split_sweep_configs():
     statistics per 8 logits (no cross-warp reduction per BLOCK step); the last one is the
     default before these variants. Earlier sweeps (persistent row kernel 2.18+ ms, 8 or 16
     warps, BLOCK 8192, chunks in registers 3.1-4.2 ms) are not repeated. Programs that fit on
-    one SM (bench/sass_ce_split.py): 10 (12 grouped) one per item, 6 (7 grouped) persistent."""
+    one SM (bench/sass_ce_split.py): 10 (12 grouped) one per item, 7 persistent (6 with 4
+    stages), 3 at 8 warps."""
     base = dict(block=2048, num_warps=4, stages=3, light_sync=True)
     cfgs = [dict(split_chunk=16384, programs_per_sm=6, group=8, **base),
             dict(split_chunk=16384, programs_per_sm=6, **base),
@@ -160,6 +161,8 @@ def split_sweep_configs():
             dict(split_chunk=8192, programs_per_sm=6, group=8, **dict(base, stages=4)),
             dict(split_chunk=8192, programs_per_sm=7, group=8, **base),
             dict(split_chunk=8192, programs_per_sm=6, **base),
+            dict(split_chunk=32768, programs_per_sm=3, group=8,
+                 **dict(base, block=4096, num_warps=8)),
             dict(split_chunk=8192, group=8, **base),
             dict(split_chunk=8192, **base),
             dict(split_chunk=16384, programs_per_sm=4, **base),

@@ -72,7 +72,7 @@ CE_SPLIT_BLOCK = 2048
 CE_SPLIT_WARPS = 4
 CE_SPLIT_STAGES = 3
 CE_SPLIT_PROGRAMS_PER_SM = 0     # persistent programs per SM (0: one program per work item)
-CE_SPLIT_LIGHT_SYNC = False      # a row's programs meet with relaxed atomics + release/acquire
+CE_SPLIT_LIGHT_SYNC = False      # a row's programs meet with relaxed atomics + one acq_rel
 CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
 CE_SPLIT_GROUP = 0               # first read: running (max, sum) per group of logits (0: per step)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -307,11 +307,12 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
             if LIGHT_SYNC:
-                # only the arrival orders the partials before it (release) and only the
-                # reads after the wait need ordering (acquire): no fence per atomic
+                # only the arrival orders the partials before it (release) and the reads
+                # after it (acquire, for the last to arrive, which does not wait): no fence
+                # per atomic
                 tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
                 tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
-                arrived = tl.atomic_add(sync_ptr + r, 1, sem="release") + 1
+                arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
                 while arrived < S:
                     arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
             else:
@@ -322,12 +323,14 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
                     arrived = tl.atomic_add(sync_ptr + r, 0)
             lane = tl.arange(0, S_P2)
             mine = lane < S
-            zero = tl.zeros((S_P2,), tl.float32)
-            # read back through atomics: the values come from L2, never a stale L1 line
             if LIGHT_SYNC:
-                pm = tl.atomic_add(pm_ptr + r * S + lane, zero, mask=mine, sem="relaxed")
-                ps = tl.atomic_add(ps_ptr + r * S + lane, zero, mask=mine, sem="relaxed")
+                # loads, both in flight at once, ordered after every partial by the acquire
+                # (the arrival's or the last poll's); volatile: from L2, never an L1 line
+                pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
+                ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
             else:
+                # read back through atomics: the values come from L2, never a stale L1 line
+                zero = tl.zeros((S_P2,), tl.float32)
                 pm = tl.atomic_add(pm_ptr + r * S + lane, zero, mask=mine)
                 ps = tl.atomic_add(ps_ptr + r * S + lane, zero, mask=mine)
             pm = tl.where(mine, pm, float("-inf"))
@@ -371,7 +374,9 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
     those programs' chunks are between their two reads at any time, so their total can be held
     under the L2 size (one program per item keeps ~10 chunks per SM in flight, 42 MB at 16384
     bf16 logits, and part of the second read then comes from HBM). LIGHT_SYNC: the meeting
-    uses relaxed atomics and one release/acquire pair instead of a full fence per atomic.
+    publishes with relaxed atomics, arrives with one acquire-release atomic, polls with
+    acquire loads and reads the partials with plain (volatile) loads, instead of a full fence
+    around every atomic.
     GROUP: the first read keeps a running (max, sum) per GROUP logits (`_lse_chunk_grouped`).
 
     A program waits only for items of its own row. With S > 1 the items are handed out by a
@@ -571,7 +576,7 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
              programs_per_sm=None, light_sync=None, evict=None, group=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
     programs_per_sm: persistent programs per SM (0: one program per work item); light_sync:
-    the programs of a row meet with relaxed atomics and one release/acquire pair; evict: cache
+    the programs of a row meet with relaxed atomics and one acquire-release arrival; evict: cache
     hint of the first read of a chunk ("evict_last" or ""); group: running statistics per
     group of that many logits (0: per BLOCK step)."""
     R, V = x2.shape
