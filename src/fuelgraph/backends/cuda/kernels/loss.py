@@ -562,13 +562,14 @@ def split_plan(V: int, chunk=None):
     return S, chunk
 
 
-def split_programs(items: int, device: torch.device, per_sm=None) -> int:
+def split_programs(items: int, S: int, device: torch.device, per_sm=None) -> int:
     """Programs of the split-row kernel: one per work item (per_sm 0), or per_sm per SM taking
-    items in turn (persistent)."""
+    items in turn (persistent), never fewer than the S items of a row (which wait for each
+    other, so they must all be running)."""
     per_sm = CE_SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
     if not per_sm:
         return items
-    return max(1, min(items, int(per_sm * num_sms(device))))
+    return max(1, min(items, max(S, int(per_sm * num_sms(device)))))
 
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
@@ -582,7 +583,7 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     R, V = x2.shape
     S, chunk = plan
     dev = x2.device
-    nprog = split_programs(R * S, dev, programs_per_sm)
+    nprog = split_programs(R * S, S, dev, programs_per_sm)
     persistent = nprog < R * S
     sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 or persistent else t
     pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
