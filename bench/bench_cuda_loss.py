@@ -4,8 +4,9 @@
 
 1. cross-entropy forward+backward, bf16 8192 x 128256: fuelgraph through a plan (the optimizer
    runs the one-pass op), the one-pass kernel called directly, the previous forward + backward
-   kernel pair, torch eager, Liger's cross-entropy; plus a small sweep of the one-pass kernel's
-   launch settings (programs in flight, block, warps, stages), best first;
+   kernel pair, torch eager, Liger's cross-entropy, a plain copy of the logits (the bytes
+   floor: one read, one write); plus a sweep of the split-row one-pass kernel's launch
+   settings (`split_sweep_configs`), best first;
 2. linear + cross-entropy forward+backward, bf16 N 8192, H 4096, V 128256 (no bias, an LM
    head): fuelgraph through a plan (fused_linear_cross_entropy_fwd_bwd), the kernel at a few
    chunk sizes, Liger's fused linear cross-entropy, torch eager (F.linear + F.cross_entropy),
@@ -14,7 +15,7 @@
 "peak extra" = allocator high-water mark during one call, less what was allocated before it,
 less the call's outputs (loss and gradients). Correctness is spot-checked against torch eager.
 
-    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke]
+    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke] [--ce-only]
 
 --smoke runs tiny shapes (on the CPU under TRITON_INTERPRET=1 when there is no GPU) to check
 the script itself. Records go to bench/results/cuda_loss_<date>.json (and DIR); a table last.
@@ -206,8 +207,13 @@ def bench_ce(recs, smoke, sweep):
 
     def one_pass():
         return L.one_pass_fwd_bwd(logits, t, one, "mean", -100)
+    copy_dst = torch.empty_like(logits)
+
+    def copy_floor():                   # the bytes floor: read the logits once, write once
+        return copy_dst.copy_(logits)
     impls = [("fuelgraph", plan_run), ("fuelgraph one-pass kernel", one_pass),
-             ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager)]
+             ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager),
+             ("copy (floor: read + write once)", copy_floor)]
     lce, _ = _liger()
     if lce is not None:
         mod = lce(reduction="mean")
