@@ -235,7 +235,7 @@ def bench_ce(recs, smoke, sweep):
     g32 = one.float().reshape(1)
     n_valid = (t != -100).sum()          # the mean's divisor when rows may be ignored
     results = []
-    for cfg in configs[:3] if smoke else configs:
+    for cfg in configs[:3] if smoke else configs[:sweep if sweep is not True else None]:
         def fn(cfg=cfg):
             loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
             dx = torch.empty_like(logits)
@@ -360,11 +360,12 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     ap.add_argument("--ce-only", action="store_true", help="only the cross-entropy case")
+    ap.add_argument("--sweep-n", type=int, default=0, help="time only the first N sweep configs")
     args = ap.parse_args()
     recs = []
     for part in (bench_ce,) if args.ce_only else (bench_ce, bench_flce):
         try:
-            part(recs, args.smoke, not args.no_sweep)
+            part(recs, args.smoke, args.sweep_n or not args.no_sweep)
         except Exception:
             traceback.print_exc()
         if CUDA:
