@@ -147,32 +147,18 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
 
 
 def split_sweep_configs():
-    """Launch settings of the split-row one-pass kernel the sweep times, the likeliest first
-    (a GPU session may stop the sweep early). Persistent programs per SM x chunk bytes are held
-    under the L2 (50 MB) so the second read of a chunk hits it; "group" keeps running
-    statistics per 8 logits (no cross-warp reduction per BLOCK step); the last one is the
-    default before these variants. Earlier sweeps (persistent row kernel 2.18+ ms, 8 or 16
-    warps, BLOCK 8192, chunks in registers 3.1-4.2 ms) are not repeated. Programs that fit on
-    one SM (bench/sass_ce_split.py): 10 (12 grouped) one per item, 7 persistent (6 with 4
-    stages), 3 at 8 warps."""
-    base = dict(block=2048, num_warps=4, stages=3, light_sync=True)
-    cfgs = [dict(split_chunk=16384, programs_per_sm=6, group=8, **base),
-            dict(split_chunk=16384, programs_per_sm=6, **base),
-            dict(split_chunk=16384, programs_per_sm=6, group=8, **dict(base, stages=4)),
-            dict(split_chunk=8192, programs_per_sm=6, group=8, **dict(base, stages=4)),
-            dict(split_chunk=8192, programs_per_sm=7, group=8, **base),
-            dict(split_chunk=8192, programs_per_sm=6, **base),
-            dict(split_chunk=32768, programs_per_sm=3, group=8,
-                 **dict(base, block=4096, num_warps=8)),
+    """Launch settings of the split-row one-pass kernel the sweep times, the default first.
+    Measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
+    statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
+    meeting); chunks of 65536 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7
+    per SM taking tickets) 1.67-2.12, removed. Earlier sweeps: persistent row kernel 2.18+,
+    8 or 16 warps and BLOCK 8192 slower, chunks in registers 3.1-4.2. Programs that fit on one
+    SM (bench/sass_ce_split.py): 12 grouped, 10 per BLOCK step."""
+    base = dict(block=2048, num_warps=4, stages=3)
+    return [dict(split_chunk=16384, group=8, **base), dict(split_chunk=16384, group=0, **base),
+            dict(split_chunk=65536, group=8, **base), dict(split_chunk=32768, group=8, **base),
             dict(split_chunk=8192, group=8, **base),
-            dict(split_chunk=8192, **base),
-            dict(split_chunk=16384, programs_per_sm=4, **base),
-            dict(split_chunk=16384, programs_per_sm=6, evict="", **base),
-            dict(split_chunk=16384, group=8, **base),
-            dict(split_chunk=16384, **base),
-            dict(split_chunk=65536, **base)]
-    cfgs.append(dict(base, split_chunk=16384, light_sync=False))
-    return cfgs
+            dict(split_chunk=16384, group=8, block=4096, num_warps=8, stages=3)]
 
 
 # ---- 1. cross-entropy forward+backward --------------------------------------------------------
@@ -259,7 +245,7 @@ def bench_ce(recs, smoke, sweep):
         print(f"[bench] sweep {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}", flush=True)
     results.sort(key=lambda p: p[0])
     print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
-          "persistent programs per SM, light meeting, first-read cache hint, statistics group):")
+          "statistics group):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,

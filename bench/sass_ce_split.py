@@ -2,7 +2,8 @@
 """Compile the split-row one-pass cross-entropy kernel (`loss._ce_split_kernel`, bf16 logits,
 loss + gradient, mean with ignore_index) for sm_90 on a machine without a GPU and report, per
 launch configuration of the bench sweep, registers, spill stack, shared memory and how many
-programs fit on one SM (the bound the persistent variant's programs-per-SM must respect).
+programs fit on one SM (with the chunk bytes they hold, what the L2 must keep for the
+second read).
 
     python3 bench/sass_ce_split.py
 """
@@ -36,9 +37,7 @@ def compile_cfg(cfg):
     S, chunk = L.split_plan(V, cfg["split_chunk"])
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
                 S_P2=next_pow2(S), BLOCK=cfg["block"], STAGES=cfg["stages"],
-                PERSISTENT=bool(cfg.get("programs_per_sm")),
-                LIGHT_SYNC=cfg.get("light_sync", False), EVICT=cfg.get("evict", "evict_last"),
-                GROUP=cfg.get("group", 0))
+                EVICT=cfg.get("evict", "evict_last"), GROUP=cfg.get("group", L.CE_SPLIT_GROUP))
     src = ASTSource(L._ce_split_kernel, SIG, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))

@@ -237,16 +237,12 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
     assert _err(dx, ref_dx) < _tol(dtype)
 
 
-# split-row launch variants: persistent programs taking tickets (several items each, a row's
-# chunks spread over programs), the light release/acquire meeting, no first-read cache hint,
-# running statistics per group of 8 logits.
-# On the GPU rows split into 20 / 5 chunks; the interpreter runs whole rows (S = 1) through the
-# same persistent loop (4 "SMs": 4 or 8 programs for 11 rows)
+# split-row launch options: running statistics per 8 logits or per BLOCK step, with and
+# without the first read's cache hint. On the GPU rows split into 20 / 5 chunks; the
+# interpreter runs whole rows (S = 1) over several BLOCK steps
 @pytest.mark.parametrize("chunk", [256, 1024])
-@pytest.mark.parametrize("per_sm,light,evict,group", [(0, True, "evict_last", 0),
-                                                      (1, False, "", 8),
-                                                      (2, True, "evict_last", 8)])
-def test_ce_split_launch_variants(chunk, per_sm, light, evict, group):
+@pytest.mark.parametrize("group,evict", [(0, "evict_last"), (8, "")])
+def test_ce_split_launch_options(chunk, group, evict):
     dtype, reduction = torch.bfloat16, "mean"
     r, v = (777, 5003) if HAS_CUDA else (11, 37)
     x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
@@ -260,7 +256,7 @@ def test_ce_split_launch_variants(chunk, per_sm, light, evict, group):
     dx = torch.empty_like(x)
     L.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
-               programs_per_sm=per_sm, light_sync=light, evict=evict, group=group)
+               evict=evict, group=group)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6

@@ -65,16 +65,20 @@ CE_MAX_PROGRAMS_PER_SM = 8
 # the persistent kernel at 2-4 programs per SM 2.19 ms; the forward + backward pair 2.08 ms;
 # holding 16K-logit chunks in registers instead of re-reading them from L2 3.1-4.2 ms. Those
 # times hand out work by program id; the ticket order the kernel now uses (safe whatever the
-# dispatch order) measured 1.744 vs 1.708 ms at chunks of 32768 and is not re-timed here.
+# dispatch order) measured 1.744 vs 1.708 ms at chunks of 32768. Sweep of 2026-12-01 (later
+# run, one session, ticket order; a plain copy of the logits -- one read, one write -- took
+# 0.985 ms there): that default 1.631 ms; the light meeting 1.581; + running statistics per 8
+# logits (no cross-warp reduction per BLOCK step) 1.496 ms, the default now; chunks of 65536
+# (light) 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7 per SM taking
+# tickets, chunks in flight held under the L2 size) 1.67-2.12 ms: a smaller L2 footprint
+# does not pay for fewer programs in flight; the first read without evict_last: no change.
 CE_SPLIT_CHUNK = 16384
 CE_SPLIT_MAX = 32
 CE_SPLIT_BLOCK = 2048
 CE_SPLIT_WARPS = 4
 CE_SPLIT_STAGES = 3
-CE_SPLIT_PROGRAMS_PER_SM = 0     # persistent programs per SM (0: one program per work item)
-CE_SPLIT_LIGHT_SYNC = False      # a row's programs meet with relaxed atomics + one acq_rel
 CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
-CE_SPLIT_GROUP = 0               # first read: running (max, sum) per group of logits (0: per step)
+CE_SPLIT_GROUP = 8               # first read: running (max, sum) per group of logits (0: per step)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -282,15 +286,32 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 
 
 @triton.jit
-def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
-                CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
-                STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, S: tl.constexpr,
-                S_P2: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                PERSISTENT: tl.constexpr, LIGHT_SYNC: tl.constexpr, EVICT: tl.constexpr,
-                GROUP: tl.constexpr):
-    """Work item ``item`` = (row item // S, chunk item % S) of `_ce_split_kernel`; returns the
-    program's next item when PERSISTENT (its ticket taken before the gradient pass, so the
-    atomic's round trip overlaps the pass)."""
+def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
+                     CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
+                     REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                     S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
+                     STAGES: tl.constexpr, EVICT: tl.constexpr, GROUP: tl.constexpr):
+    """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
+    stream the chunk for its running (max, sum) (loads kept in L2; GROUP > 0: one running
+    pair per GROUP logits, `_lse_chunk_grouped`), publish them, wait for the row's other S - 1
+    programs through a per-row arrival counter (sync_ptr[r]), then stream the chunk again --
+    from L2: a chunk is small, so it is mostly still there -- writing w * (softmax - onehot).
+    S = 1 is one program per row, no waiting.
+
+    The meeting: the partials are published with relaxed atomics, the arrival is one
+    acquire-release atomic (the last to arrive does not poll), the others poll with acquire
+    loads, and the partials are read back with two volatile loads in flight at once -- no
+    full fence around every atomic (measured 3% faster than that on the H200).
+
+    A program waits only for programs of its own row. With S > 1 the (row, chunk) items are
+    handed out by a ticket counter (sync_ptr[R]) in the order programs really start, so no
+    program can wait on one still queued behind it: forward progress does not depend on the
+    GPU dispatching program ids in order (measured cost on an H200: about 2%). The CPU
+    interpreter runs programs one by one: it only ever gets S = 1."""
+    if S > 1:
+        item = tl.atomic_add(sync_ptr + R, 1)
+    else:
+        item = tl.program_id(0)
     r = item // S
     c = item % S
     t = tl.load(t_ptr + r)
@@ -306,44 +327,23 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
                           STAGES)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
-            if LIGHT_SYNC:
-                # only the arrival orders the partials before it (release) and the reads
-                # after it (acquire, for the last to arrive, which does not wait): no fence
-                # per atomic
-                tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
-                tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
-                arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
-                while arrived < S:
-                    arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
-            else:
-                tl.atomic_xchg(pm_ptr + item, m)
-                tl.atomic_xchg(ps_ptr + item, s)
-                arrived = tl.atomic_add(sync_ptr + r, 1) + 1
-                while arrived < S:
-                    arrived = tl.atomic_add(sync_ptr + r, 0)
+            # only the arrival orders the partials before it (release) and the reads after
+            # it (acquire, for the last to arrive, which does not poll)
+            tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
+            tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
+            arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
+            while arrived < S:
+                arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
             lane = tl.arange(0, S_P2)
             mine = lane < S
-            if LIGHT_SYNC:
-                # loads, both in flight at once, ordered after every partial by the acquire
-                # (the arrival's or the last poll's); volatile: from L2, never an L1 line
-                pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
-                ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
-            else:
-                # read back through atomics: the values come from L2, never a stale L1 line
-                zero = tl.zeros((S_P2,), tl.float32)
-                pm = tl.atomic_add(pm_ptr + r * S + lane, zero, mask=mine)
-                ps = tl.atomic_add(ps_ptr + r * S + lane, zero, mask=mine)
+            # volatile: from L2, never a stale L1 line
+            pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
+            ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
             pm = tl.where(mine, pm, float("-inf"))
             ps = tl.where(mine, ps, 0.0)
             m = tl.max(pm, 0)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             s = tl.sum(ps * tl.exp(pm - m_safe), 0)
-    nxt = item
-    if PERSISTENT:
-        if LIGHT_SYNC:
-            nxt = tl.atomic_add(sync_ptr + R, 1, sem="relaxed")
-        else:
-            nxt = tl.atomic_add(sync_ptr + R, 1)
     in_range = (t >= 0) & (t < V)
     lse = tl.where(in_range, m + tl.log(s), float("nan"))
     if STORE_LOSS:
@@ -354,53 +354,6 @@ def _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_p
     if WRITE_GRAD:
         w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
         _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, True, BLOCK, STAGES)
-    return nxt
-
-
-@triton.jit
-def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
-                     CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
-                     REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                     S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
-                     STAGES: tl.constexpr, PERSISTENT: tl.constexpr, LIGHT_SYNC: tl.constexpr,
-                     EVICT: tl.constexpr, GROUP: tl.constexpr):
-    """One pass with each row cut into S chunks of CHUNK logits, one work item per (row, chunk):
-    stream the chunk for its running (max, sum) (loads kept in L2), publish them, wait for the
-    row's other S - 1 items through a per-row arrival counter (sync_ptr[r]), then stream the
-    chunk again -- from L2 when few enough chunks are in flight -- writing
-    w * (softmax - onehot). S = 1 is one item per row, no waiting.
-
-    PERSISTENT: a grid of a few programs per SM, each taking items until none are left; only
-    those programs' chunks are between their two reads at any time, so their total can be held
-    under the L2 size (one program per item keeps ~10 chunks per SM in flight, 42 MB at 16384
-    bf16 logits, and part of the second read then comes from HBM). LIGHT_SYNC: the meeting
-    publishes with relaxed atomics, arrives with one acquire-release atomic, polls with
-    acquire loads and reads the partials with plain (volatile) loads, instead of a full fence
-    around every atomic.
-    GROUP: the first read keeps a running (max, sum) per GROUP logits (`_lse_chunk_grouped`).
-
-    A program waits only for items of its own row. With S > 1 the items are handed out by a
-    ticket counter (sync_ptr[R]) in the order programs really take them, so no program can
-    wait on an item still queued behind it: forward progress does not depend on the GPU
-    dispatching program ids in order, only on S programs fitting on the GPU at once (a
-    persistent program takes its next ticket before its gradient pass, which never waits).
-    The CPU interpreter runs programs one by one: it only ever gets S = 1."""
-    if PERSISTENT:
-        item = tl.atomic_add(sync_ptr + R, 1)
-        while item < R * S:
-            item = _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr,
-                               ps_ptr, sync_ptr, R, V, CHUNK, N_MEAN, ignore_index, HAS_IGNORE,
-                               REDUCTION, STORE_LOSS, WRITE_GRAD, S, S_P2, BLOCK, STAGES, True,
-                               LIGHT_SYNC, EVICT, GROUP)
-    else:
-        if S > 1:
-            item = tl.atomic_add(sync_ptr + R, 1)
-        else:
-            item = tl.program_id(0)
-        _split_item(item, x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr,
-                    sync_ptr, R, V, CHUNK, N_MEAN, ignore_index, HAS_IGNORE, REDUCTION,
-                    STORE_LOSS, WRITE_GRAD, S, S_P2, BLOCK, STAGES, False, LIGHT_SYNC, EVICT,
-                    GROUP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,43 +515,28 @@ def split_plan(V: int, chunk=None):
     return S, chunk
 
 
-def split_programs(items: int, S: int, device: torch.device, per_sm=None) -> int:
-    """Programs of the split-row kernel: one per work item (per_sm 0), or per_sm per SM taking
-    items in turn (persistent), never fewer than the S items of a row (which wait for each
-    other, so they must all be running)."""
-    per_sm = CE_SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
-    if not per_sm:
-        return items
-    return max(1, min(items, max(S, int(per_sm * num_sms(device)))))
-
-
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
-             programs_per_sm=None, light_sync=None, evict=None, group=None):
+             evict=None, group=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
-    programs_per_sm: persistent programs per SM (0: one program per work item); light_sync:
-    the programs of a row meet with relaxed atomics and one acquire-release arrival; evict: cache
-    hint of the first read of a chunk ("evict_last" or ""); group: running statistics per
-    group of that many logits (0: per BLOCK step)."""
+    evict: cache hint of the first read of a chunk ("evict_last" or ""); group: running
+    statistics per group of that many logits (0: one pair per BLOCK step)."""
     R, V = x2.shape
     S, chunk = plan
     dev = x2.device
-    nprog = split_programs(R * S, S, dev, programs_per_sm)
-    persistent = nprog < R * S
-    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 or persistent else t
+    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 else t
     pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
     ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
     g = grad if grad is not None else dummy
     nv = n_valid if n_valid is not None else g
     has_ignore = ignore_index is not None
-    _ce_split_kernel[(nprog,)](
+    _ce_split_kernel[(R * S,)](
         x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
         pm, ps, sync, R, V, chunk, float(n_mean or R), int(ignore_index) if has_ignore else 0,
         HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
         STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S, S_P2=next_pow2(S),
-        BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES, PERSISTENT=persistent,
-        LIGHT_SYNC=CE_SPLIT_LIGHT_SYNC if light_sync is None else light_sync,
+        BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES,
         EVICT=CE_SPLIT_EVICT if evict is None else evict,
         GROUP=CE_SPLIT_GROUP if group is None else group,
         num_warps=num_warps or CE_SPLIT_WARPS)
