@@ -4,8 +4,9 @@
 
 1. cross-entropy forward+backward, bf16 8192 x 128256: fuelgraph through a plan (the optimizer
    runs the one-pass op), the one-pass kernel called directly, the previous forward + backward
-   kernel pair, torch eager, Liger's cross-entropy; plus a small sweep of the one-pass kernel's
-   launch settings (programs in flight, block, warps, stages), best first;
+   kernel pair, torch eager, Liger's cross-entropy, a plain copy of the logits (the bytes
+   floor: one read, one write); plus a sweep of the split-row one-pass kernel's launch
+   settings (`split_sweep_configs`), best first;
 2. linear + cross-entropy forward+backward, bf16 N 8192, H 4096, V 128256 (no bias, an LM
    head): fuelgraph through a plan (fused_linear_cross_entropy_fwd_bwd), the kernel at a few
    chunk sizes, Liger's fused linear cross-entropy, torch eager (F.linear + F.cross_entropy),
@@ -14,7 +15,7 @@
 "peak extra" = allocator high-water mark during one call, less what was allocated before it,
 less the call's outputs (loss and gradients). Correctness is spot-checked against torch eager.
 
-    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke]
+    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke] [--ce-only]
 
 --smoke runs tiny shapes (on the CPU under TRITON_INTERPRET=1 when there is no GPU) to check
 the script itself. Records go to bench/results/cuda_loss_<date>.json (and DIR); a table last.
@@ -109,6 +110,15 @@ def _f64(c):
 
 
 def _rel(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_cuda and \
+            a.numel() > 1 << 24:        # a logits-sized gradient: float32 on the GPU, in slabs
+        a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        num = den = 0.0
+        for i in range(0, a2.shape[0], 1024):
+            d = b2[i:i + 1024].float()
+            num += (a2[i:i + 1024].float() - d).double().square().sum().item()
+            den += d.double().square().sum().item()
+        return (num / max(den, 1e-60)) ** 0.5
     a, b = _f64(a), _f64(b)
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
@@ -127,11 +137,28 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
         ms = _time(fn, smoke)
         recs.append(record(op, impl, shape, "bfloat16", ms, DEVICE_NAME,
                            peak_extra_mib=_peak_extra_mib(fn), **extra))
+        print(f"[bench] {op} / {impl}: {ms:.3f} ms, peak extra "
+              f"{recs[-1]['peak_extra_mib']} MiB", flush=True)
         return ms
     except Exception:
         print(f"[bench] {op} / {impl} failed:")
         traceback.print_exc()
         return None
+
+
+def split_sweep_configs():
+    """Launch settings of the split-row one-pass kernel the sweep times, the default first.
+    Measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
+    statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
+    meeting); chunks of 65536 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7
+    per SM taking tickets) 1.67-2.12, removed. Earlier sweeps: persistent row kernel 2.18+,
+    8 or 16 warps and BLOCK 8192 slower, chunks in registers 3.1-4.2. Programs that fit on one
+    SM (bench/sass_ce_split.py): 12 grouped, 10 per BLOCK step."""
+    base = dict(block=2048, num_warps=4, stages=3)
+    return [dict(split_chunk=16384, group=8, **base), dict(split_chunk=16384, group=0, **base),
+            dict(split_chunk=65536, group=8, **base), dict(split_chunk=32768, group=8, **base),
+            dict(split_chunk=8192, group=8, **base),
+            dict(split_chunk=16384, group=8, block=4096, num_warps=8, stages=3)]
 
 
 # ---- 1. cross-entropy forward+backward --------------------------------------------------------
@@ -166,8 +193,13 @@ def bench_ce(recs, smoke, sweep):
 
     def one_pass():
         return L.one_pass_fwd_bwd(logits, t, one, "mean", -100)
+    copy_dst = torch.empty_like(logits)
+
+    def copy_floor():                   # the bytes floor: read the logits once, write once
+        return copy_dst.copy_(logits)
     impls = [("fuelgraph", plan_run), ("fuelgraph one-pass kernel", one_pass),
-             ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager)]
+             ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager),
+             ("copy (floor: read + write once)", copy_floor)]
     lce, _ = _liger()
     if lce is not None:
         mod = lce(reduction="mean")
@@ -185,28 +217,19 @@ def bench_ce(recs, smoke, sweep):
     print(f"[bench] CE check: dlogits rel err {_rel(got_d, d_ref):.2e}")
     if not sweep:
         return
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
-    configs = []
-    for per_sm in (2, 4):
-        for block, warps, stages in ((4096, 8, 3), (8192, 8, 2)):
-            configs.append(dict(programs=per_sm * sms, block=block, num_warps=warps,
-                                stages=stages))
-    # the split-row kernel: rows cut into chunks (0: one program per row), launch settings
-    for chunk in (0, 65536, 32768, 16384, 8192):
-        for block, warps, stages in ((4096, 8, 3), (2048, 4, 3), (8192, 8, 2), (4096, 16, 3)):
-            configs.append(dict(split_chunk=chunk, block=block, num_warps=warps, stages=stages))
+    configs = split_sweep_configs()
     g32 = one.float().reshape(1)
     n_valid = (t != -100).sum()          # the mean's divisor when rows may be ignored
     results = []
-    for cfg in configs[:3] if smoke else configs:
+    for cfg in configs[:3] if smoke else configs[:sweep if sweep is not True else None]:
         def fn(cfg=cfg):
             loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
             dx = torch.empty_like(logits)
             if "split_chunk" in cfg:
                 kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
-                L.ce_split(logits, t, L.split_plan(v, cfg["split_chunk"]), loss_rows=loss_rows,
-                           dx=dx, grad=g32, n_valid=n_valid, reduction="mean",
-                           ignore_index=-100, **kw)
+                plan = L.split_plan(v, cfg["split_chunk"])
+                L.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32,
+                           n_valid=n_valid, reduction="mean", ignore_index=-100, **kw)
             else:
                 L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                           reduction="mean", ignore_index=-100, **cfg)
@@ -219,9 +242,10 @@ def bench_ce(recs, smoke, sweep):
             continue
         cfg = dict(cfg, dlogits_rel_err=float(f"{err:.2e}"))
         results.append((ms, cfg))
+        print(f"[bench] sweep {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}", flush=True)
     results.sort(key=lambda p: p[0])
-    print("[bench] one-pass kernel sweep (best first; persistent: programs, block, warps, "
-          "stages; split-row: chunk, block, warps, stages):")
+    print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
+          "statistics group):")
     for ms, cfg in results:
         print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,
@@ -321,11 +345,13 @@ def main():
     ap.add_argument("--out", default=None, help="also copy the JSON into this folder")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    ap.add_argument("--ce-only", action="store_true", help="only the cross-entropy case")
+    ap.add_argument("--sweep-n", type=int, default=0, help="time only the first N sweep configs")
     args = ap.parse_args()
     recs = []
-    for part in (bench_ce, bench_flce):
+    for part in (bench_ce,) if args.ce_only else (bench_ce, bench_flce):
         try:
-            part(recs, args.smoke, not args.no_sweep)
+            part(recs, args.smoke, args.sweep_n or not args.no_sweep)
         except Exception:
             traceback.print_exc()
         if CUDA:

@@ -237,6 +237,32 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
     assert _err(dx, ref_dx) < _tol(dtype)
 
 
+# split-row launch options: running statistics per 8 logits or per BLOCK step, with and
+# without the first read's cache hint. On the GPU rows split into 20 / 5 chunks; the
+# interpreter runs whole rows (S = 1) over several BLOCK steps
+@pytest.mark.parametrize("chunk", [256, 1024])
+@pytest.mark.parametrize("group,evict", [(0, "evict_last"), (8, "")])
+def test_ce_split_launch_options(chunk, group, evict):
+    dtype, reduction = torch.bfloat16, "mean"
+    r, v = (777, 5003) if HAS_CUDA else (11, 37)
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::5] = -100
+    t[3] = v - 1                          # the target in the ragged last chunk
+    g = torch.randn((), dtype=F64, device=DEV)
+    plan = L.split_plan(v, chunk) if HAS_CUDA else (1, v)
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = torch.empty_like(x)
+    L.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
+               evict=evict, group=group)
+    loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+
+
 def test_ce_fwd_bwd_public_entry_and_edges():
     v = 9
     x = torch.randn(5, v, device=DEV)
