@@ -80,7 +80,8 @@ class Plan:
         pending: dict = {}      # slot -> handle of the asynchronous step still writing it
         for st, srcs, out, free, contig, special in prog.steps:
             if special is not None:         # the general path; `special`: the copy decisions
-                self._special_step(st, env, pending, writable_needed, special)
+                self._special_step(st, env, pending,
+                                   lambda j, k, a: special[j] or writable_needed(a))
                 continue
             args = [env[i] for i in srcs]
             if contig:
@@ -96,10 +97,11 @@ class Plan:
             h.wait()
         return [env[i] for i in self.output_slots]
 
-    def _special_step(self, st, env, pending, writable_needed, static_copy):
+    def _special_step(self, st, env, pending, must_copy):
         """A step with more than the common case: destructive inputs (overwritten in place
-        unless `static_copy`, decided when the plan was built, or the buffer cannot be
-        written), waits on asynchronous steps, an asynchronous kernel, several outputs."""
+        unless `must_copy(j, k, buffer)` says the j-th of them, argument k, must be copied
+        first), waits on asynchronous steps, an asynchronous kernel, several outputs. Returns
+        the buffers of the slots it frees."""
         for i in st.waits:
             h = pending.pop(i, None)
             if h is not None:
@@ -109,8 +111,8 @@ class Plan:
         if st.contiguous:
             args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
         kw = {}
-        for k, copy in zip(st.inplace, static_copy):
-            if copy or writable_needed(args[k]):
+        for j, k in enumerate(st.inplace):
+            if must_copy(j, k, args[k]):
                 if st.takes_out:
                     kw["out"] = self.backend.empty_like(args[k])
                 else:
@@ -131,8 +133,10 @@ class Plan:
         else:
             for i, o in enumerate(st.outs):
                 env[o] = r[i]
+        freed = [env[i] for i in st.free]
         for i in st.free:
             env[i] = None
+        return freed
 
     def _run_counted(self, env: list) -> list:
         """The run with live buffers counted per storage, for plans whose in-place overwrites
@@ -145,42 +149,13 @@ class Plan:
         refs = _StorageRefs(be, env)
         pending: dict = {}
         for st in self.steps:
-            for i in st.waits:
-                h = pending.pop(i, None)
-                if h is not None:
-                    h.wait()
-            args = [env[i] for i in st.srcs]
-            if st.contiguous:
-                args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
-            kw = {}
-            for k, static_copy in zip(st.inplace, st.copy_first):
-                if static_copy or be.writable_copy_needed(args[k]) or \
-                        st.srcs[k] not in st.free or refs.shared(env[st.srcs[k]]) or \
-                        st.srcs.count(st.srcs[k]) > 1:
-                    if st.takes_out:
-                        kw["out"] = be.empty_like(args[k])
-                    else:
-                        args[k] = be.copy(args[k])
-                    self.stats["inplace_copies"] = self.stats.get("inplace_copies", 0) + 1
-                else:
-                    self.stats["inplace_reused"] = self.stats.get("inplace_reused", 0) + 1
-            try:
-                r = st.fn(*args, **kw)
-            except Exception as e:
-                raise _run_error(st, e) from e
-            if st.asynchronous:
-                h, r = r
-                if h is not None:
-                    pending.update((o, h) for o in st.outs)
-            if len(st.outs) == 1:
-                env[st.outs[0]] = r[0] if isinstance(r, tuple) else r
-            else:
-                for i, o in enumerate(st.outs):
-                    env[o] = r[i]
+            def must_copy(j, k, a, st=st):
+                s = st.srcs[k]
+                return (st.copy_first[j] or be.writable_copy_needed(a) or s not in st.free
+                        or refs.shared(env[s]) or st.srcs.count(s) > 1)
+            freed = self._special_step(st, env, pending, must_copy)
             refs.add(env[o] for o in st.outs)
-            refs.drop(env[i] for i in st.free)
-            for i in st.free:
-                env[i] = None
+            refs.drop(freed)
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]

@@ -4,7 +4,6 @@ device="cuda" (buffer reuse, strided inputs, float64). Skips cleanly without a G
 TRITON_INTERPRET=1 (then the kernel-level tests run in Triton's CPU interpreter)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from .cuda_oracle import (DTYPE_IDS, DTYPES, F64, HAS_CUDA, INTERPRET, KERNEL_TESTS,
