@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import num_sms
-from .quant_rows import ROW_BB, ROW_QK, _f16, _nf4_value, _nib_scaled, _u16_words, _u8, MAGIC_BITS
+from .quant_rows import (MAGIC_BITS, ROW_BB, ROW_QK, _f16, _nf4_value, _nib_scaled,
+                         _q4k_scales, _u16_words, _u8)
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: elements of K in one "unit" of each row format (a step covers G units)
@@ -146,23 +147,7 @@ def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, 
             v = tl.load(p16).to(tl.int32)
         else:
             v = tl.load(p16, mask=nm & ((u < nunit) & (i < 16))[None], other=0).to(tl.int32)
-        d = _f16(blk, g_ok, EVEN)
-        dmin = _f16(blk + 2, g_ok, EVEN)
-        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
-        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
-        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
-        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        first = (c < 2)[None]
-        sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
-        mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
-        sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
-        mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
-        d0 = d * sc0.to(tl.float32)
-        m0 = dmin * mn0.to(tl.float32)
-        d1 = d * sc1.to(tl.float32)
-        m1 = dmin * mn1.to(tl.float32)
+        d0, m0, d1, m1 = _q4k_scales(blk, c, g_ok, EVEN)
         w0 = d0 * _nib_scaled(v, magic, 0, 0) - m0
         w1 = (d1 * 0.0625) * _nib_scaled(v, magic, 4, 0) - m1
         w2 = (d0 * 0.00390625) * _nib_scaled(v, magic, 8, 0) - m0

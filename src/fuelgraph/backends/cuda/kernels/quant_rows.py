@@ -66,6 +66,27 @@ def _f16(ptr, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _q4k_scales(blk, c, g_ok, EVEN: tl.constexpr):
+    """Q4_K block at byte offsets `blk`, 32-element groups 2c and 2c+1 of it: the 6-bit scales
+    and mins unpacked from bytes 4..15 and times the block's d / dmin -> (d0, m0, d1, m1)."""
+    d = _f16(blk, g_ok, EVEN)
+    dmin = _f16(blk + 2, g_ok, EVEN)
+    s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
+    m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
+    x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
+    s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+    m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+    x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
+    first = (c < 2)[None]
+    sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
+    mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
+    sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
+    mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
+    return (d * sc0.to(tl.float32), dmin * mn0.to(tl.float32), d * sc1.to(tl.float32),
+            dmin * mn1.to(tl.float32))
+
+
+@triton.jit
 def _acc_plane(acc, w, x_rows, m_ok, koff, k_ok, USE_DOT: tl.constexpr, PREC: tl.constexpr,
                DEQ: tl.constexpr, ELEM: tl.constexpr, EVEN: tl.constexpr):
     """acc [BN, BM] += W_plane [BN, G, Q] (float32) times x[m, koff] (koff [G, Q]). DEQ: store
@@ -267,23 +288,7 @@ def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic
         g_ok = nm & (b < nblk)[None]
         blk = rows[:, None, None] + (b * 144)[None]
         v = _u16_words(blk + (16 + 32 * c + 2 * i)[None], nm & k_ok[None], EVEN)
-        d = _f16(blk, g_ok, EVEN)
-        dmin = _f16(blk + 2, g_ok, EVEN)
-        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
-        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
-        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
-        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        first = (c < 2)[None]
-        sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
-        mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
-        sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
-        mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
-        d0 = d * sc0.to(tl.float32)
-        m0 = dmin * mn0.to(tl.float32)
-        d1 = d * sc1.to(tl.float32)
-        m1 = dmin * mn1.to(tl.float32)
+        d0, m0, d1, m1 = _q4k_scales(blk, c, g_ok, EVEN)
         ko = b * 256 + 64 * c + 2 * i
         if DEQ:
             xa0 = 0.0
