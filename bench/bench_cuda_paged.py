@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
 from fuelgraph.backends.cuda.kernels import paged as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels import paged_cache as KC  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.nn import PagedKVCache  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
@@ -342,12 +343,12 @@ def bench_append(B=64, nb=16384):
     kn4, vn4 = kn.reshape(B, HKV, 1, D), vn.reshape(B, HKV, 1, D)
 
     def ours():
-        K.paged_cache_write_kv(kp, vp, kn4, vn4, s32)
+        KC.paged_cache_write_kv(kp, vp, kn4, vn4, s32)
         return kp
 
     def ours_separately():
-        K.paged_cache_write(kp, kn, s32, check=False)
-        K.paged_cache_write(vp, vn, s32, check=False)
+        KC.paged_cache_write(kp, kn, s32, check=False)
+        KC.paged_cache_write(vp, vn, s32, check=False)
         return kp
 
     kf, vf = kp.view(-1, HKV, D), vp.view(-1, HKV, D)

@@ -277,7 +277,7 @@ class PagedKVCache:
                 raise FuelGraphError(f"PagedKVCache.write: {name} lives on {t.device}, the cache "
                                      f"on {self.device}")
         if self.device != "cpu":      # both pools in one launch, reading k/v's layout as is
-            from ..backends.cuda.kernels.paged import paged_cache_write_kv
+            from ..backends.cuda.kernels.paged_cache import paged_cache_write_kv
             kb, vb = realize_raw([k, v])
             paged_cache_write_kv(*(self._buffer(p) for p in self._layer(layer)), kb, vb, slots)
             return

@@ -21,6 +21,7 @@ pytestmark = KERNEL_TESTS
 
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import paged as K
+    from fuelgraph.backends.cuda.kernels import paged_cache as KC
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -357,12 +358,12 @@ def test_cache_write(index):
     want = cache.clone().reshape(12, 2, 8)
     want[11], want[0] = new[0], new[2]
     out = torch.empty_like(cache)
-    r = K.paged_cache_write(cache, new, slots, out=out)
+    r = KC.paged_cache_write(cache, new, slots, out=out)
     assert r is out and torch.equal(out.reshape(12, 2, 8), want)
-    r = K.paged_cache_write(cache, new, slots)
+    r = KC.paged_cache_write(cache, new, slots)
     assert r is cache and torch.equal(cache.reshape(12, 2, 8), want)
     with pytest.raises(FuelGraphError, match="paged_cache_write: slot_mapping writes slot 0"):
-        K.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
+        KC.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
 
 
 @pytest.mark.parametrize("n_new", [1, 3])
@@ -377,7 +378,7 @@ def test_cache_write_kv(n_new):
     for r, s in enumerate(slots.tolist()[:-1]):
         b, t = divmod(r, n_new)
         wk[s], wv[s] = kn[b, :, t], vn[b, :, t]
-    K.paged_cache_write_kv(kc, vc, kn, vn, slots)
+    KC.paged_cache_write_kv(kc, vc, kn, vn, slots)
     assert torch.equal(kc.reshape(16, 3, 8), wk) and torch.equal(vc.reshape(16, 3, 8), wv)
 
 

@@ -1,5 +1,5 @@
-"""Triton kernels of the paged family: paged attention over a block-pool KV cache (decode and
-chunked prefill) and the cache write.
+"""Triton kernels of paged attention over a block-pool KV cache (decode and chunked prefill);
+the cache write is in `paged_cache`.
 
 Decode (and short chunks, Sq < PREFILL_MIN_SQ), the grouped kernel: one program owns one kv head
 of one sequence, a tile of rows = (query head of that kv head's group) x (query position), and
@@ -39,7 +39,6 @@ the recipe for them.
 """
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -47,14 +46,12 @@ import triton
 import triton.language as tl
 
 from ....registry.core import FusedOps
-from ....registry.paged import (PAGED_CACHE_WRITE, check_lengths, check_slots, index_max,
-                                paged_attn_work)
+from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 
-__all__ = ["paged_attn", "paged_cache_write", "paged_cache_write_kv", "supports_paged_attn",
-           "assume_valid", "MAX_HEAD_DIM"]
+__all__ = ["paged_attn", "supports_paged_attn", "assume_valid", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -469,37 +466,6 @@ def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
     _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_CHUNK)
 
 
-@triton.jit
-def _paged_write_kernel(C, NEW, S, cap, skip, W: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    slot = tl.load(S + r).to(tl.int64)
-    ok = (slot != skip) & (slot >= 0) & (slot < cap)
-    offs = tl.arange(0, BLOCK)
-    m = offs < W
-    x = tl.load(NEW + r * W + offs, mask=m)
-    tl.store(C + slot * W + offs, x, mask=m & ok)
-
-
-@triton.jit
-def _paged_write_kv_kernel(KC, VC, KN, VN, S, cap, skip, n_new, hkv, kn_b, kn_h, kn_t, vn_b, vn_h,
-                           vn_t, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token r = (b, t) of new k and v [B, Hkv, n_new, D] (any strides, unit stride in D) into
-    slot S[r] of both pools: one program per token, both pools in one launch."""
-    r = tl.program_id(0)
-    b = (r // n_new).to(tl.int64)
-    t = (r % n_new).to(tl.int64)
-    slot = tl.load(S + r).to(tl.int64)
-    ok = (slot != skip) & (slot >= 0) & (slot < cap)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    m = (h < hkv)[:, None] & (d < D)[None, :]
-    dst = slot * hkv * D + (h * D)[:, None] + d[None, :]
-    k = tl.load(KN + b * kn_b + t * kn_t + (h * kn_h)[:, None] + d[None, :], mask=m)
-    v = tl.load(VN + b * vn_b + t * vn_t + (h * vn_h)[:, None] + d[None, :], mask=m)
-    tl.store(KC + dst, k, mask=m & ok)
-    tl.store(VC + dst, v, mask=m & ok)
-
-
 # ---- host side ---------------------------------------------------------------------------------
 #: index tensors already checked: (their memory, sq, pool) -> (weakref to one tensor holding
 #: that memory, its version counter, the same for the table, (longest, total context)). Views
@@ -628,10 +594,6 @@ def _scratch(device, n_float, n_count):
 
 def paged_attn_cost(shapes, params=None):
     return Cost(*paged_attn_work(shapes))
-
-
-def paged_cache_write_cost(shapes, params=None):
-    return Cost(0, 2 * 2 * math.prod(shapes[1]))
 
 
 def supports_paged_attn(shapes, dtypes, params=None) -> bool:
@@ -788,54 +750,3 @@ def _configure_prefill(q, k_cache, block_table, sl_stride_b, softmax_scale, soft
     def launch(q, kc, vc, bt, cl, sl, out):
         kernel_(q, kc, vc, bt, cl, sl, out, *scal, **kw)
     return launch
-
-
-@kernel(PAGED_CACHE_WRITE, "cuda", cost=paged_cache_write_cost)
-def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
-    """cache [NB, BS, Hkv, D] <- rows of new [N, Hkv, D] at slot_mapping [N] (slot = block * BS +
-    row; the index type's maximum skips a row); writes into cache (or into `out`, a fresh buffer,
-    after copying cache there) and returns it. `check=False` skips the slot check (one
-    device->host sync) for callers that computed the slots on the host."""
-    nb, bs, hkv, d = cache.shape
-    cap = nb * bs
-    if check and not _capturing():
-        check_slots("paged_cache_write", slot_mapping.cpu().numpy(), cap)
-    dst = cache if out is None else out
-    if out is not None:
-        out.copy_(cache)
-    n = new.shape[0]
-    if n == 0:
-        return dst
-    w = hkv * d
-    skip = _skip_value(slot_mapping.dtype)
-    _paged_write_kernel[(n,)](dst, new, slot_mapping, cap, skip, W=w,
-                              BLOCK=next_pow2(w), num_warps=4 if w >= 1024 else 1)
-    return dst
-
-
-_SKIP: dict = {}
-
-
-def _skip_value(torch_dtype) -> int:
-    v = _SKIP.get(torch_dtype)
-    if v is None:
-        v = _SKIP[torch_dtype] = index_max(str(torch_dtype).replace("torch.", ""))
-    return v
-
-
-def paged_cache_write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
-    """k_cache, v_cache [NB, BS, Hkv, D] <- new k, v [B, Hkv, n_new, D] (token (b, t) to slot
-    slot_mapping[b * n_new + t]; the index type's maximum skips it), in place, in one launch.
-    The strided layout of k_new / v_new is read directly (no transposed copy). For callers that
-    computed valid, distinct slots on the host (PagedKVCache): nothing is checked."""
-    nb, bs, hkv, d = k_cache.shape
-    B, _, n_new, _ = k_new.shape
-    if B * n_new == 0:
-        return
-    k_new = k_new if k_new.stride(3) == 1 else k_new.contiguous()
-    v_new = v_new if v_new.stride(3) == 1 else v_new.contiguous()
-    _paged_write_kv_kernel[(B * n_new,)](
-        k_cache, v_cache, k_new, v_new, slot_mapping, nb * bs, _skip_value(slot_mapping.dtype),
-        n_new, hkv, k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0),
-        v_new.stride(1), v_new.stride(2), D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d),
-        num_warps=4 if hkv * d >= 1024 else 1)
