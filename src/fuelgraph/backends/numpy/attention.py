@@ -337,6 +337,30 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     return _narrow(out.reshape(q.shape), q.dtype), lse.reshape(q.shape[:3])
 
 
+def _add_pv(p, vb, o, pv, first):
+    """o (+)= p^T-tile @ v: the first tile writes o, later ones add through the scratch pv."""
+    if first:
+        np.matmul(p.transpose(0, 2, 1), vb, out=o)
+    else:
+        np.matmul(p.transpose(0, 2, 1), vb, out=pv)
+        o += pv
+
+
+def _finish_rows(o, l, base, out, lse, h0, h1, i0, i1, G):
+    """Normalise o [hc, R, D] by its row sums l and store it and the rows' log-sum-exp
+    (base + log l; rows with no admissible key: output 0, lse +inf) into out / lse."""
+    hc, nq, D = h1 - h0, i1 - i0, o.shape[-1]
+    live = l > 0
+    if live.all():
+        o /= l[..., None]
+        ls = base + np.log(l)
+    else:
+        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
+        ls = np.where(live, base + np.log(np.where(live, l, 1)), np.inf)
+    out[h0:h1, :, i0:i1] = o.reshape(hc, G, nq, D)
+    lse[h0:h1, :, i0:i1] = ls.reshape(hc, G, nq)
+
+
 def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
     """The forward without a max pass: exponents relative to a per-row base that starts at 0
     (and, folded, lives in the GEMM's shift column). A tile's row sums bound its largest term,
@@ -345,7 +369,7 @@ def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
     P V GEMM. Returns False (nothing written) when a live row ends with its sum below
     SUM_FLOOR (scores all far below 0): the caller then runs `_forward_unit`."""
     acc, D, ext = pb.acc, pb.D, pb.fold
-    hc, nq = h1 - h0, i1 - i0
+    hc = h1 - h0
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1: -base)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
@@ -382,25 +406,12 @@ def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
             np.exp(s, out=s)
             np.matmul(ones[:, :j1 - j0], s, out=rs3)
         l += rs
-        vb = pb.v[h0:h1, j0:j1]
-        if first:
-            np.matmul(s.transpose(0, 2, 1), vb, out=o)
-            first = False
-        else:
-            np.matmul(s.transpose(0, 2, 1), vb, out=pv)
-            o += pv
+        _add_pv(s, pb.v[h0:h1, j0:j1], o, pv, first)
+        first = False
     has_keys = np.tile(pb.hi[i0:i1] > pb.lo[i0:i1], pb.G)          # [R], rows g * nq + i
     if first or (has_keys & (l < SUM_FLOOR)).any():
         return False
-    live = l > 0
-    if live.all():
-        o /= l[..., None]
-        ls = (base + np.log(l))
-    else:
-        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
-        ls = np.where(live, (base + np.log(np.where(live, l, 1))), np.inf)
-    out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
-    lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
+    _finish_rows(o, l, base, out, lse, h0, h1, i0, i1, pb.G)
     return True
 
 
@@ -410,7 +421,7 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     exp(s - base) @ v and l the row sums (a reduction of the tile: a ones column in the values
     would make the P V product an N = D + 1 GEMM, which BLAS runs markedly slower)."""
     acc, D, ext = pb.acc, pb.D, pb.fold
-    hc, nq = h1 - h0, i1 - i0
+    hc = h1 - h0
     qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
@@ -440,22 +451,9 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
                 np.negative(base, out=qb[..., D])
         np.exp(s, out=s)
         l += np.sum(s, axis=1, out=rs)
-        vb = pb.v[h0:h1, j0:j1]
-        if first:
-            np.matmul(s.transpose(0, 2, 1), vb, out=o)
-            first = False
-        else:
-            np.matmul(s.transpose(0, 2, 1), vb, out=pv)
-            o += pv
-    live = l > 0
-    if live.all():
-        o /= l[..., None]
-        ls = (base + np.log(l))
-    else:
-        o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
-        ls = np.where(live, (base + np.log(np.where(live, l, 1))), np.inf)
-    out[h0:h1, :, i0:i1] = o.reshape(hc, pb.G, nq, D)
-    lse[h0:h1, :, i0:i1] = ls.reshape(hc, pb.G, nq)
+        _add_pv(s, pb.v[h0:h1, j0:j1], o, pv, first)
+        first = False
+    _finish_rows(o, l, base, out, lse, h0, h1, i0, i1, pb.G)
 
 
 # ---- backward -------------------------------------------------------------------------------
