@@ -4,6 +4,7 @@ reason, only when the machine has no Chromium (a system package, not a pip one: 
 installs it; the README's test command must still pass on a machine without it)."""
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -29,7 +30,10 @@ def launch():
     """A Playwright browser context on the system Chromium, with a fresh profile."""
     exe = chromium_path()
     if exe is None:
-        pytest.skip("no Chromium found (install the system package: apt-get install chromium)")
+        why = "no Chromium found (install the system package: apt-get install chromium)"
+        if os.environ.get("FUELGRAPH_REQUIRE_BROWSER") == "1":   # CI installs it: must run
+            pytest.fail(why)
+        pytest.skip(why)
     from playwright.sync_api import sync_playwright   # a test dependency: missing is a failure
     with tempfile.TemporaryDirectory(prefix="fg-chromium-") as profile, sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(
