@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT.parent / "src"))
 sys.path.insert(0, str(ROOT))
 
 from fuelgraph.backends.cuda.kernels import attention as A  # noqa: E402
-from sass_quant_rows import TARGET, main_loop_stats  # noqa: E402
+from sass_common import TARGET, loop_stats  # noqa: E402
 
 PTRS = ["Q", "K", "V", "O", "LSE", "SLOPES", "KLEN"]
 INTS = ["sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "som",
@@ -62,7 +62,7 @@ def report(name, src, warps, stages):
     except Exception as exc:  # noqa: BLE001
         print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
         return
-    regs, stack, n, ops = main_loop_stats(k.asm["cubin"])
+    regs, stack, n, ops = loop_stats(k.asm["cubin"])
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(6))
     print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  loop {n:5d} "
           f"MUFU {ops.get('MUFU', 0):3d} HGMMA {ops.get('HGMMA', 0):3d}  {top}", flush=True)

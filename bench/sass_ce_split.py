@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
 from fuelgraph.backends.cuda.kernels.common import next_pow2  # noqa: E402
-from sass_quant_rows import TARGET, main_loop_stats  # noqa: E402
+from sass_common import TARGET, loop_stats  # noqa: E402
 
 V = 128256
 SIG = {"x_ptr": "*bf16", "t_ptr": "*i64", "g_ptr": "*fp32", "n_ptr": "*i64",
@@ -53,7 +53,7 @@ def main():
             print(f"{cfg} FAILED {str(exc)[:400]!r}")
             continue
         secs = time.perf_counter() - t0
-        regs, stack, _, _ = main_loop_stats(k.asm["cubin"])
+        regs, stack, _, _ = loop_stats(k.asm["cubin"])
         smem = k.metadata.shared
         w = cfg["num_warps"]
         fit = min(SM_WARPS // w, SM_REGS // max(1, regs * 32 * w),

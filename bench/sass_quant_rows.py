@@ -12,27 +12,20 @@ at ~5 instructions per element is ~10 us of issue on an H200 (132 SMs x 4 schedu
 from __future__ import annotations
 
 import argparse
-import collections
-import os
 import pathlib
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from sass_common import TARGET, loop_stats  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_gemm as QG  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_rows as R  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 QK = {GGUF_IDS["Q4_0"]: 32, GGUF_IDS["Q8_0"]: 32, Q4_K: 256, GGUF_IDS["Q6_K"]: 256, NF4: 64}
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(12)}
 
@@ -89,33 +82,6 @@ def gemm_source(fmt, cfg, group=128):
     return ASTSource(QG._qgemm_kernel, sig, cons, attrs=attrs), g * unit * cfg.block_n
 
 
-def main_loop_stats(cubin: bytes):
-    """(registers, stack, loop instructions a thread, opcode counts) from cuobjdump."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        pathlib.Path(path).write_bytes(cubin)
-        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True,
-                              text=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
-    loop = None
-    for a, ln in zip(addr, lines):          # the main loop: the longest backward branch
-        m = re.search(r"BRA (0x[0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < a:
-            if loop is None or a - int(m.group(1), 16) > loop[1] - loop[0]:
-                loop = (int(m.group(1), 16), a)
-    body = [ln.split("*/", 1)[1].split() for a, ln in zip(addr, lines)
-            if loop and loop[0] <= a <= loop[1]]
-    ops = collections.Counter((t[1] if t[0].startswith("@") else t[0]).split(".")[0]
-                              for t in body if t)
-    return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
-            len(body), ops)
-
-
 def report(name, src, elems, cfg, fuse=True):
     try:
         k = triton.compile(src, target=TARGET, options=dict(
@@ -123,7 +89,7 @@ def report(name, src, elems, cfg, fuse=True):
     except Exception as exc:  # noqa: BLE001
         print(f"{name:48s} FAILED {str(exc)[:300]!r}")
         return
-    regs, stack, n, ops = main_loop_stats(k.asm["cubin"])
+    regs, stack, n, ops = loop_stats(k.asm["cubin"])
     per = n * cfg.num_warps * 32 / elems
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))
     print(f"{name:48s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  "
