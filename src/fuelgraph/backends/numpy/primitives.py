@@ -272,16 +272,24 @@ def _pool_matmul(a, b, m, n, out=None):
             work = lambda c0, c1: np.matmul(a, b[:, c0:c1], out=out[:, c0:c1])  # noqa: E731
     else:
         return np.matmul(a, b, out=out)
+    if not _pooled_one_blas_thread(work, spans):
+        np.matmul(a, b, out=out)
+    return out
+
+
+def _pooled_one_blas_thread(work, spans) -> bool:
+    """Run work(i0, i1) over `spans` on the pool, each part with one BLAS thread. False (nothing
+    run) when this BLAS's threads cannot be limited: the caller then runs the work whole."""
     if common.has_blas_single():
         common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
                          common.PARALLEL_MIN_ELEMS)
-        return out
+        return True
     ctx = _one_blas_thread()
     if ctx is None:
-        return np.matmul(a, b, out=out)
+        return False
     with ctx:
         common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
-    return out
+    return True
 
 
 def groupable_product(node) -> bool:
@@ -322,17 +330,8 @@ def gemm_group(pairs, outs=None) -> list:
     def work(i0, i1):
         for _, a, b, out in items[i0:i1]:
             np.matmul(a, b, out=out)
-    spans = [(i, i + 1) for i in range(len(items))]
-    if common.has_blas_single():
-        common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
-                         common.PARALLEL_MIN_ELEMS)
-        return outs
-    ctx = _one_blas_thread()
-    if ctx is None:
+    if not _pooled_one_blas_thread(work, [(i, i + 1) for i in range(len(items))]):
         work(0, len(items))
-        return outs
-    with ctx:
-        common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS)
     return outs
 
 
