@@ -142,3 +142,27 @@ def assert_lowered_on_cuda(y, name):
     rep = fg.explain(y)
     assert rep.backend == "cuda", rep.backend
     assert rep.fused_ops == {} and rep.lowered == {name: 1}, (rep.fused_ops, rep.lowered)
+
+
+# ---- quantized matmul checks (test_quant*.py) ------------------------------------------------
+def to_dev(a):
+    """A NumPy array as a contiguous torch tensor on the test device."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+
+
+def gguf_dequant_ref(raw, qtype: str):
+    """gguf-py's own dequantization of GGUF blocks `raw` (the independent reference)."""
+    import gguf
+    with np.errstate(all="ignore"):
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+
+
+def check_product(got, x, b, tol_dtype, *, same_dtype=True):
+    """got vs float64 x @ b, with a tolerance by `tol_dtype` relative to the largest magnitude;
+    same_dtype: got must also have that dtype and the product's shape."""
+    ref = x.double().cpu() @ torch.as_tensor(np.asarray(b, np.float64))
+    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[tol_dtype]
+    if same_dtype:
+        assert got.dtype == tol_dtype and got.shape == ref.shape
+    err = (got.double().cpu() - ref).abs().max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), err

@@ -8,10 +8,13 @@ in Triton's CPU interpreter on tiny shapes (bfloat16 tl.dot is not emulated fait
 the dot paths are checked in float32 and float16 only in that mode)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
-from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
+from .cuda_oracle import (DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, check_product,
+                          gguf_dequant_ref, to_dev, torch)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
@@ -25,6 +28,8 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
                          same_bits)
 
 TYPES = list(GGUF)
+# the products may come back in another dtype than the tolerance's (float64 via the recipe)
+_check = functools.partial(check_product, same_dtype=False)
 DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 # (M, config): GEMV, small M split over the reduction, a GEMM tile (bigger on the GPU)
 PATHS = [(1, None), (5, "split"), (40, "gemm"), (70, None)]   # 70 rows: dequantize + cuBLAS
@@ -38,32 +43,15 @@ def _cfg(kind):
     return K.QConfig(32, 32, 32, split=1) if INTERPRET else None
 
 
-def _t(a):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
-
-
-def _gguf_ref(raw, qtype):
-    with np.errstate(all="ignore"):
-        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-
-
-def _check(got, x, b, tol_dtype):
-    """got vs float64 x @ b, tolerance by dtype relative to the largest magnitude."""
-    ref = x.double().cpu() @ torch.as_tensor(np.asarray(b, np.float64))
-    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[tol_dtype]
-    err = (got.double().cpu() - ref).abs().max().item()
-    assert err <= tol * max(1.0, ref.abs().max().item()), err
-
-
 @pytest.mark.parametrize("qtype", TYPES)
 def test_gguf_tile_dequantizer_bit_exact(qtype):
     qk, bb, _ = GGUF[qtype]
     raw = np.random.default_rng(bb).integers(0, 256, size=(6, 2 * bb), dtype=np.uint8)
     edge, n_e, k_e = gguf_edge_bytes(qtype)
     for blocks, n, k in ((raw, 6, 2 * qk), (edge, n_e, k_e)):
-        w = _t(blocks.reshape(-1))
+        w = to_dev(blocks.reshape(-1))
         b = K.dequantize(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n)
-        same_bits(b.cpu().numpy().T, _gguf_ref(blocks.reshape(n, -1), qtype))
+        same_bits(b.cpu().numpy().T, gguf_dequant_ref(blocks.reshape(n, -1), qtype))
 
 
 def test_nf4_and_awq_tile_dequantizers_bit_exact():
@@ -71,12 +59,12 @@ def test_nf4_and_awq_tile_dequantizers_bit_exact():
     packed = rng.integers(0, 256, size=(24, 64), dtype=np.uint8)
     absmax = rng.uniform(0, 2, size=(24, 4)).astype(np.float32)
     code = torch.tensor(NF4_CODE, device=DEV)
-    b = K.dequantize(NF4, _t(packed), _t(absmax), code, 32, 128, 24)
+    b = K.dequantize(NF4, to_dev(packed), to_dev(absmax), code, 32, 128, 24)
     same_bits(b.cpu().numpy().T, nf4_reference(packed, absmax, 32))
     qw = rng.integers(-2 ** 31, 2 ** 31, size=(64, 4), dtype=np.int64).astype(np.int32)
     qz = rng.integers(-2 ** 31, 2 ** 31, size=(2, 4), dtype=np.int64).astype(np.int32)
     sc = rng.uniform(-1, 1, size=(2, 32)).astype(np.float16)
-    b = K.dequantize(AWQ, _t(qw), _t(qz), _t(sc), 32, 64, 32)
+    b = K.dequantize(AWQ, to_dev(qw), to_dev(qz), to_dev(sc), 32, 64, 32)
     same_bits(b.cpu().numpy(), awq_reference(qw, qz, sc, 32))
 
 
@@ -87,15 +75,15 @@ def test_qmatmul_paths(qtype, m, kind):
     rng = np.random.default_rng(qk + m)
     n, k = 24, 2 * qk if qk == 32 else qk
     raw = gguf_bytes(rng, qtype, n, k)
-    w = _gguf_ref(raw, qtype)
+    w = gguf_dequant_ref(raw, qtype)
     dtypes = DOT_DTYPES if m > 1 else [torch.float32, torch.bfloat16]
     for dt in dtypes:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
-        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_cfg(kind))
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_cfg(kind))
         assert out.dtype == dt and out.shape == (m, n)
         _check(out, x, w.T, dt)
         g = torch.randn(m, n, generator=torch.Generator().manual_seed(7)).to(dt).to(DEV)
-        ga = K.qmatmul_grad_a(g, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k,
+        ga = K.qmatmul_grad_a(g, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k,
                               config=_cfg(kind))
         assert ga.dtype == dt and ga.shape == (m, k)
         _check(ga, g, w, dt)
@@ -116,10 +104,10 @@ def test_nf4_and_awq_paths(m, kind):
     for dt in dtypes:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
         g = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(dt).to(DEV)
-        nf4 = (_t(packed), _t(absmax))
+        nf4 = (to_dev(packed), to_dev(absmax))
         _check(K.nf4_matmul(x, *nf4, block_size=64, config=_cfg(kind)), x, wn.T, dt)
         _check(K.nf4_matmul_grad_a(g, *nf4, block_size=64, config=_cfg(kind)), g, wn, dt)
-        awq = (_t(qw), _t(qz), _t(sc))
+        awq = (to_dev(qw), to_dev(qz), to_dev(sc))
         _check(K.awq_matmul(x, *awq, group_size=64, config=_cfg(kind)), x, wa, dt)
         _check(K.awq_matmul_grad_a(g, *awq, group_size=64, config=_cfg(kind)), g, wa.T, dt)
 
@@ -134,7 +122,7 @@ def test_ops_on_the_cuda_backend(dtype):
     n, k = 64, 256
     w = rng.standard_normal((n, k)).astype(np.float32)
     raw = gguf_bytes(rng, "Q4_K", n, k)
-    wq = _gguf_ref(raw, "Q4_K")
+    wq = gguf_dequant_ref(raw, "Q4_K")
     packed, absmax = Q.quantize_nf4(w, device="cuda")
     wn = Q.dequantize_nf4(packed, absmax).numpy()
     qw, qz, sc = Q.quantize_awq(w.T.copy(), 128, device="cuda")

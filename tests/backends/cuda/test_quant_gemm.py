@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
+from .cuda_oracle import (DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, check_product,
+                          gguf_dequant_ref, to_dev, torch)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
@@ -31,15 +32,6 @@ CASES = [(20, 24, dict(split=1)), (32, 32, dict(split=1)), (16, 16, dict(split=2
 IDS = ["partial", "whole", "split", "w_left", "prefetch"]
 
 
-def _t(a):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
-
-
-def _gguf_ref(raw, qtype):
-    with np.errstate(all="ignore"):
-        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-
-
 def _gemm(opts):
     """A small GemmConfig: 16 x 16 tiles, 64 elements of K a step unless `opts` says."""
     return GemmConfig(**{"block_m": 16, "block_n": 16, "block_k": 64, "num_warps": 4,
@@ -50,24 +42,16 @@ def _dtypes():
     return [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
 
 
-def _check(got, x, b, dt):
-    ref = x.double().cpu() @ torch.as_tensor(np.asarray(b, np.float64))
-    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dt]
-    assert got.dtype == dt and got.shape == ref.shape
-    err = (got.double().cpu() - ref).abs().max().item()
-    assert err <= tol * max(1.0, ref.abs().max().item()), err
-
-
 @pytest.mark.parametrize("qtype", ROW_TYPES)
 def test_natural_dequantizer_bit_exact(qtype):
     qk, bb, _ = GGUF[qtype]
     raw = np.random.default_rng(bb).integers(0, 256, size=(5, 2 * bb), dtype=np.uint8)
     edge, n_e, k_e = gguf_edge_bytes(qtype)
     for blocks, n, k, bn in ((raw, 5, 2 * qk, 4), (edge, n_e, k_e, 64)):
-        w = _t(blocks.reshape(-1))
+        w = to_dev(blocks.reshape(-1))
         got = dequantize_natural(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n,
                                  dtype=torch.float32, block_n=bn, block_k=64)
-        same_bits(got.cpu().numpy(), _gguf_ref(blocks.reshape(n, -1), qtype))
+        same_bits(got.cpu().numpy(), gguf_dequant_ref(blocks.reshape(n, -1), qtype))
 
 
 @pytest.mark.parametrize("lut", [0, 2])
@@ -77,7 +61,7 @@ def test_nf4_natural_dequantizer_bit_exact(lut):
     absmax = rng.uniform(0, 3, size=(9, 3)).astype(np.float32)
     absmax[0, 0] = 0.0
     code = torch.tensor(NF4_CODE, device=DEV)
-    got = dequantize_natural(NF4, _t(packed), _t(absmax), code, 64, 192, 9,
+    got = dequantize_natural(NF4, to_dev(packed), to_dev(absmax), code, 64, 192, 9,
                              dtype=torch.float32, block_n=8, block_k=128, lut=lut)
     same_bits(got.cpu().numpy(), nf4_reference(packed, absmax, 64))
 
@@ -89,11 +73,11 @@ def test_qmatmul_gemm(qtype, m, n, cfg):
     rng = np.random.default_rng(qk + m)
     k = 4 * qk if qk == 32 else qk
     raw = gguf_bytes(rng, qtype, n, k)
-    w = _gguf_ref(raw, qtype)
+    w = gguf_dequant_ref(raw, qtype)
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
-        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_gemm(cfg))
-        _check(out, x, w.T, dt)
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_gemm(cfg))
+        check_product(out, x, w.T, dt)
 
 
 @pytest.mark.parametrize("m,n,cfg", CASES, ids=IDS)
@@ -105,7 +89,7 @@ def test_nf4_gemm(m, n, cfg):
     wn = nf4_reference(packed, absmax, 64)
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
-        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=_gemm(cfg)), x,
+        check_product(K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64, config=_gemm(cfg)), x,
                wn.T, dt)
 
 
@@ -120,7 +104,7 @@ def test_awq_gemm(m, n, cfg):
     for dt in _dtypes():
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
         cfg2 = _gemm({**cfg, "block_k": 32})
-        _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg2), x, wa, dt)
+        check_product(K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs, config=cfg2), x, wa, dt)
 
 
 @pytest.mark.parametrize("split,mode", [(1, 1), (3, 1), (3, 2)])
@@ -137,12 +121,12 @@ def test_one_row_prefetch(qtype, split, mode):
     if qtype == "NF4":
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
-        out = K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg)
-        _check(out, x, nf4_reference(packed, absmax, 64).T, torch.float32)
+        out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64, config=cfg)
+        check_product(out, x, nf4_reference(packed, absmax, 64).T, torch.float32)
     else:
         raw = gguf_bytes(rng, qtype, n, k)
-        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
-        _check(out, x, _gguf_ref(raw, qtype).T, torch.float32)
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+        check_product(out, x, gguf_dequant_ref(raw, qtype).T, torch.float32)
 
 
 @pytest.mark.parametrize("fmt", ROW_TYPES + ["NF4", "AWQ"])
@@ -159,7 +143,7 @@ def test_gemm_dequantizes_bit_exact(fmt):
                           dtype=np.int64).astype(np.int32)
         sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
         x = torch.eye(k).to(DEV)
-        got = K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs, config=cfg)
+        got = K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs, config=cfg)
         same_bits(got.cpu().numpy(), awq_reference(qw, qz, sc, gs) + np.float32(0))
         return
     if fmt == "NF4":
@@ -167,7 +151,7 @@ def test_gemm_dequantizes_bit_exact(fmt):
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         absmax = rng.uniform(0, 3, size=(n, k // 64)).astype(np.float32)
         x = torch.eye(k).to(DEV)
-        got = K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=cfg)
+        got = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64, config=cfg)
         same_bits(got.cpu().numpy(), nf4_reference(packed, absmax, 64).T + np.float32(0))
         return
     qk = GGUF[fmt][0]
@@ -175,9 +159,9 @@ def test_gemm_dequantizes_bit_exact(fmt):
     raw = gguf_bytes(rng, fmt, n, k)
     x = torch.eye(k).to(DEV)
     for pf in (0, 1):
-        got = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=fmt, n=n, k=k,
+        got = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt, n=n, k=k,
                         config=GemmConfig(16, 16, 64, 1, 4, 2, prefetch=pf))
-        same_bits(got.cpu().numpy(), _gguf_ref(raw, fmt).T + np.float32(0))
+        same_bits(got.cpu().numpy(), gguf_dequant_ref(raw, fmt).T + np.float32(0))
 
 
 def test_many_rows_default_paths():
@@ -193,7 +177,7 @@ def test_many_rows_default_paths():
     absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
     for dt in (torch.float32, torch.float16):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(dt).to(DEV)
-        _check(K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs), x,
+        check_product(K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs), x,
                awq_reference(qw, qz, sc, gs), dt)
-        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64), x,
+        check_product(K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64), x,
                nf4_reference(packed, absmax, 64).T, dt)

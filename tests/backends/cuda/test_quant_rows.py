@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .cuda_oracle import DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, torch
+from .cuda_oracle import (DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, check_product,
+                          gguf_dequant_ref, to_dev, torch)
 
 gguf = pytest.importorskip("gguf")
 pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
@@ -39,28 +40,10 @@ def _cfg(kind, m, awq=False):
     return RowConfig(bm, 128 if awq else 16, 16 if awq else 1, split=2)
 
 
-def _t(a):
-    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
-
-
-def _gguf_ref(raw, qtype):
-    with np.errstate(all="ignore"):
-        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-
-
 def _dtypes(m):
     if HAS_CUDA:
         return [torch.float32, torch.float16, torch.bfloat16]
     return [torch.float32, torch.float16] if m > 1 else [torch.float32, torch.bfloat16]
-
-
-def _check(got, x, b, dt):
-    """got vs float64 x @ b, tolerance by dtype relative to the largest magnitude."""
-    ref = x.double().cpu() @ torch.as_tensor(np.asarray(b, np.float64))
-    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dt]
-    assert got.dtype == dt and got.shape == ref.shape
-    err = (got.double().cpu() - ref).abs().max().item()
-    assert err <= tol * max(1.0, ref.abs().max().item()), err
 
 
 @pytest.mark.parametrize("qtype", ROW_TYPES)
@@ -69,11 +52,11 @@ def test_row_dequantizer_bit_exact(qtype):
     raw = np.random.default_rng(bb).integers(0, 256, size=(5, 3 * bb), dtype=np.uint8)
     edge, n_e, k_e = gguf_edge_bytes(qtype)
     for blocks, n, k in ((raw, 5, 3 * qk), (edge, n_e, k_e)):
-        w = _t(blocks.reshape(-1))
+        w = to_dev(blocks.reshape(-1))
         for words in (False, True):
             got = dequantize_rows(GGUF_IDS[qtype], w, w, w, blocks.shape[1], k, n,
                                   dtype=torch.float32, block_n=16, steps=2, words=words)
-            same_bits(got.cpu().numpy(), _gguf_ref(blocks.reshape(n, -1), qtype))
+            same_bits(got.cpu().numpy(), gguf_dequant_ref(blocks.reshape(n, -1), qtype))
 
 
 def test_nf4_row_dequantizer_bit_exact():
@@ -82,7 +65,7 @@ def test_nf4_row_dequantizer_bit_exact():
     absmax = rng.uniform(0, 3, size=(9, 3)).astype(np.float32)
     absmax[0, 0] = 0.0
     code = torch.tensor(NF4_CODE, device=DEV)
-    got = dequantize_rows(NF4, _t(packed), _t(absmax), code, 64, 192, 9, dtype=torch.float32,
+    got = dequantize_rows(NF4, to_dev(packed), to_dev(absmax), code, 64, 192, 9, dtype=torch.float32,
                           block_n=8, steps=2)
     same_bits(got.cpu().numpy(), nf4_reference(packed, absmax, 64))
 
@@ -94,11 +77,11 @@ def test_qmatmul_rows(qtype, m, kind):
     rng = np.random.default_rng(qk + m)
     n, k = 5, 3 * qk if qk == 32 else 2 * qk
     raw = gguf_bytes(rng, qtype, n, k)
-    w = _gguf_ref(raw, qtype)
+    w = gguf_dequant_ref(raw, qtype)
     for dt in _dtypes(m):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
-        out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_cfg(kind, m))
-        _check(out, x, w.T, dt)
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=_cfg(kind, m))
+        check_product(out, x, w.T, dt)
 
 
 @pytest.mark.parametrize("m,kind", CASES)
@@ -110,7 +93,7 @@ def test_nf4_rows(m, kind):
     wn = nf4_reference(packed, absmax, 64)
     for dt in _dtypes(m):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
-        _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=64, config=_cfg(kind, m)),
+        check_product(K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64, config=_cfg(kind, m)),
                x, wn.T, dt)
 
 
@@ -124,7 +107,7 @@ def test_nf4_code_lookups(lut, m):
     wn = nf4_reference(packed, absmax, 32)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(DEV)
     cfg = RowConfig(m, 16, 2, lut=lut)
-    _check(K.nf4_matmul(x, _t(packed), _t(absmax), block_size=32, config=cfg), x, wn.T,
+    check_product(K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=32, config=cfg), x, wn.T,
            torch.float32)
 
 
@@ -138,9 +121,9 @@ def test_awq_columns(m, kind):
     wa = awq_reference(qw, qz, sc, gs)
     for dt in _dtypes(m):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
-        out = K.awq_matmul(x, _t(qw), _t(qz), _t(sc), group_size=gs,
+        out = K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs,
                            config=_cfg(kind, m, awq=True))
-        _check(out, x, wa, dt)
+        check_product(out, x, wa, dt)
 
 
 def test_many_rows_take_the_dense_copy():
@@ -149,8 +132,8 @@ def test_many_rows_take_the_dense_copy():
     n, k = 5, 64
     raw = gguf_bytes(rng, "Q8_0", n, k)
     x = torch.randn(K.DEQUANT_GEMM_MIN_M + 3, k, generator=torch.Generator().manual_seed(4))
-    out = K.qmatmul(x.to(DEV), _t(raw.reshape(-1)), quant_type="Q8_0", n=n, k=k)
-    _check(out, x, _gguf_ref(raw, "Q8_0").T, torch.float32)
+    out = K.qmatmul(x.to(DEV), to_dev(raw.reshape(-1)), quant_type="Q8_0", n=n, k=k)
+    check_product(out, x, gguf_dequant_ref(raw, "Q8_0").T, torch.float32)
 
 
 @pytest.mark.parametrize("qtype", ROW_TYPES)
@@ -161,11 +144,11 @@ def test_word_and_byte_reads_unmasked_tiles(qtype):
     rng = np.random.default_rng(qk)
     n, k = 16, 4 * qk if qk == 32 else qk
     raw = gguf_bytes(rng, qtype, n, k)
-    w = _gguf_ref(raw, qtype)
+    w = gguf_dequant_ref(raw, qtype)
     for m in (1, 16):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEV)
         for words in (0, 1):
             for x32 in (0, 1):
                 cfg = RowConfig(m, 16, 2 if qk == 32 else 1, split=1, words=words, x32=x32)
-                out = K.qmatmul(x, _t(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
-                _check(out, x, w.T, torch.float32)
+                out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+                check_product(out, x, w.T, torch.float32)
