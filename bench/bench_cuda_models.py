@@ -105,6 +105,7 @@ def use_mamba_triton(src):
 
 
 MAMBA_ANCHOR = ["transformers (torch path; no --mamba-src)"]
+SAVE_TO: list = []          # the records file, rewritten after every case
 
 
 def run(name, quick, recs, table, cases=("train", "prefill", "decode")):
@@ -131,6 +132,8 @@ def run(name, quick, recs, table, cases=("train", "prefill", "decode")):
         table.append((f"{name} {case}", impl, f"{ms:.2f} ms", f"{tps:,.0f} tok/s",
                       ", ".join(f"{k} {v}" for k, v in extra.items())))
         print("[bench]", *table[-1], flush=True)     # a run cut short still shows what it got
+        if SAVE_TO:                                  # ... and keeps the records so far
+            SAVE_TO[0].write_text(json.dumps({"records": recs}, indent=1))
 
     def guarded(label, fn):
         try:
@@ -260,11 +263,11 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda_models: needs a CUDA GPU")
     recs, table = [], []
-    for name in args.models.split(","):
-        run(name, args.quick, recs, table, tuple(args.cases.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "models_cuda.json").write_text(json.dumps({"records": recs}, indent=1))
+    SAVE_TO.append(out / "models_cuda.json")
+    for name in args.models.split(","):
+        run(name, args.quick, recs, table, tuple(args.cases.split(",")))
     head = ("case", "impl", "time", "throughput", "")
     rows = [head] + table
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
