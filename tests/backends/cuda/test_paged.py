@@ -225,6 +225,27 @@ def test_decode_index_prefetch_and_merge_chunk(prefetch):
     check(case, "bfloat16", prefetch_index=prefetch, n_split=3, merge_chunk=4)
 
 
+@pytest.mark.parametrize("early_ids,merge_group", [(True, False), (False, True), (True, True)])
+def test_decode_early_ids_and_group_merge(early_ids, merge_group):
+    """The first tile's block ids requested before the length is known (ids past the length,
+    table padding among them, never reach a k/v load or the id check), and the fused merge of a
+    decode step taking a tile's query-head rows together: groups of 4 and of 3 (a masked row),
+    uneven split counts, a length-0 sequence, more splits than its unrolled steps (falls back
+    to the row merge), Sq > 1 (row merge)."""
+    kw = dict(prefetch_index=True, early_ids=early_ids, merge_group=merge_group)
+    case = make_case(np.random.default_rng(31), B=2, hq=8, hkv=2, d=16, bs=4, lens=(37, 5),
+                     mb=10, alibi=True)
+    check(case, "float32", n_split=3, **kw)
+    check(case, "bfloat16", n_split=5, merge_chunk=2, **kw)
+    case = make_case(np.random.default_rng(32), B=3, hq=6, hkv=2, d=12, bs=2, lens=(23, 0, 2),
+                     mb=12)
+    check(case, "float32", n_split=4, **kw)
+    check(case, "float32", n_split=12, merge_chunk=1, **kw)
+    case = make_case(np.random.default_rng(33), B=2, hq=4, hkv=2, sq=3, d=16, bs=4,
+                     lens=(14, 3), mb=5)
+    check(case, "float32", n_split=2, **kw)
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),
