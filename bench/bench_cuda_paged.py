@@ -335,16 +335,19 @@ SWEEPS = {
     # the tail of the launch
     "decode_B1_ctx32768": [
         dict(early_ids=True, merge_group=True),
-        dict(n_split=47),
-        dict(n_split=47, early_ids=True, merge_group=True),
+        dict(programs_per_sm=3),
+        dict(programs_per_sm=3, early_ids=True, merge_group=True),
         dict(num_stages=4),
         dict(num_stages=4, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=5, n_split=49),
-        dict(block_n=32, num_stages=5, n_split=49, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=4, n_split=64, early_ids=True, merge_group=True),
+        dict(block_n=32, num_stages=5, programs_per_sm=3),
+        dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True, merge_group=True),
+        dict(block_n=32, num_stages=4, programs_per_sm=4, early_ids=True, merge_group=True),
+        dict(block_n=32, num_stages=6, early_ids=True, merge_group=True),
         dict(num_warps=2, early_ids=True, merge_group=True)],
     "decode_B64_mixed": [dict(early_ids=True, merge_group=True),
-                         dict(num_stages=4, early_ids=True, merge_group=True)],
+                         dict(programs_per_sm=3, early_ids=True, merge_group=True),
+                         dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True,
+                              merge_group=True)],
     "decode_B32_ctx4096": [dict(merge_group=True),
                            dict(prefetch_index=True, early_ids=True, merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
@@ -360,7 +363,7 @@ SWEEPS = {
 
 def label(kw):
     short = {"prefetch_index": "pf", "merge_chunk": "mc", "early_ids": "early",
-             "merge_group": "mg", "num_stages": "st", "num_warps": "w",
+             "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}"

@@ -237,6 +237,7 @@ def test_decode_early_ids_and_group_merge(early_ids, merge_group):
                      mb=10, alibi=True)
     check(case, "float32", n_split=3, **kw)
     check(case, "bfloat16", n_split=5, merge_chunk=2, **kw)
+    check(case, "float32", programs_per_sm=3, **kw)
     case = make_case(np.random.default_rng(32), B=3, hq=6, hkv=2, d=12, bs=2, lens=(23, 0, 2),
                      mb=12)
     check(case, "float32", n_split=4, **kw)
@@ -289,6 +290,15 @@ def test_split_heuristic():
     assert ns == 1 and kps == 4096
     kps, ns = K._splits(2, 8, 1, 8192, None, 64, dev)      # lengths unknown: capacity
     assert kps * ns >= 8192
+
+
+def test_split_heuristic_programs_per_sm(monkeypatch):
+    """More resident programs per SM assumed: more, shorter splits (B1 on 132 SMs)."""
+    monkeypatch.setattr(K, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 64, dev, 2) == (1024, 32)
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 64, dev, 3) == (704, 47)
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 32, dev, 3) == (672, 49)
 
 
 def test_prefetch_rule():

@@ -578,7 +578,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
-               merge_group=None):
+               merge_group=None, programs_per_sm=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -589,7 +589,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     query heads per program, sharing each k/v tile), page_tiles (prefill: the wholly admissible
     key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
     ahead: the first tile's ids requested with the length), merge_group (fused merge of a
-    decode step: a tile's rows together)."""
+    decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
+    when sizing the splits)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -599,14 +600,15 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group)
+           page_tiles, early_ids, merge_group, programs_per_sm)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
         launch = _configure(q, k_cache, block_table, bool(alibi), sl.dim(), stats,
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
-                            group_heads, page_tiles, early_ids, merge_group)
+                            group_heads, page_tiles, early_ids, merge_group,
+                            programs_per_sm)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -624,7 +626,7 @@ _LAUNCHES: dict = {}
 def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
-               early_ids=None, merge_group=None):
+               early_ids=None, merge_group=None, programs_per_sm=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -648,8 +650,8 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device,
-                      PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM)
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
+                      (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
