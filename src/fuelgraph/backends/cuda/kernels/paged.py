@@ -15,9 +15,9 @@ one split length for the launch, sized from the live lengths (finer when lengths
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
-to arrive merges them (up to MERGE_CHUNK splits of a row in one step whose loads are
-independent: one round trip per row) and resets the counter, so the split path is a single
-launch.
+to arrive merges them (`paged_merge`: up to MERGE_CHUNK splits of a row in one step whose
+loads are independent, one round trip per row; or, knob merge_group, a decode tile's rows
+together) and resets the counter, so the split path is a single launch.
 
 Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (query
 positions, PREFILL_GROUP_HEADS query heads of one group), autotuned tiles; the tiles wholly
@@ -70,6 +70,10 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 #: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers);
 #: up to this many splits merge in one step, whose loads are all independent (one round trip)
 MERGE_CHUNK = 64
+#: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
+#: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
+#: block_n, num_stages, programs_per_sm; empty: the general defaults
+FEW_PROGRAMS_LAUNCH: dict = {}
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; off until measured on the H200)
@@ -644,6 +648,10 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
+    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device):
+        block_n = block_n or FEW_PROGRAMS_LAUNCH.get("block_n")
+        num_stages = num_stages or FEW_PROGRAMS_LAUNCH.get("num_stages")
+        programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
         bn = block_n or 16
