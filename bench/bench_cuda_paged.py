@@ -518,6 +518,20 @@ def main():
              "decode_B32": lambda: bench_decode("decode_B32_ctx4096", batch32, args),
              "append": bench_append}
     only = [c for c in (args.only or "").split(",") if c]
+    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
+    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
+    if args.out:
+        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
+
+    def write(final):
+        """The records so far (after every case: a run cut short keeps what it measured)."""
+        doc = {"date": DATE, "device": device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS}
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(doc, indent=1))
+            if final:
+                print(f"wrote {p}")
     for name, step in steps.items():
         if only and not any(c in name for c in only):
             continue
@@ -527,19 +541,12 @@ def main():
             traceback.print_exc()
         if not SMOKE:
             torch.cuda.empty_cache()
+        if not args.warm:
+            write(False)
     if args.warm:
         print(f"warm: {len(RECORDS)} launches compiled and checked")
         return
-    doc = {"date": DATE, "device": device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "records": RECORDS}
-    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
-    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
-    if args.out:
-        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {p}")
+    write(True)
     targets_table()
 
 
