@@ -269,7 +269,11 @@ def test_many_splits_on_gpu():
     for ns in (None, 64, 128):
         for _ in range(3):
             torch.testing.assert_close(run(dc, n_split=ns).float(), whole, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(run(dc, n_split=ns, early_ids=True, merge_group=True,
+                                           prefetch_index=True).float(), whole, rtol=2e-2,
+                                       atol=2e-2)
     check(case, "bfloat16")
+    check(case, "bfloat16", early_ids=True, merge_group=True, programs_per_sm=3)
 
 
 def test_split_heuristic_uneven_lengths():
