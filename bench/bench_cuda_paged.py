@@ -99,14 +99,13 @@ def t_ms_clean_l2(fn, n=40) -> float:
     """Median time of fn after an L2 flush that reads 256 MB (the L2 then holds only clean
     lines) instead of do_bench's zero_ (which leaves it full of dirty ones)."""
     if not _FLUSH:
-        _FLUSH.append((torch.zeros(64 * 2 ** 20, dtype=torch.float32, device=DEV),
-                       torch.empty((), dtype=torch.float32, device=DEV)))
-    buf, acc = _FLUSH[0]
+        _FLUSH.append(torch.zeros(64 * 2 ** 20, dtype=torch.float32, device=DEV))
+    buf = _FLUSH[0]
     fn()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(n)]
     for s, e in ev:
-        torch.sum(buf, out=acc)
+        buf.sum()                       # reads the 256 MB (a 4-byte result)
         s.record()
         fn()
         e.record()
@@ -148,9 +147,13 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
         if not REP.get("warm_only"):
             extra["host_us"] = round(host_us(fn), 1)
             if REP.get("clean_l2") and case["name"].startswith("decode"):
-                extra["ms_clean_l2"] = round(t_ms_clean_l2(fn), 5)
-                if "nbytes" in extra:
-                    extra["gbps_clean_l2"] = round(extra["nbytes"] / extra["ms_clean_l2"] / 1e6, 1)
+                try:                    # a diagnostic: never costs the record itself
+                    extra["ms_clean_l2"] = round(t_ms_clean_l2(fn), 5)
+                    if "nbytes" in extra:
+                        extra["gbps_clean_l2"] = round(
+                            extra["nbytes"] / extra["ms_clean_l2"] / 1e6, 1)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  clean-L2 timing failed: {exc!r}"[:200], flush=True)
         return record(op, impl, case, t_ms(fn), **extra)
     except Exception as exc:  # noqa: BLE001
         print(f"  {case['name']:24s} {impl:36s} FAILED: {exc!r}", flush=True)
@@ -335,22 +338,13 @@ SWEEPS = {
     # the tail of the launch
     "decode_B1_ctx32768": [
         dict(early_ids=True, merge_group=True),
-        dict(programs_per_sm=3),
         dict(programs_per_sm=3, early_ids=True, merge_group=True),
-        dict(num_stages=4),
         dict(num_stages=4, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=5, programs_per_sm=3),
         dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True, merge_group=True),
         dict(block_n=32, num_stages=4, programs_per_sm=4, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=6, early_ids=True, merge_group=True),
-        dict(num_warps=2, early_ids=True, merge_group=True),
         dict(num_warps=8, early_ids=True, merge_group=True)],
-    "decode_B64_mixed": [dict(early_ids=True, merge_group=True),
-                         dict(programs_per_sm=3, early_ids=True, merge_group=True),
-                         dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True,
-                              merge_group=True)],
-    "decode_B32_ctx4096": [dict(merge_group=True),
-                           dict(prefetch_index=True, early_ids=True, merge_group=True)],
+    "decode_B64_mixed": [dict(early_ids=True, merge_group=True)],
+    "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
@@ -374,7 +368,10 @@ def label(kw):
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
     """The launch candidates of SWEEPS for this case, as impl "fuelgraph[...]"."""
     k, n = REP["part"]
-    for kw in SWEEPS.get(case["name"], [])[k::n]:
+    for kw in SWEEPS.get(case["name"], []):
+        REP["sweep_i"] = REP.get("sweep_i", -1) + 1     # numbered across cases: parts balance
+        if REP["sweep_i"] % n != k:
+            continue
         run("paged_attn", f"fuelgraph[{label(kw)}]", case, kernel_fn(inp, **kw), err,
             nbytes=nbytes, flops=flops, launch=kw)
 
