@@ -16,11 +16,16 @@ pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every 
 is checked against a reference before it is timed (field max_err).
 
     python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
+        [--part K/N] [--clean-l2]
 
 --sweep also times the launch candidates listed in SWEEPS as impl "fuelgraph[...]" (a few per
 case: each is one compile). --warm compiles and checks every launch once and times nothing: run
 one such process per case in parallel first, and the timed run then loads its kernels from
-Triton's cache. --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
+Triton's cache (--part K/N: only every N-th candidate from the K-th, so N processes compile
+the candidates in parallel). --clean-l2 adds ms_clean_l2 to each decode record: the time
+when the L2 was flushed by reading 256 MB instead of do_bench's writing them (do_bench leaves
+up to the L2's size of dirty lines, whose write-back shares the DRAM with the kernel's reads:
+a fixed cost that weighs most on the smallest case, B1). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
 prefill, decode_B32, append). Every record also has host_us: the host time of one call (launch overhead); when it
 exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
@@ -71,7 +76,8 @@ DT = torch.bfloat16
 HQ, HKV, D, BS = 32, 8, 128, 16
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 RECORDS: list[dict] = []
-REP = {"warmup": 25, "rep": 100}
+REP = {"warmup": 25, "rep": 100, "part": (0, 1)}
+_FLUSH: list = []
 
 
 def device_name() -> str:
@@ -89,6 +95,24 @@ def t_ms(fn) -> float:
     return float(do_bench(fn, warmup=REP["warmup"], rep=REP["rep"], return_mode="median"))
 
 
+def t_ms_clean_l2(fn, n=40) -> float:
+    """Median time of fn after an L2 flush that reads 256 MB (the L2 then holds only clean
+    lines) instead of do_bench's zero_ (which leaves it full of dirty ones)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.zeros(64 * 2 ** 20, dtype=torch.float32, device=DEV))
+    buf = _FLUSH[0]
+    fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(n)]
+    for s, e in ev:
+        buf.sum()                       # reads the 256 MB (a 4-byte result)
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in ev)[n // 2]
+
+
 def record(op, impl, case, ms, *, nbytes=None, flops=None, **extra):
     rec = {"op": op, "impl": impl, "case": case["name"], "device": device_name(),
            "shape": case["shape"], "dtype": "bfloat16", "ms": round(ms, 5), "date": DATE}
@@ -102,6 +126,8 @@ def record(op, impl, case, ms, *, nbytes=None, flops=None, **extra):
         f"{rec['tflops']:8.1f} TFLOP/s" if "tflops" in rec else ""
     err = f"  err {rec['max_err']:.2e}" if "max_err" in rec else ""
     host = f"  host {rec['host_us']:.0f} us" if "host_us" in rec else ""
+    if "ms_clean_l2" in rec:
+        host += f"  clean-L2 {rec['ms_clean_l2']:.4f} ms {rec.get('gbps_clean_l2', 0):.0f} GB/s"
     print(f"  {case['name']:24s} {impl:36s} {ms:9.4f} ms {perf}{err}{host}", flush=True)
     return rec
 
@@ -120,6 +146,14 @@ def run(op, impl, case, fn, err_fn=None, tol=2e-2, **extra):
                 extra["wrong"] = True
         if not REP.get("warm_only"):
             extra["host_us"] = round(host_us(fn), 1)
+            if REP.get("clean_l2") and case["name"].startswith("decode"):
+                try:                    # a diagnostic: never costs the record itself
+                    extra["ms_clean_l2"] = round(t_ms_clean_l2(fn), 5)
+                    if "nbytes" in extra:
+                        extra["gbps_clean_l2"] = round(
+                            extra["nbytes"] / extra["ms_clean_l2"] / 1e6, 1)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  clean-L2 timing failed: {exc!r}"[:200], flush=True)
         return record(op, impl, case, t_ms(fn), **extra)
     except Exception as exc:  # noqa: BLE001
         print(f"  {case['name']:24s} {impl:36s} FAILED: {exc!r}", flush=True)
@@ -221,11 +255,12 @@ def bench_decode(name, lens, args, pad_to_longest=False):
     nbytes = kv_bytes(inp)
     rows = list(range(min(len(lens), 8)))
     err = max_err(reference(inp, rows), rows)
-    run("paged_attn", "fuelgraph", case, plan_fn(inp), err, nbytes=nbytes)
-    run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, nbytes=nbytes)
+    if REP["part"][0] == 0:
+        run("paged_attn", "fuelgraph", case, plan_fn(inp), err, nbytes=nbytes)
+        run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, nbytes=nbytes)
     if args.sweep:
         sweep(case, inp, err, nbytes=nbytes, decode=True)
-    if args.no_anchors or args.warm:
+    if args.no_anchors or args.warm or REP["part"][0] != 0:
         return case
     # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
     # no length mask: that only makes the anchor faster; its result is then not comparable)
@@ -253,11 +288,12 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
     case = {"name": name, "shape": [B, HQ, sq, D, ctx]}
     flops = 4.0 * B * HQ * D * sum(ctx - sq + i + 1 for i in range(sq))
     err = max_err(reference(inp, [0, B - 1]), [0, B - 1])
-    run("paged_attn", "fuelgraph", case, plan_fn(inp), err, flops=flops)
-    run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, flops=flops)
+    if REP["part"][0] == 0:
+        run("paged_attn", "fuelgraph", case, plan_fn(inp), err, flops=flops)
+        run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, flops=flops)
     if args.sweep:
         sweep(case, inp, err, flops=flops, decode=False)
-    if args.no_anchors:
+    if args.no_anchors or REP["part"][0] != 0:
         return case
     kd = torch.stack([dense(inp, b)[0] for b in range(B)])          # [B, Hkv, ctx, D]
     vd = torch.stack([dense(inp, b)[1] for b in range(B)])
@@ -295,14 +331,20 @@ def bench_prefill(args, B=8, sq=256, ctx=4096):
 #: block ids read a tile ahead (prefetch_index) or not, pipeline depth, tile, split count and the
 #: fused merge's step; prefill: query heads per program (group_heads) and explicit tiles.
 SWEEPS = {
+    # B1: 8 kv heads x splits. 32 splits of 1024 keys = 256 programs (2 of 71.7 KB per SM);
+    # 47 / 49 splits fill 3 per SM; 32-key tiles with 5 stages keep 3 tiles in flight in the
+    # same shared memory; num_stages 4 = 2 tiles ahead (104 KB: 2 per SM); early_ids (first ids
+    # with the length) and merge_group (the fused merge's rows together) shorten the head and
+    # the tail of the launch
     "decode_B1_ctx32768": [
-        dict(prefetch_index=False), dict(n_split=64), dict(n_split=48), dict(n_split=24),
-        dict(n_split=32, num_stages=4), dict(n_split=16, num_stages=4),
-        dict(n_split=16, block_n=128, num_warps=8, num_stages=3)],
-    "decode_B64_mixed": [
-        dict(prefetch_index=False), dict(num_stages=4), dict(n_split=4), dict(n_split=16),
-        dict(block_n=32, num_stages=4), dict(block_n=128, num_warps=8, num_stages=3)],
-    "decode_B32_ctx4096": [dict(prefetch_index=True), dict(prefetch_index=True, num_stages=4)],
+        dict(early_ids=True, merge_group=True),
+        dict(programs_per_sm=3, early_ids=True, merge_group=True),
+        dict(num_stages=4, early_ids=True, merge_group=True),
+        dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True, merge_group=True),
+        dict(block_n=32, num_stages=4, programs_per_sm=4, early_ids=True, merge_group=True),
+        dict(num_warps=8, early_ids=True, merge_group=True)],
+    "decode_B64_mixed": [dict(early_ids=True, merge_group=True)],
+    "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
@@ -315,7 +357,8 @@ SWEEPS = {
 
 
 def label(kw):
-    short = {"prefetch_index": "pf", "merge_chunk": "mc", "num_stages": "st", "num_warps": "w",
+    short = {"prefetch_index": "pf", "merge_chunk": "mc", "early_ids": "early",
+             "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}"
@@ -324,7 +367,11 @@ def label(kw):
 
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
     """The launch candidates of SWEEPS for this case, as impl "fuelgraph[...]"."""
+    k, n = REP["part"]
     for kw in SWEEPS.get(case["name"], []):
+        REP["sweep_i"] = REP.get("sweep_i", -1) + 1     # numbered across cases: parts balance
+        if REP["sweep_i"] % n != k:
+            continue
         run("paged_attn", f"fuelgraph[{label(kw)}]", case, kernel_fn(inp, **kw), err,
             nbytes=nbytes, flops=flops, launch=kw)
 
@@ -437,6 +484,10 @@ def main():
     ap.add_argument("--warm", action="store_true", help="compile and check every launch once, "
                     "time nothing (fills Triton's cache; run cases in parallel processes first)")
     ap.add_argument("--no-anchors", action="store_true", help="ours only (no SDPA, flash)")
+    ap.add_argument("--part", default="0/1", help="K/N: the sweep's candidates K, K+N, ... only "
+                    "(the defaults and anchors only in part 0): parallel --warm processes")
+    ap.add_argument("--clean-l2", action="store_true", help="decode records also get the "
+                    "time after a reading L2 flush (ms_clean_l2)")
     ap.add_argument("--smoke", action="store_true", help="check this script without a GPU: "
                     "TRITON_INTERPRET=1, CPU tensors, tiny cases, implies --warm")
     ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "
@@ -447,6 +498,8 @@ def main():
     if args.smoke:
         args.warm = True
     REP["warm_only"] = args.warm
+    REP["clean_l2"] = args.clean_l2
+    REP["part"] = tuple(int(x) for x in args.part.split("/"))
     print(f"device: {device_name()}  torch {torch.__version__}  flash_attn "
           f"{'yes' if HAVE_FLASH else 'no'}", flush=True)
     g = torch.Generator().manual_seed(2)
@@ -463,6 +516,20 @@ def main():
              "decode_B32": lambda: bench_decode("decode_B32_ctx4096", batch32, args),
              "append": bench_append}
     only = [c for c in (args.only or "").split(",") if c]
+    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
+    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
+    if args.out:
+        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
+
+    def write(final):
+        """The records so far (after every case: a run cut short keeps what it measured)."""
+        doc = {"date": DATE, "device": device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS}
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(doc, indent=1))
+            if final:
+                print(f"wrote {p}")
     for name, step in steps.items():
         if only and not any(c in name for c in only):
             continue
@@ -472,19 +539,12 @@ def main():
             traceback.print_exc()
         if not SMOKE:
             torch.cuda.empty_cache()
+        if not args.warm:
+            write(False)
     if args.warm:
         print(f"warm: {len(RECORDS)} launches compiled and checked")
         return
-    doc = {"date": DATE, "device": device_name(), "torch": torch.__version__,
-           "command": " ".join(sys.argv), "records": RECORDS}
-    tag = ("_sweep" if args.sweep else "") + "".join(f"_{c}" for c in only)
-    paths = [ROOT / "bench" / "results" / f"cuda_paged_{DATE}{tag}.json"]
-    if args.out:
-        paths.append(args.out / f"cuda_paged_{DATE}{tag}.json")
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {p}")
+    write(True)
     targets_table()
 
 

@@ -225,6 +225,28 @@ def test_decode_index_prefetch_and_merge_chunk(prefetch):
     check(case, "bfloat16", prefetch_index=prefetch, n_split=3, merge_chunk=4)
 
 
+@pytest.mark.parametrize("early_ids,merge_group", [(True, False), (False, True), (True, True)])
+def test_decode_early_ids_and_group_merge(early_ids, merge_group):
+    """The first tile's block ids requested before the length is known (ids past the length,
+    table padding among them, never reach a k/v load or the id check), and the fused merge of a
+    decode step taking a tile's query-head rows together: groups of 4 and of 3 (a masked row),
+    uneven split counts, a length-0 sequence, more splits than its unrolled steps (falls back
+    to the row merge), Sq > 1 (row merge)."""
+    kw = dict(prefetch_index=True, early_ids=early_ids, merge_group=merge_group)
+    case = make_case(np.random.default_rng(31), B=2, hq=8, hkv=2, d=16, bs=4, lens=(37, 5),
+                     mb=10, alibi=True)
+    check(case, "float32", n_split=3, **kw)
+    check(case, "bfloat16", n_split=5, merge_chunk=2, **kw)
+    check(case, "float32", programs_per_sm=3, **kw)
+    case = make_case(np.random.default_rng(32), B=3, hq=6, hkv=2, d=12, bs=2, lens=(23, 0, 2),
+                     mb=12)
+    check(case, "float32", n_split=4, **kw)
+    check(case, "float32", n_split=12, merge_chunk=1, **kw)
+    case = make_case(np.random.default_rng(33), B=2, hq=4, hkv=2, sq=3, d=16, bs=4,
+                     lens=(14, 3), mb=5)
+    check(case, "float32", n_split=2, **kw)
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),
@@ -247,7 +269,11 @@ def test_many_splits_on_gpu():
     for ns in (None, 64, 128):
         for _ in range(3):
             torch.testing.assert_close(run(dc, n_split=ns).float(), whole, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(run(dc, n_split=ns, early_ids=True, merge_group=True,
+                                           prefetch_index=True).float(), whole, rtol=2e-2,
+                                       atol=2e-2)
     check(case, "bfloat16")
+    check(case, "bfloat16", early_ids=True, merge_group=True, programs_per_sm=3)
 
 
 def test_split_heuristic_uneven_lengths():
@@ -268,6 +294,15 @@ def test_split_heuristic():
     assert ns == 1 and kps == 4096
     kps, ns = K._splits(2, 8, 1, 8192, None, 64, dev)      # lengths unknown: capacity
     assert kps * ns >= 8192
+
+
+def test_split_heuristic_programs_per_sm(monkeypatch):
+    """More resident programs per SM assumed: more, shorter splits (B1 on 132 SMs)."""
+    monkeypatch.setattr(K, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 64, dev, 2) == (1024, 32)
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 64, dev, 3) == (704, 47)
+    assert K._splits(1, 8, 1, 32768, (32768, 32768), 32, dev, 3) == (672, 49)
 
 
 def test_prefetch_rule():

@@ -15,9 +15,9 @@ one split length for the launch, sized from the live lengths (finer when lengths
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
-to arrive merges them (up to MERGE_CHUNK splits of a row in one step whose loads are
-independent: one round trip per row) and resets the counter, so the split path is a single
-launch.
+to arrive merges them (`paged_merge`: up to MERGE_CHUNK splits of a row in one step whose
+loads are independent, one round trip per row; or, knob merge_group, a decode tile's rows
+together) and resets the counter, so the split path is a single launch.
 
 Chunked prefill (Sq >= PREFILL_MIN_SQ), FlashAttention-2 style: one program per (query
 positions, PREFILL_GROUP_HEADS query heads of one group), autotuned tiles; the tiles wholly
@@ -50,6 +50,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 
 __all__ = ["paged_attn", "supports_paged_attn", "assume_valid", "MAX_HEAD_DIM"]
 
@@ -69,6 +70,19 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 #: splits merged per step by the fused merge (a [MERGE_CHUNK, D] float32 tile in registers);
 #: up to this many splits merge in one step, whose loads are all independent (one round trip)
 MERGE_CHUNK = 64
+#: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
+#: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
+#: block_n, num_stages, programs_per_sm; empty: the general defaults
+FEW_PROGRAMS_LAUNCH: dict = {}
+#: the grouped kernel requests the first key tile's block ids together with the sequence length
+#: (one dependent round trip less before its first k/v load; ids past the length are masked out)
+#: (launch knob early_ids; off until measured on the H200)
+EARLY_IDS = False
+#: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
+#: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
+#: loads independent) instead of row after row: one round trip in the launch's tail instead of
+#: G_T (launch knob merge_group; off until measured on the H200)
+MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = False, 4096, 8
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -108,7 +122,7 @@ def _paged_attn_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
-        OFF32: tl.constexpr):
+        OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -117,10 +131,16 @@ def _paged_attn_kernel(
     hk = pid_bh % hkv
     gt = pid_t // n_qt
     qt = pid_t % n_qt
-    ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     cap = mb * BS
-    n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     lo = pid_s * keys_per_split
+    tab = BT + b * mb
+    offs_n = tl.arange(0, BLOCK_N)
+    if EARLY_IDS:        # the first tile's block ids requested with the length, not after it
+        j = lo + offs_n                          # (one round trip less before the first k/v)
+        ids_first = tl.load(tab + j // BS, mask=j < tl.minimum(lo + keys_per_split, cap),
+                            other=0)
+    ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
+    n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
         return                               # empty split: the merge never reads it
 
@@ -146,14 +166,15 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_bad = tl.zeros([BLOCK_N], tl.int32)    # live keys whose block id is outside the pool
-    tab = BT + b * mb
-    offs_n = tl.arange(0, BLOCK_N)
     # tiles start at multiples of BLOCK_N (keys_per_split is one): when a tile spans whole
     # pages, a key's offset within its page is the same in every tile
     in_page = ((offs_n % BS) * hkv + hk) * D
     if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load of
-        j = lo + offs_n                         # their own iteration and pipeline deeper
-        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        if EARLY_IDS:                           # their own iteration and pipeline deeper
+            phys_next = ids_first    # ids past the length: masked out of k/v and the id check
+        else:
+            j = lo + offs_n
+            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
@@ -218,13 +239,18 @@ def _paged_attn_kernel(
             if arrived == n_live - 1:
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
                 bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
-                for rr in range(0, BLOCK_M):
-                    gi_r = gt * G_T + rr % G_T
-                    i_r = qt * SQ_T + rr // G_T
-                    if (gi_r < G) & (i_r < sq):
-                        row_r = (b * hq + hk * G + gi_r).to(tl.int64) * sq + i_r
-                        _merge_row(PO, PM, PL, O, row_r, n_split, n_live, bad, D, BLOCK_D,
-                                   S_P2, MERGE_CHUNK)
+                if MERGE_GROUP:      # one query position (decode): its G_T consecutive rows
+                    _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
+                                 tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
+                                 BLOCK_D, G_T, S_P2, MERGE_CHUNK)
+                else:
+                    for rr in range(0, BLOCK_M):
+                        gi_r = gt * G_T + rr % G_T
+                        i_r = qt * SQ_T + rr // G_T
+                        if (gi_r < G) & (i_r < sq):
+                            row_r = (b * hq + hk * G + gi_r).to(tl.int64) * sq + i_r
+                            _merge_row(PO, PM, PL, O, row_r, n_split, n_live, bad, D,
+                                       BLOCK_D, S_P2, MERGE_CHUNK)
     else:
         bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0) | poison
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -415,57 +441,6 @@ _paged_prefill_tuned = triton.autotune(configs=FWD_CONFIGS, key=PREFILL_TUNE_KEY
                                        prune_configs_by=_PRUNE_FWD)(_paged_prefill_kernel)
 
 
-@triton.jit
-def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               S_P2: tl.constexpr, S_CHUNK: tl.constexpr):
-    """One output row from its first n_live splits' partials:
-    o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the accumulators S_CHUNK splits at a
-    time (few registers: it runs inside the split kernel). Loads bypass L1 (.cg): the partials
-    were written by other programs of the same launch."""
-    s = tl.arange(0, S_P2)
-    s_ok = s < n_live
-    m = tl.load(PM + row * n_split + s, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(PL + row * n_split + s, mask=s_ok, other=0.0, cache_modifier=".cg")
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.sum(tl.where(s_ok, tl.exp2(m - mx), 0.0) * l, 0)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    if S_CHUNK >= S_P2:      # one step: the three loads are independent, one round trip
-        po = tl.load(PO + (row * n_split + s)[:, None] * D + d[None, :],
-                     mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
-        out = tl.sum(w[:, None] * po, 0)
-    else:
-        out = tl.zeros([BLOCK_D], tl.float32)
-        for c0 in range(0, n_live, S_CHUNK):
-            sc = c0 + tl.arange(0, S_CHUNK)
-            c_ok = sc < n_live
-            m_c = tl.load(PM + row * n_split + sc, mask=c_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            w = tl.where(c_ok, tl.exp2(m_c - mx), 0.0)
-            po = tl.load(PO + (row * n_split + sc)[:, None] * D + d[None, :],
-                         mask=c_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            out += tl.sum(w[:, None] * po, 0)
-    out = out / tl.where(den > 0, den, 1.0)
-    out = tl.where(bad, float("nan"), out)
-    tl.store(O + row * D + d, out.to(O.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _paged_merge_kernel(PO, PM, PL, CL, O, sq, hq, cap, keys_per_split, n_split,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, S_P2: tl.constexpr,
-                        S_CHUNK: tl.constexpr):
-    """The unfused merge (a second launch; kept for the benchmark sweep): one row per program."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // (hq * sq)
-    ctx = tl.load(CL + b).to(tl.int64)
-    n_live = (tl.maximum(tl.minimum(tl.maximum(ctx, 0), cap), 1) + keys_per_split - 1) \
-        // keys_per_split
-    bad = (ctx > cap) | ((ctx > 0) & (ctx < sq)) | (ctx < 0)
-    _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D, BLOCK_D, S_P2, S_CHUNK)
-
-
 # ---- host side ---------------------------------------------------------------------------------
 #: index tensors already checked: (their memory, sq, pool) -> (weakref to one tensor holding
 #: that memory, its version counter, the same for the table, (longest, total context)). Views
@@ -606,7 +581,8 @@ def supports_paged_attn(shapes, dtypes, params=None) -> bool:
 def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_scale,
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
-               prefetch_index=None, group_heads=None, page_tiles=None):
+               prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
+               merge_group=None, programs_per_sm=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -615,7 +591,10 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     force the prefill / grouped kernel; None: by Sq), merge_chunk (splits per step of the fused
     merge), prefetch_index (grouped kernel: read block ids one tile ahead), group_heads (prefill:
     query heads per program, sharing each k/v tile), page_tiles (prefill: the wholly admissible
-    key tiles page by page, block ids one tile ahead)."""
+    key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
+    ahead: the first tile's ids requested with the length), merge_group (fused merge of a
+    decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
+    when sizing the splits)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -625,14 +604,15 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles)
+           page_tiles, early_ids, merge_group, programs_per_sm)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
         launch = _configure(q, k_cache, block_table, bool(alibi), sl.dim(), stats,
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
-                            group_heads, page_tiles)
+                            group_heads, page_tiles, early_ids, merge_group,
+                            programs_per_sm)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -649,7 +629,8 @@ _LAUNCHES: dict = {}
 
 def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
-               merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None):
+               merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
+               early_ids=None, merge_group=None, programs_per_sm=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -667,22 +648,36 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
+    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device):
+        block_n = block_n or FEW_PROGRAMS_LAUNCH.get("block_n")
+        num_stages = num_stages or FEW_PROGRAMS_LAUNCH.get("num_stages")
+        programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
         bn = block_n or 16
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device,
-                      PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM)
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
+                      (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
         ns = _cdiv(cap, kps)
+    s_p2 = max(2, next_pow2(ns))
+    chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
+    # the group merge: one query position, its loop unrolled MERGE_GROUP_STEPS steps at most
+    group = (MERGE_GROUP if merge_group is None else bool(merge_group)) and sq == 1 and \
+        bool(fused_merge) and ns > 1
+    if group:
+        chunk = min(s_p2, max(1, (merge_chunk or MERGE_GROUP_TILE // (g_t * block_d))))
+        group = s_p2 <= MERGE_GROUP_STEPS * chunk
+        if not group:
+            chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
-              DOT_F32=dot_f32, S_P2=max(2, next_pow2(ns)),
-              MERGE_CHUNK=min(merge_chunk or MERGE_CHUNK, max(2, next_pow2(ns))),
+              DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
+              EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
@@ -709,7 +704,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                 FUSED_MERGE=fused, **kw)
         if not fused:
             merge_(po, pm, pl, cl, out, sq, hq, cap, kps, ns, D=d, BLOCK_D=block_d,
-                   S_P2=max(2, next_pow2(ns)), S_CHUNK=kw["MERGE_CHUNK"], num_warps=4)
+                   S_P2=s_p2, S_CHUNK=kw["MERGE_CHUNK"], num_warps=4)
     return launch
 
 
