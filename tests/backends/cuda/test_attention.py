@@ -159,6 +159,30 @@ def test_16bit_flash_rule(dtype, opts):
 
 
 @KERNEL_TESTS
+@pytest.mark.parametrize("schedule", [dict(ORDER_GROUP=4), dict(PERSIST=True, ORDER_GROUP=4),
+                                      dict(PERSIST=True)], ids=["grouped", "persist_grouped",
+                                                                "persist"])
+@pytest.mark.parametrize("opts", [OPTS[1], BANDS[0], OPTS[-1]], ids=["causal", "window", "all"])
+def test_forward_tile_schedules(schedule, opts, monkeypatch):
+    """The forward's tile orders (heads in groups of 4 with 6 batch x heads: a smaller last
+    group) and the persistent grid stride give every tile once: out and lse as the reference."""
+    shape = (2, 3, 1, 70, 90, 8) if not HAS_CUDA else (2, 3, 1, 1000, 1200, 64)
+    q, k, v, go = _data(*shape, "float32")
+    o = _opts(opts, shape[0], shape[1], shape[4])
+    p = dict(PARAMS, **{key: val for key, val in o.items() if key in PARAMS})
+    extra = [x for x in (o.get("alibi"), o.get("k_len_tensor")) if x is not None]
+    p.update(has_alibi="alibi" in o, k_len_input="k_len_tensor" in o)
+    base_lse = K.flash_attn(q, k, v, *extra, **p)[1]      # the default schedule
+    for key, val in schedule.items():
+        monkeypatch.setitem(K.VARIANTS, key, val)
+    out, lse = K.flash_attn(q, k, v, *extra, **p)
+    want = _ref(q, k, v, go, **_ref_kw(o))[0]
+    scale = max(want.abs().max().item(), 1.0)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2e-5, atol=2e-5 * scale)
+    torch.testing.assert_close(lse, base_lse, rtol=1e-6, atol=1e-6)
+
+
+@KERNEL_TESTS
 def test_rows_without_keys_and_lse():
     q, k, v, go = _data(1, 2, 1, 20, 8, 16, "float32")
     out, lse, dq, dk, dv = _run(q, k, v, go, causal=True)   # rows 0..11 see no key

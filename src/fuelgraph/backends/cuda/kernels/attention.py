@@ -115,10 +115,17 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: Measured on the H200 (B4 H32 S4096 D128 bf16 causal): FMA_SCORES 427 vs 409 TFLOP/s, ALiBi
 #: 395 vs 374 with ALIBI_COLS. Tried and dropped: the unmasked blocks' k/v through TMA tensor
 #: descriptors (401), all blocks in one loop with the mask behind a run-time branch (421).
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
+#: PERSIST -- one program per SM (two for 64-row tiles) walking the query tiles (a grid
+#: stride over the tile order below): for short programs (sliding windows), no launch per
+#: tile. Triton 3.6's automatic warp specialization (tl.range warp_specialize) was tried: it
+#: leaves this loop unchanged on sm_90 (same SASS). ORDER_GROUP (an int, no recompile) -- the
+#: forward's tiles dealt in groups of this many heads, longest causal rows first across a
+#: group (see _fwd_tile); 1: head by head.
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PERSIST": False, "ORDER_GROUP": 1}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
-    _k, _v = _kv.split("=")
-    VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
+    _k, _v = (x.strip() for x in _kv.split("="))
+    VARIANTS[_k] = int(_v) if _v.isdigit() and _k == "ORDER_GROUP" else \
+        _v not in ("0", "false", "False")
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -288,19 +295,61 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
+def _fwd_tile(lin, n_m, n_bh, ORDER_GROUP, CAUSAL: tl.constexpr):
+    """(query block, batch x head) of the lin-th tile in launch order (of n_m query blocks by
+    n_bh = B * H). Tiles are dealt in groups of ORDER_GROUP heads (the last group smaller),
+    each group's blocks block-major: a group's programs share its heads' k/v in L2 and, causal,
+    start longest first across the group's heads, so the grid ends on short programs
+    (ORDER_GROUP = 1: head by head, each longest first)."""
+    group = lin // (ORDER_GROUP * n_m)
+    first = group * ORDER_GROUP
+    size = tl.minimum(n_bh - first, ORDER_GROUP)
+    r = lin - first * n_m
+    pid_m = r // size
+    bh = first + r % size
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = n_m - 1 - pid_m
+    return pid_m, bh
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
+@triton.jit(do_not_specialize=["ORDER_GROUP", "N_BH"])
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
-                TUNE_Q, TUNE_K, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+                TUNE_Q, TUNE_K, ORDER_GROUP, N_BH, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr,
+                IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
+                PERSIST: tl.constexpr):
+    """Grid (query blocks, B * H), or with PERSIST (programs, 1) striding over the tiles."""
+    n_m = tl.cdiv(SQ, BLOCK_M)
+    if PERSIST:
+        for lin in range(tl.program_id(0), n_m * N_BH, tl.num_programs(0)):
+            pid_m, bh = _fwd_tile(lin, n_m, N_BH, ORDER_GROUP, CAUSAL)
+            _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh,
+                          skn, svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC,
+                          QK_SCALE, CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL,
+                          HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA)
+    else:
+        pid_m, bh = _fwd_tile(tl.program_id(1) * n_m + tl.program_id(0), n_m, N_BH,
+                              ORDER_GROUP, CAUSAL)
+        _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
+                      svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE,
+                      CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL, HAS_WR,
+                      HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA)
+
+
+@triton.jit
+def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb,
+                  svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL,
+                  WR, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  DYN_KLEN: tl.constexpr, IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr,
+                  FMA: tl.constexpr):
+    """The forward of query block pid_m of batch x head bh: out rows and their lse."""
     b = (bh // H).to(tl.int64)
     h = bh % H
     hk = (h // G).to(tl.int64)
@@ -636,7 +685,8 @@ class _Launch:
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
+                 and (f["HAS_CAP"] or self.qk_scale > 0)),     # the multiplier must be > 0
+            PERSIST=bool(VARIANTS["PERSIST"]))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
@@ -647,6 +697,16 @@ def _params(softmax_scale, causal, window_size_left, window_size_right, softcap,
     return dict(softmax_scale=softmax_scale, causal=causal, window_size_left=window_size_left,
                 window_size_right=window_size_right, softcap=softcap, k_len=k_len,
                 has_alibi=has_alibi, k_len_input=k_len_input)
+
+
+def _fwd_grid(a, meta):
+    """(query blocks, B * H); PERSIST: as many programs as fit on the SMs at once (one 128-row
+    tile per SM, two 64-row ones), at most one a tile."""
+    tiles = triton.cdiv(a.SQ, meta["BLOCK_M"])
+    if not meta["PERSIST"]:
+        return (tiles, a.B * a.H)
+    sms = 4 if INTERPRET else torch.cuda.get_device_properties(a.q.device).multi_processor_count
+    return (min(tiles * a.B * a.H, sms * (2 if meta["BLOCK_M"] <= 64 else 1)), 1)
 
 
 @kernel(FusedOps.FLASH_ATTN, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
@@ -665,11 +725,12 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+    grid = lambda meta: _fwd_grid(a, meta)  # noqa: E731
     _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
-                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
+                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune,
+                      ORDER_GROUP=max(1, int(VARIANTS["ORDER_GROUP"])), N_BH=a.B * a.H, **a.flags,
                       **a.fwd_flags)
     return out, lse
 
