@@ -47,7 +47,8 @@ def source(case, m, n, variant):
                     "ALIBI_COLS", False),
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
                     "FMA_SCORES", False),
-                PERSIST=A.VARIANTS["PERSIST"] != variant.get("PERSIST", False))
+                PERSIST=A.VARIANTS["PERSIST"] != variant.get("PERSIST", False),
+                LAZY=A.VARIANTS["LAZY_RESCALE"] != variant.get("LAZY_RESCALE", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     sig = {k: v for k, v in sig.items() if k in known}

@@ -120,8 +120,11 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: tile. Triton 3.6's automatic warp specialization (tl.range warp_specialize) was tried: it
 #: leaves this loop unchanged on sm_90 (same SASS). ORDER_GROUP (an int, no recompile) -- the
 #: forward's tiles dealt in groups of this many heads, longest causal rows first across a
-#: group (see _fwd_tile); 1: head by head.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PERSIST": False, "ORDER_GROUP": 1}
+#: group (see _fwd_tile); 1: head by head. LAZY_RESCALE -- the unmasked blocks rescale the
+#: accumulator only when a row's max grows by more than 2^8 (a CTA-wide test a block; see
+#: _fwd_inner): sm_90 SASS of that loop, plain causal 128x64: 332 -> 3xx instructions.
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PERSIST": False, "ORDER_GROUP": 1,
+            "LAZY_RESCALE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = (x.strip() for x in _kv.split("="))
     VARIANTS[_k] = int(_v) if _v.isdigit() and _k == "ORDER_GROUP" else \
@@ -253,10 +256,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr = False):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump))."""
+    band: [start, jump_at) and [jump_at + jump, end + jump)). LAZY (unmasked blocks only):
+    m_i is a reference point, not the running max: it moves (and acc and l_i are rescaled)
+    only when some row's block max exceeds it by more than 8 (log2 units), so most blocks
+    skip the rescale of acc (one multiply an accumulator element); probabilities stay
+    below 2^8."""
     for j in range(start, end, BLOCK_N):
         j0 = j
         if MASK:
@@ -274,24 +281,43 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                 mult = CAP * 1.4426950408889634
             else:
                 mult = QK_SCALE * 1.4426950408889634
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+            m_blk = tl.max(s, 1) * mult
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FMA:    # one fused multiply-add a score
-            p = tl.exp2(s * mult - m_use[:, None])
+            m_blk = tl.max(s, 1)
+        if LAZY and not MASK:   # every row has keys here: m_blk is finite
+            if tl.max(m_blk - m_i, 0) > 8.0:     # the first block: m_i = -inf
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            if FMA:
+                p = tl.exp2(s * mult - m_i[:, None])
+            else:
+                p = tl.exp2(s - m_i[:, None])
+            l_i += tl.sum(p, 1)
+            v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+            if IEEE:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+            m_new = tl.maximum(m_i, m_blk)
+            m_use = m_new
+            if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if FMA:    # one fused multiply-add a score
+                p = tl.exp2(s * mult - m_use[:, None])
+            else:
+                p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+            if IEEE:
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
     return acc, l_i, m_i
 
 
@@ -322,7 +348,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr,
                 IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
-                PERSIST: tl.constexpr):
+                PERSIST: tl.constexpr, LAZY: tl.constexpr):
     """Grid (query blocks, B * H), or with PERSIST (programs, 1) striding over the tiles."""
     n_m = tl.cdiv(SQ, BLOCK_M)
     if PERSIST:
@@ -331,14 +357,15 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
             _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh,
                           skn, svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC,
                           QK_SCALE, CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL,
-                          HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA)
+                          HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA,
+                          LAZY)
     else:
         pid_m, bh = _fwd_tile(tl.program_id(1) * n_m + tl.program_id(0), n_m, N_BH,
                               ORDER_GROUP, CAUSAL)
         _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
                       svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE,
                       CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL, HAS_WR,
-                      HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA)
+                      HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA, LAZY)
 
 
 @triton.jit
@@ -348,7 +375,7 @@ def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, 
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr,
-                  FMA: tl.constexpr):
+                  FMA: tl.constexpr, LAZY: tl.constexpr):
     """The forward of query block pid_m of batch x head bh: out rows and their lse."""
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -378,7 +405,7 @@ def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
+                               BLOCK_N, ALIBI_COLS, FMA, LAZY)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
@@ -686,7 +713,7 @@ class _Launch:
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
                  and (f["HAS_CAP"] or self.qk_scale > 0)),     # the multiplier must be > 0
-            PERSIST=bool(VARIANTS["PERSIST"]))
+            PERSIST=bool(VARIANTS["PERSIST"]), LAZY=bool(VARIANTS["LAZY_RESCALE"]))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
