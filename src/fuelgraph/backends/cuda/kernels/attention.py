@@ -120,7 +120,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: tile. Triton 3.6's automatic warp specialization (tl.range warp_specialize) was tried: it
 #: leaves this loop unchanged on sm_90 (same SASS). ORDER_GROUP (an int, no recompile) -- the
 #: forward's tiles dealt in groups of this many heads, longest causal rows first across a
-#: group (see _fwd_tile); 1: head by head. LAZY_RESCALE -- the unmasked blocks rescale the
+#: group (see _fwd_tile); 1: head by head. LAZY_RESCALE -- the key loops rescale the
 #: accumulator only when a row's max grows by more than 2^8 (a CTA-wide test a block; see
 #: _fwd_inner): sm_90 SASS of that loop, 128 x 64: 358 instructions with the rescale (64
 #: multiplies, taken rarely) behind a branch, against 332 always.
@@ -268,11 +268,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr = False):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump)). LAZY (unmasked blocks only):
-    m_i is a reference point, not the running max: it moves (and acc and l_i are rescaled)
-    only when some row's block max exceeds it by more than 8 (log2 units), so most blocks
-    skip the rescale of acc (one multiply an accumulator element); probabilities stay
-    below 2^8."""
+    band: [start, jump_at) and [jump_at + jump, end + jump)). LAZY: m_i is a reference
+    point, not the running max: it moves (and acc and l_i are rescaled) only when some row's
+    block max exceeds it by more than 8 (log2 units), so most blocks skip the rescale of acc
+    (one multiply an accumulator element); probabilities stay below 2^8."""
     for j in range(start, end, BLOCK_N):
         j0 = j
         if MASK:
@@ -293,17 +292,26 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
             m_blk = tl.max(s, 1) * mult
         else:
             m_blk = tl.max(s, 1)
-        if LAZY and not MASK:   # every row has keys here: m_blk is finite
-            if tl.max(m_blk - m_i, 0) > 8.0:     # the first block: m_i = -inf
+        if LAZY:
+            # growth of each row's max past its reference (a row without keys here: 0; one
+            # without a reference yet: +inf)
+            grow = tl.where(m_blk > m_i, m_blk - m_i, 0.0)
+            if tl.max(grow, 0) > 8.0:
                 m_new = tl.maximum(m_i, m_blk)
-                alpha = tl.exp2(m_i - m_new)
+                m_use = m_new
+                if MASK:   # a row may still have no admissible key: shift by 0, not -inf
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
                 acc = acc * alpha[:, None]
                 l_i = l_i * alpha
                 m_i = m_new
+            m_ref = m_i
+            if MASK:
+                m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
             if FMA:
-                p = tl.exp2(s * mult - m_i[:, None])
+                p = tl.exp2(s * mult - m_ref[:, None])
             else:
-                p = tl.exp2(s - m_i[:, None])
+                p = tl.exp2(s - m_ref[:, None])
             l_i += tl.sum(p, 1)
             v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
             if IEEE:
@@ -419,7 +427,7 @@ def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, 
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
+                               BLOCK_N, ALIBI_COLS, FMA, LAZY)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
