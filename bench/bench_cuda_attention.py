@@ -280,24 +280,37 @@ def warm(part, nparts):
 
 
 def parse_schedules(text):
-    """[(name, {VARIANT: value})] from "base;ORDER_GROUP=8;PERSIST=1,ORDER_GROUP=8"."""
+    """[(name, {VARIANT: value})] from "base;ORDER_GROUP=8;PERSIST=1,CONFIG=64.64.4.3"
+    (CONFIG: the forward's launch config for that setting, M.N.warps.stages)."""
     out = []
     for spec in filter(None, (x.strip() for x in text.split(";"))):
         kv = {}
         for item in filter(None, spec.split(",")) if spec != "base" else ():
             key, val = item.split("=")
-            kv[key] = int(val) if key == "ORDER_GROUP" else val not in ("0", "false")
+            kv[key] = (int(val) if key == "ORDER_GROUP" else val if key == "CONFIG"
+                       else val not in ("0", "false"))
         out.append((spec, kv))
     return out
 
 
 def with_variants(kv, fn):
+    """fn() with these VARIANTS (and CONFIG: the forward autotuner's configs, its cache
+    cleared before and after)."""
+    kv = dict(kv)
+    config = kv.pop("CONFIG", None)
     old = {k: K.VARIANTS[k] for k in kv}
+    old_configs = K._fwd_kernel.configs
     K.VARIANTS.update(kv)
+    if config:
+        K._fwd_kernel.configs = [K.fwd_config(*map(int, config.split(".")))]
+        K._fwd_kernel.cache.clear()
     try:
         return fn()
     finally:
         K.VARIANTS.update(old)
+        if config:
+            K._fwd_kernel.configs = old_configs
+            K._fwd_kernel.cache.clear()
 
 
 def schedule_cases(H):
