@@ -22,7 +22,7 @@ SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--sweep]
-        [--schedules "base;ORDER_GROUP=8;PERSIST=1,ORDER_GROUP=8"]
+        [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
 (with --configs and --sweep) will use, on small tensors with the same specializations, into
@@ -33,8 +33,8 @@ Triton's disk cache: N such processes in parallel take the cold compiles off the
 `attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
 --schedules times plain causal and window 1024 (row 5's shapes) under each setting of
-`attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; impl "fuelgraph kernel
-<setting>") and prints causal TFLOP/s and the window's time per unit of work against plain
+`attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
+forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal TFLOP/s and the window's time per unit of work against plain
 causal's, setting by setting (with --warm, it compiles those kernels instead).
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
@@ -280,15 +280,14 @@ def warm(part, nparts):
 
 
 def parse_schedules(text):
-    """[(name, {VARIANT: value})] from "base;ORDER_GROUP=8;PERSIST=1,CONFIG=64.64.4.3"
+    """[(name, {VARIANT: value})] from "base;FMA_SCORES=0;FMA_SCORES=0,CONFIG=64.64.4.3"
     (CONFIG: the forward's launch config for that setting, M.N.warps.stages)."""
     out = []
     for spec in filter(None, (x.strip() for x in text.split(";"))):
         kv = {}
         for item in filter(None, spec.split(",")) if spec != "base" else ():
             key, val = item.split("=")
-            kv[key] = (int(val) if key == "ORDER_GROUP" else val if key == "CONFIG"
-                       else val not in ("0", "false"))
+            kv[key] = val if key == "CONFIG" else val not in ("0", "false")
         out.append((spec, kv))
     return out
 
@@ -318,13 +317,13 @@ def schedule_cases(H):
 
 
 def warm_schedules(specs, part, nparts):
-    """Compile plain causal and window 1024 under each setting (the order groups share one)."""
+    """Compile plain causal and window 1024 under each setting."""
     B, H, S = 1, 16, 256
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     seen, jobs = set(), []
     for spec, kv in specs:
         for case in schedule_cases(H):
-            key = (case[0], tuple(sorted((k_, v_) for k_, v_ in kv.items() if k_ != "ORDER_GROUP")))
+            key = (case[0], tuple(sorted(kv.items())))
             if key not in seen:
                 seen.add(key)
                 jobs.append((spec, kv, case))

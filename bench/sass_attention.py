@@ -37,8 +37,7 @@ def source(case, m, n, variant):
              "SLOPES": "*fp32", "KLEN": "*i32"}
     sig = dict(types)
     sig.update({k: "i32" for k in INTS if k != "G"})
-    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32",
-               ORDER_GROUP="i32", N_BH="i32")
+    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
@@ -46,12 +45,9 @@ def source(case, m, n, variant):
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"] != variant.get(
                     "ALIBI_COLS", False),
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
-                    "FMA_SCORES", False),
-                PERSIST=A.VARIANTS["PERSIST"] != variant.get("PERSIST", False),
-                LAZY=A.VARIANTS["LAZY_RESCALE"] != variant.get("LAZY_RESCALE", False))
+                    "FMA_SCORES", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
-    sig = {k: v for k, v in sig.items() if k in known}
     names = list(sig)
     # pointers, strides and sizes divisible by 16 as the JIT finds them for B4 H32 S4096
     aligned = {(names.index(k),): [["tt.divisibility", 16]]

@@ -115,21 +115,17 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: Measured on the H200 (B4 H32 S4096 D128 bf16 causal): FMA_SCORES 427 vs 409 TFLOP/s, ALiBi
 #: 395 vs 374 with ALIBI_COLS. Tried and dropped: the unmasked blocks' k/v through TMA tensor
 #: descriptors (401), all blocks in one loop with the mask behind a run-time branch (421).
-#: PERSIST -- one program per SM (two for 64-row tiles) walking the query tiles (a grid
-#: stride over the tile order below): for short programs (sliding windows), no launch per
-#: tile. Triton 3.6's automatic warp specialization (tl.range warp_specialize) was tried: it
-#: leaves this loop unchanged on sm_90 (same SASS). ORDER_GROUP (an int, no recompile) -- the
-#: forward's tiles dealt in groups of this many heads, longest causal rows first across a
-#: group (see _fwd_tile); 1: head by head. LAZY_RESCALE -- the key loops rescale the
-#: accumulator only when a row's max grows by more than 2^8 (a CTA-wide test a block; see
-#: _fwd_inner): sm_90 SASS of that loop, 128 x 64: 358 instructions with the rescale (64
-#: multiplies, taken rarely) behind a branch, against 332 always.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PERSIST": False, "ORDER_GROUP": 1,
-            "LAZY_RESCALE": False}
+#: Tried in session 5 (H200, same case; plain causal / window 1024 TFLOP/s, against 433 / 354
+#: in the same run): tiles dealt in groups of 8 or 16 heads, longest causal rows first across
+#: the group (435 / 356 and 428 / 351: noise); a persistent grid (one program an SM striding
+#: over the tiles: 404 / 341; with 64-row tiles, two an SM: 362 / 344); the accumulator
+#: rescaled only when a row max grows by more than 2^8, behind a CTA-wide test a block (SASS
+#: 332 -> ~300 instructions a block, but 384 / 313: the test's barriers cost more); Triton's
+#: automatic warp specialization (tl.range warp_specialize): same SASS on sm_90.
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
-    _k, _v = (x.strip() for x in _kv.split("="))
-    VARIANTS[_k] = int(_v) if _v.isdigit() and _k == "ORDER_GROUP" else \
-        _v not in ("0", "false", "False")
+    _k, _v = _kv.split("=")
+    VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -225,9 +221,10 @@ def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr
           HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False):
     """-inf outside the admissible keys. LIVE_ROWS (the forward, whose rows past Sq are never
     stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
-    two selects in a row beat one select of the combined test (sm_90 SASS of the masked loop,
-    128 x 64: 508 instead of 556 instructions; a plain causal mask keeps the combined form,
-    which compiles to fewer there)."""
+    two selects in a row compile to fewer instructions than one select of the combined test
+    (sm_90 SASS of the masked loop, 128 x 64: 508 instead of 556; H200 window 1024: 354
+    instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
+    compare a score, the compiler packs the predicates into integers (507 instead of 491)."""
     if LIVE_ROWS and CAUSAL and HAS_WL and not HAS_WR:
         s = tl.where(k_pos <= a_pos, s, float("-inf"))
         return tl.where(k_pos >= a_pos - WL, s, float("-inf"))
@@ -265,13 +262,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr = False):
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump)). LAZY: m_i is a reference
-    point, not the running max: it moves (and acc and l_i are rescaled) only when some row's
-    block max exceeds it by more than 8 (log2 units), so most blocks skip the rescale of acc
-    (one multiply an accumulator element); probabilities stay below 2^8."""
+    band: [start, jump_at) and [jump_at + jump, end + jump))."""
     for j in range(start, end, BLOCK_N):
         j0 = j
         if MASK:
@@ -289,111 +283,40 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                 mult = CAP * 1.4426950408889634
             else:
                 mult = QK_SCALE * 1.4426950408889634
-            m_blk = tl.max(s, 1) * mult
+            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
         else:
-            m_blk = tl.max(s, 1)
-        if LAZY:
-            # growth of each row's max past its reference (a row without keys here: 0; one
-            # without a reference yet: +inf)
-            grow = tl.where(m_blk > m_i, m_blk - m_i, 0.0)
-            if tl.max(grow, 0) > 8.0:
-                m_new = tl.maximum(m_i, m_blk)
-                m_use = m_new
-                if MASK:   # a row may still have no admissible key: shift by 0, not -inf
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_ref = m_i
-            if MASK:
-                m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-            if FMA:
-                p = tl.exp2(s * mult - m_ref[:, None])
-            else:
-                p = tl.exp2(s - m_ref[:, None])
-            l_i += tl.sum(p, 1)
-            v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-            if IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if FMA:    # one fused multiply-add a score
+            p = tl.exp2(s * mult - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, m_blk)
-            m_use = m_new
-            if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            if FMA:    # one fused multiply-add a score
-                p = tl.exp2(s * mult - m_use[:, None])
-            else:
-                p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-            if IEEE:
-                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
+        if IEEE:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit
-def _fwd_tile(lin, n_m, n_bh, ORDER_GROUP, CAUSAL: tl.constexpr):
-    """(query block, batch x head) of the lin-th tile in launch order (of n_m query blocks by
-    n_bh = B * H). Tiles are dealt in groups of ORDER_GROUP heads (the last group smaller),
-    each group's blocks block-major: a group's programs share its heads' k/v in L2 and, causal,
-    start longest first across the group's heads, so the grid ends on short programs
-    (ORDER_GROUP = 1: head by head, each longest first)."""
-    group = lin // (ORDER_GROUP * n_m)
-    first = group * ORDER_GROUP
-    size = tl.minimum(n_bh - first, ORDER_GROUP)
-    r = lin - first * n_m
-    pid_m = r // size
-    bh = first + r % size
-    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
-        pid_m = n_m - 1 - pid_m
-    return pid_m, bh
-
-
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
-@triton.jit(do_not_specialize=["ORDER_GROUP", "N_BH"])
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
-                TUNE_Q, TUNE_K, ORDER_GROUP, N_BH, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr,
-                IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
-                PERSIST: tl.constexpr, LAZY: tl.constexpr):
-    """Grid (query blocks, B * H), or with PERSIST (programs, 1) striding over the tiles."""
-    n_m = tl.cdiv(SQ, BLOCK_M)
-    if PERSIST:
-        for lin in range(tl.program_id(0), n_m * N_BH, tl.num_programs(0)):
-            pid_m, bh = _fwd_tile(lin, n_m, N_BH, ORDER_GROUP, CAUSAL)
-            _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh,
-                          skn, svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC,
-                          QK_SCALE, CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL,
-                          HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA,
-                          LAZY)
-    else:
-        pid_m, bh = _fwd_tile(tl.program_id(1) * n_m + tl.program_id(0), n_m, N_BH,
-                              ORDER_GROUP, CAUSAL)
-        _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
-                      svb, svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE,
-                      CAP, WL, WR, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL, HAS_WR,
-                      HAS_CAP, HAS_ALIBI, DYN_KLEN, IEEE, ALIBI_COLS, FMA, LAZY)
-
-
-@triton.jit
-def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb,
-                  svh, svn, sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL,
-                  WR, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  DYN_KLEN: tl.constexpr, IEEE: tl.constexpr, ALIBI_COLS: tl.constexpr,
-                  FMA: tl.constexpr, LAZY: tl.constexpr):
-    """The forward of query block pid_m of batch x head bh: out rows and their lse."""
+                TUNE_Q, TUNE_K, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
     hk = (h // G).to(tl.int64)
@@ -422,12 +345,12 @@ def _fwd_tile_run(pid_m, bh, Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, 
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA, LAZY)
+                               BLOCK_N, ALIBI_COLS, FMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA, LAZY)
+                               BLOCK_N, ALIBI_COLS, FMA)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -729,8 +652,7 @@ class _Launch:
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)),     # the multiplier must be > 0
-            PERSIST=bool(VARIANTS["PERSIST"]), LAZY=bool(VARIANTS["LAZY_RESCALE"]))
+                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
@@ -741,16 +663,6 @@ def _params(softmax_scale, causal, window_size_left, window_size_right, softcap,
     return dict(softmax_scale=softmax_scale, causal=causal, window_size_left=window_size_left,
                 window_size_right=window_size_right, softcap=softcap, k_len=k_len,
                 has_alibi=has_alibi, k_len_input=k_len_input)
-
-
-def _fwd_grid(a, meta):
-    """(query blocks, B * H); PERSIST: as many programs as fit on the SMs at once (one 128-row
-    tile per SM, two 64-row ones), at most one a tile."""
-    tiles = triton.cdiv(a.SQ, meta["BLOCK_M"])
-    if not meta["PERSIST"]:
-        return (tiles, a.B * a.H)
-    sms = 4 if INTERPRET else torch.cuda.get_device_properties(a.q.device).multi_processor_count
-    return (min(tiles * a.B * a.H, sms * (2 if meta["BLOCK_M"] <= 64 else 1)), 1)
 
 
 @kernel(FusedOps.FLASH_ATTN, "cuda", dtypes=HALF_AND_F32, cost=attention_cost(2),
@@ -769,12 +681,11 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out.zero_(), lse
-    grid = lambda meta: _fwd_grid(a, meta)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
     _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
-                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune,
-                      ORDER_GROUP=max(1, int(VARIANTS["ORDER_GROUP"])), N_BH=a.B * a.H, **a.flags,
+                      *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
                       **a.fwd_flags)
     return out, lse
 
