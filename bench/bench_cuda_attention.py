@@ -22,6 +22,7 @@ SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--sweep]
+        [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
 (with --configs and --sweep) will use, on small tensors with the same specializations, into
@@ -30,6 +31,11 @@ Triton's disk cache: N such processes in parallel take the cold compiles off the
 (each is a compile per flag set); --sweep records every tuned forward config's time (impl
 "config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
 `attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
+
+--schedules times plain causal and window 1024 (row 5's shapes) under each setting of
+`attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
+forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal TFLOP/s and the window's time per unit of work against plain
+causal's, setting by setting (with --warm, it compiles those kernels instead).
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -243,7 +249,8 @@ def variant_cases(H):
 
 def flipped(name):
     """The code variants row 5 measures flipped for case `name` (with --sweep)."""
-    return [v for v in K.VARIANTS if (v != "ALIBI_COLS" or name == "alibi")
+    return [v for v in K.VARIANTS if isinstance(K.VARIANTS[v], bool)
+            and (v != "ALIBI_COLS" or name == "alibi")
             and (v != "FMA_SCORES" or name != "alibi")]
 
 
@@ -270,6 +277,87 @@ def warm(part, nparts):
         finally:
             if var:
                 K.VARIANTS[var] = not K.VARIANTS[var]
+
+
+def parse_schedules(text):
+    """[(name, {VARIANT: value})] from "base;FMA_SCORES=0;FMA_SCORES=0,CONFIG=64.64.4.3"
+    (CONFIG: the forward's launch config for that setting, M.N.warps.stages)."""
+    out = []
+    for spec in filter(None, (x.strip() for x in text.split(";"))):
+        kv = {}
+        for item in filter(None, spec.split(",")) if spec != "base" else ():
+            key, val = item.split("=")
+            kv[key] = val if key == "CONFIG" else val not in ("0", "false")
+        out.append((spec, kv))
+    return out
+
+
+def with_variants(kv, fn):
+    """fn() with these VARIANTS (and CONFIG: the forward autotuner's configs, its cache
+    cleared before and after)."""
+    kv = dict(kv)
+    config = kv.pop("CONFIG", None)
+    old = {k: K.VARIANTS[k] for k in kv}
+    old_configs = K._fwd_kernel.configs
+    K.VARIANTS.update(kv)
+    if config:
+        K._fwd_kernel.configs = [K.fwd_config(*map(int, config.split(".")))]
+        K._fwd_kernel.cache.clear()
+    try:
+        return fn()
+    finally:
+        K.VARIANTS.update(old)
+        if config:
+            K._fwd_kernel.configs = old_configs
+            K._fwd_kernel.cache.clear()
+
+
+def schedule_cases(H):
+    return [c for c in variant_cases(H) if c[0] in ("plain causal", "window 1024")]
+
+
+def warm_schedules(specs, part, nparts):
+    """Compile plain causal and window 1024 under each setting."""
+    B, H, S = 1, 16, 256
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    seen, jobs = set(), []
+    for spec, kv in specs:
+        for case in schedule_cases(H):
+            key = (case[0], tuple(sorted(kv.items())))
+            if key not in seen:
+                seen.add(key)
+                jobs.append((spec, kv, case))
+    for n, (spec, kv, (name, p, opt, _)) in enumerate(jobs):
+        if n % nparts == part:
+            with_variants(kv, lambda: K.flash_attn(q, k, v, *opt, **p))
+            torch.cuda.synchronize()
+            print(f"warm {name} [{spec}]", flush=True)
+
+
+def schedules_row(row, specs, B, H, S):
+    """Plain causal and window 1024 under each VARIANTS setting; (spec, causal TFLOP/s,
+    window TFLOP/s, window time per unit of work / plain causal's) lines."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    refs, lines = {}, []
+    for spec, kv in specs:
+        tf = {}
+        for name, p, opt, wl in schedule_cases(H):
+            case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
+            flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+            try:
+                got = with_variants(kv, lambda: K.flash_attn(q, k, v, *opt, **p)[0])
+                refs.setdefault(name, got)
+                ms = with_variants(kv, lambda: t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)))
+                record(row, case, f"fuelgraph kernel {spec}", ms, flops,
+                       maxerr(got, refs[name]), **fwd_tuning())
+                tf[name] = flops / (ms * 1e-3) / 1e12
+            except Exception as exc:  # noqa: BLE001
+                print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
+        if len(tf) == 2:
+            lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  window "
+                         f"{tf['window 1024']:6.1f} TFLOP/s  window/plain "
+                         f"{tf['plain causal'] / tf['window 1024']:.3f}x")
+    return lines
 
 
 def variants_row(row, B, H, S):
@@ -355,6 +443,7 @@ def main():
     ap.add_argument("--configs", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--warm", default=None)
+    ap.add_argument("--schedules", default=None)
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -362,6 +451,10 @@ def main():
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
+    specs = parse_schedules(args.schedules) if args.schedules else None
+    if args.warm and specs:
+        warm_schedules(specs, *map(int, args.warm.split("/")))
+        return
     if args.warm:
         warm(*map(int, args.warm.split("/")))
         return
@@ -375,6 +468,17 @@ def main():
             6: lambda: forward_row(6, "long context causal fwd", 1, H, H, 32768, True,
                                    anchors=("flash",))}
     results = {}
+    if specs:          # the schedule sweep instead of the rows
+        rows = set()
+        lines = schedules_row(7, specs, B, H, S)
+        print("\nschedules (plain causal target >= 450 TFLOP/s; window/plain target <= 1.15x)")
+        print("\n".join(lines), flush=True)
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
+        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"cuda_attention_{DATE}_schedules.json").write_text(json.dumps(doc, indent=1))
+        return
     for row in sorted(rows):
         print(f"row {row}", flush=True)
         try:
