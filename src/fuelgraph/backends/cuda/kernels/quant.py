@@ -39,6 +39,7 @@ from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
+from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -192,11 +193,15 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   Q4_0's dense copy in storage order 0.126 vs 0.164 in K order vs 0.358 fused (its 18-byte
 #:   blocks allow only 2-byte loads, which Triton does not pipeline). NF4's storage-order copy
 #:   (every other element a store, 1.03 ms) is replaced by the K-order copy (16-byte stores).
+#: * M = 1, Q4_0 / Q8_0 / NF4 / AWQ: "packed" (`quant_packed`: a cached copy of the weight in
+#:   16-byte-aligned chunk order and a GEMV with wide loads); shapes it rejects take "rows".
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
-ROUTES = {NF4: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
-          AWQ: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _GGUF_ROUTE for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
+_PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
+          AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
+          **{fmt: _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
+             for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
 
 def default_route(fmt_id: int, m: int):
@@ -215,13 +220,15 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | str | None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
-    (the fused dequantizing GEMM of quant_gemm), "tiles", "rows", "dequant" (dense K-order copy
-    of the weight + cuBLAS) or "dequant_rows" (the copy written in storage order). Configs a
-    format / direction has no kernel for fall back to the tile kernels."""
+    (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
+    on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"),
+    "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
+    (the copy written in storage order). Configs a format / direction has no kernel for fall
+    back to the tile kernels."""
     rows_ok = not grad and _has_rows_kernel(fmt_id, i0) and x.dtype != torch.float64
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
@@ -233,6 +240,11 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if config == "packed" or isinstance(config, PackedConfig):
+        if rows_ok and m_all == 1 and packable(fmt_id, i0, k, n):
+            return run_packed(fmt_id, x, w0, w1, w2, i0, k, n,
+                              config=config if isinstance(config, PackedConfig) else None)
+        config = "rows"
     if isinstance(config, GemmConfig) and rows_ok and fmt_id in GEMM_FORMATS:
         return run_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
     if config in ("dequant", "dequant_rows"):

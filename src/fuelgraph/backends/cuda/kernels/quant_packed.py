@@ -1,0 +1,329 @@
+"""One-row quantized matmul (`out = x @ W.T`, x [1, K], W [N, K]) on a GPU-friendly copy of the
+weight, repacked once per weight tensor and cached with it (`packed_weight`).
+
+Why: GGUF blocks (Q4_0: 18 bytes, Q8_0: 34) are not 16-byte aligned, so the storage-order GEMV
+(`quant_rows`) reads them in 2-byte words and streams 0.6-1.1 TB/s. Here the codes and the
+scales live in separate, aligned arrays:
+
+* codes: int32 words `[N, K / E * 32]`, one "chunk" of E elements of a row = 32 consecutive
+  words. 4-bit formats (Q4_0, NF4, AWQ; E = 256): element j * 32 + t of a chunk is nibble j
+  (bits 4j..4j+3) of word t. Q8_0 (E = 128): element j * 32 + t is byte j of word t (int8).
+  So "plane" j of a [rows, chunks, 32] word tile holds 32 consecutive elements of K, whose x
+  values are one contiguous load, and one scale group (groups are multiples of 32 elements).
+* scales `[N, K / group]` in the format's own dtype (f16 d for Q4_0 / Q8_0 and AWQ, float32
+  absmax for NF4, the caller's tensor itself), AWQ zeros `[N, K / group]` uint8.
+
+The float ops per weight element are the format's dequantizer's (Q4_0 d * (q - 8), Q8_0 d * q,
+NF4 code[q] * absmax, AWQ (q - z) * s; the first, second and last are exact in float32), so the
+dequantized weights are bit-identical (checked with DEQ=True in the tests). A program owns
+BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1), loads C chunks
+of its rows a step (16-byte loads), optionally the next step's words before multiplying the
+current ones (PREFETCH: Triton pipelines only loads that feed a dot).
+
+Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
+the storage-order kernels (`packable`)."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import num_sms
+from .quant_rows import MAGIC_BITS, _nf4_value
+from .quant_tiles import AWQ, NF4, Q4_0, Q8_0
+
+#: elements of one chunk (32 words) per format; scale group elements for the GGUF formats
+CHUNK = {Q4_0: 256, NF4: 256, AWQ: 256, Q8_0: 128}
+PACKED_FORMATS = frozenset(CHUNK)
+_KIND = {Q4_0: 0, NF4: 1, AWQ: 2, Q8_0: 3}
+AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column 8c + e of AWQ sits in nibble AWQ_REVERSE[e]
+
+
+@triton.jit
+def _plane(KIND: tl.constexpr, h, j: tl.constexpr, s, zq, c_ptr, magic):
+    """Dequantized plane j [BN, C, 32] (float32) from the 16-bit half `h` of the words that
+    holds it, its scale s [BN, C, 1] (float32) and (AWQ) zero zq [BN, C, 1] (int32)."""
+    if KIND == 3:       # Q8_0: byte at bit SH of h, int8: q + 128 = byte ^ 0x80, OR-ed into 2^23
+        SH: tl.constexpr = 8 * (j % 2)
+        f = ((h & (0xFF << SH)) ^ (magic | (0x80 << SH))).to(tl.float32, bitcast=True)
+        w = (f - (8388608.0 + 128.0 * (1 << SH))) * (s * (1.0 / (1 << SH)))
+    elif KIND == 1:     # NF4: code[q] * absmax
+        SH: tl.constexpr = 4 * (j % 4)
+        w = _nf4_value((h >> SH) & 15, c_ptr, 2) * s
+    else:               # the nibble stays in place: 2^23 + 2^SH q, exact
+        SH: tl.constexpr = 4 * (j % 4)
+        f = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True)
+        if KIND == 0:   # Q4_0: d * (q - 8)
+            w = (f - (8388608.0 + 8.0 * (1 << SH))) * (s * (1.0 / (1 << SH)))
+        else:           # AWQ: (q - z) * s
+            zm = 8388608.0 + (zq << SH).to(tl.float32)
+            w = (f - zm) * (s * (1.0 / (1 << SH)))
+    return w
+
+
+@triton.jit
+def _load_words(q_rows, n_ok, ch, nch, EVEN: tl.constexpr):
+    t = tl.arange(0, 32)[None, None, :]
+    ptrs = q_rows + ch * 32 + t
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=n_ok[:, None, None] & (ch < nch) & (t < 32), other=0)
+
+
+@triton.jit
+def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
+                n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
+                EVEN: tl.constexpr):
+    """acc [BN, C, 32] += every plane of the word tile `words` [BN, C, 32] (chunks ch [1, C, 1])
+    times the matching x; DEQ: store the planes at out_rows [BN, 1, 1] + element instead."""
+    t = tl.arange(0, 32)[None, None, :]
+    g_ok = n_ok[:, None, None] & (ch < nch)
+    hi = words >> 16
+    PLANES: tl.constexpr = E // 32
+    for j in tl.static_range(PLANES):
+        if j < PLANES // 2:
+            h = words
+        else:
+            h = hi
+        e0 = ch * E + j * 32                                                # [1, C, 1]
+        g = e0 // BS
+        if EVEN:
+            s = tl.load(s_rows + g).to(tl.float32)
+        else:
+            s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+        if KIND == 2:
+            if EVEN:
+                zq = tl.load(z_rows + g).to(tl.int32)
+            else:
+                zq = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
+        else:
+            zq = 0
+        w = _plane(KIND, h, j, s, zq, c_ptr, magic)
+        if DEQ:
+            tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
+        else:
+            if EVEN:
+                xv = tl.load(x_ptr + e0 + t)
+            else:
+                xv = tl.load(x_ptr + e0 + t, mask=(ch < nch) & (t < 32), other=0.0)
+            acc += w * xv.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row, nch, magic,
+                        STEPS: tl.constexpr, KIND: tl.constexpr, E: tl.constexpr,
+                        BS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
+                        ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
+                        DEQ: tl.constexpr = False):
+    """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
+    [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
+    DEQ: out is W [N, K] (float32), written instead of the product."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)[:, None, None]
+    q_rows = q_ptr + rows * kw
+    s_rows = s_ptr + rows * s_row
+    z_rows = z_ptr + rows * s_row
+    out_rows = out_ptr + rows * (nch * E)
+    c = tl.arange(0, C)[None, :, None]
+    first = pid_s * STEPS * C
+    acc = tl.zeros((BLOCK_N, C, 32), tl.float32)
+    if PREFETCH:
+        words = _load_words(q_rows, n_ok, first + c, nch, EVEN)
+        for i in range(STEPS):
+            ch = first + i * C + c
+            if i + 1 < STEPS:
+                nxt = _load_words(q_rows, n_ok, ch + C, nch, EVEN)
+            else:
+                nxt = words
+            acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
+                              n_ok, nch, magic, E, BS, DEQ, EVEN)
+            words = nxt
+    else:
+        for i in range(STEPS):
+            ch = first + i * C + c
+            words = _load_words(q_rows, n_ok, ch, nch, EVEN)
+            acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
+                              n_ok, nch, magic, E, BS, DEQ, EVEN)
+    if not DEQ:
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if ATOMIC:
+            tl.atomic_add(out_ptr + offs_n, total, mask=n_ok, sem="relaxed")
+        else:
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---- the packed weight ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedWeight:
+    """codes int32 [N, K / 8] (4-bit) or [N, K / 4] (Q8_0) in chunk order; scales [N, K / group]
+    (f16 or float32); zeros uint8 [N, K / group] (AWQ) or None; group: elements a scale."""
+    fmt: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group: int
+    n: int
+    k: int
+
+
+def packable(fmt: int, i0: int, k: int, n: int) -> bool:
+    """Whether the chunk layout takes this weight (else the storage-order kernels run)."""
+    if fmt not in PACKED_FORMATS or k % CHUNK[fmt] or n < 1:
+        return False
+    if fmt in (NF4, AWQ):
+        return i0 >= 32 and i0 % 32 == 0 and k % i0 == 0
+    return True
+
+
+def _chunk_words(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes q uint8 [N, K] (values < 2**bits) -> int32 words [N, K * bits / 32] in chunk order:
+    element j * 32 + t of a chunk in bits j * bits.. of word t (little-endian bytes)."""
+    n, k = q.shape
+    planes = 32 // bits
+    v = q.reshape(n, k // (32 * planes), planes, 32)                     # (chunk, j, t)
+    if bits == 4:
+        v = v[:, :, 0::2, :] | (v[:, :, 1::2, :] << 4)                   # byte b of word t
+    return v.permute(0, 1, 3, 2).contiguous().view(torch.int32).reshape(n, k * bits // 32)
+
+
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ int32 [R, C] -> uint8 codes [R, 8C] in logical column order."""
+    cols = [(packed >> (4 * AWQ_REVERSE[e])) & 15 for e in range(8)]
+    return torch.stack(cols, dim=-1).reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
+    """The chunk layout of a weight given as `quant.run` takes it (GGUF: bytes, -, -, row bytes;
+    NF4: packed [N, K/2], absmax, code, block size; AWQ: qweight, qzeros, scales, group)."""
+    if fmt == Q4_0:
+        raw = w0.reshape(n, k // 32, 18)
+        scales = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
+        qs = raw[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)            # elements 0..15, 16..
+        return PackedWeight(fmt, _chunk_words(q, 4), scales, None, 32, n, k)
+    if fmt == Q8_0:
+        raw = w0.reshape(n, k // 32, 34)
+        scales = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
+        q = raw[..., 2:].reshape(n, k)
+        return PackedWeight(fmt, _chunk_words(q, 8), scales, None, 32, n, k)
+    if fmt == NF4:      # byte i: element 2i in the high nibble, 2i + 1 in the low one
+        q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
+        return PackedWeight(fmt, _chunk_words(q, 4), w1.reshape(n, k // i0), None, i0, n, k)
+    if fmt == AWQ:      # W [K, N] -> rows of W.T
+        q = _unpack_awq(w0).t().contiguous()                               # [N, K]
+        zeros = _unpack_awq(w1).t().contiguous()                           # [N, K / group]
+        return PackedWeight(fmt, _chunk_words(q, 4), w2.t().contiguous(), zeros, i0, n, k)
+    raise ValueError(f"no chunk layout for format {fmt}")
+
+
+#: id(first weight tensor) -> (weak references, versions, (fmt, i0, k, n), PackedWeight)
+_CACHE: dict[int, tuple] = {}
+
+
+def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
+    """`pack`, cached with the weight tensors: reused while they are alive and unchanged
+    (same objects, same in-place versions); dropped when the first one is freed."""
+    tensors = (w0, w1, w2)
+    key = id(w0)
+    hit = _CACHE.get(key)
+    params = (fmt, i0, k, n)
+    if hit is not None:
+        refs, versions, p, packed = hit
+        if p == params and all(r() is t for r, t in zip(refs, tensors)) and \
+                versions == tuple(t._version for t in tensors):
+            return packed
+    packed = pack(fmt, w0, w1, w2, i0, k, n)
+    refs = tuple(weakref.ref(t) for t in tensors)
+    _CACHE[key] = (refs, tuple(t._version for t in tensors), params, packed)
+    weakref.finalize(w0, _drop, key, refs[0])
+    return packed
+
+
+def _drop(key, ref):
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0][0] is ref:
+        del _CACHE[key]
+
+
+# ---- launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedConfig:
+    """block_n rows and `chunks` chunks (32 words each) a step per program; `split` programs
+    per row tile along K (0: from the SM count); prefetch: next step's words loaded ahead."""
+    block_n: int = 16
+    chunks: int = 4
+    split: int = 0
+    num_warps: int = 4
+    prefetch: int = 1
+
+    def tag(self) -> str:
+        return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
+                + (",pf" if self.prefetch else "") + "]")
+
+
+DEFAULT_PACKED = PackedConfig()
+
+
+def _split(tiles: int, steps_total: int, split: int, device) -> tuple[int, int]:
+    """(split, steps each): split K only while the row tiles are under ~3 programs an SM."""
+    if split <= 0:
+        want = 3 * num_sms(device)
+        split = 1 if tiles >= want else max(1, min(steps_total, want // max(tiles, 1)))
+    steps = triton.cdiv(steps_total, split)
+    return triton.cdiv(steps_total, steps), steps
+
+
+def _plan(pw: PackedWeight, cfg: PackedConfig, device) -> tuple[int, int, int]:
+    """(chunks a step, split, steps each) of a launch."""
+    nch = pw.k // CHUNK[pw.fmt]
+    c = min(cfg.chunks, triton.next_power_of_2(nch))
+    split, steps = _split(triton.cdiv(pw.n, cfg.block_n), triton.cdiv(nch, c), cfg.split, device)
+    return c, split, steps
+
+
+def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool = False):
+    c, split, steps = plan
+    e = CHUNK[pw.fmt]
+    nch = pw.k // e
+    tiles = triton.cdiv(pw.n, cfg.block_n)
+    even = pw.n % cfg.block_n == 0 and nch == split * steps * c
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    _packed_gemv_kernel[(tiles, split)](
+        x1, pw.codes, pw.scales, z, code if code is not None else pw.scales, out, pw.n,
+        pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
+        KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
+        PREFETCH=bool(cfg.prefetch), EVEN=even, DEQ=deq, num_warps=cfg.num_warps,
+        num_stages=1)
+
+
+def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
+               config: PackedConfig | None = None):
+    """x [..., K] with one row in all @ W.T through the packed copy of the weight (arguments as
+    `quant.run`; NF4's w2 is the code table). Returns [..., N] in x's dtype."""
+    cfg = config or DEFAULT_PACKED
+    pw = packed_weight(fmt, w0, w1, w2, i0, k, n)
+    x1 = x.reshape(-1).float()          # [K]: a tiny copy, float32 once
+    plan = _plan(pw, cfg, x.device)
+    if plan[1] > 1:                     # partial sums meet by float32 atomics
+        out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(n, dtype=x.dtype, device=x.device)
+    _launch(pw, x1, out, w2 if fmt == NF4 else None, cfg, plan)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def dequantize_packed(pw: PackedWeight, code=None) -> torch.Tensor:
+    """W [N, K] float32 from the packed copy, by the GEMV kernel's own plane decoding (tests)."""
+    out = torch.empty(pw.n, pw.k, dtype=torch.float32, device=pw.codes.device)
+    x1 = torch.zeros(1, dtype=torch.float32, device=pw.codes.device)
+    cfg = PackedConfig(block_n=8, chunks=2, split=1, prefetch=0)
+    _launch(pw, x1, out, code, cfg, _plan(pw, cfg, out.device), deq=True)
+    return out

@@ -1,0 +1,169 @@
+"""The one-row GEMV on the repacked (chunk-layout) weight (`quant_packed`: Q4_0, Q8_0, NF4, AWQ):
+the packed copy decoded by the kernel's own planes bit-exact with gguf-py / the NF4 and AWQ
+layout references on random and edge bytes, the products against float64 torch on the
+dequantized weight (odd N, a split reduction by atomics, with and without prefetch, several
+chunks a step), the cache (reused, refreshed after an in-place change) and the routing of
+shapes the layout rejects (K not a multiple of the chunk) to the storage-order kernels.
+
+Runs on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .cuda_oracle import (DEV, HAS_CUDA, INTERPRET, KERNEL_TESTS, check_product,
+                          gguf_dequant_ref, to_dev, torch)
+
+gguf = pytest.importorskip("gguf")
+pytestmark = [pytest.mark.cuda, KERNEL_TESTS]
+
+if HAS_CUDA or INTERPRET:
+    from fuelgraph.backends.cuda.kernels import quant as K
+    from fuelgraph.backends.cuda.kernels import quant_packed as P
+    from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4
+    from fuelgraph.registry.quant import NF4_CODE
+
+from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
+                         same_bits)
+
+CONFIGS = [None, "split", "noprefetch", "chunk1"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
+    [torch.float32, torch.bfloat16]
+
+
+def _cfg(kind):
+    return {None: None, "split": P.PackedConfig(8, 1, split=2),
+            "noprefetch": P.PackedConfig(16, 2, split=1, prefetch=0),
+            "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2)}[kind]
+
+
+def _edge_rows(qtype, per_row):
+    """The 256 edge blocks (every byte value, edge scales) as 256 rows of `per_row` blocks."""
+    edge, _, qk = gguf_edge_bytes(qtype)
+    idx = (np.arange(256)[:, None] + 37 * np.arange(per_row)[None, :]) % 256
+    return edge[idx].reshape(256, -1), 256, per_row * qk
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_packed_gguf_bit_exact(qtype):
+    qk, bb, _ = GGUF[qtype]
+    e = P.CHUNK[GGUF_IDS[qtype]]
+    rng = np.random.default_rng(bb)
+    cases = [(gguf_bytes(rng, qtype, 3, 2 * e), 3, 2 * e), _edge_rows(qtype, e // qk)]
+    for raw, n, k in cases:
+        w = to_dev(raw.reshape(-1))
+        pw = P.pack(GGUF_IDS[qtype], w, w, w, raw.shape[1], k, n)
+        same_bits(P.dequantize_packed(pw).cpu().numpy(), gguf_dequant_ref(raw, qtype))
+
+
+@pytest.mark.parametrize("block", [32, 64, 256])
+def test_packed_nf4_bit_exact(block):
+    rng = np.random.default_rng(block)
+    n, k = 5, 512
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0, 3, size=(n, k // block)).astype(np.float32)
+    absmax[0, 0] = 0.0
+    code = torch.tensor(NF4_CODE, device=DEV)
+    pw = P.pack(NF4, to_dev(packed), to_dev(absmax), code, block, k, n)
+    same_bits(P.dequantize_packed(pw, code).cpu().numpy(), nf4_reference(packed, absmax, block))
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_packed_awq_bit_exact(group):
+    rng = np.random.default_rng(group)
+    n, k = 24, 256
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // group, n // 8), dtype=np.int64)
+    qz = qz.astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // group, n)).astype(np.float16)
+    pw = P.pack(AWQ, to_dev(qw), to_dev(qz), to_dev(sc), group, k, n)
+    same_bits(P.dequantize_packed(pw).cpu().numpy(), awq_reference(qw, qz, sc, group).T)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_packed_gguf_gemv(qtype, kind):
+    rng = np.random.default_rng(len(qtype) + len(str(kind)))
+    n, k = 19, 2 * P.CHUNK[GGUF_IDS[qtype]]
+    raw = gguf_bytes(rng, qtype, n, k)
+    w = gguf_dequant_ref(raw, qtype)
+    for dt in DTYPES:
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k,
+                        config=_cfg(kind) or "packed")
+        check_product(out, x, w.T, dt)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_packed_nf4_gemv(kind):
+    rng = np.random.default_rng(7)
+    n, k = 11, 768
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+    wn = nf4_reference(packed, absmax, 64)
+    for dt in DTYPES:
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
+        out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64,
+                           config=_cfg(kind) or "packed")
+        check_product(out, x, wn.T, dt)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_packed_awq_gemv(kind):
+    rng = np.random.default_rng(8)
+    n, k, gs = 40, 512, 64
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
+    qz = qz.astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    wa = awq_reference(qw, qz, sc, gs)
+    for dt in DTYPES:
+        x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(2)).to(dt).to(DEV)
+        out = K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs,
+                           config=_cfg(kind) or "packed")
+        assert out.shape == (1, 1, n)
+        check_product(out[0], x[0], wa, dt)
+
+
+def test_default_route_and_cache():
+    """One row takes the packed path by default; the copy is made once per weight tensor and
+    made again after the tensor changes in place."""
+    rng = np.random.default_rng(12)
+    n, k = 8, 256
+    raw = gguf_bytes(rng, "Q4_0", n, k)
+    w = to_dev(raw.reshape(-1))
+    assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
+    check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
+                  gguf_dequant_ref(raw, "Q4_0").T, torch.float32)
+    first = P._CACHE[id(w)][3]
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    assert P._CACHE[id(w)][3] is first
+    raw2 = gguf_bytes(rng, "Q4_0", n, k)
+    w.copy_(to_dev(raw2.reshape(-1)))
+    check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
+                  gguf_dequant_ref(raw2, "Q4_0").T, torch.float32)
+    assert P._CACHE[id(w)][3] is not first
+    key = id(w)
+    del w
+    assert key not in P._CACHE
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_unpackable_shapes_keep_the_row_kernels(qtype):
+    """K not a multiple of the chunk (Q4_0 96, Q8_0 160): the packed route falls back."""
+    qk = GGUF[qtype][0]
+    n, k = 6, 3 * qk if qtype == "Q4_0" else 5 * qk
+    assert not P.packable(GGUF_IDS[qtype], 0, k, n)
+    raw = gguf_bytes(np.random.default_rng(k), qtype, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6)).to(DEV)
+    for cfg in (None, "packed"):
+        out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k, config=cfg)
+        check_product(out, x, gguf_dequant_ref(raw, qtype).T, torch.float32)
+
+
+def test_unpackable_groups():
+    """NF4 blocks / AWQ groups of 16 elements are not multiples of a plane (32)."""
+    assert not P.packable(NF4, 16, 512, 4)
+    assert not P.packable(AWQ, 16, 512, 8)
+    assert P.packable(NF4, 64, 512, 4) and P.packable(AWQ, 128, 512, 8)
