@@ -26,7 +26,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -34,7 +34,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
 def _cfg(kind):
     return {None: None, "split": P.PackedConfig(8, 1, split=2),
             "noprefetch": P.PackedConfig(16, 2, split=1, prefetch=0),
-            "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2)}[kind]
+            "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
+            "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
+            "h4": P.PackedConfig(8, 2, split=2, halves=4)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -53,7 +55,15 @@ def test_packed_gguf_bit_exact(qtype):
     for raw, n, k in cases:
         w = to_dev(raw.reshape(-1))
         pw = P.pack(GGUF_IDS[qtype], w, w, w, raw.shape[1], k, n)
-        same_bits(P.dequantize_packed(pw).cpu().numpy(), gguf_dequant_ref(raw, qtype))
+        want = gguf_dequant_ref(raw, qtype)
+        same_bits(P.dequantize_packed(pw, fma=0).cpu().numpy(), want)
+        # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
+        # there for either sign of d), non-finite elsewhere
+        got = P.dequantize_packed(pw).cpu().numpy()
+        d = raw.reshape(n, -1, bb)[:, :, :2].copy().view(np.float16)[..., 0]
+        finite = np.repeat(np.isfinite(d), qk, axis=1)                    # [N, K] by block
+        same_bits(got[finite] + 0.0, want[finite] + 0.0)
+        assert not np.isfinite(got[~finite]).any()
 
 
 @pytest.mark.parametrize("block", [32, 64, 256])
@@ -77,7 +87,9 @@ def test_packed_awq_bit_exact(group):
     qz = qz.astype(np.int32)
     sc = rng.uniform(-0.05, 0.05, size=(k // group, n)).astype(np.float16)
     pw = P.pack(AWQ, to_dev(qw), to_dev(qz), to_dev(sc), group, k, n)
-    same_bits(P.dequantize_packed(pw).cpu().numpy(), awq_reference(qw, qz, sc, group).T)
+    want = awq_reference(qw, qz, sc, group).T
+    same_bits(P.dequantize_packed(pw, fma=0).cpu().numpy(), want)
+    same_bits(P.dequantize_packed(pw, fma=1).cpu().numpy() + 0.0, want + 0.0)   # +0 for -0
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

@@ -7,15 +7,18 @@ scales live in separate, aligned arrays:
 
 * codes: int32 words `[N, K / E * 32]`, one "chunk" of E elements of a row = 32 consecutive
   words. 4-bit formats (Q4_0, NF4, AWQ; E = 256): element j * 32 + t of a chunk is nibble j
-  (bits 4j..4j+3) of word t. Q8_0 (E = 128): element j * 32 + t is byte j of word t (int8).
+  (bits 4j..4j+3) of word t. Q8_0 (E = 128): element j * 32 + t is byte j of word t, stored
+  as q + 128 (unsigned).
   So "plane" j of a [rows, chunks, 32] word tile holds 32 consecutive elements of K, whose x
   values are one contiguous load, and one scale group (groups are multiples of 32 elements).
 * scales `[N, K / group]` in the format's own dtype (f16 d for Q4_0 / Q8_0 and AWQ, float32
   absmax for NF4, the caller's tensor itself), AWQ zeros `[N, K / group]` uint8.
 
-The float ops per weight element are the format's dequantizer's (Q4_0 d * (q - 8), Q8_0 d * q,
-NF4 code[q] * absmax, AWQ (q - z) * s; the first, second and last are exact in float32), so the
-dequantized weights are bit-identical (checked with DEQ=True in the tests). A program owns
+Dequantized weights are bit-identical to the format's dequantizer (checked with DEQ=True in the
+tests): NF4 as code[q] * absmax; Q4_0 d * (q - 8), Q8_0 d * q and AWQ (q - z) * s are exact
+products in float32, here formed by one FMA from the code OR-ed into 2^23's mantissa with both
+factors exact (`_q4_0_fma`), which leaves the exact product too (for finite scales: an infinite
+one gives NaN where the dequantizer gives +-inf; fma=0 keeps the subtract-then-scale form). A program owns
 BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1), loads C chunks
 of its rows a step (16-byte loads), optionally the next step's words before multiplying the
 current ones (PREFETCH: Triton pipelines only loads that feed a dot).
@@ -43,52 +46,125 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column 8c + e of AWQ sits in nibbl
 
 
 @triton.jit
-def _plane(KIND: tl.constexpr, h, j: tl.constexpr, s, zq, c_ptr, magic):
-    """Dequantized plane j [BN, C, 32] (float32) from the 16-bit half `h` of the words that
-    holds it, its scale s [BN, C, 1] (float32) and (AWQ) zero zq [BN, C, 1] (int32)."""
-    if KIND == 3:       # Q8_0: byte at bit SH of h, int8: q + 128 = byte ^ 0x80, OR-ed into 2^23
-        SH: tl.constexpr = 8 * (j % 2)
-        f = ((h & (0xFF << SH)) ^ (magic | (0x80 << SH))).to(tl.float32, bitcast=True)
-        w = (f - (8388608.0 + 128.0 * (1 << SH))) * (s * (1.0 / (1 << SH)))
-    elif KIND == 1:     # NF4: code[q] * absmax
+def _q4_0_fma(words, j: tl.constexpr, s, magic):
+    """Q4_0 plane j as one FMA a weight: the nibble is moved to bit SH in 8..16 of a view of
+    the word (j < 2: words << 8; j < 5: words; else words >> 12), OR-ed into 2^23 (v = 2^23 +
+    2^SH q), and d (q - 8) = v * (d 2^-SH) - d (2^(23 - SH) + 8): both factors exact (d has 11
+    significant bits, 2^(23 - SH) + 8 at most 13), so the fused result is the exact product,
+    the dequantizer's value for finite d (an infinite d gives NaN instead of +-inf)."""
+    if j < 2:
+        v = words << 8
+        SH: tl.constexpr = 8 + 4 * j
+    elif j < 5:
+        v = words
+        SH: tl.constexpr = 4 * j
+    else:
+        v = words >> 12
+        SH: tl.constexpr = 4 * j - 12
+    f = ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
+    return tl.fma(f, s * (1.0 / (1 << SH)), s * -(8.0 + (1 << (23 - SH))))
+
+
+@triton.jit
+def _awq_fma(words, j: tl.constexpr, s, zq, magic):
+    """AWQ plane j as one FMA a weight, as `_q4_0_fma` with the zero z in place of 8: the nibble
+    at bit SH = 12 or 16 of a view (words << 12, << 4, >> 4, >> 12 for nibbles 0-1, 2-3, 4-5,
+    6-7), (q - z) s = v (s 2^-SH) - s (2^(23 - SH) + z), the second factor at most 12 bits."""
+    if j < 2:
+        v = words << 12
+    elif j < 4:
+        v = words << 4
+    elif j < 6:
+        v = words >> 4
+    else:
+        v = words >> 12
+    SH: tl.constexpr = 12 + 4 * (j % 2)
+    f = ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
+    zf = zq.to(tl.float32) + (1 << (23 - SH))                               # exact
+    return tl.fma(f, s * (1.0 / (1 << SH)), -(s * zf))
+
+
+@triton.jit
+def _nf4_lookup(q, c_ptr):
+    """NF4 code values of the 4-bit indices q (any 4-d shape), by tl.gather from the table."""
+    table = tl.load(c_ptr + tl.arange(0, 16))
+    flat = tl.reshape(q, (q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3],))
+    return tl.reshape(tl.gather(table, flat, 0), q.shape)
+
+
+@triton.jit
+def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
+           FMA_DEQ: tl.constexpr):
+    """Dequantized plane j (float32, the words' shape) of the int32 words, from its scale s
+    (float32) and (AWQ) zero zq (int32), both [C, BN, 1, 1]."""
+    if KIND == 3:       # Q8_0, stored as u = q + 128: byte j moved to bits 8..15
+        if j == 0:
+            v = words << 8
+        elif j == 1:
+            v = words
+        elif j == 2:
+            v = words >> 8
+        else:
+            v = words >> 16
+        f = ((v & 0xFF00) | magic).to(tl.float32, bitcast=True)           # 2^23 + 256 u
+        if FMA_DEQ:     # d q = f (d / 256) - d (2^15 + 128): exact factors, exact result
+            w = tl.fma(f, s * 0.00390625, s * -32896.0)
+        else:
+            w = (f - 8421376.0) * (s * 0.00390625)                         # 256 q, exact
+    elif KIND == 0 and FMA_DEQ:
+        w = _q4_0_fma(words, j, s, magic)
+    elif KIND == 2 and FMA_DEQ:
+        w = _awq_fma(words, j, s, zq, magic)
+    else:
+        if j < 4:
+            h = words
+        else:
+            h = words >> 16
         SH: tl.constexpr = 4 * (j % 4)
-        w = _nf4_value((h >> SH) & 15, c_ptr, 2) * s
-    else:               # the nibble stays in place: 2^23 + 2^SH q, exact
-        SH: tl.constexpr = 4 * (j % 4)
-        f = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True)
-        if KIND == 0:   # Q4_0: d * (q - 8)
-            w = (f - (8388608.0 + 8.0 * (1 << SH))) * (s * (1.0 / (1 << SH)))
-        else:           # AWQ: (q - z) * s
-            zm = 8388608.0 + (zq << SH).to(tl.float32)
-            w = (f - zm) * (s * (1.0 / (1 << SH)))
+        if KIND == 1:   # NF4: code[q] * absmax
+            w = _nf4_lookup((h >> SH) & 15, c_ptr) * s
+        else:           # the nibble stays in place: 2^23 + 2^SH q, exact
+            f = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True)
+            if KIND == 0:   # Q4_0: d * (q - 8)
+                w = (f - (8388608.0 + 8.0 * (1 << SH))) * (s * (1.0 / (1 << SH)))
+            else:           # AWQ: (q - z) * s
+                zm = 8388608.0 + (zq << SH).to(tl.float32)
+                w = (f - zm) * (s * (1.0 / (1 << SH)))
     return w
 
 
 @triton.jit
-def _load_words(q_rows, n_ok, ch, nch, EVEN: tl.constexpr):
-    t = tl.arange(0, 32)[None, None, :]
+def _word_index(H: tl.constexpr):
+    """Word t of a chunk as [1, 1, H, 32 / H] (t = h * 32 / H + u): with H = 2 a thread's
+    16-byte vector covers one half and the layout repeats it over the other half, so each
+    thread holds 8 words of a (chunk, row) and loads / converts that row's scale once for 8."""
+    W: tl.constexpr = 32 // H
+    return (tl.arange(0, H)[:, None] * W + tl.arange(0, W)[None, :])[None, None, :, :]
+
+
+@triton.jit
+def _load_words(q_rows, n_ok, ch, nch, H: tl.constexpr, EVEN: tl.constexpr):
+    """The words [C, BN, H, 32 / H] of chunks ch [C, 1, 1, 1] of the rows q_rows [1, BN, 1, 1]."""
+    t = _word_index(H)
     ptrs = q_rows + ch * 32 + t
     if EVEN:
         return tl.load(ptrs)
     else:
-        return tl.load(ptrs, mask=n_ok[:, None, None] & (ch < nch) & (t < 32), other=0)
+        return tl.load(ptrs, mask=n_ok[None, :, None, None] & (ch < nch) & (t < 32), other=0)
 
 
 @triton.jit
 def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
                 n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
-                EVEN: tl.constexpr):
-    """acc [BN, C, 32] += every plane of the word tile `words` [BN, C, 32] (chunks ch [1, C, 1])
-    times the matching x; DEQ: store the planes at out_rows [BN, 1, 1] + element instead."""
-    t = tl.arange(0, 32)[None, None, :]
-    g_ok = n_ok[:, None, None] & (ch < nch)
-    hi = words >> 16
+                EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr):
+    """acc [C, BN, H, 32 / H] += every plane of the word tile `words` (same shape; chunks ch
+    [C, 1, 1, 1]) times the matching x; DEQ: store the planes at out_rows [1, BN, 1, 1] +
+    element instead. XB: x loaded as a full tile of the words' shape (their own register
+    layout; no exchange through shared memory) rather than [C, 1, H, 32 / H] and broadcast."""
+    t = _word_index(H)
+    g_ok = n_ok[None, :, None, None] & (ch < nch)
     PLANES: tl.constexpr = E // 32
     for j in tl.static_range(PLANES):
-        if j < PLANES // 2:
-            h = words
-        else:
-            h = hi
         e0 = ch * E + j * 32                                                # [1, C, 1]
         g = e0 // BS
         if EVEN:
@@ -102,14 +178,17 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
                 zq = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
         else:
             zq = 0
-        w = _plane(KIND, h, j, s, zq, c_ptr, magic)
+        w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
         if DEQ:
             tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
         else:
+            xp = x_ptr + e0 + t
+            if XB:
+                xp = tl.broadcast_to(xp, words.shape)
             if EVEN:
-                xv = tl.load(x_ptr + e0 + t)
+                xv = tl.load(xp)
             else:
-                xv = tl.load(x_ptr + e0 + t, mask=(ch < nch) & (t < 32), other=0.0)
+                xv = tl.load(xp, mask=(ch < nch) & (t < 32), other=0.0)
             acc += w * xv.to(tl.float32)
     return acc
 
@@ -119,7 +198,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         STEPS: tl.constexpr, KIND: tl.constexpr, E: tl.constexpr,
                         BS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
                         ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
-                        DEQ: tl.constexpr = False):
+                        XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
+                        H: tl.constexpr = 1, DEQ: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
     DEQ: out is W [N, K] (float32), written instead of the product."""
@@ -127,33 +207,33 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows = offs_n.to(tl.int64)[:, None, None]
+    rows = offs_n.to(tl.int64)[None, :, None, None]
     q_rows = q_ptr + rows * kw
     s_rows = s_ptr + rows * s_row
     z_rows = z_ptr + rows * s_row
     out_rows = out_ptr + rows * (nch * E)
-    c = tl.arange(0, C)[None, :, None]
+    c = tl.arange(0, C)[:, None, None, None]
     first = pid_s * STEPS * C
-    acc = tl.zeros((BLOCK_N, C, 32), tl.float32)
+    acc = tl.zeros((C, BLOCK_N, H, 32 // H), tl.float32)
     if PREFETCH:
-        words = _load_words(q_rows, n_ok, first + c, nch, EVEN)
+        words = _load_words(q_rows, n_ok, first + c, nch, H, EVEN)
         for i in range(STEPS):
             ch = first + i * C + c
             if i + 1 < STEPS:
-                nxt = _load_words(q_rows, n_ok, ch + C, nch, EVEN)
+                nxt = _load_words(q_rows, n_ok, ch + C, nch, H, EVEN)
             else:
                 nxt = words
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
             words = nxt
     else:
         for i in range(STEPS):
             ch = first + i * C + c
-            words = _load_words(q_rows, n_ok, ch, nch, EVEN)
+            words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
     if not DEQ:
-        total = tl.sum(tl.sum(acc, axis=2), axis=1)
+        total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
         if ATOMIC:
             tl.atomic_add(out_ptr + offs_n, total, mask=n_ok, sem="relaxed")
         else:
@@ -212,7 +292,7 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
     if fmt == Q8_0:
         raw = w0.reshape(n, k // 32, 34)
         scales = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        q = raw[..., 2:].reshape(n, k)
+        q = raw[..., 2:].reshape(n, k) ^ 0x80                              # int8 q + 128
         return PackedWeight(fmt, _chunk_words(q, 8), scales, None, 32, n, k)
     if fmt == NF4:      # byte i: element 2i in the high nibble, 2i + 1 in the low one
         q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
@@ -263,10 +343,13 @@ class PackedConfig:
     split: int = 0
     num_warps: int = 4
     prefetch: int = 1
+    halves: int = 2     # words of a chunk row as [halves, 32 / halves]: 4 * halves a thread
+    fma: int = 1        # Q4_0 / Q8_0 / AWQ: one FMA a dequantized weight (exact; `_q4_0_fma`)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
-                + (",pf" if self.prefetch else "") + "]")
+                + (",pf" if self.prefetch else "") + f",h{self.halves}"
+                + ("" if self.fma else ",nofma") + "]")
 
 
 DEFAULT_PACKED = PackedConfig()
@@ -300,8 +383,8 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         x1, pw.codes, pw.scales, z, code if code is not None else pw.scales, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
-        PREFETCH=bool(cfg.prefetch), EVEN=even, DEQ=deq, num_warps=cfg.num_warps,
-        num_stages=1)
+        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma), H=cfg.halves,
+        DEQ=deq, num_warps=cfg.num_warps, num_stages=1)
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -320,10 +403,10 @@ def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def dequantize_packed(pw: PackedWeight, code=None) -> torch.Tensor:
+def dequantize_packed(pw: PackedWeight, code=None, fma: int = 1) -> torch.Tensor:
     """W [N, K] float32 from the packed copy, by the GEMV kernel's own plane decoding (tests)."""
     out = torch.empty(pw.n, pw.k, dtype=torch.float32, device=pw.codes.device)
     x1 = torch.zeros(1, dtype=torch.float32, device=pw.codes.device)
-    cfg = PackedConfig(block_n=8, chunks=2, split=1, prefetch=0)
+    cfg = PackedConfig(block_n=8, chunks=2, split=1, prefetch=0, fma=fma)
     _launch(pw, x1, out, code, cfg, _plan(pw, cfg, out.device), deq=True)
     return out
