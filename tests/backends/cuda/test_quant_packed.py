@@ -26,9 +26,15 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
+
+
+def _dtypes(kind):
+    """Every dtype for the default launch, bfloat16 (and float32 in the interpreter) for the
+    variants: each (dtype, variant) is a compile on the GPU."""
+    return DTYPES if kind is None else DTYPES[1:2] if HAS_CUDA else DTYPES
 
 
 def _cfg(kind):
@@ -36,7 +42,7 @@ def _cfg(kind):
             "noprefetch": P.PackedConfig(16, 2, split=1, prefetch=0),
             "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
             "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
-            "h4": P.PackedConfig(8, 2, split=2, halves=4)}[kind]
+            "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -99,7 +105,7 @@ def test_packed_gguf_gemv(qtype, kind):
     n, k = 19, 2 * P.CHUNK[GGUF_IDS[qtype]]
     raw = gguf_bytes(rng, qtype, n, k)
     w = gguf_dequant_ref(raw, qtype)
-    for dt in DTYPES:
+    for dt in _dtypes(kind):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
         out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k,
                         config=_cfg(kind) or "packed")
@@ -113,7 +119,7 @@ def test_packed_nf4_gemv(kind):
     packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
     wn = nf4_reference(packed, absmax, 64)
-    for dt in DTYPES:
+    for dt in _dtypes(kind):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
         out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64,
                            config=_cfg(kind) or "packed")
@@ -129,7 +135,7 @@ def test_packed_awq_gemv(kind):
     qz = qz.astype(np.int32)
     sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
     wa = awq_reference(qw, qz, sc, gs)
-    for dt in DTYPES:
+    for dt in _dtypes(kind):
         x = torch.randn(1, 1, k, generator=torch.Generator().manual_seed(2)).to(dt).to(DEV)
         out = K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc), group_size=gs,
                            config=_cfg(kind) or "packed")

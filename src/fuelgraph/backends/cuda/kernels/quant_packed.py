@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import num_sms
-from .quant_rows import MAGIC_BITS, _nf4_value
+from .quant_rows import MAGIC_BITS
 from .quant_tiles import AWQ, NF4, Q4_0, Q8_0
 
 #: elements of one chunk (32 words) per format; scale group elements for the GGUF formats
@@ -345,11 +345,13 @@ class PackedConfig:
     prefetch: int = 1
     halves: int = 2     # words of a chunk row as [halves, 32 / halves]: 4 * halves a thread
     fma: int = 1        # Q4_0 / Q8_0 / AWQ: one FMA a dequantized weight (exact; `_q4_0_fma`)
+    x32: int = 1        # x converted to float32 by a tiny kernel first (0: converted per load,
+    #                     ~1 instruction a weight more for 16-bit x in sm_90 SASS)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
                 + (",pf" if self.prefetch else "") + f",h{self.halves}"
-                + ("" if self.fma else ",nofma") + "]")
+                + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16") + "]")
 
 
 DEFAULT_PACKED = PackedConfig()
@@ -393,7 +395,8 @@ def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     `quant.run`; NF4's w2 is the code table). Returns [..., N] in x's dtype."""
     cfg = config or DEFAULT_PACKED
     pw = packed_weight(fmt, w0, w1, w2, i0, k, n)
-    x1 = x.reshape(-1).float()          # [K]: a tiny copy, float32 once
+    x1 = x.reshape(-1)                  # [K]: float32 once (x32), else read in its dtype
+    x1 = x1.float() if cfg.x32 else x1.contiguous()
     plan = _plan(pw, cfg, x.device)
     if plan[1] > 1:                     # partial sums meet by float32 atomics
         out = torch.zeros(n, dtype=torch.float32, device=x.device)
