@@ -40,6 +40,7 @@ from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_gemm import GemmConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed import (PACKED_FORMATS,  # noqa: E402
                                                             PackedConfig)
+from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
                                                           default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
@@ -97,9 +98,12 @@ SMALL_ROWS = {1: [(1, 16, 8192, 4, 2), (1, 16, 4096, 4, 2, 4)]}
 SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
 # --sweep packed (and full): the one-row GEMV on the chunk-layout copy (quant_packed.PackedConfig:
 # block_n, chunks a step, split, warps, prefetch, halves, fma, x32) besides its default
-SWEEP_PACKED = [(16, 4, 2, 4, 1, 2), (8, 4, 1, 4, 1, 2), (32, 4, 1, 8, 1, 2), (16, 8, 1, 8, 1, 2),
-                (16, 4, 1, 4, 1, 4), (16, 4, 1, 4, 0, 2), (16, 4, 1, 4, 1, 1, 0),
+SWEEP_PACKED = [(16, 4, 2, 4, 1, 2), (8, 4, 1, 4, 1, 2), (32, 4, 1, 8, 1, 2), (16, 4, 1, 4, 1, 4),
                 (16, 4, 1, 4, 1, 2, 1, 0)]
+# more rows on the same copy: tensor-core dots (quant_packed_dot.PackedDotConfig: block_n,
+# block_m, chunks a step, split, warps, stages) by M
+SWEEP_PACKED_DOT = {16: [(64, 16, 2, 0, 4, 1), (128, 16, 2, 0, 4, 1), (64, 16, 4, 0, 4, 1)],
+                    256: [(128, 128, 2, 0, 8, 1), (64, 128, 2, 0, 4, 1)]}
 SWEEP_KIND = "full"
 PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
 
@@ -107,8 +111,10 @@ PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
 def sweep_configs(fmt, m):
     """RowConfigs / GemmConfigs to time for (format, M), plus the dense-copy paths at many
     rows."""
-    packed = [PackedConfig(*v) for v in SWEEP_PACKED] if m == 1 and fmt in PACKED_FORMATS \
-        else []
+    packed = []
+    if fmt in PACKED_FORMATS:
+        packed = [PackedConfig(*v) for v in SWEEP_PACKED] if m == 1 else \
+            [PackedDotConfig(*v) for v in SWEEP_PACKED_DOT.get(m, [])]
     if SWEEP_KIND == "packed":
         return packed + (["rows"] if m == 1 else [])
     if SWEEP_KIND == "small":

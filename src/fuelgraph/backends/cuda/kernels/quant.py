@@ -40,6 +40,7 @@ from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
+from .quant_packed_dot import PackedDotConfig, run_packed_dot
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -220,12 +221,14 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | PackedConfig | str | None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | str |
+        None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
     (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
-    on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"),
+    on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
+    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot),
     "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
     (the copy written in storage order). Configs a format / direction has no kernel for fall
     back to the tile kernels."""
@@ -240,6 +243,10 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, PackedDotConfig):
+        if rows_ok and packable(fmt_id, i0, k, n):
+            return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+        config = "rows"
     if config == "packed" or isinstance(config, PackedConfig):
         if rows_ok and m_all == 1 and packable(fmt_id, i0, k, n):
             return run_packed(fmt_id, x, w0, w1, w2, i0, k, n,

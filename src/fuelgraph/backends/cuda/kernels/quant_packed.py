@@ -86,9 +86,9 @@ def _awq_fma(words, j: tl.constexpr, s, zq, magic):
 
 @triton.jit
 def _nf4_lookup(q, c_ptr):
-    """NF4 code values of the 4-bit indices q (any 4-d shape), by tl.gather from the table."""
+    """NF4 code values of the 4-bit indices q (any shape), by tl.gather from the table."""
     table = tl.load(c_ptr + tl.arange(0, 16))
-    flat = tl.reshape(q, (q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3],))
+    flat = tl.reshape(q, (q.numel,))
     return tl.reshape(tl.gather(table, flat, 0), q.shape)
 
 
