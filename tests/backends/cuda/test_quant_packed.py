@@ -1,5 +1,5 @@
 """The one-row GEMV on the repacked (chunk-layout) weight (`quant_packed`: Q4_0, Q8_0, NF4, AWQ):
-the packed copy decoded by the kernel's own planes bit-exact with gguf-py / the NF4 and AWQ
+the packed copy (Q4_0, Q8_0, Q4_K, NF4, AWQ) decoded by the kernel's own planes bit-exact with gguf-py / the NF4 and AWQ
 layout references on random and edge bytes, the products against float64 torch on the
 dequantized weight (odd N, a split reduction by atomics, with and without prefetch, several
 chunks a step), the cache (reused, refreshed after an in-place change) and the routing of
@@ -52,7 +52,7 @@ def _edge_rows(qtype, per_row):
     return edge[idx].reshape(256, -1), 256, per_row * qk
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
 def test_packed_gguf_bit_exact(qtype):
     qk, bb, _ = GGUF[qtype]
     e = P.CHUNK[GGUF_IDS[qtype]]
@@ -66,6 +66,9 @@ def test_packed_gguf_bit_exact(qtype):
         # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
         # there for either sign of d), non-finite elsewhere
         got = P.dequantize_packed(pw).cpu().numpy()
+        if qtype == "Q4_K":     # the same operations as gguf-py (one FMA of exact factors)
+            same_bits(got, want)
+            continue
         d = raw.reshape(n, -1, bb)[:, :, :2].copy().view(np.float16)[..., 0]
         finite = np.repeat(np.isfinite(d), qk, axis=1)                    # [N, K] by block
         same_bits(got[finite] + 0.0, want[finite] + 0.0)
@@ -99,7 +102,7 @@ def test_packed_awq_bit_exact(group):
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
 def test_packed_gguf_gemv(qtype, kind):
     rng = np.random.default_rng(len(qtype) + len(str(kind)))
     n, k = 19, 2 * P.CHUNK[GGUF_IDS[qtype]]
@@ -194,12 +197,12 @@ def _dot_cfg(m):
 
 
 @pytest.mark.parametrize("m", [3, 16, 20])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "NF4", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m):
     """Odd N, M not a multiple of the 16-row tile (20: two x tiles, a split reduction)."""
     rng = np.random.default_rng(m)
     dt = torch.float32 if INTERPRET else torch.bfloat16
-    if fmt in ("Q4_0", "Q8_0"):
+    if fmt in ("Q4_0", "Q8_0", "Q4_K"):
         n, k = 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T

@@ -1,5 +1,6 @@
-"""One-row quantized matmul (`out = x @ W.T`, x [1, K], W [N, K]) on a GPU-friendly copy of the
-weight, repacked once per weight tensor and cached with it (`packed_weight`).
+"""One-row quantized matmul (`out = x @ W.T`, x [1, K], W [N, K]; Q4_0, Q8_0, Q4_K, NF4, AWQ) on
+a GPU-friendly copy of the weight, repacked once per weight tensor and cached with it
+(`packed_weight`).
 
 Why: GGUF blocks (Q4_0: 18 bytes, Q8_0: 34) are not 16-byte aligned, so the storage-order GEMV
 (`quant_rows`) reads them in 2-byte words and streams 0.6-1.1 TB/s. Here the codes and the
@@ -12,16 +13,19 @@ scales live in separate, aligned arrays:
   So "plane" j of a [chunks, rows, 32] word tile holds 32 consecutive elements of K, whose x
   values are one contiguous load, and one scale group (groups are multiples of 32 elements).
 * scales `[N, K / group]` in the format's own dtype (f16 d for Q4_0 / Q8_0 and AWQ, float32
-  absmax for NF4, the caller's tensor itself), AWQ zeros `[N, K / group]` uint8.
+  absmax for NF4, the caller's tensor itself), AWQ zeros `[N, K / group]` uint8; Q4_K: the
+  6-bit sub-block scales and mins as uint8 [N, K / 32] and the (d, dmin) f16 pairs.
 
-Dequantized weights are bit-identical to the format's dequantizer (checked with DEQ=True in the
-tests): NF4 as code[q] * absmax; Q4_0 d * (q - 8), Q8_0 d * q and AWQ (q - z) * s are exact
-products in float32, here formed by one FMA from the code OR-ed into 2^23's mantissa with both
-factors exact (`_q4_0_fma`), which leaves the exact product too (for finite scales: an infinite
-one gives NaN where the dequantizer gives +-inf; fma=0 keeps the subtract-then-scale form). A program owns
-BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1), loads C chunks
-of its rows a step (16-byte loads), optionally the next step's words before multiplying the
-current ones (PREFETCH: Triton pipelines only loads that feed a dot).
+Dequantized weights equal the format's dequantizer's (checked with DEQ=True in the tests): NF4
+as code[q] * absmax and Q4_K as fma(q, d sc, -dmin m) (the same single rounding as gguf-py),
+bit for bit; Q4_0 d (q - 8), Q8_0 d q and AWQ (q - z) s are exact products in float32, formed
+here by one FMA from the code OR-ed into 2^23's mantissa with both factors exact (`_q4_0_fma`),
+which gives the exact product as well, for finite scales (an infinite one gives NaN where the
+dequantizer gives +-inf, a zero product may be +0 for -0; fma=0 keeps subtract-then-scale).
+
+A program owns BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1),
+loads C chunks of its rows a step (16-byte loads), optionally the next step's words before
+multiplying the current ones (PREFETCH: Triton pipelines only loads that feed a dot).
 
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
@@ -36,12 +40,12 @@ import triton.language as tl
 
 from .common import num_sms
 from .quant_rows import MAGIC_BITS
-from .quant_tiles import AWQ, NF4, Q4_0, Q8_0
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q8_0
 
 #: elements of one chunk (32 words) per format; scale group elements for the GGUF formats
-CHUNK = {Q4_0: 256, NF4: 256, AWQ: 256, Q8_0: 128}
+CHUNK = {Q4_0: 256, NF4: 256, AWQ: 256, Q8_0: 128, Q4_K: 256}
 PACKED_FORMATS = frozenset(CHUNK)
-_KIND = {Q4_0: 0, NF4: 1, AWQ: 2, Q8_0: 3}
+_KIND = {Q4_0: 0, NF4: 1, AWQ: 2, Q8_0: 3, Q4_K: 4}
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column 8c + e of AWQ sits in nibble AWQ_REVERSE[e]
 
 
@@ -111,6 +115,15 @@ def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
             w = tl.fma(f, s * 0.00390625, s * -32896.0)
         else:
             w = (f - 8421376.0) * (s * 0.00390625)                         # 256 q, exact
+    elif KIND == 4:     # Q4_K: (d sc) q - dmin m, s = d sc and zq = dmin m (float32) here
+        if j < 4:
+            h = words
+        else:
+            h = words >> 16
+        SH: tl.constexpr = 4 * (j % 4)
+        qf = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True) - 8388608.0  # 2^SH q
+        # exact product, one rounding as gguf-py's; * -1 (not 0 - m) keeps the sign of a zero
+        w = tl.fma(qf, s * (1.0 / (1 << SH)), zq * -1.0)
     elif KIND == 0 and FMA_DEQ:
         w = _q4_0_fma(words, j, s, magic)
     elif KIND == 2 and FMA_DEQ:
@@ -164,6 +177,13 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
     t = _word_index(H)
     g_ok = n_ok[None, :, None, None] & (ch < nch)
     PLANES: tl.constexpr = E // 32
+    if KIND == 4:       # Q4_K: the super-block's d, dmin (f16 pairs at c_ptr [1, BN, 1, 1])
+        if EVEN:
+            d = tl.load(c_ptr + 2 * ch).to(tl.float32)
+            dmin = tl.load(c_ptr + 2 * ch + 1).to(tl.float32)
+        else:
+            d = tl.load(c_ptr + 2 * ch, mask=g_ok, other=0.0).to(tl.float32)
+            dmin = tl.load(c_ptr + 2 * ch + 1, mask=g_ok, other=0.0).to(tl.float32)
     for j in tl.static_range(PLANES):
         e0 = ch * E + j * 32                                                # [C, 1, 1, 1]
         g = e0 // BS
@@ -171,13 +191,16 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
             s = tl.load(s_rows + g).to(tl.float32)
         else:
             s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             if EVEN:
                 zq = tl.load(z_rows + g).to(tl.int32)
             else:
                 zq = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
         else:
             zq = 0
+        if KIND == 4:   # the sub-block's scale and min, as gguf-py forms them (exact)
+            s = d * s
+            zq = dmin * zq.to(tl.float32)
         w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
         if DEQ:
             tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
@@ -212,6 +235,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
     s_rows = s_ptr + rows * s_row
     z_rows = z_ptr + rows * s_row
     out_rows = out_ptr + rows * (nch * E)
+    if KIND == 4:       # Q4_K: c_ptr holds [N, 2 * nch] f16 (d, dmin) pairs
+        c_ptr = c_ptr + rows * (2 * nch)
     c = tl.arange(0, C)[:, None, None, None]
     first = pid_s * STEPS * C
     acc = tl.zeros((C, BLOCK_N, H, 32 // H), tl.float32)
@@ -244,7 +269,9 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
 @dataclass(frozen=True)
 class PackedWeight:
     """codes int32 [N, K / 8] (4-bit) or [N, K / 4] (Q8_0) in chunk order; scales [N, K / group]
-    (f16 or float32); zeros uint8 [N, K / group] (AWQ) or None; group: elements a scale."""
+    (f16 or float32; Q4_K: the 6-bit sub-block scales, uint8); zeros uint8 [N, K / group]
+    (AWQ; Q4_K: the 6-bit mins) or None; group: elements a scale; table: NF4's code values or
+    Q4_K's super-block (d, dmin) f16 pairs [N, 2 K / 256], else None."""
     fmt: int
     codes: torch.Tensor
     scales: torch.Tensor
@@ -252,6 +279,7 @@ class PackedWeight:
     group: int
     n: int
     k: int
+    table: torch.Tensor | None = None
 
 
 def packable(fmt: int, i0: int, k: int, n: int) -> bool:
@@ -274,6 +302,17 @@ def _chunk_words(q: torch.Tensor, bits: int) -> torch.Tensor:
     return v.permute(0, 1, 3, 2).contiguous().view(torch.int32).reshape(n, k * bits // 32)
 
 
+def _q4k_scale_min(b: torch.Tensor):
+    """Q4_K's 12 scale bytes [..., 12] (int32) -> 6-bit scales and mins, uint8 [..., 8] each
+    flattened to [N, K / 32]: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 from
+    the nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 / 4-7."""
+    lo_s, lo_m, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = torch.cat([lo_s & 63, (hi & 15) | ((lo_s >> 6) << 4)], dim=-1)
+    mn = torch.cat([lo_m & 63, (hi >> 4) | ((lo_m >> 6) << 4)], dim=-1)
+    n = b.shape[0]
+    return sc.to(torch.uint8).reshape(n, -1), mn.to(torch.uint8).reshape(n, -1)
+
+
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AutoAWQ int32 [R, C] -> uint8 codes [R, 8C] in logical column order."""
     cols = [(packed >> (4 * AWQ_REVERSE[e])) & 15 for e in range(8)]
@@ -294,6 +333,13 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
         scales = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
         q = raw[..., 2:].reshape(n, k) ^ 0x80                              # int8 q + 128
         return PackedWeight(fmt, _chunk_words(q, 8), scales, None, 32, n, k)
+    if fmt == Q4_K:     # d, dmin, 12 bytes of 6-bit (scale, min) pairs, 4 x 32 nibble bytes
+        raw = w0.reshape(n, k // 256, 144)
+        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 128)
+        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))
+        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)     # sub-blocks 2c, 2c + 1
+        return PackedWeight(fmt, _chunk_words(q, 4), sc, mn, 32, n, k, dd)
     if fmt == NF4:      # byte i: element 2i in the high nibble, 2i + 1 in the low one
         q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
         return PackedWeight(fmt, _chunk_words(q, 4), w1.reshape(n, k // i0), None, i0, n, k)
@@ -355,9 +401,9 @@ class PackedConfig:
 
 
 #: default launch per format (untimed: sm_90 SASS, instructions a weight in the loop: Q4_0
-#: 4.2, Q8_0 4.7 with 4 words a thread per half chunk row, NF4 6.0, AWQ 4.4)
+#: 4.2, Q8_0 4.7 and Q4_K 5.4 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(halves=4), NF4: PackedConfig(),
-                  AWQ: PackedConfig()}
+                  AWQ: PackedConfig(), Q4_K: PackedConfig(halves=4)}
 
 
 def _split(tiles: int, steps_total: int, split: int, device) -> tuple[int, int]:
@@ -384,8 +430,9 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     tiles = triton.cdiv(pw.n, cfg.block_n)
     even = pw.n % cfg.block_n == 0 and nch == split * steps * c
     z = pw.zeros if pw.zeros is not None else pw.scales
+    table = pw.table if pw.table is not None else code if code is not None else pw.scales
     _packed_gemv_kernel[(tiles, split)](
-        x1, pw.codes, pw.scales, z, code if code is not None else pw.scales, out, pw.n,
+        x1, pw.codes, pw.scales, z, table, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
         PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma), H=cfg.halves,

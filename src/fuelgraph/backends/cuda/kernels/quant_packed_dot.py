@@ -37,6 +37,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     s_rows = s_ptr + rows * s_row
     z_rows = z_ptr + rows * s_row
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x                # [1, BM]
+    if KIND == 4:       # Q4_K: c_ptr holds [N, 2 * nch] f16 (d, dmin) pairs
+        c_ptr = c_ptr + rows * (2 * nch)
     c = tl.arange(0, C)[None, :, None]
     t = tl.arange(0, 32)[None, None, :]
     kt = tl.arange(0, C * 32)                                                # plane column
@@ -47,13 +49,19 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
         ok = n_ok[:, None, None] & (ch < nch)
         words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
         k_ok = (ch0 + kt // 32) < nch
+        if KIND == 4:
+            d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
+            dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
         for j in tl.static_range(E // 32):
             g = (ch * E + j * 32) // BS
             s = tl.load(s_rows + g, mask=ok, other=0.0).to(tl.float32)
-            if KIND == 2:
+            if KIND == 2 or KIND == 4:
                 zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
             else:
                 zq = 0
+            if KIND == 4:
+                s = d * s
+                zq = dmin * zq.to(tl.float32)
             w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)      # [BN, C, 32]
             k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
             xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
@@ -109,9 +117,10 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
+    table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     _packed_dot_kernel[grid](
-        x2, pw.codes, pw.scales, z, w2 if fmt == NF4 else pw.scales, out, m, n,
+        x2, pw.codes, pw.scales, z, table, out, m, n,
         pw.codes.shape[1], pw.scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
         STEPS=steps, KIND=_KIND[fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
