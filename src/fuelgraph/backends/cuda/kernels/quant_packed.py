@@ -350,26 +350,35 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
     raise ValueError(f"no chunk layout for format {fmt}")
 
 
-#: id(first weight tensor) -> (weak references, versions, (fmt, i0, k, n), PackedWeight)
-_CACHE: dict[int, tuple] = {}
+#: (id of the first weight's base tensor, geometry of the three) -> (weak references to
+#: their base tensors, their in-place versions, PackedWeight)
+_CACHE: dict[tuple, tuple] = {}
+
+
+def _anchor(t):
+    """The tensor whose lifetime holds t's memory (a view's base), and where in it t lies: a
+    view made afresh for every call (a reshape in a traced plan) still finds its copy."""
+    base = t._base if t._base is not None else t
+    return base, (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
-    """`pack`, cached with the weight tensors: reused while they are alive and unchanged
-    (same objects, same in-place versions); dropped when the first one is freed."""
+    """`pack`, cached with the weight tensors: reused while their memory is alive (held by the
+    same tensors or views of the same bases) and unchanged (same in-place versions); dropped
+    when the first one's base is freed."""
     tensors = (w0, w1, w2)
-    key = id(w0)
+    anchors = [_anchor(t) for t in tensors]
+    key = (id(anchors[0][0]), fmt, i0, k, n) + tuple(g for _, g in anchors)
+    versions = tuple(t._version for t in tensors)
     hit = _CACHE.get(key)
-    params = (fmt, i0, k, n)
     if hit is not None:
-        refs, versions, p, packed = hit
-        if p == params and all(r() is t for r, t in zip(refs, tensors)) and \
-                versions == tuple(t._version for t in tensors):
+        refs, vers, packed = hit
+        if vers == versions and all(r() is a for r, (a, _) in zip(refs, anchors)):
             return packed
     packed = pack(fmt, w0, w1, w2, i0, k, n)
-    refs = tuple(weakref.ref(t) for t in tensors)
-    _CACHE[key] = (refs, tuple(t._version for t in tensors), params, packed)
-    weakref.finalize(w0, _drop, key, refs[0])
+    refs = tuple(weakref.ref(a) for a, _ in anchors)
+    _CACHE[key] = (refs, versions, packed)
+    weakref.finalize(anchors[0][0], _drop, key, refs[0])
     return packed
 
 
