@@ -231,3 +231,25 @@ def test_packed_dot(fmt, m):
                                     to_dev(sc), group_size=gs, config=_dot_cfg(m))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
     check_product(fn(x), x, ref, dt)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
+def test_packed_gemv_in_a_cuda_graph():
+    """Warmed up once (the copy made outside), the one-row path captures and replays."""
+    rng = np.random.default_rng(13)
+    n, k = 64, 512
+    raw = gguf_bytes(rng, "Q4_0", n, k)
+    w = to_dev(raw.reshape(-1))
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    x.copy_(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
+    graph.replay()
+    check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)
