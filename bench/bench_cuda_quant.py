@@ -99,7 +99,7 @@ SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
 # --sweep packed (and full): the one-row GEMV on the chunk-layout copy (quant_packed.PackedConfig:
 # block_n, chunks a step, split, warps, prefetch, halves, fma, x32) besides its default
 SWEEP_PACKED = [(16, 4, 2, 4, 1, 2), (8, 4, 1, 4, 1, 2), (32, 4, 1, 8, 1, 2), (16, 4, 1, 4, 1, 4),
-                (16, 4, 1, 4, 1, 2, 1, 0), (16, 8, 1, 4, 1, 2)]
+                (16, 4, 1, 4, 1, 2, 1, 0), (16, 2, 1, 4, 1, 2)]
 # more rows on the same copy: tensor-core dots (quant_packed_dot.PackedDotConfig: block_n,
 # block_m, chunks a step, split, warps, stages) by M
 SWEEP_PACKED_DOT = {16: [(64, 16, 2, 0, 4, 1), (128, 16, 2, 0, 4, 1), (64, 16, 4, 0, 4, 1)],
