@@ -84,7 +84,7 @@ def _awq_fma(words, j: tl.constexpr, s, zq, magic):
         v = words >> 12
     SH: tl.constexpr = 12 + 4 * (j % 2)
     f = ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
-    zf = zq.to(tl.float32) + (1 << (23 - SH))                               # exact
+    zf = (zq | magic).to(tl.float32, bitcast=True) - (8388608.0 - (1 << (23 - SH)))  # exact
     return tl.fma(f, s * (1.0 / (1 << SH)), -(s * zf))
 
 
@@ -188,9 +188,9 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
         e0 = ch * E + j * 32                                                # [C, 1, 1, 1]
         g = e0 // BS
         if EVEN:
-            s = tl.load(s_rows + g).to(tl.float32)
+            s = tl.load(s_rows + g)
         else:
-            s = tl.load(s_rows + g, mask=g_ok, other=0.0).to(tl.float32)
+            s = tl.load(s_rows + g, mask=g_ok, other=0)
         if KIND == 2 or KIND == 4:
             if EVEN:
                 zq = tl.load(z_rows + g).to(tl.int32)
@@ -198,9 +198,12 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
                 zq = tl.load(z_rows + g, mask=g_ok, other=0).to(tl.int32)
         else:
             zq = 0
-        if KIND == 4:   # the sub-block's scale and min, as gguf-py forms them (exact)
-            s = d * s
-            zq = dmin * zq.to(tl.float32)
+        if KIND == 4:   # the sub-block's scale and min, as gguf-py forms them (exact); the
+            #             6-bit integers become floats through 2^23's mantissa (I2F is slow)
+            s = d * ((s.to(tl.int32) | magic).to(tl.float32, bitcast=True) - 8388608.0)
+            zq = dmin * ((zq | magic).to(tl.float32, bitcast=True) - 8388608.0)
+        else:
+            s = s.to(tl.float32)
         w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
         if DEQ:
             tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
@@ -410,7 +413,7 @@ class PackedConfig:
 
 
 #: default launch per format (untimed: sm_90 SASS, instructions a weight in the loop: Q4_0
-#: 4.2, Q8_0 4.7 and Q4_K 5.4 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4)
+#: 4.2, Q8_0 4.7 and Q4_K 5.5 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(halves=4), NF4: PackedConfig(),
                   AWQ: PackedConfig(), Q4_K: PackedConfig(halves=4)}
 
