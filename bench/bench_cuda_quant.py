@@ -40,7 +40,8 @@ from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_gemm import GemmConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed import (PACKED_FORMATS,  # noqa: E402
                                                             PackedConfig)
-from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed_dot import (DOT_FORMATS,  # noqa: E402
+                                                                PackedDotConfig)
 from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
                                                           default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
@@ -114,7 +115,7 @@ def sweep_configs(fmt, m):
     packed = []
     if fmt in PACKED_FORMATS:
         packed = [PackedConfig(*v) for v in SWEEP_PACKED] if m == 1 else \
-            [PackedDotConfig(*v) for v in SWEEP_PACKED_DOT.get(m, [])]
+            [PackedDotConfig(*v) for v in SWEEP_PACKED_DOT.get(m, []) if fmt in DOT_FORMATS]
     if SWEEP_KIND == "packed":
         return packed + (["rows"] if m == 1 else [])
     if SWEEP_KIND == "small":

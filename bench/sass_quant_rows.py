@@ -86,14 +86,16 @@ def gemm_source(fmt, cfg, group=128):
 def packed_source(fmt, cfg, x="fp32"):
     """The one-row GEMV on the chunk-layout copy (`quant_packed`), EVEN, stored in bf16."""
     from fuelgraph.backends.cuda.kernels import quant_packed as P
-    sdt = {NF4: "*fp32", Q4_K: "*u8"}.get(fmt, "*fp16")
+    q6k = GGUF_IDS["Q6_K"]
+    sdt = {NF4: "*fp32", Q4_K: "*u8", q6k: "*u8"}.get(fmt, "*fp16")
     sig = {"x_ptr": f"*{x}", "q_ptr": "*i32", "s_ptr": sdt,
            "z_ptr": "*u8" if fmt in (AWQ, Q4_K) else sdt,
-           "c_ptr": "*fp16" if fmt == Q4_K else "*fp32", "out_ptr": "*bf16", "N": "i32", "kw": "i32", "s_row": "i32",
+           "c_ptr": "*fp16" if fmt in (Q4_K, q6k) else "*fp32", "out_ptr": "*bf16", "N": "i32", "kw": "i32", "s_row": "i32",
            "nch": "i32", "magic": "i32"}
-    cons = dict(STEPS=8, KIND=P._KIND[fmt], E=P.CHUNK[fmt], BS={NF4: 64, AWQ: 128}.get(fmt, 32),
+    cons = dict(STEPS=8, KIND=P._KIND[fmt], E=P.CHUNK[fmt], BS={NF4: 64, AWQ: 128, q6k: 16}.get(fmt, 32),
                 BLOCK_N=cfg.block_n, C=cfg.chunks, ATOMIC=False, PREFETCH=bool(cfg.prefetch),
-                EVEN=True, XB=True, FMA_DEQ=bool(cfg.fma), H=cfg.halves, DEQ=False)
+                EVEN=True, XB=True, FMA_DEQ=bool(cfg.fma),
+                H=max(cfg.halves, 2) if fmt == q6k else cfg.halves, DEQ=False)
     attrs = {k: v for k, v in ALIGNED.items() if k[0] != 10}
     return (ASTSource(P._packed_gemv_kernel, sig, cons, attrs=attrs),
             cfg.block_n * cfg.chunks * P.CHUNK[fmt])
@@ -128,7 +130,7 @@ def main():
     if args.packed:
         from fuelgraph.backends.cuda.kernels.quant_packed import PackedConfig
         for name in args.fmt.split(","):
-            if name not in ("Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"):
+            if name not in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"):
                 continue
             for spec in args.packed.split(";"):
                 v = [int(t) for t in spec.split(",")] + [1, 2, 1, 1][len(spec.split(",")) - 3:]

@@ -1,9 +1,10 @@
-"""The one-row GEMV on the repacked (chunk-layout) weight (`quant_packed`: Q4_0, Q8_0, NF4, AWQ):
-the packed copy (Q4_0, Q8_0, Q4_K, NF4, AWQ) decoded by the kernel's own planes bit-exact with gguf-py / the NF4 and AWQ
-layout references on random and edge bytes, the products against float64 torch on the
-dequantized weight (odd N, a split reduction by atomics, with and without prefetch, several
-chunks a step), the cache (reused, refreshed after an in-place change) and the routing of
-shapes the layout rejects (K not a multiple of the chunk) to the storage-order kernels.
+"""The one-row GEMV on the repacked (chunk-layout) weight (`quant_packed`: Q4_0, Q8_0, Q4_K, Q6_K,
+NF4, AWQ) and the few-row dots on it (`quant_packed_dot`): the packed copy decoded by the
+kernel's own planes bit-exact with gguf-py / the NF4 and AWQ layout references on random and
+edge bytes, the products against float64 torch on the dequantized weight (odd N, a split
+reduction by atomics, with and without prefetch, several chunks a step), the cache (reused,
+refreshed after an in-place change) and the routing of shapes the layout rejects (K not a
+multiple of the chunk) to the storage-order kernels.
 
 Runs on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes."""
 from __future__ import annotations
@@ -52,12 +53,13 @@ def _edge_rows(qtype, per_row):
     return edge[idx].reshape(256, -1), 256, per_row * qk
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_packed_gguf_bit_exact(qtype):
     qk, bb, _ = GGUF[qtype]
     e = P.CHUNK[GGUF_IDS[qtype]]
     rng = np.random.default_rng(bb)
-    cases = [(gguf_bytes(rng, qtype, 3, 2 * e), 3, 2 * e), _edge_rows(qtype, e // qk)]
+    cases = [(gguf_bytes(rng, qtype, 3, 2 * max(e, qk)), 3, 2 * max(e, qk)),
+             _edge_rows(qtype, max(1, e // qk))]
     for raw, n, k in cases:
         w = to_dev(raw.reshape(-1))
         pw = P.pack(GGUF_IDS[qtype], w, w, w, raw.shape[1], k, n)
@@ -66,7 +68,7 @@ def test_packed_gguf_bit_exact(qtype):
         # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
         # there for either sign of d), non-finite elsewhere
         got = P.dequantize_packed(pw).cpu().numpy()
-        if qtype == "Q4_K":     # the same operations as gguf-py (one FMA of exact factors)
+        if qtype in ("Q4_K", "Q6_K"):   # the same operations as gguf-py
             same_bits(got, want)
             continue
         d = raw.reshape(n, -1, bb)[:, :, :2].copy().view(np.float16)[..., 0]
@@ -102,10 +104,10 @@ def test_packed_awq_bit_exact(group):
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_packed_gguf_gemv(qtype, kind):
     rng = np.random.default_rng(len(qtype) + len(str(kind)))
-    n, k = 19, 2 * P.CHUNK[GGUF_IDS[qtype]]
+    n, k = 19, 2 * max(P.CHUNK[GGUF_IDS[qtype]], GGUF[qtype][0])
     raw = gguf_bytes(rng, qtype, n, k)
     w = gguf_dequant_ref(raw, qtype)
     for dt in _dtypes(kind):

@@ -44,7 +44,7 @@ from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
-from .quant_packed_dot import PackedDotConfig, run_packed_dot
+from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -248,7 +248,7 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
     if isinstance(config, PackedDotConfig):
-        if rows_ok and packable(fmt_id, i0, k, n):
+        if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
             return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
         config = "rows"
     if config == "packed" or isinstance(config, PackedConfig):

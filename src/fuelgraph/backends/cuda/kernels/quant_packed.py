@@ -1,5 +1,5 @@
-"""One-row quantized matmul (`out = x @ W.T`, x [1, K], W [N, K]; Q4_0, Q8_0, Q4_K, NF4, AWQ) on
-a GPU-friendly copy of the weight, repacked once per weight tensor and cached with it
+"""One-row quantized matmul (`out = x @ W.T`, x [1, K], W [N, K]; Q4_0, Q8_0, Q4_K, Q6_K, NF4,
+AWQ) on a GPU-friendly copy of the weight, repacked once per weight tensor and cached with it
 (`packed_weight`).
 
 Why: GGUF blocks (Q4_0: 18 bytes, Q8_0: 34) are not 16-byte aligned, so the storage-order GEMV
@@ -8,20 +8,23 @@ scales live in separate, aligned arrays:
 
 * codes: int32 words `[N, K / E * 32]`, one "chunk" of E elements of a row = 32 consecutive
   words. 4-bit formats (Q4_0, NF4, AWQ; E = 256): element j * 32 + t of a chunk is nibble j
-  (bits 4j..4j+3) of word t. Q8_0 (E = 128): element j * 32 + t is byte j of word t, stored
-  as q + 128 (unsigned).
+  (bits 4j..4j+3) of word t. Q8_0 and Q6_K (E = 128): element j * 32 + t is byte j of word
+  t, stored as q + 128 / q + 32 (unsigned; Q6_K's 6 bits a byte: 1.0 byte a weight, not 0.82).
   So "plane" j of a [chunks, rows, 32] word tile holds 32 consecutive elements of K, whose x
-  values are one contiguous load, and one scale group (groups are multiples of 32 elements).
+  values are one contiguous load, and one scale group (groups are multiples of 32 elements;
+  Q6_K's 16-element groups: one per half plane row, so a thread's words span one of them).
 * scales `[N, K / group]` in the format's own dtype (f16 d for Q4_0 / Q8_0 and AWQ, float32
   absmax for NF4, the caller's tensor itself), AWQ zeros `[N, K / group]` uint8; Q4_K: the
-  6-bit sub-block scales and mins as uint8 [N, K / 32] and the (d, dmin) f16 pairs.
+  6-bit sub-block scales and mins as uint8 [N, K / 32] and the (d, dmin) f16 pairs; Q6_K: the
+  int8 scales [N, K / 16] and d [N, K / 256].
 
 Dequantized weights equal the format's dequantizer's (checked with DEQ=True in the tests): NF4
-as code[q] * absmax and Q4_K as fma(q, d sc, -dmin m) (the same single rounding as gguf-py),
-bit for bit; Q4_0 d (q - 8), Q8_0 d q and AWQ (q - z) s are exact products in float32, formed
-here by one FMA from the code OR-ed into 2^23's mantissa with both factors exact (`_q4_0_fma`),
-which gives the exact product as well, for finite scales (an infinite one gives NaN where the
-dequantizer gives +-inf, a zero product may be +0 for -0; fma=0 keeps subtract-then-scale).
+as code[q] * absmax, Q4_K as fma(q, d sc, -dmin m) and Q6_K as (d sc) (q - 32) (the same single
+rounding as gguf-py), bit for bit; Q4_0 d (q - 8), Q8_0 d q and AWQ (q - z) s are exact
+products in float32, formed here by one FMA from the code OR-ed into 2^23's mantissa with both
+factors exact (`_q4_0_fma`), which gives the exact product as well, for finite scales (an
+infinite one gives NaN where the dequantizer gives +-inf, a zero product may be +0 for -0;
+fma=0 keeps subtract-then-scale).
 
 A program owns BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1),
 loads C chunks of its rows a step (16-byte loads), optionally the next step's words before
@@ -40,12 +43,12 @@ import triton.language as tl
 
 from .common import num_sms
 from .quant_rows import MAGIC_BITS
-from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q8_0
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: elements of one chunk (32 words) per format; scale group elements for the GGUF formats
-CHUNK = {Q4_0: 256, NF4: 256, AWQ: 256, Q8_0: 128, Q4_K: 256}
+CHUNK = {Q4_0: 256, NF4: 256, AWQ: 256, Q8_0: 128, Q4_K: 256, Q6_K: 128}
 PACKED_FORMATS = frozenset(CHUNK)
-_KIND = {Q4_0: 0, NF4: 1, AWQ: 2, Q8_0: 3, Q4_K: 4}
+_KIND = {Q4_0: 0, NF4: 1, AWQ: 2, Q8_0: 3, Q4_K: 4, Q6_K: 5}
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column 8c + e of AWQ sits in nibble AWQ_REVERSE[e]
 
 
@@ -101,7 +104,7 @@ def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
            FMA_DEQ: tl.constexpr):
     """Dequantized plane j (float32, the words' shape) of the int32 words, from its scale s
     (float32) and (AWQ) zero zq (int32), both [C, BN, 1, 1]."""
-    if KIND == 3:       # Q8_0, stored as u = q + 128: byte j moved to bits 8..15
+    if KIND == 3 or KIND == 5:  # Q8_0 (u = q + 128) / Q6_K (u = q + 32): byte j to bits 8..15
         if j == 0:
             v = words << 8
         elif j == 1:
@@ -111,7 +114,9 @@ def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
         else:
             v = words >> 16
         f = ((v & 0xFF00) | magic).to(tl.float32, bitcast=True)           # 2^23 + 256 u
-        if FMA_DEQ:     # d q = f (d / 256) - d (2^15 + 128): exact factors, exact result
+        if KIND == 5:   # (d sc) q, one rounding as gguf-py: 256 q exact, times (d sc) / 256
+            w = (f - 8396800.0) * (s * 0.00390625)
+        elif FMA_DEQ:   # d q = f (d / 256) - d (2^15 + 128): exact factors, exact result
             w = tl.fma(f, s * 0.00390625, s * -32896.0)
         else:
             w = (f - 8421376.0) * (s * 0.00390625)                         # 256 q, exact
@@ -177,6 +182,11 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
     t = _word_index(H)
     g_ok = n_ok[None, :, None, None] & (ch < nch)
     PLANES: tl.constexpr = E // 32
+    if KIND == 5:       # Q6_K: the super-block's d (f16 at c_ptr [1, BN, 1, 1], 2 chunks each)
+        if EVEN:
+            d = tl.load(c_ptr + ch // 2).to(tl.float32)
+        else:
+            d = tl.load(c_ptr + ch // 2, mask=g_ok, other=0.0).to(tl.float32)
     if KIND == 4:       # Q4_K: the super-block's d, dmin (f16 pairs at c_ptr [1, BN, 1, 1])
         if EVEN:
             d = tl.load(c_ptr + 2 * ch).to(tl.float32)
@@ -186,7 +196,10 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
             dmin = tl.load(c_ptr + 2 * ch + 1, mask=g_ok, other=0.0).to(tl.float32)
     for j in tl.static_range(PLANES):
         e0 = ch * E + j * 32                                                # [C, 1, 1, 1]
-        g = e0 // BS
+        if KIND == 5:   # Q6_K: 16-element scale groups, one per half of a plane row (H >= 2)
+            g = (e0 + tl.arange(0, H)[None, None, :, None] * (32 // H)) // BS
+        else:
+            g = e0 // BS
         if EVEN:
             s = tl.load(s_rows + g)
         else:
@@ -202,6 +215,8 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
             #             6-bit integers become floats through 2^23's mantissa (I2F is slow)
             s = d * ((s.to(tl.int32) | magic).to(tl.float32, bitcast=True) - 8388608.0)
             zq = dmin * ((zq | magic).to(tl.float32, bitcast=True) - 8388608.0)
+        elif KIND == 5:     # int8 scale through 2^23's mantissa, times d (exact, as gguf-py)
+            s = d * (((s.to(tl.int32) ^ 128) | magic).to(tl.float32, bitcast=True) - 8388736.0)
         else:
             s = s.to(tl.float32)
         w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
@@ -240,6 +255,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
     out_rows = out_ptr + rows * (nch * E)
     if KIND == 4:       # Q4_K: c_ptr holds [N, 2 * nch] f16 (d, dmin) pairs
         c_ptr = c_ptr + rows * (2 * nch)
+    if KIND == 5:       # Q6_K: c_ptr holds [N, nch / 2] f16 d
+        c_ptr = c_ptr + rows * (nch // 2)
     c = tl.arange(0, C)[:, None, None, None]
     first = pid_s * STEPS * C
     acc = tl.zeros((C, BLOCK_N, H, 32 // H), tl.float32)
@@ -343,6 +360,16 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
         qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
         q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)     # sub-blocks 2c, 2c + 1
         return PackedWeight(fmt, _chunk_words(q, 4), sc, mn, 32, n, k, dd)
+    if fmt == Q6_K:     # 128 low-nibble bytes, 64 crumb bytes, 16 int8 scales, f16 d
+        raw = w0.reshape(n, k // 256, 210)
+        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
+        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
+        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
+        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
+        q = lo | (hi.reshape(n, k) << 4)                                   # q + 32, 0..63
+        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
+        sc = raw[..., 192:208].reshape(n, k // 16).contiguous()          # int8 bits
+        return PackedWeight(fmt, _chunk_words(q, 8), sc, None, 16, n, k, d)
     if fmt == NF4:      # byte i: element 2i in the high nibble, 2i + 1 in the low one
         q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
         return PackedWeight(fmt, _chunk_words(q, 4), w1.reshape(n, k // i0), None, i0, n, k)
@@ -413,9 +440,10 @@ class PackedConfig:
 
 
 #: default launch per format (untimed: sm_90 SASS, instructions a weight in the loop: Q4_0
-#: 4.2, Q8_0 4.7 and Q4_K 5.5 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4)
+#: 4.2, Q8_0 4.7 and Q4_K 5.5 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4,
+#: Q6_K 6.4)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(halves=4), NF4: PackedConfig(),
-                  AWQ: PackedConfig(), Q4_K: PackedConfig(halves=4)}
+                  AWQ: PackedConfig(), Q4_K: PackedConfig(halves=4), Q6_K: PackedConfig()}
 
 
 def _split(tiles: int, steps_total: int, split: int, device) -> tuple[int, int]:
@@ -447,7 +475,8 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         x1, pw.codes, pw.scales, z, table, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
-        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma), H=cfg.halves,
+        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma),
+        H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
         DEQ=deq, num_warps=cfg.num_warps, num_stages=1)
 
 

@@ -14,7 +14,10 @@ import triton
 import triton.language as tl
 
 from .common import num_sms
-from .quant_packed import _KIND, CHUNK, MAGIC_BITS, NF4, _plane, packed_weight
+from .quant_packed import _KIND, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q6_K, _plane, packed_weight
+
+#: formats of the dot kernel: Q6_K's 16-element scale groups split a plane row (GEMV only)
+DOT_FORMATS = PACKED_FORMATS - {Q6_K}
 
 
 @triton.jit
