@@ -161,6 +161,8 @@ def test_default_route_and_cache():
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
+    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16
+    assert K.default_route(NF4, 16) == "rows"
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
                   gguf_dequant_ref(raw, "Q4_0").T, torch.float32)
@@ -233,6 +235,21 @@ def test_packed_dot(fmt, m):
                                     to_dev(sc), group_size=gs, config=_dot_cfg(m))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
     check_product(fn(x), x, ref, dt)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
+def test_few_rows_default_route(qtype):
+    """2..16 rows of 16-bit x take the dots on the packed copy by default (float32 x and shapes
+    the copy rejects take the tile kernels)."""
+    rng = np.random.default_rng(21)
+    qk = GGUF[qtype][0]
+    for n, k in ((10, 512), (6, 3 * qk if qk == 32 else 2 * qk)):
+        raw = gguf_bytes(rng, qtype, n, k)
+        w = gguf_dequant_ref(raw, qtype)
+        for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):
+            x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dt).to(DEV)
+            out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k)
+            check_product(out, x, w.T, dt)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")

@@ -198,14 +198,23 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   Q4_0's dense copy in storage order 0.126 vs 0.164 in K order vs 0.358 fused (its 18-byte
 #:   blocks allow only 2-byte loads, which Triton does not pipeline). NF4's storage-order copy
 #:   (every other element a store, 1.03 ms) is replaced by the K-order copy (16-byte stores).
-#: * M = 1, Q4_0 / Q8_0 / NF4 / AWQ: "packed" (`quant_packed`: a cached copy of the weight in
-#:   16-byte-aligned chunk order and a GEMV with wide loads); shapes it rejects take "rows".
+#: * session 5 (CUDA-graph times, `cuda_quant_2026-12-01` --sweep packed): M = 1 takes "packed"
+#:   (`quant_packed`: a cached copy of the weight in 16-byte-aligned chunk order, a GEMV with
+#:   wide loads): Q4_0 0.0181 ms (rows 0.0586), AWQ 0.0207 (0.0319), NF4 0.0290 (0.0358), Q4_K
+#:   ~0.027 (0.0674), Q8_0 0.0280 (0.0993), Q6_K 0.0352 (0.0859); shapes it rejects take "rows".
+#:   M <= 16 of Q4_0 / Q8_0 / Q4_K: tensor-core dots on that copy (`quant_packed_dot`, 64 x 16
+#:   tiles): 0.0478 / 0.0551 / 0.0628 vs tiles 0.0873 / 0.0967 / 0.131; NF4 and AWQ keep rows
+#:   (0.057 / 0.051 vs 0.060 / 0.069); shapes the copy rejects take the tiles.
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+_DOT_GGUF_ROUTE = {1: "packed", 16: PACKED_DOT_16, DEQUANT_GEMM_MIN_M: "tiles",
+                   1 << 62: "dequant_rows"}
 ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
           AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
+          **{fmt: _DOT_GGUF_ROUTE if fmt in DOT_FORMATS else
+             _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
 
@@ -245,12 +254,14 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             config = default_route(fmt_id, m_all)
             if isinstance(config, GemmConfig) and x.dtype == torch.float32:
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
+            elif isinstance(config, PackedDotConfig) and x.dtype == torch.float32:
+                config = "tiles"        # (measured for 16-bit x; float32 dots spill)
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
     if isinstance(config, PackedDotConfig):
         if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
             return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
-        config = "rows"
+        config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
     if config == "packed" or isinstance(config, PackedConfig):
         if rows_ok and m_all == 1 and packable(fmt_id, i0, k, n):
             return run_packed(fmt_id, x, w0, w1, w2, i0, k, n,

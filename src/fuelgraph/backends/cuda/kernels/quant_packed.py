@@ -439,11 +439,13 @@ class PackedConfig:
                 + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16") + "]")
 
 
-#: default launch per format (untimed: sm_90 SASS, instructions a weight in the loop: Q4_0
-#: 4.2, Q8_0 4.7 and Q4_K 5.5 with 4 words a thread per quarter chunk row, NF4 6.0, AWQ 4.4,
-#: Q6_K 6.4)
-DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(halves=4), NF4: PackedConfig(),
-                  AWQ: PackedConfig(), Q4_K: PackedConfig(halves=4), Q6_K: PackedConfig()}
+#: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
+#: rows x 4 chunks a step, 8 words a thread per chunk row, beat 8 rows or 2 chunks (fewer bytes
+#: a step: Q4_0 0.042 / 0.032 vs 0.018 ms), 16 words (0.065), split 2 (0.023), x read as bf16
+#: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2)
+DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
+                  NF4: PackedConfig(), AWQ: PackedConfig(), Q4_K: PackedConfig(),
+                  Q6_K: PackedConfig()}
 
 
 def _split(tiles: int, steps_total: int, split: int, device) -> tuple[int, int]:
