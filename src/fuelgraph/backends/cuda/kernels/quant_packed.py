@@ -34,6 +34,7 @@ Shapes the layout does not take (K not a multiple of E, group sizes not multiple
 the storage-order kernels (`packable`)."""
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import num_sms
+from .common import next_pow2, num_sms
 from .quant_rows import MAGIC_BITS
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
@@ -448,28 +449,38 @@ DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps
                   Q6_K: PackedConfig()}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)       # triton.cdiv costs microseconds a call from Python (a jit wrapper)
+
+
 def _split(tiles: int, steps_total: int, split: int, device) -> tuple[int, int]:
     """(split, steps each): split K only while the row tiles are under ~3 programs an SM."""
     if split <= 0:
         want = 3 * num_sms(device)
         split = 1 if tiles >= want else max(1, min(steps_total, want // max(tiles, 1)))
-    steps = triton.cdiv(steps_total, split)
-    return triton.cdiv(steps_total, steps), steps
+    steps = _cdiv(steps_total, split)
+    return _cdiv(steps_total, steps), steps
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_for(fmt: int, n: int, k: int, cfg: PackedConfig, device) -> tuple[int, int, int]:
+    nch = k // CHUNK[fmt]
+    c = min(cfg.chunks, next_pow2(nch))
+    split, steps = _split(_cdiv(n, cfg.block_n), _cdiv(nch, c), cfg.split, device)
+    return c, split, steps
 
 
 def _plan(pw: PackedWeight, cfg: PackedConfig, device) -> tuple[int, int, int]:
-    """(chunks a step, split, steps each) of a launch."""
-    nch = pw.k // CHUNK[pw.fmt]
-    c = min(cfg.chunks, triton.next_power_of_2(nch))
-    split, steps = _split(triton.cdiv(pw.n, cfg.block_n), triton.cdiv(nch, c), cfg.split, device)
-    return c, split, steps
+    """(chunks a step, split, steps each) of a launch (cached: the host path of a decode step
+    is part of its time when it is not a CUDA graph)."""
+    return _plan_for(pw.fmt, pw.n, pw.k, cfg, device)
 
 
 def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool = False):
     c, split, steps = plan
     e = CHUNK[pw.fmt]
     nch = pw.k // e
-    tiles = triton.cdiv(pw.n, cfg.block_n)
+    tiles = _cdiv(pw.n, cfg.block_n)
     even = pw.n % cfg.block_n == 0 and nch == split * steps * c
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else code if code is not None else pw.scales

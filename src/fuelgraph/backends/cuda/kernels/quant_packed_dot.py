@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import num_sms
-from .quant_packed import _KIND, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q6_K, _plane, packed_weight
+from .common import next_pow2, num_sms
+from .quant_packed import (_KIND, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q6_K, _cdiv, _plane,
+                           packed_weight)
 
 #: formats of the dot kernel: Q6_K's 16-element scale groups split a plane row (GEMV only)
 DOT_FORMATS = PACKED_FORMATS - {Q6_K}
@@ -107,21 +108,21 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     m = x2.shape[0]
     e = CHUNK[fmt]
     nch = k // e
-    c = min(cfg.chunks, triton.next_power_of_2(nch))
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    total = triton.cdiv(nch, c)
+    c = min(cfg.chunks, next_pow2(nch))
+    tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
+    total = _cdiv(nch, c)
     split = cfg.split
     if split <= 0:      # about 3 programs an SM stream the weight
         want = 3 * num_sms(x.device)
         split = 1 if tiles >= want else max(1, min(total, want // tiles))
-    steps = triton.cdiv(total, split)
-    split = triton.cdiv(total, steps)
+    steps = _cdiv(total, split)
+    split = _cdiv(total, steps)
     atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
     _packed_dot_kernel[grid](
         x2, pw.codes, pw.scales, z, table, out, m, n,
         pw.codes.shape[1], pw.scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
