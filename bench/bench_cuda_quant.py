@@ -99,8 +99,10 @@ SMALL_ROWS = {1: [(1, 16, 8192, 4, 2), (1, 16, 4096, 4, 2, 4)]}
 SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
 # --sweep packed (and full): the one-row GEMV on the chunk-layout copy (quant_packed.PackedConfig:
 # block_n, chunks a step, split, warps, prefetch, halves, fma, x32) besides its default
-SWEEP_PACKED = [(16, 4, 2, 4, 1, 2), (8, 4, 1, 4, 1, 2), (32, 4, 1, 8, 1, 2), (16, 4, 1, 4, 1, 4),
-                (16, 4, 1, 4, 1, 2, 1, 0), (16, 2, 1, 4, 1, 2)]
+# (session 5, H200: 8 rows, 2 chunks, 16 words a thread (halves 4) and split 2 all lost to the
+# default; next: halves 1, a full 128-byte row piece per 8 threads, and more rows a program)
+SWEEP_PACKED = [(32, 4, 1, 8, 1, 2), (16, 4, 1, 4, 1, 1), (32, 4, 1, 8, 1, 1),
+                (16, 8, 1, 8, 1, 2), (16, 4, 1, 4, 1, 2, 1, 0)]
 # more rows on the same copy: tensor-core dots (quant_packed_dot.PackedDotConfig: block_n,
 # block_m, chunks a step, split, warps, stages) by M
 SWEEP_PACKED_DOT = {16: [(64, 16, 2, 0, 4, 1), (128, 16, 2, 0, 4, 1), (64, 16, 4, 0, 4, 1)],
