@@ -13,7 +13,8 @@ weight bytes / time.
 output features, plane elements per step, warps, stages, split; NF4 code lookups) and the
 dense-copy + cuBLAS path (impl "fuelgraph[...]"; CUDA-graph time only, to keep the run short),
 then prints the best variant per op and M next to the default, so ROWS_TABLE / AWQ_TABLE can be
-retuned from one run. Every implementation is checked against
+retuned from one run. --sweep packed times only the one-row GEMV on the chunk-layout weight copy
+(quant_packed.PackedConfig variants, SWEEP_PACKED) next to the storage-order kernel ("rows"). Every implementation is checked against
 the dense product on the same weight before it is timed. Writes JSON records
 {"op","impl","device","shape","dtype","ms","ms_graph","gbps","date",...} to
 bench/results/cuda_quant_<date>.json (and to --out DIR), then prints the table and the targets.
@@ -37,6 +38,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_gemm import GemmConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed import (PACKED_FORMATS,  # noqa: E402
+                                                            PackedConfig)
+from fuelgraph.backends.cuda.kernels.quant_packed_dot import (DOT_FORMATS,  # noqa: E402
+                                                                PackedDotConfig)
 from fuelgraph.backends.cuda.kernels.quant_rows import (WORD_FORMATS,  # noqa: E402
                                                           default_rows_config, make_config)
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
@@ -92,6 +97,16 @@ SMALL_GEMM = {1: [(16, 64, 256, 0, 4, 4)], 16: [(16, 64, 256, 0, 4, 4), (16, 128
 # the reduction split over more programs)
 SMALL_ROWS = {1: [(1, 16, 8192, 4, 2), (1, 16, 4096, 4, 2, 4)]}
 SMALL_AWQ = {1: [(1, 256, 16384, 8, 2), (1, 128, 8192, 4, 2)]}
+# --sweep packed (and full): the one-row GEMV on the chunk-layout copy (quant_packed.PackedConfig:
+# block_n, chunks a step, split, warps, prefetch, halves, fma, x32) besides its default
+# (session 5, H200: 8 rows, 2 chunks, 16 words a thread (halves 4) and split 2 all lost to the
+# default; next: halves 1, a full 128-byte row piece per 8 threads, and more rows a program)
+SWEEP_PACKED = [(32, 4, 1, 8, 1, 2), (16, 4, 1, 4, 1, 1), (32, 4, 1, 8, 1, 1),
+                (16, 8, 1, 8, 1, 2), (16, 4, 1, 4, 1, 2, 1, 0)]
+# more rows on the same copy: tensor-core dots (quant_packed_dot.PackedDotConfig: block_n,
+# block_m, chunks a step, split, warps, stages) by M
+SWEEP_PACKED_DOT = {16: [(64, 16, 2, 0, 4, 1), (128, 16, 2, 0, 4, 1), (64, 16, 4, 0, 4, 1)],
+                    256: [(128, 128, 2, 0, 8, 1), (64, 128, 2, 0, 4, 1)]}
 SWEEP_KIND = "full"
 PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
 
@@ -99,6 +114,12 @@ PREFETCH = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"], NF4)
 def sweep_configs(fmt, m):
     """RowConfigs / GemmConfigs to time for (format, M), plus the dense-copy paths at many
     rows."""
+    packed = []
+    if fmt in PACKED_FORMATS:
+        packed = [PackedConfig(*v) for v in SWEEP_PACKED] if m == 1 else \
+            [PackedDotConfig(*v) for v in SWEEP_PACKED_DOT.get(m, []) if fmt in DOT_FORMATS]
+    if SWEEP_KIND == "packed":
+        return packed + (["rows"] if m == 1 else [])
     if SWEEP_KIND == "small":
         cfgs = [make_config(fmt, *v) for v in (SMALL_AWQ if fmt == AWQ else SMALL_ROWS).get(m, [])]
         if m == 1 and fmt in PREFETCH:      # next step's bytes loaded ahead (quant_gemv)
@@ -123,7 +144,7 @@ def sweep_configs(fmt, m):
                  dataclasses.replace(make_config(fmt, 1, 16, 8192, 4), prefetch=1)]
     if fmt == NF4 and m in (1, 16):     # the code lookup: global table, select tree
         cfgs += [dataclasses.replace(default_rows_config(NF4, m), lut=lut) for lut in (0, 1)]
-    cfgs += [GemmConfig(*v) for v in SWEEP_GEMM.get(m, [])]
+    cfgs += packed + [GemmConfig(*v) for v in SWEEP_GEMM.get(m, [])]
     if fmt in PREFETCH[:2]:
         cfgs += [dataclasses.replace(GemmConfig(*v), prefetch=1) for v in SWEEP_GEMM.get(m, [])]
     if m > 16:
@@ -242,7 +263,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", nargs="?", const="full", default=None,
-                    help="time launch variants: full (default) or small")
+                    help="time launch variants: full (default), small or packed (one row: the "
+                         "chunk-layout GEMV's variants and the storage-order kernel)")
     ap.add_argument("--compile-only", action="store_true",
                     help="run every case once (no timing, no JSON): warms Triton's cache")
     ap.add_argument("--quick", action="store_true", help="N = K = 4096")
@@ -252,7 +274,7 @@ def main():
     args = ap.parse_args()
     global SWEEP_KIND, COMPILE_ONLY, REP, JSONL
     SWEEP_KIND = args.sweep or "full"
-    REP = 80 if SWEEP_KIND == "small" else 200
+    REP = 80 if SWEEP_KIND in ("small", "packed") else 200
     COMPILE_ONLY = args.compile_only
     if args.out and not COMPILE_ONLY:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ at ~5 instructions per element is ~10 us of issue on an H200 (132 SMs x 4 schedu
 4-bit weight's ~9 us of DRAM time. Use it to compare kernel variants before a GPU session.
 
     python3 bench/sass_quant_rows.py [--fmt Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ] [--ms 1,16,256]
+    python3 bench/sass_quant_rows.py --fmt Q4_0,NF4 --packed 16,4,4,1,2;32,4,8   (quant_packed)
 """
 from __future__ import annotations
 
@@ -82,10 +83,29 @@ def gemm_source(fmt, cfg, group=128):
     return ASTSource(QG._qgemm_kernel, sig, cons, attrs=attrs), g * unit * cfg.block_n
 
 
+def packed_source(fmt, cfg, x="fp32"):
+    """The one-row GEMV on the chunk-layout copy (`quant_packed`), EVEN, stored in bf16."""
+    from fuelgraph.backends.cuda.kernels import quant_packed as P
+    q6k = GGUF_IDS["Q6_K"]
+    sdt = {NF4: "*fp32", Q4_K: "*u8", q6k: "*u8"}.get(fmt, "*fp16")
+    sig = {"x_ptr": f"*{x}", "q_ptr": "*i32", "s_ptr": sdt,
+           "z_ptr": "*u8" if fmt in (AWQ, Q4_K) else sdt,
+           "c_ptr": "*fp16" if fmt in (Q4_K, q6k) else "*fp32", "out_ptr": "*bf16", "N": "i32", "kw": "i32", "s_row": "i32",
+           "nch": "i32", "magic": "i32"}
+    cons = dict(STEPS=8, KIND=P._KIND[fmt], E=P.CHUNK[fmt], BS={NF4: 64, AWQ: 128, q6k: 16}.get(fmt, 32),
+                BLOCK_N=cfg.block_n, C=cfg.chunks, ATOMIC=False, PREFETCH=bool(cfg.prefetch),
+                EVEN=True, XB=True, FMA_DEQ=bool(cfg.fma),
+                H=max(cfg.halves, 2) if fmt == q6k else cfg.halves, DEQ=False)
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] != 10}
+    return (ASTSource(P._packed_gemv_kernel, sig, cons, attrs=attrs),
+            cfg.block_n * cfg.chunks * P.CHUNK[fmt])
+
+
 def report(name, src, elems, cfg, fuse=True):
     try:
         k = triton.compile(src, target=TARGET, options=dict(
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=fuse))
+            num_warps=cfg.num_warps, num_stages=getattr(cfg, "num_stages", 1),
+            enable_fp_fusion=fuse))
     except Exception as exc:  # noqa: BLE001
         print(f"{name:48s} FAILED {str(exc)[:300]!r}")
         return
@@ -102,8 +122,22 @@ def main():
     ap.add_argument("--ms", default="1,16,256")
     ap.add_argument("--gemm", default=None,
                     help="fused GEMM configs instead: m,n,k,warps,stages[,w_left[,prefetch]];...")
+    ap.add_argument("--packed", default=None,
+                    help="one-row chunk-layout GEMV configs instead: "
+                         "block_n,chunks,warps,prefetch,halves,fma,x32;...")
     args = ap.parse_args()
     ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
+    if args.packed:
+        from fuelgraph.backends.cuda.kernels.quant_packed import PackedConfig
+        for name in args.fmt.split(","):
+            if name not in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"):
+                continue
+            for spec in args.packed.split(";"):
+                v = [int(t) for t in spec.split(",")] + [1, 2, 1, 1][len(spec.split(",")) - 3:]
+                cfg = PackedConfig(v[0], v[1], 1, v[2], v[3], v[4], v[5], v[6])
+                src, elems = packed_source(ids[name], cfg, "fp32" if cfg.x32 else "bf16")
+                report(f"{name} {cfg.tag()}", src, elems, cfg)
+        return
     if args.gemm:
         for name in args.fmt.split(","):
             for spec in args.gemm.split(";"):

@@ -26,8 +26,29 @@ def _fix_interpreter_index():
     itp._patch_lang_tensor = patched
 
 
+def _fix_interpreter_fma():
+    """The interpreter's tl.fma rounds twice (x * y, then + z, in the operands' dtype); the GPU's
+    is fused. Form it in float64 (a float32 product is exact there) and round once more: the
+    fused result wherever the sum is representable, as the kernels that rely on it arrange."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as itp
+    except ImportError:
+        return
+    builder = itp.InterpreterBuilder
+    if getattr(builder.create_fma, "_fuelgraph_fixed", False):
+        return
+
+    def create_fma(self, x, y, z):
+        exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data
+        return itp.TensorHandle(exact.astype(z.data.dtype), z.dtype.scalar)
+    create_fma._fuelgraph_fixed = True
+    builder.create_fma = create_fma
+
+
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     _fix_interpreter_index()
+    _fix_interpreter_fma()
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,10 @@ respect to the activations).
 
 Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
 
+* One row of Q4_0, Q8_0, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the weight
+  repacked once (cached with the weight tensor) into 16-byte-aligned code words and separate
+  scales; shapes that layout rejects take the storage-order kernels below. `quant_packed_dot`
+  runs tensor-core dots on the same copy for more rows (selected by config for now).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
@@ -39,6 +43,8 @@ from ....registry.quant_gguf import FORMATS
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
+from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
+from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -192,11 +198,24 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   Q4_0's dense copy in storage order 0.126 vs 0.164 in K order vs 0.358 fused (its 18-byte
 #:   blocks allow only 2-byte loads, which Triton does not pipeline). NF4's storage-order copy
 #:   (every other element a store, 1.03 ms) is replaced by the K-order copy (16-byte stores).
+#: * session 5 (CUDA-graph times, `cuda_quant_2026-12-01` --sweep packed): M = 1 takes "packed"
+#:   (`quant_packed`: a cached copy of the weight in 16-byte-aligned chunk order, a GEMV with
+#:   wide loads): Q4_0 0.0181 ms (rows 0.0586), AWQ 0.0207 (0.0319), NF4 0.0290 (0.0358), Q4_K
+#:   ~0.027 (0.0674), Q8_0 0.0280 (0.0993), Q6_K 0.0352 (0.0859); shapes it rejects take "rows".
+#:   M <= 16 of Q4_0 / Q8_0 / Q4_K: tensor-core dots on that copy (`quant_packed_dot`, 64 x 16
+#:   tiles): 0.0478 / 0.0551 / 0.0628 vs tiles 0.0873 / 0.0967 / 0.131; NF4 and AWQ keep rows
+#:   (0.057 / 0.051 vs 0.060 / 0.069); shapes the copy rejects take the tiles.
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
-ROUTES = {NF4: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
-          AWQ: {DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _GGUF_ROUTE for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
+_PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+_DOT_GGUF_ROUTE = {1: "packed", 16: PACKED_DOT_16, DEQUANT_GEMM_MIN_M: "tiles",
+                   1 << 62: "dequant_rows"}
+ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
+          AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
+          **{fmt: _DOT_GGUF_ROUTE if fmt in DOT_FORMATS else
+             _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
+             for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
 
 def default_route(fmt_id: int, m: int):
@@ -215,13 +234,17 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | str | None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | str |
+        None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
-    (the fused dequantizing GEMM of quant_gemm), "tiles", "rows", "dequant" (dense K-order copy
-    of the weight + cuBLAS) or "dequant_rows" (the copy written in storage order). Configs a
-    format / direction has no kernel for fall back to the tile kernels."""
+    (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
+    on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
+    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot),
+    "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
+    (the copy written in storage order). Configs a format / direction has no kernel for fall
+    back to the tile kernels."""
     rows_ok = not grad and _has_rows_kernel(fmt_id, i0) and x.dtype != torch.float64
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
@@ -231,8 +254,19 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             config = default_route(fmt_id, m_all)
             if isinstance(config, GemmConfig) and x.dtype == torch.float32:
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
+            elif isinstance(config, PackedDotConfig) and x.dtype == torch.float32:
+                config = "tiles"        # (measured for 16-bit x; float32 dots spill)
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, PackedDotConfig):
+        if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
+            return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+        config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
+    if config == "packed" or isinstance(config, PackedConfig):
+        if rows_ok and m_all == 1 and packable(fmt_id, i0, k, n):
+            return run_packed(fmt_id, x, w0, w1, w2, i0, k, n,
+                              config=config if isinstance(config, PackedConfig) else None)
+        config = "rows"
     if isinstance(config, GemmConfig) and rows_ok and fmt_id in GEMM_FORMATS:
         return run_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
     if config in ("dequant", "dequant_rows"):

@@ -1,0 +1,133 @@
+"""Few-row quantized matmul (`out = x @ W.T`, x [M, K] with 1 < M <= 64) on the chunk-layout
+weight copy of `quant_packed` with tensor-core dots: a program owns BLOCK_N weight rows and a
+run of chunks; per step it loads the words [BLOCK_N, C, 32] (16-byte loads), dequantizes each
+plane j (32 consecutive K elements of every chunk, one scale group) exactly as the GEMV does,
+and multiplies it by the matching x rows: acc [BLOCK_N, BLOCK_M] += W_j [BLOCK_N, C * 32] @
+x_j [C * 32, BLOCK_M] (the many weight rows fill the MMA's M side, the few activation rows its
+N side, padded to 16). The plane is rounded to x's dtype for the dot, as the recipe does."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2, num_sms
+from .quant_packed import (_KIND, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q6_K, _cdiv, _plane,
+                           packed_weight)
+
+#: formats of the dot kernel: Q6_K's 16-element scale groups split a plane row (GEMV only)
+DOT_FORMATS = PACKED_FORMATS - {Q6_K}
+
+
+@triton.jit
+def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, nch,
+                       stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
+                       E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr,
+                       PREC: tl.constexpr, FMA_DEQ: tl.constexpr):
+    """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
+    [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows = offs_n.to(tl.int64)[:, None, None]
+    q_rows = q_ptr + rows * kw
+    s_rows = s_ptr + rows * s_row
+    z_rows = z_ptr + rows * s_row
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x                # [1, BM]
+    if KIND == 4:       # Q4_K: c_ptr holds [N, 2 * nch] f16 (d, dmin) pairs
+        c_ptr = c_ptr + rows * (2 * nch)
+    c = tl.arange(0, C)[None, :, None]
+    t = tl.arange(0, 32)[None, None, :]
+    kt = tl.arange(0, C * 32)                                                # plane column
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i in range(STEPS):
+        ch0 = (pid_s * STEPS + i) * C
+        ch = ch0 + c
+        ok = n_ok[:, None, None] & (ch < nch)
+        words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
+        k_ok = (ch0 + kt // 32) < nch
+        if KIND == 4:
+            d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
+            dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(E // 32):
+            g = (ch * E + j * 32) // BS
+            s = tl.load(s_rows + g, mask=ok, other=0.0).to(tl.float32)
+            if KIND == 2 or KIND == 4:
+                zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
+            else:
+                zq = 0
+            if KIND == 4:
+                s = d * s
+                zq = dmin * zq.to(tl.float32)
+            w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)      # [BN, C, 32]
+            k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
+            xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
+            acc = tl.dot(w2, xt, acc, input_precision=PREC)
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+    o_mask = n_ok[:, None] & m_ok[None, :]
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@dataclass(frozen=True)
+class PackedDotConfig:
+    """block_n weight rows, block_m x rows (>= 16, the dot's N side), `chunks` chunks a step;
+    `split` programs along K (0: from the SM count)."""
+    block_n: int = 64
+    block_m: int = 16
+    chunks: int = 2
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    fma: int = 1
+
+    def tag(self) -> str:
+        return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
+                f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma") + "]")
+
+
+def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
+                   config: PackedDotConfig | None = None):
+    """x [..., K] @ W.T through the packed copy of the weight and tensor-core dots (arguments as
+    `quant.run`). Returns [..., N] in x's dtype."""
+    cfg = config or PackedDotConfig()
+    pw = packed_weight(fmt, w0, w1, w2, i0, k, n)
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    e = CHUNK[fmt]
+    nch = k // e
+    c = min(cfg.chunks, next_pow2(nch))
+    tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
+    total = _cdiv(nch, c)
+    split = cfg.split
+    if split <= 0:      # about 3 programs an SM stream the weight
+        want = 3 * num_sms(x.device)
+        split = 1 if tiles >= want else max(1, min(total, want // tiles))
+    steps = _cdiv(total, split)
+    split = _cdiv(total, steps)
+    atomic = split > 1
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    z = pw.zeros if pw.zeros is not None else pw.scales
+    table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
+    grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
+    _packed_dot_kernel[grid](
+        x2, pw.codes, pw.scales, z, table, out, m, n,
+        pw.codes.shape[1], pw.scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
+        STEPS=steps, KIND=_KIND[fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
