@@ -19,12 +19,13 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, arange, tensor
+from ..ir.tensor import Tensor, _leaf, arange, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
+from ..runtime.executor import realize_raw
 from .config import load_into, save_pretrained
 from .generation import GenerationMixin
 
@@ -338,6 +339,13 @@ class LlamaForCausalLM(GenerationMixin, Module):
         dec, seqs, greedy = state
         return dec.run(seqs, tok if isinstance(tok, Tensor) else tok[:, None], greedy)
 
+    def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
+        dec, seqs, _ = state
+        steps = [step_out] + (dec.greedy_steps(seqs, step_out, n - 1, bar) if n > 1 else [])
+        if bar is not None:
+            bar.update(1)
+        return steps
+
     def _release(self, state):
         state[0].cache.free(state[1])
 
@@ -419,6 +427,40 @@ class PagedDecoder:
         if not isinstance(ids, Tensor):
             ids = tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device)
         return step(ids, *self.cache.step_tensors(seqs), greedy)
+
+
+    def greedy_steps(self, seqs, tok: Tensor, n: int, bar=None) -> list:
+        """`n` greedy decode steps after the tokens tok [B] (a device tensor, a previous step's
+        result) -> their next tokens: [tensor [B], tensor [B, n - 1]], computed on the device and
+        queued without waiting for them. The first step is a normal call of the traced step
+        (which checks that its trace still holds, traces or captures it); the others replay it
+        (`fuelgraph.jit.Replayer`: nothing else runs in between) on the inputs the cache
+        prepared for all of them at once (`extend_steps`), so a token costs the host only the
+        copy of three small buffers into the CUDA graph and its launch."""
+        first = self.run(seqs, tok, True)
+        if bar is not None:
+            bar.update(1)
+        rep = self.step.replayer() if n > 1 else None
+        if rep is None:
+            rest = [first]
+            for _ in range(n - 1):
+                rest.append(self.run(seqs, rest[-1], True))
+                if bar is not None:
+                    bar.update(1)
+            return rest
+        slots, table, lens = self.cache.extend_steps(seqs, n - 1)
+        prev, outs = realize_raw([first])[0], []
+        for i in range(n - 1):
+            prev = rep.run([prev, slots[i], table, lens[i]])[0]
+            outs.append(prev)
+            if bar is not None:
+                bar.update(1)
+        if isinstance(prev, np.ndarray):
+            rest = np.stack(outs, 1)
+        else:
+            import torch
+            rest = torch.stack(outs, 1)
+        return [first, _leaf(rest, first.dtype, first.device, False)]
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:

@@ -150,13 +150,10 @@ class PagedKVCache:
         """Cached tokens of each sequence (host copy)."""
         return self._lens[self._ids(seqs)].copy()
 
-    def extend(self, seqs, n_new: int):
-        """Make room for `n_new` more tokens in each sequence of `seqs`: allocate the blocks they
-        need, advance their lengths and prepare this step's slot mapping, block table and context
-        lengths (uploaded to the device once, shared by every layer's write and attention)."""
-        ids = self._ids(seqs)
-        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
-            raise FuelGraphError(f"PagedKVCache.extend: n_new must be an int >= 1, got {n_new!r}")
+    def _grow(self, ids, n_new: int):
+        """Allocate the blocks that n_new more tokens of each sequence `ids` need and record
+        them in the host block tables -> (old lengths, new lengths, blocks allocated); the
+        lengths themselves are left to the caller."""
         bs = self.block_size
         old = self._lens[ids]
         new = old + n_new
@@ -179,14 +176,24 @@ class PagedKVCache:
             cols = np.repeat(have, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count,
                                                                           count))
             self._tables[rows, cols] = got
+            self._table_version += 1
+        return old, new, total
+
+    def extend(self, seqs, n_new: int):
+        """Make room for `n_new` more tokens in each sequence of `seqs`: allocate the blocks they
+        need, advance their lengths and prepare this step's slot mapping, block table and context
+        lengths (uploaded to the device once, shared by every layer's write and attention)."""
+        ids = self._ids(seqs)
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
+            raise FuelGraphError(f"PagedKVCache.extend: n_new must be an int >= 1, got {n_new!r}")
+        old, new, _ = self._grow(ids, n_new)
         self._lens[ids] = new
         pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
+        bs = self.block_size
         blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
         slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
         # the block table of these sequences is uploaded again only when it changed (a block
         # was handed out or freed, or other sequences): most decode steps reuse the last one
-        if total:
-            self._table_version += 1
         key = (ids.tobytes(), self._table_version)
         table = self._table_dev[1] if self._table_dev is not None and \
             self._table_dev[0] == key else None
@@ -209,6 +216,32 @@ class PagedKVCache:
                          int(new.sum()))
         self._table_dev = (key, table)
         self._step = (ids.tobytes(), n_new, slots, table, lens)
+
+    def extend_steps(self, seqs, n_steps: int):
+        """`extend(seqs, 1)` for the next `n_steps` one-token decode steps at once: allocates
+        their blocks now, advances the lengths by n_steps and returns every step's inputs as
+        device buffers (one upload): slot mappings [n_steps, B], the block table [B,
+        max_blocks_per_seq] (valid for all of them) and context lengths [n_steps, B]; row i is
+        what `step_tensors` would give after the (i+1)-th extend. A decode loop that knows how
+        many tokens it will make spends no host work on the cache per token."""
+        ids = self._ids(seqs)
+        if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
+            raise FuelGraphError(f"PagedKVCache.extend_steps: n_steps must be an int >= 1, got "
+                                 f"{n_steps!r}")
+        old, new, _ = self._grow(ids, n_steps)
+        self._lens[ids] = new
+        bs, idt, B = self.block_size, self.index_dtype.np, ids.size
+        pos = old[None, :] + np.arange(n_steps)[:, None]                       # [n_steps, B]
+        slots = self._tables[ids[None, :], pos // bs].astype(np.int64) * bs + pos % bs
+        packed = self._to_device(np.concatenate([slots.reshape(-1).astype(idt),
+                                                 (pos + 1).reshape(-1).astype(idt),
+                                                 self._tables[ids].reshape(-1)]))
+        n = n_steps * B
+        slots, lens = packed[:n].reshape(n_steps, B), packed[n:2 * n].reshape(n_steps, B)
+        table = packed[2 * n:].reshape(B, self.max_blocks_per_seq)
+        self._table_dev = ((ids.tobytes(), self._table_version), table)
+        self._step = (ids.tobytes(), 1, slots[-1], table, lens[-1])
+        return slots, table, lens
 
     def free(self, seqs):
         """Release sequences: their blocks return to the pool, their ids may be reused."""

@@ -126,7 +126,32 @@ class GraphedStep:
         with torch.cuda.graph(self.graph):
             self.static_out = plan.run(self.static_in)
 
+    def replay_args(self, args, bufs, nres):
+        """A replay where only the inputs at positions `args` may have new buffers (the others
+        are known to be the captured ones: see fuelgraph.jit.Replayer) -> clones of the first
+        `nres` outputs. An argument buffer given again (the same object: buffers are immutable
+        values) is not copied again."""
+        last = self.__dict__.setdefault("_last_src", {})
+        for k in args:
+            src = bufs[k]
+            if last.get(k) is not src:
+                dst = self.static_in[k]
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+                last[k] = src
+        self.graph.replay()
+        back = self.__dict__.get("_copy_back")
+        if back is None:             # states the plan did not update in place (fixed at capture)
+            back = self._copy_back = [(self.static_out[j], self.static_in[k])
+                                      for j, k in self.inplace_of.items()
+                                      if self.static_out[j].data_ptr() !=
+                                      self.static_in[k].data_ptr()]
+        for o, dst in back:
+            dst.copy_(o)
+        return [o.clone() for o in self.static_out[:nres]]
+
     def run(self, bufs):
+        self.__dict__.pop("_last_src", None)       # copies of a normal run are not remembered
         moved = {k for k in self.persistent if self.static_in[k].data_ptr() != bufs[k].data_ptr()}
         if moved:
             self.moved |= moved
