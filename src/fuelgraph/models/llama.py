@@ -19,7 +19,8 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, _leaf, arange, tensor
+from ..api import bind_buffer
+from ..ir.tensor import OWNER, Tensor, _leaf, arange, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
@@ -174,12 +175,19 @@ class LlamaAttention(Module):
     def forward(self, x, shape, cos, sin, kv=None, layer=0):
         """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] (or
         [B, 1, S, D]) for the S positions. Without `kv`: causal attention over x itself. With a
-        `PagedStep`: the S new tokens' k/v go into its cache and attend what it holds."""
+        `PagedStep`: the S new tokens' k/v go into its cache and attend what it holds (q, k and
+        v by one product and q, k rotated by one rope when it has their merged weight)."""
         b, s = shape
         heads = lambda t, n: t.reshape(b, s, n, self.d).permute(0, 2, 1, 3)   # noqa: E731
-        q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
-        k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
-        v = heads(self.v_proj(x), self.hkv)
+        w = kv.merged(layer, "qkv") if kv is not None else None
+        if w is not None:                     # [B, Hq + 2 Hkv, S, D]: q and k share the tables
+            t = heads(F.linear(x, w), self.hq + 2 * self.hkv)
+            qk = FF.rope(t[:, :self.hq + self.hkv], cos, sin, self.interleaved)
+            q, k, v = qk[:, :self.hq], qk[:, self.hq:], t[:, self.hq + self.hkv:]
+        else:
+            q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
+            k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
+            v = heads(self.v_proj(x), self.hkv)
         if kv is None:
             o = FF.flash_attn(q, k, v, softmax_scale=self.scale, causal=True)
         else:
@@ -195,7 +203,14 @@ class LlamaMLP(Module):
         self.up_proj = linear(h, f, b, dtype, device)
         self.down_proj = linear(f, h, b, dtype, device)
 
-    def forward(self, x):
+    def forward(self, x, kv=None, layer=0):
+        """x [N, hidden] -> [N, hidden]; with a `PagedStep` holding this layer's merged
+        gate/up weight, both projections are one product."""
+        w = kv.merged(layer, "gate_up") if kv is not None else None
+        if w is not None:
+            f = w.shape[0] // 2
+            gu = F.linear(x, w)
+            return self.down_proj(F.silu(gu[:, :f]) * gu[:, f:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -210,7 +225,7 @@ class LlamaDecoderLayer(Module):
 
     def forward(self, x, shape, cos, sin, kv=None, layer=0):
         x = x + self.self_attn(self.input_layernorm(x), shape, cos, sin, kv, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), kv, layer)
 
 
 class LlamaModel(Module):
@@ -354,15 +369,67 @@ class LlamaForCausalLM(GenerationMixin, Module):
 DECODERS_KEPT = 2
 
 
+class MergedProjections:
+    """Each layer's q/k/v and gate/up weights as one weight [sum of outputs, hidden] each, so a
+    step computes them with one product: the projections' own weights become row views of it
+    (no second copy). Only plain bias-free `Linear`s of one dtype are merged (a GGUF model's
+    quantized projections stay apart). `refresh()` merges again when a weight was replaced
+    since (load_state_dict, an optimizer step rebinding it): weights updated in place stay
+    merged, as they are the views."""
+
+    def __init__(self, model):
+        self.groups = {}
+        for i, layer in enumerate(model.model.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            for kind, mods in (("qkv", (at.q_proj, at.k_proj, at.v_proj)),
+                               ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+                if all(type(m) is Linear and m.bias is None for m in mods) and \
+                        len({(m.weight.dtype, m.weight.device) for m in mods}) == 1:
+                    self.groups[(i, kind)] = [m.weight for m in mods]
+        self.handles: dict = {}         # (layer, kind) -> the merged weight's tensor handle
+        self._nodes: dict = {}          # (layer, kind) -> the weights' nodes when merged
+
+    def refresh(self) -> bool:
+        """Merge the groups whose weights are not the views of their merged weight any more
+        (all of them the first time) -> whether any was merged."""
+        changed = False
+        for key, ws in self.groups.items():
+            nodes = self._nodes.get(key)
+            if nodes is not None and all(w.value.node is n for w, n in zip(ws, nodes)):
+                continue
+            bufs = realize_raw(ws)
+            if isinstance(bufs[0], np.ndarray):
+                cat = np.concatenate(bufs, 0)
+            else:
+                import torch
+                cat = torch.cat(bufs, 0)
+            self.handles.pop(key, None)
+            handle = _leaf(cat, ws[0].dtype, ws[0].device, False)
+            OWNER[handle.value.node] = (handle, "value")     # persistent, like a parameter
+            start = 0
+            for w in ws:
+                bind_buffer(w, cat[start:start + w.shape[0]])
+                start += w.shape[0]
+            self.handles[key] = handle
+            self._nodes[key] = [w.value.node for w in ws]
+            changed = True
+        return changed
+
+
 class PagedStep:
     """The paged KV cache as the layers of one traced step see it: the cache, the step's slot
     mapping [B*S], block table [B, max_blocks] and context lengths [B] (run-time tensors), and
     whether it is a prompt (every sequence started empty: the tokens attend each other with
     flash_attn; else paged_attn over the cache)."""
 
-    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool):
+    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool, merged=None):
         self.cache, self.slots, self.table, self.lens = cache, slots, table, lens
         self.prompt = prompt
+        self._merged = merged or {}
+
+    def merged(self, layer, kind):
+        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None."""
+        return self._merged.get((layer, kind))
 
     def attend(self, layer, q, k, v, scale):
         """q [B, Hq, S, D], k/v [B, Hkv, S, D]: write k/v into the layer's pools (in the graph),
@@ -393,6 +460,14 @@ class PagedDecoder:
         self.cos, self.sin = model.rope.at(0, capacity, model.dtype, model.device)
         self.prompt_step = jit(self._prompt)
         self.step = jit(self._decode, cuda_graph=True)
+        self.merges = MergedProjections(model)
+
+    def _check_merges(self):
+        """Merge the projections (again, after their weights were replaced): the steps traced
+        with the old merged weights are dropped."""
+        if self.merges.refresh():
+            self.prompt_step.retrace()
+            self.step.retrace()
 
     def _prompt(self, ids, slots, table, lens, greedy):
         return self._forward(ids, slots, table, lens, greedy, True)
@@ -410,7 +485,7 @@ class PagedDecoder:
 
         def rot(t):                                               # [B, 1, S, D]
             return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
-        kv = PagedStep(self.cache, slots, table, lens, prompt)
+        kv = PagedStep(self.cache, slots, table, lens, prompt, self.merges.handles)
         h = m.model(ids, rot(self.cos), rot(self.sin), kv)
         last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
         logits = m.head(last)
@@ -421,6 +496,7 @@ class PagedDecoder:
         empty), or one token each as an int64 tensor [B] on the model's device (a previous
         step's result, never copied to the host) -> the last position's logits [B, V] or,
         greedy, the next tokens [B] (computed)."""
+        self._check_merges()
         prompt = not self.cache.context_lens(seqs).any()
         self.cache.extend(seqs, 1 if isinstance(ids, Tensor) else ids.shape[1])
         step = self.prompt_step if prompt else self.step
