@@ -105,6 +105,30 @@ def test_decode_loop_traces_once(hf_llama, ids):
     assert (dec.prompt_step.stats["traces"], dec.step.stats["traces"]) == (2, 1)
 
 
+def test_decode_merges_projections_and_follows_new_weights(hf_llama, ids):
+    """Decoding computes q/k/v and gate/up with one product each: the projections' weights
+    become row views of one merged weight (no second copy). Weights loaded after that are
+    merged again (the decoder's steps retraced): the tokens are a fresh model's."""
+    from fuelgraph.ir.tensor import _DATA
+    model = M.from_pretrained(hf_llama[0])
+    prompt = ids[:, :11]
+    model.generate(prompt, max_new_tokens=6)
+    attn = model.model.layers[1].self_attn
+    q, k, v = (_DATA[p.weight.value.node] for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert q.base is not None and q.base is k.base is v.base          # rows of one array
+    rng = np.random.default_rng(1)
+    state = {n: p.numpy() * (1 + 0.5 * rng.standard_normal(p.shape)).astype(np.float32)
+             for n, p in model.named_parameters()}
+    model.load_state_dict(state)
+    fresh = M.from_pretrained(hf_llama[0])
+    fresh.load_state_dict(state)
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=6),
+                                  fresh.generate(prompt, max_new_tokens=6))
+    assert model.decoder(2, 17).step.stats["traces"] == 2       # retraced on the new weights
+    np.testing.assert_array_equal(fresh.model.layers[0].mlp.up_proj.weight.numpy(),
+                                  state["model.layers.0.mlp.up_proj.weight"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_decode_on_cuda_replays_one_cuda_graph_per_token(hf_llama, ids):
     """On the GPU the decode step is captured as a CUDA graph once and replayed per token, the
