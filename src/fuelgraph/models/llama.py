@@ -20,6 +20,7 @@ from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
 from ..api import bind_buffer
+from ..backends import get_backend
 from ..ir.tensor import OWNER, Tensor, _leaf, arange, tensor
 from ..jit import jit
 from ..nn import functional as F
@@ -343,26 +344,24 @@ class LlamaForCausalLM(GenerationMixin, Module):
         b, s = ids.shape
         dec = self.decoder(b, s + max_new)
         seqs = dec.cache.add_sequences(b)
-        state = [dec, seqs, greedy]
+        state = DecodeRun(dec, seqs, greedy, max_new - 1)
         try:
             return state, dec.run(seqs, ids, greedy)
         except BaseException:
             self._release(state)
             raise
 
-    def _decode_step(self, state, tok) -> Tensor:
-        dec, seqs, greedy = state
-        return dec.run(seqs, tok if isinstance(tok, Tensor) else tok[:, None], greedy)
+    def _decode_step(self, state: "DecodeRun", tok) -> Tensor:
+        return state.step(tok)
 
-    def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
-        dec, seqs, _ = state
-        steps = [step_out] + (dec.greedy_steps(seqs, step_out, n - 1, bar) if n > 1 else [])
+    def _queue_greedy(self, state: "DecodeRun", step_out: Tensor, n: int, bar) -> list:
+        steps = [step_out] + (state.greedy_steps(step_out, n - 1, bar) if n > 1 else [])
         if bar is not None:
             bar.update(1)
         return steps
 
-    def _release(self, state):
-        state[0].cache.free(state[1])
+    def _release(self, state: "DecodeRun"):
+        state.dec.cache.free(state.seqs)
 
 
 #: decoders (KV cache + traced steps) a model keeps between generate calls
@@ -505,38 +504,80 @@ class PagedDecoder:
         return step(ids, *self.cache.step_tensors(seqs), greedy)
 
 
-    def greedy_steps(self, seqs, tok: Tensor, n: int, bar=None) -> list:
-        """`n` greedy decode steps after the tokens tok [B] (a device tensor, a previous step's
-        result) -> their next tokens: [tensor [B], tensor [B, n - 1]], computed on the device and
-        queued without waiting for them. The first step is a normal call of the traced step
-        (which checks that its trace still holds, traces or captures it); the others replay it
-        (`fuelgraph.jit.Replayer`: nothing else runs in between) on the inputs the cache
-        prepared for all of them at once (`extend_steps`), so a token costs the host only the
-        copy of three small buffers into the CUDA graph and its launch."""
-        first = self.run(seqs, tok, True)
+class DecodeRun:
+    """The decode steps of one generate call (after its prefill): at most `steps` one-token
+    steps of the sequences `seqs`. The first is a normal call of the decoder's traced step
+    (which checks that its trace still holds, traces or captures it); the others replay it with
+    `fuelgraph.jit.Replayer` (nothing else runs in between) on the inputs the cache prepared
+    for all of them at once (`extend_steps`), so a token costs the host only the copy of three
+    small buffers into the CUDA graph and its launch."""
+
+    def __init__(self, dec: PagedDecoder, seqs, greedy: bool, steps: int):
+        self.dec, self.seqs, self.greedy, self.left = dec, seqs, greedy, steps
+        self.rep = None                # the Replayer; False: the step cannot be replayed
+        self.inputs, self.i, self.meta = None, 0, None
+
+    def _first(self, tok) -> Tensor:
+        out = self.dec.run(self.seqs, tok if isinstance(tok, Tensor) else tok[:, None],
+                           self.greedy)
+        self.left -= 1
+        if self.rep is None:
+            self.rep = (self.dec.step.replayer() if self.left > 0 else None) or False
+            if self.rep:
+                self.inputs = self.dec.cache.extend_steps(self.seqs, self.left)
+                self.meta = (out.dtype, out.device)
+        return out
+
+    def _replay(self, buf):
+        slots, table, lens = self.inputs
+        out = self.rep.run([buf, slots[self.i], table, lens[self.i]])[0]
+        self.i += 1
+        self.left -= 1
+        return out
+
+    def _fast(self) -> bool:
+        return bool(self.rep) and self.left > 0
+
+    def step(self, tok) -> Tensor:
+        """One step after the tokens tok: a tensor [B] (a previous greedy step's result, left
+        on its device) or host ids [B] -> logits [B, V] or (greedy) next tokens [B]."""
+        if not self._fast():
+            return self._first(tok)
+        if isinstance(tok, Tensor):
+            buf = realize_raw([tok])[0]
+        else:
+            buf = get_backend(self.dec.model.device).from_any(
+                np.ascontiguousarray(tok, np.int64)[:, None], self.dec.model.device)
+        return _leaf(self._replay(buf), *self.meta, False)
+
+    def greedy_steps(self, tok: Tensor, n: int, bar=None) -> list:
+        """`n` greedy steps after the tokens tok [B] (a device tensor) -> their next tokens,
+        queued on the device without waiting: tensors [B] or [B, k] (k steps), in order."""
+        first = self.step(tok)
         if bar is not None:
             bar.update(1)
-        rep = self.step.replayer() if n > 1 else None
-        if rep is None:
-            rest = [first]
-            for _ in range(n - 1):
-                rest.append(self.run(seqs, rest[-1], True))
+        fast = min(n - 1, self.left) if self._fast() else 0
+        steps = [first]
+        if fast:
+            prev, outs = realize_raw([first])[0], []
+            for _ in range(fast):
+                prev = self._replay(prev)
+                outs.append(prev)
                 if bar is not None:
                     bar.update(1)
-            return rest
-        slots, table, lens = self.cache.extend_steps(seqs, n - 1)
-        prev, outs = realize_raw([first])[0], []
-        for i in range(n - 1):
-            prev = rep.run([prev, slots[i], table, lens[i]])[0]
-            outs.append(prev)
+            if isinstance(prev, np.ndarray):
+                rest = np.stack(outs, 1)
+            else:
+                import torch
+                rest = torch.stack(outs, 1)
+            steps.append(_leaf(rest, first.dtype, first.device, False))
+            first = _leaf(prev, first.dtype, first.device, False)
+        for _ in range(n - 1 - fast):            # more steps than generate announced
+            first = self.step(first)
+            steps.append(first)
             if bar is not None:
                 bar.update(1)
-        if isinstance(prev, np.ndarray):
-            rest = np.stack(outs, 1)
-        else:
-            import torch
-            rest = torch.stack(outs, 1)
-        return [first, _leaf(rest, first.dtype, first.device, False)]
+        return steps
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:
