@@ -148,7 +148,7 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
     import torch
     from torch.profiler import ProfilerActivity, profile
     state, out = model._prefill(ids, steps + 1, True)
-    dec = state[0]
+    dec = state.dec
     sync()
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -167,7 +167,7 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
         bufs = [b if b is not None else None for b in rep.bufs]
         state, out = model._prefill(ids, 2, True)
         try:
-            slots, table, lens = dec.cache.extend_steps(state[1], 1)
+            slots, table, lens = dec.cache.extend_steps(state.seqs, 1)
             from fuelgraph.runtime.executor import realize_raw
             for ks, b in zip(rep.arg_at, [realize_raw([out])[0], slots[0], table, lens[0]]):
                 for k in ks:
@@ -194,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10, help="decode tokens profiled")
+    ap.add_argument("--unmerged", action="store_true", help="also B1 with q/k/v and gate/up "
+                    "as separate products (models.llama.MERGE_PROJECTIONS off)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")
     ap.add_argument("--budget", type=float, default=55.0,
                     help="seconds after which no further batch size is started")
@@ -209,9 +211,15 @@ def main(argv=None):
           flush=True)
     report = {"layers": args.layers, "batches": {},
               "device": torch.cuda.get_device_name() if DEVICE[0] == "cuda" else "cpu"}
-    for b in [int(x) for x in args.batches.split(",")]:
+    import fuelgraph.models.llama as llama_mod
+    runs = [(int(x), True) for x in args.batches.split(",")]
+    if args.unmerged:
+        runs.insert(1, (runs[0][0], False))
+    for b, merged in runs:
+        llama_mod.MERGE_PROJECTIONS = merged
+        name = f"B{b}" + ("" if merged else " unmerged")
         if time.perf_counter() - t_start > args.budget:
-            print(f"[profile] B{b} skipped (time budget)")
+            print(f"[profile] {name} skipped (time budget)")
             continue
         ids = np.random.default_rng(b).integers(0, VOCAB[0], (b, args.prompt))
         t0 = time.perf_counter()
@@ -236,7 +244,7 @@ def main(argv=None):
              "host_replay_ms_per_token": round(rep_s / n * 1e3, 4),
              "host_other_ms_per_token": round((host - rep_s) / n * 1e3, 4),
              "replays_per_token": round(reps / n, 2), "same_tokens_as_per_step_calls": same}
-        print(f"[profile] B{b}: generate {r['generate_ms']:.1f} ms = {r['tokens_per_s']:,.0f} "
+        print(f"[profile] {name}: generate {r['generate_ms']:.1f} ms = {r['tokens_per_s']:,.0f} "
               f"tok/s (first call {warm_s:.1f} s); decode loop {r['decode_ms_per_token']:.3f} "
               f"ms/token wall, host {r['host_ms_per_token']:.3f} ms/token (graph replay "
               f"{r['host_replay_ms_per_token']:.3f}, other {r['host_other_ms_per_token']:.3f}); "
@@ -244,21 +252,22 @@ def main(argv=None):
               flush=True)
         try:
             prof = profile_steps(model, ids, args.steps,
-                                 out / f"decode_trace_b{b}.json" if b == 1 else None)
+                                 out / f"decode_trace_b{b}.json" if b == 1 and merged else None,
+                                 eager=merged)
         except Exception as e:                     # the timings above still count
             prof = {"error": f"{type(e).__name__}: {e}"}
-            print(f"[profile] B{b} profiler failed: {prof['error']}")
+            print(f"[profile] {name} profiler failed: {prof['error']}")
         r["profile"] = prof
         for kind, k in prof.items() if isinstance(prof, dict) else ():
             if not isinstance(k, dict):
                 continue
-            print(f"[profile] B{b} {kind}: {k['kernels_per_token']} kernels/token, kernel time "
+            print(f"[profile] {name} {kind}: {k['kernels_per_token']} kernels/token, kernel time "
                   f"{k['kernel_ms_per_token']:.3f} ms/token, GPU busy {k['busy_ms_per_token']:.3f}"
                   f", span {k['span_ms_per_token']:.3f} ms/token")
             for t in k["top"][:15]:
                 print(f"    {t['ms_per_token']:8.4f} ms {t['per_token']:6.1f}x "
                       f"{t['us_each']:8.2f} us  {t['name']}")
-        report["batches"][f"B{b}"] = r
+        report["batches"][name] = r
         (out / "profile_decode.json").write_text(json.dumps(report, indent=1))
         model.release_decoders()
     print(f"[profile] done in {time.perf_counter() - t_start:.1f} s")

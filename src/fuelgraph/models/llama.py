@@ -180,7 +180,7 @@ class LlamaAttention(Module):
         v by one product and q, k rotated by one rope when it has their merged weight)."""
         b, s = shape
         heads = lambda t, n: t.reshape(b, s, n, self.d).permute(0, 2, 1, 3)   # noqa: E731
-        w = kv.merged(layer, "qkv") if kv is not None else None
+        w = kv.merged(layer, "qkv", b * s) if kv is not None else None
         if w is not None:                     # [B, Hq + 2 Hkv, S, D]: q and k share the tables
             t = heads(F.linear(x, w), self.hq + 2 * self.hkv)
             qk = FF.rope(t[:, :self.hq + self.hkv], cos, sin, self.interleaved)
@@ -207,7 +207,7 @@ class LlamaMLP(Module):
     def forward(self, x, kv=None, layer=0):
         """x [N, hidden] -> [N, hidden]; with a `PagedStep` holding this layer's merged
         gate/up weight, both projections are one product."""
-        w = kv.merged(layer, "gate_up") if kv is not None else None
+        w = kv.merged(layer, "gate_up", x.shape[0]) if kv is not None else None
         if w is not None:
             f = w.shape[0] // 2
             gu = F.linear(x, w)
@@ -366,6 +366,8 @@ class LlamaForCausalLM(GenerationMixin, Module):
 
 #: decoders (KV cache + traced steps) a model keeps between generate calls
 DECODERS_KEPT = 2
+#: decoders made from now on merge q/k/v and gate/up weights (see MergedProjections)
+MERGE_PROJECTIONS = True
 
 
 class MergedProjections:
@@ -378,7 +380,7 @@ class MergedProjections:
 
     def __init__(self, model):
         self.groups = {}
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(model.model.layers if MERGE_PROJECTIONS else ()):
             at, mlp = layer.self_attn, layer.mlp
             for kind, mods in (("qkv", (at.q_proj, at.k_proj, at.v_proj)),
                                ("gate_up", (mlp.gate_proj, mlp.up_proj))):
@@ -426,9 +428,12 @@ class PagedStep:
         self.prompt = prompt
         self._merged = merged or {}
 
-    def merged(self, layer, kind):
-        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None."""
-        return self._merged.get((layer, kind))
+    def merged(self, layer, kind, rows: int):
+        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None. Used for
+        one row (a decode step at batch 1) only: with more rows the parts of the merged
+        product are strided, and the kernels after it (rope, paged attention and cache write,
+        the SwiGLU glue) would each copy theirs first, costing more launches than it saves."""
+        return self._merged.get((layer, kind)) if rows == 1 else None
 
     def attend(self, layer, q, k, v, scale):
         """q [B, Hq, S, D], k/v [B, Hkv, S, D]: write k/v into the layer's pools (in the graph),
