@@ -122,6 +122,9 @@ def test_decode_merges_projections_and_follows_new_weights(hf_llama, ids):
     attn = model.model.layers[1].self_attn
     q, k, v = (_DATA[p.weight.value.node] for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert q.base is not None and q.base is k.base is v.base          # rows of one array
+    model.generate(ids[:, :11], max_new_tokens=8)       # another decoder shares the merge
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=8), out)
+    assert model.decoder(1, 19).step.stats["traces"] == 1
     rng = np.random.default_rng(1)
     state = {n: p.numpy() * (1 + 0.5 * rng.standard_normal(p.shape)).astype(np.float32)
              for n, p in model.named_parameters()}

@@ -376,11 +376,19 @@ class MergedProjections:
     (no second copy). Only plain bias-free `Linear`s of one dtype are merged (a GGUF model's
     quantized projections stay apart). `refresh()` merges again when a weight was replaced
     since (load_state_dict, an optimizer step rebinding it): weights updated in place stay
-    merged, as they are the views."""
+    merged, as they are the views. One per model (`of`), shared by its decoders."""
+
+    @staticmethod
+    def of(model) -> "MergedProjections":
+        got = model.__dict__.get("_merged_projections")
+        if got is None:
+            got = model.__dict__["_merged_projections"] = MergedProjections(model)
+        return got
 
     def __init__(self, model):
         self.groups = {}
-        for i, layer in enumerate(model.model.layers if MERGE_PROJECTIONS else ()):
+        self.version = 0                # bumped by every refresh that merged something
+        for i, layer in enumerate(model.model.layers):
             at, mlp = layer.self_attn, layer.mlp
             for kind, mods in (("qkv", (at.q_proj, at.k_proj, at.v_proj)),
                                ("gate_up", (mlp.gate_proj, mlp.up_proj))):
@@ -414,6 +422,7 @@ class MergedProjections:
             self.handles[key] = handle
             self._nodes[key] = [w.value.node for w in ws]
             changed = True
+        self.version += changed
         return changed
 
 
@@ -464,12 +473,17 @@ class PagedDecoder:
         self.cos, self.sin = model.rope.at(0, capacity, model.dtype, model.device)
         self.prompt_step = jit(self._prompt)
         self.step = jit(self._decode, cuda_graph=True)
-        self.merges = MergedProjections(model)
+        self.merges = MergedProjections.of(model) if MERGE_PROJECTIONS else None
+        self._merges_version = None
 
     def _check_merges(self):
         """Merge the projections (again, after their weights were replaced): the steps traced
-        with the old merged weights are dropped."""
-        if self.merges.refresh():
+        with other merged weights are dropped."""
+        if self.merges is None:
+            return
+        self.merges.refresh()
+        if self._merges_version != self.merges.version:
+            self._merges_version = self.merges.version
             self.prompt_step.retrace()
             self.step.retrace()
 
@@ -489,7 +503,8 @@ class PagedDecoder:
 
         def rot(t):                                               # [B, 1, S, D]
             return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
-        kv = PagedStep(self.cache, slots, table, lens, prompt, self.merges.handles)
+        kv = PagedStep(self.cache, slots, table, lens, prompt,
+                       self.merges.handles if self.merges is not None else None)
         h = m.model(ids, rot(self.cos), rot(self.sin), kv)
         last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
         logits = m.head(last)
@@ -530,12 +545,13 @@ class DecodeRun:
             self.rep = (self.dec.step.replayer() if self.left > 0 else None) or False
             if self.rep:
                 self.inputs = self.dec.cache.extend_steps(self.seqs, self.left)
-                self.meta = (out.dtype, out.device)
+                self.meta = (out.dtype, out.device, tuple(tok.shape) if isinstance(tok, Tensor)
+                             else (len(tok), 1))
         return out
 
     def _replay(self, buf):
         slots, table, lens = self.inputs
-        out = self.rep.run([buf, slots[self.i], table, lens[self.i]])[0]
+        out = self.rep.run([buf.reshape(self.meta[2]), slots[self.i], table, lens[self.i]])[0]
         self.i += 1
         self.left -= 1
         return out
@@ -552,8 +568,8 @@ class DecodeRun:
             buf = realize_raw([tok])[0]
         else:
             buf = get_backend(self.dec.model.device).from_any(
-                np.ascontiguousarray(tok, np.int64)[:, None], self.dec.model.device)
-        return _leaf(self._replay(buf), *self.meta, False)
+                np.ascontiguousarray(tok, np.int64), self.dec.model.device)
+        return _leaf(self._replay(buf), *self.meta[:2], False)
 
     def greedy_steps(self, tok: Tensor, n: int, bar=None) -> list:
         """`n` greedy steps after the tokens tok [B] (a device tensor) -> their next tokens,
