@@ -2,6 +2,7 @@
 """Where a Llama decode token's time goes on the GPU (issue 17's decode target).
 
     python bench/profile_cuda_decode.py --out DIR [--layers 16] [--batches 1,32] [--steps 10]
+        [--variants nomerge,nofuse,plain]
 
 The model is the bench's Llama ~1B config (hidden 2048, 32/8 heads, FFN 8192, vocabulary 32000,
 bf16, random weights made on the GPU; --layers to shrink it). Per batch size it prints:
@@ -194,8 +195,10 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10, help="decode tokens profiled")
-    ap.add_argument("--unmerged", action="store_true", help="also B1 with q/k/v and gate/up "
-                    "as separate products (models.llama.MERGE_PROJECTIONS off)")
+    ap.add_argument("--variants", default="",
+                    help="after the first batch size, that batch again with: nomerge (q/k/v and "
+                    "gate/up as separate products, models.llama.MERGE_PROJECTIONS off), nofuse "
+                    "(residual add and norm apart, FUSE_ADD_NORM off), plain (both off)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")
     ap.add_argument("--budget", type=float, default=55.0,
                     help="seconds after which no further batch size is started")
@@ -212,12 +215,13 @@ def main(argv=None):
     report = {"layers": args.layers, "batches": {},
               "device": torch.cuda.get_device_name() if DEVICE[0] == "cuda" else "cpu"}
     import fuelgraph.models.llama as llama_mod
-    runs = [(int(x), True) for x in args.batches.split(",")]
-    if args.unmerged:
-        runs.insert(1, (runs[0][0], False))
-    for b, merged in runs:
-        llama_mod.MERGE_PROJECTIONS = merged
-        name = f"B{b}" + ("" if merged else " unmerged")
+    runs = [(int(x), "") for x in args.batches.split(",")]
+    runs[1:1] = [(runs[0][0], v) for v in args.variants.split(",") if v]
+    for b, variant in runs:
+        llama_mod.MERGE_PROJECTIONS = variant not in ("nomerge", "plain")
+        llama_mod.FUSE_ADD_NORM = variant not in ("nofuse", "plain")
+        merged = not variant
+        name = f"B{b}" + (f" {variant}" if variant else "")
         if time.perf_counter() - t_start > args.budget:
             print(f"[profile] {name} skipped (time budget)")
             continue

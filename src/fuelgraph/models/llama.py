@@ -241,9 +241,24 @@ class LlamaModel(Module):
         """ids [B, S] -> final hidden states [B*S, hidden]. The residual stream is kept as rows
         (one GEMM per projection, no reshapes around it). kv: a `PagedStep` (decoding)."""
         x = self.embed_tokens(ids.reshape(-1))
+        if kv is not None and kv.fuse_add_norm and self.layers:
+            return self._fused_residual(x, tuple(ids.shape), cos, sin, kv)
         for i, layer in enumerate(self.layers):
             x = layer(x, tuple(ids.shape), cos, sin, kv, i)
         return self.norm(x)
+
+    def _fused_residual(self, x, shape, cos, sin, kv):
+        """The same layers with each residual add and the norm after it as one `add_rms_norm`
+        (x: the residual stream, y: the normed input of the next block)."""
+        y = self.layers[0].input_layernorm(x)
+        norms = [m for layer in self.layers for m in (layer.post_attention_layernorm,
+                                                      layer.input_layernorm)][1:] + [self.norm]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(y, shape, cos, sin, kv, i)
+            x, y = FF.add_rms_norm(x, a, norms[2 * i].weight, norms[2 * i].eps)
+            x, y = FF.add_rms_norm(x, layer.mlp(y, kv, i), norms[2 * i + 1].weight,
+                                   norms[2 * i + 1].eps)
+        return y
 
 
 class LlamaForCausalLM(GenerationMixin, Module):
@@ -368,6 +383,9 @@ class LlamaForCausalLM(GenerationMixin, Module):
 DECODERS_KEPT = 2
 #: decoders made from now on merge q/k/v and gate/up weights (see MergedProjections)
 MERGE_PROJECTIONS = True
+#: decoders made from now on compute each residual add and the norm after it as one
+#: add_rms_norm (the decode and prompt steps; the model's own forward keeps the plain ops)
+FUSE_ADD_NORM = True
 
 
 class MergedProjections:
@@ -432,9 +450,10 @@ class PagedStep:
     whether it is a prompt (every sequence started empty: the tokens attend each other with
     flash_attn; else paged_attn over the cache)."""
 
-    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool, merged=None):
+    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool, merged=None,
+                 fuse_add_norm=False):
         self.cache, self.slots, self.table, self.lens = cache, slots, table, lens
-        self.prompt = prompt
+        self.prompt, self.fuse_add_norm = prompt, fuse_add_norm
         self._merged = merged or {}
 
     def merged(self, layer, kind, rows: int):
@@ -474,6 +493,7 @@ class PagedDecoder:
         self.prompt_step = jit(self._prompt)
         self.step = jit(self._decode, cuda_graph=True)
         self.merges = MergedProjections.of(model) if MERGE_PROJECTIONS else None
+        self.fuse_add_norm = FUSE_ADD_NORM
         self._merges_version = None
 
     def _check_merges(self):
@@ -504,7 +524,8 @@ class PagedDecoder:
         def rot(t):                                               # [B, 1, S, D]
             return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
         kv = PagedStep(self.cache, slots, table, lens, prompt,
-                       self.merges.handles if self.merges is not None else None)
+                       self.merges.handles if self.merges is not None else None,
+                       self.fuse_add_norm)
         h = m.model(ids, rot(self.cos), rot(self.sin), kv)
         last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
         logits = m.head(last)
