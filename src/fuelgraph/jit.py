@@ -25,7 +25,11 @@ the above, tensors created inside the function from host data, and parameters re
 Parameter objects (load new values with `load_state_dict` / `copy_`, or call `step.retrace()`).
 Tensor arguments are leaves for the trace: gradients do not flow out of the function through
 them. Realizing a tensor inside the traced function (`.item()`, `.numpy()`, printing) raises:
-return it instead."""
+return it instead.
+
+A loop that calls one step back to back with nothing else in between (a decode loop) can skip
+even a replay's bookkeeping: `step.replayer()` after a call gives a `Replayer` of that call's
+entry, whose `run(buffers)` feeds new argument buffers straight to the plan or CUDA graph."""
 from __future__ import annotations
 
 import functools

@@ -26,7 +26,8 @@ step: it allocates blocks, computes the pool slot of every new token (vectorised
 per token) and uploads the batch's context lengths and slot mapping once, and its block table
 when it changed (a decode step that starts no new block reuses the last one);
 `write` and `attention` (or `inputs`, which hands `paged_attn` its arguments) reuse them for
-every layer.
+every layer. `extend_steps(seqs, n)` prepares the next n one-token steps at once (one upload;
+a decode loop then does no cache work per token).
 
 The pools are mutable state owned by the cache: `write` runs the cache-write kernel in place on
 them (graph inputs are immutable values, so a lazy write would copy the whole pool each step).
