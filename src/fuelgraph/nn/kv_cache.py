@@ -211,10 +211,12 @@ class PagedKVCache:
             slots, lens = packed[:ns], packed[ns:ns + B]
             if table is None:
                 table = packed[ns + B:].view(B, self.max_blocks_per_seq)
-            # valid by construction: spare paged_attn its check's sync
+            # valid by construction: spare paged_attn and the cache write their checks' syncs
             from ..backends.cuda.kernels.paged import assume_valid
+            from ..backends.cuda.kernels.paged_cache import assume_valid_slots
             assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
                          int(new.sum()))
+            assume_valid_slots(slots, self.num_blocks * bs)
         self._table_dev = (key, table)
         self._step = (ids.tobytes(), n_new, slots, table, lens)
 

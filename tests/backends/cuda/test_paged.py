@@ -366,6 +366,24 @@ def test_cache_write(index):
         KC.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
 
 
+def test_cache_write_skips_the_check_of_slots_known_valid(monkeypatch):
+    """Slots a caller declared valid (assume_valid_slots) are not checked again (a sync each);
+    a later in-place change to them is."""
+    calls = []
+    monkeypatch.setattr(KC, "check_slots", lambda *a: calls.append(a))
+    cache, new = torch.zeros(2, 4, 1, 8).to(DEV), torch.ones(2, 1, 8).to(DEV)
+    slots = torch.tensor([5, 1], dtype=torch.int32).to(DEV)
+    KC.assume_valid_slots(slots, 8)
+    KC.paged_cache_write(cache, new, slots)
+    assert calls == [] and cache.reshape(8, 1, 8)[5].eq(1).all()
+    slots.add_(1)                                   # a new version: checked again
+    KC.paged_cache_write(cache, new, slots)
+    assert len(calls) == 1
+    KC.assume_valid_slots(slots, 4)                 # another pool size: checked
+    KC.paged_cache_write(cache, new, slots)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("n_new", [1, 3])
 def test_cache_write_kv(n_new):
     """k and v [B, Hkv, n_new, D] (a transposed view: strided) into both pools in one launch."""

@@ -5,6 +5,7 @@ into both pools in one launch (what `PagedKVCache` uses)."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import triton
 import triton.language as tl
@@ -14,7 +15,25 @@ from ...base import Cost, kernel
 from .common import next_pow2
 from .paged import _capturing
 
-__all__ = ["paged_cache_write", "paged_cache_write_kv"]
+__all__ = ["paged_cache_write", "paged_cache_write_kv", "assume_valid_slots"]
+
+#: slot mappings known valid (in the pool, none twice): id -> (weakref, version, pool capacity)
+_VALID_SLOTS: dict = {}
+
+
+def assume_valid_slots(slot_mapping, cap: int):
+    """Record that `slot_mapping` (as it is now) holds distinct slots inside a pool of `cap`
+    rows, so paged_cache_write skips its check (one device->host sync per call). For callers
+    that built it on the host, such as PagedKVCache."""
+    if len(_VALID_SLOTS) > 64:
+        _VALID_SLOTS.clear()
+    _VALID_SLOTS[id(slot_mapping)] = (weakref.ref(slot_mapping), slot_mapping._version, cap)
+
+
+def _known_valid(slot_mapping, cap) -> bool:
+    hit = _VALID_SLOTS.get(id(slot_mapping))
+    return hit is not None and hit[0]() is slot_mapping and hit[1] == slot_mapping._version \
+        and hit[2] == cap
 
 
 @triton.jit
@@ -60,7 +79,7 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     device->host sync) for callers that computed the slots on the host."""
     nb, bs, hkv, d = cache.shape
     cap = nb * bs
-    if check and not _capturing():
+    if check and not _capturing() and not _known_valid(slot_mapping, cap):
         check_slots("paged_cache_write", slot_mapping.cpu().numpy(), cap)
     dst = cache if out is None else out
     if out is not None:
