@@ -12,7 +12,7 @@ from .registry.linear import fused_linear
 from .registry.loss import fused_linear_cross_entropy, fused_softmax_cross_entropy
 from .registry.norm import (add_rms_norm, layer_norm_last_dim, layer_norm_last_dim_backward,
                             rms_norm_last_dim, rms_norm_last_dim_backward)
-from .registry.paged import paged_attn, paged_cache_write
+from .registry.paged import paged_attn, paged_cache_write, paged_cache_write_kv
 from .registry.quant import awq_matmul, nf4_matmul, qmatmul
 from .registry.rope import rope
 from .registry.softmax import softmax_last_dim, softmax_last_dim_backward
@@ -26,4 +26,4 @@ __all__ = ["flash_attn", "flash_attn_backward", "all_gather", "all_reduce", "red
            "add_rms_norm", "layer_norm_last_dim", "layer_norm_last_dim_backward",
            "rms_norm_last_dim", "rms_norm_last_dim_backward", "rope", "softmax_last_dim",
            "softmax_last_dim_backward", "selective_scan", "ssd_chunk_scan", "paged_attn",
-           "paged_cache_write", "qmatmul", "nf4_matmul", "awq_matmul"]
+           "paged_cache_write", "paged_cache_write_kv", "qmatmul", "nf4_matmul", "awq_matmul"]

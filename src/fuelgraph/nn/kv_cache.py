@@ -56,7 +56,7 @@ from ..errors import FuelGraphError
 from ..interop import from_dlpack, from_torch
 from ..ir import ops
 from ..ir.tensor import _DATA, OWNER, Tensor, _leaf, _normalize_device
-from ..registry.paged import PAGED_CACHE_WRITE, paged_attn, paged_cache_write
+from ..registry.paged import PAGED_CACHE_WRITE, paged_attn, paged_cache_write_kv
 from ..runtime.executor import realize_raw
 
 
@@ -360,8 +360,8 @@ class PagedKVCache:
         the written pools and returned, (k_pool, v_pool). Meant for a traced step, whose plan
         writes in place; outside one the next `write` / `inputs` computes the result (a copy of
         the pool)."""
-        out = []
-        for pool, rows in zip(self._layer(layer), (k_rows, v_rows)):
-            rebind(pool, paged_cache_write(pool, rows, slot_mapping).value)
-            out.append(pool)
-        return tuple(out)
+        pools = self._layer(layer)
+        written = paged_cache_write_kv(*pools, k_rows, v_rows, slot_mapping)
+        for pool, new in zip(pools, written):
+            rebind(pool, new.value)
+        return pools

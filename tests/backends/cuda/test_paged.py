@@ -400,6 +400,23 @@ def test_cache_write_kv(n_new):
     assert torch.equal(kc.reshape(16, 3, 8), wk) and torch.equal(vc.reshape(16, 3, 8), wv)
 
 
+def test_cache_write_kv_op():
+    """PAGED_CACHE_WRITE_KV's kernel: rows [N, Hkv, D] of k and v into both pools, in place,
+    the skip value honoured; invalid slots raise."""
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(3, 4, 2, 8, generator=g).to(DEV) for _ in range(2))
+    kn, vn = (torch.randn(3, 2, 8, generator=g).to(DEV) for _ in range(2))
+    slots = torch.tensor([7, 2 ** 31 - 1, 0], dtype=torch.int32).to(DEV)
+    wk, wv = kc.clone().reshape(12, 2, 8), vc.clone().reshape(12, 2, 8)
+    wk[7], wk[0], wv[7], wv[0] = kn[0], kn[2], vn[0], vn[2]
+    rk, rv = KC.paged_cache_write_kv_op(kc, vc, kn, vn, slots)
+    assert rk is kc and rv is vc
+    assert torch.equal(kc.reshape(12, 2, 8), wk) and torch.equal(vc.reshape(12, 2, 8), wv)
+    with pytest.raises(FuelGraphError, match="outside the pool"):
+        KC.paged_cache_write_kv_op(kc, vc, kn, vn, torch.tensor([12, 1, 0], dtype=torch.int32,
+                                                                 device=DEV))
+
+
 # ---- API level (a GPU) --------------------------------------------------------------------
 @on_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])

@@ -10,7 +10,7 @@ import weakref
 import triton
 import triton.language as tl
 
-from ....registry.paged import PAGED_CACHE_WRITE, check_slots, index_max
+from ....registry.paged import PAGED_CACHE_WRITE, PAGED_CACHE_WRITE_KV, check_slots, index_max
 from ...base import Cost, kernel
 from .common import next_pow2
 from .paged import _capturing
@@ -92,6 +92,21 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     _paged_write_kernel[(n,)](dst, new, slot_mapping, cap, skip, W=w,
                               BLOCK=next_pow2(w), num_warps=4 if w >= 1024 else 1)
     return dst
+
+
+def paged_cache_write_kv_cost(shapes, params=None):
+    return Cost(0, 2 * 2 * (math.prod(shapes[2]) + math.prod(shapes[3])))
+
+
+@kernel(PAGED_CACHE_WRITE_KV, "cuda", cost=paged_cache_write_kv_cost)
+def paged_cache_write_kv_op(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """PAGED_CACHE_WRITE_KV: rows k_new, v_new [N, Hkv, D] into both pools in place, one
+    launch (the slot check once, skipped for slots known valid) -> (k_cache, v_cache)."""
+    nb, bs = k_cache.shape[:2]
+    if not _capturing() and not _known_valid(slot_mapping, nb * bs):
+        check_slots("paged_cache_write_kv", slot_mapping.cpu().numpy(), nb * bs)
+    paged_cache_write_kv(k_cache, v_cache, k_new.unsqueeze(2), v_new.unsqueeze(2), slot_mapping)
+    return k_cache, v_cache
 
 
 _SKIP: dict = {}
