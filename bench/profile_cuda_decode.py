@@ -173,8 +173,17 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
         state, out = model._prefill(ids, 2, True)
         try:
             slots, table, lens = dec.cache.extend_steps(state.seqs, 1)
+            slots, lens = slots[0], lens[0]
             from fuelgraph.runtime.executor import realize_raw
-            for ks, b in zip(rep.arg_at, [realize_raw([out])[0], slots[0], table, lens[0]]):
+            if DEVICE[0] == "cuda":         # valid by construction: no check syncs in the trace
+                from fuelgraph.backends.cuda.kernels.paged import assume_valid
+                from fuelgraph.backends.cuda.kernels.paged_cache import assume_valid_slots
+                c = dec.cache
+                n = c.context_lens(state.seqs)
+                assume_valid(lens, table, 1, c.num_blocks, c.block_size, int(n.max()),
+                             int(n.sum()))
+                assume_valid_slots(slots, c.num_blocks * c.block_size)
+            for ks, b in zip(rep.arg_at, [realize_raw([out])[0], slots, table, lens]):
                 for k in ks:
                     bufs[k] = b
             # the eager plan would write the pools in place: run it on copies
