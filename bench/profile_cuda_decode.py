@@ -15,7 +15,9 @@ bf16, random weights made on the GPU; --layers to shrink it). Per batch size it 
   the GPU's busy span per token, kernels per token, the top kernels by time with their counts;
   and the same for one eager run of the step's plan (no graph) when the graph trace shows no
   kernels (some CUPTI versions do not report kernels inside graphs).
-Writes DIR/profile_decode.json (and a chrome trace of batch 1, DIR/decode_trace_b1.json)."""
+--model mamba2 profiles the Mamba-2 decode step instead (the bench's config; --layers to
+shrink it). Writes DIR/profile_decode.json (DIR/profile_decode_mamba2.json) and a chrome trace
+of batch 1."""
 from __future__ import annotations
 
 import argparse
@@ -42,8 +44,19 @@ def sync():
         torch.cuda.synchronize()
 
 
-def build(layers: int):
+def build(layers: int, name: str = "llama"):
     import fuelgraph as fg
+    if name == "mamba2":
+        from fuelgraph.models.mamba2 import Mamba2Config, Mamba2ForCausalLM
+        if DEVICE[0] == "cpu":
+            cfg = Mamba2Config(vocab_size=VOCAB[0], hidden_size=64, num_hidden_layers=layers,
+                               state_size=16, expand=2, head_dim=16, num_heads=8, n_groups=1,
+                               chunk_size=16)
+            return Mamba2ForCausalLM(cfg).eval()
+        cfg = Mamba2Config(vocab_size=32000, hidden_size=2048, num_hidden_layers=layers,
+                           state_size=128, expand=2, head_dim=64, num_heads=64, n_groups=1,
+                           chunk_size=256, tie_word_embeddings=True)
+        return Mamba2ForCausalLM(cfg, dtype=fg.bfloat16, device="cuda").eval()
     from fuelgraph.models.llama import LlamaConfig, LlamaForCausalLM
     if DEVICE[0] == "cpu":                      # --smoke: the script's logic on a tiny model
         cfg = LlamaConfig(vocab_size=VOCAB[0], hidden_size=64, intermediate_size=128,
@@ -153,7 +166,7 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
     import torch
     from torch.profiler import ProfilerActivity, profile
     state, out = model._prefill(ids, steps + 1, True)
-    dec = state.dec
+    dec = getattr(state, "dec", None)
     sync()
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -166,11 +179,28 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
         prof.export_chrome_trace(str(trace_path))
     res = {"graph": kernel_table(prof, steps)}
     if eager:                       # one run of the plan without the graph, kernel by kernel
-        entries = [e for es in dec.step.cache.values() for e in es]
-        e = entries[-1]
-        rep = dec.step.replayer()
+        from fuelgraph.runtime.executor import realize_raw
+        step = dec.step if dec is not None else model.decoder(ids.shape[0]).step   # Mamba-2
+        e = step._last
+        rep = step.replayer()
         bufs = [b if b is not None else None for b in rep.bufs]
         state, out = model._prefill(ids, 2, True)
+        if dec is None:                 # Mamba-2: the step's one argument is the tokens
+            try:
+                bufs = list(rep.bufs)
+                for k in rep.arg_at[0]:
+                    bufs[k] = realize_raw([out])[0]
+                bufs = [e.plan.backend.copy(b) if k in set(e.inplace_of.values()) else b
+                        for k, b in enumerate(bufs)]
+                sync()
+                with profile(activities=[ProfilerActivity.CUDA if DEVICE[0] == "cuda" else
+                                         ProfilerActivity.CPU]) as prof2:
+                    e.plan.run(bufs)
+                    sync()
+                res["eager_plan"] = kernel_table(prof2, 1)
+            finally:
+                model._release(state)
+            return res
         try:
             slots, table, lens = dec.cache.extend_steps(state.seqs, 1)
             slots, lens = slots[0], lens[0]
@@ -203,7 +233,9 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--model", default="llama", choices=("llama", "mamba2"),
+                    help="mamba2: hidden 2048, state 128, 64 heads of 64 (the bench's Mamba-2)")
+    ap.add_argument("--layers", type=int, default=None, help="default 16 (llama), 48 (mamba2)")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
@@ -222,14 +254,16 @@ def main(argv=None):
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = build(args.layers)
-    print(f"[profile] model built ({args.layers} layers) in {time.perf_counter() - t_start:.1f} s",
+    layers = args.layers or (16 if args.model == "llama" else 48)
+    model = build(layers, args.model)
+    print(f"[profile] {args.model} built ({layers} layers) in {time.perf_counter() - t_start:.1f} s",
           flush=True)
-    report = {"layers": args.layers, "batches": {},
+    report = {"model": args.model, "layers": layers, "batches": {},
               "device": torch.cuda.get_device_name() if DEVICE[0] == "cuda" else "cpu"}
     import fuelgraph.models.llama as llama_mod
     runs = [(int(x), "") for x in args.batches.split(",")]
-    runs[1:1] = [(runs[0][0], v) for v in args.variants.split(",") if v]
+    if args.model == "llama":
+        runs[1:1] = [(runs[0][0], v) for v in args.variants.split(",") if v]
     for b, variant in runs:
         llama_mod.MERGE_PROJECTIONS = variant not in ("nomerge", "plain")
         llama_mod.FUSE_ADD_NORM = variant not in ("nofuse", "plain")
@@ -269,7 +303,8 @@ def main(argv=None):
               flush=True)
         try:
             prof = profile_steps(model, ids, args.steps,
-                                 out / f"decode_trace_b{b}.json" if b == 1 and merged else None,
+                                 out / f"decode_trace_{args.model}_b{b}.json"
+                                 if b == 1 and merged else None,
                                  eager=merged)
         except Exception as e:                     # the timings above still count
             prof = {"error": f"{type(e).__name__}: {e}"}
@@ -285,7 +320,8 @@ def main(argv=None):
                 print(f"    {t['ms_per_token']:8.4f} ms {t['per_token']:6.1f}x "
                       f"{t['us_each']:8.2f} us  {t['name']}")
         report["batches"][name] = r
-        (out / "profile_decode.json").write_text(json.dumps(report, indent=1))
+        suffix = "" if args.model == "llama" else "_" + args.model
+        (out / f"profile_decode{suffix}.json").write_text(json.dumps(report, indent=1))
         model.release_decoders()
     print(f"[profile] done in {time.perf_counter() - t_start:.1f} s")
 

@@ -20,7 +20,7 @@ from .. import functional as FF
 from ..errors import FuelGraphError
 from ..api import bind_buffer, rebind
 from ..backends import get_backend
-from ..ir.tensor import Tensor, cat, full, tensor
+from ..ir.tensor import Tensor, _leaf, cat, full, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.layers import Embedding, Linear
@@ -309,6 +309,34 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
     def _decode_step(self, state, tok) -> Tensor:
         dec, greedy = state
         return dec.step(self._ids(tok), greedy)
+
+    def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
+        """Greedy steps queued on the device: the first a normal call of the traced step, the
+        others replays of it (`fuelgraph.jit.Replayer`: nothing else runs in between), each fed
+        the previous step's tokens where they are -> tensors [B] and [B, n - 2]."""
+        if n < 3:
+            return super()._queue_greedy(state, step_out, n, bar)
+        dec, greedy = state
+        first = self._decode_step(state, step_out)
+        rep = dec.step.replayer()
+        if rep is None:
+            if bar is not None:
+                bar.update(1)
+            return [step_out] + super()._queue_greedy(state, first, n - 1, bar)
+        prev, outs = realize_raw([first])[0], []
+        for _ in range(n - 2):
+            prev = rep.run([prev])[0]
+            outs.append(prev)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.update(2)
+        if isinstance(prev, np.ndarray):
+            rest = np.stack(outs, 1)
+        else:
+            import torch
+            rest = torch.stack(outs, 1)
+        return [step_out, first, _leaf(rest, first.dtype, first.device, False)]
 
     def _release(self, state):
         state.clear()
