@@ -304,11 +304,22 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
 
     def _prefill(self, ids: np.ndarray, max_new: int, greedy: bool = False):
         dec = self.decoder(ids.shape[0])
-        return [dec, greedy], dec.prompt_step(self._ids(ids), greedy)
+        return [dec, greedy, None], dec.prompt_step(self._ids(ids), greedy)
 
     def _decode_step(self, state, tok) -> Tensor:
-        dec, greedy = state
-        return dec.step(self._ids(tok), greedy)
+        """The first step of a generate call is a normal call of the traced step; the later
+        ones replay it (`fuelgraph.jit.Replayer`: nothing else runs in between)."""
+        dec, greedy, rep = state
+        if rep is None:
+            out = dec.step(self._ids(tok), greedy)
+            r = dec.step.replayer()
+            state[2] = (r, out.dtype, out.device) if r is not None else False
+            return out
+        if rep is False:
+            return dec.step(self._ids(tok), greedy)
+        buf = realize_raw([tok])[0] if isinstance(tok, Tensor) else get_backend(
+            self.device).from_any(np.ascontiguousarray(tok, np.int64), self.device)
+        return _leaf(rep[0].run([buf])[0], rep[1], rep[2], False)
 
     def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
         """Greedy steps queued on the device: the first a normal call of the traced step, the
@@ -316,9 +327,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         the previous step's tokens where they are -> tensors [B] and [B, n - 2]."""
         if n < 3:
             return super()._queue_greedy(state, step_out, n, bar)
-        dec, greedy = state
         first = self._decode_step(state, step_out)
-        rep = dec.step.replayer()
+        rep = state[2][0] if state[2] else None
         if rep is None:
             if bar is not None:
                 bar.update(1)
