@@ -245,6 +245,8 @@ def main(argv=None):
                     "gate/up as separate products, models.llama.MERGE_PROJECTIONS off), nofuse "
                     "(residual add and norm apart, FUSE_ADD_NORM off), plain (both off)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script")
+    ap.add_argument("--quick", action="store_true", help="one timed run each, no eager-plan "
+                    "profile (a short verification run)")
     ap.add_argument("--budget", type=float, default=55.0,
                     help="seconds after which no further batch size is started")
     args = ap.parse_args(argv)
@@ -277,14 +279,15 @@ def main(argv=None):
         model.generate(ids, max_new_tokens=args.new)          # traces, compiles, captures
         sync()
         warm_s = time.perf_counter() - t0
+        reps = 1 if args.quick else 3
         gen = []
-        for _ in range(3):
+        for _ in range(reps):
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=args.new)
             gen.append(time.perf_counter() - t0)
         gen_s = statistics.median(gen)
         same = check_tokens(model, ids, min(args.new, 32))
-        loops = [decode_loop(model, ids, args.new) for _ in range(3)]
+        loops = [decode_loop(model, ids, args.new) for _ in range(reps)]
         host, wall, rep_s, reps = (statistics.median(x) for x in zip(*loops))
         n = args.new - 1                                      # decode tokens (after prefill)
         r = {"generate_ms": round(gen_s * 1e3, 2),
@@ -305,7 +308,7 @@ def main(argv=None):
             prof = profile_steps(model, ids, args.steps,
                                  out / f"decode_trace_{args.model}_b{b}.json"
                                  if b == 1 and merged else None,
-                                 eager=merged)
+                                 eager=merged and not args.quick)
         except Exception as e:                     # the timings above still count
             prof = {"error": f"{type(e).__name__}: {e}"}
             print(f"[profile] {name} profiler failed: {prof['error']}")
