@@ -354,6 +354,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
 
 #: decoders (recurrent states + traced steps) a model keeps between generate calls
 DECODERS_KEPT = 2
+#: decode steps traced from now on fuse each residual add with the next block's norm
+FUSE_ADD_NORM = True
 
 
 class Mamba2Decoder:
@@ -398,6 +400,18 @@ class Mamba2Decoder:
     def _decode(self, tok, greedy):
         bb = self.model.backbone
         x = bb.embeddings(tok)
+        norms = [layer.norm for layer in bb.layers] + [bb.norm_f]
+        if FUSE_ADD_NORM and all(n.groups == 1 for n in norms):
+            # each residual add and the norm after it as one add_rms_norm (x: the residual
+            # stream, h: the next block's normed input)
+            h = norms[0](x)
+            for i, (layer, conv, ssm) in enumerate(zip(bb.layers, self.convs, self.ssms)):
+                y, cs, ss = layer.mixer.step(h, conv, ssm)
+                rebind(conv, cs.value)
+                rebind(ssm, ss.value)
+                x, h = FF.add_rms_norm(x, y, norms[i + 1].weight, norms[i + 1].eps)
+            logits = self.model.head(h)
+            return logits.argmax(-1) if greedy else logits
         for layer, conv, ssm in zip(bb.layers, self.convs, self.ssms):
             x, cs, ss = layer.step(x, conv, ssm)
             rebind(conv, cs.value)
