@@ -25,7 +25,11 @@ the above, tensors created inside the function from host data, and parameters re
 Parameter objects (load new values with `load_state_dict` / `copy_`, or call `step.retrace()`).
 Tensor arguments are leaves for the trace: gradients do not flow out of the function through
 them. Realizing a tensor inside the traced function (`.item()`, `.numpy()`, printing) raises:
-return it instead."""
+return it instead.
+
+A loop that calls one step back to back with nothing else in between (a decode loop) can skip
+even a replay's bookkeeping: `step.replayer()` after a call gives a `Replayer` of that call's
+entry, whose `run(buffers)` feeds new argument buffers straight to the plan or CUDA graph."""
 from __future__ import annotations
 
 import functools
@@ -204,10 +208,24 @@ class Jitted:
         self.cuda_graph = cuda_graph
         self.cache: dict = {}
         self.stats = {"traces": 0, "replays": 0}
+        self._last = None               # the entry of the last call (see replayer())
         functools.update_wrapper(self, fn)
 
     def retrace(self):
         self.cache.clear()
+        self._last = None
+
+    def replayer(self):
+        """A `Replayer` of the entry the last call ran, or None when that entry cannot be
+        replayed without a call's bookkeeping (a handle it rebinds is not updated in place)."""
+        e = self._last
+        if e is None or e.plan is None:
+            return None
+        nres = len(e.res_meta)
+        if any(a != "value" or nres + j not in e.inplace_of
+               for j, (_, a) in enumerate(e.mutations)):
+            return None
+        return Replayer(self, e)
 
     def __call__(self, *args, **kwargs):
         if TRACE[0] is not None:        # called inside another trace: part of that graph
@@ -305,6 +323,7 @@ class Jitted:
 
     # -- replay --
     def _run(self, e: _Entry, leaves):
+        self._last = e
         if e.plan is None:
             return _build(e.tree, iter(()))
         bufs = e.fetch(leaves)
@@ -372,6 +391,59 @@ class Jitted:
                 return outs
             moved, e.graphed = e.graphed.moved, None      # capture again, those copied in
         return e.plan.run(bufs)
+
+
+class Replayer:
+    """The entry of a jitted step's last call, replayed on new buffers of its tensor arguments
+    with none of a call's checks or rebinding: for a loop that runs one step back to back, such
+    as decoding tokens, where the host work of a call would cost more than the step itself.
+
+        r = step.replayer()                   # after a call of `step`
+        outs = r.run([ids_buf, ...])          # raw buffers of the call's tensor arguments,
+                                              # same shapes/dtypes -> the result buffers (flat)
+
+    Valid only while nothing else happens between the runs: no parameter, optimizer state or
+    other handle the step reads is rebound or replaced, no mode changes (the caller guarantees
+    it; a normal call checks it). Handles the step rebinds must be updated in place (donated
+    cells, such as KV-cache pools): they keep their buffers, whose contents each run updates.
+    On the GPU a CUDA-graph entry replays its graph, copying in only the arguments."""
+
+    def __init__(self, jitted: Jitted, e: _Entry):
+        self.jitted, self.e = jitted, e
+        self.nres = len(e.res_meta)
+        self.arg_at = [[k for k, s in enumerate(e.sources) if s[0] == "arg" and s[1] == i]
+                       for i in range(1 + max((s[1] for s in e.sources if s[0] == "arg"),
+                                              default=-1))]
+        self._refresh()
+
+    def _refresh(self):
+        e = self.e
+        self.bufs = [None if kind == "arg" else
+                     _buffer_of(_val(a, b)) if kind == "cell" else _DATA[a]
+                     for kind, a, b in e.sources]
+        self.args = sorted(k for ks in self.arg_at for k in ks)
+
+    def run(self, arg_bufs) -> list:
+        """Buffers of the call's tensor arguments, in order (those the step does not read may be
+        None) -> the buffers of its tensor results, in the order they appear in its result."""
+        e = self.e
+        bufs = list(self.bufs)
+        for ks, b in zip(self.arg_at, arg_bufs):
+            for k in ks:
+                bufs[k] = b
+        self.jitted.stats["replays"] += 1
+        g = e.graphed
+        if g:                              # captured: copies in the arguments, replays
+            return g.replay_args(self.args, bufs, self.nres)
+        outs = e.plan.run(bufs)
+        be = e.plan.backend
+        outs = _owned(be, outs, bufs, e)
+        if any(outs[j] is not bufs[k] for j, k in e.inplace_of.items()):
+            # a state the plan did not write in place: the handles take the new buffers
+            with built_at(_REPLAY_SITE):
+                self.jitted._rebind(e, outs)
+            self._refresh()
+        return outs[:self.nres]
 
 
 def _owned(be, outs, bufs, e) -> list:

@@ -105,6 +105,39 @@ def test_decode_loop_traces_once(hf_llama, ids):
     assert (dec.prompt_step.stats["traces"], dec.step.stats["traces"]) == (2, 1)
 
 
+def test_decode_merges_projections_and_follows_new_weights(hf_llama, ids):
+    """Decoding at batch 1 computes q/k/v and gate/up with one product each (the same tokens as
+    transformers): the projections' weights become row views of one merged weight (no second
+    copy). Weights loaded after that are merged again (the decoder's steps retraced): the
+    tokens are a fresh model's."""
+    from fuelgraph.ir.tensor import _DATA
+    path, hf = hf_llama
+    model = M.from_pretrained(path)
+    prompt = ids[:1, :11]
+    out = model.generate(prompt, max_new_tokens=8)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0).numpy()
+    np.testing.assert_array_equal(out, ref)
+    attn = model.model.layers[1].self_attn
+    q, k, v = (_DATA[p.weight.value.node] for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert q.base is not None and q.base is k.base is v.base          # rows of one array
+    model.generate(ids[:, :11], max_new_tokens=8)       # another decoder shares the merge
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=8), out)
+    assert model.decoder(1, 19).step.stats["traces"] == 1
+    rng = np.random.default_rng(1)
+    state = {n: p.numpy() * (1 + 0.5 * rng.standard_normal(p.shape)).astype(np.float32)
+             for n, p in model.named_parameters()}
+    model.load_state_dict(state)
+    fresh = M.from_pretrained(path)
+    fresh.load_state_dict(state)
+    np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=8),
+                                  fresh.generate(prompt, max_new_tokens=8))
+    assert model.decoder(1, 19).step.stats["traces"] == 2       # retraced on the new weights
+    np.testing.assert_array_equal(model.model.layers[0].mlp.up_proj.weight.numpy(),
+                                  state["model.layers.0.mlp.up_proj.weight"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_decode_on_cuda_replays_one_cuda_graph_per_token(hf_llama, ids):
     """On the GPU the decode step is captured as a CUDA graph once and replayed per token, the

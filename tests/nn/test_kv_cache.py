@@ -13,6 +13,7 @@ from fuelgraph import FuelGraphError
 from fuelgraph.nn import PagedKVCache
 from fuelgraph.ir.tensor import bound_data
 from fuelgraph.nn import kv_cache as kv_mod
+from fuelgraph.runtime.executor import realize_raw
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -135,6 +136,72 @@ def test_traced_step_writes_the_pools_in_place(device):
     _check(cache.attention(seqs, fg.tensor(q, device=device), layer=1), m.reference(seqs, q),
            "float32")
     assert not np.any(cache.pools(0)[0].numpy())             # other layers untouched
+
+
+def _host(buf):
+    return buf.cpu().numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extend_steps_prepares_every_step(device):
+    """extend_steps(seqs, n): every step's slot mapping and lengths in one upload (the slot of
+    token t of sequence b is where the block table puts it, no slot twice), blocks allocated
+    across a block boundary, lengths and free blocks as n calls of extend(seqs, 1) leave them."""
+    caches = [PagedKVCache(16, 4, 1, 8, max_blocks_per_seq=4, device=device) for _ in range(2)]
+    seqs = [c.add_sequences(2) for c in caches]
+    for c, s in zip(caches, seqs):
+        c.extend(s, 3)
+    slots, table, lens = caches[0].extend_steps(seqs[0], 6)      # lengths 4..9: 2 new blocks
+    for _ in range(6):
+        caches[1].extend(seqs[1], 1)
+    slots, table, lens = _host(slots), _host(table), _host(lens)
+    assert slots.shape == (6, 2) and lens.shape == (6, 2)
+    np.testing.assert_array_equal(table, caches[0]._tables[seqs[0]])
+    pos = 3 + np.arange(6)[:, None]
+    want = table[[0, 1], pos // 4] * 4 + pos % 4
+    np.testing.assert_array_equal(slots, want)
+    assert len(set(slots.ravel().tolist())) == 12 and (table[:, :3] != caches[0]._pad).all()
+    np.testing.assert_array_equal(lens, np.broadcast_to(pos + 1, (6, 2)))
+    assert list(caches[0].context_lens(seqs[0])) == list(caches[1].context_lens(seqs[1]))
+    assert caches[0].free_blocks == caches[1].free_blocks
+    np.testing.assert_array_equal(caches[0].step_tensors(seqs[0])[0].numpy(), slots[-1])
+    with pytest.raises(FuelGraphError, match="more than max_blocks_per_seq"):
+        caches[0].extend_steps(seqs[0], 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replayer_runs_a_traced_decode_step(device):
+    """fg.jit's Replayer: the step's later tokens replayed on new argument buffers only (the
+    inputs extend_steps made at once), the pools written in place, attention as the dense
+    reference, the same step counted as replays (on the GPU: its CUDA graph)."""
+    B, hq, hkv, d, bs = 2, 4, 2, 8, 4
+    cache = PagedKVCache(num_blocks=16, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                         max_blocks_per_seq=8, max_seqs=2, device=device)
+    m = Model(hq, hkv, d, "float32", seed=5)
+    seqs = cache.add_sequences(B)
+
+    def step(q, k, v, slots, table, lens):
+        rows = [t.permute(0, 2, 1, 3).reshape(-1, hkv, d) for t in (k, v)]
+        kp, vp = cache.append(0, rows[0], rows[1], slots)
+        return fg.functional.paged_attn(q, kp, vp, table, lens)
+    traced = fg.jit(step, cuda_graph=device == "cuda")
+    for n in (5, 1):                                   # the prompt, then one decode call
+        cache.extend(seqs, n)
+        q, k, v = m.step(seqs, n)
+        out = traced(*(fg.tensor(a, device=device) for a in (q, k, v)), *cache.step_tensors(seqs))
+        _check(out, m.reference(seqs, q), "float32")
+    rep = traced.replayer()
+    pool = kv_mod._DATA[cache.pools(0)[0].value.node]
+    slots, table, lens = cache.extend_steps(seqs, 4)   # lengths 7..10, a new block at 9
+    for i in range(4):
+        q, k, v = m.step(seqs, 1)
+        bufs = realize_raw([fg.tensor(a, device=device) for a in (q, k, v)])
+        (got,) = rep.run(bufs + [slots[i], table, lens[i]])
+        ref = m.reference(seqs, q)
+        np.testing.assert_allclose(np.asarray(_host(got), np.float64), ref,
+                                   rtol=2e-5, atol=2e-5)
+    assert traced.stats == {"traces": 2, "replays": 4}
+    assert kv_mod._DATA[cache.pools(0)[0].value.node] is pool      # written where it was
 
 
 def test_layers_have_their_own_pools_and_share_tables():

@@ -246,3 +246,42 @@ def test_zero_rows(kind):
     assert y.numpy().shape == (0, 8) and fg.realize([y], lower_all=True)[0].shape == (0, 8)
     (g,) = fg.grad(y, [x], [fg.tensor(np.ones((0, 8), np.float32))])
     assert g.numpy().shape == (0, 8)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+def test_add_rms_norm_vs_torch(dt):
+    """add_rms_norm = a transformers Llama residual add and RMSNorm (norm in float32 for 16-bit
+    inputs, rounded, times the weight in the dtype); its gradients by the recipe."""
+    (xa, x64), (ra, r64), (wa, w64) = (data(s, dt, seed=i) for i, s in
+                                       enumerate(((3, 4, 40), (3, 4, 40), (40,))))
+    x, r, w = (fg.tensor(a, requires_grad=True) for a in (xa, ra, wa))
+    s, y = F.add_rms_norm(x, r, w, 1e-5)
+    tt = {fg.float64: torch.float64, fg.float32: torch.float32, fg.bfloat16: torch.bfloat16,
+          fg.float16: torch.float16}[dt]
+    xt, rt, wt = (torch.tensor(a, dtype=torch.float64).to(tt) for a in (x64, r64, w64))
+    st = xt + rt
+    acc = torch.float64 if tt == torch.float64 else torch.float32
+    yt = wt * TF.rms_norm(st.to(acc), (40,), eps=1e-5).to(tt)
+    np.testing.assert_array_equal(np.asarray(s.numpy(), np.float64), st.double().numpy())
+    tol = 1e-12 if dt == fg.float64 else {fg.float32: 1e-5}.get(dt, 2e-2)
+    np.testing.assert_allclose(np.asarray(y.numpy(), np.float64), yt.double().numpy(),
+                               rtol=tol, atol=tol)
+    assert fg.explain([s, y]).fused_ops == {"add_rms_norm": 1}
+    if dt != fg.float64:
+        return
+    xg, rg, wg = (torch.tensor(a, requires_grad=True) for a in (x64, r64, w64))
+    sg = xg + rg
+    ((sg * 0.5).sum() + (wg * TF.rms_norm(sg, (40,), eps=1e-5)).pow(2).sum()).backward()
+    loss = (s * 0.5).sum() + (y * y).sum()
+    for got, want in zip(fg.grad(loss, [x, r, w]), (xg.grad, rg.grad, wg.grad)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-10)
+
+
+def test_add_rms_norm_validation():
+    x = fg.tensor(np.ones((2, 8), np.float32))
+    with pytest.raises(fg.FuelGraphError, match="weight has shape"):
+        F.add_rms_norm(x, x, fg.tensor(np.ones(4, np.float32)))
+    with pytest.raises(fg.FuelGraphError):
+        F.add_rms_norm(x, fg.tensor(np.ones((2, 4), np.float32)), fg.tensor(np.ones(8, np.float32)))
+    with pytest.raises(fg.FuelGraphError, match="eps"):
+        F.add_rms_norm(x, x, fg.tensor(np.ones(8, np.float32)), -1.0)

@@ -106,6 +106,13 @@ class GenerationMixin:
         """Greedy decoding with nothing to stop on: each step's next tokens [B] (computed in
         the step) feed the next step where they are, so on the GPU the host queues steps
         without waiting for one to finish; the ids come to the host once, at the end."""
+        steps = self._queue_greedy(state, step_out, n, bar)
+        b = step_out.shape[0]
+        return [t.numpy().reshape(b, -1).astype(np.int64) for t in steps]
+
+    def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
+        """The next tokens of n greedy steps (the first is step_out), queued on the device:
+        tensors [B] or [B, k] (k steps), in order. A model may replace it with a faster loop."""
         steps = [step_out]
         for _ in range(n - 1):
             steps.append(self._decode_step(state, steps[-1]))
@@ -113,7 +120,7 @@ class GenerationMixin:
                 bar.update(1)
         if bar is not None:
             bar.update(1)
-        return [t.numpy().reshape(-1, 1).astype(np.int64) for t in steps]
+        return steps
 
 
 def _bar(progress, total):

@@ -19,12 +19,15 @@ import numpy as np
 from .. import dtype as dt
 from .. import functional as FF
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor, arange, tensor
+from ..api import bind_buffer
+from ..backends import get_backend
+from ..ir.tensor import OWNER, Tensor, _leaf, arange, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.kv_cache import PagedKVCache
 from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
+from ..runtime.executor import realize_raw
 from .config import load_into, save_pretrained
 from .generation import GenerationMixin
 
@@ -173,12 +176,19 @@ class LlamaAttention(Module):
     def forward(self, x, shape, cos, sin, kv=None, layer=0):
         """x [B*S, hidden] (the tokens of `shape` = (B, S), flattened); cos/sin [S, D] (or
         [B, 1, S, D]) for the S positions. Without `kv`: causal attention over x itself. With a
-        `PagedStep`: the S new tokens' k/v go into its cache and attend what it holds."""
+        `PagedStep`: the S new tokens' k/v go into its cache and attend what it holds (q, k and
+        v by one product and q, k rotated by one rope when it has their merged weight)."""
         b, s = shape
         heads = lambda t, n: t.reshape(b, s, n, self.d).permute(0, 2, 1, 3)   # noqa: E731
-        q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
-        k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
-        v = heads(self.v_proj(x), self.hkv)
+        w = kv.merged(layer, "qkv", b * s) if kv is not None else None
+        if w is not None:                     # [B, Hq + 2 Hkv, S, D]: q and k share the tables
+            t = heads(F.linear(x, w), self.hq + 2 * self.hkv)
+            qk = FF.rope(t[:, :self.hq + self.hkv], cos, sin, self.interleaved)
+            q, k, v = qk[:, :self.hq], qk[:, self.hq:], t[:, self.hq + self.hkv:]
+        else:
+            q = FF.rope(heads(self.q_proj(x), self.hq), cos, sin, self.interleaved)
+            k = FF.rope(heads(self.k_proj(x), self.hkv), cos, sin, self.interleaved)
+            v = heads(self.v_proj(x), self.hkv)
         if kv is None:
             o = FF.flash_attn(q, k, v, softmax_scale=self.scale, causal=True)
         else:
@@ -194,7 +204,14 @@ class LlamaMLP(Module):
         self.up_proj = linear(h, f, b, dtype, device)
         self.down_proj = linear(f, h, b, dtype, device)
 
-    def forward(self, x):
+    def forward(self, x, kv=None, layer=0):
+        """x [N, hidden] -> [N, hidden]; with a `PagedStep` holding this layer's merged
+        gate/up weight, both projections are one product."""
+        w = kv.merged(layer, "gate_up", x.shape[0]) if kv is not None else None
+        if w is not None:
+            f = w.shape[0] // 2
+            gu = F.linear(x, w)
+            return self.down_proj(F.silu(gu[:, :f]) * gu[:, f:])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -209,7 +226,7 @@ class LlamaDecoderLayer(Module):
 
     def forward(self, x, shape, cos, sin, kv=None, layer=0):
         x = x + self.self_attn(self.input_layernorm(x), shape, cos, sin, kv, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), kv, layer)
 
 
 class LlamaModel(Module):
@@ -224,9 +241,24 @@ class LlamaModel(Module):
         """ids [B, S] -> final hidden states [B*S, hidden]. The residual stream is kept as rows
         (one GEMM per projection, no reshapes around it). kv: a `PagedStep` (decoding)."""
         x = self.embed_tokens(ids.reshape(-1))
+        if kv is not None and kv.fuse_add_norm and self.layers:
+            return self._fused_residual(x, tuple(ids.shape), cos, sin, kv)
         for i, layer in enumerate(self.layers):
             x = layer(x, tuple(ids.shape), cos, sin, kv, i)
         return self.norm(x)
+
+    def _fused_residual(self, x, shape, cos, sin, kv):
+        """The same layers with each residual add and the norm after it as one `add_rms_norm`
+        (x: the residual stream, y: the normed input of the next block)."""
+        y = self.layers[0].input_layernorm(x)
+        norms = [m for layer in self.layers for m in (layer.post_attention_layernorm,
+                                                      layer.input_layernorm)][1:] + [self.norm]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(y, shape, cos, sin, kv, i)
+            x, y = FF.add_rms_norm(x, a, norms[2 * i].weight, norms[2 * i].eps)
+            x, y = FF.add_rms_norm(x, layer.mlp(y, kv, i), norms[2 * i + 1].weight,
+                                   norms[2 * i + 1].eps)
+        return y
 
 
 class LlamaForCausalLM(GenerationMixin, Module):
@@ -327,23 +359,92 @@ class LlamaForCausalLM(GenerationMixin, Module):
         b, s = ids.shape
         dec = self.decoder(b, s + max_new)
         seqs = dec.cache.add_sequences(b)
-        state = [dec, seqs, greedy]
+        state = DecodeRun(dec, seqs, greedy, max_new - 1)
         try:
             return state, dec.run(seqs, ids, greedy)
         except BaseException:
             self._release(state)
             raise
 
-    def _decode_step(self, state, tok) -> Tensor:
-        dec, seqs, greedy = state
-        return dec.run(seqs, tok if isinstance(tok, Tensor) else tok[:, None], greedy)
+    def _decode_step(self, state: "DecodeRun", tok) -> Tensor:
+        return state.step(tok)
 
-    def _release(self, state):
-        state[0].cache.free(state[1])
+    def _queue_greedy(self, state: "DecodeRun", step_out: Tensor, n: int, bar) -> list:
+        steps = [step_out] + (state.greedy_steps(step_out, n - 1, bar) if n > 1 else [])
+        if bar is not None:
+            bar.update(1)
+        return steps
+
+    def _release(self, state: "DecodeRun"):
+        state.dec.cache.free(state.seqs)
 
 
 #: decoders (KV cache + traced steps) a model keeps between generate calls
 DECODERS_KEPT = 2
+#: prompt steps replay as CUDA graphs on the GPU; at most this many prompt shapes are kept
+PROMPT_GRAPHS = True
+PROMPT_TRACES_KEPT = 4
+#: decoders made from now on merge q/k/v and gate/up weights (see MergedProjections)
+MERGE_PROJECTIONS = True
+#: decoders made from now on compute each residual add and the norm after it as one
+#: add_rms_norm (the decode and prompt steps; the model's own forward keeps the plain ops)
+FUSE_ADD_NORM = True
+
+
+class MergedProjections:
+    """Each layer's q/k/v and gate/up weights as one weight [sum of outputs, hidden] each, so a
+    step computes them with one product: the projections' own weights become row views of it
+    (no second copy). Only plain bias-free `Linear`s of one dtype are merged (a GGUF model's
+    quantized projections stay apart). `refresh()` merges again when a weight was replaced
+    since (load_state_dict, an optimizer step rebinding it): weights updated in place stay
+    merged, as they are the views. One per model (`of`), shared by its decoders."""
+
+    @staticmethod
+    def of(model) -> "MergedProjections":
+        got = model.__dict__.get("_merged_projections")
+        if got is None:
+            got = model.__dict__["_merged_projections"] = MergedProjections(model)
+        return got
+
+    def __init__(self, model):
+        self.groups = {}
+        self.version = 0                # bumped by every refresh that merged something
+        for i, layer in enumerate(model.model.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            for kind, mods in (("qkv", (at.q_proj, at.k_proj, at.v_proj)),
+                               ("gate_up", (mlp.gate_proj, mlp.up_proj))):
+                if all(type(m) is Linear and m.bias is None for m in mods) and \
+                        len({(m.weight.dtype, m.weight.device) for m in mods}) == 1:
+                    self.groups[(i, kind)] = [m.weight for m in mods]
+        self.handles: dict = {}         # (layer, kind) -> the merged weight's tensor handle
+        self._nodes: dict = {}          # (layer, kind) -> the weights' nodes when merged
+
+    def refresh(self) -> bool:
+        """Merge the groups whose weights are not the views of their merged weight any more
+        (all of them the first time) -> whether any was merged."""
+        changed = False
+        for key, ws in self.groups.items():
+            nodes = self._nodes.get(key)
+            if nodes is not None and all(w.value.node is n for w, n in zip(ws, nodes)):
+                continue
+            bufs = realize_raw(ws)
+            if isinstance(bufs[0], np.ndarray):
+                cat = np.concatenate(bufs, 0)
+            else:
+                import torch
+                cat = torch.cat(bufs, 0)
+            self.handles.pop(key, None)
+            handle = _leaf(cat, ws[0].dtype, ws[0].device, False)
+            OWNER[handle.value.node] = (handle, "value")     # persistent, like a parameter
+            start = 0
+            for w in ws:
+                bind_buffer(w, cat[start:start + w.shape[0]])
+                start += w.shape[0]
+            self.handles[key] = handle
+            self._nodes[key] = [w.value.node for w in ws]
+            changed = True
+        self.version += changed
+        return changed
 
 
 class PagedStep:
@@ -352,9 +453,18 @@ class PagedStep:
     whether it is a prompt (every sequence started empty: the tokens attend each other with
     flash_attn; else paged_attn over the cache)."""
 
-    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool):
+    def __init__(self, cache: PagedKVCache, slots, table, lens, prompt: bool, merged=None,
+                 fuse_add_norm=False):
         self.cache, self.slots, self.table, self.lens = cache, slots, table, lens
-        self.prompt = prompt
+        self.prompt, self.fuse_add_norm = prompt, fuse_add_norm
+        self._merged = merged or {}
+
+    def merged(self, layer, kind, rows: int):
+        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None. Used for
+        one row (a decode step at batch 1) only: with more rows the parts of the merged
+        product are strided, and the kernels after it (rope, paged attention and cache write,
+        the SwiGLU glue) would each copy theirs first, costing more launches than it saves."""
+        return self._merged.get((layer, kind)) if rows == 1 else None
 
     def attend(self, layer, q, k, v, scale):
         """q [B, Hq, S, D], k/v [B, Hkv, S, D]: write k/v into the layer's pools (in the graph),
@@ -383,8 +493,27 @@ class PagedDecoder:
         self.model = model
         self.cache = model.new_cache(batch, capacity)
         self.cos, self.sin = model.rope.at(0, capacity, model.dtype, model.device)
-        self.prompt_step = jit(self._prompt)
+        # prompts replay as CUDA graphs too (launching a prompt's kernels one by one from Python
+        # cost ~25 ms per generate call at 1B); one trace per prompt length, the last
+        # PROMPT_TRACES_KEPT kept (each holds its graph's memory)
+        self.prompt_step = jit(self._prompt, cuda_graph=PROMPT_GRAPHS)
         self.step = jit(self._decode, cuda_graph=True)
+        self._prompt_shapes: set = set()
+        self.merges = MergedProjections.of(model) if MERGE_PROJECTIONS else None
+        self.fuse_add_norm = FUSE_ADD_NORM
+        self._merges_version = None
+
+    def _check_merges(self):
+        """Merge the projections (again, after their weights were replaced): the steps traced
+        with other merged weights are dropped."""
+        if self.merges is None:
+            return
+        self.merges.refresh()
+        if self._merges_version != self.merges.version:
+            self._merges_version = self.merges.version
+            self.prompt_step.retrace()
+            self._prompt_shapes.clear()
+            self.step.retrace()
 
     def _prompt(self, ids, slots, table, lens, greedy):
         return self._forward(ids, slots, table, lens, greedy, True)
@@ -402,7 +531,9 @@ class PagedDecoder:
 
         def rot(t):                                               # [B, 1, S, D]
             return t.take(pos.reshape(-1), 0).reshape(b, 1, n, t.shape[-1])
-        kv = PagedStep(self.cache, slots, table, lens, prompt)
+        kv = PagedStep(self.cache, slots, table, lens, prompt,
+                       self.merges.handles if self.merges is not None else None,
+                       self.fuse_add_norm)
         h = m.model(ids, rot(self.cos), rot(self.sin), kv)
         last = h if n == 1 else h.reshape(b, n, -1)[:, -1]
         logits = m.head(last)
@@ -413,12 +544,95 @@ class PagedDecoder:
         empty), or one token each as an int64 tensor [B] on the model's device (a previous
         step's result, never copied to the host) -> the last position's logits [B, V] or,
         greedy, the next tokens [B] (computed)."""
+        self._check_merges()
         prompt = not self.cache.context_lens(seqs).any()
         self.cache.extend(seqs, 1 if isinstance(ids, Tensor) else ids.shape[1])
         step = self.prompt_step if prompt else self.step
+        if prompt and tuple(ids.shape) not in self._prompt_shapes:
+            if len(self._prompt_shapes) >= PROMPT_TRACES_KEPT:
+                step.retrace()                # a new prompt shape: drop the kept ones
+                self._prompt_shapes.clear()
+            self._prompt_shapes.add(tuple(ids.shape))
         if not isinstance(ids, Tensor):
             ids = tensor(np.ascontiguousarray(ids, np.int64), device=self.model.device)
         return step(ids, *self.cache.step_tensors(seqs), greedy)
+
+
+class DecodeRun:
+    """The decode steps of one generate call (after its prefill): at most `steps` one-token
+    steps of the sequences `seqs`. The first is a normal call of the decoder's traced step
+    (which checks that its trace still holds, traces or captures it); the others replay it with
+    `fuelgraph.jit.Replayer` (nothing else runs in between) on the inputs the cache prepared
+    for all of them at once (`extend_steps`), so a token costs the host only the copy of three
+    small buffers into the CUDA graph and its launch."""
+
+    def __init__(self, dec: PagedDecoder, seqs, greedy: bool, steps: int):
+        self.dec, self.seqs, self.greedy, self.left = dec, seqs, greedy, steps
+        self.rep = None                # the Replayer; False: the step cannot be replayed
+        self.inputs, self.i, self.meta = None, 0, None
+
+    def _first(self, tok) -> Tensor:
+        out = self.dec.run(self.seqs, tok if isinstance(tok, Tensor) else tok[:, None],
+                           self.greedy)
+        self.left -= 1
+        if self.rep is None:
+            self.rep = (self.dec.step.replayer() if self.left > 0 else None) or False
+            if self.rep:
+                self.inputs = self.dec.cache.extend_steps(self.seqs, self.left)
+                self.meta = (out.dtype, out.device, tuple(tok.shape) if isinstance(tok, Tensor)
+                             else (len(tok), 1))
+        return out
+
+    def _replay(self, buf):
+        slots, table, lens = self.inputs
+        out = self.rep.run([buf.reshape(self.meta[2]), slots[self.i], table, lens[self.i]])[0]
+        self.i += 1
+        self.left -= 1
+        return out
+
+    def _fast(self) -> bool:
+        return bool(self.rep) and self.left > 0
+
+    def step(self, tok) -> Tensor:
+        """One step after the tokens tok: a tensor [B] (a previous greedy step's result, left
+        on its device) or host ids [B] -> logits [B, V] or (greedy) next tokens [B]."""
+        if not self._fast():
+            return self._first(tok)
+        if isinstance(tok, Tensor):
+            buf = realize_raw([tok])[0]
+        else:
+            buf = get_backend(self.dec.model.device).from_any(
+                np.ascontiguousarray(tok, np.int64), self.dec.model.device)
+        return _leaf(self._replay(buf), *self.meta[:2], False)
+
+    def greedy_steps(self, tok: Tensor, n: int, bar=None) -> list:
+        """`n` greedy steps after the tokens tok [B] (a device tensor) -> their next tokens,
+        queued on the device without waiting: tensors [B] or [B, k] (k steps), in order."""
+        first = self.step(tok)
+        if bar is not None:
+            bar.update(1)
+        fast = min(n - 1, self.left) if self._fast() else 0
+        steps = [first]
+        if fast:
+            prev, outs = realize_raw([first])[0], []
+            for _ in range(fast):
+                prev = self._replay(prev)
+                outs.append(prev)
+                if bar is not None:
+                    bar.update(1)
+            if isinstance(prev, np.ndarray):
+                rest = np.stack(outs, 1)
+            else:
+                import torch
+                rest = torch.stack(outs, 1)
+            steps.append(_leaf(rest, first.dtype, first.device, False))
+            first = _leaf(prev, first.dtype, first.device, False)
+        for _ in range(n - 1 - fast):            # more steps than generate announced
+            first = self.step(first)
+            steps.append(first)
+            if bar is not None:
+                bar.update(1)
+        return steps
 
 
 def causal_lm_loss(head, h: Tensor, shape, labels: Tensor, ignore_index: int = -100) -> Tensor:

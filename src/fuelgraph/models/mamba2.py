@@ -20,7 +20,7 @@ from .. import functional as FF
 from ..errors import FuelGraphError
 from ..api import bind_buffer, rebind
 from ..backends import get_backend
-from ..ir.tensor import Tensor, cat, full, tensor
+from ..ir.tensor import Tensor, _leaf, cat, full, tensor
 from ..jit import jit
 from ..nn import functional as F
 from ..nn.layers import Embedding, Linear
@@ -304,11 +304,49 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
 
     def _prefill(self, ids: np.ndarray, max_new: int, greedy: bool = False):
         dec = self.decoder(ids.shape[0])
-        return [dec, greedy], dec.prompt_step(self._ids(ids), greedy)
+        return [dec, greedy, None], dec.prompt_step(self._ids(ids), greedy)
 
     def _decode_step(self, state, tok) -> Tensor:
-        dec, greedy = state
-        return dec.step(self._ids(tok), greedy)
+        """The first step of a generate call is a normal call of the traced step; the later
+        ones replay it (`fuelgraph.jit.Replayer`: nothing else runs in between)."""
+        dec, greedy, rep = state
+        if rep is None:
+            out = dec.step(self._ids(tok), greedy)
+            r = dec.step.replayer()
+            state[2] = (r, out.dtype, out.device) if r is not None else False
+            return out
+        if rep is False:
+            return dec.step(self._ids(tok), greedy)
+        buf = realize_raw([tok])[0] if isinstance(tok, Tensor) else get_backend(
+            self.device).from_any(np.ascontiguousarray(tok, np.int64), self.device)
+        return _leaf(rep[0].run([buf])[0], rep[1], rep[2], False)
+
+    def _queue_greedy(self, state, step_out: Tensor, n: int, bar) -> list:
+        """Greedy steps queued on the device: the first a normal call of the traced step, the
+        others replays of it (`fuelgraph.jit.Replayer`: nothing else runs in between), each fed
+        the previous step's tokens where they are -> tensors [B] and [B, n - 2]."""
+        if n < 3:
+            return super()._queue_greedy(state, step_out, n, bar)
+        first = self._decode_step(state, step_out)
+        rep = state[2][0] if state[2] else None
+        if rep is None:
+            if bar is not None:
+                bar.update(1)
+            return [step_out] + super()._queue_greedy(state, first, n - 1, bar)
+        prev, outs = realize_raw([first])[0], []
+        for _ in range(n - 2):
+            prev = rep.run([prev])[0]
+            outs.append(prev)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.update(2)
+        if isinstance(prev, np.ndarray):
+            rest = np.stack(outs, 1)
+        else:
+            import torch
+            rest = torch.stack(outs, 1)
+        return [step_out, first, _leaf(rest, first.dtype, first.device, False)]
 
     def _release(self, state):
         state.clear()
@@ -316,6 +354,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
 
 #: decoders (recurrent states + traced steps) a model keeps between generate calls
 DECODERS_KEPT = 2
+#: decode steps traced from now on fuse each residual add with the next block's norm
+FUSE_ADD_NORM = True
 
 
 class Mamba2Decoder:
@@ -360,6 +400,18 @@ class Mamba2Decoder:
     def _decode(self, tok, greedy):
         bb = self.model.backbone
         x = bb.embeddings(tok)
+        norms = [layer.norm for layer in bb.layers] + [bb.norm_f]
+        if FUSE_ADD_NORM and all(n.groups == 1 for n in norms):
+            # each residual add and the norm after it as one add_rms_norm (x: the residual
+            # stream, h: the next block's normed input)
+            h = norms[0](x)
+            for i, (layer, conv, ssm) in enumerate(zip(bb.layers, self.convs, self.ssms)):
+                y, cs, ss = layer.mixer.step(h, conv, ssm)
+                rebind(conv, cs.value)
+                rebind(ssm, ss.value)
+                x, h = FF.add_rms_norm(x, y, norms[i + 1].weight, norms[i + 1].eps)
+            logits = self.model.head(h)
+            return logits.argmax(-1) if greedy else logits
         for layer, conv, ssm in zip(bb.layers, self.convs, self.ssms):
             x, cs, ss = layer.step(x, conv, ssm)
             rebind(conv, cs.value)

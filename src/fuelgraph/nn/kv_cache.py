@@ -26,7 +26,8 @@ step: it allocates blocks, computes the pool slot of every new token (vectorised
 per token) and uploads the batch's context lengths and slot mapping once, and its block table
 when it changed (a decode step that starts no new block reuses the last one);
 `write` and `attention` (or `inputs`, which hands `paged_attn` its arguments) reuse them for
-every layer.
+every layer. `extend_steps(seqs, n)` prepares the next n one-token steps at once (one upload;
+a decode loop then does no cache work per token).
 
 The pools are mutable state owned by the cache: `write` runs the cache-write kernel in place on
 them (graph inputs are immutable values, so a lazy write would copy the whole pool each step).
@@ -55,7 +56,7 @@ from ..errors import FuelGraphError
 from ..interop import from_dlpack, from_torch
 from ..ir import ops
 from ..ir.tensor import _DATA, OWNER, Tensor, _leaf, _normalize_device
-from ..registry.paged import PAGED_CACHE_WRITE, paged_attn, paged_cache_write
+from ..registry.paged import PAGED_CACHE_WRITE, paged_attn, paged_cache_write_kv
 from ..runtime.executor import realize_raw
 
 
@@ -150,13 +151,10 @@ class PagedKVCache:
         """Cached tokens of each sequence (host copy)."""
         return self._lens[self._ids(seqs)].copy()
 
-    def extend(self, seqs, n_new: int):
-        """Make room for `n_new` more tokens in each sequence of `seqs`: allocate the blocks they
-        need, advance their lengths and prepare this step's slot mapping, block table and context
-        lengths (uploaded to the device once, shared by every layer's write and attention)."""
-        ids = self._ids(seqs)
-        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
-            raise FuelGraphError(f"PagedKVCache.extend: n_new must be an int >= 1, got {n_new!r}")
+    def _grow(self, ids, n_new: int):
+        """Allocate the blocks that n_new more tokens of each sequence `ids` need and record
+        them in the host block tables -> (old lengths, new lengths, blocks allocated); the
+        lengths themselves are left to the caller."""
         bs = self.block_size
         old = self._lens[ids]
         new = old + n_new
@@ -179,14 +177,24 @@ class PagedKVCache:
             cols = np.repeat(have, count) + (np.arange(total) - np.repeat(np.cumsum(count) - count,
                                                                           count))
             self._tables[rows, cols] = got
+            self._table_version += 1
+        return old, new, total
+
+    def extend(self, seqs, n_new: int):
+        """Make room for `n_new` more tokens in each sequence of `seqs`: allocate the blocks they
+        need, advance their lengths and prepare this step's slot mapping, block table and context
+        lengths (uploaded to the device once, shared by every layer's write and attention)."""
+        ids = self._ids(seqs)
+        if isinstance(n_new, bool) or not isinstance(n_new, (int, np.integer)) or n_new < 1:
+            raise FuelGraphError(f"PagedKVCache.extend: n_new must be an int >= 1, got {n_new!r}")
+        old, new, _ = self._grow(ids, n_new)
         self._lens[ids] = new
         pos = old[:, None] + np.arange(n_new)[None, :]                         # [B, n_new]
+        bs = self.block_size
         blocks = self._tables[ids[:, None], pos // bs].astype(np.int64)
         slots = (blocks * bs + pos % bs).reshape(-1).astype(self.index_dtype.np)
         # the block table of these sequences is uploaded again only when it changed (a block
         # was handed out or freed, or other sequences): most decode steps reuse the last one
-        if total:
-            self._table_version += 1
         key = (ids.tobytes(), self._table_version)
         table = self._table_dev[1] if self._table_dev is not None and \
             self._table_dev[0] == key else None
@@ -203,12 +211,40 @@ class PagedKVCache:
             slots, lens = packed[:ns], packed[ns:ns + B]
             if table is None:
                 table = packed[ns + B:].view(B, self.max_blocks_per_seq)
-            # valid by construction: spare paged_attn its check's sync
+            # valid by construction: spare paged_attn and the cache write their checks' syncs
             from ..backends.cuda.kernels.paged import assume_valid
+            from ..backends.cuda.kernels.paged_cache import assume_valid_slots
             assume_valid(lens, table, n_new, self.num_blocks, bs, int(new.max(initial=0)),
                          int(new.sum()))
+            assume_valid_slots(slots, self.num_blocks * bs)
         self._table_dev = (key, table)
         self._step = (ids.tobytes(), n_new, slots, table, lens)
+
+    def extend_steps(self, seqs, n_steps: int):
+        """`extend(seqs, 1)` for the next `n_steps` one-token decode steps at once: allocates
+        their blocks now, advances the lengths by n_steps and returns every step's inputs as
+        device buffers (one upload): slot mappings [n_steps, B], the block table [B,
+        max_blocks_per_seq] (valid for all of them) and context lengths [n_steps, B]; row i is
+        what `step_tensors` would give after the (i+1)-th extend. A decode loop that knows how
+        many tokens it will make spends no host work on the cache per token."""
+        ids = self._ids(seqs)
+        if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 1:
+            raise FuelGraphError(f"PagedKVCache.extend_steps: n_steps must be an int >= 1, got "
+                                 f"{n_steps!r}")
+        old, new, _ = self._grow(ids, n_steps)
+        self._lens[ids] = new
+        bs, idt, B = self.block_size, self.index_dtype.np, ids.size
+        pos = old[None, :] + np.arange(n_steps)[:, None]                       # [n_steps, B]
+        slots = self._tables[ids[None, :], pos // bs].astype(np.int64) * bs + pos % bs
+        packed = self._to_device(np.concatenate([slots.reshape(-1).astype(idt),
+                                                 (pos + 1).reshape(-1).astype(idt),
+                                                 self._tables[ids].reshape(-1)]))
+        n = n_steps * B
+        slots, lens = packed[:n].reshape(n_steps, B), packed[n:2 * n].reshape(n_steps, B)
+        table = packed[2 * n:].reshape(B, self.max_blocks_per_seq)
+        self._table_dev = ((ids.tobytes(), self._table_version), table)
+        self._step = (ids.tobytes(), 1, slots[-1], table, lens[-1])
+        return slots, table, lens
 
     def free(self, seqs):
         """Release sequences: their blocks return to the pool, their ids may be reused."""
@@ -324,8 +360,8 @@ class PagedKVCache:
         the written pools and returned, (k_pool, v_pool). Meant for a traced step, whose plan
         writes in place; outside one the next `write` / `inputs` computes the result (a copy of
         the pool)."""
-        out = []
-        for pool, rows in zip(self._layer(layer), (k_rows, v_rows)):
-            rebind(pool, paged_cache_write(pool, rows, slot_mapping).value)
-            out.append(pool)
-        return tuple(out)
+        pools = self._layer(layer)
+        written = paged_cache_write_kv(*pools, k_rows, v_rows, slot_mapping)
+        for pool, new in zip(pools, written):
+            rebind(pool, new.value)
+        return pools

@@ -4,6 +4,8 @@
 * LAYER_NORM_LAST_DIM (id 4)          y = (x - mu) / sqrt(mean((x-mu)^2) + eps) backward: fused(8)
 * LAYER_NORM_LAST_DIM_BACKWARD (id 8) dx of layer norm from (x, grad)        backward: DECOMPOSE
 * RMS_NORM_LAST_DIM_BACKWARD (id 9)   dx of RMS norm from (x, grad)          backward: DECOMPOSE
+* ADD_RMS_NORM (0x180)                (s = x + residual, rms_norm(s) * weight), explicit only:
+                                      a decoder's residual add and next norm in one pass
 
 Every op takes `x [..., n]` (rank >= 1, n > 0, float32/float64/bfloat16/float16); the helpers also
 take `grad`, shaped and typed like x. Statistics use the population variance (divide by n).
@@ -19,8 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import FuelGraphError
-from .core import BackwardKind, FusedOpEntry, FusedOps, call_fused
-from .rules import pair_float_rowwise, real_param, same_as_input0, unary_float_rowwise
+from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
+from .rules import (check_arity, check_float, check_same_dtype, pair_float_rowwise, real_param,
+                    same_as_input0, unary_float_rowwise)
+
+#: (x + residual, rms_norm(x + residual) * weight): two outputs, no pattern (called explicitly)
+ADD_RMS_NORM = FusedOpId(0x180)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,29 @@ def rms_norm_backward_recipe(x, grad, eps):
     return den.rsqrt() * (grad - x * s / (den * float(n)))
 
 
+def add_rms_norm_recipe(x, residual, weight, eps):
+    """s = x + residual (rounded to x's dtype), y = rms_norm(s) rounded, times weight: the
+    residual add and RMS norm with weight of a transformers Llama layer, roundings included."""
+    s = x + residual
+    return s, rms_norm_recipe(s, eps=eps) * weight
+
+
+def _add_norm_validate(srcs, params):
+    name = "add_rms_norm"
+    check_arity(name, srcs, 3)
+    pair_float_rowwise(name, ("x", "residual"), min_last=1)(srcs[:2], params)
+    check_float(name, srcs, labels=("x", "residual", "weight"))
+    check_same_dtype(name, srcs, (0, 2), ("x", "residual", "weight"))
+    if tuple(srcs[2].shape) != (srcs[0].shape[-1],):
+        raise FuelGraphError(f"{name}: weight has shape {tuple(srcs[2].shape)}, expected "
+                             f"({srcs[0].shape[-1]},) (the last dimension of x)")
+    _check_eps(name, params)
+
+
+def _add_norm_sample(rng):
+    return [rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 8), (2, 3, 8), (8,))]
+
+
 def _vjp(helper):
     return lambda xs, ys, gs, p: [call_fused(helper, xs[0], gs[0], eps=p.eps)]
 
@@ -159,6 +188,17 @@ def declare(reg):
             "dx = r * (grad - x * sum(grad * x) / (n * den)) with den = mean(x*x) + eps, "
             "r = 1/sqrt(den); shape and dtype of x."))
 
+    reg.add(FusedOpEntry(
+        id=ADD_RMS_NORM, name="add_rms_norm", family="norm", params=NormParams,
+        shape_rule=lambda shapes, p: [shapes[0], shapes[0]],
+        dtype_rule=lambda dtypes, p: [dtypes[0], dtypes[0]],
+        validate=_add_norm_validate, decompose=add_rms_norm_recipe, outputs=("sum", "out"),
+        backward=BackwardKind.DECOMPOSE, pattern_variants=None, sample=_add_norm_sample,
+        doc="Residual add, then RMS norm with weight, in one pass: s = x + residual (rounded to "
+            "the dtype), out = rms_norm_last_dim(s, eps) (rounded) * weight. x, residual "
+            "[..., n], weight [n], one float dtype -> (s, out), both shaped and typed like x; "
+            "params eps (>= 0). Built explicitly (no pattern): a decoder layer's residual "
+            "stream and the next norm's output, as transformers' Llama computes them."))
 
 
 # ---- builders (re-exported by fuelgraph.functional) ----------------------------------------
@@ -166,6 +206,12 @@ def rms_norm_last_dim(x, eps: float = 1e-6):
     """RMS norm over the last axis, no weight: x / sqrt(mean(x * x, -1) + eps).
     x [..., n] float (rank >= 1, n > 0) -> same shape and dtype."""
     return call_fused(FusedOps.RMS_NORM_LAST_DIM, x, eps=real_param(eps))
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6):
+    """(s, y): s = x + residual, y = rms_norm_last_dim(s, eps) * weight, in one pass. x and
+    residual [..., n], weight [n], one float dtype -> two tensors shaped like x."""
+    return call_fused(ADD_RMS_NORM, x, residual, weight, eps=real_param(eps))
 
 
 def layer_norm_last_dim(x, eps: float = 1e-5):

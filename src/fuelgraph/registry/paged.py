@@ -4,6 +4,8 @@
                                 through a block table                     backward: not differentiable
 * PAGED_CACHE_WRITE (id 0x120)  scatter new k (or v) rows into the pool, in place when safe
                                                                           backward: not differentiable
+* PAGED_CACHE_WRITE_KV (0x121)  the same for k and v into their two pools at once (one launch)
+                                                                          backward: not differentiable
 
 Cache layout (the FlashAttention-2 paged layout): `k_cache`, `v_cache` `[num_blocks, block_size,
 Hkv, D]`. Token `j` of sequence `b` lives at block `block_table[b, j // block_size]`, row
@@ -38,6 +40,7 @@ from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, call_fused
 from .rules import check_arity, check_float, real_param
 
 PAGED_CACHE_WRITE = FusedOpId(0x120)
+PAGED_CACHE_WRITE_KV = FusedOpId(0x121)
 INDEX_DTYPES = (dt.int32, dt.uint32)
 _ATTN = "paged_attn"
 _WRITE = "paged_cache_write"
@@ -301,6 +304,28 @@ def attn_sample(rng, *, alibi=True):
     return out
 
 
+def _validate_write_kv(srcs, params):
+    check_arity(_WRITE + "_kv", srcs, 5)
+    kc, vc, kn, vn, slots = srcs
+    if tuple(kc.shape) != tuple(vc.shape) or kc.dtype != vc.dtype:
+        raise FuelGraphError(f"{_WRITE}_kv: v_cache is {vc.shape} {vc.dtype.name}, expected "
+                             f"k_cache's {kc.shape} {kc.dtype.name}")
+    _validate_write((kc, kn, slots), params)
+    _validate_write((vc, vn, slots), params)
+
+
+def paged_cache_write_kv_recipe(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """Both writes of paged_cache_write, sharing the slot mapping."""
+    return (paged_cache_write_recipe(k_cache, k_new, slot_mapping),
+            paged_cache_write_recipe(v_cache, v_new, slot_mapping))
+
+
+def _write_kv_sample(rng):
+    kc, kn, slots = _write_sample(rng)
+    vc, vn, _ = _write_sample(rng)
+    return [kc, vc, kn, vn, slots]
+
+
 def _write_sample(rng):
     cache = rng.standard_normal((5, 4, 2, 8)).astype(np.float32)
     new = rng.standard_normal((3, 2, 8)).astype(np.float32)
@@ -420,6 +445,17 @@ def declare(reg):
             "same dtype, slot_mapping [N] int32/uint32 (slot = block * block_size + row; the "
             "type's maximum skips the row) -> the cache with those rows replaced. A slot outside "
             "the pool or written twice raises. Not differentiable."))
+    reg.add(FusedOpEntry(
+        id=PAGED_CACHE_WRITE_KV, name=_WRITE + "_kv", family="forward",
+        params=PagedCacheWriteParams, shape_rule=lambda shapes, p: [shapes[0], shapes[1]],
+        dtype_rule=lambda dtypes, p: [dtypes[0], dtypes[1]], validate=_validate_write_kv,
+        decompose=paged_cache_write_kv_recipe, backward=BackwardKind.NOT_DIFFERENTIABLE,
+        outputs=("k_cache", "v_cache"), destructive_inputs=(0, 1), pattern_variants=None,
+        sample=_write_kv_sample,
+        doc="paged_cache_write of a step's keys and values at once: k_cache, v_cache [num_blocks, "
+            "block_size, Hkv, D] (one shape and float dtype, both destructive), k_new, v_new "
+            "[N, Hkv, D], slot_mapping [N] int32/uint32 shared by both -> (k_cache, v_cache) with "
+            "those rows replaced. One launch for both pools on the GPU. Not differentiable."))
 
 
 # ---- public builders ----------------------------------------------------------------------------
@@ -466,4 +502,11 @@ def paged_cache_write(cache, new, slot_mapping):
     contents afterwards. A slot outside `[0, num_blocks * block_size)` or written twice raises
     FuelGraphError. Not differentiable."""
     return call_fused(PAGED_CACHE_WRITE, cache, new, slot_mapping)
+
+
+def paged_cache_write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """`paged_cache_write` of keys and values at once -> (k_cache, v_cache): k_new, v_new
+    `[N, Hkv, D]` into pools `[num_blocks, block_size, Hkv, D]` at the shared slot_mapping `[N]`
+    (one kernel on the GPU). Value semantics and errors as paged_cache_write."""
+    return call_fused(PAGED_CACHE_WRITE_KV, k_cache, v_cache, k_new, v_new, slot_mapping)
 

@@ -47,6 +47,18 @@ def test_rms_norm(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 7), (4, 33, 100), (32, 2048)], ids=str)
+def test_add_rms_norm(shape, dtype):
+    """s = x + r rounded to the dtype, y = rms_norm(s) rounded, times the weight."""
+    eps = 1e-5
+    x, r, w = rand(shape, dtype, 2.0), rand(shape, dtype), rand(shape[-1:], dtype)
+    poison()
+    s, y = K.add_rms_norm(x, r, w, eps=eps)
+    check(s, x.to(F64) + r.to(F64), dtype, name="add")
+    check(y, ref_rms(s, eps).to(dtype).to(F64) * w.to(F64), dtype, name="add-rms")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
 def test_layer_norm(shape, dtype):
     eps = 1e-5
@@ -90,6 +102,21 @@ def test_norms_vs_torch(dtype):
           torch.nn.functional.rms_norm(xt.float(), (96,), eps=1e-6), tol)
     close(F.layer_norm_last_dim(x, 1e-5).numpy(),
           torch.nn.functional.layer_norm(xt.float(), (96,), eps=1e-5), tol)
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", list(DT))
+def test_add_rms_norm_vs_torch(dtype):
+    """The op on the GPU as transformers' Llama computes a residual add and its RMSNorm."""
+    tol = DT[dtype][2]
+    (x, xt), (r, rt) = on(np_rand((5, 96)), dtype), on(np_rand((5, 96)) * 3, dtype)
+    w, wt = on(np_rand((96,)), dtype)
+    s, y = F.add_rms_norm(x, r, w, 1e-6)
+    st = xt + rt
+    yt = wt * torch.nn.functional.rms_norm(st.float(), (96,), eps=1e-6).to(st.dtype)
+    close(s.numpy(), st, tol)
+    close(y.numpy(), yt, tol)
+    assert fg.explain([s, y]).fused_ops == {"add_rms_norm": 1}
 
 
 @on_gpu

@@ -401,6 +401,24 @@ def test_cache_write(index):
         KC.paged_cache_write(cache, new, torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
 
 
+def test_cache_write_skips_the_check_of_slots_known_valid(monkeypatch):
+    """Slots a caller declared valid (assume_valid_slots) are not checked again (a sync each);
+    a later in-place change to them is."""
+    calls = []
+    monkeypatch.setattr(KC, "check_slots", lambda *a: calls.append(a))
+    cache, new = torch.zeros(2, 4, 1, 8).to(DEV), torch.ones(2, 1, 8).to(DEV)
+    slots = torch.tensor([5, 1], dtype=torch.int32).to(DEV)
+    KC.assume_valid_slots(slots, 8)
+    KC.paged_cache_write(cache, new, slots)
+    assert calls == [] and cache.reshape(8, 1, 8)[5].eq(1).all()
+    slots.add_(1)                                   # a new version: checked again
+    KC.paged_cache_write(cache, new, slots)
+    assert len(calls) == 1
+    KC.assume_valid_slots(slots, 4)                 # another pool size: checked
+    KC.paged_cache_write(cache, new, slots)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("n_new", [1, 3])
 def test_cache_write_kv(n_new):
     """k and v [B, Hkv, n_new, D] (a transposed view: strided) into both pools in one launch."""
@@ -415,6 +433,23 @@ def test_cache_write_kv(n_new):
         wk[s], wv[s] = kn[b, :, t], vn[b, :, t]
     KC.paged_cache_write_kv(kc, vc, kn, vn, slots)
     assert torch.equal(kc.reshape(16, 3, 8), wk) and torch.equal(vc.reshape(16, 3, 8), wv)
+
+
+def test_cache_write_kv_op():
+    """PAGED_CACHE_WRITE_KV's kernel: rows [N, Hkv, D] of k and v into both pools, in place,
+    the skip value honoured; invalid slots raise."""
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(3, 4, 2, 8, generator=g).to(DEV) for _ in range(2))
+    kn, vn = (torch.randn(3, 2, 8, generator=g).to(DEV) for _ in range(2))
+    slots = torch.tensor([7, 2 ** 31 - 1, 0], dtype=torch.int32).to(DEV)
+    wk, wv = kc.clone().reshape(12, 2, 8), vc.clone().reshape(12, 2, 8)
+    wk[7], wk[0], wv[7], wv[0] = kn[0], kn[2], vn[0], vn[2]
+    rk, rv = KC.paged_cache_write_kv_op(kc, vc, kn, vn, slots)
+    assert rk is kc and rv is vc
+    assert torch.equal(kc.reshape(12, 2, 8), wk) and torch.equal(vc.reshape(12, 2, 8), wv)
+    with pytest.raises(FuelGraphError, match="outside the pool"):
+        KC.paged_cache_write_kv_op(kc, vc, kn, vn, torch.tensor([12, 1, 0], dtype=torch.int32,
+                                                                 device=DEV))
 
 
 # ---- API level (a GPU) --------------------------------------------------------------------

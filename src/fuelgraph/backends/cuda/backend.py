@@ -102,7 +102,8 @@ class GraphedStep:
     replay updates them where they are, with no copy in or out (a new value the plan computed
     elsewhere is copied back into that buffer). Persistent inputs that the step
     only reads (`persistent`: parameters of a decode step, constants) are captured where they
-    are too, so a replay copies no weights; `run` returns None when one of them has moved to
+    are too, so a replay copies no weights; a state the plan computes into another buffer is
+    copied back by the graph itself; `run` returns None when one of them has moved to
     another buffer since the capture, adding it to `moved` (capture again with it copied, as
     the other inputs are). Other inputs are copied into static buffers when their storage
     differs, and outputs other than the in-place results are cloned out of the graph's pool.
@@ -125,8 +126,32 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_out = plan.run(self.static_in)
+            # states the plan computed elsewhere (no destructive op wrote them in place) are
+            # copied back into their buffers by the graph itself: no host work per replay
+            for j, k in self.inplace_of.items():
+                if self.static_out[j].data_ptr() != self.static_in[k].data_ptr():
+                    self.static_in[k].copy_(self.static_out[j])
+        self.static_out = [self.static_in[self.inplace_of[j]] if j in self.inplace_of else o
+                           for j, o in enumerate(self.static_out)]
+
+    def replay_args(self, args, bufs, nres):
+        """A replay where only the inputs at positions `args` may have new buffers (the others
+        are known to be the captured ones: see fuelgraph.jit.Replayer) -> clones of the first
+        `nres` outputs. An argument buffer given again (the same object: buffers are immutable
+        values) is not copied again."""
+        last = self.__dict__.setdefault("_last_src", {})
+        for k in args:
+            src = bufs[k]
+            if last.get(k) is not src:
+                dst = self.static_in[k]
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+                last[k] = src
+        self.graph.replay()
+        return [o.clone() for o in self.static_out[:nres]]
 
     def run(self, bufs):
+        self.__dict__.pop("_last_src", None)       # copies of a normal run are not remembered
         moved = {k for k in self.persistent if self.static_in[k].data_ptr() != bufs[k].data_ptr()}
         if moved:
             self.moved |= moved

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...registry.core import FusedOps
+from ...registry.norm import ADD_RMS_NORM
 from ..base import kernel, row_cost
 from .common import acc_dtype, row_spans, run_spans, store, to_acc
 
@@ -74,6 +75,20 @@ def rms_norm_last_dim(x, *, eps):
 
     _run(work, x2.shape[0], n)
     return out
+
+
+@kernel(ADD_RMS_NORM, "numpy", cost=row_cost(6))
+def add_rms_norm(x, residual, weight, *, eps):
+    """ADD_RMS_NORM: x, residual [..., n], weight [n] -> (s, y) shaped/typed as x:
+    `s = x + residual` (rounded to the dtype), `y = rms_norm_last_dim(s) * weight` with the
+    norm rounded to the dtype before the product (as the unfused ops)."""
+    acc = acc_dtype(x.dtype)
+    s = np.empty(x.shape, x.dtype)
+    store(s, to_acc(x, acc) + to_acc(residual, acc))
+    y = rms_norm_last_dim(s, eps=eps)
+    out = np.empty(x.shape, x.dtype)
+    store(out, to_acc(y, acc) * to_acc(weight, acc))
+    return s, out
 
 
 @kernel(FusedOps.LAYER_NORM_LAST_DIM, "numpy", cost=row_cost(7))

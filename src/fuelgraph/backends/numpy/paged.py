@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from ...registry.core import FusedOps
-from ...registry.paged import (PAGED_CACHE_WRITE, check_lengths, check_slots, index_max,
-                               paged_attn_work)
+from ...registry.paged import (PAGED_CACHE_WRITE, PAGED_CACHE_WRITE_KV, check_lengths,
+                               check_slots, index_max, paged_attn_work)
 from ..base import Cost, kernel
 from .common import NUM_THREADS, acc_dtype, run_spans, store, to_acc
 
@@ -231,3 +231,14 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     flat = dst.reshape(nb * bs, *cache.shape[2:])
     flat[s[keep]] = new[keep]
     return dst
+
+
+def paged_cache_write_kv_cost(shapes, params=None):
+    return Cost(0, 2 * 2 * (math.prod(shapes[2]) + math.prod(shapes[3])))
+
+
+@kernel(PAGED_CACHE_WRITE_KV, "numpy", cost=paged_cache_write_kv_cost)
+def paged_cache_write_kv(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """PAGED_CACHE_WRITE_KV: both pools written in place (the slot check once) -> (k, v)."""
+    return (paged_cache_write(k_cache, k_new, slot_mapping),
+            paged_cache_write(v_cache, v_new, slot_mapping))

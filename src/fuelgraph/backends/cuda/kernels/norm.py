@@ -13,8 +13,10 @@ import triton
 import triton.language as tl
 
 from ....registry.core import FusedOps
+from ....registry.norm import ADD_RMS_NORM
 from ...base import kernel, row_cost
-from .common import HALF_AND_F32, ROW_EVICT, flat_rows, launch_rows, row_tile
+from .common import (HALF_AND_F32, MAX_FUSED_N, ROW_EVICT, flat_rows, launch_rows, row_config,
+                     row_tile)
 
 
 # ----------------------------------------------------------------------------- whole-row kernels
@@ -28,6 +30,23 @@ def _rms_fwd_rows_kernel(x_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr, BLOCK_N
     ms = tl.sum(x * x, 1) * (1.0 / N)
     r = 1.0 / tl.sqrt_rn(ms + eps)
     tl.store(y_ptr + offs, (x * r[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_rows_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, R, N, eps, BLOCK_R: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """s = x + r rounded to the dtype; y = (s * rsqrt(mean(s*s) + eps)) rounded, times w."""
+    mask, offs = row_tile(R, N, BLOCK_R, BLOCK_N)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + offs, s, mask=mask)
+    sf = s.to(tl.float32)
+    rs = 1.0 / tl.sqrt_rn(tl.sum(sf * sf, 1) * (1.0 / N) + eps)
+    y = (sf * rs[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (y * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,6 +236,29 @@ def _norm_bwd(kind: str, x: torch.Tensor, grad: torch.Tensor, eps: float, *, blo
 def rms_norm_last_dim(x: torch.Tensor, *, eps: float) -> torch.Tensor:
     """``y = x / sqrt(mean(x**2, -1) + eps)`` (no weight)."""
     return _norm_fwd("rms", x, eps)
+
+
+def _add_rms_supports(shapes, dtypes, params):
+    return shapes[0][-1] <= MAX_FUSED_N
+
+
+@kernel(ADD_RMS_NORM, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2),
+        supports=_add_rms_supports)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                 eps: float, block_r=None, num_warps=None):
+    """(s, y): ``s = x + residual``, ``y = rms_norm(s) * weight`` (the norm rounded to the
+    dtype first), x/residual [..., n] and weight [n] of one dtype; one pass over the rows."""
+    x, rows, n = flat_rows(x)
+    res = residual.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    if rows == 0:
+        return s, y
+    br, bn, nw = row_config(n, target=4096)
+    br = block_r or br
+    _add_rms_rows_kernel[(triton.cdiv(rows, br),)](
+        x, res, weight.contiguous(), s, y, rows, n, eps, BLOCK_R=br, BLOCK_N=bn,
+        num_warps=num_warps or nw)
+    return s, y
 
 
 @kernel(FusedOps.LAYER_NORM_LAST_DIM, "cuda", dtypes=HALF_AND_F32, cost=row_cost(6, 2))

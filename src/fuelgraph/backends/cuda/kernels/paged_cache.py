@@ -5,16 +5,35 @@ into both pools in one launch (what `PagedKVCache` uses)."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import triton
 import triton.language as tl
 
-from ....registry.paged import PAGED_CACHE_WRITE, check_slots, index_max
+from ....registry.paged import PAGED_CACHE_WRITE, PAGED_CACHE_WRITE_KV, check_slots, index_max
 from ...base import Cost, kernel
 from .common import next_pow2
 from .paged import _capturing
 
-__all__ = ["paged_cache_write", "paged_cache_write_kv"]
+__all__ = ["paged_cache_write", "paged_cache_write_kv", "assume_valid_slots"]
+
+#: slot mappings known valid (in the pool, none twice): id -> (weakref, version, pool capacity)
+_VALID_SLOTS: dict = {}
+
+
+def assume_valid_slots(slot_mapping, cap: int):
+    """Record that `slot_mapping` (as it is now) holds distinct slots inside a pool of `cap`
+    rows, so paged_cache_write skips its check (one device->host sync per call). For callers
+    that built it on the host, such as PagedKVCache."""
+    if len(_VALID_SLOTS) > 64:
+        _VALID_SLOTS.clear()
+    _VALID_SLOTS[id(slot_mapping)] = (weakref.ref(slot_mapping), slot_mapping._version, cap)
+
+
+def _known_valid(slot_mapping, cap) -> bool:
+    hit = _VALID_SLOTS.get(id(slot_mapping))
+    return hit is not None and hit[0]() is slot_mapping and hit[1] == slot_mapping._version \
+        and hit[2] == cap
 
 
 @triton.jit
@@ -60,7 +79,7 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     device->host sync) for callers that computed the slots on the host."""
     nb, bs, hkv, d = cache.shape
     cap = nb * bs
-    if check and not _capturing():
+    if check and not _capturing() and not _known_valid(slot_mapping, cap):
         check_slots("paged_cache_write", slot_mapping.cpu().numpy(), cap)
     dst = cache if out is None else out
     if out is not None:
@@ -73,6 +92,21 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     _paged_write_kernel[(n,)](dst, new, slot_mapping, cap, skip, W=w,
                               BLOCK=next_pow2(w), num_warps=4 if w >= 1024 else 1)
     return dst
+
+
+def paged_cache_write_kv_cost(shapes, params=None):
+    return Cost(0, 2 * 2 * (math.prod(shapes[2]) + math.prod(shapes[3])))
+
+
+@kernel(PAGED_CACHE_WRITE_KV, "cuda", cost=paged_cache_write_kv_cost)
+def paged_cache_write_kv_op(k_cache, v_cache, k_new, v_new, slot_mapping):
+    """PAGED_CACHE_WRITE_KV: rows k_new, v_new [N, Hkv, D] into both pools in place, one
+    launch (the slot check once, skipped for slots known valid) -> (k_cache, v_cache)."""
+    nb, bs = k_cache.shape[:2]
+    if not _capturing() and not _known_valid(slot_mapping, nb * bs):
+        check_slots("paged_cache_write_kv", slot_mapping.cpu().numpy(), nb * bs)
+    paged_cache_write_kv(k_cache, v_cache, k_new.unsqueeze(2), v_new.unsqueeze(2), slot_mapping)
+    return k_cache, v_cache
 
 
 _SKIP: dict = {}
