@@ -65,6 +65,8 @@ def rec(op, impl, shape, dtype, ms, **extra):
     return ms
 
 
+SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1)]]
+NO_BWD = [False]           # --no-bwd: the SSD forward rows only
 REP_MS = [None]            # --rep: do_bench's time budget per case (ms)
 JSONL = [None]             # --out DIR: every record also appended to DIR/records.jsonl as made
 
@@ -139,7 +141,11 @@ def ssd_rows(mamba, why, quick, sweep):
           f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N, dt_))}")
     ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
     try:
+        if NO_BWD[0]:
+            raise LookupError("--no-bwd")
         ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))
+    except LookupError:
+        ms_fb = float("inf")
     except Exception:                   # keep the forward rows and the sweep
         traceback.print_exc()
         ms_fb = float("inf")
@@ -250,11 +256,17 @@ def ss_rows(quick, sweep, f32=True):
     rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
         gbps=CEILING_TBS * 1e3)
     if sweep:
-        # forward (T, BD, warps): BD channels over warps * 32 threads
-        for cfg in [(16, 64, 2), (8, 128, 4)]:
-            m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
-            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
-                gbps=nbytes / m / 1e6)
+        # forward (T, BD, warps, poly): BD channels over warps * 32 threads, poly of the 16
+        # states' exponentials on the FMA pipe
+        y0 = KS.selective_scan(*ins16, **SS_KW)[0].float()
+        for cfg in SS_SWEEP[0]:
+            try:
+                m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
+                dy = (KS.selective_scan(*ins16, **SS_KW, config=cfg)[0].float() - y0).abs().max()
+                rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
+                    gbps=nbytes / m / 1e6, max_diff_vs_default=round(dy.item(), 5))
+            except Exception as exc:
+                print(f"  cfg {cfg} failed: {exc!r}")
     rows.append(("selective_scan fwd bf16", ms16, ceil_ms, ">= 50% of ceiling",
                  ceil_ms / ms16 >= 0.5))
     if not f32:
@@ -304,19 +316,30 @@ def main():
     ap.add_argument("--rep", type=int, default=None, help="timing budget per case, ms")
     ap.add_argument("--no-f32", action="store_true",
                     help="skip the float32 selective-scan rows (slow torch reference loops)")
+    ap.add_argument("--cases", default="ssd,ss",
+                    help="comma list of ssd (forward; + fwd+bwd unless --no-bwd), ss")
+    ap.add_argument("--no-bwd", action="store_true", help="ssd: forward rows only")
+    ap.add_argument("--ss-configs", default=None,
+                    help="selective-scan sweep configs 'T,BD,warps,poly;...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
+    NO_BWD[0] = args.no_bwd
+    if args.ss_configs:
+        SS_SWEEP[0] = [tuple(int(v) for v in c.split(",")) for c in args.ss_configs.split(";")]
+    cases = set(args.cases.split(","))
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
         JSONL[0] = pathlib.Path(args.out) / "records.jsonl"
     mamba, why = import_mamba_ssd(args.mamba_src, args.path)
     rows, anchor_rows = [], None
     try:
-        ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
-        rows += ssd
+        if "ssd" in cases:
+            ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
+            rows += ssd
     except Exception:
         traceback.print_exc()
-    for part in (lambda: ss_rows(args.quick, args.sweep, not args.no_f32), anchor_rows):
+    ss_part = (lambda: ss_rows(args.quick, args.sweep, not args.no_f32)) if "ss" in cases else None
+    for part in (ss_part, anchor_rows):
         try:
             rows += (part and part()) or []
         except Exception:
