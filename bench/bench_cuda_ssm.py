@@ -65,7 +65,7 @@ def rec(op, impl, shape, dtype, ms, **extra):
     return ms
 
 
-SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1)]]
+SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2)]]
 NO_BWD = [False]           # --no-bwd: the SSD forward rows only
 REP_MS = [None]            # --rep: do_bench's time budget per case (ms)
 JSONL = [None]             # --out DIR: every record also appended to DIR/records.jsonl as made

@@ -171,18 +171,20 @@ def _load_bc4(ptr, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["zero"])
 def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y_ptr, h_ptr,
-                   L, Lp, D, zero,
+                   L, Lp, D: tl.constexpr, zero,
                    T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                   POLY: tl.constexpr, ASM: tl.constexpr):
+                   POLY: tl.constexpr, EVEN_L: tl.constexpr, ASM: tl.constexpr):
     """One program: batch pid 0, channels pid 1 * BD + [0, BD), one channel a thread (BD / 32
     / warps of them). a arrives as a log2(e) [BN, D] float32 (transposed, zero-padded), b, c
     as float32 [B, Lp, BN] (zero-padded to whole tiles), h is written as [B, BN, D] float32. The state of BN
     values (a multiple of 4) is held as four [BN // 4, BD] tensors h_j (n = 4 k + j) in the
     thread's registers, so that b_t, c_t come by 16-byte broadcast loads straight into them.
     Per tile of T steps the [T, BD] inputs are loaded one tile ahead (coalesced along D,
-    softplus once per element); the T steps run unrolled:
-    h = exp2(dt a log2 e) h + dt u b_t, y_t = sum_n h c_t."""
+    softplus once per element), and the next tile's b, c rows are prefetched into L1 (their
+    first touch would otherwise wait on L2 every other step); the T steps run unrolled:
+    h = exp2(dt a log2 e) h + dt u b_t, y_t = sum_n h c_t. D is a compile-time constant so
+    that the rows of a tile are immediate offsets of one address."""
     pid_b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     K: tl.constexpr = BN // 4
@@ -210,25 +212,46 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
     base_d = pid_b * L * D
     # [K, BD] pointers to b_t[4 k] (the same for every channel)
     bc_off = pid_b * Lp * BN + kk[:, None] * 4 + (offs_d * 0)[None, :]
+    # a tile's rows as constant offsets of one [BD] row of pointers (immediate offsets)
+    row_off = offs_t[:, None] * D
+    dl_row = dl_ptr + base_d + offs_d
+    u_row = u_ptr + base_d + offs_d
+    y_row = y_ptr + base_d + offs_d
+    z_row = z_ptr + base_d + offs_d
+    # lane r of each warp prefetches row r % T of the next tile, of b (r < 16) or of c
+    lane = tl.arange(0, BD) % 32
+    pf_ptr = tl.where(lane < 16, b_ptr, c_ptr) + pid_b * Lp * BN + (lane % T) * BN
     # tile 0's inputs; each iteration loads the next tile's before its steps
-    m2 = (offs_t < L)[:, None] & dmask[None, :]
-    off2 = base_d + offs_t[:, None] * D + offs_d[None, :]
-    dl_raw = tl.load(dl_ptr + off2, mask=m2, other=0.0)
-    u_raw = tl.load(u_ptr + off2, mask=m2, other=0.0)
+    if EVEN_L:
+        m2 = (offs_t < T)[:, None] & dmask[None, :]
+    else:
+        m2 = (offs_t < L)[:, None] & dmask[None, :]
+    dl_raw = tl.load(dl_row[None, :] + row_off, mask=m2, other=0.0)
+    u_raw = tl.load(u_row[None, :] + row_off, mask=m2, other=0.0)
     for t0 in range(0, L, T):
         t = t0 + offs_t
         bc_tile = bc_off + t0 * BN
-        cur_m2 = (t < L)[:, None] & dmask[None, :]
-        cur_off2 = base_d + t[:, None] * D + offs_d[None, :]
-        nm2 = (t + T < L)[:, None] & dmask[None, :]
-        dl_next = tl.load(dl_ptr + cur_off2 + T * D, mask=nm2, other=0.0)
-        u_next = tl.load(u_ptr + cur_off2 + T * D, mask=nm2, other=0.0)
+        if EVEN_L:
+            cur_m2 = m2
+            nm2 = m2 & (t0 + T < L)
+        else:
+            cur_m2 = (t < L)[:, None] & dmask[None, :]
+            nm2 = (t + T < L)[:, None] & dmask[None, :]
+        tile = t0 * D
+        dl_next = tl.load((dl_row + (tile + T * D))[None, :] + row_off, mask=nm2, other=0.0)
+        u_next = tl.load((u_row + (tile + T * D))[None, :] + row_off, mask=nm2, other=0.0)
+        if ASM:
+            pf_row = tl.minimum(t0 + T, Lp - T) * BN
+            tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [pf_ptr + pf_row], dtype=tl.int32, is_pure=False,
+                                      pack=1)
         dl = dl_raw.to(tl.float32)
         if HAS_BIAS:
             dl += bias[None, :]
         if SOFTPLUS:
             dl = _softplus_fwd(dl, ASM)
-        dl = tl.where(cur_m2, dl, 0.0)
+        if not EVEN_L:
+            dl = tl.where(cur_m2, dl, 0.0)
         uu = u_raw.to(tl.float32)
         dlu = dl * uu
         yv = tl.zeros((T, BD), tl.float32)
@@ -254,9 +277,10 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
         if HAS_D:
             yv += uu * dskip[None, :]
         if HAS_Z:
-            zz = tl.load(z_ptr + cur_off2, mask=cur_m2, other=0.0).to(tl.float32)
+            zz = tl.load((z_row + tile)[None, :] + row_off, mask=cur_m2, other=0.0)
+            zz = zz.to(tl.float32)
             yv *= zz * sigmoid_f32(zz)
-        tl.store(y_ptr + cur_off2, yv.to(y_ptr.dtype.element_ty), mask=cur_m2)
+        tl.store((y_row + tile)[None, :] + row_off, yv.to(y_ptr.dtype.element_ty), mask=cur_m2)
         dl_raw = dl_next
         u_raw = u_next
     h_base = h_ptr + pid_b * BN * D + (kk[:, None] * 4) * D + offs_d[None, :]
@@ -304,7 +328,7 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     _ss_fwd_kernel[(B, triton.cdiv(D, cfg.bd))](
         u, delta, a_t, b, c, d, z, bias, y, h_t, L, Lp, D, 0, T=cfg.t, BD=cfg.bd, BN=BN,
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
-        POLY=min(cfg.poly, BN), ASM=not INTERPRET,
+        POLY=min(cfg.poly, BN), EVEN_L=Lp == L, ASM=not INTERPRET,
         num_warps=cfg.warps, num_stages=1)
     h.copy_(h_t[:, :N].transpose(1, 2))
     return y, h
