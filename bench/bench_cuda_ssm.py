@@ -67,11 +67,18 @@ def rec(op, impl, shape, dtype, ms, **extra):
 
 SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2)]]
 NO_BWD = [False]           # --no-bwd: the SSD forward rows only
+WARM = [False]             # --warm: run every case once (compiles), time nothing
+# --ssd-configs: forward configs (q, bm, bk, bp, bn, warps, stages, swarps, sstages, cb)
+SSD_FWD_SWEEP = [[]]
 REP_MS = [None]            # --rep: do_bench's time budget per case (ms)
 JSONL = [None]             # --out DIR: every record also appended to DIR/records.jsonl as made
 
 
 def bench(fn, quick):
+    if WARM[0]:                 # --warm: compile (fill Triton's cache), no timing
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
     rep = REP_MS[0] or (30 if quick else 100)
     return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
 
@@ -149,6 +156,11 @@ def ssd_rows(mamba, why, quick, sweep):
     except Exception:                   # keep the forward rows and the sweep
         traceback.print_exc()
         ms_fb = float("inf")
+    for cfg in SSD_FWD_SWEEP[0]:
+        try:
+            rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_, bench(lambda: ours(cfg), quick))
+        except Exception as exc:
+            print(f"  cfg {cfg} failed: {exc!r}")
     if sweep:
         # backward: (q, warps, stages)
         for bcfg in [(16, 8, 1), (64, 8, 1)]:
@@ -259,6 +271,14 @@ def ss_rows(quick, sweep, f32=True):
         # forward (T, BD, warps, poly): BD channels over warps * 32 threads, poly of the 16
         # states' exponentials on the FMA pipe
         y0 = KS.selective_scan(*ins16, **SS_KW)[0].float()
+        if not WARM[0]:         # the default against the float32 reference loop
+            cm = [t.transpose(1, 2).contiguous() for t in (ins16[0], ins16[1])]
+            bm = [t.transpose(1, 2).contiguous() for t in (ins16[3], ins16[4])]
+            y_ref = torch_selective_scan_ref(cm[0], cm[1], ins16[2], bm[0], bm[1])[0]
+            y_ref = y_ref.transpose(1, 2)
+            err = ((y0 - y_ref).abs().max() / y_ref.abs().max()).item()
+            print(f"  selective_scan bf16 default vs float32 reference loop: "
+                  f"max |diff| / max |y| = {err:.2e}")
         for cfg in SS_SWEEP[0]:
             try:
                 m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
@@ -319,11 +339,18 @@ def main():
     ap.add_argument("--cases", default="ssd,ss",
                     help="comma list of ssd (forward; + fwd+bwd unless --no-bwd), ss")
     ap.add_argument("--no-bwd", action="store_true", help="ssd: forward rows only")
+    ap.add_argument("--warm", action="store_true", help="run each case once, no timing")
+    ap.add_argument("--ssd-configs", default=None,
+                    help="ssd forward configs 'q,bm,bk,bp,bn,warps,stages,swarps,sstages,cb;...'")
     ap.add_argument("--ss-configs", default=None,
                     help="selective-scan sweep configs 'T,BD,warps,poly;...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     NO_BWD[0] = args.no_bwd
+    WARM[0] = args.warm
+    if args.ssd_configs:
+        SSD_FWD_SWEEP[0] = [tuple(int(v) for v in c.split(","))
+                            for c in args.ssd_configs.split(";")]
     if args.ss_configs:
         SS_SWEEP[0] = [tuple(int(v) for v in c.split(",")) for c in args.ss_configs.split(";")]
     cases = set(args.cases.split(","))
