@@ -312,15 +312,17 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     h = torch.empty((B, D, N), dtype=u.dtype, device=u.device)
     if B * D == 0:
         return y, h
-    if N == 0:
-        h.zero_()
+    if N == 0 or L == 0:
+        return y, h.zero_()
     cfg = SSFwdConfig(*config) if config else ss_fwd_config(B, L, D, N)
     BN = max(4, _next_pow2(N))
     # b, c as float32 [B, Lp, BN], zero-padded to whole tiles and a multiple of 4 states:
     # every program reads all of them (B L N values, small), widened once here rather than
     # per step and channel in the kernel
     Lp = triton.cdiv(L, cfg.t) * cfg.t
-    if b.dtype != torch.float32 or BN != N or Lp != L:
+    # (and 16-byte aligned: the kernel reads them by 16-byte vector loads)
+    if (b.dtype != torch.float32 or BN != N or Lp != L or b.data_ptr() % 16
+            or c.data_ptr() % 16):
         pad = (0, BN - N, 0, Lp - L)
         b, c = TF.pad(b.float(), pad).contiguous(), TF.pad(c.float(), pad).contiguous()
     a_t = TF.pad(a.float() * 1.4426950408889634, (0, BN - N)).t().contiguous()
