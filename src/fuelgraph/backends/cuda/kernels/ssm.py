@@ -312,7 +312,7 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     h = torch.empty((B, D, N), dtype=u.dtype, device=u.device)
     if B * D == 0:
         return y, h
-    if N == 0 or L == 0:
+    if L == 0:
         return y, h.zero_()
     cfg = SSFwdConfig(*config) if config else ss_fwd_config(B, L, D, N)
     BN = max(4, _next_pow2(N))
