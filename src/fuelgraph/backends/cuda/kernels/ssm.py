@@ -1,13 +1,16 @@
 """SELECTIVE_SCAN (Mamba-1) forward and backward on Triton; shared scan helpers.
 
-Forward: one program owns a (batch, channel block) pair and walks time in tiles of T steps.
-A tile's [T, BD] inputs (delta, u, z) are loaded at once (coalesced along D) and transformed
-once per element (bias, softplus); then the T steps run unrolled on the [N, BD] state held in
-registers (no barrier: the state's N axis stays inside a warp), with the step's b_t and c_t
-as small broadcast loads that do not wait on the state; y of the tile is stored as one
-[T, BD] tile. Every sum and exponential is float32; inputs are float32, bfloat16 or float16
-(float64 is not covered: the op runs its recipe there), outputs are written in the input
-dtype.
+Forward: one program owns a (batch, channel block) pair and walks time in tiles of T steps,
+one channel a thread with all of its N states in registers (no shuffles, no barriers). A
+tile's [T, BD] inputs (delta, u, z) are loaded a tile ahead (coalesced along D) and
+transformed once per element (bias, softplus); then the T steps run unrolled, with the step's
+b_t and c_t as 16-byte broadcast loads (prefetched into L1 a tile ahead); y of the tile is
+stored as one [T, BD] tile. The work is one exponential per state and step (B L D N of them):
+the MUFU unit's 16 results per clock and SM bound it, with the loop's other ~7 instructions a
+state and step close behind, so a few of the N states may take their exponential from an FMA
+polynomial instead (config `poly`). Every sum and exponential is float32 (approximate ex2,
+relative error ~2e-7); inputs are float32, bfloat16 or float16 (float64 is not covered: the
+op runs its recipe there), outputs are written in the input dtype.
 
 Backward: one program per (batch, channel block) first walks time forward and stores the
 state entering each tile (float32 scratch), then walks the tiles in reverse: it recomputes
