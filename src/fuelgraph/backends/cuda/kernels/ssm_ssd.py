@@ -56,9 +56,10 @@ F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 #: and cb: when b and c are one group broadcast over the heads (head stride 0), 1 computes
 #: the C B^T of every chunk once per batch (float32, [B, NC, Q, Q]) for all heads to read,
 #: and orders the scan programs heads-fastest so that they read it from L2; 2 the same stored
-#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program
-SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb",
-                       defaults=(8, 3, 2))
+#: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program;
+#: sbp: the state kernel's P block when it differs from the scan's (0: bp)
+SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb sbp",
+                       defaults=(8, 3, 2, 0))
 #: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
 SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
 
@@ -347,7 +348,7 @@ def _launch_state(x, bm, z, dtp, acum, init, st, last, Q, cfg, has_init, reverse
     """Kernel 2 (or its reverse): x [B, L, H, P] against bm [B, L, H, N] -> st, last."""
     B, L, H, P = x.shape
     N = bm.shape[3]
-    bp, bn = min(cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
+    bp, bn = min(cfg.sbp or cfg.bp, _p2(P)), min(cfg.bn, _p2(N))
     _ssd_state_kernel[(B * H, triton.cdiv(P, bp), triton.cdiv(N, bn))](
         x, bm, z, dtp, acum, init, st, last, L, H, P, N, triton.cdiv(L, Q),
         *_strides3(x), *_strides3(bm), *_strides3(z),
