@@ -65,7 +65,7 @@ def rec(op, impl, shape, dtype, ms, **extra):
     return ms
 
 
-SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2)]]
+SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2), (16, 16, 1, 0)]]
 NO_BWD = [False]           # --no-bwd: the SSD forward rows only
 WARM = [False]             # --warm: run every case once (compiles), time nothing
 # --ssd-configs: forward configs (q, bm, bk, bp, bn, warps, stages, swarps, sstages, cb)

@@ -85,7 +85,8 @@ class SSFwdConfig(NamedTuple):
     """Forward launch: T steps per tile, BD channels per program on `warps` warps (one or two
     channels a thread, all of N in its registers), `poly` of the N states a step take their
     exponential from an FMA polynomial instead of the MUFU unit (packed float16 ex2 would not
-    help: sm_90 runs it as two MUFU ops)."""
+    help: sm_90 runs it as two MUFU ops). BD < 32 * warps splits each channel's states over
+    lanes (y summed by shuffles); poly is then ignored (the choice would vary by lane)."""
     t: int
     bd: int
     warps: int
@@ -333,7 +334,9 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     _ss_fwd_kernel[(B, triton.cdiv(D, cfg.bd))](
         u, delta, a_t, b, c, d, z, bias, y, h_t, L, Lp, D, 0, T=cfg.t, BD=cfg.bd, BN=BN,
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
-        POLY=min(cfg.poly, BN), EVEN_L=Lp == L, ASM=not INTERPRET,
+        POLY=min(cfg.poly, BN) if cfg.bd >= 32 * cfg.warps or INTERPRET else 0,
+        EVEN_L=Lp == L,
+        ASM=not INTERPRET,
         num_warps=cfg.warps, num_stages=1)
     h.copy_(h_t[:, :N].transpose(1, 2))
     return y, h
