@@ -144,7 +144,7 @@ def ssd_rows(mamba, why, quick, sweep):
         KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
         return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=bcfg)
 
-    print(f"  ssd configs: forward {tuple(KD.ssd_config(B, L, H, P, N))}, "
+    print(f"  ssd configs: forward {tuple(KD.ssd_fwd_config(B, L, H, P, N))}, "
           f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N, dt_))}")
     ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
     try:
@@ -208,7 +208,7 @@ def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
     ssd_chunk_scan[part] rows: where the time goes."""
     B, L, H, P = x.shape
     N = b.shape[3]
-    cfg = KD.ssd_config(B, L, H, P, N)
+    cfg = KD.ssd_fwd_config(B, L, H, P, N)
     parts = {}
     try:
         dtp, acum = KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
@@ -225,7 +225,7 @@ def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
                 x, b, c, x, x, dtp, acum, st, y, cfg.q, cfg._replace(cb=cb), False, False))
         bq = KD.ssd_bwd_config(B, L, H, P, N, x.dtype).q
         bdtp, bacum = KD._launch_dt(dt, a, bias, B, L, H, bq, True, True)
-        bcfg = cfg._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
+        bcfg = KD.ssd_config(B, L, H, P, N)._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
         bst = torch.empty((B * H, -(-L // bq), P, N), dtype=x.dtype, device=DEV)
         hl32 = torch.empty((B, H, P, N), dtype=torch.float32, device=DEV)
         parts["bwd state"] = lambda: KD._launch_state(x, b, x, bdtp, bacum, x, bst, hl32, bq,

@@ -44,13 +44,14 @@ def compile_report(name, kern, ptr_types, cons, warps, stages, unspecialized=())
 
 
 def ssd(cfg=None, cb=False):
-    cfg = cfg or KD.ssd_config(4, 4096, 80, 64, 128)
+    cfg = cfg or KD.ssd_fwd_config(4, 4096, 80, 64, 128)
     bf = "*bf16"
     p = {n: bf for n in ("x_ptr", "b_ptr", "c_ptr", "z_ptr", "st_ptr", "h0_ptr", "hl_ptr",
                          "d_ptr", "y_ptr")}
     p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*bf16")
     op = triton.language.bfloat16
-    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, HAS_INIT=False, REVERSE=False,
+    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.sbp or cfg.bp, BN=cfg.bn, HAS_INIT=False,
+                REVERSE=False,
                 HAS_Z=False, F32_PREC="ieee", OP_T=op)
     compile_report(f"ssd state {tuple(cfg)}", KD._ssd_state_kernel, p, cons, cfg.swarps,
                    cfg.sstages)

@@ -111,7 +111,8 @@ def test_selective_scan_forward_whole_tiles(dt):
     inputs = ss_inputs(*shape, dt, d=True, z=True, bias=True, softplus=True)
     kw = dict(delta_softplus=True, has_d=True, has_z=True, has_delta_bias=True)
     ts = [_t(inputs[k], dt) for k in ordered(inputs, SS_ORDER)]
-    y, h = KS.selective_scan(*ts, **kw, config=None if HAS_CUDA else (4, 2, 1, 2))
+    # (the interpreter: b, c of each step loaded a step ahead, pf = 1)
+    y, h = KS.selective_scan(*ts, **kw, config=None if HAS_CUDA else (4, 2, 1, 2, 1))
     y64, h64, _ = torch_grads(selective_scan_ref, inputs, SS_ORDER, np.zeros(y.shape),
                               np.zeros(h.shape), dtype=torch.float64, delta_softplus=True)
     ys, hs, _ = torch_grads(selective_scan_ref, inputs, SS_ORDER, np.zeros(y.shape),

@@ -85,12 +85,15 @@ class SSFwdConfig(NamedTuple):
     """Forward launch: T steps per tile, BD channels per program on `warps` warps (one or two
     channels a thread, all of N in its registers), `poly` of the N states a step take their
     exponential from an FMA polynomial instead of the MUFU unit (packed float16 ex2 would not
-    help: sm_90 runs it as two MUFU ops). BD < 32 * warps splits each channel's states over
+    help: sm_90 runs it as two MUFU ops); pf = 1 loads a step's b, c rows in the step
+    before (in registers: ptxas may otherwise use them a few instructions after the load,
+    exposing the L1 latency every step). BD < 32 * warps splits each channel's states over
     lanes (y summed by shuffles); poly is then ignored (the choice would vary by lane)."""
     t: int
     bd: int
     warps: int
     poly: int = 0
+    pf: int = 0
 
 
 def ss_fwd_config(B, L, D, N):
@@ -178,11 +181,12 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
                    L, Lp, D: tl.constexpr, zero,
                    T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                   POLY: tl.constexpr, EVEN_L: tl.constexpr, ASM: tl.constexpr):
+                   POLY: tl.constexpr, EVEN_L: tl.constexpr, ASM: tl.constexpr,
+                   PF: tl.constexpr = False):
     """One program: batch pid 0, channels pid 1 * BD + [0, BD), one channel a thread (BD / 32
     / warps of them). a arrives as a log2(e) [BN, D] float32 (transposed, zero-padded), b, c
-    as float32 [B, Lp, BN] (zero-padded to whole tiles), h is written as [B, BN, D] float32. The state of BN
-    values (a multiple of 4) is held as four [BN // 4, BD] tensors h_j (n = 4 k + j) in the
+    as float32 [B, Lp, BN] (zero-padded to whole tiles, + 1 row with PF), h is written as
+    [B, BN, D] float32. The state of BN values (a multiple of 4) is held as four [BN // 4, BD] tensors h_j (n = 4 k + j) in the
     thread's registers, so that b_t, c_t come by 16-byte broadcast loads straight into them.
     Per tile of T steps the [T, BD] inputs are loaded one tile ahead (coalesced along D,
     softplus once per element), and the next tile's b, c rows are prefetched into L1 (their
@@ -232,6 +236,9 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
         m2 = (offs_t < L)[:, None] & dmask[None, :]
     dl_raw = tl.load(dl_row[None, :] + row_off, mask=m2, other=0.0)
     u_raw = tl.load(u_row[None, :] + row_off, mask=m2, other=0.0)
+    if PF:      # b, c of the first step; each step loads the next one's (Lp: a spare row)
+        nb0, nb1, nb2, nb3 = _load_bc4(b_ptr + bc_off, ASM)
+        nc0, nc1, nc2, nc3 = _load_bc4(c_ptr + bc_off, ASM)
     for t0 in range(0, L, T):
         t = t0 + offs_t
         bc_tile = bc_off + t0 * BN
@@ -266,8 +273,14 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
             dlu_i = tl.max(tl.where(sel, dlu, float("-inf")), 0)[None, :]
             # steps past L: dl = 0 (the state is unchanged, y is not stored), b, c rows of 0
             row = bc_tile + i * BN
-            b0, b1, b2, b3 = _load_bc4(b_ptr + row, ASM)
-            c0, c1, c2, c3 = _load_bc4(c_ptr + row, ASM)
+            if PF:
+                b0, b1, b2, b3 = nb0, nb1, nb2, nb3
+                c0, c1, c2, c3 = nc0, nc1, nc2, nc3
+                nb0, nb1, nb2, nb3 = _load_bc4(b_ptr + row + BN, ASM)
+                nc0, nc1, nc2, nc3 = _load_bc4(c_ptr + row + BN, ASM)
+            else:
+                b0, b1, b2, b3 = _load_bc4(b_ptr + row, ASM)
+                c0, c1, c2, c3 = _load_bc4(c_ptr + row, ASM)
             e0 = _exp2_states(dl_i * a0, 0, kk, BN, POLY, ASM)
             e1 = _exp2_states(dl_i * a1, 1, kk, BN, POLY, ASM)
             e2 = _exp2_states(dl_i * a2, 2, kk, BN, POLY, ASM)
@@ -323,7 +336,8 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
     # b, c as float32 [B, Lp, BN], zero-padded to whole tiles and a multiple of 4 states:
     # every program reads all of them (B L N values, small), widened once here rather than
     # per step and channel in the kernel
-    Lp = triton.cdiv(L, cfg.t) * cfg.t
+    LT = triton.cdiv(L, cfg.t) * cfg.t
+    Lp = LT + (1 if cfg.pf else 0)          # pf reads one row past the last tile
     # (and 16-byte aligned: the kernel reads them by 16-byte vector loads)
     if (b.dtype != torch.float32 or BN != N or Lp != L or b.data_ptr() % 16
             or c.data_ptr() % 16):
@@ -335,7 +349,7 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
         u, delta, a_t, b, c, d, z, bias, y, h_t, L, Lp, D, 0, T=cfg.t, BD=cfg.bd, BN=BN,
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
         POLY=min(cfg.poly, BN) if cfg.bd >= 32 * cfg.warps or INTERPRET else 0,
-        EVEN_L=Lp == L,
+        EVEN_L=LT == L, PF=bool(cfg.pf),
         ASM=not INTERPRET,
         num_warps=cfg.warps, num_stages=1)
     h.copy_(h_t[:, :N].transpose(1, 2))
