@@ -186,8 +186,9 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
     """One program: batch pid 0, channels pid 1 * BD + [0, BD), one channel a thread (BD / 32
     / warps of them). a arrives as a log2(e) [BN, D] float32 (transposed, zero-padded), b, c
     as float32 [B, Lp, BN] (zero-padded to whole tiles, + 1 row with PF), h is written as
-    [B, BN, D] float32. The state of BN values (a multiple of 4) is held as four [BN // 4, BD] tensors h_j (n = 4 k + j) in the
-    thread's registers, so that b_t, c_t come by 16-byte broadcast loads straight into them.
+    [B, BN, D] float32. The state of BN values (a multiple of 4) is held as four
+    [BN // 4, BD] tensors h_j (n = 4 k + j) in the thread's registers, so that b_t, c_t come
+    by 16-byte broadcast loads straight into them.
     Per tile of T steps the [T, BD] inputs are loaded one tile ahead (coalesced along D,
     softplus once per element), and the next tile's b, c rows are prefetched into L1 (their
     first touch would otherwise wait on L2 every other step); the T steps run unrolled:
