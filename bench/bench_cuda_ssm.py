@@ -67,6 +67,7 @@ def rec(op, impl, shape, dtype, ms, **extra):
 
 SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2), (16, 16, 1, 0)]]
 NO_BWD = [False]           # --no-bwd: the SSD forward rows only
+SS_GIVEN = [False]         # --ss-configs given: the selective-scan sweep runs without --sweep
 WARM = [False]             # --warm: run every case once (compiles), time nothing
 # --ssd-configs: forward configs (q, bm, bk, bp, bn, warps, stages, swarps, sstages, cb)
 SSD_FWD_SWEEP = [[]]
@@ -267,8 +268,8 @@ def ss_rows(quick, sweep, f32=True):
     ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
     rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
         gbps=CEILING_TBS * 1e3)
-    if sweep:
-        # forward (T, BD, warps, poly): BD channels over warps * 32 threads, poly of the 16
+    if sweep or SS_GIVEN[0]:
+        # forward (T, BD, warps, poly, pf): BD channels over warps * 32 threads, poly of the 16
         # states' exponentials on the FMA pipe
         y0 = KS.selective_scan(*ins16, **SS_KW)[0].float()
         if not WARM[0]:         # the default against the float32 reference loop
@@ -343,7 +344,7 @@ def main():
     ap.add_argument("--ssd-configs", default=None,
                     help="ssd forward configs 'q,bm,bk,bp,bn,warps,stages,swarps,sstages,cb;...'")
     ap.add_argument("--ss-configs", default=None,
-                    help="selective-scan sweep configs 'T,BD,warps,poly;...'")
+                    help="selective-scan sweep configs 'T,BD,warps,poly[,pf];...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     NO_BWD[0] = args.no_bwd
@@ -352,6 +353,7 @@ def main():
         SSD_FWD_SWEEP[0] = [tuple(int(v) for v in c.split(","))
                             for c in args.ssd_configs.split(";")]
     if args.ss_configs:
+        SS_GIVEN[0] = True
         SS_SWEEP[0] = [tuple(int(v) for v in c.split(",")) for c in args.ss_configs.split(";")]
     cases = set(args.cases.split(","))
     if args.out:
