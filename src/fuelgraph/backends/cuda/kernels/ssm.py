@@ -98,10 +98,14 @@ class SSFwdConfig(NamedTuple):
 
 def ss_fwd_config(B, L, D, N):
     """16-step tiles, one channel a thread on 2 warps (64 channels a program), halved until
-    there is a program per SM of the H200 (132 SMs). The steps are bound by the MUFU unit
-    (one exponential per state and step, 16 results per clock and SM: 8 issue cycles a warp)
-    and by the ~8 other instructions a state and step (sm_90 SASS: 2101 a 16-step tile of
-    16 states vs 288 MUFU ops); one of 16 states through the FMA polynomial balances them."""
+    there is a program per SM of the H200 (132 SMs). The MUFU unit bounds the steps (one
+    exponential per state and step, 16 results per clock and SM: 8 issue cycles a warp) with
+    the ~7 other instructions a state and step close behind (sm_90 SASS: 1872 a 16-step tile
+    of 16 states vs 288 MUFU ops); one of 16 states through the FMA polynomial. H200, B8 L2048
+    D4096 N16 bf16: 0.713 ms (poly 1; the old kernel 1.545 ms), 0.767 with poly 2, 1.46 with
+    poly 0 (ptxas then consumes each step's b, c loads a few instructions after issuing them:
+    the step waits on L1), 1.09 / 1.21 with 2 channels a thread (8, 128, 2, 1 / 2), 0.91 with
+    a channel's states over 2 lanes (16, 16, 1, 0). Still ~2.6x the MUFU bound: latency."""
     bd = 64
     while bd > 32 and B * triton.cdiv(D, bd) < 132:
         bd //= 2
