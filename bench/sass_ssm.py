@@ -72,8 +72,10 @@ def ss_fwd(cfg, D=4096, N=16):
     cfg = KS.SSFwdConfig(*cfg)
     p = {n: "*bf16" for n in ("u_ptr", "dl_ptr", "d_ptr", "z_ptr", "bias_ptr", "y_ptr")}
     p.update(a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32", h_ptr="*fp32")
+    split = cfg.bd < 32 * cfg.warps         # as the launcher decides
     cons = dict(D=D, T=cfg.t, BD=cfg.bd, BN=N, HAS_D=False, HAS_Z=False, HAS_BIAS=False,
-                SOFTPLUS=True, POLY=cfg.poly, EVEN_L=True, ASM=True)
+                SOFTPLUS=True, POLY=0 if split else cfg.poly, EVEN_L=True, ASM=True,
+                PF=bool(cfg.pf), POLY_J=cfg.poly * 4 // N if split else 0)
     compile_report(f"selective_scan fwd {tuple(cfg)}", KS._ss_fwd_kernel, p, cons, cfg.warps,
                    1, unspecialized=("zero",))
 
@@ -91,7 +93,7 @@ def ssd_bwd(q=32, warps=8, stages=1):
 
 def main():
     argparse.ArgumentParser(description=__doc__).parse_args()
-    for cfg in ((16, 64, 2, 0), (16, 64, 2, 1), (16, 64, 2, 2), (8, 128, 2, 1)):
+    for cfg in ((16, 64, 2, 0), (16, 64, 2, 1), (16, 64, 2, 2), (16, 16, 1, 0), (16, 16, 1, 4)):
         ss_fwd(cfg)
     for cb in (False, True):
         ssd(cb=cb)

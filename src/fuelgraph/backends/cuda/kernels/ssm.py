@@ -88,7 +88,8 @@ class SSFwdConfig(NamedTuple):
     help: sm_90 runs it as two MUFU ops); pf = 1 loads a step's b, c rows in the step
     before (in registers: ptxas may otherwise use them a few instructions after the load,
     exposing the L1 latency every step). BD < 32 * warps splits each channel's states over
-    lanes (y summed by shuffles); poly is then ignored (the choice would vary by lane)."""
+    lanes (y summed by shuffles); poly then counts in whole quarters of the states (the
+    per-state choice would vary by lane)."""
     t: int
     bd: int
     warps: int
@@ -142,10 +143,12 @@ def _exp2_mufu(x, ASM: tl.constexpr):
 
 @triton.jit
 def _exp2_states(x, j: tl.constexpr, kk, BN: tl.constexpr, POLY: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, POLY_J: tl.constexpr = 0):
     """2^x for the [BN // 4, BD] states n = 4 k + j: the last POLY of the BN states through
     the polynomial (kk: the k index, constant in each register, so the select folds away)."""
-    if POLY > 0:
+    if j >= 4 - POLY_J:         # the whole tensor (any layout)
+        return exp2_poly(x)
+    elif POLY > 0:
         use_poly = (kk * 4 + j) >= BN - POLY
         return tl.where(use_poly[:, None], exp2_poly(x), _exp2_mufu(x, ASM))
     else:
@@ -186,7 +189,7 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
                    T: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                    POLY: tl.constexpr, EVEN_L: tl.constexpr, ASM: tl.constexpr,
-                   PF: tl.constexpr = False):
+                   PF: tl.constexpr = False, POLY_J: tl.constexpr = 0):
     """One program: batch pid 0, channels pid 1 * BD + [0, BD), one channel a thread (BD / 32
     / warps of them). a arrives as a log2(e) [BN, D] float32 (transposed, zero-padded), b, c
     as float32 [B, Lp, BN] (zero-padded to whole tiles, + 1 row with PF), h is written as
@@ -286,10 +289,10 @@ def _ss_fwd_kernel(u_ptr, dl_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, y
             else:
                 b0, b1, b2, b3 = _load_bc4(b_ptr + row, ASM)
                 c0, c1, c2, c3 = _load_bc4(c_ptr + row, ASM)
-            e0 = _exp2_states(dl_i * a0, 0, kk, BN, POLY, ASM)
-            e1 = _exp2_states(dl_i * a1, 1, kk, BN, POLY, ASM)
-            e2 = _exp2_states(dl_i * a2, 2, kk, BN, POLY, ASM)
-            e3 = _exp2_states(dl_i * a3, 3, kk, BN, POLY, ASM)
+            e0 = _exp2_states(dl_i * a0, 0, kk, BN, POLY, ASM, POLY_J)
+            e1 = _exp2_states(dl_i * a1, 1, kk, BN, POLY, ASM, POLY_J)
+            e2 = _exp2_states(dl_i * a2, 2, kk, BN, POLY, ASM, POLY_J)
+            e3 = _exp2_states(dl_i * a3, 3, kk, BN, POLY, ASM, POLY_J)
             h0 = e0 * h0 + dlu_i * b0
             h1 = e1 * h1 + dlu_i * b1
             h2 = e2 * h2 + dlu_i * b2
@@ -350,10 +353,12 @@ def selective_scan(u, delta, a, b, c, *opt, delta_softplus, has_d, has_z, has_de
         b, c = TF.pad(b.float(), pad).contiguous(), TF.pad(c.float(), pad).contiguous()
     a_t = TF.pad(a.float() * 1.4426950408889634, (0, BN - N)).t().contiguous()
     h_t = torch.empty((B, BN, D), dtype=torch.float32, device=u.device)
+    # BD < 32 warps: a channel's states over lanes, where only whole h_j take the polynomial
+    split = cfg.bd < 32 * cfg.warps and not INTERPRET
     _ss_fwd_kernel[(B, triton.cdiv(D, cfg.bd))](
         u, delta, a_t, b, c, d, z, bias, y, h_t, L, Lp, D, 0, T=cfg.t, BD=cfg.bd, BN=BN,
         HAS_D=has_d, HAS_Z=has_z, HAS_BIAS=has_delta_bias, SOFTPLUS=bool(delta_softplus),
-        POLY=min(cfg.poly, BN) if cfg.bd >= 32 * cfg.warps or INTERPRET else 0,
+        POLY=0 if split else min(cfg.poly, BN), POLY_J=cfg.poly * 4 // BN if split else 0,
         EVEN_L=LT == L, PF=bool(cfg.pf),
         ASM=not INTERPRET,
         num_warps=cfg.warps, num_stages=1)
