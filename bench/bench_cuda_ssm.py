@@ -65,11 +65,21 @@ def rec(op, impl, shape, dtype, ms, **extra):
     return ms
 
 
+SS_SWEEP = [[(16, 64, 2, 0), (16, 64, 2, 2), (8, 128, 2, 1), (8, 128, 2, 2), (16, 16, 1, 0)]]
+NO_BWD = [False]           # --no-bwd: the SSD forward rows only
+SS_GIVEN = [False]         # --ss-configs given: the selective-scan sweep runs without --sweep
+WARM = [False]             # --warm: run every case once (compiles), time nothing
+# --ssd-configs: forward configs (q, bm, bk, bp, bn, warps, stages, swarps, sstages, cb)
+SSD_FWD_SWEEP = [[]]
 REP_MS = [None]            # --rep: do_bench's time budget per case (ms)
 JSONL = [None]             # --out DIR: every record also appended to DIR/records.jsonl as made
 
 
 def bench(fn, quick):
+    if WARM[0]:                 # --warm: compile (fill Triton's cache), no timing
+        fn()
+        torch.cuda.synchronize()
+        return float("nan")
     rep = REP_MS[0] or (30 if quick else 100)
     return do_bench(fn, warmup=max(5, rep // 4), rep=rep, return_mode="median")
 
@@ -135,14 +145,23 @@ def ssd_rows(mamba, why, quick, sweep):
         KD.ssd_chunk_scan(x, dt, a16, bE, cE, bias16, **kw, config=cfg)
         return KD.ssd_chunk_scan_backward(x, dt, a16, bE, cE, bias16, gy, gl, **kw, config=bcfg)
 
-    print(f"  ssd configs: forward {tuple(KD.ssd_config(B, L, H, P, N))}, "
+    print(f"  ssd configs: forward {tuple(KD.ssd_fwd_config(B, L, H, P, N))}, "
           f"backward {tuple(KD.ssd_bwd_config(B, L, H, P, N, dt_))}")
     ms_f = rec("ssd_chunk_scan", "fuelgraph", shape, dt_, bench(ours, quick))
     try:
+        if NO_BWD[0]:
+            raise LookupError("--no-bwd")
         ms_fb = rec("ssd_chunk_scan_fwd+bwd", "fuelgraph", shape, dt_, bench(ours_fb, quick))
+    except LookupError:
+        ms_fb = float("inf")
     except Exception:                   # keep the forward rows and the sweep
         traceback.print_exc()
         ms_fb = float("inf")
+    for cfg in SSD_FWD_SWEEP[0]:
+        try:
+            rec("ssd_chunk_scan", f"fuelgraph[{cfg}]", shape, dt_, bench(lambda: ours(cfg), quick))
+        except Exception as exc:
+            print(f"  cfg {cfg} failed: {exc!r}")
     if sweep:
         # backward: (q, warps, stages)
         for bcfg in [(16, 8, 1), (64, 8, 1)]:
@@ -190,7 +209,7 @@ def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
     ssd_chunk_scan[part] rows: where the time goes."""
     B, L, H, P = x.shape
     N = b.shape[3]
-    cfg = KD.ssd_config(B, L, H, P, N)
+    cfg = KD.ssd_fwd_config(B, L, H, P, N)
     parts = {}
     try:
         dtp, acum = KD._launch_dt(dt, a, bias, B, L, H, cfg.q, True, True)
@@ -207,7 +226,7 @@ def ssd_parts(x, dt, a, b, c, bias, gy, gl, kw, shape, quick):
                 x, b, c, x, x, dtp, acum, st, y, cfg.q, cfg._replace(cb=cb), False, False))
         bq = KD.ssd_bwd_config(B, L, H, P, N, x.dtype).q
         bdtp, bacum = KD._launch_dt(dt, a, bias, B, L, H, bq, True, True)
-        bcfg = cfg._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
+        bcfg = KD.ssd_config(B, L, H, P, N)._replace(q=bq, bm=min(64, bq), bk=min(64, bq))
         bst = torch.empty((B * H, -(-L // bq), P, N), dtype=x.dtype, device=DEV)
         hl32 = torch.empty((B, H, P, N), dtype=torch.float32, device=DEV)
         parts["bwd state"] = lambda: KD._launch_state(x, b, x, bdtp, bacum, x, bst, hl32, bq,
@@ -249,12 +268,26 @@ def ss_rows(quick, sweep, f32=True):
     ceil_ms = nbytes / (CEILING_TBS * 1e12) * 1e3
     rec("selective_scan", f"bytes at {CEILING_TBS} TB/s", shape, torch.bfloat16, ceil_ms,
         gbps=CEILING_TBS * 1e3)
-    if sweep:
-        # forward (T, BD, warps): BD channels over warps * 32 threads
-        for cfg in [(16, 64, 2), (8, 128, 4)]:
-            m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
-            rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
-                gbps=nbytes / m / 1e6)
+    if sweep or SS_GIVEN[0]:
+        # forward (T, BD, warps, poly, pf): BD channels over warps * 32 threads, poly of the 16
+        # states' exponentials on the FMA pipe
+        y0 = KS.selective_scan(*ins16, **SS_KW)[0].float()
+        if not WARM[0]:         # the default against the float32 reference loop
+            cm = [t.transpose(1, 2).contiguous() for t in (ins16[0], ins16[1])]
+            bm = [t.transpose(1, 2).contiguous() for t in (ins16[3], ins16[4])]
+            y_ref = torch_selective_scan_ref(cm[0], cm[1], ins16[2], bm[0], bm[1])[0]
+            y_ref = y_ref.transpose(1, 2)
+            err = ((y0 - y_ref).abs().max() / y_ref.abs().max()).item()
+            print(f"  selective_scan bf16 default vs float32 reference loop: "
+                  f"max |diff| / max |y| = {err:.2e}")
+        for cfg in SS_SWEEP[0]:
+            try:
+                m = bench(lambda: KS.selective_scan(*ins16, **SS_KW, config=cfg), quick)
+                dy = (KS.selective_scan(*ins16, **SS_KW, config=cfg)[0].float() - y0).abs().max()
+                rec("selective_scan", f"fuelgraph[{cfg}]", shape, torch.bfloat16, m,
+                    gbps=nbytes / m / 1e6, max_diff_vs_default=round(dy.item(), 5))
+            except Exception as exc:
+                print(f"  cfg {cfg} failed: {exc!r}")
     rows.append(("selective_scan fwd bf16", ms16, ceil_ms, ">= 50% of ceiling",
                  ceil_ms / ms16 >= 0.5))
     if not f32:
@@ -304,19 +337,38 @@ def main():
     ap.add_argument("--rep", type=int, default=None, help="timing budget per case, ms")
     ap.add_argument("--no-f32", action="store_true",
                     help="skip the float32 selective-scan rows (slow torch reference loops)")
+    ap.add_argument("--cases", default="ssd,ss",
+                    help="comma list of ssd (forward; + fwd+bwd unless --no-bwd), ss")
+    ap.add_argument("--no-bwd", action="store_true", help="ssd: forward rows only")
+    ap.add_argument("--warm", action="store_true", help="run each case once, no timing")
+    ap.add_argument("--ssd-configs", default=None,
+                    help="ssd forward configs 'q,bm,bk,bp,bn,warps,stages,swarps,sstages,cb;...'")
+    ap.add_argument("--ss-configs", default=None,
+                    help="selective-scan sweep configs 'T,BD,warps,poly[,pf];...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
+    NO_BWD[0] = args.no_bwd
+    WARM[0] = args.warm
+    if args.ssd_configs:
+        SSD_FWD_SWEEP[0] = [tuple(int(v) for v in c.split(","))
+                            for c in args.ssd_configs.split(";")]
+    if args.ss_configs:
+        SS_GIVEN[0] = True
+        SS_SWEEP[0] = [tuple(int(v) for v in c.split(",")) for c in args.ss_configs.split(";")]
+    cases = set(args.cases.split(","))
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
         JSONL[0] = pathlib.Path(args.out) / "records.jsonl"
     mamba, why = import_mamba_ssd(args.mamba_src, args.path)
     rows, anchor_rows = [], None
     try:
-        ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
-        rows += ssd
+        if "ssd" in cases:
+            ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
+            rows += ssd
     except Exception:
         traceback.print_exc()
-    for part in (lambda: ss_rows(args.quick, args.sweep, not args.no_f32), anchor_rows):
+    ss_part = (lambda: ss_rows(args.quick, args.sweep, not args.no_f32)) if "ss" in cases else None
+    for part in (ss_part, anchor_rows):
         try:
             rows += (part and part()) or []
         except Exception:

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Compile the state-space scan kernels for sm_90 on a machine without a GPU and report
 registers, spill stack, shared memory and the SASS of the main loop (instructions a thread,
-most frequent opcodes), per launch option. Use it to compare variants before a GPU session.
+most frequent opcodes), per launch option. The selective-scan forward is bound by the MUFU
+unit (8 issue cycles a warp per exponential on sm_90) against the loop's other instructions:
+compare MUFU * 8 with the loop's length. Use it to compare variants before a GPU session.
 
     python3 bench/sass_ssm.py
 """
@@ -19,14 +21,16 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from sass_common import TARGET, loop_stats  # noqa: E402
+from fuelgraph.backends.cuda.kernels import ssm as KS  # noqa: E402
 from fuelgraph.backends.cuda.kernels import ssm_ssd as KD  # noqa: E402
 
 
-def compile_report(name, kern, ptr_types, cons, warps, stages):
+def compile_report(name, kern, ptr_types, cons, warps, stages, unspecialized=()):
     sig = {n: ptr_types.get(n, "i32") for n in kern.arg_names if n not in cons}
     # every pointer and integer of the benchmark shape is a multiple of 16 (as the launcher's
-    # specialization sees them)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    # specialization sees them), except the kernel's do_not_specialize arguments
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if n not in unspecialized}
     try:
         k = triton.compile(ASTSource(kern, sig, cons, attrs=attrs), target=TARGET,
                            options=dict(num_warps=warps, num_stages=stages))
@@ -40,13 +44,14 @@ def compile_report(name, kern, ptr_types, cons, warps, stages):
 
 
 def ssd(cfg=None, cb=False):
-    cfg = cfg or KD.ssd_config(4, 4096, 80, 64, 128)
+    cfg = cfg or KD.ssd_fwd_config(4, 4096, 80, 64, 128)
     bf = "*bf16"
     p = {n: bf for n in ("x_ptr", "b_ptr", "c_ptr", "z_ptr", "st_ptr", "h0_ptr", "hl_ptr",
                          "d_ptr", "y_ptr")}
     p.update(dtp_ptr="*fp32", acum_ptr="*fp32", cb_ptr="*bf16")
     op = triton.language.bfloat16
-    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.bp, BN=cfg.bn, HAS_INIT=False, REVERSE=False,
+    cons = dict(Q=cfg.q, BK=cfg.bk, BP=cfg.sbp or cfg.bp, BN=cfg.bn, HAS_INIT=False,
+                REVERSE=False,
                 HAS_Z=False, F32_PREC="ieee", OP_T=op)
     compile_report(f"ssd state {tuple(cfg)}", KD._ssd_state_kernel, p, cons, cfg.swarps,
                    cfg.sstages)
@@ -58,6 +63,21 @@ def ssd(cfg=None, cb=False):
         compile_report(f"ssd cb bm={cfg.bm}", KD._ssd_cb_kernel, p,
                        dict(Q=cfg.q, BM=cfg.bm, BN=64, F32_PREC="ieee", OP_T=op), 4, 2)
 
+
+
+def ss_fwd(cfg, D=4096, N=16):
+    """selective_scan forward, bfloat16 u / delta, float32 b / c (widened on the host),
+    softplus on, per (T, BD, warps, poly); 'loop' is one tile of T steps for BD / 32 / warps
+    channels a thread, N states each."""
+    cfg = KS.SSFwdConfig(*cfg)
+    p = {n: "*bf16" for n in ("u_ptr", "dl_ptr", "d_ptr", "z_ptr", "bias_ptr", "y_ptr")}
+    p.update(a_ptr="*fp32", b_ptr="*fp32", c_ptr="*fp32", h_ptr="*fp32")
+    split = cfg.bd < 32 * cfg.warps         # as the launcher decides
+    cons = dict(D=D, T=cfg.t, BD=cfg.bd, BN=N, HAS_D=False, HAS_Z=False, HAS_BIAS=False,
+                SOFTPLUS=True, POLY=0 if split else cfg.poly, EVEN_L=True, ASM=True,
+                PF=bool(cfg.pf), POLY_J=cfg.poly * 4 // N if split else 0)
+    compile_report(f"selective_scan fwd {tuple(cfg)}", KS._ss_fwd_kernel, p, cons, cfg.warps,
+                   1, unspecialized=("zero",))
 
 
 def ssd_bwd(q=32, warps=8, stages=1):
@@ -73,6 +93,8 @@ def ssd_bwd(q=32, warps=8, stages=1):
 
 def main():
     argparse.ArgumentParser(description=__doc__).parse_args()
+    for cfg in ((16, 64, 2, 0), (16, 64, 2, 1), (16, 64, 2, 2), (16, 16, 1, 0), (16, 16, 1, 4)):
+        ss_fwd(cfg)
     for cb in (False, True):
         ssd(cb=cb)
     for q, warps in ((32, 8), (16, 8), (64, 8)):

@@ -92,11 +92,33 @@ def test_selective_scan(dt, opts, shape):
                        bias=opts.get("bias", False), softplus=sp)
     kw = dict(delta_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
               has_delta_bias="delta_bias" in inputs)
-    cfg = None if HAS_CUDA else (4, 2, 1)               # several tiles and channel blocks
+    # several tiles (a padded tail) and channel blocks; 2 of the 4 states through the
+    # polynomial exponential (the GPU default sends 3 of 16 there)
+    cfg = None if HAS_CUDA else (4, 2, 1, 2)
+    bcfg = None if HAS_CUDA else (4, 2, 1)
     _case(selective_scan_ref, SS_ORDER, inputs,
           lambda ts: KS.selective_scan(*ts, **kw, config=cfg),
-          lambda ts, gy, gl: KS.selective_scan_backward(*ts, gy, gl, **kw, config=cfg), dt,
+          lambda ts, gy, gl: KS.selective_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(delta_softplus=sp), lambda a: KN.selective_scan(*a, **kw))
+
+
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
+def test_selective_scan_forward_whole_tiles(dt):
+    """The forward's whole-tile path (L a multiple of the tile length: no row masks), with
+    d, z, bias and softplus, and with the default launch config on the GPU (a share of the
+    exponentials on the FMA polynomial)."""
+    shape = (2, 256, 96, 16) if HAS_CUDA else (1, 8, 3, 4)
+    inputs = ss_inputs(*shape, dt, d=True, z=True, bias=True, softplus=True)
+    kw = dict(delta_softplus=True, has_d=True, has_z=True, has_delta_bias=True)
+    ts = [_t(inputs[k], dt) for k in ordered(inputs, SS_ORDER)]
+    # (the interpreter: b, c of each step loaded a step ahead, pf = 1)
+    y, h = KS.selective_scan(*ts, **kw, config=None if HAS_CUDA else (4, 2, 1, 2, 1))
+    y64, h64, _ = torch_grads(selective_scan_ref, inputs, SS_ORDER, np.zeros(y.shape),
+                              np.zeros(h.shape), dtype=torch.float64, delta_softplus=True)
+    ys, hs, _ = torch_grads(selective_scan_ref, inputs, SS_ORDER, np.zeros(y.shape),
+                            np.zeros(h.shape), in_dtype=dt.torch, delta_softplus=True)
+    _check("y", y, y64, ys, dt)
+    _check("last_state", h, h64, hs, dt)
 
 
 SSD_SHAPES = [(2, 37, 2, 4, 5)] + ([(2, 200, 4, 64, 32), (1, 64, 3, 24, 16)] if HAS_CUDA or os.environ.get("SSD_GPU_CONFIG") else [])
