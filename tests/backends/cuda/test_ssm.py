@@ -116,7 +116,8 @@ def test_ssd_chunk_scan(dt, opts, shape):
     cfg = bcfg = None
     if not (HAS_CUDA or os.environ.get("SSD_GPU_CONFIG")):
         # 3 chunks with a padded tail, 2 row blocks per chunk, 2 P and 2 N blocks
-        cfg, bcfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1), (16, 1, 1)
+        cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1)
+        bcfg = KD.SSDBwdConfig(q=16, warps=1, stages=1, bm=8, bp=2, bn=4)
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(dt_softplus=sp), lambda a: KN.ssd_chunk_scan(*a, **kw))
@@ -202,7 +203,7 @@ def test_ssd_heads_share_b_c(dt, cb):
     cfg, bcfg = KD.ssd_config(B, L, H, P, N)._replace(cb=cb), None
     if not HAS_CUDA:        # 3 chunks, 2 row blocks each
         cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
-        bcfg = (16, 1, 1)
+        bcfg = KD.SSDBwdConfig(q=16, warps=1, stages=1, bm=8, bp=2, bn=4)
 
     def shared(ts):          # b, c as one head expanded (stride 0)
         ts = list(ts)

@@ -59,8 +59,12 @@ F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 #: in x's dtype (half the reads, one more rounding); 0 computes it in every head's program
 SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb",
                        defaults=(8, 3, 2))
-#: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
-SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
+#: backward: chunk length, warps, pipeline stages; split: 1 runs the split kernels of
+#: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
+#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused")
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn",
+                          defaults=(None, 64, 64, 64))
+SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "split") != "fused"
 
 
 def _op_type(dtype):
@@ -89,13 +93,17 @@ def ssd_config(B, L, H, P, N):
     return SSDConfig(q, bm, bm, min(64, _p2(P)), min(64, _p2(N)), 4, 2, 8, 3, 2)
 
 
-def ssd_bwd_config(B, L, H, P, N, dtype=None):
-    """Backward: the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32 tiles
-    live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255, no spill;
-    Q = 64 spills), at the price of stored states and cotangents every 32 steps. float32
-    inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
+    """Backward, split (the default): chunks of 256 like the forward (16 x fewer stored states
+    and cotangents than 32), 64-row blocks, 64-wide P and N blocks, 4 warps.
+    Fused (split=0): the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32
+    tiles live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255,
+    no spill; Q = 64 spills), at the price of stored states and cotangents every 32 steps.
+    float32 inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+    if SSD_BWD_SPLIT if split is None else split:
+        return SSDBwdConfig(min(256, _p2(L)), 4, 2, 1, 64, 64, 64)
     big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
-    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1)
+    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1, 0)
 
 
 def _cost(shapes, params=None, q=64):
@@ -560,6 +568,16 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     dev, dtype = x.device, x.dtype
     f32 = dict(dtype=torch.float32, device=dev)
     cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N, dtype)
+    if cfg.split is None:
+        cfg = cfg._replace(split=SSD_BWD_SPLIT)
+    if cfg.split and BH * P and L:
+        from .ssm_ssd_bwd import ssd_backward_split
+        dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0 = ssd_backward_split(
+            x, dt, a, b, c, d, z, bias, h0, gy, gl, dt_softplus=dt_softplus, has_d=has_d,
+            has_z=has_z, has_dt_bias=has_dt_bias, has_initial_states=has_initial_states,
+            cfg=cfg)
+        return _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N,
+                              dtype, has_d, has_z, has_dt_bias, has_initial_states)
     Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
@@ -596,14 +614,22 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
-    grads = [dx, ddt, da_p.reshape(B, H, NC).sum((0, 2)).to(dtype), db, dc]
+    return _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N,
+                          dtype, has_d, has_z, has_dt_bias, has_initial_states)
+
+
+def _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N, dtype,
+                   has_d, has_z, has_dt_bias, has_initial_states):
+    """The gradient tuple, the per-program partial sums (da_p, dbias_p [B H, *], dd_p
+    [B H, *, P], float32) added up."""
+    grads = [dx, ddt, da_p.reshape(B, H, -1).sum((0, 2)).to(dtype), db, dc]
     if has_d:
-        ddp = dd_p.reshape(B, H, NC, P).sum((0, 2))
+        ddp = dd_p.reshape(B, H, -1, P).sum((0, 2))
         grads.append((ddp if d.dim() == 2 else ddp.sum(1)).to(dtype))
     if has_z:
         grads.append(dz)
     if has_dt_bias:
-        grads.append(dbias_p.reshape(B, H, NC).sum((0, 2)).to(dtype))
+        grads.append(dbias_p.reshape(B, H, -1).sum((0, 2)).to(dtype))
     if has_initial_states:
         grads.append(dh0.reshape(B, H, P, N).to(dtype))
     return tuple(grads)
