@@ -47,8 +47,8 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     Acum_s); the output is dt_s acc (+ D GY for dx). KIND 2 (dC: U = GY, V = x, W = b,
     M = Hin, R = c): rows i = t, columns j = s <= t, dec = Lm[t, s] dt_s, coef = exp(Acum_t).
     rsum [O blocks, B H, L] gets R . acc (dx) or -R . out (dB) or R . out (dC); dx also writes
-    the partial dd sums (GY . x over its rows, [B H, NC * Q / BM, P]) and, from the first row
-    block, sum(h_out o Dst) of its P block ([B H, NC, P blocks]; h_out = st of the next
+    the partial dd sums (GY . x over its rows, [B H, NC * Q / BM, P]), and dB's first row
+    block sum(h_out o Dst) of its N block ([B H, NC, N blocks]; h_out = st of the next
     chunk, or hl after the last). HAS_CB (dx): C B^T read from cb [B, NC, Q, Q]."""
     NM: tl.constexpr = Q // BM
     REV: tl.constexpr = KIND != 2
@@ -83,6 +83,15 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     mo_off = offs_u[:, None] * sm_k + offs_o[None, :] * sm_o
     mo_mask = umask[:, None] & omask[None, :]
     Mt = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + mo_off, mask=mo_mask, other=0.0)
+    if KIND == 1:
+        if pid_m == 0:       # here, so that Mt is dead after the first dot
+            nxt = ci + 1 < NC
+            h_out = tl.load(st_ptr + (pid_bh * NC + ci + 1) * S_MC + mo_off,
+                            mask=mo_mask & nxt, other=0.0).to(tl.float32)
+            h_out += tl.load(hl_ptr + pid_bh * S_MC + mo_off, mask=mo_mask & (ci + 1 == NC),
+                             other=0.0).to(tl.float32)
+            tl.store(dtot_ptr + (pid_bh * NC + ci) * tl.num_programs(1) + pid_o,
+                     tl.sum(tl.sum(h_out * Mt.to(tl.float32), 1), 0))
     if REV:
         total = tl.load(acum_ptr + row + cend - 1)
         coef = tl.where(mmask, tl.exp(total - ac_m), 0.0)
@@ -139,14 +148,6 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
                     out += G * tl.load(d_ptr + hi).to(tl.float32)
                 tl.store(dd_ptr + ((pid_bh * NC + ci) * NM + pid_m) * P + offs_o,
                          tl.sum(G * R, 0), mask=omask)
-            if pid_m == 0:
-                nxt = ci + 1 < NC
-                h_out = tl.load(st_ptr + (pid_bh * NC + ci + 1) * S_MC + mo_off,
-                                mask=mo_mask & nxt, other=0.0).to(tl.float32)
-                h_out += tl.load(hl_ptr + pid_bh * S_MC + mo_off, mask=mo_mask & (ci + 1 == NC),
-                                 other=0.0).to(tl.float32)
-                tl.store(dtot_ptr + (pid_bh * NC + ci) * tl.num_programs(1) + pid_o,
-                         tl.sum(tl.sum(h_out * Mt.to(tl.float32), 1), 0))
     tl.store(out_ptr + ((bi * L + offs_m[:, None]) * H + hi) * O + offs_o[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mo2)
     tl.store(rsum_ptr + (pid_o * (tl.num_programs(0) // (NM * NC)) + pid_bh) * L + offs_m, rs,
@@ -155,12 +156,13 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
 
 @triton.jit
 def _ssd_bwd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, ddtx_ptr, dacc_ptr, dtot_ptr,
-                       ddt_ptr, da_ptr, dbias_ptr, L, H, NC, BH, NPB, NAB, sdt_b, sdt_l, sdt_h,
+                       ddt_ptr, da_ptr, dbias_ptr, L, H, NC, BH, NPB, NAB, NTB,
+                       sdt_b, sdt_l, sdt_h,
                        Q: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """ddt of one chunk of one (batch, head) from the rows kernels' partial sums: the
     cotangent of Acum (dacc summed over its NAB blocks, plus the sum(h_out o Dst) partials at
-    the chunk's end) summed from each step to the chunk's end, times a, plus x . gB (NPB
-    blocks); through softplus; da and ddt_bias partials per program [B H NC]."""
+    the chunk's end, NTB blocks) summed from each step to the chunk's end, times a, plus
+    x . gB (NPB blocks); through softplus; da and ddt_bias partials per program [B H NC]."""
     pid = tl.program_id(0).to(tl.int64)
     pid_bh = pid // NC
     ci = pid % NC
@@ -176,8 +178,8 @@ def _ssd_bwd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, ddtx_ptr, dacc_ptr, dto
     for j in range(0, NAB):
         dac += tl.load(dacc_ptr + (j * BH + pid_bh) * L + t, mask=tmask, other=0.0)
     dtot = 0.0
-    for j in range(0, NPB):
-        dtot += tl.load(dtot_ptr + pid * NPB + j)
+    for j in range(0, NTB):
+        dtot += tl.load(dtot_ptr + pid * NTB + j)
     dac += tl.where(offs == Q - 1, dtot, 0.0)
     ds = tl.sum(dac, 0) - tl.cumsum(dac, 0) + dac                  # suffix sums
     ddt += ds * tl.load(a_ptr + hi).to(tl.float32)
@@ -255,7 +257,7 @@ def ssd_backward_split(x, dt, a, b, c, d, z, bias, h0, gy, gl, *, dt_softplus, h
     nnb = triton.cdiv(N, min(cfg.bn, KD._p2(N)))
     ddtx = torch.empty((npb, BH, L), **f32)
     dacc = torch.empty((2 * nnb, BH, L), **f32)          # C . dC blocks, then -B . dB blocks
-    dtot = torch.empty((BH, NC, npb), **f32)
+    dtot = torch.empty((BH, NC, nnb), **f32)
     dd_p = torch.zeros((BH, NC * NM, P) if has_d else (1, 1, P), **f32)
     _launch_rows(0, b, c, gyg, dst, x, cb, dx, ddtx, acum, dtp, d, dd_p, st, hl, dtot, NC, Q,
                  cfg, has_cb=has_cb, has_d=has_d)
@@ -266,6 +268,6 @@ def ssd_backward_split(x, dt, a, b, c, d, z, bias, h0, gy, gl, *, dt_softplus, h
     ddt = torch.empty((B, L, H), dtype=dtype, device=dev)
     da_p, dbias_p = torch.empty((BH, NC), **f32), torch.empty((BH, NC), **f32)
     _ssd_bwd_dt_kernel[(BH * NC,)](
-        dt, a, bias, dtp, ddtx, dacc, dtot, ddt, da_p, dbias_p, L, H, NC, BH, npb, 2 * nnb,
+        dt, a, bias, dtp, ddtx, dacc, dtot, ddt, da_p, dbias_p, L, H, NC, BH, npb, 2 * nnb, nnb,
         *KD._strides3(dt), Q=Q, HAS_BIAS=has_dt_bias, SOFTPLUS=softplus, num_warps=4)
     return dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0
