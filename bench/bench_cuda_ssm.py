@@ -16,8 +16,10 @@ are imported from its Python sources: pass --mamba-src DIR (the folder that hold
 wheel or folder). Without them the mamba rows are skipped and say so.
 
     python3 bench/bench_cuda_ssm.py --out DIR [--mamba-src DIR] [--path WHEEL_OR_DIR ...]
-                                   [--sweep] [--quick] [--rep MS] [--no-f32]
+                                   [--sweep] [--quick] [--rep MS] [--no-f32] [--ssd-bwd]
 
+--ssd-bwd runs only the SSD fwd+bwd case, the split backward against the fused one (their
+gradients compared on that shape, then times; --sweep adds split launch configs).
 --sweep adds each SSD kernel timed alone (ssd_chunk_scan[part] rows: where the time goes) and
 a few launch configurations. Writes JSON records {"op","impl","device","shape","dtype","ms",
 "date", "gbps"?} to bench/results/cuda_ssm_<date>.json and DIR/cuda_ssm_<date>.json (and to
@@ -112,6 +114,60 @@ def import_mamba_ssd(src, paths):
 
 
 # ---- cases ------------------------------------------------------------------------------------
+def ssd_bwd_compare(quick, sweep, shape=None):
+    """--ssd-bwd: the SSD fwd+bwd target case only, the split backward (default) against the
+    fused per-chunk one (split=0) in one process: their gradients compared on the target
+    shape, then fwd+bwd and bwd-alone times, and (--sweep) a few split launch configs."""
+    B, L, H, P, N, Q = shape or ((1, 1024, 80, 64, 128, 256) if quick
+                                 else (4, 4096, 80, 64, 128, 256))
+    dt_ = torch.bfloat16
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    dt = (torch.rand(B, L, H, device=DEV, generator=g) * 0.1 - 4).to(dt_)
+    a = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2).to(dt_)
+    bias = (torch.rand(H, device=DEV, generator=g) - 0.5).to(dt_)
+    b1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    c1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    gy = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    gl = torch.zeros(B, H, P, N, device=DEV, dtype=dt_)
+    bE, cE = b1.expand(B, L, H, N), c1.expand(B, L, H, N)
+    shape = (B, L, H, P, N, Q)
+    kw = dict(chunk_size=Q, dt_softplus=True, has_d=False, has_z=False, has_dt_bias=True,
+              has_initial_states=False)
+    split = KD.ssd_bwd_config(B, L, H, P, N, dt_, split=1)
+    fused = KD.ssd_bwd_config(B, L, H, P, N, dt_, split=0)
+    bwd = lambda bcfg: KD.ssd_chunk_scan_backward(x, dt, a, bE, cE, bias, gy, gl, **kw,
+                                                  config=bcfg)
+
+    def fb(bcfg):
+        KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw)
+        return bwd(bcfg)
+    print(f"  ssd backward configs: split {tuple(split)}, fused {tuple(fused)}", flush=True)
+    new, old = bwd(split), bwd(fused)
+    for name, gn, go in zip(("x", "dt", "a", "b", "c", "dt_bias"), new, old):
+        gn, go = gn.float(), go.float()
+        err = ((gn - go).abs().max() / go.abs().max().clamp_min(1e-30)).item()
+        print(f"  grad {name:8s} split vs fused: max |diff| / max |fused| = {err:.2e}"
+              f"  (max |fused| {go.abs().max().item():.3e})", flush=True)
+    del new, old
+    rec("ssd_chunk_scan", "fuelgraph", shape, dt_,
+        bench(lambda: KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw), quick))
+    for label, bcfg in (("split", split), ("fused", fused)):
+        rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{label}]", shape, dt_,
+            bench(lambda: fb(bcfg), quick))
+        rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
+            bench(lambda: bwd(bcfg), quick))
+    if sweep:       # (q, warps, stages, split, bm, bp, bn)
+        for bcfg in [(256, 8, 2, 1, 64, 64, 64), (256, 4, 3, 1, 64, 64, 64),
+                     (128, 4, 2, 1, 64, 64, 64)]:
+            try:
+                rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
+                    bench(lambda: bwd(bcfg), quick))
+            except Exception as exc:
+                print(f"  bwd cfg {bcfg} failed: {exc!r}", flush=True)
+    return []
+
+
 def ssd_rows(mamba, why, quick, sweep):
     B, L, H, P, N, Q = (1, 1024, 80, 64, 128, 256) if quick else (4, 4096, 80, 64, 128, 256)
     dt_ = torch.bfloat16
@@ -144,8 +200,8 @@ def ssd_rows(mamba, why, quick, sweep):
         traceback.print_exc()
         ms_fb = float("inf")
     if sweep:
-        # backward: (q, warps, stages)
-        for bcfg in [(16, 8, 1), (64, 8, 1)]:
+        # backward: (q, warps, stages, split, bm, bp, bn): the fused kernel, split configs
+        for bcfg in [(32, 8, 1, 0), (256, 8, 2, 1, 64, 64, 64), (128, 4, 2, 1, 64, 64, 64)]:
             try:
                 rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: ours_fb(None, bcfg), quick))
@@ -304,6 +360,8 @@ def main():
     ap.add_argument("--rep", type=int, default=None, help="timing budget per case, ms")
     ap.add_argument("--no-f32", action="store_true",
                     help="skip the float32 selective-scan rows (slow torch reference loops)")
+    ap.add_argument("--ssd-bwd", action="store_true",
+                    help="only the SSD fwd+bwd case: split against fused backward")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     if args.out:
@@ -311,16 +369,22 @@ def main():
         JSONL[0] = pathlib.Path(args.out) / "records.jsonl"
     mamba, why = import_mamba_ssd(args.mamba_src, args.path)
     rows, anchor_rows = [], None
-    try:
-        ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
-        rows += ssd
-    except Exception:
-        traceback.print_exc()
-    for part in (lambda: ss_rows(args.quick, args.sweep, not args.no_f32), anchor_rows):
+    if args.ssd_bwd:
         try:
-            rows += (part and part()) or []
+            ssd_bwd_compare(args.quick, args.sweep)
         except Exception:
             traceback.print_exc()
+    else:
+        try:
+            ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
+            rows += ssd
+        except Exception:
+            traceback.print_exc()
+        for part in (lambda: ss_rows(args.quick, args.sweep, not args.no_f32), anchor_rows):
+            try:
+                rows += (part and part()) or []
+            except Exception:
+                traceback.print_exc()
     day = datetime.date.today().isoformat()
     doc = {"machine": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "records": RECORDS}
