@@ -95,12 +95,16 @@ def ssd_config(B, L, H, P, N):
 
 def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
     """Backward, split (the default): chunks of 256 like the forward (16 x fewer stored states
-    and cotangents than 32), 64-row blocks, 64-wide P and N blocks, 4 warps.
+    and cotangents than 32), 64-row blocks, 64-wide P and N blocks, 4 warps (sm_90: 138 to
+    180 registers, no spill); float32 (exact dots on CUDA cores) 32-row blocks on 8 warps
+    (64 rows spill).
     Fused (split=0): the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32
     tiles live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255,
     no spill; Q = 64 spills), at the price of stored states and cotangents every 32 steps.
     float32 inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
     if SSD_BWD_SPLIT if split is None else split:
+        if dtype == torch.float32:
+            return SSDBwdConfig(min(256, _p2(L)), 8, 1, 1, 32, 64, 64)
         return SSDBwdConfig(min(256, _p2(L)), 4, 2, 1, 64, 64, 64)
     big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
     return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1, 0)
