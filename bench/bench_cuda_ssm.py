@@ -114,6 +114,27 @@ def import_mamba_ssd(src, paths):
 
 
 # ---- cases ------------------------------------------------------------------------------------
+def kernel_times(fn, reps=3):
+    """The GPU kernels of fn in launch order with their mean times (torch profiler), printed:
+    where a multi-kernel op's time goes (kernels of one name told apart by position)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+        per = len(evs) // reps
+        for i in range(per):
+            us = sum(getattr(evs[i + r * per], "device_time", None)
+                     or getattr(evs[i + r * per], "cuda_time", 0.0) for r in range(reps)) / reps
+            print(f"    kernel {i:2d} {us:9.1f} us  {evs[i].name[:70]}", flush=True)
+    except Exception as exc:  # the profiler is a diagnostic: never fail the bench on it
+        print(f"  kernel times failed: {exc!r}", flush=True)
+
+
 def ssd_bwd_compare(quick, sweep, shape=None):
     """--ssd-bwd: the SSD fwd+bwd target case only, the split backward (default) against the
     fused per-chunk one (split=0) in one process: their gradients compared on the target
@@ -158,7 +179,8 @@ def ssd_bwd_compare(quick, sweep, shape=None):
         rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
             bench(lambda: bwd(bcfg), quick))
     if sweep:       # (q, warps, stages, split, bm, bp, bn)
-        for bcfg in [(256, 8, 2, 1, 64, 64, 64), (256, 4, 3, 1, 64, 64, 64),
+        kernel_times(lambda: bwd(split))
+        for bcfg in [(256, 8, 2, 1, 64, 64, 64), (256, 8, 2, 1, 64, 64, 128),
                      (128, 4, 2, 1, 64, 64, 64)]:
             try:
                 rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,

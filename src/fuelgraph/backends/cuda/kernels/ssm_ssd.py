@@ -18,13 +18,15 @@ Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; th
 weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
 use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 
-Backward, also parallel over chunks (at its own, shorter chunk length): kernel 1; kernel 2
-storing the entering states; kernel 2 in reverse (the state cotangent g_c = exp(Acum_end)
-g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the cotangent at every
-chunk's end and the initial state's); kernel 3 for the ungated y when a gate z is present;
-then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and the partial sums of
-da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed). Partials
-are added by one torch sum (deterministic, no atomics).
+Backward: by default the split kernels of ssm_ssd_bwd (chunks of 256, dx / dB / dC over
+blocks of rows and of P / N; see there). The fused one (config split=0, or
+FUELGRAPH_SSD_BWD=fused), also parallel over chunks (at its own, shorter chunk length):
+kernel 1; kernel 2 storing the entering states; kernel 2 in reverse (the state cotangent
+g_c = exp(Acum_end) g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the
+cotangent at every chunk's end and the initial state's); kernel 3 for the ungated y when a
+gate z is present; then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and
+the partial sums of da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm
+transposed). Partials are added by one torch sum (deterministic, no atomics).
 
 Inputs may be strided along batch, time and head (e.g. B/C groups broadcast over heads with
 stride 0); the last axis must be contiguous."""
