@@ -178,10 +178,11 @@ def ssd_bwd_compare(quick, sweep, shape=None):
             bench(lambda: fb(bcfg), quick))
         rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
             bench(lambda: bwd(bcfg), quick))
-    if sweep:       # (q, warps, stages, split, bm, bp, bn)
+    if sweep:
         kernel_times(lambda: bwd(split))
-        for bcfg in [(256, 8, 2, 1, 64, 64, 64), (256, 8, 2, 1, 64, 64, 128),
-                     (128, 4, 2, 1, 64, 64, 64)]:
+        # (q, warps, stages, split, bm, bp, bn, fac): fac 1 = factored decay off the diagonal
+        for bcfg in [(256, 4, 2, 1, 64, 64, 64, 1), (256, 8, 2, 1, 64, 64, 64, 1),
+                     (256, 8, 2, 1, 64, 64, 64, 0), (128, 4, 2, 1, 64, 64, 64, 0)]:
             try:
                 rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: bwd(bcfg), quick))

@@ -140,6 +140,26 @@ def test_ssd_chunk_256(dt):
           dict(dt_softplus=True))
 
 
+@pytest.mark.parametrize("fac", [0, 1], ids=["exact", "factored"])
+@pytest.mark.parametrize("sign", [-1, 1], ids=["decay", "growth"])
+def test_ssd_backward_split_decay_weights(sign, fac):
+    """The split backward weighs the blocks off the diagonal by a row and a column factor
+    (fac=1) where the decay never rises within a chunk, else exactly; a > 0 (a growing state,
+    dt' a > 0) takes the exact path: gradients against the float64 reference either way,
+    several row blocks a chunk, two chunks with a padded tail."""
+    shape = (1, 200, 2, 32, 16) if HAS_CUDA else (1, 37, 2, 4, 5)
+    inputs = ssd_inputs(*shape, fg.float32, d="h", bias=True)
+    if sign > 0:                          # ssd_inputs: a < 0
+        inputs["a"] = -0.2 * inputs["a"]
+    kw = dict(chunk_size=1, dt_softplus=False, has_d=True, has_z=False, has_dt_bias=True,
+              has_initial_states=False)
+    q, bm = (128, 32) if HAS_CUDA else (32, 8)
+    bcfg = KD.SSDBwdConfig(q=q, warps=4, stages=1, split=1, bm=bm, bp=64, bn=64, fac=fac)
+    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg),
+          fg.float32, dict(dt_softplus=False))
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="strided inputs: GPU shapes")
 def test_ssd_groups_broadcast_over_heads():
     """b and c with one group expanded over the heads (stride 0) give the results of their
@@ -201,9 +221,10 @@ def test_ssd_heads_share_b_c(dt, cb):
     kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
               has_initial_states=False)
     cfg, bcfg = KD.ssd_config(B, L, H, P, N)._replace(cb=cb), None
-    if not HAS_CUDA:        # 3 chunks, 2 row blocks each
-        cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
-        bcfg = KD.SSDBwdConfig(q=16, warps=1, stages=1, bm=8, bp=2, bn=4)
+    if not HAS_CUDA:        # 2 chunks, 4 row blocks each
+        cfg = KD.SSDConfig(q=32, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
+        # the backward's decay weights exact (cb=1) and factored off the diagonal (cb=2)
+        bcfg = KD.SSDBwdConfig(q=32, warps=1, stages=1, bm=8, bp=2, bn=4, fac=cb - 1)
 
     def shared(ts):          # b, c as one head expanded (stride 0)
         ts = list(ts)

@@ -63,9 +63,10 @@ SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages c
                        defaults=(8, 3, 2))
 #: backward: chunk length, warps, pipeline stages; split: 1 runs the split kernels of
 #: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
-#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused")
-SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn",
-                          defaults=(None, 64, 64, 64))
+#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused"); fac: 1 weighs the split
+#: kernels' blocks off the diagonal by a row and a column factor (not an exp an entry)
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn fac",
+                          defaults=(None, 64, 64, 64, 0))
 SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "split") != "fused"
 
 

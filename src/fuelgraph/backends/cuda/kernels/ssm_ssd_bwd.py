@@ -30,6 +30,47 @@ from .ssm import sigmoid_f32
 
 
 @triton.jit
+def _rows_block(acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref,
+                Q: tl.constexpr, HAS_CB: tl.constexpr, REV: tl.constexpr,
+                FACT: tl.constexpr, PREC: tl.constexpr, op_t: tl.constexpr):
+    """acc + (S o weights) W over the columns k0 + [0, BK) of the rows kernel: S = U V^T (or
+    C B^T read from cb, transposed), W [BK, BO]; weights Lm[t, s] (REV: rows s, columns t;
+    else rows t, columns s, times dt_s), zero outside t >= s, one exp an entry; FACT: a block
+    off the diagonal with only the column factor exp(+-(Acum_col - ac_ref)) (the caller
+    multiplies the rows by theirs)."""
+    t = k0 + offs_k
+    kmask = t < cend
+    ac_k = tl.load(acum_ptr + row + t, mask=kmask, other=0.0)
+    if HAS_CB:
+        # cb rows are the chunk's t (here the columns), its columns s (here the rows)
+        S = tl.load(cb_ptr + ((bi * NC + ci) * Q + (t - c0))[None, :] * Q
+                    + (offs_m - c0)[:, None]).to(tl.float32)
+    else:
+        V = tl.load(v_base + t[:, None] * sv_l + offs_u[None, :],
+                    mask=kmask[:, None] & umask[None, :], other=0.0).to(op_t)
+        S = tl.dot(U, tl.trans(V), input_precision=PREC)
+    if FACT:
+        if REV:
+            e_k = tl.where(kmask, tl.exp(ac_k - ac_ref), 0.0)
+        else:
+            e_k = tl.where(kmask, tl.exp(ac_ref - ac_k), 0.0) * \
+                tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
+        S = S * e_k[None, :]
+    elif REV:
+        valid = (t[None, :] >= offs_m[:, None]) & kmask[None, :]
+        S = S * tl.exp(tl.where(valid, ac_k[None, :] - ac_m[:, None], float("-inf")))
+    else:
+        valid = (offs_m[:, None] >= t[None, :]) & kmask[None, :]
+        dtp_k = tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
+        S = S * tl.exp(tl.where(valid, ac_m[:, None] - ac_k[None, :], float("-inf"))) \
+            * dtp_k[None, :]
+    Wk = tl.load(w_base + t[:, None] * sw_l + offs_o[None, :],
+                 mask=kmask[:, None] & omask[None, :], other=0.0).to(op_t)
+    return tl.dot(S.to(op_t), Wk, acc, input_precision=PREC)
+
+
+@triton.jit
 def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsum_ptr,
                          acum_ptr, dtp_ptr, d_ptr, dd_ptr, st_ptr, hl_ptr, dtot_ptr,
                          L, H, P, K, O, NC, S_MC,
@@ -38,7 +79,7 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
                          Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                          BKU: tl.constexpr, BO: tl.constexpr, KIND: tl.constexpr,
                          HAS_CB: tl.constexpr, HAS_D: tl.constexpr, D_PER_P: tl.constexpr,
-                         PREC: tl.constexpr, OP_T: tl.constexpr):
+                         PREC: tl.constexpr, OP_T: tl.constexpr, FACTOR: tl.constexpr = False):
     """One block of BM rows of one chunk (batch, chunk, head, rows; program axis 1: block of
     the output's last axis O), inputs [B, L, H, *] with strides (batch, time, head):
       acc_i = coef_i (U_i M)_o + sum_j (U_i . V_j) dec[i, j] W_j,o
@@ -49,7 +90,8 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     rsum [O blocks, B H, L] gets R . acc (dx) or -R . out (dB) or R . out (dC); dx also writes
     the partial dd sums (GY . x over its rows, [B H, NC * Q / BM, P]), and dB's first row
     block sum(h_out o Dst) of its N block ([B H, NC, N blocks]; h_out = st of the next
-    chunk, or hl after the last). HAS_CB (dx): C B^T read from cb [B, NC, Q, Q]."""
+    chunk, or hl after the last). HAS_CB (dx): C B^T read from cb [B, NC, Q, Q]. FACTOR:
+    the decay of blocks off the diagonal as a row and a column factor (see below)."""
     NM: tl.constexpr = Q // BM
     REV: tl.constexpr = KIND != 2
     pid = tl.program_id(0).to(tl.int64)
@@ -102,29 +144,53 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
         lo = c0
         hi_t = tl.minimum(m0 + BM, cend)
     acc = tl.dot(U, Mt.to(op_t), input_precision=PREC) * coef[:, None]
-    for k0 in range(lo, hi_t, BK):
-        t = k0 + offs_k
-        kmask = t < cend
-        ac_k = tl.load(acum_ptr + row + t, mask=kmask, other=0.0)
-        if HAS_CB:
-            # cb rows are the chunk's t (here the columns), its columns s (here the rows)
-            S = tl.load(cb_ptr + ((bi * NC + ci) * Q + (t - c0))[None, :] * Q
-                        + (offs_m - c0)[:, None]).to(tl.float32)
+    if FACTOR:
+        # blocks off the diagonal: Lm[t, s] = exp(Acum_t - Acum_ref) exp(Acum_ref - Acum_s),
+        # one factor a column, one a row (ref: the row block's edge next to the columns),
+        # instead of an exp an entry; both factors are <= 1 where Acum never rises within
+        # the chunk (dt' a <= 0), which this program checks (else: the exact weights)
+        offs_q = c0 + tl.arange(0, Q)
+        qm = offs_q + 1 < cend
+        rise = tl.load(acum_ptr + row + offs_q + 1, mask=qm, other=0.0) - \
+            tl.load(acum_ptr + row + offs_q, mask=qm, other=0.0)
+        fast = tl.max(rise, 0) <= 0.0
+        if REV:        # the diagonal block first, then the later ones
+            ac_ref = tl.load(acum_ptr + row + tl.minimum(m0 + BM, cend) - 1)
+            g_m = tl.where(mmask, tl.exp(ac_ref - ac_m), 0.0)
+            d_lo = m0
+            o_lo = m0 + BM
+            o_hi = cend
+        else:          # the earlier blocks, then the diagonal one
+            ac_ref = tl.load(acum_ptr + row + tl.minimum(m0, cend - 1))
+            g_m = tl.where(mmask, tl.exp(ac_m - ac_ref), 0.0)
+            d_lo = m0
+            o_lo = c0
+            o_hi = m0
+        if fast:
+            acc_f = tl.zeros((BM, BO), tl.float32)
+            for k0 in range(o_lo, o_hi, BK):
+                acc_f = _rows_block(
+                    acc_f, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                    acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
+                    HAS_CB, REV, True, PREC, op_t)
+            acc += acc_f * g_m[:, None]
         else:
-            V = tl.load(v_base + t[:, None] * sv_l + offs_u[None, :],
-                        mask=kmask[:, None] & umask[None, :], other=0.0).to(op_t)
-            S = tl.dot(U, tl.trans(V), input_precision=PREC)
-        if REV:
-            valid = (t[None, :] >= offs_m[:, None]) & kmask[None, :]
-            S = S * tl.exp(tl.where(valid, ac_k[None, :] - ac_m[:, None], float("-inf")))
-        else:
-            valid = (offs_m[:, None] >= t[None, :]) & kmask[None, :]
-            dtp_k = tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
-            S = S * tl.exp(tl.where(valid, ac_m[:, None] - ac_k[None, :], float("-inf"))) \
-                * dtp_k[None, :]
-        Wk = tl.load(w_base + t[:, None] * sw_l + offs_o[None, :],
-                     mask=kmask[:, None] & omask[None, :], other=0.0).to(op_t)
-        acc = tl.dot(S.to(op_t), Wk, acc, input_precision=PREC)
+            for k0 in range(o_lo, o_hi, BK):
+                acc = _rows_block(
+                    acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                    acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
+                    HAS_CB, REV, False, PREC, op_t)
+        for k0 in range(d_lo, tl.minimum(m0 + BM, cend), BK):
+            acc = _rows_block(
+                acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
+                HAS_CB, REV, False, PREC, op_t)
+    else:
+        for k0 in range(lo, hi_t, BK):
+            acc = _rows_block(
+                acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, 0.0, Q,
+                HAS_CB, REV, False, PREC, op_t)
     mo2 = mmask[:, None] & omask[None, :]
     R = tl.load(r_ptr + bi * sr_b + hi * sr_h + offs_m[:, None] * sr_l + offs_o[None, :],
                 mask=mo2, other=0.0).to(tl.float32)
@@ -209,6 +275,7 @@ def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, d
         *KD._strides3(u), *KD._strides3(v), *KD._strides3(w), *KD._strides3(r), sm_k, sm_o,
         Q=Q, BM=bm, BK=bm, BKU=KD._p2(K), BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=has_d,
         D_PER_P=has_d and d.dim() == 2, PREC=KD.F32_DOT, OP_T=KD._op_type(out.dtype),
+        FACTOR=bool(cfg.fac),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
