@@ -264,6 +264,8 @@ def _ssd_bwd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, ddtx_ptr, dacc_ptr, dto
 
 def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, dtot, NC, Q,
                  cfg, has_cb=False, has_d=False):
+    """One rows kernel (kind 0 dx, 1 dB, 2 dC) over (B H NC row blocks, O blocks); out
+    [B, L, H, O], st [B H, NC, P, N] gives P and N."""
     B, L, H = out.shape[:3]
     P, N = st.shape[2], st.shape[3]
     K, O = (N, P) if kind == 0 else (P, N)
