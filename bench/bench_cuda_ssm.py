@@ -182,7 +182,7 @@ def ssd_bwd_compare(quick, sweep, shape=None):
         kernel_times(lambda: bwd(split))
         # (q, warps, stages, split, bm, bp, bn, fac): fac 1 = factored decay off the diagonal
         for bcfg in [(256, 4, 2, 1, 64, 64, 64, 1), (256, 8, 2, 1, 64, 64, 64, 1),
-                     (256, 8, 2, 1, 64, 64, 64, 0), (128, 4, 2, 1, 64, 64, 64, 0)]:
+                     (256, 8, 2, 1, 64, 64, 128, 1), (128, 4, 2, 1, 64, 64, 64, 1)]:
             try:
                 rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: bwd(bcfg), quick))
