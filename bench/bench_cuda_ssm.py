@@ -135,10 +135,11 @@ def kernel_times(fn, reps=3):
         print(f"  kernel times failed: {exc!r}", flush=True)
 
 
-def ssd_bwd_compare(quick, sweep, shape=None):
+def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None):
     """--ssd-bwd: the SSD fwd+bwd target case only, the split backward (default) against the
-    fused per-chunk one (split=0) in one process: their gradients compared on the target
-    shape, then fwd+bwd and bwd-alone times, and (--sweep) a few split launch configs."""
+    fused per-chunk one (split=0; not with fused_too False) in one process: their gradients
+    compared on the target shape, then fwd+bwd and bwd-alone times, and (--sweep) the split
+    backward's kernels and a few launch configs (configs: a list of SSDBwdConfig tuples)."""
     B, L, H, P, N, Q = shape or ((1, 1024, 80, 64, 128, 256) if quick
                                  else (4, 4096, 80, 64, 128, 256))
     dt_ = torch.bfloat16
@@ -164,7 +165,7 @@ def ssd_bwd_compare(quick, sweep, shape=None):
         KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw)
         return bwd(bcfg)
     print(f"  ssd backward configs: split {tuple(split)}, fused {tuple(fused)}", flush=True)
-    new, old = bwd(split), bwd(fused)
+    new, old = bwd(split), (bwd(fused) if fused_too else ())
     for name, gn, go in zip(("x", "dt", "a", "b", "c", "dt_bias"), new, old):
         gn, go = gn.float(), go.float()
         err = ((gn - go).abs().max() / go.abs().max().clamp_min(1e-30)).item()
@@ -173,7 +174,7 @@ def ssd_bwd_compare(quick, sweep, shape=None):
     del new, old
     rec("ssd_chunk_scan", "fuelgraph", shape, dt_,
         bench(lambda: KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw), quick))
-    for label, bcfg in (("split", split), ("fused", fused)):
+    for label, bcfg in (("split", split), ("fused", fused))[:2 if fused_too else 1]:
         rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{label}]", shape, dt_,
             bench(lambda: fb(bcfg), quick))
         rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
@@ -181,8 +182,8 @@ def ssd_bwd_compare(quick, sweep, shape=None):
     if sweep:
         kernel_times(lambda: bwd(split))
         # (q, warps, stages, split, bm, bp, bn, fac): fac 1 = factored decay off the diagonal
-        for bcfg in [(256, 4, 2, 1, 64, 64, 64, 1), (256, 8, 2, 1, 64, 64, 64, 1),
-                     (256, 8, 2, 1, 64, 64, 128, 1), (128, 4, 2, 1, 64, 64, 64, 1)]:
+        for bcfg in configs or [(256, 4, 2, 1, 64, 64, 64, 1), (256, 8, 2, 1, 64, 64, 64, 1),
+                                (256, 8, 2, 1, 64, 64, 128, 1), (128, 4, 2, 1, 64, 64, 64, 1)]:
             try:
                 rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: bwd(bcfg), quick))
@@ -385,6 +386,9 @@ def main():
                     help="skip the float32 selective-scan rows (slow torch reference loops)")
     ap.add_argument("--ssd-bwd", action="store_true",
                     help="only the SSD fwd+bwd case: split against fused backward")
+    ap.add_argument("--no-fused", action="store_true", help="--ssd-bwd without the fused one")
+    ap.add_argument("--bwd-configs", default=None,
+                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn,fac;...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     if args.out:
@@ -394,7 +398,9 @@ def main():
     rows, anchor_rows = [], None
     if args.ssd_bwd:
         try:
-            ssd_bwd_compare(args.quick, args.sweep)
+            cfgs = args.bwd_configs and [tuple(int(v) for v in c.split(","))
+                                         for c in args.bwd_configs.split(";")]
+            ssd_bwd_compare(args.quick, args.sweep, fused_too=not args.no_fused, configs=cfgs)
         except Exception:
             traceback.print_exc()
     else:

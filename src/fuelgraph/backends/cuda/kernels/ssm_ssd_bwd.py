@@ -126,14 +126,21 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     mo_mask = umask[:, None] & omask[None, :]
     Mt = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + mo_off, mask=mo_mask, other=0.0)
     if KIND == 1:
-        if pid_m == 0:       # here, so that Mt is dead after the first dot
+        if pid_m == 0:       # in slabs of 16 rows of P: few registers
             nxt = ci + 1 < NC
-            h_out = tl.load(st_ptr + (pid_bh * NC + ci + 1) * S_MC + mo_off,
-                            mask=mo_mask & nxt, other=0.0).to(tl.float32)
-            h_out += tl.load(hl_ptr + pid_bh * S_MC + mo_off, mask=mo_mask & (ci + 1 == NC),
-                             other=0.0).to(tl.float32)
-            tl.store(dtot_ptr + (pid_bh * NC + ci) * tl.num_programs(1) + pid_o,
-                     tl.sum(tl.sum(h_out * Mt.to(tl.float32), 1), 0))
+            tot = 0.0
+            for p0 in range(0, K, 16):
+                offs_s = p0 + tl.arange(0, 16)
+                s_off = offs_s[:, None] * sm_k + offs_o[None, :] * sm_o
+                s_mask = (offs_s < K)[:, None] & omask[None, :]
+                h_out = tl.load(st_ptr + (pid_bh * NC + ci + 1) * S_MC + s_off,
+                                mask=s_mask & nxt, other=0.0).to(tl.float32)
+                h_out += tl.load(hl_ptr + pid_bh * S_MC + s_off, mask=s_mask & (ci + 1 == NC),
+                                 other=0.0).to(tl.float32)
+                dslab = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
+                                other=0.0).to(tl.float32)
+                tot += tl.sum(tl.sum(h_out * dslab, 1), 0)
+            tl.store(dtot_ptr + (pid_bh * NC + ci) * tl.num_programs(1) + pid_o, tot)
     if REV:
         total = tl.load(acum_ptr + row + cend - 1)
         coef = tl.where(mmask, tl.exp(total - ac_m), 0.0)
