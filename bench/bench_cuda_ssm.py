@@ -181,9 +181,9 @@ def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None):
             bench(lambda: bwd(bcfg), quick))
     if sweep:
         kernel_times(lambda: bwd(split))
-        # (q, warps, stages, split, bm, bp, bn, fac): fac 1 = factored decay off the diagonal
-        for bcfg in configs or [(256, 4, 2, 1, 64, 64, 64, 1), (256, 8, 2, 1, 64, 64, 64, 1),
-                                (256, 8, 2, 1, 64, 64, 128, 1), (128, 4, 2, 1, 64, 64, 64, 1)]:
+        # (q, warps, stages, split, bm, bp, bn)
+        for bcfg in configs or [(256, 4, 2, 1, 64, 64, 128), (128, 4, 2, 1, 64, 64, 64),
+                                (128, 4, 3, 1, 64, 64, 128)]:
             try:
                 rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: bwd(bcfg), quick))
@@ -388,7 +388,7 @@ def main():
                     help="only the SSD fwd+bwd case: split against fused backward")
     ap.add_argument("--no-fused", action="store_true", help="--ssd-bwd without the fused one")
     ap.add_argument("--bwd-configs", default=None,
-                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn,fac;...'")
+                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn;...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     if args.out:

@@ -140,13 +140,11 @@ def test_ssd_chunk_256(dt):
           dict(dt_softplus=True))
 
 
-@pytest.mark.parametrize("fac", [0, 1], ids=["exact", "factored"])
 @pytest.mark.parametrize("sign", [-1, 1], ids=["decay", "growth"])
-def test_ssd_backward_split_decay_weights(sign, fac):
-    """The split backward weighs the blocks off the diagonal by a row and a column factor
-    (fac=1) where the decay never rises within a chunk, else exactly; a > 0 (a growing state,
-    dt' a > 0) takes the exact path: gradients against the float64 reference either way,
-    several row blocks a chunk, two chunks with a padded tail."""
+def test_ssd_backward_split_rows(sign):
+    """The split backward with several row blocks a chunk and two chunks with a padded tail,
+    a decaying and a growing state (a > 0: dt' a > 0): gradients against the float64
+    reference."""
     shape = (1, 200, 2, 32, 16) if HAS_CUDA else (1, 37, 2, 4, 5)
     inputs = ssd_inputs(*shape, fg.float32, d="h", bias=True)
     if sign > 0:                          # ssd_inputs: a < 0
@@ -154,7 +152,7 @@ def test_ssd_backward_split_decay_weights(sign, fac):
     kw = dict(chunk_size=1, dt_softplus=False, has_d=True, has_z=False, has_dt_bias=True,
               has_initial_states=False)
     q, bm = (128, 32) if HAS_CUDA else (32, 8)
-    bcfg = KD.SSDBwdConfig(q=q, warps=4, stages=1, split=1, bm=bm, bp=64, bn=64, fac=fac)
+    bcfg = KD.SSDBwdConfig(q=q, warps=4, stages=1, split=1, bm=bm, bp=64, bn=64)
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg),
           fg.float32, dict(dt_softplus=False))
@@ -223,8 +221,7 @@ def test_ssd_heads_share_b_c(dt, cb):
     cfg, bcfg = KD.ssd_config(B, L, H, P, N)._replace(cb=cb), None
     if not HAS_CUDA:        # 2 chunks, 4 row blocks each
         cfg = KD.SSDConfig(q=32, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
-        # the backward's decay weights exact (cb=1) and factored off the diagonal (cb=2)
-        bcfg = KD.SSDBwdConfig(q=32, warps=1, stages=1, bm=8, bp=2, bn=4, fac=cb - 1)
+        bcfg = KD.SSDBwdConfig(q=32, warps=1, stages=1, bm=8, bp=2, bn=4)
 
     def shared(ts):          # b, c as one head expanded (stride 0)
         ts = list(ts)

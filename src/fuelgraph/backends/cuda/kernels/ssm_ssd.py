@@ -63,10 +63,11 @@ SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages c
                        defaults=(8, 3, 2))
 #: backward: chunk length, warps, pipeline stages; split: 1 runs the split kernels of
 #: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
-#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused"); fac: 1 weighs the split
-#: kernels' blocks off the diagonal by a row and a column factor (not an exp an entry)
-SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn fac",
-                          defaults=(None, 64, 64, 64, 0))
+#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused"); zcb: with b and c shared by the
+#: heads, 1 has dB and dC sum their decay terms for the Acum gradient from the shared C B^T
+#: (float32 cancellation, as the fused kernel; ~40% more loop instructions), 0 from R . out
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn zcb",
+                          defaults=(None, 64, 64, 64, 1))
 SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "split") != "fused"
 
 
@@ -99,11 +100,13 @@ def ssd_config(B, L, H, P, N):
 def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
     """Backward, split (the default): chunks of 128, 64-row blocks, dx over 64-wide P blocks,
     dB and dC over all N = 128 at once (one program computes the [64, 64] decay-weighted
-    products for all of N: ~240 registers, no spill on sm_90), 4 warps. H200, B4 L4096 H80
+    products for all of N: ~240 registers, no spill on sm_90; 255 with zcb, 8 bytes of
+    spill), 4 warps. H200, B4 L4096 H80
     P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256 3.48 ms
     (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
-    twice the programs), chunk 128 3.20 ms (with fac=1; fac=1 alone: 3.56, no gain), 8 warps
-    6.44 ms (8 warps, N at once: 4.45). float32 (exact dots on CUDA cores) 32-row blocks on 8
+    twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
+    weighing the blocks off the diagonal by a row and a column factor instead of an exp an
+    entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores) 32-row blocks on 8
     warps (64 rows spill).
     Fused (split=0): the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32
     tiles live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255,

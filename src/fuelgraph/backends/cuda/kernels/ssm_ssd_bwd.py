@@ -16,8 +16,11 @@ C . dC. The gradient of the within-chunk cumulative sum Acum_t is exactly C_t . 
 B_t . dB_t (the decay terms, each pair (t, s) entering once with + at t and - at s), plus
 sum(h_out o Dst) at the chunk's last step; a small kernel takes suffix sums of it per chunk
 and finishes ddt, and the partial sums of da and ddt_bias. When b and c are one group
-broadcast over the heads, C B^T of each chunk is formed once (the forward's kernel) and the dx
-programs read it. The states entering the chunks and the cotangents at their ends come from
+broadcast over the heads, C B^T of each chunk is formed once (the forward's kernel): the dx
+programs read it, and dB and dC form the decay terms' share of B . dB and C . dC from it in
+float32 (config zcb), so that the pairs within a suffix cancel as in exact arithmetic (from
+the 16-bit dot results they cancel only to bf16 rounding, which the suffix sums of a long
+chunk add up in da and ddt_bias). The states entering the chunks and the cotangents at their ends come from
 the forward's state walk and its reverse, at the same chunk length."""
 from __future__ import annotations
 
@@ -30,34 +33,27 @@ from .ssm import sigmoid_f32
 
 
 @triton.jit
-def _rows_block(acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref,
-                Q: tl.constexpr, HAS_CB: tl.constexpr, REV: tl.constexpr,
-                FACT: tl.constexpr, PREC: tl.constexpr, op_t: tl.constexpr):
-    """acc + (S o weights) W over the columns k0 + [0, BK) of the rows kernel: S = U V^T (or
-    C B^T read from cb, transposed), W [BK, BO]; weights Lm[t, s] (REV: rows s, columns t;
-    else rows t, columns s, times dt_s), zero outside t >= s, one exp an entry; FACT: a block
-    off the diagonal with only the column factor exp(+-(Acum_col - ac_ref)) (the caller
-    multiplies the rows by theirs)."""
+def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask,
+                Q: tl.constexpr, CB_S: tl.constexpr, CB_Z: tl.constexpr, REV: tl.constexpr,
+                PREC: tl.constexpr, op_t: tl.constexpr):
+    """(acc + (S o weights) W, z + row sums of (S o weights o C B^T)) over the columns
+    k0 + [0, BK) of the rows kernel: S = U V^T (CB_S: C B^T read from cb instead), W [BK, BO];
+    weights Lm[t, s] (REV: rows s, columns t; else rows t, columns s, times dt_s), zero
+    outside t >= s. CB_Z: z gets the decay-weighted products times C B^T from cb (rows of
+    Zm[t, s] = (GY_t . x_s) C_t . B_s Lm[t, s] dt_s for dC, columns over dt_s for dB)."""
     t = k0 + offs_k
     kmask = t < cend
     ac_k = tl.load(acum_ptr + row + t, mask=kmask, other=0.0)
-    if HAS_CB:
+    cb_base = cb_ptr + (bi * NC + ci) * Q * Q
+    if CB_S:
         # cb rows are the chunk's t (here the columns), its columns s (here the rows)
-        S = tl.load(cb_ptr + ((bi * NC + ci) * Q + (t - c0))[None, :] * Q
-                    + (offs_m - c0)[:, None]).to(tl.float32)
+        S = tl.load(cb_base + (t - c0)[None, :] * Q + (offs_m - c0)[:, None]).to(tl.float32)
     else:
         V = tl.load(v_base + t[:, None] * sv_l + offs_u[None, :],
                     mask=kmask[:, None] & umask[None, :], other=0.0).to(op_t)
         S = tl.dot(U, tl.trans(V), input_precision=PREC)
-    if FACT:
-        if REV:
-            e_k = tl.where(kmask, tl.exp(ac_k - ac_ref), 0.0)
-        else:
-            e_k = tl.where(kmask, tl.exp(ac_ref - ac_k), 0.0) * \
-                tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
-        S = S * e_k[None, :]
-    elif REV:
+    if REV:
         valid = (t[None, :] >= offs_m[:, None]) & kmask[None, :]
         S = S * tl.exp(tl.where(valid, ac_k[None, :] - ac_m[:, None], float("-inf")))
     else:
@@ -65,9 +61,15 @@ def _rows_block(acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, 
         dtp_k = tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
         S = S * tl.exp(tl.where(valid, ac_m[:, None] - ac_k[None, :], float("-inf"))) \
             * dtp_k[None, :]
+    if CB_Z:
+        if REV:
+            CB = tl.load(cb_base + (t - c0)[None, :] * Q + (offs_m - c0)[:, None])
+        else:
+            CB = tl.load(cb_base + (offs_m - c0)[:, None] * Q + (t - c0)[None, :])
+        z += tl.sum(S * CB.to(tl.float32), 1)
     Wk = tl.load(w_base + t[:, None] * sw_l + offs_o[None, :],
                  mask=kmask[:, None] & omask[None, :], other=0.0).to(op_t)
-    return tl.dot(S.to(op_t), Wk, acc, input_precision=PREC)
+    return tl.dot(S.to(op_t), Wk, acc, input_precision=PREC), z
 
 
 @triton.jit
@@ -79,7 +81,7 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
                          Q: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                          BKU: tl.constexpr, BO: tl.constexpr, KIND: tl.constexpr,
                          HAS_CB: tl.constexpr, HAS_D: tl.constexpr, D_PER_P: tl.constexpr,
-                         PREC: tl.constexpr, OP_T: tl.constexpr, FACTOR: tl.constexpr = False):
+                         PREC: tl.constexpr, OP_T: tl.constexpr):
     """One block of BM rows of one chunk (batch, chunk, head, rows; program axis 1: block of
     the output's last axis O), inputs [B, L, H, *] with strides (batch, time, head):
       acc_i = coef_i (U_i M)_o + sum_j (U_i . V_j) dec[i, j] W_j,o
@@ -90,8 +92,10 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     rsum [O blocks, B H, L] gets R . acc (dx) or -R . out (dB) or R . out (dC); dx also writes
     the partial dd sums (GY . x over its rows, [B H, NC * Q / BM, P]), and dB's first row
     block sum(h_out o Dst) of its N block ([B H, NC, N blocks]; h_out = st of the next
-    chunk, or hl after the last). HAS_CB (dx): C B^T read from cb [B, NC, Q, Q]. FACTOR:
-    the decay of blocks off the diagonal as a row and a column factor (see below)."""
+    chunk, or hl after the last). HAS_CB (b and c shared by the heads): C B^T of the chunk
+    in cb [B, NC, Q, Q]; dx reads it for U V^T, dB and dC the decay terms' share of their
+    R . out sums from it (the pairs of the chunk then cancel in the Acum gradient's suffix
+    sums at float32 rounding)."""
     NM: tl.constexpr = Q // BM
     REV: tl.constexpr = KIND != 2
     pid = tl.program_id(0).to(tl.int64)
@@ -151,64 +155,40 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
         lo = c0
         hi_t = tl.minimum(m0 + BM, cend)
     acc = tl.dot(U, Mt.to(op_t), input_precision=PREC) * coef[:, None]
-    if FACTOR:
-        # blocks off the diagonal: Lm[t, s] = exp(Acum_t - Acum_ref) exp(Acum_ref - Acum_s),
-        # one factor a column, one a row (ref: the row block's edge next to the columns),
-        # instead of an exp an entry; both factors are <= 1 where Acum never rises within
-        # the chunk (dt' a <= 0), which this program checks (else: the exact weights)
-        offs_q = c0 + tl.arange(0, Q)
-        qm = offs_q + 1 < cend
-        rise = tl.load(acum_ptr + row + offs_q + 1, mask=qm, other=0.0) - \
-            tl.load(acum_ptr + row + offs_q, mask=qm, other=0.0)
-        fast = tl.max(rise, 0) <= 0.0
-        if REV:        # the diagonal block first, then the later ones
-            ac_ref = tl.load(acum_ptr + row + tl.minimum(m0 + BM, cend) - 1)
-            g_m = tl.where(mmask, tl.exp(ac_ref - ac_m), 0.0)
-            d_lo = m0
-            o_lo = m0 + BM
-            o_hi = cend
-        else:          # the earlier blocks, then the diagonal one
-            ac_ref = tl.load(acum_ptr + row + tl.minimum(m0, cend - 1))
-            g_m = tl.where(mmask, tl.exp(ac_m - ac_ref), 0.0)
-            d_lo = m0
-            o_lo = c0
-            o_hi = m0
-        if fast:
-            acc_f = tl.zeros((BM, BO), tl.float32)
-            for k0 in range(o_lo, o_hi, BK):
-                acc_f = _rows_block(
-                    acc_f, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                    acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
-                    HAS_CB, REV, True, PREC, op_t)
-            acc += acc_f * g_m[:, None]
-        else:
-            for k0 in range(o_lo, o_hi, BK):
-                acc = _rows_block(
-                    acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                    acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
-                    HAS_CB, REV, False, PREC, op_t)
-        for k0 in range(d_lo, tl.minimum(m0 + BM, cend), BK):
-            acc = _rows_block(
-                acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, ac_ref, Q,
-                HAS_CB, REV, False, PREC, op_t)
-    else:
-        for k0 in range(lo, hi_t, BK):
-            acc = _rows_block(
-                acc, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, 0.0, Q,
-                HAS_CB, REV, False, PREC, op_t)
     mo2 = mmask[:, None] & omask[None, :]
-    R = tl.load(r_ptr + bi * sr_b + hi * sr_h + offs_m[:, None] * sr_l + offs_o[None, :],
-                mask=mo2, other=0.0).to(tl.float32)
+    r_off = bi * sr_b + hi * sr_h + offs_m[:, None] * sr_l + offs_o[None, :]
+    CB_S: tl.constexpr = HAS_CB and KIND == 0
+    CB_Z: tl.constexpr = HAS_CB and KIND != 0
+    z = tl.zeros((BM,), tl.float32)
+    if CB_Z:
+        # the state term's share of R . out now (R: b for dB, c for dC); the decay terms'
+        # share from the products themselves (z, by the first O block only), so that the
+        # pairs (t, s) of a chunk cancel in the suffix sums of the Acum gradient at float32
+        # rounding (not at that of the dots' 16-bit operands)
+        z_state = tl.sum(tl.load(r_ptr + r_off, mask=mo2, other=0.0).to(tl.float32) * acc, 1)
+    for k0 in range(lo, hi_t, BK):
+        acc, z = _rows_block(
+            acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
+            acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, Q, CB_S, CB_Z,
+            REV, PREC, op_t)
+    if CB_Z:
+        z = z_state + tl.where(pid_o == 0, z, 0.0)
+    else:
+        R = tl.load(r_ptr + r_off, mask=mo2, other=0.0).to(tl.float32)
     if KIND == 2:
         out = acc
-        rs = tl.sum(R * out, 1)
+        if CB_Z:
+            rs = z
+        else:
+            rs = tl.sum(R * out, 1)
     else:
         dtp_m = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
         out = acc * dtp_m[:, None]
         if KIND == 1:
-            rs = -tl.sum(R * out, 1)
+            if CB_Z:
+                rs = -z * dtp_m
+            else:
+                rs = -tl.sum(R * out, 1)
         else:
             rs = tl.sum(R * acc, 1)
             if HAS_D:
@@ -284,7 +264,6 @@ def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, d
         *KD._strides3(u), *KD._strides3(v), *KD._strides3(w), *KD._strides3(r), sm_k, sm_o,
         Q=Q, BM=bm, BK=bm, BKU=KD._p2(K), BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=has_d,
         D_PER_P=has_d and d.dim() == 2, PREC=KD.F32_DOT, OP_T=KD._op_type(out.dtype),
-        FACTOR=bool(cfg.fac),
         num_warps=cfg.warps, num_stages=cfg.stages)
 
 
@@ -337,10 +316,10 @@ def ssd_backward_split(x, dt, a, b, c, d, z, bias, h0, gy, gl, *, dt_softplus, h
     dd_p = torch.zeros((BH, NC * NM, P) if has_d else (1, 1, P), **f32)
     _launch_rows(0, b, c, gyg, dst, x, cb, dx, ddtx, acum, dtp, d, dd_p, st, hl, dtot, NC, Q,
                  cfg, has_cb=has_cb, has_d=has_d)
-    _launch_rows(1, x, gyg, c, dst, b, x, db, dacc[nnb:], acum, dtp, d, dd_p, st, hl, dtot,
-                 NC, Q, cfg)
-    _launch_rows(2, gyg, x, b, st, c, x, dc, dacc[:nnb], acum, dtp, d, dd_p, st, hl, dtot,
-                 NC, Q, cfg)
+    _launch_rows(1, x, gyg, c, dst, b, cb, db, dacc[nnb:], acum, dtp, d, dd_p, st, hl, dtot,
+                 NC, Q, cfg, has_cb=has_cb and bool(cfg.zcb))
+    _launch_rows(2, gyg, x, b, st, c, cb, dc, dacc[:nnb], acum, dtp, d, dd_p, st, hl, dtot,
+                 NC, Q, cfg, has_cb=has_cb and bool(cfg.zcb))
     ddt = torch.empty((B, L, H), dtype=dtype, device=dev)
     da_p, dbias_p = torch.empty((BH, NC), **f32), torch.empty((BH, NC), **f32)
     _ssd_bwd_dt_kernel[(BH * NC,)](
