@@ -106,8 +106,8 @@ def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
     (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
     twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
     weighing the blocks off the diagonal by a row and a column factor instead of an exp an
-    entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores) 32-row blocks on 8
-    warps (64 rows spill).
+    entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores)
+    32-row blocks on 8 warps (64 rows spill).
     Fused (split=0): the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32
     tiles live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255,
     no spill; Q = 64 spills), at the price of stored states and cotangents every 32 steps.

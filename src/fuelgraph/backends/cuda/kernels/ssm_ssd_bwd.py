@@ -20,8 +20,8 @@ broadcast over the heads, C B^T of each chunk is formed once (the forward's kern
 programs read it, and dB and dC form the decay terms' share of B . dB and C . dC from it in
 float32 (config zcb), so that the pairs within a suffix cancel as in exact arithmetic (from
 the 16-bit dot results they cancel only to bf16 rounding, which the suffix sums of a long
-chunk add up in da and ddt_bias). The states entering the chunks and the cotangents at their ends come from
-the forward's state walk and its reverse, at the same chunk length."""
+chunk add up in da and ddt_bias). The states entering the chunks and the cotangents at
+their ends come from the forward's state walk and its reverse, at the same chunk length."""
 from __future__ import annotations
 
 import torch
