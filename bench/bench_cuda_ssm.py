@@ -16,8 +16,10 @@ are imported from its Python sources: pass --mamba-src DIR (the folder that hold
 wheel or folder). Without them the mamba rows are skipped and say so.
 
     python3 bench/bench_cuda_ssm.py --out DIR [--mamba-src DIR] [--path WHEEL_OR_DIR ...]
-                                   [--sweep] [--quick] [--rep MS] [--no-f32]
+                                   [--sweep] [--quick] [--rep MS] [--no-f32] [--ssd-bwd]
 
+--ssd-bwd runs only the SSD fwd+bwd case, the split backward against the fused one (their
+gradients compared on that shape, then times; --sweep adds split launch configs).
 --sweep adds each SSD kernel timed alone (ssd_chunk_scan[part] rows: where the time goes) and
 a few launch configurations. Writes JSON records {"op","impl","device","shape","dtype","ms",
 "date", "gbps"?} to bench/results/cuda_ssm_<date>.json and DIR/cuda_ssm_<date>.json (and to
@@ -122,6 +124,84 @@ def import_mamba_ssd(src, paths):
 
 
 # ---- cases ------------------------------------------------------------------------------------
+def kernel_times(fn, reps=3):
+    """The GPU kernels of fn in launch order with their mean times (torch profiler), printed:
+    where a multi-kernel op's time goes (kernels of one name told apart by position)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+        per = len(evs) // reps
+        for i in range(per):
+            us = sum(getattr(evs[i + r * per], "device_time", None)
+                     or getattr(evs[i + r * per], "cuda_time", 0.0) for r in range(reps)) / reps
+            print(f"    kernel {i:2d} {us:9.1f} us  {evs[i].name[:70]}", flush=True)
+    except Exception as exc:  # the profiler is a diagnostic: never fail the bench on it
+        print(f"  kernel times failed: {exc!r}", flush=True)
+
+
+def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None):
+    """--ssd-bwd: the SSD fwd+bwd target case only, the split backward (default) against the
+    fused per-chunk one (split=0; not with fused_too False) in one process: their gradients
+    compared on the target shape, then fwd+bwd and bwd-alone times, and (--sweep) the split
+    backward's kernels and a few launch configs (configs: a list of SSDBwdConfig tuples)."""
+    B, L, H, P, N, Q = shape or ((1, 1024, 80, 64, 128, 256) if quick
+                                 else (4, 4096, 80, 64, 128, 256))
+    dt_ = torch.bfloat16
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    dt = (torch.rand(B, L, H, device=DEV, generator=g) * 0.1 - 4).to(dt_)
+    a = -torch.exp(torch.rand(H, device=DEV, generator=g) * 2).to(dt_)
+    bias = (torch.rand(H, device=DEV, generator=g) - 0.5).to(dt_)
+    b1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    c1 = torch.randn(B, L, 1, N, device=DEV, generator=g).to(dt_)
+    gy = torch.randn(B, L, H, P, device=DEV, generator=g).to(dt_)
+    gl = torch.zeros(B, H, P, N, device=DEV, dtype=dt_)
+    bE, cE = b1.expand(B, L, H, N), c1.expand(B, L, H, N)
+    shape = (B, L, H, P, N, Q)
+    kw = dict(chunk_size=Q, dt_softplus=True, has_d=False, has_z=False, has_dt_bias=True,
+              has_initial_states=False)
+    split = KD.ssd_bwd_config(B, L, H, P, N, dt_, split=1)
+    fused = KD.ssd_bwd_config(B, L, H, P, N, dt_, split=0)
+    bwd = lambda bcfg: KD.ssd_chunk_scan_backward(x, dt, a, bE, cE, bias, gy, gl, **kw,
+                                                  config=bcfg)
+
+    def fb(bcfg):
+        KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw)
+        return bwd(bcfg)
+    print(f"  ssd backward configs: split {tuple(split)}, fused {tuple(fused)}", flush=True)
+    new, old = bwd(split), (bwd(fused) if fused_too else ())
+    for name, gn, go in zip(("x", "dt", "a", "b", "c", "dt_bias"), new, old):
+        gn, go = gn.float(), go.float()
+        err = ((gn - go).abs().max() / go.abs().max().clamp_min(1e-30)).item()
+        print(f"  grad {name:8s} split vs fused: max |diff| / max |fused| = {err:.2e}"
+              f"  (max |fused| {go.abs().max().item():.3e})", flush=True)
+    del new, old
+    rec("ssd_chunk_scan", "fuelgraph", shape, dt_,
+        bench(lambda: KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw), quick))
+    for label, bcfg in (("split", split), ("fused", fused))[:2 if fused_too else 1]:
+        rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{label}]", shape, dt_,
+            bench(lambda: fb(bcfg), quick))
+        rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
+            bench(lambda: bwd(bcfg), quick))
+    if sweep:
+        kernel_times(lambda: bwd(split))
+        # (q, warps, stages, split, bm, bp, bn)
+        for bcfg in configs or [(256, 4, 2, 1, 64, 64, 128), (128, 4, 2, 1, 64, 64, 64),
+                                (128, 4, 3, 1, 64, 64, 128)]:
+            try:
+                rec("ssd_chunk_scan_bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
+                    bench(lambda: bwd(bcfg), quick))
+            except Exception as exc:
+                print(f"  bwd cfg {bcfg} failed: {exc!r}", flush=True)
+    return []
+
+
 def ssd_rows(mamba, why, quick, sweep):
     B, L, H, P, N, Q = (1, 1024, 80, 64, 128, 256) if quick else (4, 4096, 80, 64, 128, 256)
     dt_ = torch.bfloat16
@@ -163,8 +243,8 @@ def ssd_rows(mamba, why, quick, sweep):
         except Exception as exc:
             print(f"  cfg {cfg} failed: {exc!r}")
     if sweep:
-        # backward: (q, warps, stages)
-        for bcfg in [(16, 8, 1), (64, 8, 1)]:
+        # backward: (q, warps, stages, split, bm, bp, bn): the fused kernel, split configs
+        for bcfg in [(32, 8, 1, 0), (256, 8, 2, 1, 64, 64, 64), (128, 4, 2, 1, 64, 64, 64)]:
             try:
                 rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[bwd {bcfg}]", shape, dt_,
                     bench(lambda: ours_fb(None, bcfg), quick))
@@ -345,6 +425,11 @@ def main():
                     help="ssd forward configs 'q,bm,bk,bp,bn,warps,stages,swarps,sstages,cb;...'")
     ap.add_argument("--ss-configs", default=None,
                     help="selective-scan sweep configs 'T,BD,warps,poly[,pf];...'")
+    ap.add_argument("--ssd-bwd", action="store_true",
+                    help="only the SSD fwd+bwd case: split against fused backward")
+    ap.add_argument("--no-fused", action="store_true", help="--ssd-bwd without the fused one")
+    ap.add_argument("--bwd-configs", default=None,
+                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn;...'")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     NO_BWD[0] = args.no_bwd
@@ -361,18 +446,27 @@ def main():
         JSONL[0] = pathlib.Path(args.out) / "records.jsonl"
     mamba, why = import_mamba_ssd(args.mamba_src, args.path)
     rows, anchor_rows = [], None
-    try:
-        if "ssd" in cases:
-            ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
-            rows += ssd
-    except Exception:
-        traceback.print_exc()
-    ss_part = (lambda: ss_rows(args.quick, args.sweep, not args.no_f32)) if "ss" in cases else None
-    for part in (ss_part, anchor_rows):
+    if args.ssd_bwd:
         try:
-            rows += (part and part()) or []
+            cfgs = args.bwd_configs and [tuple(int(v) for v in c.split(","))
+                                         for c in args.bwd_configs.split(";")]
+            ssd_bwd_compare(args.quick, args.sweep, fused_too=not args.no_fused, configs=cfgs)
         except Exception:
             traceback.print_exc()
+    else:
+        try:
+            if "ssd" in cases:
+                ssd, anchor_rows = ssd_rows(mamba, why, args.quick, args.sweep)
+                rows += ssd
+        except Exception:
+            traceback.print_exc()
+        ss_part = ((lambda: ss_rows(args.quick, args.sweep, not args.no_f32))
+                   if "ss" in cases else None)
+        for part in (ss_part, anchor_rows):
+            try:
+                rows += (part and part()) or []
+            except Exception:
+                traceback.print_exc()
     day = datetime.date.today().isoformat()
     doc = {"machine": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "records": RECORDS}

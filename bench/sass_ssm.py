@@ -91,12 +91,34 @@ def ssd_bwd(q=32, warps=8, stages=1):
                    cons, warps, stages)
 
 
+def ssd_bwd_split(kind, q=128, bm=64, bo=64, warps=4, stages=2, has_cb=False, N=128, P=64):
+    """One of the split backward's rows kernels (0 dx, 1 dB, 2 dC) at the benchmark shape."""
+    from fuelgraph.backends.cuda.kernels import ssm_ssd_bwd as KB
+    p = {n: "*bf16" for n in ("u_ptr", "v_ptr", "w_ptr", "m_ptr", "r_ptr", "cb_ptr", "out_ptr",
+                              "d_ptr", "st_ptr")}
+    p.update({n: "*fp32" for n in ("rsum_ptr", "acum_ptr", "dtp_ptr", "dd_ptr", "hl_ptr",
+                                   "dtot_ptr")})
+    K = N if kind == 0 else P
+    cons = dict(Q=q, BM=bm, BK=bm, BKU=K, BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=False,
+                D_PER_P=False, PREC="ieee", OP_T=triton.language.bfloat16)
+    compile_report(f"ssd bwd rows kind={kind} q={q} bm={bm} bo={bo} w={warps} s={stages}"
+                   f"{' cb' if has_cb else ''}", KB._ssd_bwd_rows_kernel, p, cons, warps, stages)
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__).parse_args()
-    for cfg in ((16, 64, 2, 0), (16, 64, 2, 1), (16, 64, 2, 2), (16, 16, 1, 0), (16, 16, 1, 4)):
-        ss_fwd(cfg)
-    for cb in (False, True):
-        ssd(cb=cb)
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--bwd-only", action="store_true", help="only the backward kernels")
+    args = ap.parse_args()
+    if not args.bwd_only:
+        for cfg in ((16, 64, 2, 0), (16, 64, 2, 1), (16, 64, 2, 2), (16, 16, 1, 0),
+                    (16, 16, 1, 4)):
+            ss_fwd(cfg)
+        for cb in (False, True):
+            ssd(cb=cb)
+    # the defaults (dB, dC over all of N; b, c shared by the heads: cb), then variants
+    for kind, bo, cb in ((0, 64, True), (1, 128, True), (2, 128, True), (0, 64, False),
+                         (1, 128, False), (2, 128, False), (1, 64, True), (2, 64, True)):
+        ssd_bwd_split(kind, bo=bo, has_cb=cb)
     for q, warps in ((32, 8), (16, 8), (64, 8)):
         ssd_bwd(q, warps, 1)
 

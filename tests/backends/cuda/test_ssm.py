@@ -138,7 +138,8 @@ def test_ssd_chunk_scan(dt, opts, shape):
     cfg = bcfg = None
     if not (HAS_CUDA or os.environ.get("SSD_GPU_CONFIG")):
         # 3 chunks with a padded tail, 2 row blocks per chunk, 2 P and 2 N blocks
-        cfg, bcfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1), (16, 1, 1)
+        cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1)
+        bcfg = KD.SSDBwdConfig(q=16, warps=1, stages=1, bm=8, bp=2, bn=4)
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(dt_softplus=sp), lambda a: KN.ssd_chunk_scan(*a, **kw))
@@ -159,6 +160,24 @@ def test_ssd_chunk_256(dt):
     _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw, config=cfg),
           lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg), dt,
           dict(dt_softplus=True))
+
+
+@pytest.mark.parametrize("sign", [-1, 1], ids=["decay", "growth"])
+def test_ssd_backward_split_rows(sign):
+    """The split backward with several row blocks a chunk and two chunks with a padded tail,
+    a decaying and a growing state (a > 0: dt' a > 0): gradients against the float64
+    reference."""
+    shape = (1, 200, 2, 32, 16) if HAS_CUDA else (1, 37, 2, 4, 5)
+    inputs = ssd_inputs(*shape, fg.float32, d="h", bias=True)
+    if sign > 0:                          # ssd_inputs: a < 0
+        inputs["a"] = -0.2 * inputs["a"]
+    kw = dict(chunk_size=1, dt_softplus=False, has_d=True, has_z=False, has_dt_bias=True,
+              has_initial_states=False)
+    q, bm = (128, 32) if HAS_CUDA else (32, 8)
+    bcfg = KD.SSDBwdConfig(q=q, warps=4, stages=1, split=1, bm=bm, bp=64, bn=64)
+    _case(ssd_ref, SSD_ORDER, inputs, lambda ts: KD.ssd_chunk_scan(*ts, **kw),
+          lambda ts, gy, gl: KD.ssd_chunk_scan_backward(*ts, gy, gl, **kw, config=bcfg),
+          fg.float32, dict(dt_softplus=False))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="strided inputs: GPU shapes")
@@ -222,9 +241,9 @@ def test_ssd_heads_share_b_c(dt, cb):
     kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
               has_initial_states=False)
     cfg, bcfg = KD.ssd_config(B, L, H, P, N)._replace(cb=cb), None
-    if not HAS_CUDA:        # 3 chunks, 2 row blocks each
-        cfg = KD.SSDConfig(q=16, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
-        bcfg = (16, 1, 1)
+    if not HAS_CUDA:        # 2 chunks, 4 row blocks each
+        cfg = KD.SSDConfig(q=32, bm=8, bk=8, bp=2, bn=4, warps=1, stages=1, cb=cb)
+        bcfg = KD.SSDBwdConfig(q=32, warps=1, stages=1, bm=8, bp=2, bn=4)
 
     def shared(ts):          # b, c as one head expanded (stride 0)
         ts = list(ts)

@@ -18,13 +18,15 @@ Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; th
 weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
 use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 
-Backward, also parallel over chunks (at its own, shorter chunk length): kernel 1; kernel 2
-storing the entering states; kernel 2 in reverse (the state cotangent g_c = exp(Acum_end)
-g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the cotangent at every
-chunk's end and the initial state's); kernel 3 for the ungated y when a gate z is present;
-then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and the partial sums of
-da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm transposed). Partials
-are added by one torch sum (deterministic, no atomics).
+Backward: by default the split kernels of ssm_ssd_bwd (chunks of 256, dx / dB / dC over
+blocks of rows and of P / N; see there). The fused one (config split=0, or
+FUELGRAPH_SSD_BWD=fused), also parallel over chunks (at its own, shorter chunk length):
+kernel 1; kernel 2 storing the entering states; kernel 2 in reverse (the state cotangent
+g_c = exp(Acum_end) g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the
+cotangent at every chunk's end and the initial state's); kernel 3 for the ungated y when a
+gate z is present; then one program per (batch, head, chunk) forms dx, ddt, db, dc, dz and
+the partial sums of da, dd, ddt_bias from matmuls of the same shapes (the forward algorithm
+transposed). Partials are added by one torch sum (deterministic, no atomics).
 
 Inputs may be strided along batch, time and head (e.g. B/C groups broadcast over heads with
 stride 0); the last axis must be contiguous."""
@@ -60,8 +62,14 @@ F32_DOT = os.environ.get("FUELGRAPH_SSD_DOT_PRECISION", "ieee")
 #: sbp: the state kernel's P block when it differs from the scan's (0: bp)
 SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages cb sbp",
                        defaults=(8, 3, 2, 0))
-#: backward: chunk length, warps, pipeline stages of the reverse-walk kernel
-SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages")
+#: backward: chunk length, warps, pipeline stages; split: 1 runs the split kernels of
+#: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
+#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused"); zcb: with b and c shared by the
+#: heads, 1 has dB and dC sum their decay terms for the Acum gradient from the shared C B^T
+#: (float32 cancellation, as the fused kernel; ~40% more loop instructions), 0 from R . out
+SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn zcb",
+                          defaults=(None, 64, 64, 64, 1))
+SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "split") != "fused"
 
 
 def _op_type(dtype):
@@ -101,13 +109,27 @@ def ssd_fwd_config(B, L, H, P, N):
                                               sbp=min(32, _p2(P)))
 
 
-def ssd_bwd_config(B, L, H, P, N, dtype=None):
-    """Backward: the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32 tiles
-    live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255, no spill;
-    Q = 64 spills), at the price of stored states and cotangents every 32 steps. float32
-    inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
+    """Backward, split (the default): chunks of 128, 64-row blocks, dx over 64-wide P blocks,
+    dB and dC over all N = 128 at once (one program computes the [64, 64] decay-weighted
+    products for all of N: ~240 registers, no spill on sm_90; 255 with zcb, 8 bytes of
+    spill), 4 warps. H200, B4 L4096 H80
+    P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256 3.48 ms
+    (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
+    twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
+    weighing the blocks off the diagonal by a row and a column factor instead of an exp an
+    entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores)
+    32-row blocks on 8 warps (64 rows spill).
+    Fused (split=0): the per-chunk gradient kernel keeps [Q, N], [P, N] and [Q, Q] float32
+    tiles live across ~11 dots: Q = 32 on 8 warps keeps N = 128, P = 64 in registers (255,
+    no spill; Q = 64 spills), at the price of stored states and cotangents every 32 steps.
+    float32 inputs (exact dots on CUDA cores, operands in registers) take Q = 32 too."""
+    if SSD_BWD_SPLIT if split is None else split:
+        if dtype == torch.float32:
+            return SSDBwdConfig(min(256, _p2(L)), 8, 1, 1, 32, 64, 64)
+        return SSDBwdConfig(min(128, _p2(L)), 4, 2, 1, 64, 64, 128)
     big = _p2(P) * _p2(N) >= 8192 or dtype == torch.float32
-    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1)
+    return SSDBwdConfig(32 if big else 64, 8 if big else 4, 1, 0)
 
 
 def _cost(shapes, params=None, q=64):
@@ -572,6 +594,16 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     dev, dtype = x.device, x.dtype
     f32 = dict(dtype=torch.float32, device=dev)
     cfg = SSDBwdConfig(*config) if config else ssd_bwd_config(B, L, H, P, N, dtype)
+    if cfg.split is None:
+        cfg = cfg._replace(split=SSD_BWD_SPLIT)
+    if cfg.split and BH * P and L:
+        from .ssm_ssd_bwd import ssd_backward_split
+        dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0 = ssd_backward_split(
+            x, dt, a, b, c, d, z, bias, h0, gy, gl, dt_softplus=dt_softplus, has_d=has_d,
+            has_z=has_z, has_dt_bias=has_dt_bias, has_initial_states=has_initial_states,
+            cfg=cfg)
+        return _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N,
+                              dtype, has_d, has_z, has_dt_bias, has_initial_states)
     Q = min(cfg.q, _p2(L))
     NC = triton.cdiv(L, Q)
     dx = torch.empty((B, L, H, P), dtype=dtype, device=dev)
@@ -608,14 +640,22 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     else:                                    # no steps: only dh0 = grad_last_state is nonzero
         for t in (dx, ddt, db, dc, dz):
             t.zero_()
-    grads = [dx, ddt, da_p.reshape(B, H, NC).sum((0, 2)).to(dtype), db, dc]
+    return _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N,
+                          dtype, has_d, has_z, has_dt_bias, has_initial_states)
+
+
+def _ssd_bwd_grads(dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0, d, B, H, P, N, dtype,
+                   has_d, has_z, has_dt_bias, has_initial_states):
+    """The gradient tuple, the per-program partial sums (da_p, dbias_p [B H, *], dd_p
+    [B H, *, P], float32) added up."""
+    grads = [dx, ddt, da_p.reshape(B, H, -1).sum((0, 2)).to(dtype), db, dc]
     if has_d:
-        ddp = dd_p.reshape(B, H, NC, P).sum((0, 2))
+        ddp = dd_p.reshape(B, H, -1, P).sum((0, 2))
         grads.append((ddp if d.dim() == 2 else ddp.sum(1)).to(dtype))
     if has_z:
         grads.append(dz)
     if has_dt_bias:
-        grads.append(dbias_p.reshape(B, H, NC).sum((0, 2)).to(dtype))
+        grads.append(dbias_p.reshape(B, H, -1).sum((0, 2)).to(dtype))
     if has_initial_states:
         grads.append(dh0.reshape(B, H, P, N).to(dtype))
     return tuple(grads)
