@@ -76,13 +76,14 @@ MERGE_CHUNK = 64
 FEW_PROGRAMS_LAUNCH: dict = {}
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
-#: (launch knob early_ids; off until measured on the H200)
-EARLY_IDS = False
+#: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
+#: both; B64 mixed 0.2879 against 0.2929)
+EARLY_IDS = True
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
-#: G_T (launch knob merge_group; off until measured on the H200)
-MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = False, 4096, 8
+#: G_T (launch knob merge_group; H200 B32 ctx 4096 alone: 0.1363 ms against 0.1376)
+MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
