@@ -163,7 +163,6 @@ def kernel_table(prof, steps):
 def profile_steps(model, ids, steps, trace_path=None, eager=True):
     """torch.profiler around `steps` decode tokens (graph replays); with `eager`, also one
     run of the step's plan without its graph (the kernels one by one)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
     state, out = model._prefill(ids, steps + 1, True)
     dec = getattr(state, "dec", None)
@@ -182,6 +181,19 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
         from fuelgraph.runtime.executor import realize_raw
         step = dec.step if dec is not None else model.decoder(ids.shape[0]).step   # Mamba-2
         e = step._last
+
+        def eager_plan(bufs):
+            """The step's plan run once without the graph (on copies of the buffers it
+            writes in place), profiled: its kernel table."""
+            bufs = [e.plan.backend.copy(b) if k in set(e.inplace_of.values()) else b
+                    for k, b in enumerate(bufs)]
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if DEVICE[0] == "cuda" else
+                                     ProfilerActivity.CPU]) as prof2:
+                e.plan.run(bufs)
+                sync()
+            return kernel_table(prof2, 1)
+
         rep = step.replayer()
         bufs = [b if b is not None else None for b in rep.bufs]
         state, out = model._prefill(ids, 2, True)
@@ -190,14 +202,7 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
                 bufs = list(rep.bufs)
                 for k in rep.arg_at[0]:
                     bufs[k] = realize_raw([out])[0]
-                bufs = [e.plan.backend.copy(b) if k in set(e.inplace_of.values()) else b
-                        for k, b in enumerate(bufs)]
-                sync()
-                with profile(activities=[ProfilerActivity.CUDA if DEVICE[0] == "cuda" else
-                                         ProfilerActivity.CPU]) as prof2:
-                    e.plan.run(bufs)
-                    sync()
-                res["eager_plan"] = kernel_table(prof2, 1)
+                res["eager_plan"] = eager_plan(bufs)
             finally:
                 model._release(state)
             return res
@@ -216,15 +221,7 @@ def profile_steps(model, ids, steps, trace_path=None, eager=True):
             for ks, b in zip(rep.arg_at, [realize_raw([out])[0], slots, table, lens]):
                 for k in ks:
                     bufs[k] = b
-            # the eager plan would write the pools in place: run it on copies
-            bufs = [e.plan.backend.copy(b) if k in set(e.inplace_of.values()) else b
-                    for k, b in enumerate(bufs)]
-            sync()
-            with profile(activities=[ProfilerActivity.CUDA if DEVICE[0] == "cuda" else
-                                     ProfilerActivity.CPU]) as prof2:
-                e.plan.run(bufs)
-                sync()
-            res["eager_plan"] = kernel_table(prof2, 1)
+            res["eager_plan"] = eager_plan(bufs)
         finally:
             model._release(state)
     return res

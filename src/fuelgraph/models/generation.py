@@ -11,6 +11,26 @@ from ..errors import FuelGraphError
 from ..ir.tensor import Tensor
 
 
+def replay_greedy(run, first: Tensor, n: int, bar=None):
+    """n greedy steps replayed without call bookkeeping: `run(raw tokens [B]) -> raw next
+    tokens` (a captured decode step), starting from the tokens `first` [B]. Returns (the last
+    raw tokens, the n outputs as one [B, n] tensor); `bar` advances once a step."""
+    from ..ir.tensor import _leaf
+    from ..runtime.executor import realize_raw
+    prev, outs = realize_raw([first])[0], []
+    for _ in range(n):
+        prev = run(prev)
+        outs.append(prev)
+        if bar is not None:
+            bar.update(1)
+    if isinstance(prev, np.ndarray):
+        rest = np.stack(outs, 1)
+    else:                                   # a device buffer (torch on the CUDA backend)
+        import torch
+        rest = torch.stack(outs, 1)
+    return prev, _leaf(rest, first.dtype, first.device, False)
+
+
 def as_ids(input_ids) -> np.ndarray:
     """input_ids (a NumPy array, list or integer Tensor, [B, S] or [S]) -> int64 [B, S]."""
     a = input_ids.numpy() if isinstance(input_ids, Tensor) else np.asarray(input_ids)

@@ -29,7 +29,7 @@ from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
 from ..runtime.executor import realize_raw
 from .config import load_into, save_pretrained
-from .generation import GenerationMixin
+from .generation import GenerationMixin, replay_greedy
 
 KV_BLOCK_SIZE = 16
 
@@ -614,18 +614,8 @@ class DecodeRun:
         fast = min(n - 1, self.left) if self._fast() else 0
         steps = [first]
         if fast:
-            prev, outs = realize_raw([first])[0], []
-            for _ in range(fast):
-                prev = self._replay(prev)
-                outs.append(prev)
-                if bar is not None:
-                    bar.update(1)
-            if isinstance(prev, np.ndarray):
-                rest = np.stack(outs, 1)
-            else:
-                import torch
-                rest = torch.stack(outs, 1)
-            steps.append(_leaf(rest, first.dtype, first.device, False))
+            prev, rest = replay_greedy(self._replay, first, fast, bar)
+            steps.append(rest)
             first = _leaf(prev, first.dtype, first.device, False)
         for _ in range(n - 1 - fast):            # more steps than generate announced
             first = self.step(first)

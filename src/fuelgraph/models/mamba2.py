@@ -27,7 +27,7 @@ from ..nn.layers import Embedding, Linear
 from ..nn.module import Module, ModuleList, Parameter
 from ..runtime.executor import realize_raw
 from .config import inf_or, load_into, save_pretrained
-from .generation import GenerationMixin
+from .generation import GenerationMixin, replay_greedy
 from .llama import causal_lm_loss
 
 
@@ -333,20 +333,10 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
             if bar is not None:
                 bar.update(1)
             return [step_out] + super()._queue_greedy(state, first, n - 1, bar)
-        prev, outs = realize_raw([first])[0], []
-        for _ in range(n - 2):
-            prev = rep.run([prev])[0]
-            outs.append(prev)
-            if bar is not None:
-                bar.update(1)
+        _, rest = replay_greedy(lambda t: rep.run([t])[0], first, n - 2, bar)
         if bar is not None:
             bar.update(2)
-        if isinstance(prev, np.ndarray):
-            rest = np.stack(outs, 1)
-        else:
-            import torch
-            rest = torch.stack(outs, 1)
-        return [step_out, first, _leaf(rest, first.dtype, first.device, False)]
+        return [step_out, first, rest]
 
     def _release(self, state):
         state.clear()
