@@ -48,6 +48,27 @@ def test_split_gemm_equals_one_call(sa, sb, transposed, monkeypatch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_few_rows_against_a_weight_split_by_weight_rows(m, monkeypatch):
+    """x [M, K] @ W.T with few rows (a decode step) runs as W @ x.T over blocks of W's rows on
+    the pool: C-contiguous, float64-close, the same bits on every run, and within float32
+    rounding of the unsplit product (OpenBLAS picks its kernel by block size, so not bit for
+    bit)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((m, 96)).astype(np.float32)
+    w = rng.standard_normal((700, 96)).astype(np.float32)      # nn.Linear's [out, in]
+    monkeypatch.setattr(common, "NUM_THREADS", 1)
+    one = primitives.gemm(x, w.T)
+    monkeypatch.setattr(common, "NUM_THREADS", 2)
+    monkeypatch.setattr(primitives, "SMALL_M_POOL_FLOPS", 0)
+    got = primitives.gemm(x, w.T)
+    assert got.shape == (m, 700) and got.flags.c_contiguous
+    np.testing.assert_array_equal(primitives.gemm(x, w.T), got)
+    np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+
 def test_even_spans_cover_the_range():
     for n, parts, least, align in [(1024, 4, 64, 16), (1000, 4, 64, 16), (100, 4, 64, 16),
                                    (8, 4, 1, 1), (5, 4, 1, 1), (130, 4, 64, 16), (1, 4, 1, 1)]:
