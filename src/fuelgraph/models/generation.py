@@ -8,15 +8,14 @@ import time
 import numpy as np
 
 from ..errors import FuelGraphError
-from ..ir.tensor import Tensor
+from ..ir.tensor import Tensor, _leaf
+from ..runtime.executor import realize_raw
 
 
 def replay_greedy(run, first: Tensor, n: int, bar=None):
     """n greedy steps replayed without call bookkeeping: `run(raw tokens [B]) -> raw next
     tokens` (a captured decode step), starting from the tokens `first` [B]. Returns (the last
     raw tokens, the n outputs as one [B, n] tensor); `bar` advances once a step."""
-    from ..ir.tensor import _leaf
-    from ..runtime.executor import realize_raw
     prev, outs = realize_raw([first])[0], []
     for _ in range(n):
         prev = run(prev)

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import num_sms
-from .quant_rows import (MAGIC_BITS, ROW_BB, ROW_QK, _f16, _nf4_value, _nib_scaled,
-                         _q4k_scales, _u16_words, _u8)
+from .quant_rows import (MAGIC_BITS, ROW_BB, ROW_QK, _f16, _int8_pair, _nf4_value,
+                         _nib_scaled, _q4k_scales, _u16_words, _u8)
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: elements of K in one "unit" of each row format (a step covers G units)
@@ -110,8 +110,7 @@ def _mul_words(FMT: tl.constexpr, acc, v, d, u0, nunit, magic, x_rows, m_ok, n_o
         acc = _use(acc, _pair(w1, w3, BN, G, 16), b * 32 + 16 + j, k_ok, x_rows, m_ok, n_ok,
                    W_LEFT, PREC, DEQ, EVEN)
     else:             # Q8_0: word i = int8 elements 2i, 2i + 1
-        lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
-        hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+        lo, hi = _int8_pair(v, magic)
         j = tl.arange(0, 32)[None, :]
         acc = _use(acc, _pair(lo * d, hi * (d * 0.00390625), BN, G, 32), b * 32 + j,
                    (b < nunit) & (j < 32), x_rows, m_ok, n_ok, W_LEFT, PREC, DEQ, EVEN)
@@ -137,7 +136,6 @@ def _gemm_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, 
         i = tl.arange(0, 16)[None, :]
         g_ok = nm & (u < nunit)[None]
         blk = rows[:, None, None] + (b * 144)[None]
-        # the 32 bytes of (b, c) start 16-aligned: said so, they load as 16-byte vectors
         # the 32 bytes of (b, c) start 16-aligned: addressed as 2-byte words and said so, they
         # load as 16-byte vectors (and asynchronously, ahead of the dot)
         u1 = u0 + tl.arange(0, G)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant_rows import _nf4_value, _nib_scaled, _x_pairs
+from .quant_rows import _int8_pair, _nf4_value, _nib_scaled, _x_pairs
 
 
 @triton.jit
@@ -76,8 +76,7 @@ def _mul(FMT: tl.constexpr, acc, v, d, x_ptr, m_ok, n_ok, c_ptr, b0, nblk, magic
         v = v.to(tl.int32)
         d = d.to(tl.float32)
         x0, x1 = _x_at(x_ptr, m_ok, ko, k_ok, v, XB)
-        lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
-        hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+        lo, hi = _int8_pair(v, magic)
         acc += (lo * d) * x0
         acc += (hi * (d * 0.00390625)) * x1
     else:

@@ -183,6 +183,16 @@ def _nib_scaled(v, magic, SHIFT: tl.constexpr, OFFSET: tl.constexpr):
 
 
 @triton.jit
+def _int8_pair(v, magic):
+    """The two int8 values of the 16-bit word v, exactly, as float32 (low byte, high byte /
+    256: the 2^8 goes into the scale): int8 q + 128 = byte ^ 0x80, OR-ed into 2^23's mantissa
+    in the same logic op."""
+    lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
+    hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+    return lo, hi
+
+
+@triton.jit
 def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic,
                NB: tl.constexpr,
                USE_DOT: tl.constexpr, PREC: tl.constexpr, DEQ: tl.constexpr,
@@ -228,9 +238,7 @@ def _word_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, b0, nblk, magic
             x1 = 0.0
         else:
             x0, x1 = _x_pairs(x_rows, m_ok, ko, k_ok, USE_DOT, ELEM, EVEN)
-        # int8 q + 128 = byte ^ 0x80, OR-ed into 2^23's mantissa in the same logic op
-        lo = ((v & 0xFF) ^ (magic | 0x80)).to(tl.float32, bitcast=True) - 8388736.0
-        hi = ((v & 0xFF00) ^ (magic | 0x8000)).to(tl.float32, bitcast=True) - 8421376.0
+        lo, hi = _int8_pair(v, magic)
         acc = _acc_x(acc, lo * d, x0, x_rows, m_ok, ko, k_ok, USE_DOT, PREC, DEQ, ELEM, EVEN)
         acc = _acc_x(acc, hi * (d * 0.00390625), x1, x_rows, m_ok, ko + 1, k_ok, USE_DOT, PREC,
                      DEQ, ELEM, EVEN)
@@ -372,24 +380,7 @@ def _row_step(FMT: tl.constexpr, acc, rows, n_ok, x_rows, m_ok, s_rows, c_ptr, b
         g_ok = nm & (b < nblk)[None]
         blk = rows[:, None, None] + (b * 144)[None]
         qs = _u8(blk + (16 + 32 * c + j)[None], nm & k_ok[None], EVEN)
-        d = _f16(blk, g_ok, EVEN)
-        dmin = _f16(blk + 2, g_ok, EVEN)
-        # 6-bit (scale, min) of sub-blocks j < 4 (bytes 4..11) and j >= 4 (with bytes 12..15)
-        s_lo = _u8(blk + (4 + (2 * c) % 4)[None], g_ok, EVEN)
-        m_lo = _u8(blk + (8 + (2 * c) % 4)[None], g_ok, EVEN)
-        x_lo = _u8(blk + (12 + (2 * c) % 4)[None], g_ok, EVEN)
-        s_hi = _u8(blk + (4 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        m_hi = _u8(blk + (8 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        x_hi = _u8(blk + (12 + (2 * c + 1) % 4)[None], g_ok, EVEN)
-        first = (c < 2)[None]                                               # sub-block < 4
-        sc0 = tl.where(first, s_lo & 63, (x_lo & 15) | ((s_lo >> 6) << 4))
-        mn0 = tl.where(first, m_lo & 63, (x_lo >> 4) | ((m_lo >> 6) << 4))
-        sc1 = tl.where(first, s_hi & 63, (x_hi & 15) | ((s_hi >> 6) << 4))
-        mn1 = tl.where(first, m_hi & 63, (x_hi >> 4) | ((m_hi >> 6) << 4))
-        d0 = d * sc0.to(tl.float32)
-        m0 = dmin * mn0.to(tl.float32)
-        d1 = d * sc1.to(tl.float32)
-        m1 = dmin * mn1.to(tl.float32)
+        d0, m0, d1, m1 = _q4k_scales(blk, c, g_ok, EVEN)
         kb = b * 256 + 64 * c + j
         acc = _acc_plane(acc, d0 * _int_to_f32(qs & 15, 0) - m0, x_rows, m_ok, kb, k_ok,
                          USE_DOT, PREC, DEQ, ELEM, EVEN)
