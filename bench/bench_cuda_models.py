@@ -121,10 +121,10 @@ def run(name, quick, recs, table, cases=("train", "prefill", "decode")):
     model = fg_model(name, hf)
     ids = torch.randint(0, hf.config.vocab_size, (batch, seq), device="cuda")
     fids = fg.from_torch(ids)
-    shape = (batch, seq)
 
     def add(case, impl, ms, toks, **extra):
         tps = toks / ms * 1e3
+        shape = (int(case[8:]), prompt + new) if case.startswith("decode_b") else (batch, seq)
         recs.append({"op": f"{name}_{case}", "impl": impl, "device": torch.cuda.get_device_name(),
                      "shape": list(shape), "dtype": "bfloat16", "ms": round(ms, 4),
                      "tokens_per_s": round(tps, 1), "date": datetime.date.today().isoformat(),
