@@ -188,13 +188,24 @@ class Mamba2Mixer(Module):
         bh = self._heads(xbc[..., i:i + gn], (b,)).astype(acc)
         ch = self._heads(xbc[..., i + gn:], (b,)).astype(acc)
         dt_in, dt_bias, softplus = self._dt(dt_raw)
+        zs = z.reshape(b, c.num_heads, c.head_dim).astype(acc)
+        if STEP_SCAN_ON_CPU and self.A_log.device == "cpu":
+            # the NumPy scan kernel runs a one-token scan as the recurrence itself, each part
+            # of the heads' states in cache: ~4x faster than the same math as glue at B = 4
+            y, state = FF.ssd_chunk_scan(
+                xs[:, None], dt_in.astype(acc)[:, None], -self.A_log.astype(acc).exp(),
+                bh[:, None], ch[:, None], chunk_size=1, d=self.D.astype(acc), z=zs[:, None],
+                dt_bias=None if dt_bias is None else dt_bias.astype(acc), dt_softplus=softplus,
+                initial_states=ssm_state)
+            y = y.astype(x.dtype)
+            return self.out_proj(self.norm(y.reshape(b, i))), window[..., 1:], state
         dtv = (dt_in + dt_bias).softplus() if softplus else dt_in
         dtv = dtv.astype(acc)                                          # [B, H]
         decay = (dtv * (-self.A_log.astype(acc).exp())).exp()
         state = ssm_state * decay[:, :, None, None] + \
             (dtv[:, :, None] * xs)[..., None] * bh[:, :, None, :]
         y = (state * ch[:, :, None, :]).sum(-1) + self.D.astype(acc)[:, None] * xs
-        y = (y * z.reshape(b, c.num_heads, c.head_dim).astype(acc).silu()).astype(x.dtype)
+        y = (y * zs.silu()).astype(x.dtype)
         return self.out_proj(self.norm(y.reshape(b, i))), window[..., 1:], state
 
 
@@ -342,6 +353,8 @@ class Mamba2ForCausalLM(GenerationMixin, Module):
         state.clear()
 
 
+#: decode steps traced from now on run the CPU state update as a one-token ssd_chunk_scan
+STEP_SCAN_ON_CPU = True
 #: decoders (recurrent states + traced steps) a model keeps between generate calls
 DECODERS_KEPT = 2
 #: decode steps traced from now on fuse each residual add with the next block's norm

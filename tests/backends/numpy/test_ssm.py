@@ -73,6 +73,25 @@ def test_ssd_chunks_groups_and_padding(monkeypatch, dt, tol, opts):
     assert max(errs.values()) <= tol, errs
 
 
+@pytest.mark.parametrize("dt,tol", [(fg.float64, 1e-12), (fg.float32, 5e-5)],
+                         ids=["f64", "f32"])
+@pytest.mark.parametrize("opts", [dict(), dict(d="h", z=True, bias=True, softplus=True,
+                                               init=True), dict(d="hp", init=True)],
+                         ids=["plain", "all", "hp"])
+def test_ssd_one_token_step(monkeypatch, dt, tol, opts):
+    """L = 1 (a decode step) takes the recurrence path, in parts of a few head rows."""
+    monkeypatch.setattr(K, "SSD_STEP_ROWS", 4)             # 3 x 5 head rows: 4 parts
+    sp = opts.get("softplus", False)
+    inputs = ssd_inputs(3, 1, 5, 4, 6, dt, d=opts.get("d"), z=opts.get("z", False),
+                        bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
+    kw = dict(chunk_size=1, dt_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
+              has_dt_bias="dt_bias" in inputs, has_initial_states="initial_states" in inputs)
+    errs = _errs(ssd_ref, inputs, SSD_ORDER, lambda a: K.ssd_chunk_scan(*a, **kw),
+                 lambda a, gy, gl: K.ssd_chunk_scan_backward(*a, gy, gl, **kw), dt,
+                 dict(dt_softplus=sp))
+    assert max(errs.values()) <= tol, errs
+
+
 def test_ssd_chunk_size_param_is_ignored():
     inputs = ssd_inputs(1, 12, 2, 3, 4, fg.float32)
     arrs = [inputs[k].astype(np.float32) for k in ordered(inputs, SSD_ORDER)]
