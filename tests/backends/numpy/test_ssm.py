@@ -62,6 +62,7 @@ def test_ssd_chunks_groups_and_padding(monkeypatch, dt, tol, opts):
     monkeypatch.setattr(K, "SSD_CHUNK", 8)                 # 45 steps: 6 chunks, padded tail
     monkeypatch.setattr(K, "SSD_CHUNK_BWD", 16)
     monkeypatch.setattr(K, "SSD_GROUP_ELEMS", 200)         # several head groups
+    monkeypatch.setattr(K, "SSD_GROUP_ELEMS_BWD", 200)
     sp = opts.get("softplus", False)
     inputs = ssd_inputs(2, 45, 3, 4, 5, dt, d=opts.get("d"), z=opts.get("z", False),
                         bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
