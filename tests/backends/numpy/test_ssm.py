@@ -93,6 +93,37 @@ def test_ssd_one_token_step(monkeypatch, dt, tol, opts):
     assert max(errs.values()) <= tol, errs
 
 
+def _strided(names, arrs):
+    """The arrays as the Mamba-2 model hands them over: b and c broadcast over the heads,
+    everything else a slice of a wider array."""
+    out = []
+    for k, v in zip(names, arrs):
+        if k in ("b", "c"):
+            out.append(np.broadcast_to(v[:, :, :1], v.shape))
+        else:
+            wide = np.zeros(v.shape[:-1] + (v.shape[-1] + 3,), v.dtype)
+            wide[..., 1:-2] = v
+            out.append(wide[..., 1:-2])
+    return out
+
+
+@pytest.mark.parametrize("L", [1, 21])
+def test_ssd_strided_inputs(L):
+    """Broadcast and sliced inputs (the kernels take strided inputs) give the reference."""
+    inputs = ssd_inputs(2, L, 3, 4, 5, fg.float64, d="h", z=True, bias=True, softplus=True,
+                        init=True)
+    for k in ("b", "c"):                                   # one group shared by the heads
+        inputs[k] = np.broadcast_to(inputs[k][:, :, :1], inputs[k].shape).copy()
+    names = ordered(inputs, SSD_ORDER)
+    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
+              has_initial_states=True)
+    errs = _errs(ssd_ref, inputs, SSD_ORDER,
+                 lambda a: K.ssd_chunk_scan(*_strided(names, a), **kw),
+                 lambda a, gy, gl: K.ssd_chunk_scan_backward(*_strided(names, a), gy, gl, **kw),
+                 fg.float64, dict(dt_softplus=True))
+    assert max(errs.values()) <= 1e-12, errs
+
+
 def test_ssd_chunk_size_param_is_ignored():
     inputs = ssd_inputs(1, 12, 2, 3, 4, fg.float32)
     arrs = [inputs[k].astype(np.float32) for k in ordered(inputs, SSD_ORDER)]

@@ -383,7 +383,9 @@ def _d_b(H, P):
     return lambda v: v[:, None] if v.ndim == 1 else v
 
 
-@kernel(FusedOps.SSD_CHUNK_SCAN, "numpy", cost=ssd_cost)
+# strided inputs: the head-major copies below are the only ones (b and c broadcast over the
+# heads of a group, x and z slices of a projection are read where they are)
+@kernel(FusedOps.SSD_CHUNK_SCAN, "numpy", cost=ssd_cost, strided_input=True)
 def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, has_dt_bias,
                    has_initial_states):
     """SSD_CHUNK_SCAN: x [B, L, H, P], dt [B, L, H], a [H], b, c [B, L, H, N], then the optional
@@ -551,7 +553,8 @@ def _gate_rows(GY, Xc, CB, Lm, dtc, Cc, Hs, eA, Z, Dr):
     return g, dZ, dD, skip
 
 
-@kernel(SSD_CHUNK_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ssd_cost(s[:5], p))
+@kernel(SSD_CHUNK_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ssd_cost(s[:5], p),
+        strided_input=True)
 def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_d, has_z,
                             has_dt_bias, has_initial_states):
     """Backward of SSD_CHUNK_SCAN: the forward inputs, then grad_y [B, L, H, P] and
