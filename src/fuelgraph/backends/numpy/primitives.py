@@ -225,6 +225,11 @@ SMALL_M_ROWS = 16
 #: single-threaded BLAS call): a 2-core VM, x [4, 512] @ W.T [512, 1536] 0.21 ms against 0.30
 #: on one thread; the [4, 512] x [512, 32000] head 4.9 ms against 13.7 (one row gains nothing)
 SMALL_M_POOL_FLOPS = 4e6
+#: ... in parts of at most about this many bytes of the weight: OpenBLAS packs a part it has
+#: just read into L2 (one thread, [4, 512] x [512, 2048]: 128-row parts 0.28 ms, the whole
+#: weight 1.0 ms; 2 threads, the Mamba-2 in_proj [512, 2192] and head [512, 2048] products
+#: 0.6-0.9x the time of four parts)
+WEIGHT_BLOCK_BYTES = 1 << 18
 
 
 def gemm(a, b, out=None):
@@ -262,7 +267,8 @@ def _pool_weight_rows(x, w, n):
     [M, N], or None when this BLAS's threads cannot be limited."""
     out_t = np.empty((n, x.shape[0]), np.result_type(x, w))
     xt = x.T
-    spans = _even_spans(n, GEMM_PARTS_PER_THREAD * common.NUM_THREADS, 64)
+    rows = max(64, WEIGHT_BLOCK_BYTES // max(1, w.shape[1] * w.itemsize) // 16 * 16)
+    spans = _even_spans(n, max(GEMM_PARTS_PER_THREAD * common.NUM_THREADS, -(-n // rows)), 64)
     if not _pooled_one_blas_thread(lambda r0, r1: np.matmul(w[r0:r1], xt, out=out_t[r0:r1]),
                                    spans):
         return None
