@@ -420,8 +420,9 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
     return _out(y, x.dtype), _out(last.reshape(B, H, P, N), x.dtype)
 
 
-#: head rows per part of a one-token step: 16 states of 64 x 64 float32 (256 KiB) stay in L2
-SSD_STEP_ROWS = 16
+#: head rows per part of a one-token step at most: 32 states of 64 x 64 float32 (512 KiB)
+#: stay in L2 (2 cores, B4 H16 P=N=64, one thread: 16-64 rows per part all ~340 us a layer)
+SSD_STEP_ROWS = 32
 
 
 def _ssd_one_step(x, dt, a, b, c, o, softplus, acc, h0):
@@ -440,13 +441,17 @@ def _ssd_one_step(x, dt, a, b, c, o, softplus, acc, h0):
 
     def work(g0, g1):
         h = last[g0:g1]
-        np.multiply(DX[g0:g1, :, None], Bm[g0:g1, None, :], out=h)
-        h += h0[g0:g1] * decay[g0:g1, None, None]
+        # decay as a [rows, P*N] product with a per-row factor (with run_spans' row-sized ufunc
+        # buffer, ~2.5x faster than over [rows, P, N]); the outer product by einsum (~1.6x
+        # faster than the broadcast multiply)
+        np.multiply(h0[g0:g1].reshape(g1 - g0, P * N), decay[g0:g1, None],
+                    out=h.reshape(g1 - g0, P * N))
+        h += np.einsum("gp,gn->gpn", DX[g0:g1], Bm[g0:g1])
         np.matmul(h, Cm[g0:g1, :, None], out=y[g0:g1, :, None])
 
     spans = [(i, min(B * H, i + SSD_STEP_ROWS)) for i in range(0, B * H, SSD_STEP_ROWS)]
     with np.errstate(over="ignore", under="ignore"):
-        run_spans(work, spans, B * H * P * N)
+        run_spans(work, spans, B * H * P * N, row_elems=P * N)
     y = y.reshape(B, 1, H, P)
     _epilogue(y, to_acc(x, acc), o.get("d"), o.get("z"), acc, _d_b(H, P))
     return _out(y, x.dtype), _out(last.reshape(B, H, P, N), x.dtype)
