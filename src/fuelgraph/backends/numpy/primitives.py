@@ -246,7 +246,7 @@ def gemm(a, b, out=None):
     if 1 < m <= SMALL_M_ROWS and a.ndim == 2 and b.ndim == 2 and b.strides[0] < b.strides[1] \
             and out is None and a.dtype.kind == "f":
         # x @ W.T with few rows (a decode step): OpenBLAS is up to 2x faster computing W @ x.T
-        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS and common.NUM_THREADS > 1:
+        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS:      # (one thread too: L2-sized parts)
             pooled = _pool_weight_rows(a, b.T, n)
             if pooled is not None:
                 return pooled
