@@ -23,8 +23,8 @@ CHUNK_KEYS = 512
 class _Checked:
     """The index arrays (and parameters) that passed their data check last. A decode step
     hands the same slot mapping to every layer's cache write and the same lengths and table to
-    every layer's attention: checked once per step. Only arrays that own their memory and are
-    read-only are remembered (what they hold cannot have changed since)."""
+    every layer's attention: checked once per step. Only read-only arrays that own their memory
+    (or read-only views of such) are remembered (what they hold cannot have changed since)."""
 
     def __init__(self):
         self.last = None
@@ -35,8 +35,18 @@ class _Checked:
             all(a is b for a, b in zip(last[0], arrays))
 
     def remember(self, arrays, params):
-        if all(a.base is None and not a.flags.writeable for a in arrays):
+        if all(_frozen(a) for a in arrays):
             self.last = (arrays, params)
+
+
+def _frozen(a) -> bool:
+    """A read-only array that owns its memory, or a read-only view of one (a decode step's
+    row of the inputs the cache prepared for all steps at once)."""
+    if a.flags.writeable:
+        return False
+    b = a.base
+    return b is None or (isinstance(b, np.ndarray) and b.base is None and
+                         not b.flags.writeable)
 
 
 _LENGTHS, _SLOTS = _Checked(), _Checked()
