@@ -16,7 +16,8 @@ the same, one GEMM per tap into its own slice of dW. Blocks run on fuelgraph's p
 single-threaded BLAS call on a per-thread block that stays in the core's L2 (BLAS's own
 threads spin between many small calls, and collapse when another process shares the cores).
 Depthwise convolutions (one input channel per output channel) skip the GEMM: per chunk of
-(sample, channel) rows one vectorized multiply and add per tap. conv_transpose2d is sh*sw
+(sample, channel) rows one vectorized multiply and add per tap (causal_conv1d: per tap over rows
+of channels instead when its input is a time-major view, as in Mamba). conv_transpose2d is sh*sw
 stride-1 convolutions, one per output phase, written straight into the strided output.
 """
 from __future__ import annotations

@@ -17,7 +17,11 @@ ssd_chunk_scan: the chunked (state-space dual) algorithm. Time is cut into chunk
 (the kernel's own Q; the op's chunk_size is only a hint, so results do not depend on it, and a
 ragged tail is padded with dt = 0 steps, which leave the state unchanged). Within a chunk the
 outputs are masked Q x Q matmuls, each chunk's contribution to the state is one matmul, and a
-short loop over chunks passes the state along. The backward is the same algorithm transposed.
+short loop over chunks passes the state along. The backward is the same algorithm transposed;
+it forms the ungated output the gate's gradient needs from the chunk terms and states it
+computes anyway (no second forward pass). Work runs in groups of head rows small enough that a
+group's temporaries stay in L2. One token (L = 1, a decode step) runs as the recurrence itself.
+Inputs may be strided (b and c broadcast over the heads of a group, sliced x and z).
 """
 from __future__ import annotations
 
