@@ -542,16 +542,22 @@ def _time_major(x) -> bool:
         x.strides[2] >= x.shape[1] * x.itemsize
 
 
-def _tm_spans(b, c):
-    """(b0, b1, c0, c1) parts of a time-major conv: whole samples, or channel halves when
-    there are fewer samples than threads (time shifts never cross a part)."""
-    parts = max(1, -(-common.NUM_THREADS // b)) if c >= 256 else 1
+#: elements of one part of a time-major causal conv: its [L, channels] temporaries stay in L2
+TM_PART_ELEMS = 1 << 16
+
+
+def _tm_spans(b, c, l=1):
+    """(b0, b1, c0, c1) parts of a time-major conv: per sample, blocks of channels of about
+    TM_PART_ELEMS elements, and at least as many parts as threads (time shifts never cross a
+    part)."""
+    parts = max(-(-common.NUM_THREADS // b), -(-(c * l) // TM_PART_ELEMS)) if c >= 256 else 1
+    parts = min(parts, max(1, c // 64))
     cuts = [c * i // parts for i in range(parts + 1)]
     return [(i, i + 1, cuts[j], cuts[j + 1]) for i in range(b) for j in range(parts)]
 
 
 def _run_tm(work, b, c, l):
-    items = _tm_spans(b, c)
+    items = _tm_spans(b, c, l)
     run_spans(lambda i0, i1: [work(*items[i]) for i in range(i0, i1)],
               [(i, i + 1) for i in range(len(items))], b * c * l)
 
