@@ -309,8 +309,8 @@ def _pooled_one_blas_thread(work, spans) -> bool:
     """Run work(i0, i1) over `spans` on the pool, each part with one BLAS thread. False (nothing
     run) when this BLAS's threads cannot be limited: the caller then runs the work whole."""
     if common.has_blas_single():
-        common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
-                         common.PARALLEL_MIN_ELEMS)
+        # the calling thread's limit set once (run_spans holds its pool threads to one too)
+        common.blas_single(lambda: common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS))
         return True
     ctx = _one_blas_thread()
     if ctx is None:
