@@ -161,3 +161,18 @@ def test_checked_remembers_frozen_arrays_and_their_frozen_views():
     assert c.seen((row,), 7) and not c.seen((row,), 8) and not c.seen((packed[1],), 7)
     c.remember((view,), 7)
     assert not c.seen((view,), 7)
+
+
+def test_decode_layout_is_worked_out_once_per_step():
+    """Layers of one decode step share the read-only table and lengths: the batch layout is
+    reused (the same result as worked out afresh), and new lengths give a new one."""
+    case = make_case(np.random.default_rng(5), hq=8, hkv=2, bs=16, lens=(37, 20, 5), d=16)
+    for k in ("block_table", "context_lens"):
+        case[k] = case[k].copy()
+        case[k].flags.writeable = False
+    first = _run(case)
+    assert K._LAYOUT[0] is not None and K._LAYOUT[0][0][0] is case["block_table"]
+    np.testing.assert_array_equal(_run(case), first)
+    np.testing.assert_allclose(first, _ref(case), rtol=2e-6, atol=2e-6)
+    case["context_lens"] = np.asarray((38, 21, 6), case["context_lens"].dtype)
+    np.testing.assert_allclose(_run(case), _ref(case), rtol=2e-6, atol=2e-6)

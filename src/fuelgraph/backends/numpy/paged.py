@@ -80,7 +80,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     longest = -(-int(lens.max(initial=0)) // bs) * bs
     if B * hkv * longest * max(d, sq * (hq // hkv)) <= BATCHED_MAX_ELEMS:     # k/v and scores
         with np.errstate(over="ignore", invalid="ignore"):
-            o = _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
+            o = _attend_batch(q, k_cache, v_cache, block_table, context_lens, acc, softmax_scale,
                               softcap, slopes)
         if o.dtype == q.dtype and o.flags.c_contiguous:    # a fresh array of the kernel's own
             return o
@@ -163,7 +163,7 @@ def _attend(qb, k_cache, v_cache, pages, n, acc, scale, softcap, slopes, h0, h1)
 BATCHED_MAX_ELEMS = 1 << 20
 
 
-def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, slopes):
+def _attend_batch(q, k_cache, v_cache, block_table, context_lens, acc, scale, softcap, slopes):
     """All sequences at once, for short contexts: every sequence's live blocks gathered into
     one padded [B, Hkv, L, D] (L = the longest context, rounded up to whole blocks; a shorter
     sequence's padding reads block 0, masked out of the scores and zeroed in v), batched
@@ -171,20 +171,17 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     tokens come out zero."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    mb = -(-int(lens.max(initial=0)) // bs)
-    L, g = mb * bs, hq // hkv
-    if mb == 0:
+    lay = _batch_layout(block_table, context_lens, bs, acc)
+    if lay is None:
         return np.zeros(q.shape, acc)
-    live = np.arange(mb)[None, :] * bs < lens[:, None]
-    pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)         # pads read block 0
+    L, pages, short, empty, pad_rows, pad = lay
+    g = hq // hkv
 
     def dense(cache, zero_padding=False):                                  # [B, Hkv, L, D]
-        rows = cache[pages].reshape(B, L, hkv, d)          # a fresh gather: zeroed in place,
+        rows = cache[pages].reshape(B * L, hkv, d)         # a fresh gather: zeroed in place,
         if zero_padding:                                   # in its contiguous layout
-            rows[np.arange(L)[None, :] >= lens[:, None]] = 0
-        return to_acc(rows.transpose(0, 2, 1, 3), acc)
-    short = int(lens.min()) < L                    # padding rows (they may hold anything)
-    empty = int(lens.min()) == 0
+            rows[pad_rows] = 0
+        return to_acc(rows.reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
     qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
     s = qg @ dense(k_cache).transpose(0, 1, 3, 2)                          # [B, Hkv, g*Sq, L]
     s *= acc.type(scale)
@@ -192,9 +189,10 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
         c = acc.type(softcap)
         s = np.tanh(s / c) * c
     if sq == 1 and slopes is None:                 # decode: only the length mask
-        if short:
-            s = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, None, :], s, -np.inf)
+        if short:                                  # (rows past a length may hold NaN)
+            np.copyto(s, -np.inf, where=pad)
     else:
+        lens = context_lens.astype(np.int64)
         pos = lens[:, None] - sq + np.arange(sq)[None, :]                   # [B, Sq]
         rel = np.tile(pos, (1, g))[:, :, None] - np.arange(L)[None, None, :]   # [B, g*Sq, L]
         if slopes is not None:
@@ -211,10 +209,40 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     o = p @ v                                                              # [B, Hkv, g*Sq, D]
     if empty:
         o /= np.where(den > 0, den, 1)
-        o[lens == 0] = 0
+        o[context_lens == 0] = 0
     else:
         o /= den
     return o.reshape(B, hq, sq, d)
+
+
+_LAYOUT: list = [None]        # ((block_table, context_lens, block size, acc), layout)
+
+
+def _batch_layout(block_table, lens, bs, acc):
+    """What `_attend_batch` needs of the table and lengths alone, or None without live blocks:
+    (L, pages [B, L / bs] (pads read block 0), whether some sequence is shorter than L, whether
+    one is empty, the padding rows of the gathered [B * L] rows, the padding mask
+    [B, 1, 1, L] of the scores). A decode step hands every layer the same
+    read-only table and lengths: worked out once per step (`_frozen`)."""
+    key = (block_table, lens, bs, acc)
+    got = _LAYOUT[0]
+    if got is not None and all(a is b for a, b in zip(got[0][:2], key[:2])) and \
+            got[0][2:] == key[2:]:
+        return got[1]
+    ln = lens.astype(np.int64)
+    mb = -(-int(ln.max(initial=0)) // bs)
+    if mb == 0:
+        lay = None
+    else:
+        L = mb * bs
+        live = np.arange(mb)[None, :] * bs < ln[:, None]
+        pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)
+        short, empty = int(ln.min()) < L, int(ln.min()) == 0  # padding rows may hold anything
+        pad = np.arange(L)[None, :] >= ln[:, None]                        # [B, L]
+        lay = (L, pages, short, empty, np.flatnonzero(pad), pad[:, None, None, :])
+    if _frozen(block_table) and _frozen(lens):
+        _LAYOUT[0] = (key, lay)
+    return lay
 
 
 def _rows(cache, pages, h, nk, acc):
