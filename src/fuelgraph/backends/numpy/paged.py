@@ -264,11 +264,28 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     dst = cache if out is None else out
     if out is not None:
         np.copyto(out, cache)
+    rows, keep = _write_rows(slot_mapping)
+    flat = dst.reshape(nb * bs, *cache.shape[2:])
+    flat[rows] = new if keep is None else new[keep]
+    return dst
+
+
+_WRITE_ROWS: list = [None]     # (slot_mapping, (rows, keep))
+
+
+def _write_rows(slot_mapping):
+    """(pool rows to write, the mask of the new rows written or None for all) of a slot
+    mapping (the index type's maximum skips a row); worked out once for a read-only mapping
+    (a decode step writes k and v of every layer with the same one)."""
+    got = _WRITE_ROWS[0]
+    if got is not None and got[0] is slot_mapping:
+        return got[1]
     s = slot_mapping.astype(np.int64)
     keep = s != index_max(slot_mapping.dtype)
-    flat = dst.reshape(nb * bs, *cache.shape[2:])
-    flat[s[keep]] = new[keep]
-    return dst
+    res = (s, None) if keep.all() else (s[keep], keep)
+    if _frozen(slot_mapping):
+        _WRITE_ROWS[0] = (slot_mapping, res)
+    return res
 
 
 def paged_cache_write_kv_cost(shapes, params=None):
