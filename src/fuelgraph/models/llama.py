@@ -386,6 +386,10 @@ PROMPT_GRAPHS = True
 PROMPT_TRACES_KEPT = 4
 #: decoders made from now on merge q/k/v and gate/up weights (see MergedProjections)
 MERGE_PROJECTIONS = True
+#: ... on the CPU at every batch size: the merged product's parts are copied for the kernels
+#: after it (a few KiB each), and one product instead of three (two) saves a hand-off to the
+#: thread pool and a pass of Python per projection
+MERGED_ROWS_ON_CPU = True
 #: decoders made from now on compute each residual add and the norm after it as one
 #: add_rms_norm (the decode and prompt steps; the model's own forward keeps the plain ops)
 FUSE_ADD_NORM = True
@@ -460,11 +464,14 @@ class PagedStep:
         self._merged = merged or {}
 
     def merged(self, layer, kind, rows: int):
-        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None. Used for
-        one row (a decode step at batch 1) only: with more rows the parts of the merged
-        product are strided, and the kernels after it (rope, paged attention and cache write,
-        the SwiGLU glue) would each copy theirs first, costing more launches than it saves."""
-        return self._merged.get((layer, kind)) if rows == 1 else None
+        """The layer's merged projection weight (kind "qkv" or "gate_up"), or None. On a GPU
+        used for one row (a decode step at batch 1) only: with more rows the parts of the
+        merged product are strided, and the kernels after it (rope, paged attention and cache
+        write, the SwiGLU glue) would each copy theirs first, costing more launches than it
+        saves. On the CPU for any rows (MERGED_ROWS_ON_CPU)."""
+        if rows == 1 or (MERGED_ROWS_ON_CPU and self.cache.device == "cpu"):
+            return self._merged.get((layer, kind))
+        return None
 
     def attend(self, layer, q, k, v, scale):
         """q [B, Hq, S, D], k/v [B, Hkv, S, D]: write k/v into the layer's pools (in the graph),

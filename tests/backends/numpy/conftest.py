@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fuelgraph.backends.numpy import common
+from fuelgraph.backends.numpy import common, norm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -17,8 +17,10 @@ def _torch_single_thread():
 
 @pytest.fixture(params=["default", "tiny"])
 def chunking(request, monkeypatch):
-    """'tiny' forces many chunks and the thread pool even for small arrays."""
+    """'tiny' forces many chunks and the thread pool even for small arrays ('default' takes
+    the norms' small-input path for the small cases)."""
     if request.param == "tiny":
         monkeypatch.setattr(common, "CHUNK_ELEMS", 96)
         monkeypatch.setattr(common, "PARALLEL_MIN_ELEMS", 0)
+        monkeypatch.setattr(norm, "SMALL_ELEMS", 0)
     return request.param

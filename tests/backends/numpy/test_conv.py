@@ -183,3 +183,26 @@ def test_causal_conv1d_forward_and_backward(case, dt):
         close(mine, r, s_, dt)
     if not has_b:      # dbias is returned anyway: the sum of the gradient through silu
         assert db.shape == (xs[1],)
+
+
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(2, 3, 9), (1, 300, 7)], ids=["samples", "channel-parts"])
+def test_causal_conv1d_time_major_views(shape, dt, monkeypatch):
+    """x and grad as transposed views of time-major arrays (Mamba's layout, x sliced out of a
+    wider projection): computed time-major, results returned as time-major views."""
+    monkeypatch.setattr(K.common, "NUM_THREADS", 3)       # one sample: three channel parts
+    monkeypatch.setattr(K, "TM_PART_ELEMS", 500)          # ... or four of about 500 elements
+    b, c, l = shape
+    assert len(K._tm_spans(b, c, l)) == (4 if c >= 256 else b)
+    wide = arr((b, l, c + 5), dt, 0)
+    x = wide[..., :c].transpose(0, 2, 1)
+    g = arr((b, l, c), dt, 3).transpose(0, 2, 1)
+    w, bias = arr((c, 1, 4), dt, 1), arr((c,), dt, 2)
+    assert K._time_major(x) and K._time_major(g)
+    got = K.causal_conv1d(x, w, bias, use_silu=True)
+    assert got.strides[1] == got.itemsize               # time-major
+    close(got, _torch_causal(t(x), t(w), t(bias), True), None, dt)
+    ins = [t(a).requires_grad_(True) for a in (x, w, bias)]
+    ref = torch.autograd.grad(_torch_causal(*ins, True), ins, t(g))
+    for mine, r in zip(K.causal_conv1d_backward(x, w, g, bias, use_silu=True), ref):
+        close(mine, r, None, dt)

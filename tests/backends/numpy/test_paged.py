@@ -141,3 +141,38 @@ def test_cache_write_in_place_and_into_out():
     assert r is cache and np.array_equal(cache.reshape(6, 2, 4), want)
     with pytest.raises(FuelGraphError, match="outside the pool of 6 slots"):
         K.paged_cache_write(cache, new, np.array([6, 0, 1], np.int32))
+
+
+def test_checked_remembers_frozen_arrays_and_their_frozen_views():
+    """Index arrays are checked once while the same read-only array (or read-only row of a
+    read-only array, as the cache prepares a decode loop's inputs) comes back."""
+    from fuelgraph.backends.numpy.paged import _Checked, _frozen
+    packed = np.arange(12, dtype=np.int32).reshape(3, 4).copy()
+    assert not _frozen(packed) and not _frozen(packed[1])
+    packed.flags.writeable = False
+    row = packed[1]
+    assert _frozen(packed) and _frozen(row)
+    writable_base = np.arange(4, dtype=np.int32)
+    view = writable_base[:2]
+    view.flags.writeable = False
+    assert not _frozen(view)                  # its base can still change
+    c = _Checked()
+    c.remember((row,), 7)
+    assert c.seen((row,), 7) and not c.seen((row,), 8) and not c.seen((packed[1],), 7)
+    c.remember((view,), 7)
+    assert not c.seen((view,), 7)
+
+
+def test_decode_layout_is_worked_out_once_per_step():
+    """Layers of one decode step share the read-only table and lengths: the batch layout is
+    reused (the same result as worked out afresh), and new lengths give a new one."""
+    case = make_case(np.random.default_rng(5), hq=8, hkv=2, bs=16, lens=(37, 20, 5), d=16)
+    for k in ("block_table", "context_lens"):
+        case[k] = case[k].copy()
+        case[k].flags.writeable = False
+    first = _run(case)
+    assert K._LAYOUT[0] is not None and K._LAYOUT[0][0][0] is case["block_table"]
+    np.testing.assert_array_equal(_run(case), first)
+    np.testing.assert_allclose(first, _ref(case), rtol=2e-6, atol=2e-6)
+    case["context_lens"] = np.asarray((38, 21, 6), case["context_lens"].dtype)
+    np.testing.assert_allclose(_run(case), _ref(case), rtol=2e-6, atol=2e-6)

@@ -62,6 +62,7 @@ def test_ssd_chunks_groups_and_padding(monkeypatch, dt, tol, opts):
     monkeypatch.setattr(K, "SSD_CHUNK", 8)                 # 45 steps: 6 chunks, padded tail
     monkeypatch.setattr(K, "SSD_CHUNK_BWD", 16)
     monkeypatch.setattr(K, "SSD_GROUP_ELEMS", 200)         # several head groups
+    monkeypatch.setattr(K, "SSD_GROUP_ELEMS_BWD", 200)
     sp = opts.get("softplus", False)
     inputs = ssd_inputs(2, 45, 3, 4, 5, dt, d=opts.get("d"), z=opts.get("z", False),
                         bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
@@ -71,6 +72,56 @@ def test_ssd_chunks_groups_and_padding(monkeypatch, dt, tol, opts):
                  lambda a, gy, gl: K.ssd_chunk_scan_backward(*a, gy, gl, **kw), dt,
                  dict(dt_softplus=sp))
     assert max(errs.values()) <= tol, errs
+
+
+@pytest.mark.parametrize("dt,tol", [(fg.float64, 1e-12), (fg.float32, 5e-5)],
+                         ids=["f64", "f32"])
+@pytest.mark.parametrize("opts", [dict(), dict(d="h", z=True, bias=True, softplus=True,
+                                               init=True), dict(d="hp", init=True)],
+                         ids=["plain", "all", "hp"])
+def test_ssd_one_token_step(monkeypatch, dt, tol, opts):
+    """L = 1 (a decode step) takes the recurrence path, in parts of a few head rows."""
+    monkeypatch.setattr(K, "SSD_STEP_ROWS", 4)             # 3 x 5 head rows: 4 parts
+    sp = opts.get("softplus", False)
+    inputs = ssd_inputs(3, 1, 5, 4, 6, dt, d=opts.get("d"), z=opts.get("z", False),
+                        bias=opts.get("bias", False), softplus=sp, init=opts.get("init", False))
+    kw = dict(chunk_size=1, dt_softplus=sp, has_d="d" in inputs, has_z="z" in inputs,
+              has_dt_bias="dt_bias" in inputs, has_initial_states="initial_states" in inputs)
+    errs = _errs(ssd_ref, inputs, SSD_ORDER, lambda a: K.ssd_chunk_scan(*a, **kw),
+                 lambda a, gy, gl: K.ssd_chunk_scan_backward(*a, gy, gl, **kw), dt,
+                 dict(dt_softplus=sp))
+    assert max(errs.values()) <= tol, errs
+
+
+def _strided(names, arrs):
+    """The arrays as the Mamba-2 model hands them over: b and c broadcast over the heads,
+    everything else a slice of a wider array."""
+    out = []
+    for k, v in zip(names, arrs):
+        if k in ("b", "c"):
+            out.append(np.broadcast_to(v[:, :, :1], v.shape))
+        else:
+            wide = np.zeros(v.shape[:-1] + (v.shape[-1] + 3,), v.dtype)
+            wide[..., 1:-2] = v
+            out.append(wide[..., 1:-2])
+    return out
+
+
+@pytest.mark.parametrize("L", [1, 21])
+def test_ssd_strided_inputs(L):
+    """Broadcast and sliced inputs (the kernels take strided inputs) give the reference."""
+    inputs = ssd_inputs(2, L, 3, 4, 5, fg.float64, d="h", z=True, bias=True, softplus=True,
+                        init=True)
+    for k in ("b", "c"):                                   # one group shared by the heads
+        inputs[k] = np.broadcast_to(inputs[k][:, :, :1], inputs[k].shape).copy()
+    names = ordered(inputs, SSD_ORDER)
+    kw = dict(chunk_size=1, dt_softplus=True, has_d=True, has_z=True, has_dt_bias=True,
+              has_initial_states=True)
+    errs = _errs(ssd_ref, inputs, SSD_ORDER,
+                 lambda a: K.ssd_chunk_scan(*_strided(names, a), **kw),
+                 lambda a, gy, gl: K.ssd_chunk_scan_backward(*_strided(names, a), gy, gl, **kw),
+                 fg.float64, dict(dt_softplus=True))
+    assert max(errs.values()) <= 1e-12, errs
 
 
 def test_ssd_chunk_size_param_is_ignored():

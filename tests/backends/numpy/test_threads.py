@@ -48,12 +48,14 @@ def test_split_gemm_equals_one_call(sa, sb, transposed, monkeypatch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("on_pool", [False, True], ids=["caller", "pool"])
+@pytest.mark.parametrize("block", [1 << 18, 96 * 4 * 64], ids=["parts", "blocks"])
 @pytest.mark.parametrize("m", [2, 4, 16])
-def test_few_rows_against_a_weight_split_by_weight_rows(m, monkeypatch):
-    """x [M, K] @ W.T with few rows (a decode step) runs as W @ x.T over blocks of W's rows on
-    the pool: C-contiguous, float64-close, the same bits on every run, and within float32
-    rounding of the unsplit product (OpenBLAS picks its kernel by block size, so not bit for
-    bit)."""
+def test_few_rows_against_a_weight_split_by_weight_rows(m, block, on_pool, monkeypatch):
+    """x [M, K] @ W.T with few rows (a decode step) runs as W @ x.T over blocks of W's rows (on
+    the calling thread or the pool): C-contiguous, float64-close, the same bits on every run,
+    and within float32 rounding of the unsplit product (OpenBLAS picks its kernel by block
+    size, so not bit for bit)."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((m, 96)).astype(np.float32)
     w = rng.standard_normal((700, 96)).astype(np.float32)      # nn.Linear's [out, in]
@@ -61,6 +63,8 @@ def test_few_rows_against_a_weight_split_by_weight_rows(m, monkeypatch):
     one = primitives.gemm(x, w.T)
     monkeypatch.setattr(common, "NUM_THREADS", 2)
     monkeypatch.setattr(primitives, "SMALL_M_POOL_FLOPS", 0)
+    monkeypatch.setattr(primitives, "WEIGHT_BLOCK_BYTES", block)     # 2 or 11 blocks (pool: 4, 11)
+    monkeypatch.setattr(primitives, "WEIGHT_ROWS_ON_POOL", on_pool)
     got = primitives.gemm(x, w.T)
     assert got.shape == (m, 700) and got.flags.c_contiguous
     np.testing.assert_array_equal(primitives.gemm(x, w.T), got)

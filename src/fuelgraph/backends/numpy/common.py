@@ -160,16 +160,22 @@ def run_spans(fn, spans, total_elems: int, *, row_elems: int | None = None) -> N
     lock = threading.Lock()
     failed: list = []
 
+    def spans_left():
+        while not failed:
+            with lock:
+                span = next(queue, None)
+            if span is None:
+                return
+            fn(*span)
+
     def worker():
         with np.errstate(**err):
             old = np.setbufsize(bufsize) if bufsize else None
             try:
-                while not failed:
-                    with lock:
-                        span = next(queue, None)
-                    if span is None:
-                        return
-                    fn(*span)
+                # one BLAS thread each: the pool already fills the cores, and BLAS threads of
+                # their own inside the parts (the SSD kernels' small batched products) made the
+                # SSD backward ~2x slower on 2 cores
+                blas_single(spans_left)
             except BaseException as e:      # stop the others early, re-raise on the caller
                 failed.append(e)
                 raise

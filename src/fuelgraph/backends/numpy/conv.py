@@ -16,7 +16,8 @@ the same, one GEMM per tap into its own slice of dW. Blocks run on fuelgraph's p
 single-threaded BLAS call on a per-thread block that stays in the core's L2 (BLAS's own
 threads spin between many small calls, and collapse when another process shares the cores).
 Depthwise convolutions (one input channel per output channel) skip the GEMM: per chunk of
-(sample, channel) rows one vectorized multiply and add per tap. conv_transpose2d is sh*sw
+(sample, channel) rows one vectorized multiply and add per tap (causal_conv1d: per tap over rows
+of channels instead when its input is a time-major view, as in Mamba). conv_transpose2d is sh*sw
 stride-1 convolutions, one per output phase, written straight into the strided output.
 """
 from __future__ import annotations
@@ -534,11 +535,113 @@ def _sigmoid(z):
     return np.divide(1, s, out=s)
 
 
-@kernel(FusedOps.CAUSAL_CONV1D, "numpy", cost=causal_conv1d_cost)
+def _time_major(x) -> bool:
+    """x [B, C, L] is a transposed view of time-major data (channels adjacent in memory), as
+    Mamba's conv input sliced out of a projection and permuted."""
+    return x.ndim == 3 and x.shape[1] > 1 and x.strides[1] == x.itemsize and \
+        x.strides[2] >= x.shape[1] * x.itemsize
+
+
+#: elements of one part of a time-major causal conv: its [L, channels] temporaries stay in L2
+TM_PART_ELEMS = 1 << 16
+
+
+def _tm_spans(b, c, l=1):
+    """(b0, b1, c0, c1) parts of a time-major conv: per sample, blocks of channels of about
+    TM_PART_ELEMS elements, and at least as many parts as threads (time shifts never cross a
+    part)."""
+    parts = max(-(-common.NUM_THREADS // b), -(-(c * l) // TM_PART_ELEMS)) if c >= 256 else 1
+    parts = min(parts, max(1, c // 64))
+    cuts = [c * i // parts for i in range(parts + 1)]
+    return [(i, i + 1, cuts[j], cuts[j + 1]) for i in range(b) for j in range(parts)]
+
+
+def _run_tm(work, b, c, l):
+    items = _tm_spans(b, c, l)
+    run_spans(lambda i0, i1: [work(*items[i]) for i in range(i0, i1)],
+              [(i, i + 1) for i in range(len(items))], b * c * l)
+
+
+def _causal_z_tm(xa, wa, ba, k, l):
+    """Time-major z [L, Cp] of one sample's channel part xa [L, Cp] (w [Cp, W], bias [Cp])."""
+    z = np.multiply(xa, wa[:, k - 1])
+    for j in range(k - 1):
+        s = k - 1 - j
+        if s < l:
+            z[s:] += xa[:l - s] * wa[:, j]
+    if ba is not None:
+        z += ba
+    return z
+
+
+def _causal_tm(x, wa, ba, k, use_silu, acc):
+    """causal_conv1d on time-major data: each tap one shifted multiply-add over whole rows of
+    channels (no transpose in or out); returns [B, C, L] as a view of a time-major array."""
+    b, c, l = x.shape
+    xt = x.transpose(0, 2, 1)                                   # [B, L, C] view
+    out = np.empty((b, l, c), x.dtype)
+
+    def work(b0, b1, c0, c1):
+        z = _causal_z_tm(to_acc(xt[b0, :, c0:c1], acc), wa[c0:c1],
+                         None if ba is None else ba[c0:c1], k, l)
+        if use_silu:
+            np.multiply(z, _sigmoid(z), out=z)
+        store(out[b0, :, c0:c1], z)
+
+    with np.errstate(over="ignore"):
+        _run_tm(work, b, c, l)
+    return out.transpose(0, 2, 1)
+
+
+def _causal_backward_tm(x, g, wa, ba, k, use_silu, acc):
+    """causal_conv1d_backward on time-major x and grad: (dx as a view of a time-major array,
+    dw [C, W], dbias [C]) in acc."""
+    b, c, l = x.shape
+    xt, gt = x.transpose(0, 2, 1), g.transpose(0, 2, 1)
+    dx = np.empty((b, l, c), x.dtype)
+    dw = np.zeros((b, k, c), acc)
+    db = np.zeros((b, c), acc)
+
+    def work(b0, b1, c0, c1):
+        xa, wr = to_acc(xt[b0, :, c0:c1], acc), wa[c0:c1]
+        dz = np.array(gt[b0, :, c0:c1], acc)
+        if use_silu:
+            z = _causal_z_tm(xa, wr, None if ba is None else ba[c0:c1], k, l)
+            s = _sigmoid(z)                       # dz = g * s * (1 + z * (1 - s))
+            t = z * s
+            np.subtract(z, t, out=z)
+            z += 1
+            z *= s
+            dz *= z
+        db[b0, c0:c1] = dz.sum(0)
+        for j in range(k):
+            s_ = k - 1 - j
+            if s_ < l:
+                # (a column sum of products: einsum's loop, ~8x vecdot's over strided columns)
+                dw[b0, j, c0:c1] = np.einsum("tc,tc->c", dz[s_:], xa[:l - s_])
+        d = np.multiply(dz, wr[:, k - 1])
+        for j in range(k - 1):
+            s_ = k - 1 - j
+            if s_ < l:
+                d[:l - s_] += dz[s_:] * wr[:, j]
+        store(dx[b0, :, c0:c1], d)
+
+    with np.errstate(over="ignore"):
+        _run_tm(work, b, c, l)
+    return dx.transpose(0, 2, 1), dw.sum(0).T, db.sum(0)
+
+
+@kernel(FusedOps.CAUSAL_CONV1D, "numpy", cost=causal_conv1d_cost, strided_input=True)
 def causal_conv1d(x, w, *bias, use_silu):
     """CAUSAL_CONV1D: x [B, C, L], w [C, W] or [C, 1, W], bias [C] -> [B, C, L];
-    z = bias + sum_k w[:, k] * x[t + k - (W-1)] (zeros before t = 0); silu(z) if use_silu."""
+    z = bias + sum_k w[:, k] * x[t + k - (W-1)] (zeros before t = 0); silu(z) if use_silu.
+    Time-major x (a transposed view) is computed time-major and the result returned as such a
+    view too (Mamba's layout: no transposes around the conv)."""
     acc = acc_dtype(x.dtype)
+    if _time_major(x):
+        _, c, _, k, wa, ba = _causal_rows(x, w, bias, acc)
+        return _causal_tm(x, wa, ba, k, use_silu, acc)
+    x = np.ascontiguousarray(x)
     rows, c, l, k, wa, ba = _causal_rows(x, w, bias, acc)
     x2 = x.reshape(rows, l)
     out = np.empty(x.shape, x.dtype)
@@ -557,11 +660,22 @@ def causal_conv1d(x, w, *bias, use_silu):
     return out
 
 
-@kernel(CAUSAL_CONV1D_BACKWARD, "numpy", cost=causal_conv1d_backward_cost)
+@kernel(CAUSAL_CONV1D_BACKWARD, "numpy", cost=causal_conv1d_backward_cost,
+        strided_input=True)
 def causal_conv1d_backward(x, w, grad, *bias, use_silu):
     """CAUSAL_CONV1D_BACKWARD: (x, w, grad, [bias]) -> (dx [B, C, L], dw shaped like w,
-    dbias [C]); silu' is recomputed from x when use_silu."""
+    dbias [C]); silu' is recomputed from x when use_silu. Time-major x and grad are computed
+    time-major (dx returned as a transposed view)."""
     acc = acc_dtype(x.dtype)
+    if _time_major(x) and _time_major(grad):
+        _, c, _, k, wa, ba = _causal_rows(x, w, bias, acc)
+        dx, dw, db = _causal_backward_tm(x, grad, wa, ba, k, use_silu, acc)
+        dwt = np.empty(w.shape, w.dtype)
+        store(dwt, dw.reshape(w.shape))
+        dbias = np.empty(c, x.dtype)
+        store(dbias, db)
+        return dx, dwt, dbias
+    x, grad = np.ascontiguousarray(x), np.ascontiguousarray(grad)
     rows, c, l, k, wa, ba = _causal_rows(x, w, bias, acc)
     b = x.shape[0]
     x2, g2 = x.reshape(rows, l), grad.reshape(rows, l)

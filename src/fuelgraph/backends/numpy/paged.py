@@ -23,8 +23,8 @@ CHUNK_KEYS = 512
 class _Checked:
     """The index arrays (and parameters) that passed their data check last. A decode step
     hands the same slot mapping to every layer's cache write and the same lengths and table to
-    every layer's attention: checked once per step. Only arrays that own their memory and are
-    read-only are remembered (what they hold cannot have changed since)."""
+    every layer's attention: checked once per step. Only read-only arrays that own their memory
+    (or read-only views of such) are remembered (what they hold cannot have changed since)."""
 
     def __init__(self):
         self.last = None
@@ -35,8 +35,18 @@ class _Checked:
             all(a is b for a, b in zip(last[0], arrays))
 
     def remember(self, arrays, params):
-        if all(a.base is None and not a.flags.writeable for a in arrays):
+        if all(_frozen(a) for a in arrays):
             self.last = (arrays, params)
+
+
+def _frozen(a) -> bool:
+    """A read-only array that owns its memory, or a read-only view of one (a decode step's
+    row of the inputs the cache prepared for all steps at once)."""
+    if a.flags.writeable:
+        return False
+    b = a.base
+    return b is None or (isinstance(b, np.ndarray) and b.base is None and
+                         not b.flags.writeable)
 
 
 _LENGTHS, _SLOTS = _Checked(), _Checked()
@@ -70,7 +80,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     longest = -(-int(lens.max(initial=0)) // bs) * bs
     if B * hkv * longest * max(d, sq * (hq // hkv)) <= BATCHED_MAX_ELEMS:     # k/v and scores
         with np.errstate(over="ignore", invalid="ignore"):
-            o = _attend_batch(q, k_cache, v_cache, block_table, lens, acc, softmax_scale,
+            o = _attend_batch(q, k_cache, v_cache, block_table, context_lens, acc, softmax_scale,
                               softcap, slopes)
         if o.dtype == q.dtype and o.flags.c_contiguous:    # a fresh array of the kernel's own
             return o
@@ -153,7 +163,7 @@ def _attend(qb, k_cache, v_cache, pages, n, acc, scale, softcap, slopes, h0, h1)
 BATCHED_MAX_ELEMS = 1 << 20
 
 
-def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, slopes):
+def _attend_batch(q, k_cache, v_cache, block_table, context_lens, acc, scale, softcap, slopes):
     """All sequences at once, for short contexts: every sequence's live blocks gathered into
     one padded [B, Hkv, L, D] (L = the longest context, rounded up to whole blocks; a shorter
     sequence's padding reads block 0, masked out of the scores and zeroed in v), batched
@@ -161,20 +171,17 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     tokens come out zero."""
     B, hq, sq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
-    mb = -(-int(lens.max(initial=0)) // bs)
-    L, g = mb * bs, hq // hkv
-    if mb == 0:
+    lay = _batch_layout(block_table, context_lens, bs, acc)
+    if lay is None:
         return np.zeros(q.shape, acc)
-    live = np.arange(mb)[None, :] * bs < lens[:, None]
-    pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)         # pads read block 0
+    L, pages, short, empty, pad_rows, pad = lay
+    g = hq // hkv
 
     def dense(cache, zero_padding=False):                                  # [B, Hkv, L, D]
-        rows = cache[pages].reshape(B, L, hkv, d)          # a fresh gather: zeroed in place,
+        rows = cache[pages].reshape(B * L, hkv, d)         # a fresh gather: zeroed in place,
         if zero_padding:                                   # in its contiguous layout
-            rows[np.arange(L)[None, :] >= lens[:, None]] = 0
-        return to_acc(rows.transpose(0, 2, 1, 3), acc)
-    short = int(lens.min()) < L                    # padding rows (they may hold anything)
-    empty = int(lens.min()) == 0
+            rows[pad_rows] = 0
+        return to_acc(rows.reshape(B, L, hkv, d).transpose(0, 2, 1, 3), acc)
     qg = to_acc(q, acc).reshape(B, hkv, g * sq, d)
     s = qg @ dense(k_cache).transpose(0, 1, 3, 2)                          # [B, Hkv, g*Sq, L]
     s *= acc.type(scale)
@@ -182,9 +189,10 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
         c = acc.type(softcap)
         s = np.tanh(s / c) * c
     if sq == 1 and slopes is None:                 # decode: only the length mask
-        if short:
-            s = np.where((np.arange(L)[None, :] < lens[:, None])[:, None, None, :], s, -np.inf)
+        if short:                                  # (rows past a length may hold NaN)
+            np.copyto(s, -np.inf, where=pad)
     else:
+        lens = context_lens.astype(np.int64)
         pos = lens[:, None] - sq + np.arange(sq)[None, :]                   # [B, Sq]
         rel = np.tile(pos, (1, g))[:, :, None] - np.arange(L)[None, None, :]   # [B, g*Sq, L]
         if slopes is not None:
@@ -201,10 +209,40 @@ def _attend_batch(q, k_cache, v_cache, block_table, lens, acc, scale, softcap, s
     o = p @ v                                                              # [B, Hkv, g*Sq, D]
     if empty:
         o /= np.where(den > 0, den, 1)
-        o[lens == 0] = 0
+        o[context_lens == 0] = 0
     else:
         o /= den
     return o.reshape(B, hq, sq, d)
+
+
+_LAYOUT: list = [None]        # ((block_table, context_lens, block size, acc), layout)
+
+
+def _batch_layout(block_table, lens, bs, acc):
+    """What `_attend_batch` needs of the table and lengths alone, or None without live blocks:
+    (L, pages [B, L / bs] (pads read block 0), whether some sequence is shorter than L, whether
+    one is empty, the padding rows of the gathered [B * L] rows, the padding mask
+    [B, 1, 1, L] of the scores). A decode step hands every layer the same
+    read-only table and lengths: worked out once per step (`_frozen`)."""
+    key = (block_table, lens, bs, acc)
+    got = _LAYOUT[0]
+    if got is not None and all(a is b for a, b in zip(got[0][:2], key[:2])) and \
+            got[0][2:] == key[2:]:
+        return got[1]
+    ln = lens.astype(np.int64)
+    mb = -(-int(ln.max(initial=0)) // bs)
+    if mb == 0:
+        lay = None
+    else:
+        L = mb * bs
+        live = np.arange(mb)[None, :] * bs < ln[:, None]
+        pages = np.where(live, block_table[:, :mb].astype(np.int64), 0)
+        short, empty = int(ln.min()) < L, int(ln.min()) == 0  # padding rows may hold anything
+        pad = np.arange(L)[None, :] >= ln[:, None]                        # [B, L]
+        lay = (L, pages, short, empty, np.flatnonzero(pad), pad[:, None, None, :])
+    if _frozen(block_table) and _frozen(lens):
+        _LAYOUT[0] = (key, lay)
+    return lay
 
 
 def _rows(cache, pages, h, nk, acc):
@@ -226,11 +264,28 @@ def paged_cache_write(cache, new, slot_mapping, *, out=None, check=True):
     dst = cache if out is None else out
     if out is not None:
         np.copyto(out, cache)
+    rows, keep = _write_rows(slot_mapping)
+    flat = dst.reshape(nb * bs, *cache.shape[2:])
+    flat[rows] = new if keep is None else new[keep]
+    return dst
+
+
+_WRITE_ROWS: list = [None]     # (slot_mapping, (rows, keep))
+
+
+def _write_rows(slot_mapping):
+    """(pool rows to write, the mask of the new rows written or None for all) of a slot
+    mapping (the index type's maximum skips a row); worked out once for a read-only mapping
+    (a decode step writes k and v of every layer with the same one)."""
+    got = _WRITE_ROWS[0]
+    if got is not None and got[0] is slot_mapping:
+        return got[1]
     s = slot_mapping.astype(np.int64)
     keep = s != index_max(slot_mapping.dtype)
-    flat = dst.reshape(nb * bs, *cache.shape[2:])
-    flat[s[keep]] = new[keep]
-    return dst
+    res = (s, None) if keep.all() else (s[keep], keep)
+    if _frozen(slot_mapping):
+        _WRITE_ROWS[0] = (slot_mapping, res)
+    return res
 
 
 def paged_cache_write_kv_cost(shapes, params=None):

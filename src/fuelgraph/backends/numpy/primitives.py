@@ -221,10 +221,19 @@ def _one_blas_thread():
 
 #: products with at most this many rows against a transposed weight take the W @ x.T form
 SMALL_M_ROWS = 16
-#: ... and from this size on are split over the pool by weight rows (each part one
-#: single-threaded BLAS call): a 2-core VM, x [4, 512] @ W.T [512, 1536] 0.21 ms against 0.30
-#: on one thread; the [4, 512] x [512, 32000] head 4.9 ms against 13.7 (one row gains nothing)
+#: ... and from this size on run as blocks of the weight's rows (one BLAS call each):
+#: OpenBLAS's small-M GEMM repacks the whole weight on every call ([4, 512] x [512, 32000]
+#: head: 13.7 ms as one call on a 2-core VM)
 SMALL_M_POOL_FLOPS = 4e6
+#: ... of at most about this many bytes of the weight: OpenBLAS packs a block it has just read
+#: into L2 (one thread, [4, 512] x [512, 2048]: 128-row blocks 0.28 ms, the whole weight 1.0 ms)
+WEIGHT_BLOCK_BYTES = 1 << 18
+#: ... on the calling thread (False) or split over the pool (True). With L2-sized blocks one
+#: thread streams the weight about as fast as two (the VM's bandwidth, not its cores, bounds
+#: it), and the pool's hand-offs cost more than they gained: Llama B4 generate (2 threads,
+#: interleaved, min of 10-16 rounds) 254 / 283 / 302 ms on the calling thread against
+#: 252 / 357 / 331 ms on the pool; Mamba-2 B4 319 against 324 ms
+WEIGHT_ROWS_ON_POOL = False
 
 
 def gemm(a, b, out=None):
@@ -241,7 +250,7 @@ def gemm(a, b, out=None):
     if 1 < m <= SMALL_M_ROWS and a.ndim == 2 and b.ndim == 2 and b.strides[0] < b.strides[1] \
             and out is None and a.dtype.kind == "f":
         # x @ W.T with few rows (a decode step): OpenBLAS is up to 2x faster computing W @ x.T
-        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS and common.NUM_THREADS > 1:
+        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS:
             pooled = _pool_weight_rows(a, b.T, n)
             if pooled is not None:
                 return pooled
@@ -257,15 +266,22 @@ def gemm(a, b, out=None):
 
 
 def _pool_weight_rows(x, w, n):
-    """x [M, K] @ w.T for a row-major weight w [N, K] and few rows M, as w @ x.T split over the
-    pool by blocks of w's rows (the pool's threads sleep between calls where BLAS's own spin):
-    [M, N], or None when this BLAS's threads cannot be limited."""
+    """x [M, K] @ w.T for a row-major weight w [N, K] and few rows M, as w @ x.T by blocks of
+    w's rows of about WEIGHT_BLOCK_BYTES, one single-threaded BLAS call each, on the calling
+    thread (over the pool with WEIGHT_ROWS_ON_POOL): [M, N], or None when the pool's BLAS
+    threads cannot be limited."""
     out_t = np.empty((n, x.shape[0]), np.result_type(x, w))
     xt = x.T
-    spans = _even_spans(n, GEMM_PARTS_PER_THREAD * common.NUM_THREADS, 64)
-    if not _pooled_one_blas_thread(lambda r0, r1: np.matmul(w[r0:r1], xt, out=out_t[r0:r1]),
-                                   spans):
-        return None
+    rows = max(64, WEIGHT_BLOCK_BYTES // max(1, w.shape[1] * w.itemsize) // 16 * 16)
+
+    def work(r0, r1):
+        np.matmul(w[r0:r1], xt, out=out_t[r0:r1])
+    if WEIGHT_ROWS_ON_POOL and common.NUM_THREADS > 1:
+        parts = max(GEMM_PARTS_PER_THREAD * common.NUM_THREADS, -(-n // rows))
+        if not _pooled_one_blas_thread(work, _even_spans(n, parts, 64)):
+            return None
+    else:
+        common.blas_single(lambda: [work(r, min(n, r + rows)) for r in range(0, n, rows)])
     return np.ascontiguousarray(out_t.T)
 
 
@@ -303,8 +319,8 @@ def _pooled_one_blas_thread(work, spans) -> bool:
     """Run work(i0, i1) over `spans` on the pool, each part with one BLAS thread. False (nothing
     run) when this BLAS's threads cannot be limited: the caller then runs the work whole."""
     if common.has_blas_single():
-        common.run_spans(lambda i0, i1: common.blas_single(lambda: work(i0, i1)), spans,
-                         common.PARALLEL_MIN_ELEMS)
+        # the calling thread's limit set once (run_spans holds its pool threads to one too)
+        common.blas_single(lambda: common.run_spans(work, spans, common.PARALLEL_MIN_ELEMS))
         return True
     ctx = _one_blas_thread()
     if ctx is None:

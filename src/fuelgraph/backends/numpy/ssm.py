@@ -17,7 +17,11 @@ ssd_chunk_scan: the chunked (state-space dual) algorithm. Time is cut into chunk
 (the kernel's own Q; the op's chunk_size is only a hint, so results do not depend on it, and a
 ragged tail is padded with dt = 0 steps, which leave the state unchanged). Within a chunk the
 outputs are masked Q x Q matmuls, each chunk's contribution to the state is one matmul, and a
-short loop over chunks passes the state along. The backward is the same algorithm transposed.
+short loop over chunks passes the state along. The backward is the same algorithm transposed;
+it forms the ungated output the gate's gradient needs from the chunk terms and states it
+computes anyway (no second forward pass). Work runs in groups of head rows small enough that a
+group's temporaries stay in L2. One token (L = 1, a decode step) runs as the recurrence itself.
+Inputs may be strided (b and c broadcast over the heads of a group, sliced x and z).
 """
 from __future__ import annotations
 
@@ -35,7 +39,10 @@ SS_BLOCK_ELEMS = 1 << 17
 # SSD: chunk length (forward, backward) and elements of one group's [G, nc, Q, Q] arrays
 SSD_CHUNK = 64
 SSD_CHUNK_BWD = 32
-SSD_GROUP_ELEMS = 1 << 20
+# (a group's [G, nc, Q, *] temporaries stay in L2: 2 cores, B4 L256 H16 P=N=64, one thread,
+# the forward 44 -> 35 ms and the backward 130 -> 80 ms from 1 << 20)
+SSD_GROUP_ELEMS = 1 << 16
+SSD_GROUP_ELEMS_BWD = 1 << 15
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
@@ -368,8 +375,8 @@ def _ssd_group_fwd(X, DT, aa, Bm, Cm, h0, Q):
     return y.reshape(G, Lp, P), Hs
 
 
-def _ssd_groups(BH, L, Q):
-    G = max(1, min(BH, SSD_GROUP_ELEMS // max(1, L * Q)))
+def _ssd_groups(BH, L, Q, elems=None):
+    G = max(1, min(BH, (elems or SSD_GROUP_ELEMS) // max(1, L * Q)))
     spans = [(i, min(BH, i + G)) for i in range(0, BH, G)]
     if len(spans) < NUM_THREADS and BH >= NUM_THREADS and BH * L * Q >= (1 << 16):
         spans = _spans(BH, NUM_THREADS)
@@ -380,7 +387,9 @@ def _d_b(H, P):
     return lambda v: v[:, None] if v.ndim == 1 else v
 
 
-@kernel(FusedOps.SSD_CHUNK_SCAN, "numpy", cost=ssd_cost)
+# strided inputs: the head-major copies below are the only ones (b and c broadcast over the
+# heads of a group, x and z slices of a projection are read where they are)
+@kernel(FusedOps.SSD_CHUNK_SCAN, "numpy", cost=ssd_cost, strided_input=True)
 def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, has_dt_bias,
                    has_initial_states):
     """SSD_CHUNK_SCAN: x [B, L, H, P], dt [B, L, H], a [H], b, c [B, L, H, N], then the optional
@@ -396,6 +405,8 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
         y = np.zeros((B, L, H, P), acc)
         _epilogue(y, to_acc(x, acc), o.get("d"), o.get("z"), acc, _d_b(H, P))
         return _out(y, x.dtype), _out(h0.reshape(B, H, P, N), x.dtype)
+    if L == 1:
+        return _ssd_one_step(x, dt, a, b, c, o, dt_softplus, acc, h0)
     X, DT, aa, Bm, Cm, Q, Lp, _, _ = _ssd_prepare(x, dt, a, b, c, o, dt_softplus, acc)
     Y = np.empty((B * H, Lp, P), acc)
     last = np.empty((B * H, P, N), acc)
@@ -413,16 +424,56 @@ def ssd_chunk_scan(x, dt, a, b, c, *opt, chunk_size, dt_softplus, has_d, has_z, 
     return _out(y, x.dtype), _out(last.reshape(B, H, P, N), x.dtype)
 
 
-def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
-    """Gradients on G head rows given the cotangent GY [G, Lp, P] of the ungated y and GL
-    [G, P, N] of the final state: dX, dDT (direct + decay terms), da [G], dB, dC, dh0."""
+#: head rows per part of a one-token step at most: 32 states of 64 x 64 float32 (512 KiB)
+#: stay in L2 (2 cores, B4 H16 P=N=64, one thread: 16-64 rows per part all ~340 us a layer)
+SSD_STEP_ROWS = 32
+
+
+def _ssd_one_step(x, dt, a, b, c, o, softplus, acc, h0):
+    """SSD_CHUNK_SCAN of one token (a decode step) as the recurrence itself: per head row,
+    h = exp(dt * a) * h0 + (dt * x) b^T and y = h c, in parts of SSD_STEP_ROWS head rows on
+    the pool so that each part's states stay in cache between the passes."""
+    B, _, H, P = x.shape
+    N = b.shape[3]
+    dtv, _ = _step_size(dt, o.get("bias"), softplus, acc)            # [B, 1, H]
+    DT = np.ascontiguousarray(dtv.reshape(B * H))
+    decay = np.exp(DT * np.broadcast_to(to_acc(a, acc), (B, H)).reshape(B * H))
+    DX = to_acc(x, acc).reshape(B * H, P) * DT[:, None]              # dt * x
+    Bm, Cm = to_acc(b, acc).reshape(B * H, N), to_acc(c, acc).reshape(B * H, N)
+    last = np.empty((B * H, P, N), acc)
+    y = np.empty((B * H, P), acc)
+
+    def work(g0, g1):
+        h = last[g0:g1]
+        # decay as a [rows, P*N] product with a per-row factor (with run_spans' row-sized ufunc
+        # buffer, ~2.5x faster than over [rows, P, N]); the outer product by einsum (~1.6x
+        # faster than the broadcast multiply)
+        np.multiply(h0[g0:g1].reshape(g1 - g0, P * N), decay[g0:g1, None],
+                    out=h.reshape(g1 - g0, P * N))
+        h += np.einsum("gp,gn->gpn", DX[g0:g1], Bm[g0:g1])
+        np.matmul(h, Cm[g0:g1, :, None], out=y[g0:g1, :, None])
+
+    spans = [(i, min(B * H, i + SSD_STEP_ROWS)) for i in range(0, B * H, SSD_STEP_ROWS)]
+    with np.errstate(over="ignore", under="ignore"):
+        run_spans(work, spans, B * H * P * N, row_elems=P * N)
+    y = y.reshape(B, 1, H, P)
+    _epilogue(y, to_acc(x, acc), o.get("d"), o.get("z"), acc, _d_b(H, P))
+    return _out(y, x.dtype), _out(last.reshape(B, H, P, N), x.dtype)
+
+
+def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q, Z=None, Dr=None):
+    """Gradients on G head rows given the cotangent GY [G, Lp, P] of the output and GL
+    [G, P, N] of the final state, the output gated by Z [G, Lp, P] (silu) and skipped by
+    Dr (d per head row, [G, 1, 1] or [G, 1, P]) when given: dX, dDT (direct + decay terms),
+    da [G], dB, dC, dh0, dZ (or None), the d-gradient summed over the row [G, P] (or None).
+    The ungated y the gate's gradient needs is formed here from the chunk terms and states
+    the backward computes anyway (no second forward pass)."""
     G, Lp, P = X.shape
     N = Bm.shape[-1]
     nc = Lp // Q
     Acum, Lm, CB = _ssd_chunk_terms(DT, aa, Cm, Bm, Q)
     dtc = DT.reshape(G, nc, Q)
     Xc, Bc, Cc = X.reshape(G, nc, Q, P), Bm.reshape(G, nc, Q, N), Cm.reshape(G, nc, Q, N)
-    Yg = GY.reshape(G, nc, Q, P)
     eA = np.exp(Acum)                                                # decay from chunk start
     wend = np.exp(Acum[..., -1:] - Acum)                             # decay to chunk end
     dec = eA[..., -1]                                                # whole-chunk decay
@@ -433,6 +484,11 @@ def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
     for k in range(nc):
         np.multiply(Hs[:, k], dec[:, k, None, None], out=Hs[:, k + 1])
         Hs[:, k + 1] += Sloc[:, k]
+    dZ = dD = None
+    if Z is not None or Dr is not None:
+        GY, dZ, dD, skip = _gate_rows(GY.reshape(G, nc, Q, P), Xc, CB, Lm, dtc, Cc, Hs, eA,
+                                      Z, Dr)
+    Yg = GY.reshape(G, nc, Q, P)
     # Dst[k] = dL/d(state at the end of chunk k), from later chunks and GL
     Yc = np.matmul((Yg * eA[..., None]).swapaxes(-1, -2), Cc)       # [G, nc, P, N]
     Dst = np.empty((G, nc + 1, P, N), X.dtype)                       # Dst[k + 1] <-> chunk k
@@ -471,11 +527,43 @@ def _ssd_group_bwd(X, DT, aa, Bm, Cm, h0, GY, GL, Q):
     ds = np.flip(np.cumsum(np.flip(dAc, -1), -1), -1)               # d loss / d (dt * a)
     ddt += ds * aa[:, None, None]
     da = (ds * dtc).sum((1, 2))
-    return (dX.reshape(G, Lp, P), ddt.reshape(G, Lp), da, dB.reshape(G, Lp, N),
-            dC.reshape(G, Lp, N), dh0)
+    dX = dX.reshape(G, Lp, P)
+    if Dr is not None:
+        dX += skip
+    return (dX, ddt.reshape(G, Lp), da, dB.reshape(G, Lp, N), dC.reshape(G, Lp, N), dh0, dZ,
+            dD)
 
 
-@kernel(SSD_CHUNK_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ssd_cost(s[:5], p))
+def _gate_rows(GY, Xc, CB, Lm, dtc, Cc, Hs, eA, Z, Dr):
+    """The gate and skip of the SSD output on head rows (chunked [G, nc, Q, P]): the ungated
+    y = (CB * Lm * dt) x + exp(Acum) C h_in, then for out = (y + x * d) * silu(z):
+    (cotangent of y [G, Lp, P], dZ, d-gradient per row [G, P], x's skip gradient)."""
+    G, nc, Q, P = GY.shape
+    g, dZ, dD, skip = GY.reshape(G, nc * Q, P), None, None, None
+    X = Xc.reshape(G, nc * Q, P)
+    if Z is not None:
+        M = CB * Lm
+        M *= dtc[:, :, None, :]
+        y = np.matmul(M, Xc)
+        yoff = np.matmul(Cc, Hs[:, :nc].swapaxes(-1, -2))
+        yoff *= eA[..., None]
+        y += yoff
+        y = y.reshape(G, nc * Q, P)
+        if Dr is not None:
+            y += X * Dr
+        s = _sigmoid(Z)
+        dZ = s * (1 + Z * (1 - s))
+        dZ *= g
+        dZ *= y
+        g = g * (Z * s)
+    if Dr is not None:
+        skip = g * Dr
+        dD = np.vecdot(g.swapaxes(1, 2), X.swapaxes(1, 2))                # [G, P]
+    return g, dZ, dD, skip
+
+
+@kernel(SSD_CHUNK_SCAN_BACKWARD, "numpy", cost=lambda s, p=None: ssd_cost(s[:5], p),
+        strided_input=True)
 def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_d, has_z,
                             has_dt_bias, has_initial_states):
     """Backward of SSD_CHUNK_SCAN: the forward inputs, then grad_y [B, L, H, P] and
@@ -487,55 +575,64 @@ def ssd_chunk_scan_backward(x, dt, a, b, c, *rest, chunk_size, dt_softplus, has_
     N = b.shape[3]
     h0 = np.zeros((B * H, P, N), acc) if "init" not in o else \
         np.ascontiguousarray(to_acc(o["init"], acc).reshape(B * H, P, N))
-    xa = to_acc(x, acc)
-    y_ssm = None
-    if "z" in o:
-        y_ssm = to_acc(ssd_chunk_scan(
-            xa, dt, a, b, c, *([o["bias"]] if "bias" in o else []),
-            *([o["init"]] if "init" in o else []), chunk_size=chunk_size,
-            dt_softplus=dt_softplus, has_d=False, has_z=False, has_dt_bias="bias" in o,
-            has_initial_states="init" in o)[0], acc)
-    g, dz, dd, dx_skip = _gate_backward(gy, xa, y_ssm, o.get("d"), o.get("z"), acc, _d_b(H, P))
     X, DT, aa, Bm, Cm, Q, Lp, dtv, pre = _ssd_prepare(x, dt, a, b, c, o, dt_softplus, acc,
                                                       SSD_CHUNK_BWD)
     BH = B * H
 
     def hm(t, last):
-        t = np.moveaxis(t, 2, 1).reshape((BH, L) + last)
+        t = np.moveaxis(to_acc(t, acc), 2, 1).reshape((BH, L) + last)
         r = np.zeros((BH, Lp) + last, acc)
         r[:, :L] = t
         return r
 
-    GY = hm(g, (P,))
+    GY = hm(gy, (P,))
+    Z = hm(o["z"], (P,)) if "z" in o else None
+    Dr = None
+    if "d" in o:                                        # d of each head row
+        d = to_acc(o["d"], acc)
+        Dr = np.broadcast_to(d.reshape(1, H, -1), (B, H, d.size // H)).reshape(BH, 1, -1)
     GL = np.ascontiguousarray(to_acc(gl, acc).reshape(BH, P, N))
     dX, dDT = np.zeros((BH, Lp, P), acc), np.zeros((BH, Lp), acc)
     dBm, dCm = np.zeros((BH, Lp, N), acc), np.zeros((BH, Lp, N), acc)
     da_bh, dh0 = np.zeros(BH, acc), GL.copy()
+    dZ = np.zeros((BH, Lp, P), acc) if Z is not None else None
+    dD = np.zeros((BH, P), acc) if Dr is not None else None
 
     def work(g0, g1):
         r = _ssd_group_bwd(X[g0:g1], DT[g0:g1], aa[g0:g1], Bm[g0:g1], Cm[g0:g1], h0[g0:g1],
-                           GY[g0:g1], GL[g0:g1], Q)
-        for dst, src in zip((dX, dDT, da_bh, dBm, dCm, dh0), r):
-            dst[g0:g1] = src
+                           GY[g0:g1], GL[g0:g1], Q, None if Z is None else Z[g0:g1],
+                           None if Dr is None else Dr[g0:g1])
+        for dst, src in zip((dX, dDT, da_bh, dBm, dCm, dh0, dZ, dD), r):
+            if dst is not None:
+                dst[g0:g1] = src
 
     if L and BH * P * N:
         with np.errstate(over="ignore", under="ignore"):
-            run_spans(work, _ssd_groups(BH, Lp, Q), BH * Lp * Q)
+            run_spans(work, _ssd_groups(BH, Lp, Q, SSD_GROUP_ELEMS_BWD), BH * Lp * Q)
+    elif dZ is not None or dD is not None:                # no state: out = x * d * silu(z)
+        g = GY
+        if Z is not None:
+            s = _sigmoid(Z)
+            yp = X * Dr if Dr is not None else np.zeros_like(X)
+            dZ = GY * yp * (s * (1 + Z * (1 - s)))
+            g = GY * (Z * s)
+        if Dr is not None:
+            dX += g * Dr
+            dD = (g * X).sum(1)
 
     def back(t, last):                                  # [BH, Lp, *last] -> [B, L, H, *last]
         return np.moveaxis(t[:, :L].reshape((B, H, L) + last), 1, 2)
 
     dx = back(dX, (P,))
-    if dx_skip is not None:
-        dx = dx + dx_skip
     ddt = back(dDT[..., None], (1,))[..., 0]
     if dt_softplus:
         ddt = ddt * _sigmoid(pre)
     grads = [dx, ddt, da_bh.reshape(B, H).sum(0), back(dBm, (N,)), back(dCm, (N,))]
     if "d" in o:
-        grads.append(dd.sum((0, 1)) if o["d"].ndim == 2 else dd.sum((0, 1, 3)))
+        dd = dD.reshape(B, H, P).sum(0)
+        grads.append(dd if o["d"].ndim == 2 else dd.sum(-1))
     if "z" in o:
-        grads.append(dz)
+        grads.append(back(dZ, (P,)))
     if "bias" in o:
         grads.append(ddt.sum((0, 1)))
     if "init" in o:
