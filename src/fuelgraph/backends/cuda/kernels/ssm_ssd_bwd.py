@@ -33,14 +33,16 @@ from .ssm import sigmoid_f32
 
 
 @triton.jit
-def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-                acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask,
+def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m,
+                dtp_m, U, acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask,
                 Q: tl.constexpr, CB_S: tl.constexpr, CB_Z: tl.constexpr, REV: tl.constexpr,
-                PREC: tl.constexpr, op_t: tl.constexpr):
+                ROW_DT: tl.constexpr, PREC: tl.constexpr, op_t: tl.constexpr):
     """(acc + (S o weights) W, z + row sums of (S o weights o C B^T)) over the columns
     k0 + [0, BK) of the rows kernel: S = U V^T (CB_S: C B^T read from cb instead), W [BK, BO];
-    weights Lm[t, s] (REV: rows s, columns t; else rows t, columns s, times dt_s), zero
-    outside t >= s. CB_Z: z gets the decay-weighted products times C B^T from cb (rows of
+    weights Lm[t, s] (REV: rows s, columns t, times dt_s = dtp_m if ROW_DT; else rows t,
+    columns s, times dt_s), zero outside t >= s: dB (ROW_DT) and dC so round the same 16-bit
+    operand (S_ts Lm[t, s]) dt_s for the pair (t, s), and their R . out sums cancel in the
+    Acum gradient at float32 rounding. CB_Z: z gets the decay-weighted products times C B^T from cb (rows of
     Zm[t, s] = (GY_t . x_s) C_t . B_s Lm[t, s] dt_s for dC, columns over dt_s for dB)."""
     t = k0 + offs_k
     kmask = t < cend
@@ -56,6 +58,8 @@ def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, b
     if REV:
         valid = (t[None, :] >= offs_m[:, None]) & kmask[None, :]
         S = S * tl.exp(tl.where(valid, ac_k[None, :] - ac_m[:, None], float("-inf")))
+        if ROW_DT:
+            S = S * dtp_m[:, None]
     else:
         valid = (offs_m[:, None] >= t[None, :]) & kmask[None, :]
         dtp_k = tl.load(dtp_ptr + row + t, mask=kmask, other=0.0)
@@ -74,7 +78,7 @@ def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, b
 
 @triton.jit
 def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsum_ptr,
-                         acum_ptr, dtp_ptr, d_ptr, dd_ptr, st_ptr, hl_ptr, dtot_ptr,
+                         acum_ptr, dtp_ptr, d_ptr, dd_ptr, st_ptr, dtot_ptr,
                          L, H, P, K, O, NC, S_MC,
                          su_b, su_l, su_h, sv_b, sv_l, sv_h, sw_b, sw_l, sw_h, sr_b, sr_l, sr_h,
                          sm_k, sm_o,
@@ -129,22 +133,18 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     mo_off = offs_u[:, None] * sm_k + offs_o[None, :] * sm_o
     mo_mask = umask[:, None] & omask[None, :]
     Mt = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + mo_off, mask=mo_mask, other=0.0)
+    hd = tl.zeros((1,), tl.float32).sum(0)
     if KIND == 1:
-        if pid_m == 0:       # in slabs of 16 rows of P: few registers
-            nxt = ci + 1 < NC
-            tot = 0.0
+        if pid_m == 0:       # sum(Hin o Dst) of this N block, in slabs of 16 rows of P
             for p0 in range(0, K, 16):
                 offs_s = p0 + tl.arange(0, 16)
                 s_off = offs_s[:, None] * sm_k + offs_o[None, :] * sm_o
                 s_mask = (offs_s < K)[:, None] & omask[None, :]
-                h_out = tl.load(st_ptr + (pid_bh * NC + ci + 1) * S_MC + s_off,
-                                mask=s_mask & nxt, other=0.0).to(tl.float32)
-                h_out += tl.load(hl_ptr + pid_bh * S_MC + s_off, mask=s_mask & (ci + 1 == NC),
-                                 other=0.0).to(tl.float32)
+                h_in = tl.load(st_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
+                               other=0.0).to(tl.float32)
                 dslab = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
                                 other=0.0).to(tl.float32)
-                tot += tl.sum(tl.sum(h_out * dslab, 1), 0)
-            tl.store(dtot_ptr + (pid_bh * NC + ci) * tl.num_programs(1) + pid_o, tot)
+                hd += tl.sum(tl.sum(h_in * dslab, 1), 0)
     if REV:
         total = tl.load(acum_ptr + row + cend - 1)
         coef = tl.where(mmask, tl.exp(total - ac_m), 0.0)
@@ -154,23 +154,30 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
         coef = tl.where(mmask, tl.exp(ac_m), 0.0)
         lo = c0
         hi_t = tl.minimum(m0 + BM, cend)
+    dtp_m = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
+    if KIND == 1:            # dB: dt_s inside the products (see _rows_block)
+        coef = coef * dtp_m
     acc = tl.dot(U, Mt.to(op_t), input_precision=PREC) * coef[:, None]
     mo2 = mmask[:, None] & omask[None, :]
     r_off = bi * sr_b + hi * sr_h + offs_m[:, None] * sr_l + offs_o[None, :]
     CB_S: tl.constexpr = HAS_CB and KIND == 0
     CB_Z: tl.constexpr = HAS_CB and KIND != 0
     z = tl.zeros((BM,), tl.float32)
-    if CB_Z:
-        # the state term's share of R . out now (R: b for dB, c for dC); the decay terms'
-        # share from the products themselves (z, by the first O block only), so that the
-        # pairs (t, s) of a chunk cancel in the suffix sums of the Acum gradient at float32
-        # rounding (not at that of the dots' 16-bit operands)
+    if CB_Z or KIND == 1:
+        # the state term's share of R . out now (R: b for dB, c for dC). dB: its float32
+        # values r_s (times dt_s) enter the Acum gradient twice, -r_s at step s and their sum
+        # (with exp(Acum_end) Hin . Dst) at the chunk's end, so that the suffix sums cancel
+        # them exactly as the fused kernel does; with h_out . Dst there instead, the 16-bit
+        # stored h_out's rounding (relative to |h_out|, not to the decayed |Hin|) reached
+        # every step of the chunk. CB_Z: the decay terms' share from the products themselves
+        # (z, by the first O block only), so that the pairs (t, s) of a chunk cancel in the
+        # suffix sums at float32 rounding (not at that of the dots' 16-bit operands)
         z_state = tl.sum(tl.load(r_ptr + r_off, mask=mo2, other=0.0).to(tl.float32) * acc, 1)
     for k0 in range(lo, hi_t, BK):
         acc, z = _rows_block(
-            acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, U,
-            acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, Q, CB_S, CB_Z,
-            REV, PREC, op_t)
+            acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, dtp_m,
+            U, acum_ptr, dtp_ptr, cb_ptr, v_base, w_base, sv_l, sw_l, umask, omask, Q, CB_S,
+            CB_Z, REV, KIND == 1, PREC, op_t)
     if CB_Z:
         z = z_state + tl.where(pid_o == 0, z, 0.0)
     else:
@@ -181,15 +188,18 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
             rs = z
         else:
             rs = tl.sum(R * out, 1)
-    else:
-        dtp_m = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
-        out = acc * dtp_m[:, None]
-        if KIND == 1:
-            if CB_Z:
-                rs = -z * dtp_m
-            else:
-                rs = -tl.sum(R * out, 1)
+    elif KIND == 1:
+        out = acc
+        hd = tl.where(pid_m == 0, hd * tl.exp(total), 0.0)
+        tl.store(dtot_ptr + ((pid_bh * NC + ci) * NM + pid_m) * tl.num_programs(1) + pid_o,
+                 hd + tl.sum(z_state, 0))
+        if CB_Z:
+            rs = -z
         else:
+            rs = -tl.sum(R * out, 1)
+    else:
+        out = acc * dtp_m[:, None]
+        if True:
             rs = tl.sum(R * acc, 1)
             if HAS_D:
                 G = tl.load(w_base + offs_m[:, None] * sw_l + offs_o[None, :], mask=mo2,
@@ -249,7 +259,7 @@ def _ssd_bwd_dt_kernel(dt_ptr, a_ptr, bias_ptr, dtp_ptr, ddtx_ptr, dacc_ptr, dto
     tl.store(dbias_ptr + pid, tl.sum(ddt, 0))
 
 
-def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, dtot, NC, Q,
+def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, dtot, NC, Q,
                  cfg, has_cb=False, has_d=False):
     """One rows kernel (kind 0 dx, 1 dB, 2 dC) over (B H NC row blocks, O blocks); out
     [B, L, H, O], st [B H, NC, P, N] gives P and N."""
@@ -260,7 +270,7 @@ def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, d
     bm = min(cfg.bm, Q)
     sm_k, sm_o = (1, N) if kind == 0 else (N, 1)
     _ssd_bwd_rows_kernel[(B * H * NC * (Q // bm), triton.cdiv(O, bo))](
-        u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, hl, dtot, L, H, P, K, O, NC, P * N,
+        u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, dtot, L, H, P, K, O, NC, P * N,
         *KD._strides3(u), *KD._strides3(v), *KD._strides3(w), *KD._strides3(r), sm_k, sm_o,
         Q=Q, BM=bm, BK=bm, BKU=KD._p2(K), BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=has_d,
         D_PER_P=has_d and d.dim() == 2, PREC=KD.F32_DOT, OP_T=KD._op_type(out.dtype),
@@ -312,17 +322,17 @@ def ssd_backward_split(x, dt, a, b, c, d, z, bias, h0, gy, gl, *, dt_softplus, h
     nnb = triton.cdiv(N, min(cfg.bn, KD._p2(N)))
     ddtx = torch.empty((npb, BH, L), **f32)
     dacc = torch.empty((2 * nnb, BH, L), **f32)          # C . dC blocks, then -B . dB blocks
-    dtot = torch.empty((BH, NC, nnb), **f32)
+    dtot = torch.empty((BH, NC, NM * nnb), **f32)      # dB's state-term sums per program
     dd_p = torch.zeros((BH, NC * NM, P) if has_d else (1, 1, P), **f32)
-    _launch_rows(0, b, c, gyg, dst, x, cb, dx, ddtx, acum, dtp, d, dd_p, st, hl, dtot, NC, Q,
+    _launch_rows(0, b, c, gyg, dst, x, cb, dx, ddtx, acum, dtp, d, dd_p, st, dtot, NC, Q,
                  cfg, has_cb=has_cb, has_d=has_d)
-    _launch_rows(1, x, gyg, c, dst, b, cb, db, dacc[nnb:], acum, dtp, d, dd_p, st, hl, dtot,
+    _launch_rows(1, x, gyg, c, dst, b, cb, db, dacc[nnb:], acum, dtp, d, dd_p, st, dtot,
                  NC, Q, cfg, has_cb=has_cb and bool(cfg.zcb))
-    _launch_rows(2, gyg, x, b, st, c, cb, dc, dacc[:nnb], acum, dtp, d, dd_p, st, hl, dtot,
+    _launch_rows(2, gyg, x, b, st, c, cb, dc, dacc[:nnb], acum, dtp, d, dd_p, st, dtot,
                  NC, Q, cfg, has_cb=has_cb and bool(cfg.zcb))
     ddt = torch.empty((B, L, H), dtype=dtype, device=dev)
     da_p, dbias_p = torch.empty((BH, NC), **f32), torch.empty((BH, NC), **f32)
     _ssd_bwd_dt_kernel[(BH * NC,)](
-        dt, a, bias, dtp, ddtx, dacc, dtot, ddt, da_p, dbias_p, L, H, NC, BH, npb, 2 * nnb, nnb,
+        dt, a, bias, dtp, ddtx, dacc, dtot, ddt, da_p, dbias_p, L, H, NC, BH, npb, 2 * nnb, NM * nnb,
         *KD._strides3(dt), Q=Q, HAS_BIAS=has_dt_bias, SOFTPLUS=softplus, num_warps=4)
     return dx, ddt, db, dc, dz, da_p, dd_p, dbias_p, dh0
