@@ -69,9 +69,10 @@ SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages c
 #: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
 #: (None: FUELGRAPH_SSD_BWD, "fused" by default or "split"); zcb: with b and c shared by the
 #: heads, 1 has dB and dC sum their decay terms for the Acum gradient from the shared C B^T
-#: (float32 cancellation, as the fused kernel; ~40% more loop instructions), 0 from R . out
+#: (30-40% more loop instructions), 0 (default) from R . out (as accurate: both cancel the
+#: pairs at float32 rounding)
 SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn zcb",
-                          defaults=(None, 64, 64, 64, 1))
+                          defaults=(None, 64, 64, 64, 0))
 SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "fused") == "split"
 
 
@@ -113,10 +114,11 @@ def ssd_fwd_config(B, L, H, P, N):
 
 
 def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
-    """Backward, split (opt-in, see the module docstring): chunks of 128, 64-row blocks, dx over 64-wide P blocks,
-    dB and dC over all N = 128 at once (one program computes the [64, 64] decay-weighted
-    products for all of N: ~240 registers, no spill on sm_90; 255 with zcb, 8 bytes of
-    spill), 4 warps. H200, B4 L4096 H80
+    """Backward, split (opt-in, see the module docstring): chunks of 128, 64-row blocks, dx
+    over 64-wide P blocks, dB and dC over all N = 128 at once (one program computes the
+    [64, 64] decay-weighted products for all of N), 4 warps: on sm_90 dB 236 and dC 228
+    registers, dx 166 with b and c shared by the heads (3 programs an SM), no spill (zcb=1:
+    dB / dC 255, 8 bytes of spill, 30-40% more loop instructions). H200, B4 L4096 H80
     P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256 3.48 ms
     (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
     twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
