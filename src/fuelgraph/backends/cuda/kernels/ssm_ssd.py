@@ -117,11 +117,11 @@ def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
     """Backward, split (opt-in, see the module docstring): chunks of 128, 64-row blocks, dx
     over 64-wide P blocks, dB and dC over all N = 128 at once (one program computes the
     [64, 64] decay-weighted products for all of N), 4 warps: on sm_90 dB 236 and dC 228
-    registers, dx 166 with b and c shared by the heads (3 programs an SM), no spill (zcb=1:
-    dB / dC 255, 8 bytes of spill, 30-40% more loop instructions). H200, B4 L4096 H80
-    P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256 3.48 ms
-    (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
-    twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
+    registers, dx 168 (maxnreg) with b and c shared by the heads (3 programs an SM), no
+    spill (zcb=1: dB / dC 255, 8 bytes of spill, 30-40% more loop instructions). H200, B4
+    L4096 H80 P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256
+    3.48 ms (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program
+    latency, twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
     weighing the blocks off the diagonal by a row and a column factor instead of an exp an
     entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores)
     32-row blocks on 8 warps (64 rows spill).

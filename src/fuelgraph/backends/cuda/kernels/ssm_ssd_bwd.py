@@ -171,7 +171,8 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
         # within dB's -b . dB, so that the suffix sums cancel them at float32 rounding, as
         # in the fused kernel. (Taken as sum(h_out o Dst) from the 16-bit stored h_out, the
         # rounding relative to |h_out|, not to the decayed |Hin|, reached every step's da
-        # and ddt.) Before the loop: 166 registers on sm_90, 3 programs an SM.
+        # and ddt.) Before the loop, so that with shared b, c it fits 168 registers (3 programs
+        # an SM, see _launch_rows).
         dtp_s = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
         tot = tl.sum(z_state * dtp_s, 0)
         if pid_m == 0:       # sum(Hin o Dst) of this P block, in slabs of 16 rows of N
@@ -277,12 +278,18 @@ def _launch_rows(kind, u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, dtot,
     bo = min(cfg.bp if kind == 0 else cfg.bn, KD._p2(O))
     bm = min(cfg.bm, Q)
     sm_k, sm_o = (1, N) if kind == 0 else (N, 1)
+    extra = {}
+    if kind == 0 and has_cb and cfg.warps == 4 and out.dtype != torch.float32 \
+            and not KD.INTERPRET:
+        # dx reading the shared C B^T: 3 programs of 4 warps an SM in 168 registers (sm_90,
+        # 64 x 64 tiles, no spill with or without d); left alone ptxas takes 166-191
+        extra["maxnreg"] = 168
     _ssd_bwd_rows_kernel[(B * H * NC * (Q // bm), triton.cdiv(O, bo))](
         u, v, w, m, r, cb, out, rsum, acum, dtp, d, dd, st, dtot, L, H, P, K, O, NC, P * N,
         *KD._strides3(u), *KD._strides3(v), *KD._strides3(w), *KD._strides3(r), sm_k, sm_o,
         Q=Q, BM=bm, BK=bm, BKU=KD._p2(K), BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=has_d,
         D_PER_P=has_d and d.dim() == 2, PREC=KD.F32_DOT, OP_T=KD._op_type(out.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **extra)
 
 
 def ssd_backward_split(x, dt, a, b, c, d, z, bias, h0, gy, gl, *, dt_softplus, has_d, has_z,
