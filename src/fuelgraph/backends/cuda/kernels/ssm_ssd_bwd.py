@@ -86,6 +86,27 @@ def _rows_block(acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, b
 
 
 @triton.jit
+def _store_chunk_end(tot, st_ptr, m_ptr, dtot_ptr, total, pid_bh, ci, NC, pid_m, NM, pid_o,
+                     offs_o, omask, K, S_MC, sm_k, sm_o):
+    """dx's share of the chunk-end term of the Acum gradient into dtot: tot (its rows' sum of
+    r_s), plus exp(Acum_end) sum(Hin o Dst) of its P block by the first row block (in slabs
+    of 16 rows of N: few registers)."""
+    if pid_m == 0:
+        hd = 0.0
+        for n0 in range(0, K, 16):
+            offs_s = n0 + tl.arange(0, 16)
+            s_off = offs_s[:, None] * sm_k + offs_o[None, :] * sm_o
+            s_mask = (offs_s < K)[:, None] & omask[None, :]
+            h_in = tl.load(st_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
+                           other=0.0).to(tl.float32)
+            dslab = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
+                            other=0.0).to(tl.float32)
+            hd += tl.sum(tl.sum(h_in * dslab, 1), 0)
+        tot += hd * tl.exp(total)
+    tl.store(dtot_ptr + ((pid_bh * NC + ci) * NM + pid_m) * tl.num_programs(1) + pid_o, tot)
+
+
+@triton.jit
 def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsum_ptr,
                          acum_ptr, dtp_ptr, d_ptr, dd_ptr, st_ptr, dtot_ptr,
                          L, H, P, K, O, NC, S_MC,
@@ -161,33 +182,25 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
     CB_S: tl.constexpr = HAS_CB and KIND == 0
     CB_Z: tl.constexpr = HAS_CB and KIND != 0
     z = tl.zeros((BM,), tl.float32)
-    if CB_Z or KIND == 0:
+    # dx: the chunk-end term of the Acum gradient, exp(Acum_end) sum(Hin o Dst) + sum_s r_s,
+    # r_s = dt_s x_s . (coef_s Dst b_s) (float32 here), while -r_s enters at each step s within
+    # dB's -b . dB, so that the suffix sums cancel them at float32 rounding, as in the fused
+    # kernel (taken as sum(h_out o Dst) from the 16-bit stored h_out, the rounding relative to
+    # |h_out|, not to the decayed |Hin|, reached every step's da and ddt). 16-bit: before the
+    # loop (with shared b, c then 168 registers, 3 programs an SM, see _launch_rows); float32
+    # (dots on CUDA cores): its state term kept across the loop instead (80 registers, not 191)
+    LATE: tl.constexpr = KIND == 0 and OP_T == tl.float32
+    if CB_Z or (KIND == 0 and not LATE):
         # the state term's share of R . out (R: x for dx, b for dB, c for dC)
         R = tl.load(r_ptr + r_off, mask=mo2, other=0.0).to(tl.float32)
         z_state = tl.sum(R * acc, 1)
     if KIND == 0:
-        # the chunk-end term of the Acum gradient: exp(Acum_end) sum(Hin o Dst) + sum_s r_s,
-        # r_s = dt_s x_s . (coef_s Dst b_s) (float32 here), while -r_s enters at each step s
-        # within dB's -b . dB, so that the suffix sums cancel them at float32 rounding, as
-        # in the fused kernel. (Taken as sum(h_out o Dst) from the 16-bit stored h_out, the
-        # rounding relative to |h_out|, not to the decayed |Hin|, reached every step's da
-        # and ddt.) Before the loop, so that with shared b, c it fits 168 registers (3 programs
-        # an SM, see _launch_rows).
-        dtp_s = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
-        tot = tl.sum(z_state * dtp_s, 0)
-        if pid_m == 0:       # sum(Hin o Dst) of this P block, in slabs of 16 rows of N
-            hd = 0.0
-            for n0 in range(0, K, 16):
-                offs_s = n0 + tl.arange(0, 16)
-                s_off = offs_s[:, None] * sm_k + offs_o[None, :] * sm_o
-                s_mask = (offs_s < K)[:, None] & omask[None, :]
-                h_in = tl.load(st_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
-                               other=0.0).to(tl.float32)
-                dslab = tl.load(m_ptr + (pid_bh * NC + ci) * S_MC + s_off, mask=s_mask,
-                                other=0.0).to(tl.float32)
-                hd += tl.sum(tl.sum(h_in * dslab, 1), 0)
-            tot += hd * tl.exp(total)
-        tl.store(dtot_ptr + ((pid_bh * NC + ci) * NM + pid_m) * tl.num_programs(1) + pid_o, tot)
+        if LATE:
+            acc_state = acc
+        else:
+            dtp_s = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
+            _store_chunk_end(tl.sum(z_state * dtp_s, 0), st_ptr, m_ptr, dtot_ptr, total, pid_bh,
+                             ci, NC, pid_m, NM, pid_o, offs_o, omask, K, S_MC, sm_k, sm_o)
     for k0 in range(lo, hi_t, BK):
         acc, z = _rows_block(
             acc, z, k0, offs_k, offs_m, offs_u, offs_o, cend, row, c0, ci, bi, NC, ac_m, row_dt,
@@ -198,6 +211,10 @@ def _ssd_bwd_rows_kernel(u_ptr, v_ptr, w_ptr, m_ptr, r_ptr, cb_ptr, out_ptr, rsu
         # x and dt_s loaded again, not kept across the loop (registers)
         R = tl.load(r_ptr + r_off, mask=mo2, other=0.0).to(tl.float32)
         dtp_s = tl.load(dtp_ptr + row + offs_m, mask=mmask, other=0.0)
+        if LATE:
+            _store_chunk_end(tl.sum(tl.sum(R * acc_state, 1) * dtp_s, 0), st_ptr, m_ptr,
+                             dtot_ptr, total, pid_bh, ci, NC, pid_m, NM, pid_o, offs_o, omask,
+                             K, S_MC, sm_k, sm_o)
         rs = tl.sum(R * acc, 1)
         out = acc * dtp_s[:, None]
         if HAS_D:
