@@ -115,7 +115,8 @@ def main():
             ss_fwd(cfg)
         for cb in (False, True):
             ssd(cb=cb)
-    # the defaults (dB, dC over all of N; b, c shared by the heads: cb), then variants
+    # dx, dB, dC over all of N with b, c shared by the heads (cb: dx reads C B^T; dB, dC the
+    # zcb=1 variants), then without (the default dB, dC), then variants
     for kind, bo, cb in ((0, 64, True), (1, 128, True), (2, 128, True), (0, 64, False),
                          (1, 128, False), (2, 128, False), (1, 64, True), (2, 64, True)):
         ssd_bwd_split(kind, bo=bo, has_cb=cb)
