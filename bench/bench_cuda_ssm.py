@@ -145,11 +145,16 @@ def kernel_times(fn, reps=3):
         print(f"  kernel times failed: {exc!r}", flush=True)
 
 
-def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None):
+def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None, parts=None):
     """--ssd-bwd: the SSD fwd+bwd target case only, the split backward (default) against the
     fused per-chunk one (split=0; not with fused_too False) in one process: their gradients
     compared on the target shape, then fwd+bwd and bwd-alone times, and (--sweep) the split
-    backward's kernels and a few launch configs (configs: a list of SSDBwdConfig tuples)."""
+    backward's kernels and a few launch configs (configs: a list of SSDBwdConfig tuples).
+    parts: which of grads, fwd, split, fused, sweep run (all by default; --parts, so that
+    several --warm processes compile them in parallel)."""
+    parts = set(parts or ("grads", "fwd", "split", "fused", "sweep"))
+    if not fused_too:
+        parts.discard("fused")
     B, L, H, P, N, Q = shape or ((1, 1024, 80, 64, 128, 256) if quick
                                  else (4, 4096, 80, 64, 128, 256))
     dt_ = torch.bfloat16
@@ -175,22 +180,27 @@ def ssd_bwd_compare(quick, sweep, shape=None, fused_too=True, configs=None):
         KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw)
         return bwd(bcfg)
     print(f"  ssd backward configs: split {tuple(split)}, fused {tuple(fused)}", flush=True)
-    new, old = bwd(split), (bwd(fused) if fused_too else ())
-    for name, gn, go in zip(("x", "dt", "a", "b", "c", "dt_bias"), new, old):
-        gn, go = gn.float(), go.float()
-        err = ((gn - go).abs().max() / go.abs().max().clamp_min(1e-30)).item()
-        print(f"  grad {name:8s} split vs fused: max |diff| / max |fused| = {err:.2e}"
-              f"  (max |fused| {go.abs().max().item():.3e})", flush=True)
-    del new, old
-    rec("ssd_chunk_scan", "fuelgraph", shape, dt_,
-        bench(lambda: KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw), quick))
-    for label, bcfg in (("split", split), ("fused", fused))[:2 if fused_too else 1]:
+    if {"grads", "split", "fused"} <= parts and not WARM[0]:
+        new, old = bwd(split), bwd(fused)
+        for name, gn, go in zip(("x", "dt", "a", "b", "c", "dt_bias"), new, old):
+            gn, go = gn.float(), go.float()
+            err = ((gn - go).abs().max() / go.abs().max().clamp_min(1e-30)).item()
+            print(f"  grad {name:8s} split vs fused: max |diff| / max |fused| = {err:.2e}"
+                  f"  (max |fused| {go.abs().max().item():.3e})", flush=True)
+        del new, old
+    if "fwd" in parts:
+        rec("ssd_chunk_scan", "fuelgraph", shape, dt_,
+            bench(lambda: KD.ssd_chunk_scan(x, dt, a, bE, cE, bias, **kw), quick))
+    for label, bcfg in (("split", split), ("fused", fused)):
+        if label not in parts:
+            continue
         rec("ssd_chunk_scan_fwd+bwd", f"fuelgraph[{label}]", shape, dt_,
             bench(lambda: fb(bcfg), quick))
         rec("ssd_chunk_scan_bwd", f"fuelgraph[{label}]", shape, dt_,
             bench(lambda: bwd(bcfg), quick))
-    if sweep:
-        kernel_times(lambda: bwd(split))
+    if sweep and "sweep" in parts:
+        if not WARM[0]:
+            kernel_times(lambda: bwd(split))
         # (q, warps, stages, split, bm, bp, bn)
         for bcfg in configs or [(256, 4, 2, 1, 64, 64, 128), (128, 4, 2, 1, 64, 64, 64),
                                 (128, 4, 3, 1, 64, 64, 128)]:
@@ -429,7 +439,9 @@ def main():
                     help="only the SSD fwd+bwd case: split against fused backward")
     ap.add_argument("--no-fused", action="store_true", help="--ssd-bwd without the fused one")
     ap.add_argument("--bwd-configs", default=None,
-                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn;...'")
+                    help="--ssd-bwd --sweep configs: 'q,warps,stages,split,bm,bp,bn[,zcb];...'")
+    ap.add_argument("--parts", default=None,
+                    help="--ssd-bwd: comma list of grads, fwd, split, fused, sweep (default all)")
     args = ap.parse_args()
     REP_MS[0] = args.rep
     NO_BWD[0] = args.no_bwd
@@ -450,7 +462,8 @@ def main():
         try:
             cfgs = args.bwd_configs and [tuple(int(v) for v in c.split(","))
                                          for c in args.bwd_configs.split(";")]
-            ssd_bwd_compare(args.quick, args.sweep, fused_too=not args.no_fused, configs=cfgs)
+            ssd_bwd_compare(args.quick, args.sweep, fused_too=not args.no_fused, configs=cfgs,
+                            parts=args.parts and args.parts.split(","))
         except Exception:
             traceback.print_exc()
     else:

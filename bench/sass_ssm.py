@@ -96,7 +96,7 @@ def ssd_bwd_split(kind, q=128, bm=64, bo=64, warps=4, stages=2, has_cb=False, N=
     from fuelgraph.backends.cuda.kernels import ssm_ssd_bwd as KB
     p = {n: "*bf16" for n in ("u_ptr", "v_ptr", "w_ptr", "m_ptr", "r_ptr", "cb_ptr", "out_ptr",
                               "d_ptr", "st_ptr")}
-    p.update({n: "*fp32" for n in ("rsum_ptr", "acum_ptr", "dtp_ptr", "dd_ptr", "hl_ptr",
+    p.update({n: "*fp32" for n in ("rsum_ptr", "acum_ptr", "dtp_ptr", "dd_ptr",
                                    "dtot_ptr")})
     K = N if kind == 0 else P
     cons = dict(Q=q, BM=bm, BK=bm, BKU=K, BO=bo, KIND=kind, HAS_CB=has_cb, HAS_D=False,
@@ -115,7 +115,8 @@ def main():
             ss_fwd(cfg)
         for cb in (False, True):
             ssd(cb=cb)
-    # the defaults (dB, dC over all of N; b, c shared by the heads: cb), then variants
+    # dx, dB, dC over all of N with b, c shared by the heads (cb: dx reads C B^T; dB, dC the
+    # zcb=1 variants), then without (the default dB, dC), then variants
     for kind, bo, cb in ((0, 64, True), (1, 128, True), (2, 128, True), (0, 64, False),
                          (1, 128, False), (2, 128, False), (1, 64, True), (2, 64, True)):
         ssd_bwd_split(kind, bo=bo, has_cb=cb)

@@ -18,11 +18,9 @@ Dots take the input dtype (bfloat16 / float16 operands, float32 accumulation; th
 weights are rounded to that dtype before the second matmul, as mamba_ssm does); float32 inputs
 use exact float32 dots ("ieee": Triton's "tf32x3" split faulted on the H200).
 
-Backward: by default the fused one below. The split kernels of ssm_ssd_bwd (chunks of 128,
-dx / dB / dC over blocks of rows and of P / N; config split=1 or FUELGRAPH_SSD_BWD=split) are
-faster (H200 target shape: backward 2.48 ms against 3.74) but not yet the default: with 16-bit
-inputs their da and ddt_bias gradients miss the tests' accuracy rule (a 16-bit result at most
-twice as far from float64 as torch's same-dtype result) on the GPU-sized cases. The fused one,
+Backward: by default the split kernels of ssm_ssd_bwd (chunks of 128, dx / dB / dC over
+blocks of rows and of P / N; H200, target shape: fwd+bwd 2.945 ms, backward alone 2.339
+against 3.763 for the fused one). The fused one (config split=0 or FUELGRAPH_SSD_BWD=fused),
 also parallel over chunks (at its own, shorter chunk length):
 kernel 1; kernel 2 storing the entering states; kernel 2 in reverse (the state cotangent
 g_c = exp(Acum_end) g_{c+1} + (exp(Acum) gy)^T c, walked from the last chunk, storing the
@@ -67,12 +65,13 @@ SSDConfig = namedtuple("SSDConfig", "q bm bk bp bn warps stages swarps sstages c
                        defaults=(8, 3, 2, 0))
 #: backward: chunk length, warps, pipeline stages; split: 1 runs the split kernels of
 #: ssm_ssd_bwd (bm rows, bp / bn blocks of P / N per program), 0 the one per-chunk kernel
-#: (None: FUELGRAPH_SSD_BWD, "fused" by default or "split"); zcb: with b and c shared by the
+#: (None: FUELGRAPH_SSD_BWD, "split" by default or "fused"); zcb: with b and c shared by the
 #: heads, 1 has dB and dC sum their decay terms for the Acum gradient from the shared C B^T
-#: (float32 cancellation, as the fused kernel; ~40% more loop instructions), 0 from R . out
+#: (30-40% more loop instructions), 0 (default) from R . out (as accurate: both cancel the
+#: pairs at float32 rounding)
 SSDBwdConfig = namedtuple("SSDBwdConfig", "q warps stages split bm bp bn zcb",
-                          defaults=(None, 64, 64, 64, 1))
-SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "fused") == "split"
+                          defaults=(None, 64, 64, 64, 0))
+SSD_BWD_SPLIT = os.environ.get("FUELGRAPH_SSD_BWD", "split") != "fused"
 
 
 def _op_type(dtype):
@@ -113,13 +112,16 @@ def ssd_fwd_config(B, L, H, P, N):
 
 
 def ssd_bwd_config(B, L, H, P, N, dtype=None, split=None):
-    """Backward, split (opt-in, see the module docstring): chunks of 128, 64-row blocks, dx over 64-wide P blocks,
-    dB and dC over all N = 128 at once (one program computes the [64, 64] decay-weighted
-    products for all of N: ~240 registers, no spill on sm_90; 255 with zcb, 8 bytes of
-    spill), 4 warps. H200, B4 L4096 H80
-    P64 N128 bf16 (split backward alone; first GPU run, N blocks of 64): chunk 256 3.48 ms
-    (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program latency,
-    twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
+    """Backward, split (the default, see the module docstring): chunks of 128, 64-row blocks,
+    dx over 64-wide P blocks, dB and dC over all N = 128 at once (one program computes the
+    [64, 64] decay-weighted products for all of N), 4 warps: on sm_90 dB 236 and dC 228
+    registers, dx 168 (maxnreg) with b and c shared by the heads (3 programs an SM), no
+    spill (zcb=1: dB / dC 255, 8 bytes of spill, 30-40% more loop instructions). H200, B4
+    L4096 H80 P64 N128 bf16, backward alone: 2.339 ms (fwd+bwd 2.945; fused 3.763 / 4.354;
+    kernels: the two state walks 185 + 178 us, dx 713, dB 619, dC 595, ddt 31), zcb=1
+    2.640, chunk 256 2.558. Before the 16-bit fix (first GPU run, N blocks of 64): chunk 256
+    3.48 ms (fused 3.74; the dB and dC kernels 1.30 ms each against dx's 0.50: per-program
+    latency, twice the programs), chunk 128 3.20 ms, 8 warps 6.44 ms (8 warps, N at once: 4.45);
     weighing the blocks off the diagonal by a row and a column factor instead of an exp an
     entry gained nothing (3.56 against 3.48; dropped). float32 (exact dots on CUDA cores)
     32-row blocks on 8 warps (64 rows spill).
