@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -43,7 +43,8 @@ def _cfg(kind):
             "noprefetch": P.PackedConfig(16, 2, split=1, prefetch=0),
             "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
             "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
-            "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0)}[kind]
+            "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0),
+            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -129,6 +130,21 @@ def test_packed_nf4_gemv(kind):
         out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64,
                            config=_cfg(kind) or "packed")
         check_product(out, x, wn.T, dt)
+
+
+@pytest.mark.parametrize("block,pair", [(32, 1), (128, 1), (64, 0)])
+def test_packed_nf4_gemv_blocks(block, pair):
+    """Blocks of 32 (absmax per plane) and 128 (one absmax for four planes, applied per pair),
+    and the per-plane decoding forced on blocks of 64 (pair=0)."""
+    rng = np.random.default_rng(block)
+    n, k = 9, 512
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.1, 2, size=(n, k // block)).astype(np.float32)
+    wn = nf4_reference(packed, absmax, block)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEV)
+    out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=block,
+                       config=P.PackedConfig(8, 2, split=1, pair=pair))
+    check_product(out, x, wn.T, torch.float32)
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

@@ -101,6 +101,29 @@ def _nf4_lookup(q, c_ptr):
 
 
 @triton.jit
+def _nf4_codes(words, j: tl.constexpr, c_ptr):
+    """NF4 code values of plane j of the words (float32, the words' shape)."""
+    if j < 4:
+        h = words
+    else:
+        h = words >> 16
+    return _nf4_lookup((h >> (4 * (j % 4))) & 15, c_ptr)
+
+
+@triton.jit
+def _x_plane(x_ptr, e0, t, words, ch, nch, XB: tl.constexpr, EVEN: tl.constexpr):
+    """x at elements e0 + t (float32): [C, 1, H, 32 / H], or XB: the words' shape."""
+    xp = x_ptr + e0 + t
+    if XB:
+        xp = tl.broadcast_to(xp, words.shape)
+    if EVEN:
+        xv = tl.load(xp)
+    else:
+        xv = tl.load(xp, mask=(ch < nch) & (t < 32), other=0.0)
+    return xv.to(tl.float32)
+
+
+@triton.jit
 def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
            FMA_DEQ: tl.constexpr):
     """Dequantized plane j (float32, the words' shape) of the int32 words, from its scale s
@@ -175,7 +198,8 @@ def _load_words(q_rows, n_ok, ch, nch, H: tl.constexpr, EVEN: tl.constexpr):
 @triton.jit
 def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
                 n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
-                EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr):
+                EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr,
+                PAIR: tl.constexpr = False):
     """acc [C, BN, H, 32 / H] += every plane of the word tile `words` (same shape; chunks ch
     [C, 1, 1, 1]) times the matching x; DEQ: store the planes at out_rows [1, BN, 1, 1] +
     element instead. XB: x loaded as a full tile of the words' shape (their own register
@@ -195,6 +219,20 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
         else:
             d = tl.load(c_ptr + 2 * ch, mask=g_ok, other=0.0).to(tl.float32)
             dmin = tl.load(c_ptr + 2 * ch + 1, mask=g_ok, other=0.0).to(tl.float32)
+    if PAIR:    # NF4, blocks of 64+: a block's two planes as (c0 x0 + c1 x1) * absmax, one
+        #         multiply less a weight than code * absmax * x (the table lookup is the limit)
+        for jp in tl.static_range(PLANES // 2):
+            e0 = ch * E + jp * 64
+            if EVEN:
+                s = tl.load(s_rows + e0 // BS)
+            else:
+                s = tl.load(s_rows + e0 // BS, mask=g_ok, other=0)
+            x0 = _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
+            x1 = _x_plane(x_ptr, e0 + 32, t, words, ch, nch, XB, EVEN)
+            p = _nf4_codes(words, 2 * jp, c_ptr) * x0
+            p += _nf4_codes(words, 2 * jp + 1, c_ptr) * x1
+            acc += p * s.to(tl.float32)
+        return acc
     for j in tl.static_range(PLANES):
         e0 = ch * E + j * 32                                                # [C, 1, 1, 1]
         if KIND == 5:   # Q6_K: 16-element scale groups, one per half of a plane row (H >= 2)
@@ -224,14 +262,7 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
         if DEQ:
             tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
         else:
-            xp = x_ptr + e0 + t
-            if XB:
-                xp = tl.broadcast_to(xp, words.shape)
-            if EVEN:
-                xv = tl.load(xp)
-            else:
-                xv = tl.load(xp, mask=(ch < nch) & (t < 32), other=0.0)
-            acc += w * xv.to(tl.float32)
+            acc += w * _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
     return acc
 
 
@@ -241,10 +272,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         BS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
                         ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
-                        H: tl.constexpr = 1, DEQ: tl.constexpr = False):
+                        H: tl.constexpr = 1, DEQ: tl.constexpr = False,
+                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
-    DEQ: out is W [N, K] (float32), written instead of the product."""
+    DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
+    64 elements or more, absmax once per two planes."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,14 +303,14 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
             else:
                 nxt = words
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
             words = nxt
-    else:
-        for i in range(STEPS):
+    else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
+        for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
     if not DEQ:
         total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
         if ATOMIC:
@@ -433,11 +466,16 @@ class PackedConfig:
     fma: int = 1        # Q4_0 / Q8_0 / AWQ: one FMA a dequantized weight (exact; `_q4_0_fma`)
     x32: int = 1        # x converted to float32 by a tiny kernel first (0: converted per load,
     #                     ~1 instruction a weight more for 16-bit x in sm_90 SASS)
+    stages: int = 1     # without prefetch: > 1 pipelines the loop's loads (cp.async, stages - 1
+    #                     steps ahead in shared memory; more bytes in flight than registers hold)
+    pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
                 + (",pf" if self.prefetch else "") + f",h{self.halves}"
-                + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16") + "]")
+                + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
+                + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
+                + ("" if self.pair else ",nopair") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
@@ -488,9 +526,12 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         x1, pw.codes, pw.scales, z, table, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
-        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma),
+        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=bool(cfg.prefetch) or cfg.stages <= 1,
+        FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
-        DEQ=deq, num_warps=cfg.num_warps, num_stages=1)
+        DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
+        PAIR=pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair),
+        num_warps=cfg.num_warps, num_stages=1)
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
