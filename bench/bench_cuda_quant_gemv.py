@@ -46,8 +46,10 @@ COPIES = 4
 CANDIDATES = [(16, 4, 1, 2, 0, 2, 1, 1, 3), (32, 4, 1, 4, 0, 2, 1, 1, 3),
               (32, 4, 1, 8, 0, 2, 1, 1, 3), (16, 4, 1, 2, 0, 2, 1, 0, 3),
               (16, 4, 1, 2, 0, 2, 1, 1, 4)]
-#: per format: the previous default's NF4 decoding (absmax per plane) for comparison
-EXTRA = {"nf4": [PackedConfig(pair=0)]}
+#: per format: NF4's previous decoding (absmax per plane); Q6_K's one-FMA decode on the default
+#: launch (its default keeps subtract-then-scale) and its old decode on a candidate launch
+EXTRA = {"nf4": [PackedConfig(pair=0)],
+         "Q6_K": [PackedConfig(), PackedConfig(16, 4, 1, 2, 0, 2, 0, 1, 3)]}
 #: few rows: tensor-core dots on the packed copy with the loop's loads pipelined (3 stages)
 DOT_CANDIDATES = {"Q4_0": [(64, 16, 2, 0, 4, 3)], "Q8_0": [(64, 16, 2, 0, 4, 3)],
                   "Q4_K": [(64, 16, 2, 0, 4, 3)]}

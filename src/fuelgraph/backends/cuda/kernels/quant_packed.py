@@ -22,7 +22,8 @@ Dequantized weights equal the format's dequantizer's (checked with DEQ=True in t
 as code[q] * absmax, Q4_K as fma(q, d sc, -dmin m) and Q6_K as (d sc) (q - 32) (the same single
 rounding as gguf-py), bit for bit; Q4_0 d (q - 8), Q8_0 d q and AWQ (q - z) s are exact
 products in float32, formed here by one FMA from the code OR-ed into 2^23's mantissa with both
-factors exact (`_q4_0_fma`), which gives the exact product as well, for finite scales (an
+factors exact (`_q4_0_fma`), which gives the exact product as well (Q6_K: its single rounding,
+the code placed so that the constant factor stays exact), for finite scales (an
 infinite one gives NaN where the dequantizer gives +-inf, a zero product may be +0 for -0;
 fma=0 keeps subtract-then-scale).
 
@@ -128,7 +129,21 @@ def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
            FMA_DEQ: tl.constexpr):
     """Dequantized plane j (float32, the words' shape) of the int32 words, from its scale s
     (float32) and (AWQ) zero zq (int32), both [C, BN, 1, 1]."""
-    if KIND == 3 or KIND == 5:  # Q8_0 (u = q + 128) / Q6_K (u = q + 32): byte j to bits 8..15
+    if KIND == 5 and FMA_DEQ:   # Q6_K (u = q + 32, 6 bits): byte j to bits 16..21, then
+        #   (d sc) q = f (d sc 2^-16) - (d sc) 160 with f = 2^23 + 2^16 u: d sc has at most 19
+        #   significant bits (f16 d times an int8), 160 = 5 * 2^5 three, so both products are
+        #   exact and the FMA rounds the exact (d sc) q once, as gguf-py does
+        if j == 0:
+            v = words << 16
+        elif j == 1:
+            v = words << 8
+        elif j == 2:
+            v = words
+        else:
+            v = words >> 8
+        f = ((v & 0x3F0000) | magic).to(tl.float32, bitcast=True)
+        w = tl.fma(f, s * (1.0 / 65536), s * -160.0)
+    elif KIND == 3 or KIND == 5:  # Q8_0 (u = q + 128) / Q6_K (u = q + 32): byte j to bits 8..15
         if j == 0:
             v = words << 8
         elif j == 1:
@@ -463,7 +478,7 @@ class PackedConfig:
     num_warps: int = 4
     prefetch: int = 1
     halves: int = 2     # words of a chunk row as [halves, 32 / halves]: 4 * halves a thread
-    fma: int = 1        # Q4_0 / Q8_0 / AWQ: one FMA a dequantized weight (exact; `_q4_0_fma`)
+    fma: int = 1        # Q4_0 / Q8_0 / AWQ / Q6_K: one FMA a dequantized weight (`_q4_0_fma`)
     x32: int = 1        # x converted to float32 by a tiny kernel first (0: converted per load,
     #                     ~1 instruction a weight more for 16-bit x in sm_90 SASS)
     stages: int = 1     # without prefetch: > 1 pipelines the loop's loads (cp.async, stages - 1
@@ -484,7 +499,7 @@ class PackedConfig:
 #: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
                   NF4: PackedConfig(), AWQ: PackedConfig(), Q4_K: PackedConfig(),
-                  Q6_K: PackedConfig()}
+                  Q6_K: PackedConfig(fma=0)}     # its one-FMA decode: see bench_cuda_quant_gemv
 
 
 def _cdiv(a: int, b: int) -> int:
