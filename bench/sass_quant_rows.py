@@ -8,7 +8,8 @@ at ~5 instructions per element is ~10 us of issue on an H200 (132 SMs x 4 schedu
 4-bit weight's ~9 us of DRAM time. Use it to compare kernel variants before a GPU session.
 
     python3 bench/sass_quant_rows.py [--fmt Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ] [--ms 1,16,256]
-    python3 bench/sass_quant_rows.py --fmt Q4_0,NF4 --packed 16,4,4,1,2;32,4,8   (quant_packed)
+    python3 bench/sass_quant_rows.py --fmt Q4_0,NF4 --packed "16,4,4,1,2;16,4,2,0,2,1,1,3"
+        (quant_packed: block_n,chunks,warps,prefetch[,halves,fma,x32,stages,pair])
 """
 from __future__ import annotations
 
