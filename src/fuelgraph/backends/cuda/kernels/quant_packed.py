@@ -29,7 +29,13 @@ fma=0 keeps subtract-then-scale).
 
 A program owns BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1),
 loads C chunks of its rows a step (16-byte loads), optionally the next step's words before
-multiplying the current ones (PREFETCH: Triton pipelines only loads that feed a dot).
+multiplying the current ones into registers (PREFETCH), or, with STAGES > 1, through shared
+memory: the loop is a `tl.range(num_stages=STAGES)`, which Triton 3.6 pipelines with cp.async
+although no dot consumes the loads (STAGES - 1 steps in flight without holding them in
+registers; x is then loaded un-broadcast, XB=False, or it too would be copied once per row).
+With 2 warps on 16 rows (4 warps on 32) a thread holds 4 rows of the same words, so an x value
+and the per-plane arithmetic on scales serve 4 rows: sm_90 SASS 3.96 instructions a weight for
+Q4_0 against 4.20 for the register-prefetching 16 x 4 launch (bench/sass_quant_rows.py).
 
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
