@@ -92,6 +92,21 @@ def close(got, want):
     return err <= 3e-2 * max(scale, 1.0), err
 
 
+def timings(made, x, cfg, rep):
+    """(warm, cold) CUDA-graph medians (ms a call); cold None with one weight."""
+    fn0 = made[0][0]
+    for f, *_ in made[1:]:
+        f(x, cfg)       # pack the other copies before timing
+    warm = do_bench_cudagraph(lambda: fn0(x, cfg), rep=rep, return_mode="median")
+    if len(made) == 1:
+        return warm, None
+
+    def cycle():
+        for f, *_ in made:
+            f(x, cfg)
+    return warm, do_bench_cudagraph(cycle, rep=rep, return_mode="median") / len(made)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -139,16 +154,12 @@ def main():
                     continue
                 if args.compile_only:
                     continue
-                for f, *_ in made[1:]:
-                    f(x, cfg)       # pack the other copies before timing
-                warm = do_bench_cudagraph(lambda: fn0(x, cfg), rep=args.rep,
-                                          return_mode="median")
-                cold = None
-                if copies > 1:
-                    def cycle():
-                        for f, *_ in made:
-                            f(x, cfg)
-                    cold = do_bench_cudagraph(cycle, rep=args.rep, return_mode="median") / copies
+                try:
+                    warm, cold = timings(made, x, cfg, args.rep)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op:5s} M={m:<3d} {tag:40s} FAILED timing {str(exc)[:200]!r}",
+                          flush=True)
+                    continue
                 best = cold if cold is not None else warm
                 r = {"op": op, "impl": f"fuelgraph[{tag}]", "device": name, "shape": [m, n, k],
                      "dtype": "bfloat16", "ms_graph": round(warm, 5),
