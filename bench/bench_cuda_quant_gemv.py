@@ -12,7 +12,7 @@ CANDIDATES, each checked against the dense product first. Effective bandwidth = 
 (codes + scales of the packed copy) / time. Records go to DIR/cuda_quant_gemv.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemv.py [--out DIR] [--ops Q4_0,nf4,...] [--ms 1,16]
-                                           [--compile-only] [--no-cold]
+                                           [--compile-only] [--no-cold] [--default-only]
 """
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--part", default="all", choices=("all", "a", "b"),
                     help="a: M = 1 default + the first 3 candidates; b: the rest (parallel "
                          "compile warm-up)")
+    ap.add_argument("--default-only", action="store_true", help="time the default routes only")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -140,7 +141,9 @@ def main():
             else:
                 cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
                 cut = 0
-            if args.part != "all":
+            if args.default_only:
+                cfgs = cfgs[:1]
+            elif args.part != "all":
                 cfgs = cfgs[:cut] if args.part == "a" else cfgs[cut:]
             for cfg in cfgs:
                 tag = "default" if cfg is None else cfg.tag()
