@@ -50,9 +50,13 @@ CANDIDATES = [(16, 4, 1, 2, 0, 2, 1, 1, 3), (32, 4, 1, 4, 0, 2, 1, 1, 3),
 #: launch (its default keeps subtract-then-scale) and its old decode on a candidate launch
 EXTRA = {"nf4": [PackedConfig(pair=0)],
          "Q6_K": [PackedConfig(), PackedConfig(16, 4, 1, 2, 0, 2, 0, 1, 3)]}
-#: few rows: tensor-core dots on the packed copy with the loop's loads pipelined (3 stages)
-DOT_CANDIDATES = {"Q4_0": [(64, 16, 2, 0, 4, 3)], "Q8_0": [(64, 16, 2, 0, 4, 3)],
-                  "Q4_K": [(64, 16, 2, 0, 4, 3)]}
+#: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
+#: split, warps, stages, fma, prefetch, join): the loop's loads pipelined (3 stages), the next
+#: step's words loaded ahead, four planes a dot (sm_90: each dot is a wgmma behind a shared-
+#: memory store, a fence and barriers; the default issues 8 a step)
+_DOTS = [(64, 16, 2, 0, 4, 3), (64, 16, 2, 0, 4, 1, 1, 1), (64, 16, 1, 0, 4, 1, 1, 0, 4)]
+DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS, "Q4_K": _DOTS,
+                  "nf4": [(64, 16, 2, 0, 4, 1, 1, 1)], "awq": [(64, 16, 2, 0, 4, 1, 1, 1)]}
 
 
 def weights(op, n, k, g):
@@ -116,9 +120,9 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--rep", type=int, default=40, help="ms of repetitions a timing")
-    ap.add_argument("--part", default="all", choices=("all", "a", "b"),
-                    help="a: M = 1 default + the first 3 candidates; b: the rest (parallel "
-                         "compile warm-up)")
+    ap.add_argument("--part", default="all", choices=("all", "a", "b", "c"),
+                    help="a: M = 1 default + the first 3 candidates; b: the other M = 1 "
+                         "variants; c: M > 1 (for a parallel compile warm-up)")
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
     args = ap.parse_args()
     n = k = args.size
@@ -140,11 +144,12 @@ def main():
                 cut = 4
             else:
                 cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
-                cut = 0
             if args.default_only:
                 cfgs = cfgs[:1]
+            elif args.part == "c":
+                cfgs = cfgs if m > 1 else []
             elif args.part != "all":
-                cfgs = cfgs[:cut] if args.part == "a" else cfgs[cut:]
+                cfgs = [] if m > 1 else cfgs[:cut] if args.part == "a" else cfgs[cut:]
             for cfg in cfgs:
                 tag = "default" if cfg is None else cfg.tag()
                 try:

@@ -218,14 +218,18 @@ def test_unpackable_groups():
 
 
 # ---- few rows: tensor-core dots on the packed copy (quant_packed_dot) ------------------------
-def _dot_cfg(m):
+def _dot_cfg(m, variant="plain"):
+    """The dot kernel on 16 x 16 tiles; "pf_join": words loaded a step ahead and four planes
+    side by side in one dot."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
-    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0)
+    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}}[variant]
+    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0, **extra)
 
 
+@pytest.mark.parametrize("variant", ["plain", "pf_join"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
-def test_packed_dot(fmt, m):
+def test_packed_dot(fmt, m, variant):
     """Odd N, M not a multiple of the 16-row tile (20: two x tiles, a split reduction)."""
     rng = np.random.default_rng(m)
     dt = torch.float32 if INTERPRET else torch.bfloat16
@@ -234,14 +238,14 @@ def test_packed_dot(fmt, m):
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T
         fn = lambda x: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt, n=n, k=k,  # noqa
-                                 config=_dot_cfg(m))
+                                 config=_dot_cfg(m, variant))
     elif fmt == "NF4":
         n, k = 11, 512
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
         ref = nf4_reference(packed, absmax, 64).T
         fn = lambda x: K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64,  # noqa
-                                    config=_dot_cfg(m))
+                                    config=_dot_cfg(m, variant))
     else:
         n, k, gs = 24, 256, 128
         qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
@@ -249,7 +253,7 @@ def test_packed_dot(fmt, m):
         sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
         ref = awq_reference(qw, qz.astype(np.int32), sc, gs)
         fn = lambda x: K.awq_matmul(x, to_dev(qw), to_dev(qz.astype(np.int32)),  # noqa
-                                    to_dev(sc), group_size=gs, config=_dot_cfg(m))
+                                    to_dev(sc), group_size=gs, config=_dot_cfg(m, variant))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
     check_product(fn(x), x, ref, dt)
 
