@@ -137,7 +137,7 @@ def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
     (float32) and (AWQ) zero zq (int32), both [C, BN, 1, 1]."""
     if KIND == 5 and FMA_DEQ:   # Q6_K (u = q + 32, 6 bits): byte j to bits 16..21, then
         #   (d sc) q = f (d sc 2^-16) - (d sc) 160 with f = 2^23 + 2^16 u: d sc has at most 19
-        #   significant bits (f16 d times an int8), 160 = 5 * 2^5 three, so both products are
+        #   significant bits (f16 d times an int8), 160 = 5 * 2^5 has 3, so both products are
         #   exact and the FMA rounds the exact (d sc) q once, as gguf-py does
         if j == 0:
             v = words << 16
