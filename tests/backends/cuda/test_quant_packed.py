@@ -178,7 +178,8 @@ def test_default_route_and_cache():
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
-    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16
+    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16_JOIN
+    assert K.default_route(GGUF_IDS["Q4_K"], 16) == K.PACKED_DOT_16
     assert K.default_route(NF4, 16) == "rows"
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,

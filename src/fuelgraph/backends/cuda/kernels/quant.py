@@ -206,14 +206,25 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   tiles): 0.0478 / 0.0551 / 0.0628 vs tiles 0.0873 / 0.0967 / 0.131; NF4 and AWQ keep rows
 #:   (0.057 / 0.051 vs 0.060 / 0.069); shapes the copy rejects take the tiles.
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+#: * session 6 (bench_cuda_quant_gemv, CUDA graphs warm / cold): four planes side by side in one
+#:   dot (join 4, one chunk a step) for Q4_0 0.0438 / 0.0458 (before 0.0476 / 0.0503) and Q8_0
+#:   0.0497 / 0.0502 (0.0549 / 0.0551): each dot is a wgmma behind a shared-memory store, fence
+#:   and barriers; Q4_K lost with it (0.0774 vs 0.0628) and keeps 8 dots a step
 PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
+PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
-_DOT_GGUF_ROUTE = {1: "packed", 16: PACKED_DOT_16, DEQUANT_GEMM_MIN_M: "tiles",
-                   1 << 62: "dequant_rows"}
+
+
+def _dot_gguf_route(dot):
+    return {1: "packed", 16: dot, DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+
+
+_JOIN_FORMATS = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"])
 ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
           AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _DOT_GGUF_ROUTE if fmt in DOT_FORMATS else
+          **{fmt: _dot_gguf_route(PACKED_DOT_16_JOIN if fmt in _JOIN_FORMATS else PACKED_DOT_16)
+             if fmt in DOT_FORMATS else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 

@@ -502,10 +502,17 @@ class PackedConfig:
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
 #: rows x 4 chunks a step, 8 words a thread per chunk row, beat 8 rows or 2 chunks (fewer bytes
 #: a step: Q4_0 0.042 / 0.032 vs 0.018 ms), 16 words (0.065), split 2 (0.023), x read as bf16
-#: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2)
+#: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2). Session 6
+#: (bench_cuda_quant_gemv, warm / cold = one weight / 4 weights cycled past L2): NF4 and Q4_K
+#: take 16 rows on 2 warps (4 rows a thread), x read in its own dtype, the words through 3
+#: cp.async stages: NF4 0.0253 / 0.0262 (before 0.0291 / 0.0316), Q4_K 0.0268 / 0.0287 (0.0290 /
+#: 0.0308); the same launch with float32 x lost 2x for Q4_0 / AWQ / Q4_K / Q8_0 / Q6_K (0.048
+#: vs 0.018 for Q4_0), and NF4's absmax per plane pair slowed the register-prefetch launch
+#: (0.0325 vs 0.0291), so only the new launch uses it
+_NEW = PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
-                  NF4: PackedConfig(), AWQ: PackedConfig(), Q4_K: PackedConfig(),
-                  Q6_K: PackedConfig(fma=0)}     # its one-FMA decode: see bench_cuda_quant_gemv
+                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW,
+                  Q6_K: PackedConfig(fma=0)}     # its one-FMA decode: 0.0966 on this launch
 
 
 def _cdiv(a: int, b: int) -> int:
