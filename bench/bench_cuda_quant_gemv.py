@@ -40,23 +40,24 @@ from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))   # cpu: interpreter dry run
 COPIES = 4
 #: one-row GEMV candidates next to the default: (block_n, chunks, split, warps, prefetch,
-#: halves, fma, x32, stages); stages > 1 streams the words through shared memory (cp.async);
-#: sm_90 SASS (bench/sass_quant_rows.py): 4 rows a thread (n16 w2, n32 w4) 3.96 instr/weight
-#: for Q4_0 vs 4.20 for the default
-CANDIDATES = [(16, 4, 1, 2, 0, 2, 1, 1, 3), (32, 4, 1, 4, 0, 2, 1, 1, 3),
-              (32, 4, 1, 8, 0, 2, 1, 1, 3), (16, 4, 1, 2, 0, 2, 1, 0, 3),
-              (16, 4, 1, 2, 0, 2, 1, 1, 4)]
-#: per format: NF4's previous decoding (absmax per plane); Q6_K's one-FMA decode on the default
-#: launch (its default keeps subtract-then-scale) and its old decode on a candidate launch
-EXTRA = {"nf4": [PackedConfig(pair=0)],
-         "Q6_K": [PackedConfig(), PackedConfig(16, 4, 1, 2, 0, 2, 0, 1, 3)]}
+#: halves, fma, x32, stages); stages > 1 streams the words through shared memory (cp.async).
+#: 18:13 run: 16 rows x 2 warps, bf16 x, 3 stages won for NF4 / Q4_K (now their default) and
+#: came second for the rest; the same with float32 x lost 2x. Around it: 2 stages, 4 and 8
+#: warps, 32 rows
+CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
+              (32, 4, 0, 4, 0, 2, 1, 0, 3), (16, 4, 0, 4, 0, 2, 1, 0, 3),
+              (32, 4, 0, 8, 0, 2, 1, 0, 3)]
+#: per format: NF4's launch with absmax per plane; Q6_K's old decode on the new launch
+EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
-#: split, warps, stages, fma, prefetch, join): the loop's loads pipelined (3 stages), the next
-#: step's words loaded ahead, four planes a dot (sm_90: each dot is a wgmma behind a shared-
-#: memory store, a fence and barriers; the default issues 8 a step)
-_DOTS = [(64, 16, 2, 0, 4, 3), (64, 16, 2, 0, 4, 1, 1, 1), (64, 16, 1, 0, 4, 1, 1, 0, 4)]
-DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS, "Q4_K": _DOTS,
-                  "nf4": [(64, 16, 2, 0, 4, 1, 1, 1)], "awq": [(64, 16, 2, 0, 4, 1, 1, 1)]}
+#: split, warps, stages, fma, prefetch, join). 18:13 run: four planes a dot (one chunk a step)
+#: won for Q4_0 / Q8_0 (now their default), lost for Q4_K; 3 stages and prefetch lost. Around
+#: it: 8 planes a dot, 128 rows on 8 warps, prefetch, the previous default
+_DOTS = [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 1, 0, 8, 1, 1, 0, 4),
+         (128, 16, 1, 0, 8, 1, 1, 0, 8), (64, 16, 1, 0, 4, 1, 1, 1, 4), (64, 16, 2, 0, 4, 1)]
+DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS[1:2] + _DOTS[3:],
+                  "Q4_K": [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 2, 0, 8, 1)]}
 
 
 def weights(op, n, k, g):
@@ -120,9 +121,10 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--rep", type=int, default=40, help="ms of repetitions a timing")
-    ap.add_argument("--part", default="all", choices=("all", "a", "b", "c"),
+    ap.add_argument("--part", default="all", choices=("all", "a", "b", "c", "d"),
                     help="a: M = 1 default + the first 3 candidates; b: the other M = 1 "
-                         "variants; c: M > 1 (for a parallel compile warm-up)")
+                         "variants; c / d: M > 1, the first 3 / the rest (for a parallel "
+                         "compile warm-up)")
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
     args = ap.parse_args()
     n = k = args.size
@@ -146,8 +148,8 @@ def main():
                 cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
             if args.default_only:
                 cfgs = cfgs[:1]
-            elif args.part == "c":
-                cfgs = cfgs if m > 1 else []
+            elif args.part in ("c", "d"):
+                cfgs = [] if m == 1 else cfgs[:3] if args.part == "c" else cfgs[3:]
             elif args.part != "all":
                 cfgs = [] if m > 1 else cfgs[:cut] if args.part == "a" else cfgs[cut:]
             for cfg in cfgs:

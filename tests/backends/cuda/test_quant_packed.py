@@ -221,13 +221,13 @@ def test_unpackable_groups():
 # ---- few rows: tensor-core dots on the packed copy (quant_packed_dot) ------------------------
 def _dot_cfg(m, variant="plain"):
     """The dot kernel on 16 x 16 tiles; "pf_join": words loaded a step ahead and four planes
-    side by side in one dot."""
+    side by side in one dot; "join8": all planes of a chunk in one dot."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
-    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}}[variant]
+    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8}}[variant]
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0, **extra)
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join"])
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):

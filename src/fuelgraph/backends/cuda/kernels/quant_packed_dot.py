@@ -49,7 +49,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
     one DRAM round trip a step). JOIN = 4: four planes side by side in one dot (K = C * 128,
     x gathered in the matching order): a quarter of the dots, each a shared-memory round trip
-    with barriers (wgmma on sm_90)."""
+    with barriers (wgmma on sm_90); JOIN = 8: all eight planes of 4-bit formats (Q8_0: four)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -90,7 +90,32 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
         else:
             d = 0.0
             dmin = 0.0
-        if JOIN == 4:
+        if JOIN == 8 and E == 256:     # all 8 planes of a 4-bit chunk in one dot
+            kk = tl.arange(0, C * 256)          # (chunk, t, i, h, g): plane 4 g + 2 h + i
+            k = ((ch0 + kk // 256) * E + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32
+                 + (kk // 8) % 32)
+            kq_ok = (ch0 + kk // 256) < nch
+            xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :], other=0.0)
+            w0 = _wplane(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w1 = _wplane(KIND, words, 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w2 = _wplane(KIND, words, 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w3 = _wplane(KIND, words, 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w4 = _wplane(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w5 = _wplane(KIND, words, 5, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w6 = _wplane(KIND, words, 6, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w7 = _wplane(KIND, words, 7, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            wj = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)),
+                         tl.join(tl.join(w4, w5), tl.join(w6, w7)))     # [BN, C, 32, 2, 2, 2]
+            acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
+        elif JOIN >= 4:
             for jg in tl.static_range(E // 128):
                 kk = tl.arange(0, C * 128)      # (chunk, t, i, h): plane 4 jg + 2 h + i
                 k = ((ch0 + kk // 128) * E + (4 * jg + 2 * (kk % 2) + (kk // 2) % 2) * 32
@@ -137,7 +162,7 @@ class PackedDotConfig:
     num_stages: int = 1
     fma: int = 1
     prefetch: int = 0   # next step's words loaded ahead into registers
-    join: int = 1       # planes a dot (1 or 4)
+    join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
