@@ -207,11 +207,13 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   (0.057 / 0.051 vs 0.060 / 0.069); shapes the copy rejects take the tiles.
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
 #: * session 6 (bench_cuda_quant_gemv, CUDA graphs warm / cold): four planes side by side in one
-#:   dot (join 4, one chunk a step) for Q4_0 0.0438 / 0.0458 (before 0.0476 / 0.0503) and Q8_0
-#:   0.0497 / 0.0502 (0.0549 / 0.0551): each dot is a wgmma behind a shared-memory store, fence
-#:   and barriers; Q4_K lost with it (0.0774 vs 0.0628) and keeps 8 dots a step
+#:   dot (join 4, one chunk a step, the words a step ahead) for Q4_0 0.0441 / 0.0463 (before
+#:   0.0476 / 0.0503; without prefetch 0.0438-0.0442 / 0.0458-0.0461) and Q8_0 0.0477 / 0.0481
+#:   (0.0549 / 0.0551): each dot is a wgmma behind a shared-memory store, fence and barriers.
+#:   Q4_K lost with it (0.0774 vs 0.0628) and keeps 8 dots a step; all 8 planes in one dot lost
+#:   (Q4_0 0.0779: the joined tile goes through more layout conversions)
 PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
-PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4)
+PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, prefetch=1, join=4)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 

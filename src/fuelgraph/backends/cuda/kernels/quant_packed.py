@@ -508,11 +508,12 @@ class PackedConfig:
 #: cp.async stages: NF4 0.0253 / 0.0262 (before 0.0291 / 0.0316), Q4_K 0.0268 / 0.0287 (0.0290 /
 #: 0.0308); the same launch with float32 x lost 2x for Q4_0 / AWQ / Q4_K / Q8_0 / Q6_K (0.048
 #: vs 0.018 for Q4_0), and NF4's absmax per plane pair slowed the register-prefetch launch
-#: (0.0325 vs 0.0291), so only the new launch uses it
+#: (0.0325 vs 0.0291) but helps on the new one (0.0253 vs 0.0274). Q6_K: the new launch with
+#: its one-FMA decode 0.0344-0.0345 vs 0.0348-0.0352 in two runs (the FMA decode on the old
+#: launch: 0.0966). Q4_0, AWQ and Q8_0 keep theirs (new launch 0.0232 / 0.0229 / 0.0333)
 _NEW = PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
-                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW,
-                  Q6_K: PackedConfig(fma=0)}     # its one-FMA decode: 0.0966 on this launch
+                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW, Q6_K: _NEW}
 
 
 def _cdiv(a: int, b: int) -> int:
