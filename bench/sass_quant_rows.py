@@ -135,7 +135,8 @@ def main():
             if name not in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"):
                 continue
             for spec in args.packed.split(";"):
-                v = [int(t) for t in spec.split(",")] + [1, 2, 1, 1, 1, 1][len(spec.split(",")) - 3:]
+                given = [int(t) for t in spec.split(",")]
+                v = given + [1, 2, 1, 1, 1, 1][len(given) - 3:]
                 cfg = PackedConfig(v[0], v[1], 1, v[2], v[3], v[4], v[5], v[6], v[7], v[8])
                 src, elems = packed_source(ids[name], cfg, "fp32" if cfg.x32 else "bf16")
                 report(f"{name} {cfg.tag()}", src, elems, cfg)

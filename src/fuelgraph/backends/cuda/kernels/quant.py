@@ -3,10 +3,11 @@ respect to the activations).
 
 Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
 
-* One row of Q4_0, Q8_0, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the weight
-  repacked once (cached with the weight tensor) into 16-byte-aligned code words and separate
-  scales; shapes that layout rejects take the storage-order kernels below. `quant_packed_dot`
-  runs tensor-core dots on the same copy for more rows (selected by config for now).
+* One row of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the
+  weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
+  separate scales; shapes that layout rejects take the storage-order kernels below.
+  `quant_packed_dot` runs tensor-core dots on the same copy for 2..16 rows of 16-bit x of
+  Q4_0, Q8_0 and Q4_K (ROUTES).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
