@@ -8,7 +8,8 @@ at ~5 instructions per element is ~10 us of issue on an H200 (132 SMs x 4 schedu
 4-bit weight's ~9 us of DRAM time. Use it to compare kernel variants before a GPU session.
 
     python3 bench/sass_quant_rows.py [--fmt Q4_0,Q8_0,Q4_K,Q6_K,NF4,AWQ] [--ms 1,16,256]
-    python3 bench/sass_quant_rows.py --fmt Q4_0,NF4 --packed 16,4,4,1,2;32,4,8   (quant_packed)
+    python3 bench/sass_quant_rows.py --fmt Q4_0,NF4 --packed "16,4,4,1,2;16,4,2,0,2,1,1,3"
+        (quant_packed: block_n,chunks,warps,prefetch[,halves,fma,x32,stages,pair])
 """
 from __future__ import annotations
 
@@ -94,8 +95,9 @@ def packed_source(fmt, cfg, x="fp32"):
            "nch": "i32", "magic": "i32"}
     cons = dict(STEPS=8, KIND=P._KIND[fmt], E=P.CHUNK[fmt], BS={NF4: 64, AWQ: 128, q6k: 16}.get(fmt, 32),
                 BLOCK_N=cfg.block_n, C=cfg.chunks, ATOMIC=False, PREFETCH=bool(cfg.prefetch),
-                EVEN=True, XB=True, FMA_DEQ=bool(cfg.fma),
-                H=max(cfg.halves, 2) if fmt == q6k else cfg.halves, DEQ=False)
+                EVEN=True, XB=bool(cfg.prefetch) or cfg.stages <= 1, FMA_DEQ=bool(cfg.fma),
+                H=max(cfg.halves, 2) if fmt == q6k else cfg.halves, DEQ=False,
+                STAGES=1 if cfg.prefetch else cfg.stages, PAIR=fmt == NF4 and bool(cfg.pair))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] != 10}
     return (ASTSource(P._packed_gemv_kernel, sig, cons, attrs=attrs),
             cfg.block_n * cfg.chunks * P.CHUNK[fmt])
@@ -124,7 +126,7 @@ def main():
                     help="fused GEMM configs instead: m,n,k,warps,stages[,w_left[,prefetch]];...")
     ap.add_argument("--packed", default=None,
                     help="one-row chunk-layout GEMV configs instead: "
-                         "block_n,chunks,warps,prefetch,halves,fma,x32;...")
+                         "block_n,chunks,warps,prefetch,halves,fma,x32,stages,pair;...")
     args = ap.parse_args()
     ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
     if args.packed:
@@ -133,8 +135,9 @@ def main():
             if name not in ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"):
                 continue
             for spec in args.packed.split(";"):
-                v = [int(t) for t in spec.split(",")] + [1, 2, 1, 1][len(spec.split(",")) - 3:]
-                cfg = PackedConfig(v[0], v[1], 1, v[2], v[3], v[4], v[5], v[6])
+                given = [int(t) for t in spec.split(",")]
+                v = given + [1, 2, 1, 1, 1, 1][len(given) - 3:]
+                cfg = PackedConfig(v[0], v[1], 1, v[2], v[3], v[4], v[5], v[6], v[7], v[8])
                 src, elems = packed_source(ids[name], cfg, "fp32" if cfg.x32 else "bf16")
                 report(f"{name} {cfg.tag()}", src, elems, cfg)
         return

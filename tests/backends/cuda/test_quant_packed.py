@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -43,7 +43,8 @@ def _cfg(kind):
             "noprefetch": P.PackedConfig(16, 2, split=1, prefetch=0),
             "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
             "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
-            "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0)}[kind]
+            "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0),
+            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -68,10 +69,11 @@ def test_packed_gguf_bit_exact(qtype):
         # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
         # there for either sign of d), non-finite elsewhere
         got = P.dequantize_packed(pw).cpu().numpy()
-        if qtype in ("Q4_K", "Q6_K"):   # the same operations as gguf-py
+        if qtype == "Q4_K":     # the same operations as gguf-py
             same_bits(got, want)
             continue
-        d = raw.reshape(n, -1, bb)[:, :, :2].copy().view(np.float16)[..., 0]
+        at = 208 if qtype == "Q6_K" else 0      # f16 d of the block
+        d = raw.reshape(n, -1, bb)[:, :, at:at + 2].copy().view(np.float16)[..., 0]
         finite = np.repeat(np.isfinite(d), qk, axis=1)                    # [N, K] by block
         same_bits(got[finite] + 0.0, want[finite] + 0.0)
         assert not np.isfinite(got[~finite]).any()
@@ -131,6 +133,21 @@ def test_packed_nf4_gemv(kind):
         check_product(out, x, wn.T, dt)
 
 
+@pytest.mark.parametrize("block,pair", [(32, 1), (128, 1), (64, 0)])
+def test_packed_nf4_gemv_blocks(block, pair):
+    """Blocks of 32 (absmax per plane) and 128 (one absmax for four planes, applied per pair),
+    and the per-plane decoding forced on blocks of 64 (pair=0)."""
+    rng = np.random.default_rng(block)
+    n, k = 9, 512
+    packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.1, 2, size=(n, k // block)).astype(np.float32)
+    wn = nf4_reference(packed, absmax, block)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEV)
+    out = K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=block,
+                       config=P.PackedConfig(8, 2, split=1, pair=pair))
+    check_product(out, x, wn.T, torch.float32)
+
+
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_packed_awq_gemv(kind):
     rng = np.random.default_rng(8)
@@ -161,7 +178,8 @@ def test_default_route_and_cache():
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
-    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16
+    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16_JOIN
+    assert K.default_route(GGUF_IDS["Q4_K"], 16) == K.PACKED_DOT_16
     assert K.default_route(NF4, 16) == "rows"
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
@@ -201,14 +219,18 @@ def test_unpackable_groups():
 
 
 # ---- few rows: tensor-core dots on the packed copy (quant_packed_dot) ------------------------
-def _dot_cfg(m):
+def _dot_cfg(m, variant="plain"):
+    """The dot kernel on 16 x 16 tiles; "pf_join": words loaded a step ahead and four planes
+    side by side in one dot; "join8": all planes of a chunk in one dot."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
-    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0)
+    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8}}[variant]
+    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0, **extra)
 
 
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
-def test_packed_dot(fmt, m):
+def test_packed_dot(fmt, m, variant):
     """Odd N, M not a multiple of the 16-row tile (20: two x tiles, a split reduction)."""
     rng = np.random.default_rng(m)
     dt = torch.float32 if INTERPRET else torch.bfloat16
@@ -217,14 +239,14 @@ def test_packed_dot(fmt, m):
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T
         fn = lambda x: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt, n=n, k=k,  # noqa
-                                 config=_dot_cfg(m))
+                                 config=_dot_cfg(m, variant))
     elif fmt == "NF4":
         n, k = 11, 512
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
         ref = nf4_reference(packed, absmax, 64).T
         fn = lambda x: K.nf4_matmul(x, to_dev(packed), to_dev(absmax), block_size=64,  # noqa
-                                    config=_dot_cfg(m))
+                                    config=_dot_cfg(m, variant))
     else:
         n, k, gs = 24, 256, 128
         qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
@@ -232,7 +254,7 @@ def test_packed_dot(fmt, m):
         sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
         ref = awq_reference(qw, qz.astype(np.int32), sc, gs)
         fn = lambda x: K.awq_matmul(x, to_dev(qw), to_dev(qz.astype(np.int32)),  # noqa
-                                    to_dev(sc), group_size=gs, config=_dot_cfg(m))
+                                    to_dev(sc), group_size=gs, config=_dot_cfg(m, variant))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
     check_product(fn(x), x, ref, dt)
 

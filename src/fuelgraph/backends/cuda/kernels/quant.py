@@ -3,10 +3,11 @@ respect to the activations).
 
 Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
 
-* One row of Q4_0, Q8_0, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the weight
-  repacked once (cached with the weight tensor) into 16-byte-aligned code words and separate
-  scales; shapes that layout rejects take the storage-order kernels below. `quant_packed_dot`
-  runs tensor-core dots on the same copy for more rows (selected by config for now).
+* One row of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the
+  weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
+  separate scales; shapes that layout rejects take the storage-order kernels below.
+  `quant_packed_dot` runs tensor-core dots on the same copy for 2..16 rows of 16-bit x of
+  Q4_0, Q8_0 and Q4_K (ROUTES).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
@@ -206,14 +207,27 @@ def _split(cfg: QConfig, m: int, c: int, r: int, device) -> tuple[int, int]:
 #:   tiles): 0.0478 / 0.0551 / 0.0628 vs tiles 0.0873 / 0.0967 / 0.131; NF4 and AWQ keep rows
 #:   (0.057 / 0.051 vs 0.060 / 0.069); shapes the copy rejects take the tiles.
 AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
+#: * session 6 (bench_cuda_quant_gemv, CUDA graphs warm / cold): four planes side by side in one
+#:   dot (join 4, one chunk a step, the words a step ahead) for Q4_0 0.0441 / 0.0463 (before
+#:   0.0476 / 0.0503; without prefetch 0.0438-0.0442 / 0.0458-0.0461) and Q8_0 0.0477 / 0.0481
+#:   (0.0549 / 0.0551): each dot is a wgmma behind a shared-memory store, fence and barriers.
+#:   Q4_K lost with it (0.0774 vs 0.0628) and keeps 8 dots a step; all 8 planes in one dot lost
+#:   (Q4_0 0.0779: the joined tile goes through more layout conversions)
 PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
+PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, prefetch=1, join=4)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
-_DOT_GGUF_ROUTE = {1: "packed", 16: PACKED_DOT_16, DEQUANT_GEMM_MIN_M: "tiles",
-                   1 << 62: "dequant_rows"}
+
+
+def _dot_gguf_route(dot):
+    return {1: "packed", 16: dot, DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+
+
+_JOIN_FORMATS = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"])
 ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
           AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _DOT_GGUF_ROUTE if fmt in DOT_FORMATS else
+          **{fmt: _dot_gguf_route(PACKED_DOT_16_JOIN if fmt in _JOIN_FORMATS else PACKED_DOT_16)
+             if fmt in DOT_FORMATS else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 

@@ -22,13 +22,20 @@ Dequantized weights equal the format's dequantizer's (checked with DEQ=True in t
 as code[q] * absmax, Q4_K as fma(q, d sc, -dmin m) and Q6_K as (d sc) (q - 32) (the same single
 rounding as gguf-py), bit for bit; Q4_0 d (q - 8), Q8_0 d q and AWQ (q - z) s are exact
 products in float32, formed here by one FMA from the code OR-ed into 2^23's mantissa with both
-factors exact (`_q4_0_fma`), which gives the exact product as well, for finite scales (an
+factors exact (`_q4_0_fma`), which gives the exact product as well (Q6_K: its single rounding,
+the code placed so that the constant factor stays exact), for finite scales (an
 infinite one gives NaN where the dequantizer gives +-inf, a zero product may be +0 for -0;
 fma=0 keeps subtract-then-scale).
 
 A program owns BLOCK_N rows and a run of chunks (split-K by float32 atomics when `split` > 1),
 loads C chunks of its rows a step (16-byte loads), optionally the next step's words before
-multiplying the current ones (PREFETCH: Triton pipelines only loads that feed a dot).
+multiplying the current ones into registers (PREFETCH), or, with STAGES > 1, through shared
+memory: the loop is a `tl.range(num_stages=STAGES)`, which Triton 3.6 pipelines with cp.async
+although no dot consumes the loads (STAGES - 1 steps in flight without holding them in
+registers; x is then loaded un-broadcast, XB=False, or it too would be copied once per row).
+With 2 warps on 16 rows (4 warps on 32) a thread holds 4 rows of the same words, so an x value
+and the per-plane arithmetic on scales serve 4 rows: sm_90 SASS 3.96 instructions a weight for
+Q4_0 against 4.20 for the register-prefetching 16 x 4 launch (bench/sass_quant_rows.py).
 
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
@@ -101,11 +108,48 @@ def _nf4_lookup(q, c_ptr):
 
 
 @triton.jit
+def _nf4_codes(words, j: tl.constexpr, c_ptr):
+    """NF4 code values of plane j of the words (float32, the words' shape)."""
+    if j < 4:
+        h = words
+    else:
+        h = words >> 16
+    return _nf4_lookup((h >> (4 * (j % 4))) & 15, c_ptr)
+
+
+@triton.jit
+def _x_plane(x_ptr, e0, t, words, ch, nch, XB: tl.constexpr, EVEN: tl.constexpr):
+    """x at elements e0 + t (float32): [C, 1, H, 32 / H], or XB: the words' shape."""
+    xp = x_ptr + e0 + t
+    if XB:
+        xp = tl.broadcast_to(xp, words.shape)
+    if EVEN:
+        xv = tl.load(xp)
+    else:
+        xv = tl.load(xp, mask=(ch < nch) & (t < 32), other=0.0)
+    return xv.to(tl.float32)
+
+
+@triton.jit
 def _plane(KIND: tl.constexpr, words, j: tl.constexpr, s, zq, c_ptr, magic,
            FMA_DEQ: tl.constexpr):
     """Dequantized plane j (float32, the words' shape) of the int32 words, from its scale s
     (float32) and (AWQ) zero zq (int32), both [C, BN, 1, 1]."""
-    if KIND == 3 or KIND == 5:  # Q8_0 (u = q + 128) / Q6_K (u = q + 32): byte j to bits 8..15
+    if KIND == 5 and FMA_DEQ:   # Q6_K (u = q + 32, 6 bits): byte j to bits 16..21, then
+        #   (d sc) q = f (d sc 2^-16) - (d sc) 160 with f = 2^23 + 2^16 u: d sc has at most 19
+        #   significant bits (f16 d times an int8), 160 = 5 * 2^5 has 3, so both products are
+        #   exact and the FMA rounds the exact (d sc) q once, as gguf-py does
+        if j == 0:
+            v = words << 16
+        elif j == 1:
+            v = words << 8
+        elif j == 2:
+            v = words
+        else:
+            v = words >> 8
+        f = ((v & 0x3F0000) | magic).to(tl.float32, bitcast=True)
+        w = tl.fma(f, s * (1.0 / 65536), s * -160.0)
+    elif KIND == 3 or KIND == 5:  # Q8_0 (u = q + 128) / Q6_K (u = q + 32): byte j to bits 8..15
         if j == 0:
             v = words << 8
         elif j == 1:
@@ -175,7 +219,8 @@ def _load_words(q_rows, n_ok, ch, nch, H: tl.constexpr, EVEN: tl.constexpr):
 @triton.jit
 def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
                 n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
-                EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr):
+                EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr,
+                PAIR: tl.constexpr = False):
     """acc [C, BN, H, 32 / H] += every plane of the word tile `words` (same shape; chunks ch
     [C, 1, 1, 1]) times the matching x; DEQ: store the planes at out_rows [1, BN, 1, 1] +
     element instead. XB: x loaded as a full tile of the words' shape (their own register
@@ -195,6 +240,20 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
         else:
             d = tl.load(c_ptr + 2 * ch, mask=g_ok, other=0.0).to(tl.float32)
             dmin = tl.load(c_ptr + 2 * ch + 1, mask=g_ok, other=0.0).to(tl.float32)
+    if PAIR:    # NF4, blocks of 64+: a block's two planes as (c0 x0 + c1 x1) * absmax, one
+        #         multiply less a weight than code * absmax * x (the table lookup is the limit)
+        for jp in tl.static_range(PLANES // 2):
+            e0 = ch * E + jp * 64
+            if EVEN:
+                s = tl.load(s_rows + e0 // BS)
+            else:
+                s = tl.load(s_rows + e0 // BS, mask=g_ok, other=0)
+            x0 = _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
+            x1 = _x_plane(x_ptr, e0 + 32, t, words, ch, nch, XB, EVEN)
+            p = _nf4_codes(words, 2 * jp, c_ptr) * x0
+            p += _nf4_codes(words, 2 * jp + 1, c_ptr) * x1
+            acc += p * s.to(tl.float32)
+        return acc
     for j in tl.static_range(PLANES):
         e0 = ch * E + j * 32                                                # [C, 1, 1, 1]
         if KIND == 5:   # Q6_K: 16-element scale groups, one per half of a plane row (H >= 2)
@@ -224,14 +283,7 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
         if DEQ:
             tl.store(out_rows + e0 + t, w, mask=g_ok & (t < 32))
         else:
-            xp = x_ptr + e0 + t
-            if XB:
-                xp = tl.broadcast_to(xp, words.shape)
-            if EVEN:
-                xv = tl.load(xp)
-            else:
-                xv = tl.load(xp, mask=(ch < nch) & (t < 32), other=0.0)
-            acc += w * xv.to(tl.float32)
+            acc += w * _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
     return acc
 
 
@@ -241,10 +293,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         BS: tl.constexpr, BLOCK_N: tl.constexpr, C: tl.constexpr,
                         ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
-                        H: tl.constexpr = 1, DEQ: tl.constexpr = False):
+                        H: tl.constexpr = 1, DEQ: tl.constexpr = False,
+                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
-    DEQ: out is W [N, K] (float32), written instead of the product."""
+    DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
+    64 elements or more, absmax once per two planes."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,14 +324,14 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
             else:
                 nxt = words
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
             words = nxt
-    else:
-        for i in range(STEPS):
+    else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
+        for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
     if not DEQ:
         total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
         if ATOMIC:
@@ -430,23 +484,36 @@ class PackedConfig:
     num_warps: int = 4
     prefetch: int = 1
     halves: int = 2     # words of a chunk row as [halves, 32 / halves]: 4 * halves a thread
-    fma: int = 1        # Q4_0 / Q8_0 / AWQ: one FMA a dequantized weight (exact; `_q4_0_fma`)
+    fma: int = 1        # Q4_0 / Q8_0 / AWQ / Q6_K: one FMA a dequantized weight (`_q4_0_fma`)
     x32: int = 1        # x converted to float32 by a tiny kernel first (0: converted per load,
     #                     ~1 instruction a weight more for 16-bit x in sm_90 SASS)
+    stages: int = 1     # without prefetch: > 1 pipelines the loop's loads (cp.async, stages - 1
+    #                     steps ahead in shared memory; more bytes in flight than registers hold)
+    pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
                 + (",pf" if self.prefetch else "") + f",h{self.halves}"
-                + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16") + "]")
+                + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
+                + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
+                + ("" if self.pair else ",nopair") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
 #: rows x 4 chunks a step, 8 words a thread per chunk row, beat 8 rows or 2 chunks (fewer bytes
 #: a step: Q4_0 0.042 / 0.032 vs 0.018 ms), 16 words (0.065), split 2 (0.023), x read as bf16
-#: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2)
+#: (0.027); Q8_0 best with 32 rows on 8 warps (0.0280 vs 0.0314 split 2). Session 6
+#: (bench_cuda_quant_gemv, warm / cold = one weight / 4 weights cycled past L2): NF4 and Q4_K
+#: take 16 rows on 2 warps (4 rows a thread), x read in its own dtype, the words through 3
+#: cp.async stages: NF4 0.0253 / 0.0262 (before 0.0291 / 0.0316), Q4_K 0.0268 / 0.0287 (0.0290 /
+#: 0.0308); the same launch with float32 x lost 2x for Q4_0 / AWQ / Q4_K / Q8_0 / Q6_K (0.048
+#: vs 0.018 for Q4_0), and NF4's absmax per plane pair slowed the register-prefetch launch
+#: (0.0325 vs 0.0291) but helps on the new one (0.0253 vs 0.0274). Q6_K: the new launch with
+#: its one-FMA decode 0.0344-0.0345 vs 0.0348-0.0352 in two runs (the FMA decode on the old
+#: launch: 0.0966). Q4_0, AWQ and Q8_0 keep theirs (new launch 0.0232 / 0.0229 / 0.0333)
+_NEW = PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
-                  NF4: PackedConfig(), AWQ: PackedConfig(), Q4_K: PackedConfig(),
-                  Q6_K: PackedConfig()}
+                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW, Q6_K: _NEW}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -488,9 +555,12 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         x1, pw.codes, pw.scales, z, table, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
-        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=True, FMA_DEQ=bool(cfg.fma),
+        PREFETCH=bool(cfg.prefetch), EVEN=even, XB=bool(cfg.prefetch) or cfg.stages <= 1,
+        FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
-        DEQ=deq, num_warps=cfg.num_warps, num_stages=1)
+        DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
+        PAIR=pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair),
+        num_warps=cfg.num_warps, num_stages=1)
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,

@@ -22,13 +22,34 @@ DOT_FORMATS = PACKED_FORMATS - {Q6_K}
 
 
 @triton.jit
+def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr):
+    """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied."""
+    g = (ch * E + j * 32) // BS
+    s = tl.load(s_rows + g, mask=ok, other=0.0).to(tl.float32)
+    if KIND == 2 or KIND == 4:
+        zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
+    else:
+        zq = 0
+    if KIND == 4:
+        s = d * s
+        zq = dmin * zq.to(tl.float32)
+    return _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
+
+
+@triton.jit
 def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, nch,
                        stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
                        E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr,
-                       PREC: tl.constexpr, FMA_DEQ: tl.constexpr):
+                       PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
+                       PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
-    [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...)."""
+    [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
+    are loaded before the current ones are multiplied (in registers; the loop is otherwise
+    one DRAM round trip a step). JOIN = 4: four planes side by side in one dot (K = C * 128,
+    x gathered in the matching order): a quarter of the dots, each a shared-memory round trip
+    with barriers (wgmma on sm_90); JOIN = 8: all eight planes of 4-bit formats (Q8_0: four)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -47,30 +68,80 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     t = tl.arange(0, 32)[None, None, :]
     kt = tl.arange(0, C * 32)                                                # plane column
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if PREFETCH:
+        ch = pid_s * STEPS * C + c
+        nxt = tl.load(q_rows + ch * 32 + t, mask=n_ok[:, None, None] & (ch < nch) & (t < 32),
+                      other=0)
     for i in range(STEPS):
         ch0 = (pid_s * STEPS + i) * C
         ch = ch0 + c
         ok = n_ok[:, None, None] & (ch < nch)
-        words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
+        if PREFETCH:
+            words = nxt
+            if i + 1 < STEPS:
+                nxt = tl.load(q_rows + (ch + C) * 32 + t,
+                              mask=n_ok[:, None, None] & (ch + C < nch) & (t < 32), other=0)
+        else:
+            words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
         k_ok = (ch0 + kt // 32) < nch
         if KIND == 4:
             d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
             dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
-        for j in tl.static_range(E // 32):
-            g = (ch * E + j * 32) // BS
-            s = tl.load(s_rows + g, mask=ok, other=0.0).to(tl.float32)
-            if KIND == 2 or KIND == 4:
-                zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
-            else:
-                zq = 0
-            if KIND == 4:
-                s = d * s
-                zq = dmin * zq.to(tl.float32)
-            w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)      # [BN, C, 32]
-            k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
-            xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
-            acc = tl.dot(w2, xt, acc, input_precision=PREC)
+        else:
+            d = 0.0
+            dmin = 0.0
+        if JOIN == 8 and E == 256:     # all 8 planes of a 4-bit chunk in one dot
+            kk = tl.arange(0, C * 256)          # (chunk, t, i, h, g): plane 4 g + 2 h + i
+            k = ((ch0 + kk // 256) * E + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32
+                 + (kk // 8) % 32)
+            kq_ok = (ch0 + kk // 256) < nch
+            xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :], other=0.0)
+            w0 = _wplane(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w1 = _wplane(KIND, words, 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w2 = _wplane(KIND, words, 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w3 = _wplane(KIND, words, 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w4 = _wplane(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w5 = _wplane(KIND, words, 5, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w6 = _wplane(KIND, words, 6, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            w7 = _wplane(KIND, words, 7, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                         FMA_DEQ).to(xt.dtype)
+            wj = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)),
+                         tl.join(tl.join(w4, w5), tl.join(w6, w7)))     # [BN, C, 32, 2, 2, 2]
+            acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
+        elif JOIN >= 4:
+            for jg in tl.static_range(E // 128):
+                kk = tl.arange(0, C * 128)      # (chunk, t, i, h): plane 4 jg + 2 h + i
+                k = ((ch0 + kk // 128) * E + (4 * jg + 2 * (kk % 2) + (kk // 2) % 2) * 32
+                     + (kk // 4) % 32)
+                kq_ok = (ch0 + kk // 128) < nch
+                xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :],
+                             other=0.0)
+                w0 = _wplane(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+                             magic, E, BS, FMA_DEQ).to(xt.dtype)
+                w1 = _wplane(KIND, words, 4 * jg + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+                             magic, E, BS, FMA_DEQ).to(xt.dtype)
+                w2 = _wplane(KIND, words, 4 * jg + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+                             magic, E, BS, FMA_DEQ).to(xt.dtype)
+                w3 = _wplane(KIND, words, 4 * jg + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+                             magic, E, BS, FMA_DEQ).to(xt.dtype)
+                wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))      # [BN, C, 32, 2, 2]
+                acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 128)), xt, acc, input_precision=PREC)
+        else:
+            for j in tl.static_range(E // 32):
+                w = _wplane(KIND, words, j, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                            FMA_DEQ)                                            # [BN, C, 32]
+                k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
+                xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                             other=0.0)
+                w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
+                acc = tl.dot(w2, xt, acc, input_precision=PREC)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok[:, None] & m_ok[None, :]
     if ATOMIC:
@@ -90,10 +161,14 @@ class PackedDotConfig:
     num_warps: int = 4
     num_stages: int = 1
     fma: int = 1
+    prefetch: int = 0   # next step's words loaded ahead into registers
+    join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
-                f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma") + "]")
+                f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
+                + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
+                + "]")
 
 
 def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -129,5 +204,6 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         STEPS=steps, KIND=_KIND[fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
+        PREFETCH=bool(cfg.prefetch), JOIN=cfg.join,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Few-row quantized matmuls (M = 1, 16; N = K = 8192, bf16 x) on one CUDA GPU, timed two ways
+with CUDA graphs (no launch overhead from Python):
+
+* warm: the same weight every call (`do_bench_cudagraph`, as bench_cuda_quant.py); a 4-bit
+  8192 x 8192 weight (~38 MB with scales) partly stays in the H200's 50 MB L2 between calls;
+* cold: one graph cycling through COPIES different weights of the format (more bytes than L2
+  holds), so every call streams its weight from HBM, as a decode step through many layers does.
+
+Per format: the default route and the one-row GEMV candidates (quant_packed.PackedConfig) of
+CANDIDATES, each checked against the dense product first. Effective bandwidth = weight bytes
+(codes + scales of the packed copy) / time. Records go to DIR/cuda_quant_gemv.jsonl (--out).
+
+    python3 bench/bench_cuda_quant_gemv.py [--out DIR] [--ops Q4_0,nf4,...] [--ms 1,16]
+                                           [--compile-only] [--no-cold] [--default-only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as TF
+from triton.testing import do_bench_cudagraph
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed import PackedConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
+from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
+from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
+
+DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))   # cpu: interpreter dry run
+COPIES = 4
+#: one-row GEMV candidates next to the default: (block_n, chunks, split, warps, prefetch,
+#: halves, fma, x32, stages); stages > 1 streams the words through shared memory (cp.async).
+#: 18:13 run: 16 rows x 2 warps, bf16 x, 3 stages won for NF4 / Q4_K (now their default) and
+#: came second for the rest; the same with float32 x lost 2x. Around it: 2 stages, 4 and 8
+#: warps, 32 rows
+CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
+              (32, 4, 0, 4, 0, 2, 1, 0, 3), (16, 4, 0, 4, 0, 2, 1, 0, 3),
+              (32, 4, 0, 8, 0, 2, 1, 0, 3)]
+#: per format: NF4's launch with absmax per plane; Q6_K's old decode on the new launch
+EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
+#: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
+#: split, warps, stages, fma, prefetch, join). 18:13 run: four planes a dot (one chunk a step)
+#: won for Q4_0 / Q8_0 (now their default), lost for Q4_K; 3 stages and prefetch lost. Around
+#: it: 8 planes a dot, 128 rows on 8 warps, prefetch, the previous default
+_DOTS = [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 1, 0, 8, 1, 1, 0, 4),
+         (128, 16, 1, 0, 8, 1, 1, 0, 8), (64, 16, 1, 0, 4, 1, 1, 1, 4), (64, 16, 2, 0, 4, 1)]
+DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS[1:2] + _DOTS[3:],
+                  "Q4_K": [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 2, 0, 8, 1)]}
+
+
+def weights(op, n, k, g):
+    """(matmul(x, cfg), dense W [N, K] bf16, packed-copy bytes) of one random weight."""
+    if op == "nf4":
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
+        absmax = torch.rand(n, k // 64, device=DEV, generator=g) * 0.05
+        code = torch.tensor(NF4_CODE, device=DEV)
+        w = K.dequantize(NF4, packed, absmax, code, 64, k, n).t()
+        fn = lambda x, c: K.nf4_matmul(x, packed, absmax, block_size=64, config=c)  # noqa
+        return fn, w.to(torch.bfloat16), packed.numel() + 4 * absmax.numel()
+    if op == "awq":
+        words = torch.randint(-2 ** 31, 2 ** 31 - 1, (k, n // 8), dtype=torch.int32,
+                              device=DEV, generator=g)
+        zeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // 128, n // 8), dtype=torch.int32,
+                              device=DEV, generator=g)
+        scales = (torch.rand(k // 128, n, device=DEV, generator=g) * 2e-3).half()
+        w = K.dequantize(AWQ, words, zeros, scales, 128, k, n).t()
+        fn = lambda x, c: K.awq_matmul(x, words, zeros, scales, group_size=128,  # noqa: E731
+                                       config=c)
+        return fn, w.to(torch.bfloat16), 4 * words.numel() + 2 * scales.numel() + n * k // 128
+    f = FORMATS[op]
+    raw = torch.randint(0, 256, (n * k // f.block, f.type_size), dtype=torch.uint8, device=DEV,
+                        generator=g)
+    for off in {"Q4_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[op]:
+        d = (torch.rand(raw.shape[0], device=DEV, generator=g) - 0.5) * 2e-3
+        raw[:, off:off + 2] = d.half().view(torch.uint8).view(-1, 2)
+    raw = raw.reshape(-1)
+    w = K.dequantize(GGUF_IDS[op], raw, raw, raw, f.row_bytes(k), k, n).t()
+    fn = lambda x, c: K.qmatmul(x, raw, quant_type=op, n=n, k=k, config=c)  # noqa: E731
+    return fn, w.to(torch.bfloat16), raw.numel()
+
+
+def close(got, want):
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    return err <= 3e-2 * max(scale, 1.0), err
+
+
+def timings(made, x, cfg, rep):
+    """(warm, cold) CUDA-graph medians (ms a call); cold None with one weight."""
+    fn0 = made[0][0]
+    for f, *_ in made[1:]:
+        f(x, cfg)       # pack the other copies before timing
+    warm = do_bench_cudagraph(lambda: fn0(x, cfg), rep=rep, return_mode="median")
+    if len(made) == 1:
+        return warm, None
+
+    def cycle():
+        for f, *_ in made:
+            f(x, cfg)
+    return warm, do_bench_cudagraph(cycle, rep=rep, return_mode="median") / len(made)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", default="Q4_0,nf4,awq,Q4_K,Q8_0,Q6_K")
+    ap.add_argument("--ms", default="1,16")
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--rep", type=int, default=40, help="ms of repetitions a timing")
+    ap.add_argument("--part", default="all", choices=("all", "a", "b", "c", "d"),
+                    help="a: M = 1 default + the first 3 candidates; b: the other M = 1 "
+                         "variants; c / d: M > 1, the first 3 / the rest (for a parallel "
+                         "compile warm-up)")
+    ap.add_argument("--default-only", action="store_true", help="time the default routes only")
+    args = ap.parse_args()
+    n = k = args.size
+    g = torch.Generator(device=DEV).manual_seed(0)
+    jsonl = None
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        jsonl = pathlib.Path(args.out) / "cuda_quant_gemv.jsonl"
+    name = torch.cuda.get_device_name()
+    copies = 1 if args.compile_only or args.no_cold else COPIES
+    for op in args.ops.split(","):
+        made = [weights(op, n, k, g) for _ in range(copies)]
+        fn0, w0, nbytes = made[0]
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+            want = TF.linear(x, w0)
+            if m == 1:
+                cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
+                cut = 4
+            else:
+                cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
+            if args.default_only:
+                cfgs = cfgs[:1]
+            elif args.part in ("c", "d"):
+                cfgs = [] if m == 1 else cfgs[:3] if args.part == "c" else cfgs[3:]
+            elif args.part != "all":
+                cfgs = [] if m > 1 else cfgs[:cut] if args.part == "a" else cfgs[cut:]
+            for cfg in cfgs:
+                tag = "default" if cfg is None else cfg.tag()
+                try:
+                    ok, err = close(fn0(x, cfg), want)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op:5s} M={m:<3d} {tag:40s} FAILED {str(exc)[:200]!r}", flush=True)
+                    continue
+                if not ok:
+                    print(f"{op:5s} M={m:<3d} {tag:40s} WRONG max err {err:.3g}", flush=True)
+                    continue
+                if args.compile_only:
+                    continue
+                try:
+                    warm, cold = timings(made, x, cfg, args.rep)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op:5s} M={m:<3d} {tag:40s} FAILED timing {str(exc)[:200]!r}",
+                          flush=True)
+                    continue
+                best = cold if cold is not None else warm
+                r = {"op": op, "impl": f"fuelgraph[{tag}]", "device": name, "shape": [m, n, k],
+                     "dtype": "bfloat16", "ms_graph": round(warm, 5),
+                     "ms_cold": None if cold is None else round(cold, 5),
+                     "gbps_cold": None if cold is None else round(nbytes / cold / 1e6, 1),
+                     "date": time.strftime("%Y-%m-%d", time.gmtime())}
+                print(f"{op:5s} M={m:<3d} {tag:40s} warm {warm:.4f} ms  cold "
+                      f"{cold or float('nan'):.4f} ms  {nbytes / best / 1e6:6.0f} GB/s", flush=True)
+                if jsonl:
+                    with open(jsonl, "a") as fh:
+                        fh.write(json.dumps(r) + "\n")
+        del made
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
