@@ -30,11 +30,6 @@ from .common import NUM_THREADS, _get_pool, acc_dtype, blas_single, store, to_ac
 
 #: elements of one score tile (heads x rows x keys); 2^18 float32 = 1 MiB stays in L2
 TILE_ELEMS = 1 << 18
-#: the backward's tile is TILE_ELEMS // BWD_TILE_DIV: it holds three tile-sized arrays
-#: (probabilities, dS and a dk / dv product) where the forward holds one, so a half tile keeps
-#: them in L2 (Llama training shape [4, 8/4, 256, 64] causal, 2 threads, interleaved:
-#: 0.84-0.96x the time of a whole tile; [4, 8/4, 64, 64]: 0.87x)
-BWD_TILE_DIV = 2
 #: keys per tile and (folded) query rows per tile
 BLOCK_K = 256
 BLOCK_ROWS = 128
@@ -78,9 +73,9 @@ class _Problem:
     P V product also yields the row sums of P. A softcap (tanh between the product and the
     shift) takes the explicit path."""
 
-    def __init__(self, op, q, k, v, opt, p, values_ext=True, fold=True, tile_elems=None):
-        """tile_elems: elements of a score tile (default TILE_ELEMS); values_ext: the folded
-        layout also extends the values (the backward's dP - delta GEMM); fold=False: never fold (the forward, whose shift is 0 but for rare rows).
+    def __init__(self, op, q, k, v, opt, p, values_ext=True, fold=True):
+        """values_ext: the folded layout also extends the values (the backward's dP - delta
+        GEMM); fold=False: never fold (the forward, whose shift is 0 but for rare rows).
         Scores stay in natural units (not base 2 for NumPy's faster exp2): the backward
         recomputes them bit for bit, so exp(s - lse) is consistent to the last digit."""
         self.op = op
@@ -130,11 +125,10 @@ class _Problem:
         else:
             self.k, self.v = plain(k), plain(v)
         # tile: rows x keys x heads ~ TILE_ELEMS; few rows (decoding) get long key blocks
-        tile = tile_elems or TILE_ELEMS
         self.bq = min(max(8, BLOCK_ROWS // G), max(Sq, 1))
         rows = G * self.bq
-        self.hc = max(1, min(self.BH, tile // (rows * BLOCK_K)))
-        self.bk = max(1, min(16, tile // (self.hc * rows * BLOCK_K))) * BLOCK_K
+        self.hc = max(1, min(self.BH, TILE_ELEMS // (rows * BLOCK_K)))
+        self.bk = max(1, min(16, TILE_ELEMS // (self.hc * rows * BLOCK_K))) * BLOCK_K
 
     def _ext(self, x):
         """[B, Hkv, Sk, D] -> live keys [B*Hkv, L, D + 1] in acc, last column 1."""
@@ -465,7 +459,7 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
 # ---- backward -------------------------------------------------------------------------------
 def _backward(q, k, v, grad_out, lse, delta, opt, p):
     """(dq, dk, dv)."""
-    pb = _Problem("flash_attn_backward", q, k, v, opt, p, tile_elems=max(1, TILE_ELEMS // BWD_TILE_DIV))
+    pb = _Problem("flash_attn_backward", q, k, v, opt, p)
     acc, D, L = pb.acc, pb.D, pb.L
     dq = np.zeros((pb.BH, pb.G, pb.Sq, D), acc)
     if pb.fold:
