@@ -54,3 +54,20 @@ def test_float16_casts_match_numpy():
     nan = np.isnan(ref)
     assert np.isnan(got[nan]).all()
     np.testing.assert_array_equal(got[~nan].view(np.uint16), ref[~nan].view(np.uint16))
+
+
+def test_keep_heap_switch():
+    """The malloc thresholds are set at import unless FUELGRAPH_KEEP_HEAP=0 (or the user's own
+    malloc settings) say otherwise; either way the backend computes the same."""
+    import os
+    import subprocess
+    import sys
+    code = "import fuelgraph.backends.numpy.common as c; print(c.HEAP_KEPT)"
+    env = {**os.environ, "FUELGRAPH_KEEP_HEAP": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+    env = {k: v for k, v in os.environ.items() if k != "FUELGRAPH_KEEP_HEAP"}
+    env["MALLOC_TRIM_THRESHOLD_"] = "131072"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+    assert isinstance(common.HEAP_KEPT, bool)

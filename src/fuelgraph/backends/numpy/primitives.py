@@ -225,6 +225,11 @@ SMALL_M_ROWS = 16
 #: OpenBLAS's small-M GEMM repacks the whole weight on every call ([4, 512] x [512, 32000]
 #: head: 13.7 ms as one call on a 2-core VM)
 SMALL_M_POOL_FLOPS = 4e6
+#: ... or whose weight has at least this many bytes: the whole-weight repack is what costs,
+#: whatever M (2 threads, interleaved, weights cycled through 40 MiB so they come from
+#: memory as in a decode step: 4 x 512 @ [512, 512].T blocks 0.70x the time of one W @ x.T,
+#: 2 x 512 @ [512, 1024].T 0.56x; with 512 KiB weights about even)
+SMALL_M_POOL_BYTES = 1 << 20
 #: ... of at most about this many bytes of the weight: OpenBLAS packs a block it has just read
 #: into L2 (one thread, [4, 512] x [512, 2048]: 128-row blocks 0.28 ms, the whole weight 1.0 ms)
 WEIGHT_BLOCK_BYTES = 1 << 18
@@ -242,7 +247,8 @@ def gemm(a, b, out=None):
     dot product of the same operands whatever the split, so results do not depend on the
     thread count beyond what BLAS kernels themselves do per block."""
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    batch = 1 if a.ndim == b.ndim == 2 else \
+        math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
     # small products take one BLAS thread: BLAS's threads gain little there, and while another
     # process holds a core they wait for each other (measured: ~10 ms per 4-MFLOP product on a
     # loaded 2-core machine instead of 0.05 ms)
@@ -250,7 +256,7 @@ def gemm(a, b, out=None):
     if 1 < m <= SMALL_M_ROWS and a.ndim == 2 and b.ndim == 2 and b.strides[0] < b.strides[1] \
             and out is None and a.dtype.kind == "f":
         # x @ W.T with few rows (a decode step): OpenBLAS is up to 2x faster computing W @ x.T
-        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS:
+        if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS or k * n * b.itemsize >= SMALL_M_POOL_BYTES:
             pooled = _pool_weight_rows(a, b.T, n)
             if pooled is not None:
                 return pooled
