@@ -5,7 +5,7 @@ launch configuration of the bench sweep, registers, spill stack, shared memory a
 programs fit on one SM (with the chunk bytes they hold, what the L2 must keep for the
 second read).
 
-    python3 bench/sass_ce_split.py
+    python3 bench/sass_ce_split.py ['[dict(split_chunk=8192, hold=True, num_warps=4), ...]']
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
 from fuelgraph.backends.cuda.kernels.common import next_pow2  # noqa: E402
-from sass_common import TARGET, loop_stats  # noqa: E402
+from sass_common import BIN, TARGET, loop_stats  # noqa: E402
 
 V = 128256
 SIG = {"x_ptr": "*bf16", "t_ptr": "*i64", "g_ptr": "*fp32", "n_ptr": "*i64",
@@ -34,10 +34,22 @@ SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
 
 
 def compile_cfg(cfg):
-    S, chunk = L.split_plan(V, cfg["split_chunk"])
+    hold = cfg.get("hold", False)
+    S, chunk = L.split_plan(V, cfg["split_chunk"], hold=hold)
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
-                S_P2=next_pow2(S), BLOCK=cfg["block"], STAGES=cfg["stages"],
-                EVICT=cfg.get("evict", "evict_last"), GROUP=cfg.get("group", L.CE_SPLIT_GROUP))
+                S_P2=next_pow2(S))
+    if hold:
+        sig = {k: v for k, v in SIG.items() if k != "CHUNK"}
+        cons.update(CHUNK=chunk, PACK=cfg.get("pack", True), ASM=True,
+                    EAGER=cfg.get("eager", L.CE_HOLD_EAGER))
+        src = ASTSource(L._ce_held_kernel, sig, cons, attrs=ALIGNED)
+        opts = dict(num_warps=cfg["num_warps"])
+        maxnreg = cfg.get("maxnreg", L.CE_HOLD_MAXNREG)
+        if maxnreg:
+            opts["maxnreg"] = maxnreg
+        return triton.compile(src, target=TARGET, options=opts)
+    cons.update(BLOCK=cfg["block"], STAGES=cfg["stages"], EVICT=cfg.get("evict", "evict_last"),
+                GROUP=cfg.get("group", L.CE_SPLIT_GROUP))
     src = ASTSource(L._ce_split_kernel, SIG, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))
@@ -45,12 +57,15 @@ def compile_cfg(cfg):
 
 def main():
     from bench_cuda_loss import split_sweep_configs
-    for cfg in split_sweep_configs():
+    configs = split_sweep_configs()
+    if len(sys.argv) > 1:           # e.g. '[dict(split_chunk=8192, hold=True, num_warps=4)]'
+        configs = eval(sys.argv[1], {"dict": dict})
+    for cfg in configs:
         t0 = time.perf_counter()
         try:
             k = compile_cfg(cfg)
         except Exception as exc:  # noqa: BLE001
-            print(f"{cfg} FAILED {str(exc)[:400]!r}")
+            print(f"{cfg} FAILED {str(exc)[-600:]}")
             continue
         secs = time.perf_counter() - t0
         regs, stack, _, _ = loop_stats(k.asm["cubin"])

@@ -263,6 +263,45 @@ def test_ce_split_launch_options(chunk, group, evict):
     assert _err(dx, ref_dx) < _tol(dtype)
 
 
+# chunks held in registers across the meeting (one read of the logits): on the GPU rows split
+# into 20 / 5 chunks of a power of two (the last one masked) and the 16-bit logits are held two
+# to a register, and a chunk wider than the row is one masked program per row; the interpreter
+# runs whole rows (S = 1). The gradient is written over its own input, as FLCE does; with
+# `eager` the chunks of ignored rows are read (and not used).
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chunk,reduction,ignore_index,eager",
+                         [(256, "mean", -100, False), (1024, "none", -100, True),
+                          (8192, "sum", None, True)])
+def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager):
+    r, v = (777, 5003) if HAS_CUDA else (11, 37)
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    if ignore_index is not None:
+        t[::5] = ignore_index
+    t[3] = v - 1                          # the target in the masked last chunk
+    g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
+    plan = L.split_plan(v, chunk, hold=True)
+    assert plan == ((triton.cdiv(v, chunk), chunk) if HAS_CUDA and chunk < v
+                    else (1, triton.next_power_of_2(v)))
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, ignore_index, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = x.clone()
+    L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager)
+    loss = L.reduce_rows(loss_rows, t, reduction, ignore_index, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, ignore_index)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+
+
+def test_ce_held_needs_a_power_of_two_chunk():
+    x = torch.randn(2, 40, device=DEV)
+    t = torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError):
+        L.ce_split(x, t, (2, 20), dx=torch.empty_like(x), grad=torch.ones(1, device=DEV),
+                   hold=True)
+
+
 def test_ce_fwd_bwd_public_entry_and_edges():
     v = 9
     x = torch.randn(5, v, device=DEV)
