@@ -152,7 +152,8 @@ def split_sweep_configs():
     (`_ce_split_kernel`, each chunk read twice) first, then chunks held in registers
     (`_ce_held_kernel`, read once): chunk logits, warps, register cap, what is held (pack:
     bf16 pairs, two exps a logit; else float32 exps, one), eager: the load not waiting for the
-    target. Programs per SM on sm_90 (bench/sass_ce_split.py) in the comments.
+    target, meet: arrival counter or self-flagging partial words. Programs per SM on sm_90
+    (bench/sass_ce_split.py) in the comments.
 
     Streamed, measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
     statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
@@ -161,15 +162,17 @@ def split_sweep_configs():
     8 or 16 warps and BLOCK 8192 slower, chunks in registers (before the light meeting, 8 warps
     of 16384 fp32 logits: about one program per SM) 3.1-4.2."""
     streamed = dict(hold=False, split_chunk=16384, group=8, block=2048, num_warps=4, stages=3)
-    held = dict(hold=True, maxnreg=0, pack=True, eager=False)
+    held = dict(hold=True, maxnreg=0, pack=True, eager=False, meet="counter")
+    fast = dict(held, eager=True, meet="word")
     return [streamed,
+            dict(streamed, meet="word"),
             dict(held, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
-            dict(held, split_chunk=8192, num_warps=4, maxnreg=80, eager=True),   # 6 / SM
+            dict(fast, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
             dict(held, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
-            dict(held, split_chunk=4096, num_warps=2, pack=False),               # 10 / SM
-            dict(held, split_chunk=4096, num_warps=4, pack=False, eager=True),   # 9 / SM
-            dict(held, split_chunk=4096, num_warps=4),                           # 9 / SM
-            dict(held, split_chunk=16384, num_warps=8, maxnreg=80)]              # 3 / SM
+            dict(fast, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
+            dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 10 / SM
+            dict(fast, split_chunk=4096, num_warps=4),                           # 9 / SM
+            dict(fast, split_chunk=16384, num_warps=8, maxnreg=80)]              # 3 / SM
 
 
 def _run_split_cfg(cfg, logits, t, g32, n_valid):

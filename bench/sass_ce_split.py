@@ -37,9 +37,12 @@ def compile_cfg(cfg):
     hold = cfg.get("hold", False)
     S, chunk = L.split_plan(V, cfg["split_chunk"], hold=hold)
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
-                S_P2=next_pow2(S))
+                S_P2=next_pow2(S), WORD=cfg.get("meet", L.CE_SPLIT_MEET) == "word")
+    sig = dict(SIG)
+    if cons["WORD"]:
+        sig.update(pm_ptr="*i64", ps_ptr="*i64")
     if hold:
-        sig = {k: v for k, v in SIG.items() if k != "CHUNK"}
+        sig = {k: v for k, v in sig.items() if k != "CHUNK"}
         cons.update(CHUNK=chunk, PACK=cfg.get("pack", True), ASM=True,
                     EAGER=cfg.get("eager", L.CE_HOLD_EAGER))
         src = ASTSource(L._ce_held_kernel, sig, cons, attrs=ALIGNED)
@@ -50,7 +53,7 @@ def compile_cfg(cfg):
         return triton.compile(src, target=TARGET, options=opts)
     cons.update(BLOCK=cfg["block"], STAGES=cfg["stages"], EVICT=cfg.get("evict", "evict_last"),
                 GROUP=cfg.get("group", L.CE_SPLIT_GROUP))
-    src = ASTSource(L._ce_split_kernel, SIG, cons, attrs=ALIGNED)
+    src = ASTSource(L._ce_split_kernel, sig, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))
 

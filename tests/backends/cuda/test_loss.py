@@ -238,11 +238,11 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
 
 
 # split-row launch options: running statistics per 8 logits or per BLOCK step, with and
-# without the first read's cache hint. On the GPU rows split into 20 / 5 chunks; the
+# without the first read's cache hint, the meeting through a counter or through words. On the GPU rows split into 20 / 5 chunks; the
 # interpreter runs whole rows (S = 1) over several BLOCK steps
 @pytest.mark.parametrize("chunk", [256, 1024])
-@pytest.mark.parametrize("group,evict", [(0, "evict_last"), (8, "")])
-def test_ce_split_launch_options(chunk, group, evict):
+@pytest.mark.parametrize("group,evict,meet", [(0, "evict_last", "counter"), (8, "", "word")])
+def test_ce_split_launch_options(chunk, group, evict, meet):
     dtype, reduction = torch.bfloat16, "mean"
     r, v = (777, 5003) if HAS_CUDA else (11, 37)
     x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
@@ -256,7 +256,7 @@ def test_ce_split_launch_options(chunk, group, evict):
     dx = torch.empty_like(x)
     L.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
-               evict=evict, group=group)
+               evict=evict, group=group, meet=meet)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6
@@ -267,12 +267,13 @@ def test_ce_split_launch_options(chunk, group, evict):
 # into 20 / 5 chunks of a power of two (the last one masked) and the 16-bit logits are held two
 # to a register, and a chunk wider than the row is one masked program per row; the interpreter
 # runs whole rows (S = 1). The gradient is written over its own input, as FLCE does; with
-# `eager` the chunks of ignored rows are read (and not used).
+# `eager` the chunks of ignored rows are read (and not used); the row's programs meet through an
+# arrival counter or through self-flagging partial words.
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("chunk,reduction,ignore_index,eager",
-                         [(256, "mean", -100, False), (1024, "none", -100, True),
-                          (8192, "sum", None, True)])
-def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager):
+@pytest.mark.parametrize("chunk,reduction,ignore_index,eager,meet",
+                         [(256, "mean", -100, False, "counter"), (1024, "none", -100, True, "word"),
+                          (256, "sum", None, True, "word"), (8192, "mean", -100, False, "counter")])
+def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager, meet):
     r, v = (777, 5003) if HAS_CUDA else (11, 37)
     x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
     t = torch.randint(0, v, (r,), device=DEV)
@@ -287,9 +288,40 @@ def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager):
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()
     L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager)
+               reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager, meet=meet)
     loss = L.reduce_rows(loss_rows, t, reduction, ignore_index, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, ignore_index)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+
+
+# the word meeting with S > 1 where programs run one by one (the interpreter): every row's
+# partial words are preset to what its programs will publish, so no program waits
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_ce_meet_word_with_partials_preset(dtype, hold):
+    r, v, chunk = 11, 37, 16                  # S = 3, the last chunk ragged
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::4] = -100
+    t[3] = v - 1
+    g = torch.randn((), dtype=F64, device=DEV)
+    S = triton.cdiv(v, chunk)
+    xf = torch.full((r, S * chunk), float("-inf"), dtype=F64, device=DEV)
+    xf[:, :v] = x.to(F64)
+    part = xf.reshape(r, S, chunk)
+    m = part.amax(-1)
+    s = (part - m[..., None]).exp().sum(-1)
+    bits = lambda a: a.to(torch.float32).view(torch.int32).to(torch.int64)
+    words = ((bits(s) << 32) | (bits(m) & 0xFFFFFFFF)).reshape(-1).contiguous()
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, "mean", -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = torch.empty_like(x)
+    L.ce_split(x, t, (S, chunk), loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction="mean", ignore_index=-100, block=8, hold=hold, meet="word",
+               partials=words)
+    loss = L.reduce_rows(loss_rows, t, "mean", -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, "mean", -100)
     assert _err(loss, ref_loss) < 2e-6
     assert _err(dx, ref_dx) < _tol(dtype)
 

@@ -26,6 +26,7 @@ reduction over ``targets`` first and raise ``FuelGraphError`` instead (costs a d
 from __future__ import annotations
 
 import os
+import struct
 
 import torch
 import triton
@@ -90,6 +91,11 @@ CE_HOLD_CHUNK = 8192
 CE_HOLD_WARPS = 4
 CE_HOLD_MAXNREG = 80
 CE_HOLD_EAGER = False
+# how the programs of a row meet (_meet): "counter" (an arrival counter, acquire-release) or
+# "word" (each partial (max, sum) one 64-bit word that is its own flag)
+CE_SPLIT_MEET = "counter"
+#: a partial word not yet written: max 0.0 in the low half, sum -1.0 in the high half
+WORD_NOT_YET = int.from_bytes(struct.pack("<ff", 0.0, -1.0), "little", signed=True)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -297,23 +303,37 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
 
 
 @triton.jit
-def _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S: tl.constexpr, S_P2: tl.constexpr):
+def _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S: tl.constexpr, S_P2: tl.constexpr,
+          WORD: tl.constexpr):
     """Publish work item `item`'s partial (max, sum) of row r, wait for the row's other S - 1
-    programs (arrival counter sync_ptr[r]) and return the row's (max, sum).
+    programs and return the row's (max, sum).
 
-    Only the arrival orders the partials before it (release) and the reads after it (acquire,
-    for the last to arrive, which does not poll): the partials go out with relaxed atomics,
-    the others poll with acquire loads, and the partials are read back with two volatile loads
-    in flight at once (from L2, never a stale L1 line)."""
-    tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
-    tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
-    arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
-    while arrived < S:
-        arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
+    WORD false (an arrival counter sync_ptr[r]): only the arrival orders the partials before it
+    (release) and the reads after it (acquire, for the last to arrive, which does not poll):
+    the partials go out with relaxed atomics, the others poll with acquire loads, and the
+    partials are read back with two volatile loads in flight at once (from L2, never a stale
+    L1 line). WORD true (pm_ptr: int64 words, preset to `WORD_NOT_YET`): (max, sum) go out as
+    one 64-bit word, which is its own flag: the row's S words are polled until none has a
+    negative sum -- no counter, no fence, one L2 round trip when the others are done."""
     lane = tl.arange(0, S_P2)
     mine = lane < S
-    pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
-    ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
+    if WORD:
+        lo = m.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)
+        hi = s.to(tl.int32, bitcast=True).to(tl.int64) << 32
+        tl.atomic_xchg(pm_ptr + item, hi | lo, sem="relaxed")
+        words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
+        while tl.min((words >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0) < 0:
+            words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
+        pm = words.to(tl.int32).to(tl.float32, bitcast=True)
+        ps = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
+        tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
+        arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
+        while arrived < S:
+            arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
+        pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
+        ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
     pm = tl.where(mine, pm, float("-inf"))
     ps = tl.where(mine, ps, 0.0)
     m = tl.max(pm, 0)
@@ -326,7 +346,8 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                      CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
                      REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                      S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
-                     STAGES: tl.constexpr, EVICT: tl.constexpr, GROUP: tl.constexpr):
+                     STAGES: tl.constexpr, EVICT: tl.constexpr, GROUP: tl.constexpr,
+                     WORD: tl.constexpr):
     """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
     stream the chunk for its running (max, sum) (loads kept in L2; GROUP > 0: one running
     pair per GROUP logits, `_lse_chunk_grouped`), publish them, wait for the row's other S - 1
@@ -361,7 +382,7 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                           STAGES)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
-            m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2)
+            m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2, WORD)
     in_range = (t >= 0) & (t < V)
     lse = tl.where(in_range, m + tl.log(s), float("nan"))
     if STORE_LOSS:
@@ -421,7 +442,7 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
                     N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr, REDUCTION: tl.constexpr,
                     STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, S: tl.constexpr,
                     S_P2: tl.constexpr, CHUNK: tl.constexpr, PACK: tl.constexpr,
-                    ASM: tl.constexpr, EAGER: tl.constexpr):
+                    ASM: tl.constexpr, EAGER: tl.constexpr, WORD: tl.constexpr):
     """`_ce_split_kernel` with the chunk held in registers across the meeting instead of read
     twice: each program loads its CHUNK logits (a power of two; the last chunk of a row is
     masked) with one load, takes their (max, sum exp), meets the row's other S - 1 programs
@@ -438,7 +459,7 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
     waiting (the CPU interpreter gets only that).
     """
     if S > 1:
-        item = tl.atomic_add(sync_ptr + R, 1)
+        item = tl.atomic_add(sync_ptr + R, 1, sem="relaxed")    # a number, orders nothing
     else:
         item = tl.program_id(0)
     r = item // S
@@ -476,7 +497,7 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
     m = m_mine
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
-            m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2)
+            m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2, WORD)
     lse = tl.where(in_range, m + tl.log(s), float("nan"))
     if STORE_LOSS:
         if owner:
@@ -664,7 +685,8 @@ def split_plan(V: int, chunk=None, hold=None):
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
-             evict=None, group=None, hold=None, maxnreg=None, pack=True, eager=None):
+             evict=None, group=None, hold=None, maxnreg=None, pack=True, eager=None,
+             meet=None, partials=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
     Streamed chunks (`_ce_split_kernel`): evict: cache hint of the first read of a chunk
     ("evict_last" or ""); group: running statistics per group of that many logits (0: one pair
@@ -672,7 +694,10 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     must be a power of two; default CE_SPLIT_HOLD where it is one), maxnreg: its register cap
     per thread (default CE_HOLD_MAXNREG; 0: none), pack: 16-bit logits held two to a register
     (else their float32 exps), eager: the chunk loaded before its row's target is known
-    (default CE_HOLD_EAGER); block, stages, evict and group do not apply there."""
+    (default CE_HOLD_EAGER); block, stages, evict and group do not apply there.
+    meet: how a row's programs meet (`_meet`), "counter" or "word" (default CE_SPLIT_MEET);
+    partials: with "word", the int64 [R * S] words to meet through (default: all
+    `WORD_NOT_YET`; a test may preset them)."""
     R, V = x2.shape
     S, chunk = plan
     pow2 = chunk == next_pow2(chunk)
@@ -681,9 +706,14 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     elif hold and not pow2:
         raise ValueError(f"held chunks are a power of two of logits, not {chunk}")
     dev = x2.device
+    word = (CE_SPLIT_MEET if meet is None else meet) == "word"
     sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 else t
-    pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
-    ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+    if S > 1 and word:
+        pm = ps = partials if partials is not None else \
+            torch.full((R * S,), WORD_NOT_YET, dtype=torch.int64, device=dev)
+    else:
+        pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
+        ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
     g = grad if grad is not None else dummy
     nv = n_valid if n_valid is not None else g
@@ -692,7 +722,7 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
             pm, ps, sync, R, V)
     flags = dict(HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
                  STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S,
-                 S_P2=next_pow2(S))
+                 S_P2=next_pow2(S), WORD=word)
     ii = int(ignore_index) if has_ignore else 0
     if hold:
         maxnreg = CE_HOLD_MAXNREG if maxnreg is None else maxnreg
