@@ -175,6 +175,16 @@ def split_sweep_configs():
             dict(fast, split_chunk=16384, num_warps=8, maxnreg=80)]              # 3 / SM
 
 
+def _label(cfg):
+    """A sweep config in one short line."""
+    c = dict(cfg)
+    kind = "held" if c.pop("hold", False) else "streamed"
+    words = [f"{kind} {c.pop('split_chunk')}/{c.pop('num_warps')}w"]
+    for k, a in c.items():
+        words.append("f32exp" if (k, a) == ("pack", False) else k if a is True else f"{k}={a}")
+    return " ".join(w for w in words if not w.endswith("=False") and w != "maxnreg=0")
+
+
 def _run_split_cfg(cfg, logits, t, g32, n_valid):
     """One call of the split-row kernel with sweep config cfg: the gradient (loss rows too)."""
     r, v = logits.shape
@@ -283,7 +293,7 @@ def bench_ce(recs, smoke, sweep, lean=False):
     print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
           "statistics group):")
     for ms, cfg in results:
-        print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
+        print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {_label(cfg)}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,
                            gbps=round(gbytes / ms * 1e3, 1), config=cfg))
 
