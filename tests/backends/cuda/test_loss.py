@@ -238,8 +238,9 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
 
 
 # split-row launch options: running statistics per 8 logits or per BLOCK step, with and
-# without the first read's cache hint, the meeting through a counter or through words. On the GPU rows split into 20 / 5 chunks; the
-# interpreter runs whole rows (S = 1) over several BLOCK steps
+# without the first read's cache hint, the meeting through a counter or through words. On the
+# GPU rows split into 20 / 5 chunks; the interpreter runs whole rows (S = 1) over several
+# BLOCK steps
 @pytest.mark.parametrize("chunk", [256, 1024])
 @pytest.mark.parametrize("group,evict,meet", [(0, "evict_last", "counter"), (8, "", "word")])
 def test_ce_split_launch_options(chunk, group, evict, meet):

@@ -90,10 +90,12 @@ CE_SPLIT_HOLD = False
 CE_HOLD_CHUNK = 8192
 CE_HOLD_WARPS = 4
 CE_HOLD_MAXNREG = 80
-CE_HOLD_EAGER = False
-# how the programs of a row meet (_meet): "counter" (an arrival counter, acquire-release) or
-# "word" (each partial (max, sum) one 64-bit word that is its own flag)
+CE_HOLD_PACK = True      # 16-bit logits held two to a register (else their float32 exps)
+CE_HOLD_EAGER = False    # the chunk's load does not wait for the row's target
+# how the programs of a row meet (_meet), streamed and held: "counter" (an arrival counter,
+# acquire-release) or "word" (each partial (max, sum) one 64-bit word that is its own flag)
 CE_SPLIT_MEET = "counter"
+CE_HOLD_MEET = "counter"
 #: a partial word not yet written: max 0.0 in the low half, sum -1.0 in the high half
 WORD_NOT_YET = int.from_bytes(struct.pack("<ff", 0.0, -1.0), "little", signed=True)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -685,7 +687,7 @@ def split_plan(V: int, chunk=None, hold=None):
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
-             evict=None, group=None, hold=None, maxnreg=None, pack=True, eager=None,
+             evict=None, group=None, hold=None, maxnreg=None, pack=None, eager=None,
              meet=None, partials=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
     Streamed chunks (`_ce_split_kernel`): evict: cache hint of the first read of a chunk
@@ -693,9 +695,10 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     per BLOCK step). hold: the chunks held in registers (`_ce_held_kernel`; the plan's chunk
     must be a power of two; default CE_SPLIT_HOLD where it is one), maxnreg: its register cap
     per thread (default CE_HOLD_MAXNREG; 0: none), pack: 16-bit logits held two to a register
-    (else their float32 exps), eager: the chunk loaded before its row's target is known
-    (default CE_HOLD_EAGER); block, stages, evict and group do not apply there.
-    meet: how a row's programs meet (`_meet`), "counter" or "word" (default CE_SPLIT_MEET);
+    (else their float32 exps; default CE_HOLD_PACK), eager: the chunk loaded before its row's
+    target is known (default CE_HOLD_EAGER); block, stages, evict and group do not apply there.
+    meet: how a row's programs meet (`_meet`), "counter" or "word" (default CE_SPLIT_MEET,
+    held: CE_HOLD_MEET);
     partials: with "word", the int64 [R * S] words to meet through (default: all
     `WORD_NOT_YET`; a test may preset them)."""
     R, V = x2.shape
@@ -706,7 +709,9 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     elif hold and not pow2:
         raise ValueError(f"held chunks are a power of two of logits, not {chunk}")
     dev = x2.device
-    word = (CE_SPLIT_MEET if meet is None else meet) == "word"
+    if meet is None:
+        meet = CE_HOLD_MEET if hold else CE_SPLIT_MEET
+    word = meet == "word"
     sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 else t
     if S > 1 and word:
         pm = ps = partials if partials is not None else \
@@ -728,7 +733,8 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
         maxnreg = CE_HOLD_MAXNREG if maxnreg is None else maxnreg
         _ce_held_kernel[(R * S,)](
             *args, float(n_mean or R), ii, **flags, CHUNK=chunk,
-            PACK=pack and x2.element_size() == 2 and chunk >= 2, ASM=not _INTERPRET,
+            PACK=(CE_HOLD_PACK if pack is None else pack) and x2.element_size() == 2
+            and chunk >= 2, ASM=not _INTERPRET,
             EAGER=CE_HOLD_EAGER if eager is None else eager,
             num_warps=num_warps or CE_HOLD_WARPS,
             **({"maxnreg": maxnreg} if maxnreg and not _INTERPRET else {}))
