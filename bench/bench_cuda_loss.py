@@ -199,8 +199,9 @@ def _run_split_cfg(cfg, logits, t, g32, n_valid):
 
 def warm(index):
     """Compile sweep config `index` (a few rows of the benchmark's width: the same
-    specialization), so that parallel processes can fill the Triton cache before timing."""
-    r, v = 64, 128256
+    specialization; at least one per SM, so that the default entry takes the one pass too),
+    so that parallel processes can fill the Triton cache before timing."""
+    r, v = 256, 128256
     logits = torch.randn(r, v, device=DEV, dtype=torch.bfloat16)
     t = torch.randint(0, v, (r,), device=DEV)
     one = torch.tensor(1.0, device=DEV)
