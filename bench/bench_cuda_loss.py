@@ -39,6 +39,7 @@ import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
 from common import print_table, record, write_results  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_flow as LF  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss_linear as LL  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
@@ -153,7 +154,8 @@ def split_sweep_configs():
     (`_ce_held_kernel`, read once): chunk logits, warps, register cap, what is held (pack:
     bf16 pairs, two exps a logit; else float32 exps, one), eager: the load not waiting for the
     target, meet: arrival counter or self-flagging partial words. Programs per SM on sm_90
-    (bench/sass_ce_split.py) in the comments.
+    (bench/sass_ce_split.py) in the comments. Last, persistent programs holding two work
+    items (`loss_flow._ce_flow_kernel`), programs_per_sm of them per SM.
 
     Streamed, measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
     statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
@@ -172,13 +174,16 @@ def split_sweep_configs():
             dict(fast, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
             dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 10 / SM
             dict(fast, split_chunk=4096, num_warps=4),                           # 9 / SM
-            dict(fast, split_chunk=16384, num_warps=8, maxnreg=80)]              # 3 / SM
+            dict(fast, split_chunk=16384, num_warps=8, maxnreg=80),              # 3 / SM
+            # persistent, two items held (loss_flow): the next one loading during the wait
+            dict(flow=True, split_chunk=4096, num_warps=4, maxnreg=80, programs_per_sm=6),
+            dict(flow=True, split_chunk=8192, num_warps=8, maxnreg=80, programs_per_sm=3)]
 
 
 def _label(cfg):
     """A sweep config in one short line."""
     c = dict(cfg)
-    kind = "held" if c.pop("hold", False) else "streamed"
+    kind = "flow" if c.pop("flow", False) else "held" if c.pop("hold", False) else "streamed"
     words = [f"{kind} {c.pop('split_chunk')}/{c.pop('num_warps')}w"]
     for k, a in c.items():
         words.append("f32exp" if (k, a) == ("pack", False) else k if a is True else f"{k}={a}")
@@ -190,6 +195,12 @@ def _run_split_cfg(cfg, logits, t, g32, n_valid):
     r, v = logits.shape
     loss_rows = torch.empty(r, dtype=torch.float32, device=logits.device)
     dx = torch.empty_like(logits)
+    if cfg.get("flow"):
+        kw = {k: a for k, a in cfg.items() if k not in ("split_chunk", "flow")}
+        LF.ce_flow(logits, t, LF.flow_plan(v, cfg["split_chunk"], logits.element_size()),
+                   loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid, reduction="mean",
+                   ignore_index=-100, **kw)
+        return dx
     kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
     plan = L.split_plan(v, cfg["split_chunk"], hold=cfg["hold"])
     L.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,

@@ -33,7 +33,23 @@ ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(12)}   # as the JIT sp
 SM_REGS, SM_SMEM, SM_WARPS = 65536, 228 * 1024, 64
 
 
+def compile_flow(cfg):
+    from fuelgraph.backends.cuda.kernels import loss_flow as LF
+    S, chunk = LF.flow_plan(V, cfg["split_chunk"], 2)
+    sig = {k: v for k, v in SIG.items() if k not in ("CHUNK", "ps_ptr")}
+    sig["pm_ptr"] = "*i64"
+    cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
+                S_P2=next_pow2(S), CHUNK=chunk, PACK=True, BF16=True, ASM=True)
+    opts = dict(num_warps=cfg["num_warps"])
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
+    src = ASTSource(LF._ce_flow_kernel, sig, cons, attrs=ALIGNED)
+    return triton.compile(src, target=TARGET, options=opts)
+
+
 def compile_cfg(cfg):
+    if cfg.get("flow"):
+        return compile_flow(cfg)
     hold = cfg.get("hold", False)
     S, chunk = L.split_plan(V, cfg["split_chunk"], hold=hold)
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,

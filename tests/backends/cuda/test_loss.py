@@ -166,6 +166,7 @@ if HAS_CUDA or INTERPRET:
     import triton
 
     from fuelgraph.backends.cuda.kernels import loss as L
+    from fuelgraph.backends.cuda.kernels import loss_flow as LF
     from fuelgraph.backends.cuda.kernels import loss_linear as LL
 
 IDS = DTYPE_IDS
@@ -308,13 +309,7 @@ def test_ce_meet_word_with_partials_preset(dtype, hold):
     t[3] = v - 1
     g = torch.randn((), dtype=F64, device=DEV)
     S = triton.cdiv(v, chunk)
-    xf = torch.full((r, S * chunk), float("-inf"), dtype=F64, device=DEV)
-    xf[:, :v] = x.to(F64)
-    part = xf.reshape(r, S, chunk)
-    m = part.amax(-1)
-    s = (part - m[..., None]).exp().sum(-1)
-    bits = lambda a: a.to(torch.float32).view(torch.int32).to(torch.int64)
-    words = ((bits(s) << 32) | (bits(m) & 0xFFFFFFFF)).reshape(-1).contiguous()
+    words = _preset_words(x, chunk)
     g32, n_valid = L.grad_weights_inputs(g.float(), t, "mean", -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = torch.empty_like(x)
@@ -325,6 +320,48 @@ def test_ce_meet_word_with_partials_preset(dtype, hold):
     ref_loss, ref_dx = _ce_ref(x, t, g, "mean", -100)
     assert _err(loss, ref_loss) < 2e-6
     assert _err(dx, ref_dx) < _tol(dtype)
+
+
+def _preset_words(x, chunk):
+    """The partial words (max, sum exp) every chunk of every row of x will publish."""
+    r, v = x.shape
+    S = triton.cdiv(v, chunk)
+    xf = torch.full((r, S * chunk), float("-inf"), dtype=F64, device=x.device)
+    xf[:, :v] = x.to(F64)
+    part = xf.reshape(r, S, chunk)
+    m = part.amax(-1)
+    s = (part - m[..., None]).exp().sum(-1)
+    bits = lambda a: a.to(torch.float32).view(torch.int32).to(torch.int64)
+    return ((bits(s) << 32) | (bits(m) & 0xFFFFFFFF)).reshape(-1).contiguous()
+
+
+# persistent programs holding two work items (loss_flow): on the GPU rows of 20 / 5 chunks
+# meeting for real; the interpreter (2 programs, one by one) at S = 1 and, with the partial
+# words preset, at S = 3
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chunk,reduction,preset", [(256, "mean", False), (1024, "none", False),
+                                                    (16, "sum", True)])
+def test_ce_flow(dtype, chunk, reduction, preset):
+    if not HAS_CUDA and not preset:
+        chunk = 64
+    r, v = (777, 5004) if HAS_CUDA and not preset else (11, 38)   # V even: 16-bit pairs
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::5] = -100
+    t[3] = v - 1                          # the target in the ragged last chunk
+    g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
+    plan = LF.flow_plan(v, chunk, x.element_size())
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = torch.empty_like(x)
+    LF.ce_flow(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction=reduction, ignore_index=-100,
+               partials=_preset_words(x, plan[1]) if preset else None)
+    loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+    assert LF.flow_plan(v + 1, chunk, 2) is None and LF.flow_plan(v + 1, chunk, 4) is not None
 
 
 def test_ce_held_needs_a_power_of_two_chunk():

@@ -317,30 +317,51 @@ def _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S: tl.constexpr, S_P2: tl.con
     L1 line). WORD true (pm_ptr: int64 words, preset to `WORD_NOT_YET`): (max, sum) go out as
     one 64-bit word, which is its own flag: the row's S words are polled until none has a
     negative sum -- no counter, no fence, one L2 round trip when the others are done."""
+    if WORD:
+        _publish_word(pm_ptr, item, m, s)
+        return _wait_words(pm_ptr, r, S, S_P2)
     lane = tl.arange(0, S_P2)
     mine = lane < S
-    if WORD:
-        lo = m.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)
-        hi = s.to(tl.int32, bitcast=True).to(tl.int64) << 32
-        tl.atomic_xchg(pm_ptr + item, hi | lo, sem="relaxed")
-        words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
-        while tl.min((words >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0) < 0:
-            words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
-        pm = words.to(tl.int32).to(tl.float32, bitcast=True)
-        ps = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    else:
-        tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
-        tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
-        arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
-        while arrived < S:
-            arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
-        pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
-        ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
+    tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
+    tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
+    arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
+    while arrived < S:
+        arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
+    pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
+    ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
+    return _combine_lanes(pm, ps, mine)
+
+
+@triton.jit
+def _combine_lanes(pm, ps, mine):
+    """The (max, sum) of partials (pm, ps) where `mine`."""
     pm = tl.where(mine, pm, float("-inf"))
     ps = tl.where(mine, ps, 0.0)
     m = tl.max(pm, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     return m, tl.sum(ps * tl.exp(pm - m_safe), 0)
+
+
+@triton.jit
+def _publish_word(pm_ptr, item, m, s):
+    """Partial (max, sum) of work item `item` as one 64-bit word (max in the low half)."""
+    lo = m.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)
+    hi = s.to(tl.int32, bitcast=True).to(tl.int64) << 32
+    tl.atomic_xchg(pm_ptr + item, hi | lo, sem="relaxed")
+
+
+@triton.jit
+def _wait_words(pm_ptr, r, S: tl.constexpr, S_P2: tl.constexpr):
+    """Row r's (max, sum), once all its S partial words are written (none has a negative
+    sum: `WORD_NOT_YET`)."""
+    lane = tl.arange(0, S_P2)
+    mine = lane < S
+    words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
+    while tl.min((words >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0) < 0:
+        words = tl.load(pm_ptr + r * S + lane, mask=mine, other=0, volatile=True)
+    pm = words.to(tl.int32).to(tl.float32, bitcast=True)
+    ps = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return _combine_lanes(pm, ps, mine)
 
 
 @triton.jit
