@@ -41,6 +41,7 @@ from common import print_table, record, write_results  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss_flow as LF  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss_linear as LL  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_split as LS  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
 
@@ -202,8 +203,8 @@ def _run_split_cfg(cfg, logits, t, g32, n_valid):
                    ignore_index=-100, **kw)
         return dx
     kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
-    plan = L.split_plan(v, cfg["split_chunk"], hold=cfg["hold"])
-    L.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    plan = LS.split_plan(v, cfg["split_chunk"], hold=cfg["hold"])
+    LS.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction="mean", ignore_index=-100, **kw)
     return dx
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile the split-row one-pass cross-entropy kernel (`loss._ce_split_kernel`, bf16 logits,
+"""Compile the split-row one-pass cross-entropy kernels (`loss_split`, `loss_flow`; bf16 logits,
 loss + gradient, mean with ignore_index) for sm_90 on a machine without a GPU and report, per
 launch configuration of the bench sweep, registers, spill stack, shared memory and how many
 programs fit on one SM (with the chunk bytes they hold, what the L2 must keep for the
@@ -20,9 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_split as LS  # noqa: E402
 from fuelgraph.backends.cuda.kernels.common import next_pow2  # noqa: E402
-from sass_common import BIN, TARGET, loop_stats  # noqa: E402
+from sass_common import TARGET, loop_stats  # noqa: E402
 
 V = 128256
 SIG = {"x_ptr": "*bf16", "t_ptr": "*i64", "g_ptr": "*fp32", "n_ptr": "*i64",
@@ -51,25 +51,25 @@ def compile_cfg(cfg):
     if cfg.get("flow"):
         return compile_flow(cfg)
     hold = cfg.get("hold", False)
-    S, chunk = L.split_plan(V, cfg["split_chunk"], hold=hold)
+    S, chunk = LS.split_plan(V, cfg["split_chunk"], hold=hold)
     cons = dict(HAS_IGNORE=True, REDUCTION=0, STORE_LOSS=True, WRITE_GRAD=True, S=S,
-                S_P2=next_pow2(S), WORD=cfg.get("meet", L.CE_SPLIT_MEET) == "word")
+                S_P2=next_pow2(S), WORD=cfg.get("meet", LS.CE_SPLIT_MEET) == "word")
     sig = dict(SIG)
     if cons["WORD"]:
         sig.update(pm_ptr="*i64", ps_ptr="*i64")
     if hold:
         sig = {k: v for k, v in sig.items() if k != "CHUNK"}
         cons.update(CHUNK=chunk, PACK=cfg.get("pack", True), ASM=True,
-                    EAGER=cfg.get("eager", L.CE_HOLD_EAGER))
-        src = ASTSource(L._ce_held_kernel, sig, cons, attrs=ALIGNED)
+                    EAGER=cfg.get("eager", LS.CE_HOLD_EAGER))
+        src = ASTSource(LS._ce_held_kernel, sig, cons, attrs=ALIGNED)
         opts = dict(num_warps=cfg["num_warps"])
-        maxnreg = cfg.get("maxnreg", L.CE_HOLD_MAXNREG)
+        maxnreg = cfg.get("maxnreg", LS.CE_HOLD_MAXNREG)
         if maxnreg:
             opts["maxnreg"] = maxnreg
         return triton.compile(src, target=TARGET, options=opts)
     cons.update(BLOCK=cfg["block"], STAGES=cfg["stages"], EVICT=cfg.get("evict", "evict_last"),
-                GROUP=cfg.get("group", L.CE_SPLIT_GROUP))
-    src = ASTSource(L._ce_split_kernel, sig, cons, attrs=ALIGNED)
+                GROUP=cfg.get("group", LS.CE_SPLIT_GROUP))
+    src = ASTSource(LS._ce_split_kernel, sig, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))
 

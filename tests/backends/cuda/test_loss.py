@@ -168,6 +168,7 @@ if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import loss as L
     from fuelgraph.backends.cuda.kernels import loss_flow as LF
     from fuelgraph.backends.cuda.kernels import loss_linear as LL
+    from fuelgraph.backends.cuda.kernels import loss_split as LS
 
 IDS = DTYPE_IDS
 REDUCTIONS = ["mean", "sum", "none"]
@@ -230,7 +231,7 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()                        # written in place over its own input, as FLCE does
-    L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=-100, block=256)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
@@ -252,11 +253,11 @@ def test_ce_split_launch_options(chunk, group, evict, meet):
     t[::5] = -100
     t[3] = v - 1                          # the target in the ragged last chunk
     g = torch.randn((), dtype=F64, device=DEV)
-    plan = L.split_plan(v, chunk) if HAS_CUDA else (1, v)
+    plan = LS.split_plan(v, chunk) if HAS_CUDA else (1, v)
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = torch.empty_like(x)
-    L.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    LS.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
                evict=evict, group=group, meet=meet)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
@@ -283,13 +284,13 @@ def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager, meet):
         t[::5] = ignore_index
     t[3] = v - 1                          # the target in the masked last chunk
     g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
-    plan = L.split_plan(v, chunk, hold=True)
+    plan = LS.split_plan(v, chunk, hold=True)
     assert plan == ((triton.cdiv(v, chunk), chunk) if HAS_CUDA and chunk < v
                     else (1, triton.next_power_of_2(v)))
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, ignore_index, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()
-    L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager, meet=meet)
     loss = L.reduce_rows(loss_rows, t, reduction, ignore_index, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, ignore_index)
@@ -313,7 +314,7 @@ def test_ce_meet_word_with_partials_preset(dtype, hold):
     g32, n_valid = L.grad_weights_inputs(g.float(), t, "mean", -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = torch.empty_like(x)
-    L.ce_split(x, t, (S, chunk), loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    LS.ce_split(x, t, (S, chunk), loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction="mean", ignore_index=-100, block=8, hold=hold, meet="word",
                partials=words)
     loss = L.reduce_rows(loss_rows, t, "mean", -100, t.shape)
@@ -368,7 +369,7 @@ def test_ce_held_needs_a_power_of_two_chunk():
     x = torch.randn(2, 40, device=DEV)
     t = torch.zeros(2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError):
-        L.ce_split(x, t, (2, 20), dx=torch.empty_like(x), grad=torch.ones(1, device=DEV),
+        LS.ce_split(x, t, (2, 20), dx=torch.empty_like(x), grad=torch.ones(1, device=DEV),
                    hold=True)
 
 

@@ -1,5 +1,5 @@
 """Softmax cross-entropy, one pass, persistent programs that keep two work items in registers
-(`_ce_flow_kernel`): the variant of the split-row kernels of ``loss.py`` in which a program's
+(`_ce_flow_kernel`): the variant of the split-row kernels of ``loss_split.py`` in which a program's
 next chunk is already loading while it waits for the other programs of its current chunk's
 row. A candidate of the GPU sweep (bench/bench_cuda_loss.py), not a default.
 """
@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2, num_sms
-from .loss import (_INTERPRET, _REDUCTIONS, WORD_NOT_YET, _publish_word, _row_valid,
-                   _row_weight, _unpack, _wait_words)
+from .loss import _INTERPRET, _REDUCTIONS, _row_valid, _row_weight
+from .loss_split import WORD_NOT_YET, _publish_word, _unpack, _wait_words
 
 #: -inf in both halves of a packed pair: bf16, fp16
 _NEG_INF_PAIR_BF16 = tl.constexpr(-8323200)      # 0xFF80FF80
@@ -146,7 +146,7 @@ def flow_plan(V: int, chunk: int, itemsize: int):
 def ce_flow(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
             ignore_index=None, n_mean=None, programs_per_sm=4, num_warps=4, maxnreg=0,
             partials=None):
-    """Launch `_ce_flow_kernel` (arguments as `loss.ce_split`; plan from `flow_plan`) on
+    """Launch `_ce_flow_kernel` (arguments as `loss_split.ce_split`; plan from `flow_plan`) on
     programs_per_sm programs per SM (at least S + 1 programs in all; the interpreter: 2)."""
     R, V = x2.shape
     S, chunk = plan
