@@ -363,6 +363,11 @@ def test_ce_flow(dtype, chunk, reduction, preset):
     assert _err(loss, ref_loss) < 2e-6
     assert _err(dx, ref_dx) < _tol(dtype)
     assert LF.flow_plan(v + 1, chunk, 2) is None and LF.flow_plan(v + 1, chunk, 4) is not None
+    if not preset:                        # the same through ce_split(flow=True)
+        dx2 = torch.empty_like(x)
+        LS.ce_split(x, t, plan, dx=dx2, grad=g32, n_valid=n_valid, reduction=reduction,
+                    ignore_index=-100, hold=True, flow=True)
+        assert torch.equal(dx2, dx)
 
 
 def test_ce_held_needs_a_power_of_two_chunk():

@@ -58,6 +58,8 @@ CE_HOLD_WARPS = 4
 CE_HOLD_MAXNREG = 80
 CE_HOLD_PACK = True      # 16-bit logits held two to a register (else their float32 exps)
 CE_HOLD_EAGER = False    # the chunk's load does not wait for the row's target
+CE_HOLD_FLOW = False     # held chunks on persistent programs holding two (loss_flow), where
+CE_FLOW_PROGRAMS = 6     # it applies (16-bit logits: V even); that many programs per SM
 # how the programs of a row meet (_meet), streamed and held: "counter" (an arrival counter,
 # acquire-release) or "word" (each partial (max, sum) one 64-bit word that is its own flag)
 CE_SPLIT_MEET = "counter"
@@ -330,7 +332,7 @@ def split_plan(V: int, chunk=None, hold=None):
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
              evict=None, group=None, hold=None, maxnreg=None, pack=None, eager=None,
-             meet=None, partials=None):
+             meet=None, partials=None, flow=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
     Streamed chunks (`_ce_split_kernel`): evict: cache hint of the first read of a chunk
     ("evict_last" or ""); group: running statistics per group of that many logits (0: one pair
@@ -342,7 +344,9 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
     meet: how a row's programs meet (`_meet`), "counter" or "word" (default CE_SPLIT_MEET,
     held: CE_HOLD_MEET);
     partials: with "word", the int64 [R * S] words to meet through (default: all
-    `WORD_NOT_YET`; a test may preset them)."""
+    `WORD_NOT_YET`; a test may preset them). flow: held chunks on the persistent kernel of
+    `loss_flow` where it applies (default CE_HOLD_FLOW; the word meeting, CE_FLOW_PROGRAMS
+    programs per SM)."""
     R, V = x2.shape
     S, chunk = plan
     pow2 = chunk == next_pow2(chunk)
@@ -350,6 +354,15 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
         hold = CE_SPLIT_HOLD and pow2
     elif hold and not pow2:
         raise ValueError(f"held chunks are a power of two of logits, not {chunk}")
+    if hold and (CE_HOLD_FLOW if flow is None else flow):
+        from . import loss_flow as LF       # (it imports this module)
+        if LF.flow_plan(V, chunk, x2.element_size()) == (S, chunk):
+            return LF.ce_flow(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad,
+                              n_valid=n_valid, reduction=reduction, ignore_index=ignore_index,
+                              n_mean=n_mean, programs_per_sm=CE_FLOW_PROGRAMS,
+                              num_warps=num_warps or CE_HOLD_WARPS,
+                              maxnreg=CE_HOLD_MAXNREG if maxnreg is None else maxnreg,
+                              partials=partials)
     dev = x2.device
     if meet is None:
         meet = CE_HOLD_MEET if hold else CE_SPLIT_MEET
