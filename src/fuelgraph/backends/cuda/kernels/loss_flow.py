@@ -79,6 +79,8 @@ def _ce_flow_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, sync_p
     wait; so the earliest unfinished row always completes. PACK: 16-bit logits of an even V
     loaded as int32 pairs (the held form; widened with `_unpack`); else float32."""
     n_items = R * S
+    if WRITE_GRAD:
+        w = _row_weight(g_ptr, n_ptr, 0, N_MEAN, HAS_IGNORE, REDUCTION)   # "none": per row
     cur = tl.atomic_add(sync_ptr + R, 1, sem="relaxed")
     held = _flow_load(x_ptr, cur, n_items, V, S, CHUNK, PACK, BF16)
     t = tl.load(t_ptr + tl.minimum(cur, n_items - 1) // S)
@@ -110,7 +112,8 @@ def _ce_flow_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, sync_p
                              other=0.0).to(tl.float32)
                 tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
         if WRITE_GRAD:
-            w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
+            if REDUCTION == 2:
+                w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
             if PACK:
                 pair = tl.join(tl.exp(_unpack(held, 0, BF16, ASM) - lse),
                                tl.exp(_unpack(held, 1, BF16, ASM) - lse))
