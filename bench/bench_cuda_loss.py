@@ -205,7 +205,7 @@ def _run_split_cfg(cfg, logits, t, g32, n_valid):
     kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
     plan = LS.split_plan(v, cfg["split_chunk"], hold=cfg["hold"])
     LS.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction="mean", ignore_index=-100, **kw)
+                reduction="mean", ignore_index=-100, **kw)
     return dx
 
 

@@ -232,7 +232,7 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()                        # written in place over its own input, as FLCE does
     LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=-100, block=256)
+                reduction=reduction, ignore_index=-100, block=256, hold=False)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6
@@ -253,13 +253,13 @@ def test_ce_split_launch_options(chunk, group, evict, meet):
     t[::5] = -100
     t[3] = v - 1                          # the target in the ragged last chunk
     g = torch.randn((), dtype=F64, device=DEV)
-    plan = LS.split_plan(v, chunk) if HAS_CUDA else (1, v)
+    plan = LS.split_plan(v, chunk, hold=False) if HAS_CUDA else (1, v)
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = torch.empty_like(x)
     LS.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
-               evict=evict, group=group, meet=meet)
+                reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
+                evict=evict, group=group, meet=meet, hold=False)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6
@@ -291,7 +291,7 @@ def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager, meet):
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()
     LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager, meet=meet)
+                reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager, meet=meet)
     loss = L.reduce_rows(loss_rows, t, reduction, ignore_index, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, ignore_index)
     assert _err(loss, ref_loss) < 2e-6
@@ -315,8 +315,8 @@ def test_ce_meet_word_with_partials_preset(dtype, hold):
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = torch.empty_like(x)
     LS.ce_split(x, t, (S, chunk), loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction="mean", ignore_index=-100, block=8, hold=hold, meet="word",
-               partials=words)
+                reduction="mean", ignore_index=-100, block=8, hold=hold, meet="word",
+                partials=words)
     loss = L.reduce_rows(loss_rows, t, "mean", -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, "mean", -100)
     assert _err(loss, ref_loss) < 2e-6
@@ -375,7 +375,7 @@ def test_ce_held_needs_a_power_of_two_chunk():
     t = torch.zeros(2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError):
         LS.ce_split(x, t, (2, 20), dx=torch.empty_like(x), grad=torch.ones(1, device=DEV),
-                   hold=True)
+                    hold=True)
 
 
 def test_ce_fwd_bwd_public_entry_and_edges():
