@@ -342,7 +342,8 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
     from . import loss_split as LS      # (it imports this module)
-    plan = LS.split_plan(V) if splits is None and block is None and R >= num_sms(dev) else None
+    plan = LS.split_plan(V, itemsize=x.element_size()) \
+        if splits is None and block is None and R >= num_sms(dev) else None
     if plan is not None:
         LS.ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
                  n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
@@ -421,7 +422,8 @@ def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reductio
     if R == 0:
         return
     from . import loss_split as LS      # (it imports this module)
-    plan = LS.split_plan(V) if programs is None and block is None and stages is None else None
+    plan = LS.split_plan(V, itemsize=x2.element_size()) \
+        if programs is None and block is None and stages is None else None
     if plan is not None:
         return LS.ce_split(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad, n_valid=n_valid,
                         reduction=reduction, ignore_index=ignore_index, n_mean=n_mean,

@@ -302,15 +302,16 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
                  eviction_policy="evict_first")
 
 
-def split_plan(V: int, chunk=None, hold=None):
+def split_plan(V: int, chunk=None, hold=None, itemsize=2):
     """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide.
     Streamed chunks (hold false): S is a power of two (the configuration measured on the GPU):
     when V / CHUNK is not one, the chunks shrink (to a multiple of 64 logits) and a last chunk
-    may be empty. Held chunks (hold true, default CE_SPLIT_HOLD): CHUNK is a power of two (one
-    load), S = cdiv(V, CHUNK), the last chunk masked."""
+    may be empty. Held chunks (hold true; default CE_SPLIT_HOLD for 16-bit logits, itemsize 2:
+    float32 ones would take twice the registers): CHUNK is a power of two (one load),
+    S = cdiv(V, CHUNK), the last chunk masked."""
     if V <= 0:
         return None
-    hold = CE_SPLIT_HOLD if hold is None else hold
+    hold = (CE_SPLIT_HOLD and itemsize == 2) if hold is None else hold
     if hold:
         chunk = next_pow2(chunk if chunk is not None else CE_HOLD_CHUNK)
         if _INTERPRET or chunk >= V:            # the interpreter: no program may wait on another
@@ -334,24 +335,25 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
              evict=None, group=None, hold=None, maxnreg=None, pack=None, eager=None,
              meet=None, partials=None, flow=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
-    Streamed chunks (`_ce_split_kernel`): evict: cache hint of the first read of a chunk
-    ("evict_last" or ""); group: running statistics per group of that many logits (0: one pair
-    per BLOCK step). hold: the chunks held in registers (`_ce_held_kernel`; the plan's chunk
-    must be a power of two; default CE_SPLIT_HOLD where it is one), maxnreg: its register cap
-    per thread (default CE_HOLD_MAXNREG; 0: none), pack: 16-bit logits held two to a register
-    (else their float32 exps; default CE_HOLD_PACK), eager: the chunk loaded before its row's
-    target is known (default CE_HOLD_EAGER); block, stages, evict and group do not apply there.
+
+    Streamed chunks (`_ce_split_kernel`): evict, the cache hint of the first read of a chunk
+    ("evict_last" or ""); group, running statistics per group of that many logits (0: one
+    pair per BLOCK step).
+    hold: the chunks held in registers (`_ce_held_kernel`; the plan's chunk must be a power of
+    two; default CE_SPLIT_HOLD where it is one and the logits are 16-bit); maxnreg, the
+    register cap per thread (default CE_HOLD_MAXNREG; 0: none); pack, 16-bit logits held two
+    to a register, else their float32 exps (default CE_HOLD_PACK); eager, the chunk loaded
+    before its row's target is known (default CE_HOLD_EAGER); flow, on the persistent kernel
+    of `loss_flow` where it applies (default CE_HOLD_FLOW; CE_FLOW_PROGRAMS programs per SM,
+    the word meeting). block, stages, evict and group do not apply there.
     meet: how a row's programs meet (`_meet`), "counter" or "word" (default CE_SPLIT_MEET,
-    held: CE_HOLD_MEET);
-    partials: with "word", the int64 [R * S] words to meet through (default: all
-    `WORD_NOT_YET`; a test may preset them). flow: held chunks on the persistent kernel of
-    `loss_flow` where it applies (default CE_HOLD_FLOW; the word meeting, CE_FLOW_PROGRAMS
-    programs per SM)."""
+    held: CE_HOLD_MEET); partials: with "word", the int64 [R * S] words to meet through
+    (default: all `WORD_NOT_YET`; a test may preset them)."""
     R, V = x2.shape
     S, chunk = plan
     pow2 = chunk == next_pow2(chunk)
     if hold is None:
-        hold = CE_SPLIT_HOLD and pow2
+        hold = CE_SPLIT_HOLD and pow2 and x2.element_size() == 2
     elif hold and not pow2:
         raise ValueError(f"held chunks are a power of two of logits, not {chunk}")
     if hold and (CE_HOLD_FLOW if flow is None else flow):
