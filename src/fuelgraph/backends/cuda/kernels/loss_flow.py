@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .common import next_pow2, num_sms
 from .loss import _INTERPRET, _REDUCTIONS, _row_valid, _row_weight
-from .loss_split import WORD_NOT_YET, _publish_word, _unpack, _wait_words
+from .loss_split import LOG2E, WORD_NOT_YET, _exp2, _publish_word, _unpack, _wait_words
 
 #: -inf in both halves of a packed pair: bf16, fp16
 _NEG_INF_PAIR_BF16 = tl.constexpr(-8323200)      # 0xFF80FF80
@@ -49,12 +49,13 @@ def _flow_stats(raw, PACK: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     if PACK:
         m = tl.maximum(tl.max(_unpack(raw, 0, BF16, ASM), 0), tl.max(_unpack(raw, 1, BF16, ASM), 0))
         m = tl.where(m == float("-inf"), 0.0, m)
-        s = (tl.sum(tl.exp(_unpack(raw, 0, BF16, ASM) - m), 0)
-             + tl.sum(tl.exp(_unpack(raw, 1, BF16, ASM) - m), 0))
+        shift = m * LOG2E
+        s = (tl.sum(_exp2(tl.fma(_unpack(raw, 0, BF16, ASM), LOG2E, -shift), ASM), 0)
+             + tl.sum(_exp2(tl.fma(_unpack(raw, 1, BF16, ASM), LOG2E, -shift), ASM), 0))
     else:
         m = tl.max(raw, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
-        s = tl.sum(tl.exp(raw - m), 0)
+        s = tl.sum(_exp2(tl.fma(raw, LOG2E, -m * LOG2E), ASM), 0)
     return m, s
 
 
@@ -106,25 +107,33 @@ def _ce_flow_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, sync_p
         in_range = (t >= 0) & (t < V)
         lse = tl.where(in_range, m + tl.log(s), float("nan"))
         base = r.to(tl.int64) * V
+        owner = c == tl.where(in_range, t // CHUNK, 0)     # the chunk holding the target
+        xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid & owner,
+                     other=0.0).to(tl.float32)
         if STORE_LOSS:
-            if c == tl.where(in_range, t // CHUNK, 0):      # the chunk holding the target
-                xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid,
-                             other=0.0).to(tl.float32)
+            if owner:
                 tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
         if WRITE_GRAD:
+            wr = w
             if REDUCTION == 2:
-                w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
+                wr = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
+            # as in `_ce_held_kernel`: an ignored row through its weight and shift, the
+            # target's -w written over that one element after a barrier
+            wr = tl.where(valid, wr, 0.0)
+            shift = tl.where(valid, lse * LOG2E, float("inf"))
             if PACK:
-                pair = tl.join(tl.exp(_unpack(held, 0, BF16, ASM) - lse),
-                               tl.exp(_unpack(held, 1, BF16, ASM) - lse))
-                p = tl.reshape(pair, (CHUNK,))
+                pair = tl.join(_exp2(tl.fma(_unpack(held, 0, BF16, ASM), LOG2E, -shift), ASM),
+                               _exp2(tl.fma(_unpack(held, 1, BF16, ASM), LOG2E, -shift), ASM))
+                d = wr * tl.reshape(pair, (CHUNK,))
             else:
-                p = tl.exp(held - lse)
+                d = wr * _exp2(tl.fma(held, LOG2E, -shift), ASM)
             cols = c * CHUNK + tl.arange(0, CHUNK)
-            d = w * (p - (cols == t).to(tl.float32))
-            d = tl.where(valid, d, 0.0)
             tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=cols < V,
                      eviction_policy="evict_first")
+            tl.debug_barrier()
+            if owner & in_range:
+                dt = wr * _exp2(tl.fma(xt, LOG2E, -shift), ASM)
+                tl.store(dx_ptr + base + t, (dt - wr).to(dx_ptr.dtype.element_ty))
         following = tl.atomic_add(sync_ptr + R, 1, sem="relaxed")
         if (nxt < n_items) & ~same:
             if _row_valid(t_next, ignore_index, HAS_IGNORE):
