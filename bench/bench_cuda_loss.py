@@ -154,7 +154,8 @@ def split_sweep_configs():
     (`_ce_split_kernel`, each chunk read twice) first, then chunks held in registers
     (`_ce_held_kernel`, read once): chunk logits, warps, register cap, what is held (pack:
     bf16 pairs, two exps a logit; else float32 exps, one), eager: the load not waiting for the
-    target, meet: arrival counter or self-flagging partial words. Programs per SM on sm_90
+    target, meet: arrival counter or self-flagging partial words, fast: the streamed kernel's
+    leaner exps (one FMA + one ex2.approx.ftz). Programs per SM on sm_90
     (bench/sass_ce_split.py) in the comments. Last, persistent programs holding two work
     items (`loss_flow._ce_flow_kernel`), programs_per_sm of them per SM.
 
@@ -169,6 +170,7 @@ def split_sweep_configs():
     fast = dict(held, eager=True, meet="word")
     return [streamed,
             dict(streamed, meet="word"),
+            dict(streamed, fast=True),
             dict(held, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
             dict(fast, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
             dict(held, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM

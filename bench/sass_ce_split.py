@@ -68,7 +68,7 @@ def compile_cfg(cfg):
             opts["maxnreg"] = maxnreg
         return triton.compile(src, target=TARGET, options=opts)
     cons.update(BLOCK=cfg["block"], STAGES=cfg["stages"], EVICT=cfg.get("evict", "evict_last"),
-                GROUP=cfg.get("group", LS.CE_SPLIT_GROUP))
+                GROUP=cfg.get("group", LS.CE_SPLIT_GROUP), FAST=cfg.get("fast", False), ASM=True)
     src = ASTSource(LS._ce_split_kernel, sig, cons, attrs=ALIGNED)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg["num_warps"],
                                                            num_stages=cfg["stages"]))

@@ -240,12 +240,14 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
 
 
 # split-row launch options: running statistics per 8 logits or per BLOCK step, with and
-# without the first read's cache hint, the meeting through a counter or through words. On the
-# GPU rows split into 20 / 5 chunks; the interpreter runs whole rows (S = 1) over several
-# BLOCK steps
+# without the first read's cache hint, the meeting through a counter or through words, the
+# leaner exps (fast). On the GPU rows split into 20 / 5 chunks; the interpreter runs whole
+# rows (S = 1) over several BLOCK steps
 @pytest.mark.parametrize("chunk", [256, 1024])
-@pytest.mark.parametrize("group,evict,meet", [(0, "evict_last", "counter"), (8, "", "word")])
-def test_ce_split_launch_options(chunk, group, evict, meet):
+@pytest.mark.parametrize("group,evict,meet,fast", [(0, "evict_last", "counter", False),
+                                                   (8, "", "word", False),
+                                                   (8, "evict_last", "counter", True)])
+def test_ce_split_launch_options(chunk, group, evict, meet, fast):
     dtype, reduction = torch.bfloat16, "mean"
     r, v = (777, 5003) if HAS_CUDA else (11, 37)
     x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
@@ -259,7 +261,7 @@ def test_ce_split_launch_options(chunk, group, evict, meet):
     dx = torch.empty_like(x)
     LS.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                 reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
-                evict=evict, group=group, meet=meet, hold=False)
+                evict=evict, group=group, meet=meet, hold=False, fast=fast)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6

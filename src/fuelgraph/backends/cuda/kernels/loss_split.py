@@ -48,6 +48,7 @@ CE_SPLIT_WARPS = 4
 CE_SPLIT_STAGES = 3
 CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
 CE_SPLIT_GROUP = 8               # first read: running (max, sum) per group of logits (0: per step)
+CE_SPLIT_FAST = False            # exps as one FMA + one ex2.approx.ftz (_ce_split_kernel FAST)
 # ... or each chunk held in registers across the meeting, read once (_ce_held_kernel): chunks
 # of CE_HOLD_CHUNK logits (a power of two), CE_HOLD_WARPS warps, at most CE_HOLD_MAXNREG
 # registers a thread (sm_90, bf16, bench/sass_ce_split.py: chunks of 8192 on 4 warps need 111
@@ -135,13 +136,15 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                      REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                      S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
                      STAGES: tl.constexpr, EVICT: tl.constexpr, GROUP: tl.constexpr,
-                     WORD: tl.constexpr):
+                     WORD: tl.constexpr, FAST: tl.constexpr, ASM: tl.constexpr):
     """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
     stream the chunk for its running (max, sum) (loads kept in L2; GROUP > 0: one running
     pair per GROUP logits, `_lse_chunk_grouped`), publish them, wait for the row's other S - 1
     programs through a per-row arrival counter (sync_ptr[r]), then stream the chunk again --
     from L2: a chunk is small, so it is mostly still there -- writing w * (softmax - onehot).
-    S = 1 is one program per row, no waiting.
+    S = 1 is one program per row, no waiting. FAST (GROUP > 0): the exps as in
+    `_ce_held_kernel` (one FMA and one ex2.approx.ftz each, no select or compare per logit,
+    the target's -w written over its element after a barrier).
 
     The meeting (`_meet`) has no full fence around every atomic (measured 3% faster than that
     on the H200).
@@ -162,7 +165,10 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
     base = r.to(tl.int64) * V
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    if GROUP:
+    if FAST:
+        m, s = _lse_grouped_exp2(x_ptr, base, start, tl.where(valid, end, start), BLOCK,
+                                 EVICT, STAGES, GROUP, ASM)
+    elif GROUP:
         m, s = _lse_chunk_grouped(x_ptr, base, start, tl.where(valid, end, start), BLOCK,
                                   EVICT, STAGES, GROUP)
     else:
@@ -180,7 +186,46 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
     if WRITE_GRAD:
         w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
-        _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, True, BLOCK, STAGES)
+        if FAST:
+            w = tl.where(valid, w, 0.0)
+            shift = tl.where(valid, lse * LOG2E, float("inf"))
+            for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+                cols = off + tl.arange(0, BLOCK)
+                mask = cols < end
+                x = tl.load(x_ptr + base + cols, mask=mask & valid, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                d = w * _exp2(tl.fma(x, LOG2E, -shift), ASM)
+                tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
+                         eviction_policy="evict_first")
+            tl.debug_barrier()
+            if (c == tl.where(in_range, t // CHUNK, 0)) & in_range & (t < end):
+                xt = tl.load(x_ptr + base + t, mask=valid, other=0.0).to(tl.float32)
+                dt = w * _exp2(tl.fma(xt, LOG2E, -shift), ASM)
+                tl.store(dx_ptr + base + t, (dt - w).to(dx_ptr.dtype.element_ty))
+        else:
+            _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, True, BLOCK,
+                        STAGES)
+
+
+@triton.jit
+def _lse_grouped_exp2(x_ptr, base, start, end, BLOCK: tl.constexpr, EVICT: tl.constexpr,
+                      STAGES: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """`loss._lse_chunk_grouped` with its exps as one FMA and one ex2.approx.ftz each."""
+    m = tl.full((BLOCK // GROUP,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK // GROUP,), tl.float32)
+    for off in tl.range(start, end, BLOCK, num_stages=STAGES):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < end, other=float("-inf"),
+                    eviction_policy=EVICT).to(tl.float32)
+        x = tl.reshape(x, (BLOCK // GROUP, GROUP))
+        m_new = tl.maximum(m, tl.max(x, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
+        s = (s * _exp2(m * LOG2E - shift, ASM)
+             + tl.sum(_exp2(tl.fma(x, LOG2E, -shift[:, None]), ASM), 1))
+        m = m_new
+    m_all = tl.max(m, 0)
+    shift = tl.where(m_all == float("-inf"), 0.0, m_all) * LOG2E
+    return m_all, tl.sum(s * _exp2(m * LOG2E - shift, ASM), 0)
 
 
 @triton.jit
@@ -360,12 +405,12 @@ def split_plan(V: int, chunk=None, hold=None, itemsize=2):
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
              ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
              evict=None, group=None, hold=None, maxnreg=None, pack=None, eager=None,
-             meet=None, partials=None, flow=None):
+             meet=None, partials=None, flow=None, fast=None):
     """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
 
     Streamed chunks (`_ce_split_kernel`): evict, the cache hint of the first read of a chunk
     ("evict_last" or ""); group, running statistics per group of that many logits (0: one
-    pair per BLOCK step).
+    pair per BLOCK step); fast, the leaner exps (default CE_SPLIT_FAST; group > 0).
     hold: the chunks held in registers (`_ce_held_kernel`; the plan's chunk must be a power of
     two; default CE_SPLIT_HOLD where it is one and the logits are 16-bit); maxnreg, the
     register cap per thread (default CE_HOLD_MAXNREG; 0: none); pack, 16-bit logits held two
@@ -428,4 +473,5 @@ def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, r
         BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES,
         EVICT=CE_SPLIT_EVICT if evict is None else evict,
         GROUP=CE_SPLIT_GROUP if group is None else group,
-        num_warps=num_warps or CE_SPLIT_WARPS)
+        FAST=(CE_SPLIT_FAST if fast is None else fast) and (group or CE_SPLIT_GROUP) > 0,
+        ASM=not _INTERPRET, num_warps=num_warps or CE_SPLIT_WARPS)
