@@ -194,6 +194,15 @@ def _tol(dtype):
     return {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
 
 
+def _confident(x, t):
+    """x with every other row's target logit raised by 8 (softmax there near 1: a gradient
+    written wrong at the target shows)."""
+    rows = torch.arange(0, x.shape[0], 2, device=x.device)
+    x = x.clone()
+    x[rows, t[rows].clamp(min=0)] += 8
+    return x
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("ignore_index", [-100, None])
@@ -254,12 +263,13 @@ def test_ce_split_launch_options(chunk, group, evict, meet, fast):
     t = torch.randint(0, v, (r,), device=DEV)
     t[::5] = -100
     t[3] = v - 1                          # the target in the ragged last chunk
+    x = _confident(x, t)
     g = torch.randn((), dtype=F64, device=DEV)
     plan = LS.split_plan(v, chunk, hold=False) if HAS_CUDA else (1, v)
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
-    dx = torch.empty_like(x)
-    LS.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    dx = x.clone()                        # written in place over its own input, as FLCE does
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                 reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
                 evict=evict, group=group, meet=meet, hold=False, fast=fast)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
@@ -285,6 +295,7 @@ def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager, meet):
     if ignore_index is not None:
         t[::5] = ignore_index
     t[3] = v - 1                          # the target in the masked last chunk
+    x = _confident(x, t)
     g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
     plan = LS.split_plan(v, chunk, hold=True)
     assert plan == ((triton.cdiv(v, chunk), chunk) if HAS_CUDA and chunk < v
@@ -310,6 +321,7 @@ def test_ce_meet_word_with_partials_preset(dtype, hold):
     t = torch.randint(0, v, (r,), device=DEV)
     t[::4] = -100
     t[3] = v - 1
+    x = _confident(x, t)
     g = torch.randn((), dtype=F64, device=DEV)
     S = triton.cdiv(v, chunk)
     words = _preset_words(x, chunk)
@@ -352,6 +364,7 @@ def test_ce_flow(dtype, chunk, reduction, preset):
     t = torch.randint(0, v, (r,), device=DEV)
     t[::5] = -100
     t[3] = v - 1                          # the target in the ragged last chunk
+    x = _confident(x, t)
     g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
     plan = LF.flow_plan(v, chunk, x.element_size())
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)

@@ -189,6 +189,9 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
         if FAST:
             w = tl.where(valid, w, 0.0)
             shift = tl.where(valid, lse * LOG2E, float("inf"))
+            owner = (c == tl.where(in_range, t // CHUNK, 0)) & in_range
+            # read before the loop: dx may be x itself
+            xt = tl.load(x_ptr + base + t, mask=owner & valid, other=0.0).to(tl.float32)
             for off in tl.range(start, end, BLOCK, num_stages=STAGES):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < end
@@ -198,8 +201,7 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
                 tl.store(dx_ptr + base + cols, d.to(dx_ptr.dtype.element_ty), mask=mask,
                          eviction_policy="evict_first")
             tl.debug_barrier()
-            if (c == tl.where(in_range, t // CHUNK, 0)) & in_range & (t < end):
-                xt = tl.load(x_ptr + base + t, mask=valid, other=0.0).to(tl.float32)
+            if owner:
                 dt = w * _exp2(tl.fma(xt, LOG2E, -shift), ASM)
                 tl.store(dx_ptr + base + t, (dt - w).to(dx_ptr.dtype.element_ty))
         else:
