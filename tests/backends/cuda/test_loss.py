@@ -369,8 +369,8 @@ def test_ce_flow(dtype, chunk, reduction, preset):
     plan = LF.flow_plan(v, chunk, x.element_size())
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
-    dx = torch.empty_like(x)
-    LF.ce_flow(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+    dx = x.clone()                        # written in place over its own input, as FLCE does
+    LF.ce_flow(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
                reduction=reduction, ignore_index=-100,
                partials=_preset_words(x, plan[1]) if preset else None)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
