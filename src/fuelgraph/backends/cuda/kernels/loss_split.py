@@ -311,9 +311,6 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
                  eviction_policy="evict_first")
     in_range = (t >= 0) & (t < V)
     owner = c == tl.where(in_range, t // CHUNK, 0)     # the chunk holding the target
-    # the target's logit (its loss; its gradient is written once more): the load overlaps
-    xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid & owner,
-                 other=0.0).to(tl.float32)
     if WRITE_GRAD:
         w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
     # exps as ex2(x * log2 e - shift): one FMA and one MUFU op each (`_exp2`)
@@ -332,6 +329,11 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
         e = _exp2(tl.fma(xh.to(tl.float32), LOG2E, -m_mine * LOG2E), ASM)
         s = tl.sum(e, 0)
     m = m_mine
+    # the target's logit (its loss; its gradient is written once more): loaded after the
+    # statistics (which wait for the chunk), so that it does not hold up the chunk's loads
+    # (its address waits for the target), overlapping the meeting
+    xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid & owner,
+                 other=0.0).to(tl.float32)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
             m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2, WORD)
