@@ -170,27 +170,17 @@ def split_sweep_configs():
     fast = dict(held, eager=True, meet="word")
     return [streamed,
             dict(streamed, meet="word"),
-            dict(streamed, fast=True),
+            dict(streamed, fast=True),                                           # 14 / SM
             dict(held, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
-            dict(fast, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
-            dict(held, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
+            dict(fast, split_chunk=8192, num_warps=4, maxnreg=64),               # 8 / SM
+            dict(fast, split_chunk=8192, num_warps=4),                           # 7 / SM
             dict(fast, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
-            dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 10 / SM
+            dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 11 / SM
             dict(fast, split_chunk=4096, num_warps=4),                           # 9 / SM
-            dict(fast, split_chunk=16384, num_warps=8, maxnreg=80),              # 3 / SM
+            dict(fast, split_chunk=16384, num_warps=8, maxnreg=64),              # 4 / SM
             # persistent, two items held (loss_flow): the next one loading during the wait
             dict(flow=True, split_chunk=4096, num_warps=4, maxnreg=80, programs_per_sm=6),
             dict(flow=True, split_chunk=8192, num_warps=8, maxnreg=80, programs_per_sm=3)]
-
-
-def _label(cfg):
-    """A sweep config in one short line."""
-    c = dict(cfg)
-    kind = "flow" if c.pop("flow", False) else "held" if c.pop("hold", False) else "streamed"
-    words = [f"{kind} {c.pop('split_chunk')}/{c.pop('num_warps')}w"]
-    for k, a in c.items():
-        words.append("f32exp" if (k, a) == ("pack", False) else k if a is True else f"{k}={a}")
-    return " ".join(w for w in words if not w.endswith("=False") and w != "maxnreg=0")
 
 
 def _run_split_cfg(cfg, logits, t, g32, n_valid):

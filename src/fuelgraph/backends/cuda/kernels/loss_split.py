@@ -51,12 +51,12 @@ CE_SPLIT_GROUP = 8               # first read: running (max, sum) per group of l
 CE_SPLIT_FAST = False            # exps as one FMA + one ex2.approx.ftz (_ce_split_kernel FAST)
 # ... or each chunk held in registers across the meeting, read once (_ce_held_kernel): chunks
 # of CE_HOLD_CHUNK logits (a power of two), CE_HOLD_WARPS warps, at most CE_HOLD_MAXNREG
-# registers a thread (sm_90, bf16, bench/sass_ce_split.py: chunks of 8192 on 4 warps need 111
-# uncapped, 4 programs per SM; 80 without spilling, 6 per SM).
+# registers a thread (sm_90, bf16, bench/sass_ce_split.py, eager, word meeting: chunks of 8192
+# on 4 warps take 72 uncapped, 7 programs per SM; 64 without spilling, 8 per SM).
 CE_SPLIT_HOLD = False
 CE_HOLD_CHUNK = 8192
 CE_HOLD_WARPS = 4
-CE_HOLD_MAXNREG = 80
+CE_HOLD_MAXNREG = 64
 CE_HOLD_PACK = True      # 16-bit logits held two to a register (else their float32 exps)
 CE_HOLD_EAGER = False    # the chunk's load does not wait for the row's target
 CE_HOLD_FLOW = False     # held chunks on persistent programs holding two (loss_flow), where
