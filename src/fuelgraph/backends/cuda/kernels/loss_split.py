@@ -248,8 +248,9 @@ def _pack(xh, CHUNK: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _unpack(held, HALF: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     """Float32 of the low (HALF 0) or high (1) 16-bit logit (bf16 or fp16) of each int32 of
-    `held`. ASM: an instruction the compiler takes as not pure, so each call is its own and is
-    never merged with an earlier one (whose float32 result would then stay alive)."""
+    `held`. ASM: an instruction LLVM takes as not pure, so it does not merge a call with an
+    earlier one across the meeting (whose float32 result would then stay alive; measured by
+    the registers: bench/sass_ce_split.py)."""
     if ASM:
         if BF16:
             if HALF == 0:
@@ -287,9 +288,11 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
     What is held: with PACK (16-bit logits), the logits as loaded, two to a 32-bit register
     (left to itself the compiler gives each 16-bit value a register of its own; ASM: packed and
     widened with inline PTX, `_pack`/`_unpack`), widened afresh for the statistics and again
-    for the gradient (two exps per logit);
-    else exp(x - max of the chunk) in float32 (the gradient is that times one scalar: one exp
-    per logit). EAGER: the chunk's load does not wait for the row's target (a row that is
+    for the gradient (two exps per logit); else exp(x - max of the chunk) in float32 (the
+    gradient is that times one scalar: one exp per logit). Each exp is one FMA and one
+    ex2.approx.ftz (`_exp2`); an ignored row gets weight 0 and shift +inf instead of a select
+    per logit, and the target's -w is written over its one element after a barrier instead
+    of a compare per logit. EAGER: the chunk's load does not wait for the row's target (a row that is
     ignored is read all the same; its results are not used). S = 1 is one program per row, no
     waiting (the CPU interpreter gets only that).
     """
