@@ -150,37 +150,50 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
 
 
 def split_sweep_configs():
-    """Launch settings of the split-row one-pass kernel the sweep times: the streamed default
-    (`_ce_split_kernel`, each chunk read twice) first, then chunks held in registers
-    (`_ce_held_kernel`, read once): chunk logits, warps, register cap, what is held (pack:
-    bf16 pairs, two exps a logit; else float32 exps, one), eager: the load not waiting for the
-    target, meet: arrival counter or self-flagging partial words, fast: the streamed kernel's
-    leaner exps (one FMA + one ex2.approx.ftz). Programs per SM on sm_90
-    (bench/sass_ce_split.py) in the comments. Last, persistent programs holding two work
-    items (`loss_flow._ce_flow_kernel`), programs_per_sm of them per SM.
+    """Launch settings of the split-row one-pass kernels the sweep times, the default first
+    (`_ce_held_kernel`: each chunk held in registers across the meeting, read once): chunk
+    logits, warps, register cap, what is held (pack: bf16 pairs, two exps a logit; else
+    float32 exps, one), eager: the load not waiting for the target, meet: arrival counter or
+    self-flagging partial words; the streamed kernel (`_ce_split_kernel`, each chunk read
+    twice; fast: its leaner exps); persistent programs holding two work items
+    (`loss_flow._ce_flow_kernel`, programs_per_sm of them). Programs per SM on sm_90
+    (bench/sass_ce_split.py) in the comments.
 
-    Streamed, measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
-    statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
-    meeting); chunks of 65536 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7
-    per SM taking tickets) 1.67-2.12, removed. Earlier sweeps: persistent row kernel 2.18+,
-    8 or 16 warps and BLOCK 8192 slower, chunks in registers (before the light meeting, 8 warps
-    of 16384 fp32 logits: about one program per SM) 3.1-4.2."""
+    Measured on the H200 (2026-12-01 18:13, one session, bf16 8192x128256, ms; a plain copy
+    0.984): held chunks of 8192, 4 warps, cap 64 1.096 (the default), uncapped 1.105; chunks
+    of 16384 on 8 warps 1.184; chunks of 4096 with float32 exps 1.219 (2 warps) / 1.286,
+    packed 1.386; chunks of 8192 waiting for the target, counter meeting, cap 80 1.357; flow
+    1.384 / 1.417; streamed 1.515 (the previous default), with the word meeting 1.537, the
+    leaner exps 1.459. Earlier (streamed): chunks of 16384 per BLOCK step 1.581 (1.631 with a
+    fenced meeting); chunks of 65536 1.523, of 8192 1.640 / 1.683; persistent programs (4-7
+    per SM taking tickets) 1.67-2.12; persistent row kernel 2.18+; chunks in registers before
+    the light meeting (8 warps of 16384 float32 logits: about one program per SM) 3.1-4.2."""
     streamed = dict(hold=False, split_chunk=16384, group=8, block=2048, num_warps=4, stages=3)
     held = dict(hold=True, maxnreg=0, pack=True, eager=False, meet="counter")
     fast = dict(held, eager=True, meet="word")
-    return [streamed,
+    return [dict(fast, split_chunk=8192, num_warps=4, maxnreg=64),               # 8 / SM
+            streamed,                                                            # 12 / SM
+            dict(fast, split_chunk=8192, num_warps=4),                           # 7 / SM
+            dict(fast, split_chunk=16384, num_warps=8, maxnreg=64),              # 4 / SM
             dict(streamed, meet="word"),
             dict(streamed, fast=True),                                           # 14 / SM
             dict(held, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
-            dict(fast, split_chunk=8192, num_warps=4, maxnreg=64),               # 8 / SM
-            dict(fast, split_chunk=8192, num_warps=4),                           # 7 / SM
             dict(fast, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
             dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 11 / SM
             dict(fast, split_chunk=4096, num_warps=4),                           # 9 / SM
-            dict(fast, split_chunk=16384, num_warps=8, maxnreg=64),              # 4 / SM
             # persistent, two items held (loss_flow): the next one loading during the wait
             dict(flow=True, split_chunk=4096, num_warps=4, maxnreg=80, programs_per_sm=6),
             dict(flow=True, split_chunk=8192, num_warps=8, maxnreg=80, programs_per_sm=3)]
+
+
+def _label(cfg):
+    """A sweep config in one short line."""
+    c = dict(cfg)
+    kind = "flow" if c.pop("flow", False) else "held" if c.pop("hold", False) else "streamed"
+    words = [f"{kind} {c.pop('split_chunk')}/{c.pop('num_warps')}w"]
+    for k, a in c.items():
+        words.append("f32exp" if (k, a) == ("pack", False) else k if a is True else f"{k}={a}")
+    return " ".join(w for w in words if not w.endswith("=False") and w != "maxnreg=0")
 
 
 def _run_split_cfg(cfg, logits, t, g32, n_valid):

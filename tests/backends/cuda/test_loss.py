@@ -385,6 +385,17 @@ def test_ce_flow(dtype, chunk, reduction, preset):
         assert torch.equal(dx2, dx)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU: the interpreter plans whole rows")
+def test_ce_default_plan():
+    held = LS.CE_SPLIT_HOLD
+    c = LS.CE_HOLD_CHUNK
+    assert LS.default_plan(128256, 2) == (((triton.cdiv(128256, c), c), True) if held
+                                          else (LS.split_plan(128256, hold=False), False))
+    assert LS.default_plan(128256, 4) == (LS.split_plan(128256, hold=False), False)
+    wide = c * LS.CE_SPLIT_MAX + 2                 # too many held chunks: streamed ones
+    assert LS.default_plan(wide, 2) == (LS.split_plan(wide, hold=False), False)
+
+
 def test_ce_held_needs_a_power_of_two_chunk():
     x = torch.randn(2, 40, device=DEV)
     t = torch.zeros(2, dtype=torch.int64, device=DEV)

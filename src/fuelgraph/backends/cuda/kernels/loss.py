@@ -342,10 +342,10 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
     from . import loss_split as LS      # (it imports this module)
-    plan = LS.split_plan(V, itemsize=x.element_size()) \
-        if splits is None and block is None and R >= num_sms(dev) else None
+    plan, hold = LS.default_plan(V, x.element_size()) \
+        if splits is None and block is None and R >= num_sms(dev) else (None, False)
     if plan is not None:
-        LS.ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
+        LS.ce_split(x.view(R, V), t, plan, hold=hold, dx=dx.view(R, V), grad=g,
                  n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
                  ignore_index=ignore_index)
         return dx
@@ -422,12 +422,12 @@ def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reductio
     if R == 0:
         return
     from . import loss_split as LS      # (it imports this module)
-    plan = LS.split_plan(V, itemsize=x2.element_size()) \
-        if programs is None and block is None and stages is None else None
+    plan, hold = LS.default_plan(V, x2.element_size()) \
+        if programs is None and block is None and stages is None else (None, False)
     if plan is not None:
-        return LS.ce_split(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad, n_valid=n_valid,
-                        reduction=reduction, ignore_index=ignore_index, n_mean=n_mean,
-                        num_warps=num_warps)
+        return LS.ce_split(x2, t, plan, hold=hold, loss_rows=loss_rows, dx=dx, grad=grad,
+                           n_valid=n_valid, reduction=reduction, ignore_index=ignore_index,
+                           n_mean=n_mean, num_warps=num_warps)
     has_ignore = ignore_index is not None
     red = _REDUCTIONS[reduction]
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
@@ -488,9 +488,10 @@ def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Ten
                                         reduction: str, ignore_index: int | None):
     """``(loss, dlogits)`` of the softmax cross-entropy. Same results as
     ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
-    bfloat16 and float16 logits. One pass: each row is read once and its gradient written once
-    (the split-row kernel; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK`` take the
-    persistent kernel, which re-reads a row from L2)."""
+    bfloat16 and float16 logits. One pass (``loss_split``): 16-bit logits are read once, held
+    in registers (float32 ones, and rows of more than CE_SPLIT_MAX held chunks, are streamed
+    twice, the second read mostly from L2; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK``
+    take the persistent kernel, which re-reads a row from L2)."""
     op = "fused_softmax_cross_entropy_fwd_bwd"
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:

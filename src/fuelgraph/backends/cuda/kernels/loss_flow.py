@@ -110,6 +110,8 @@ def _ce_flow_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, sync_p
         owner = c == tl.where(in_range, t // CHUNK, 0)     # the chunk holding the target
         xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid & owner,
                      other=0.0).to(tl.float32)
+        if WRITE_GRAD:
+            tl.debug_barrier()  # every warp has read it before any writes over it (dx may be x)
         if STORE_LOSS:
             if owner:
                 tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))

@@ -27,7 +27,8 @@ from .common import next_pow2
 from .loss import (_INTERPRET, _REDUCTIONS, _lse_chunk, _lse_chunk_grouped, _row_valid,
                    _row_weight, _write_grad)
 
-# the split-row one-pass kernel (_ce_split_kernel): rows cut into chunks of at most
+# the split-row one-pass kernel (_ce_split_kernel; the default for float32 logits and for rows
+# of more than CE_SPLIT_MAX held chunks): rows cut into chunks of at most
 # CE_SPLIT_CHUNK logits (0: whole rows, one program each), BLOCK-wide loads. Measured on an
 # H200 (2026-12-01, bf16 8192x128256, one read + one write counted): chunks of 16384, BLOCK
 # 2048, 4 warps, 3 stages 1.60 ms (2.62 TB/s); chunks of 65536 1.62 ms; whole rows 1.66-1.76 ms;
@@ -49,22 +50,29 @@ CE_SPLIT_STAGES = 3
 CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
 CE_SPLIT_GROUP = 8               # first read: running (max, sum) per group of logits (0: per step)
 CE_SPLIT_FAST = False            # exps as one FMA + one ex2.approx.ftz (_ce_split_kernel FAST)
-# ... or each chunk held in registers across the meeting, read once (_ce_held_kernel): chunks
-# of CE_HOLD_CHUNK logits (a power of two), CE_HOLD_WARPS warps, at most CE_HOLD_MAXNREG
-# registers a thread (sm_90, bf16, bench/sass_ce_split.py, eager, word meeting: chunks of 8192
-# on 4 warps take 72 uncapped, 7 programs per SM; 64 without spilling, 8 per SM).
-CE_SPLIT_HOLD = False
+# ... or, the default for 16-bit logits, each chunk held in registers across the meeting, read
+# once (_ce_held_kernel): chunks of CE_HOLD_CHUNK logits (a power of two), CE_HOLD_WARPS warps,
+# at most CE_HOLD_MAXNREG registers a thread (sm_90, bf16, bench/sass_ce_split.py: 64 without
+# spilling, 8 programs per SM; 72 uncapped, 7 per SM). H200 sweep of 2026-12-01 18:13 (bf16
+# 8192x128256, one session; the streamed default above 1.515 ms, a plain copy 0.984): chunks
+# of 8192, 4 warps, packed bf16 pairs, eager load, word meeting, cap 64 1.096 ms (3.83 TB/s,
+# 1.11x the copy), uncapped 1.105; chunks of 16384 on 8 warps 1.184; chunks of 4096 holding
+# float32 exps 1.219 (2 warps) / 1.286 (4 warps), packed 1.386; chunks of 8192 waiting for
+# the target and meeting through the counter (cap 80) 1.357; persistent programs holding two
+# items (loss_flow) 1.384-1.417; the streamed kernel with the word meeting 1.537, with the
+# leaner exps 1.459.
+CE_SPLIT_HOLD = True
 CE_HOLD_CHUNK = 8192
 CE_HOLD_WARPS = 4
 CE_HOLD_MAXNREG = 64
 CE_HOLD_PACK = True      # 16-bit logits held two to a register (else their float32 exps)
-CE_HOLD_EAGER = False    # the chunk's load does not wait for the row's target
+CE_HOLD_EAGER = True     # the chunk's load does not wait for the row's target
 CE_HOLD_FLOW = False     # held chunks on persistent programs holding two (loss_flow), where
 CE_FLOW_PROGRAMS = 6     # it applies (16-bit logits: V even); that many programs per SM
 # how the programs of a row meet (_meet), streamed and held: "counter" (an arrival counter,
 # acquire-release) or "word" (each partial (max, sum) one 64-bit word that is its own flag)
 CE_SPLIT_MEET = "counter"
-CE_HOLD_MEET = "counter"
+CE_HOLD_MEET = "word"
 LOG2E = tl.constexpr(1.4426950408889634)
 #: a partial word not yet written: max 0.0 in the low half, sum -1.0 in the high half
 WORD_NOT_YET = int.from_bytes(struct.pack("<ff", 0.0, -1.0), "little", signed=True)
@@ -184,14 +192,17 @@ def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_pt
             tc = tl.minimum(tl.maximum(t, 0), V - 1)
             xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
             tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
+        if WRITE_GRAD:
+            tl.debug_barrier()  # every warp has read it before any writes over it (dx may be x)
     if WRITE_GRAD:
         w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
         if FAST:
             w = tl.where(valid, w, 0.0)
             shift = tl.where(valid, lse * LOG2E, float("inf"))
             owner = (c == tl.where(in_range, t // CHUNK, 0)) & in_range
-            # read before the loop: dx may be x itself
+            # read before the loop, by every warp before any writes (dx may be x itself)
             xt = tl.load(x_ptr + base + t, mask=owner & valid, other=0.0).to(tl.float32)
+            tl.debug_barrier()
             for off in tl.range(start, end, BLOCK, num_stages=STAGES):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < end
@@ -337,6 +348,8 @@ def _ce_held_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr
     # (its address waits for the target), overlapping the meeting
     xt = tl.load(x_ptr + base + tl.minimum(tl.maximum(t, 0), V - 1), mask=valid & owner,
                  other=0.0).to(tl.float32)
+    if WRITE_GRAD:
+        tl.debug_barrier()      # every warp has read it before any writes over it (dx may be x)
     if S > 1:
         if valid:   # ignored rows: no program of the row publishes or waits
             m, s = _meet(pm_ptr, ps_ptr, sync_ptr, item, r, m, s, S, S_P2, WORD)
@@ -407,6 +420,17 @@ def split_plan(V: int, chunk=None, hold=None, itemsize=2):
     if S != n:
         chunk = triton.cdiv(triton.cdiv(V, S), 64) * 64
     return S, chunk
+
+
+def default_plan(V: int, itemsize: int):
+    """(plan, hold) of the default one pass for rows of V logits of `itemsize` bytes: held
+    chunks (CE_SPLIT_HOLD) for 16-bit logits where a row has at most CE_SPLIT_MAX of them,
+    else streamed chunks; plan None: too wide for either (the persistent row kernel)."""
+    if CE_SPLIT_HOLD and itemsize == 2:
+        plan = split_plan(V, hold=True)
+        if plan is not None:
+            return plan, True
+    return split_plan(V, hold=False), False
 
 
 def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
