@@ -164,7 +164,8 @@ def split_sweep_configs():
     of 16384 on 8 warps 1.184; chunks of 4096 with float32 exps 1.219 (2 warps) / 1.286,
     packed 1.386; chunks of 8192 waiting for the target, counter meeting, cap 80 1.357; flow
     1.384 / 1.417; streamed 1.515 (the previous default), with the word meeting 1.537, the
-    leaner exps 1.459. Earlier (streamed): chunks of 16384 per BLOCK step 1.581 (1.631 with a
+    leaner exps 1.459; rerun (18:31): the default 1.088 (1.113 through the plan), uncapped
+    1.099, chunks of 16384 1.169, streamed 1.496. Earlier (streamed): chunks of 16384 per BLOCK step 1.581 (1.631 with a
     fenced meeting); chunks of 65536 1.523, of 8192 1.640 / 1.683; persistent programs (4-7
     per SM taking tickets) 1.67-2.12; persistent row kernel 2.18+; chunks in registers before
     the light meeting (8 warps of 16384 float32 logits: about one program per SM) 3.1-4.2."""
