@@ -15,7 +15,8 @@
 "peak extra" = allocator high-water mark during one call, less what was allocated before it,
 less the call's outputs (loss and gradients). Correctness is spot-checked against torch eager.
 
-    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke] [--ce-only]
+    python3 bench/bench_cuda_loss.py [--out DIR] [--no-sweep] [--smoke] [--ce-only] [--lean]
+    python3 bench/bench_cuda_loss.py --warm K     # compile sweep config K only (-1: default)
 
 --smoke runs tiny shapes (on the CPU under TRITON_INTERPRET=1 when there is no GPU) to check
 the script itself. Records go to bench/results/cuda_loss_<date>.json (and DIR); a table last.
@@ -38,7 +39,9 @@ import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
 from common import print_table, record, write_results  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss as L  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_flow as LF  # noqa: E402
 from fuelgraph.backends.cuda.kernels import loss_linear as LL  # noqa: E402
+from fuelgraph.backends.cuda.kernels import loss_split as LS  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
 
@@ -147,23 +150,91 @@ def _measure(recs, op, impl, shape, fn, smoke, **extra):
 
 
 def split_sweep_configs():
-    """Launch settings of the split-row one-pass kernel the sweep times, the default first.
-    Measured on the H200 (2026-12-01, one session, ms): chunks of 16384 with running
-    statistics per 8 logits 1.496 (the default), per BLOCK step 1.581 (1.631 with a fenced
-    meeting); chunks of 65536 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7
-    per SM taking tickets) 1.67-2.12, removed. Earlier sweeps: persistent row kernel 2.18+,
-    8 or 16 warps and BLOCK 8192 slower, chunks in registers 3.1-4.2. Programs that fit on one
-    SM (bench/sass_ce_split.py): 12 grouped, 10 per BLOCK step."""
-    base = dict(block=2048, num_warps=4, stages=3)
-    return [dict(split_chunk=16384, group=8, **base), dict(split_chunk=16384, group=0, **base),
-            dict(split_chunk=65536, group=8, **base), dict(split_chunk=32768, group=8, **base),
-            dict(split_chunk=8192, group=8, **base),
-            dict(split_chunk=16384, group=8, block=4096, num_warps=8, stages=3)]
+    """Launch settings of the split-row one-pass kernels the sweep times, the default first
+    (`_ce_held_kernel`: each chunk held in registers across the meeting, read once): chunk
+    logits, warps, register cap, what is held (pack: bf16 pairs, two exps a logit; else
+    float32 exps, one), eager: the load not waiting for the target, meet: arrival counter or
+    self-flagging partial words; the streamed kernel (`_ce_split_kernel`, each chunk read
+    twice; fast: its leaner exps); persistent programs holding two work items
+    (`loss_flow._ce_flow_kernel`, programs_per_sm of them). Programs per SM on sm_90
+    (bench/sass_ce_split.py) in the comments.
+
+    Measured on the H200 (2026-12-01 18:13, one session, bf16 8192x128256, ms; a plain copy
+    0.984): held chunks of 8192, 4 warps, cap 64 1.096 (the default), uncapped 1.105; chunks
+    of 16384 on 8 warps 1.184; chunks of 4096 with float32 exps 1.219 (2 warps) / 1.286,
+    packed 1.386; chunks of 8192 waiting for the target, counter meeting, cap 80 1.357; flow
+    1.384 / 1.417; streamed 1.515 (the previous default), with the word meeting 1.537, the
+    leaner exps 1.459; rerun (18:31): the default 1.088 (1.113 through the plan), uncapped
+    1.099, chunks of 16384 1.169, streamed 1.496. Earlier (streamed): chunks of 16384 per BLOCK step 1.581 (1.631 with a
+    fenced meeting); chunks of 65536 1.523, of 8192 1.640 / 1.683; persistent programs (4-7
+    per SM taking tickets) 1.67-2.12; persistent row kernel 2.18+; chunks in registers before
+    the light meeting (8 warps of 16384 float32 logits: about one program per SM) 3.1-4.2."""
+    streamed = dict(hold=False, split_chunk=16384, group=8, block=2048, num_warps=4, stages=3)
+    held = dict(hold=True, maxnreg=0, pack=True, eager=False, meet="counter")
+    fast = dict(held, eager=True, meet="word")
+    return [dict(fast, split_chunk=8192, num_warps=4, maxnreg=64),               # 8 / SM
+            streamed,                                                            # 12 / SM
+            dict(fast, split_chunk=8192, num_warps=4),                           # 7 / SM
+            dict(fast, split_chunk=16384, num_warps=8, maxnreg=64),              # 4 / SM
+            dict(streamed, meet="word"),
+            dict(streamed, fast=True),                                           # 14 / SM
+            dict(held, split_chunk=8192, num_warps=4, maxnreg=80),               # 6 / SM
+            dict(fast, split_chunk=4096, num_warps=4, pack=False),               # 9 / SM
+            dict(fast, split_chunk=4096, num_warps=2, pack=False),               # 11 / SM
+            dict(fast, split_chunk=4096, num_warps=4),                           # 9 / SM
+            # persistent, two items held (loss_flow): the next one loading during the wait
+            dict(flow=True, split_chunk=4096, num_warps=4, maxnreg=80, programs_per_sm=6),
+            dict(flow=True, split_chunk=8192, num_warps=8, maxnreg=80, programs_per_sm=3)]
+
+
+def _label(cfg):
+    """A sweep config in one short line."""
+    c = dict(cfg)
+    kind = "flow" if c.pop("flow", False) else "held" if c.pop("hold", False) else "streamed"
+    words = [f"{kind} {c.pop('split_chunk')}/{c.pop('num_warps')}w"]
+    for k, a in c.items():
+        words.append("f32exp" if (k, a) == ("pack", False) else k if a is True else f"{k}={a}")
+    return " ".join(w for w in words if not w.endswith("=False") and w != "maxnreg=0")
+
+
+def _run_split_cfg(cfg, logits, t, g32, n_valid):
+    """One call of the split-row kernel with sweep config cfg: the gradient (loss rows too)."""
+    r, v = logits.shape
+    loss_rows = torch.empty(r, dtype=torch.float32, device=logits.device)
+    dx = torch.empty_like(logits)
+    if cfg.get("flow"):
+        kw = {k: a for k, a in cfg.items() if k not in ("split_chunk", "flow")}
+        LF.ce_flow(logits, t, LF.flow_plan(v, cfg["split_chunk"], logits.element_size()),
+                   loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid, reduction="mean",
+                   ignore_index=-100, **kw)
+        return dx
+    kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
+    plan = LS.split_plan(v, cfg["split_chunk"], hold=cfg["hold"])
+    LS.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+                reduction="mean", ignore_index=-100, **kw)
+    return dx
+
+
+def warm(index):
+    """Compile sweep config `index` (a few rows of the benchmark's width: the same
+    specialization; at least one per SM, so that the default entry takes the one pass too),
+    so that parallel processes can fill the Triton cache before timing."""
+    r, v = 256, 128256
+    logits = torch.randn(r, v, device=DEV, dtype=torch.bfloat16)
+    t = torch.randint(0, v, (r,), device=DEV)
+    one = torch.tensor(1.0, device=DEV)
+    if index < 0:                       # the default one-pass entry
+        L.one_pass_fwd_bwd(logits, t, one, "mean", -100)
+    else:
+        _run_split_cfg(split_sweep_configs()[index], logits, t, one.float().reshape(1),
+                       (t != -100).sum())
+    if CUDA:
+        torch.cuda.synchronize()
 
 
 # ---- 1. cross-entropy forward+backward --------------------------------------------------------
 
-def bench_ce(recs, smoke, sweep):
+def bench_ce(recs, smoke, sweep, lean=False):
     r, v = (64, 1000) if smoke else (8192, 128256)
     logits = torch.randn(r, v, device=DEV, dtype=torch.bfloat16)
     t = torch.randint(0, v, (r,), device=DEV)
@@ -175,11 +246,12 @@ def bench_ce(recs, smoke, sweep):
         x.requires_grad = True
         loss = F.fused_softmax_cross_entropy(x, tt)
         return [loss] + fg.grad(loss, [x])
-    plan_run, rep = _plan(build, [logits, t])
-    print(f"[bench] cross-entropy plan fuses to {rep.fused_ops}")
-    ref_l = TF.cross_entropy(logits.float(), t)
-    got_l, got_d = plan_run()
-    print(f"[bench] CE check: loss rel err {_rel(got_l, ref_l):.2e}")
+    if not lean:
+        plan_run, rep = _plan(build, [logits, t])
+        print(f"[bench] cross-entropy plan fuses to {rep.fused_ops}")
+        ref_l = TF.cross_entropy(logits.float(), t)
+        got_l, got_d = plan_run()
+        print(f"[bench] CE check: loss rel err {_rel(got_l, ref_l):.2e}")
 
     def torch_eager():
         x = logits.detach().requires_grad_()
@@ -199,8 +271,9 @@ def bench_ce(recs, smoke, sweep):
         return copy_dst.copy_(logits)
     impls = [("fuelgraph", plan_run), ("fuelgraph one-pass kernel", one_pass),
              ("fuelgraph fwd + bwd kernels", pair), ("torch eager", torch_eager),
-             ("copy (floor: read + write once)", copy_floor)]
-    lce, _ = _liger()
+             ("copy (floor: read + write once)", copy_floor)] if not lean else \
+        [("fuelgraph one-pass kernel", one_pass), ("copy (floor: read + write once)", copy_floor)]
+    lce, _ = _liger() if not lean else (None, None)
     if lce is not None:
         mod = lce(reduction="mean")
 
@@ -214,6 +287,8 @@ def bench_ce(recs, smoke, sweep):
         if ms:
             recs[-1]["gbps"] = round(gbytes / ms * 1e3, 1)
     d_ref = torch_eager()[1]
+    if lean:
+        got_d = one_pass()[1]
     print(f"[bench] CE check: dlogits rel err {_rel(got_d, d_ref):.2e}")
     if not sweep:
         return
@@ -223,17 +298,7 @@ def bench_ce(recs, smoke, sweep):
     results = []
     for cfg in configs[:3] if smoke else configs[:sweep if sweep is not True else None]:
         def fn(cfg=cfg):
-            loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
-            dx = torch.empty_like(logits)
-            if "split_chunk" in cfg:
-                kw = {k: a for k, a in cfg.items() if k != "split_chunk"}
-                plan = L.split_plan(v, cfg["split_chunk"])
-                L.ce_split(logits, t, plan, loss_rows=loss_rows, dx=dx, grad=g32,
-                           n_valid=n_valid, reduction="mean", ignore_index=-100, **kw)
-            else:
-                L.ce_rows(logits, t, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-                          reduction="mean", ignore_index=-100, **cfg)
-            return dx
+            return _run_split_cfg(cfg, logits, t, g32, n_valid)
         try:
             err = _rel(fn(), d_ref)
             ms = _time(fn, smoke)
@@ -247,7 +312,7 @@ def bench_ce(recs, smoke, sweep):
     print("[bench] split-row one-pass kernel sweep, best first (chunk, block, warps, stages, "
           "statistics group):")
     for ms, cfg in results:
-        print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {cfg}")
+        print(f"    {ms:8.3f} ms  {gbytes / ms * 1e3:7.1f} GB/s  {_label(cfg)}")
         recs.append(record(OP_CE, "fuelgraph[sweep]", (r, v), "bfloat16", ms, DEVICE_NAME,
                            gbps=round(gbytes / ms * 1e3, 1), config=cfg))
 
@@ -347,11 +412,18 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     ap.add_argument("--ce-only", action="store_true", help="only the cross-entropy case")
     ap.add_argument("--sweep-n", type=int, default=0, help="time only the first N sweep configs")
+    ap.add_argument("--lean", action="store_true",
+                    help="cross-entropy: only the one-pass kernel, the copy and the sweep")
+    ap.add_argument("--warm", type=int, default=None,
+                    help="only compile sweep config WARM (-1: the default one-pass entry)")
     args = ap.parse_args()
+    if args.warm is not None:
+        return warm(args.warm)
     recs = []
     for part in (bench_ce,) if args.ce_only else (bench_ce, bench_flce):
         try:
-            part(recs, args.smoke, args.sweep_n or not args.no_sweep)
+            kw = dict(lean=True) if args.lean and part is bench_ce else {}
+            part(recs, args.smoke, args.sweep_n or not args.no_sweep, **kw)
         except Exception:
             traceback.print_exc()
         if CUDA:

@@ -166,7 +166,9 @@ if HAS_CUDA or INTERPRET:
     import triton
 
     from fuelgraph.backends.cuda.kernels import loss as L
+    from fuelgraph.backends.cuda.kernels import loss_flow as LF
     from fuelgraph.backends.cuda.kernels import loss_linear as LL
+    from fuelgraph.backends.cuda.kernels import loss_split as LS
 
 IDS = DTYPE_IDS
 REDUCTIONS = ["mean", "sum", "none"]
@@ -190,6 +192,15 @@ def _err(a, b):
 
 def _tol(dtype):
     return {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+
+
+def _confident(x, t):
+    """x with every other row's target logit raised by 8 (softmax there near 1: a gradient
+    written wrong at the target shows)."""
+    rows = torch.arange(0, x.shape[0], 2, device=x.device)
+    x = x.clone()
+    x[rows, t[rows].clamp(min=0)] += 8
+    return x
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -229,8 +240,8 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
     dx = x.clone()                        # written in place over its own input, as FLCE does
-    L.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=-100, block=256)
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+                reduction=reduction, ignore_index=-100, block=256, hold=False)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6
@@ -238,29 +249,159 @@ def test_ce_split_rows_meet_across_programs(dtype, chunk, reduction):
 
 
 # split-row launch options: running statistics per 8 logits or per BLOCK step, with and
-# without the first read's cache hint. On the GPU rows split into 20 / 5 chunks; the
-# interpreter runs whole rows (S = 1) over several BLOCK steps
+# without the first read's cache hint, the meeting through a counter or through words, the
+# leaner exps (fast). On the GPU rows split into 20 / 5 chunks; the interpreter runs whole
+# rows (S = 1) over several BLOCK steps
 @pytest.mark.parametrize("chunk", [256, 1024])
-@pytest.mark.parametrize("group,evict", [(0, "evict_last"), (8, "")])
-def test_ce_split_launch_options(chunk, group, evict):
+@pytest.mark.parametrize("group,evict,meet,fast", [(0, "evict_last", "counter", False),
+                                                   (8, "", "word", False),
+                                                   (8, "evict_last", "counter", True)])
+def test_ce_split_launch_options(chunk, group, evict, meet, fast):
     dtype, reduction = torch.bfloat16, "mean"
     r, v = (777, 5003) if HAS_CUDA else (11, 37)
     x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
     t = torch.randint(0, v, (r,), device=DEV)
     t[::5] = -100
     t[3] = v - 1                          # the target in the ragged last chunk
+    x = _confident(x, t)
     g = torch.randn((), dtype=F64, device=DEV)
-    plan = L.split_plan(v, chunk) if HAS_CUDA else (1, v)
+    plan = LS.split_plan(v, chunk, hold=False) if HAS_CUDA else (1, v)
     g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
     loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
-    dx = torch.empty_like(x)
-    L.ce_split(x, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
-               reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
-               evict=evict, group=group)
+    dx = x.clone()                        # written in place over its own input, as FLCE does
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+                reduction=reduction, ignore_index=-100, block=256 if HAS_CUDA else 16,
+                evict=evict, group=group, meet=meet, hold=False, fast=fast)
     loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
     ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
     assert _err(loss, ref_loss) < 2e-6
     assert _err(dx, ref_dx) < _tol(dtype)
+
+
+# chunks held in registers across the meeting (one read of the logits): on the GPU rows split
+# into 20 / 5 chunks of a power of two (the last one masked) and the 16-bit logits are held two
+# to a register, and a chunk wider than the row is one masked program per row; the interpreter
+# runs whole rows (S = 1). The gradient is written over its own input, as FLCE does; with
+# `eager` the chunks of ignored rows are read (and not used); the row's programs meet through an
+# arrival counter or through self-flagging partial words.
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chunk,reduction,ignore_index,eager,meet",
+                         [(256, "mean", -100, False, "counter"), (1024, "none", -100, True, "word"),
+                          (256, "sum", None, True, "word"), (8192, "mean", -100, False, "counter")])
+def test_ce_held_chunks(dtype, chunk, reduction, ignore_index, eager, meet):
+    r, v = (777, 5003) if HAS_CUDA else (11, 37)
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    if ignore_index is not None:
+        t[::5] = ignore_index
+    t[3] = v - 1                          # the target in the masked last chunk
+    x = _confident(x, t)
+    g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
+    plan = LS.split_plan(v, chunk, hold=True)
+    assert plan == ((triton.cdiv(v, chunk), chunk) if HAS_CUDA and chunk < v
+                    else (1, triton.next_power_of_2(v)))
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, ignore_index, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = x.clone()
+    LS.ce_split(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+                reduction=reduction, ignore_index=ignore_index, hold=True, eager=eager, meet=meet)
+    loss = L.reduce_rows(loss_rows, t, reduction, ignore_index, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, ignore_index)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+
+
+# the word meeting with S > 1 where programs run one by one (the interpreter): every row's
+# partial words are preset to what its programs will publish, so no program waits
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("hold", [False, True])
+def test_ce_meet_word_with_partials_preset(dtype, hold):
+    r, v, chunk = 11, 37, 16                  # S = 3, the last chunk ragged
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::4] = -100
+    t[3] = v - 1
+    x = _confident(x, t)
+    g = torch.randn((), dtype=F64, device=DEV)
+    S = triton.cdiv(v, chunk)
+    words = _preset_words(x, chunk)
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, "mean", -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = torch.empty_like(x)
+    LS.ce_split(x, t, (S, chunk), loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+                reduction="mean", ignore_index=-100, block=8, hold=hold, meet="word",
+                partials=words)
+    loss = L.reduce_rows(loss_rows, t, "mean", -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, "mean", -100)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+
+
+def _preset_words(x, chunk):
+    """The partial words (max, sum exp) every chunk of every row of x will publish."""
+    r, v = x.shape
+    S = triton.cdiv(v, chunk)
+    xf = torch.full((r, S * chunk), float("-inf"), dtype=F64, device=x.device)
+    xf[:, :v] = x.to(F64)
+    part = xf.reshape(r, S, chunk)
+    m = part.amax(-1)
+    s = (part - m[..., None]).exp().sum(-1)
+    bits = lambda a: a.to(torch.float32).view(torch.int32).to(torch.int64)
+    return ((bits(s) << 32) | (bits(m) & 0xFFFFFFFF)).reshape(-1).contiguous()
+
+
+# persistent programs holding two work items (loss_flow): on the GPU rows of 20 / 5 chunks
+# meeting for real; the interpreter (2 programs, one by one) at S = 1 and, with the partial
+# words preset, at S = 3
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("chunk,reduction,preset", [(256, "mean", False), (1024, "none", False),
+                                                    (16, "sum", True)])
+def test_ce_flow(dtype, chunk, reduction, preset):
+    if not HAS_CUDA and not preset:
+        chunk = 64
+    r, v = (777, 5004) if HAS_CUDA and not preset else (11, 38)   # V even: 16-bit pairs
+    x = (torch.randn(r, v, dtype=F64, device=DEV) * 3).to(dtype)
+    t = torch.randint(0, v, (r,), device=DEV)
+    t[::5] = -100
+    t[3] = v - 1                          # the target in the ragged last chunk
+    x = _confident(x, t)
+    g = torch.randn(() if reduction != "none" else (r,), dtype=F64, device=DEV)
+    plan = LF.flow_plan(v, chunk, x.element_size())
+    g32, n_valid = L.grad_weights_inputs(g.float(), t, reduction, -100, DEV)
+    loss_rows = torch.empty(r, dtype=torch.float32, device=DEV)
+    dx = x.clone()                        # written in place over its own input, as FLCE does
+    LF.ce_flow(dx, t, plan, loss_rows=loss_rows, dx=dx, grad=g32, n_valid=n_valid,
+               reduction=reduction, ignore_index=-100,
+               partials=_preset_words(x, plan[1]) if preset else None)
+    loss = L.reduce_rows(loss_rows, t, reduction, -100, t.shape)
+    ref_loss, ref_dx = _ce_ref(x, t, g, reduction, -100)
+    assert _err(loss, ref_loss) < 2e-6
+    assert _err(dx, ref_dx) < _tol(dtype)
+    assert LF.flow_plan(v + 1, chunk, 2) is None and LF.flow_plan(v + 1, chunk, 4) is not None
+    if not preset:                        # the same through ce_split(flow=True)
+        dx2 = torch.empty_like(x)
+        LS.ce_split(x, t, plan, dx=dx2, grad=g32, n_valid=n_valid, reduction=reduction,
+                    ignore_index=-100, hold=True, flow=True)
+        assert torch.equal(dx2, dx)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU: the interpreter plans whole rows")
+def test_ce_default_plan():
+    held = LS.CE_SPLIT_HOLD
+    c = LS.CE_HOLD_CHUNK
+    assert LS.default_plan(128256, 2) == (((triton.cdiv(128256, c), c), True) if held
+                                          else (LS.split_plan(128256, hold=False), False))
+    assert LS.default_plan(128256, 4) == (LS.split_plan(128256, hold=False), False)
+    wide = c * LS.CE_SPLIT_MAX + 2                 # too many held chunks: streamed ones
+    assert LS.default_plan(wide, 2) == (LS.split_plan(wide, hold=False), False)
+
+
+def test_ce_held_needs_a_power_of_two_chunk():
+    x = torch.randn(2, 40, device=DEV)
+    t = torch.zeros(2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError):
+        LS.ce_split(x, t, (2, 20), dx=torch.empty_like(x), grad=torch.ones(1, device=DEV),
+                    hold=True)
 
 
 def test_ce_fwd_bwd_public_entry_and_edges():

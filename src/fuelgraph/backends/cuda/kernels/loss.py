@@ -5,13 +5,11 @@ The logits are streamed in ``BLOCK``-wide chunks with an online (running max, re
 log-sum-exp; no logits-sized scratch buffer is ever allocated. Forward and backward: one program
 per row, rows split over several programs (partial max/sum per split, combined afterwards) only
 when there are too few rows to fill the GPU. One pass (loss and gradient together, and the
-backward alone): ``_ce_split_kernel`` cuts each row into a power-of-two number of chunks, one
-program each; a program streams its chunk for its partial (max, sum), meets the row's other
-programs through a per-row arrival counter, then streams the chunk again -- from L2 as far as
-it is still there -- writing ``w * (softmax - onehot)``. On the H200 that pass takes 1.5x a
-plain copy of the logits (one read, one write), so the second read is not free: the L2 misses
-and the meeting are what is left. ``_ce_rows_kernel`` (persistent over rows) remains for rows
-too wide to split.
+backward alone): ``loss_split.py`` cuts each row into chunks, one program each; a program
+takes its chunk's partial (max, sum), meets the row's other programs, then writes
+``w * (softmax - onehot)`` for its chunk -- streaming the chunk again (from L2 as far as it is
+still there; on the H200 that pass took 1.5x a plain copy of the logits) or from registers
+(one read). ``_ce_rows_kernel`` (persistent over rows) remains for rows too wide to split.
 
 Numerics: the log-sum-exp, the per-row losses and the weights are float32 (the chunked float32
 reduction lands ~1e-6 relative); the mean/sum over rows is accumulated in float64 in a
@@ -60,27 +58,6 @@ CE_ROWS_WARPS = 8
 CE_ROWS_STAGES = 3
 CE_L2_BYTES = 24 << 20
 CE_MAX_PROGRAMS_PER_SM = 8
-# the split-row one-pass kernel (_ce_split_kernel): rows cut into chunks of at most
-# CE_SPLIT_CHUNK logits (0: whole rows, one program each), BLOCK-wide loads. Measured on an
-# H200 (2026-12-01, bf16 8192x128256, one read + one write counted): chunks of 16384, BLOCK
-# 2048, 4 warps, 3 stages 1.60 ms (2.62 TB/s); chunks of 65536 1.62 ms; whole rows 1.66-1.76 ms;
-# the persistent kernel at 2-4 programs per SM 2.19 ms; the forward + backward pair 2.08 ms;
-# holding 16K-logit chunks in registers instead of re-reading them from L2 3.1-4.2 ms. Those
-# times hand out work by program id; the ticket order the kernel now uses (safe whatever the
-# dispatch order) measured 1.744 vs 1.708 ms at chunks of 32768. Sweep of 2026-12-01 (later
-# run, one session, ticket order; a plain copy of the logits -- one read, one write -- took
-# 0.985 ms there): that default 1.631 ms; the light meeting 1.581; + running statistics per 8
-# logits (no cross-warp reduction per BLOCK step) 1.496 ms, the default now; chunks of 65536
-# (light) 1.523, of 8192 1.640 (grouped) / 1.683; persistent programs (4-7 per SM taking
-# tickets, chunks in flight held under the L2 size) 1.67-2.12 ms: a smaller L2 footprint
-# does not pay for fewer programs in flight; the first read without evict_last: no change.
-CE_SPLIT_CHUNK = 16384
-CE_SPLIT_MAX = 32
-CE_SPLIT_BLOCK = 2048
-CE_SPLIT_WARPS = 4
-CE_SPLIT_STAGES = 3
-CE_SPLIT_EVICT = "evict_last"    # cache hint of the first read of a chunk
-CE_SPLIT_GROUP = 8               # first read: running (max, sum) per group of logits (0: per step)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -287,77 +264,6 @@ def _ce_rows_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, R, V, NPROG, I
             _write_grad(x_ptr, dx_ptr, base, 0, V, t, lse, w, valid, live, BLOCK, STAGES)
 
 
-@triton.jit
-def _ce_split_kernel(x_ptr, t_ptr, g_ptr, n_ptr, loss_ptr, dx_ptr, pm_ptr, ps_ptr, sync_ptr, R, V,
-                     CHUNK, N_MEAN, ignore_index, HAS_IGNORE: tl.constexpr,
-                     REDUCTION: tl.constexpr, STORE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                     S: tl.constexpr, S_P2: tl.constexpr, BLOCK: tl.constexpr,
-                     STAGES: tl.constexpr, EVICT: tl.constexpr, GROUP: tl.constexpr):
-    """One pass with each row cut into S chunks of CHUNK logits, one program per (row, chunk):
-    stream the chunk for its running (max, sum) (loads kept in L2; GROUP > 0: one running
-    pair per GROUP logits, `_lse_chunk_grouped`), publish them, wait for the row's other S - 1
-    programs through a per-row arrival counter (sync_ptr[r]), then stream the chunk again --
-    from L2: a chunk is small, so it is mostly still there -- writing w * (softmax - onehot).
-    S = 1 is one program per row, no waiting.
-
-    The meeting: the partials are published with relaxed atomics, the arrival is one
-    acquire-release atomic (the last to arrive does not poll), the others poll with acquire
-    loads, and the partials are read back with two volatile loads in flight at once -- no
-    full fence around every atomic (measured 3% faster than that on the H200).
-
-    A program waits only for programs of its own row. With S > 1 the (row, chunk) items are
-    handed out by a ticket counter (sync_ptr[R]) in the order programs really start, so no
-    program can wait on one still queued behind it: forward progress does not depend on the
-    GPU dispatching program ids in order (measured cost on an H200: about 2%). The CPU
-    interpreter runs programs one by one: it only ever gets S = 1."""
-    if S > 1:
-        item = tl.atomic_add(sync_ptr + R, 1)
-    else:
-        item = tl.program_id(0)
-    r = item // S
-    c = item % S
-    t = tl.load(t_ptr + r)
-    valid = _row_valid(t, ignore_index, HAS_IGNORE)
-    base = r.to(tl.int64) * V
-    start = c * CHUNK
-    end = tl.minimum(start + CHUNK, V)
-    if GROUP:
-        m, s = _lse_chunk_grouped(x_ptr, base, start, tl.where(valid, end, start), BLOCK,
-                                  EVICT, STAGES, GROUP)
-    else:
-        m, s = _lse_chunk(x_ptr, base, start, tl.where(valid, end, start), BLOCK, EVICT,
-                          STAGES)
-    if S > 1:
-        if valid:   # ignored rows: no program of the row publishes or waits
-            # only the arrival orders the partials before it (release) and the reads after
-            # it (acquire, for the last to arrive, which does not poll)
-            tl.atomic_xchg(pm_ptr + item, m, sem="relaxed")
-            tl.atomic_xchg(ps_ptr + item, s, sem="relaxed")
-            arrived = tl.atomic_add(sync_ptr + r, 1, sem="acq_rel") + 1
-            while arrived < S:
-                arrived = tl.atomic_add(sync_ptr + r, 0, sem="acquire")
-            lane = tl.arange(0, S_P2)
-            mine = lane < S
-            # volatile: from L2, never a stale L1 line
-            pm = tl.load(pm_ptr + r * S + lane, mask=mine, volatile=True)
-            ps = tl.load(ps_ptr + r * S + lane, mask=mine, volatile=True)
-            pm = tl.where(mine, pm, float("-inf"))
-            ps = tl.where(mine, ps, 0.0)
-            m = tl.max(pm, 0)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            s = tl.sum(ps * tl.exp(pm - m_safe), 0)
-    in_range = (t >= 0) & (t < V)
-    lse = tl.where(in_range, m + tl.log(s), float("nan"))
-    if STORE_LOSS:
-        if c == tl.where(in_range, t // CHUNK, 0):      # the chunk holding the target
-            tc = tl.minimum(tl.maximum(t, 0), V - 1)
-            xt = tl.load(x_ptr + base + tc, mask=valid, other=0.0).to(tl.float32)
-            tl.store(loss_ptr + r, tl.where(valid, lse - xt, 0.0))
-    if WRITE_GRAD:
-        w = _row_weight(g_ptr, n_ptr, r, N_MEAN, HAS_IGNORE, REDUCTION)
-        _write_grad(x_ptr, dx_ptr, base, start, end, t, lse, w, valid, True, BLOCK, STAGES)
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -414,8 +320,9 @@ def _fsce_forward(logits, targets, reduction, ignore_index, *, splits=None, bloc
     if red == 2:
         return loss.reshape(targets.shape)
     out = torch.empty((), dtype=torch.float32, device=dev)
+    blk, nw = _one_program_launch(R)
     _ce_reduce_kernel[(1,)](loss, t, out, R, ii, HAS_IGNORE=has_ignore, MEAN=(red == 0),
-                            BLOCK=1024, num_warps=4)
+                            BLOCK=blk, num_warps=nw)
     return out
 
 
@@ -435,9 +342,11 @@ def _fsce_backward(logits, targets, grad, reduction, ignore_index, *, splits=Non
     has_ignore = ignore_index is not None
     ii = int(ignore_index) if has_ignore else 0
     n_valid = (t != ii).sum() if (red == 0 and has_ignore) else g
-    plan = split_plan(V) if splits is None and block is None and R >= num_sms(dev) else None
+    from . import loss_split as LS      # (it imports this module)
+    plan, hold = LS.default_plan(V, x.element_size()) \
+        if splits is None and block is None and R >= num_sms(dev) else (None, False)
     if plan is not None:
-        ce_split(x.view(R, V), t, plan, dx=dx.view(R, V), grad=g,
+        LS.ce_split(x.view(R, V), t, plan, hold=hold, dx=dx.view(R, V), grad=g,
                  n_valid=n_valid if (red == 0 and has_ignore) else None, reduction=reduction,
                  ignore_index=ignore_index)
         return dx
@@ -499,51 +408,6 @@ def rows_programs(R: int, V: int, itemsize: int, device: torch.device, programs=
     return max(1, min(R, max(sms, min(by_l2, CE_MAX_PROGRAMS_PER_SM * sms))))
 
 
-def split_plan(V: int, chunk=None):
-    """(S, CHUNK) of the split-row kernel for rows of V logits, or None when V is too wide.
-    S is a power of two (the configuration measured on the GPU): when V / CHUNK is not one,
-    the chunks shrink (to a multiple of 64 logits) and a last chunk may be empty."""
-    if V <= 0:
-        return None
-    chunk = chunk if chunk is not None else CE_SPLIT_CHUNK
-    if _INTERPRET or not chunk or chunk >= V:   # the interpreter: no program may wait on another
-        return 1, V
-    n = triton.cdiv(V, chunk)
-    if n > CE_SPLIT_MAX:
-        return None
-    S = next_pow2(n)
-    if S != n:
-        chunk = triton.cdiv(triton.cdiv(V, S), 64) * 64
-    return S, chunk
-
-
-def ce_split(x2, t, plan, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
-             ignore_index=None, n_mean=None, block=None, num_warps=None, stages=None,
-             evict=None, group=None):
-    """Launch the split-row one-pass kernel (arguments as `ce_rows`; plan from `split_plan`).
-    evict: cache hint of the first read of a chunk ("evict_last" or ""); group: running
-    statistics per group of that many logits (0: one pair per BLOCK step)."""
-    R, V = x2.shape
-    S, chunk = plan
-    dev = x2.device
-    sync = torch.zeros(R + 1, dtype=torch.int32, device=dev) if S > 1 else t
-    pm = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
-    ps = torch.empty(R * S, dtype=torch.float32, device=dev) if S > 1 else sync
-    dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
-    g = grad if grad is not None else dummy
-    nv = n_valid if n_valid is not None else g
-    has_ignore = ignore_index is not None
-    _ce_split_kernel[(R * S,)](
-        x2, t, g, nv, dummy if loss_rows is None else loss_rows, dummy if dx is None else dx,
-        pm, ps, sync, R, V, chunk, float(n_mean or R), int(ignore_index) if has_ignore else 0,
-        HAS_IGNORE=has_ignore, REDUCTION=_REDUCTIONS[reduction],
-        STORE_LOSS=loss_rows is not None, WRITE_GRAD=dx is not None, S=S, S_P2=next_pow2(S),
-        BLOCK=block or CE_SPLIT_BLOCK, STAGES=stages or CE_SPLIT_STAGES,
-        EVICT=CE_SPLIT_EVICT if evict is None else evict,
-        GROUP=CE_SPLIT_GROUP if group is None else group,
-        num_warps=num_warps or CE_SPLIT_WARPS)
-
-
 def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reduction="mean",
             ignore_index=None, n_mean=None, programs=None, block=None, num_warps=None,
             stages=None):
@@ -558,11 +422,13 @@ def ce_rows(x2, t, *, loss_rows=None, dx=None, grad=None, n_valid=None, reductio
     R, V = x2.shape
     if R == 0:
         return
-    plan = split_plan(V) if programs is None and block is None and stages is None else None
+    from . import loss_split as LS      # (it imports this module)
+    plan, hold = LS.default_plan(V, x2.element_size()) \
+        if programs is None and block is None and stages is None else (None, False)
     if plan is not None:
-        return ce_split(x2, t, plan, loss_rows=loss_rows, dx=dx, grad=grad, n_valid=n_valid,
-                        reduction=reduction, ignore_index=ignore_index, n_mean=n_mean,
-                        num_warps=num_warps)
+        return LS.ce_split(x2, t, plan, hold=hold, loss_rows=loss_rows, dx=dx, grad=grad,
+                           n_valid=n_valid, reduction=reduction, ignore_index=ignore_index,
+                           n_mean=n_mean, num_warps=num_warps)
     has_ignore = ignore_index is not None
     red = _REDUCTIONS[reduction]
     dummy = loss_rows if loss_rows is not None else (dx if dx is not None else x2)
@@ -585,10 +451,18 @@ def reduce_rows(loss_rows, t, reduction, ignore_index, shape):
     out = torch.empty((), dtype=torch.float32, device=loss_rows.device)
     if loss_rows.numel() == 0:
         return out.zero_()
+    blk, nw = _one_program_launch(loss_rows.numel())
     _ce_reduce_kernel[(1,)](loss_rows, t, out, loss_rows.numel(),
                             int(ignore_index) if has_ignore else 0, HAS_IGNORE=has_ignore,
-                            MEAN=(reduction == "mean"), BLOCK=1024, num_warps=4)
+                            MEAN=(reduction == "mean"), BLOCK=blk, num_warps=nw)
     return out
+
+
+def _one_program_launch(R: int):
+    """(BLOCK, warps) of a one-program pass over R rows: all of them in one step up to 8192
+    (one round trip to memory instead of R / 1024; ~10 us less at 8192 rows)."""
+    blk = min(max(next_pow2(R), 128), 8192)
+    return blk, 8 if blk >= 4096 else 4
 
 
 def grad_weights_inputs(grad, t, reduction, ignore_index, device):
@@ -596,8 +470,22 @@ def grad_weights_inputs(grad, t, reduction, ignore_index, device):
     g = torch.as_tensor(grad, device=device).to(torch.float32).reshape(-1).contiguous()
     n_valid = None
     if reduction == "mean" and ignore_index is not None:
-        n_valid = (t != int(ignore_index)).sum()
+        n_valid = torch.empty((), dtype=torch.int64, device=t.device)
+        blk, nw = _one_program_launch(t.numel())
+        _count_valid_kernel[(1,)](t, n_valid, t.numel(), int(ignore_index), BLOCK=blk,
+                                  num_warps=nw)       # one kernel, not a compare and a sum
     return g, n_valid
+
+
+@triton.jit
+def _count_valid_kernel(t_ptr, out_ptr, R, ignore_index, BLOCK: tl.constexpr):
+    """out = the number of t[:R] that are not ignore_index (int64)."""
+    cnt = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, R, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        t = tl.load(t_ptr + idx, mask=idx < R, other=ignore_index)
+        cnt += (t != ignore_index).to(tl.int32)
+    tl.store(out_ptr, tl.sum(cnt, 0).to(tl.int64))
 
 
 def _fsce_fwd_bwd(logits, targets, grad, reduction, ignore_index, **launch):
@@ -623,9 +511,10 @@ def fused_softmax_cross_entropy_fwd_bwd(logits: torch.Tensor, targets: torch.Ten
                                         reduction: str, ignore_index: int | None):
     """``(loss, dlogits)`` of the softmax cross-entropy. Same results as
     ``fused_softmax_cross_entropy`` and ``fused_softmax_cross_entropy_backward``; float32,
-    bfloat16 and float16 logits. One pass: each row is read once and its gradient written once
-    (the split-row kernel; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK`` take the
-    persistent kernel, which re-reads a row from L2)."""
+    bfloat16 and float16 logits. One pass (``loss_split``): 16-bit logits are read once, held
+    in registers (float32 ones, and rows of more than CE_SPLIT_MAX held chunks, are streamed
+    twice, the second read mostly from L2; rows wider than ``CE_SPLIT_MAX * CE_SPLIT_CHUNK``
+    take the persistent kernel, which re-reads a row from L2)."""
     op = "fused_softmax_cross_entropy_fwd_bwd"
     V = logits.shape[-1]
     if CHECK_TARGETS and targets.numel() and V:
