@@ -57,8 +57,8 @@ def test_float16_casts_match_numpy():
 
 
 def test_keep_heap_switch():
-    """The malloc thresholds are set at import unless FUELGRAPH_KEEP_HEAP=0 (or the user's own
-    malloc settings) say otherwise; either way the backend computes the same."""
+    """The malloc thresholds are set at import only with FUELGRAPH_KEEP_HEAP=1, and not even
+    then when the user's own malloc settings say otherwise."""
     import os
     import subprocess
     import sys
@@ -67,6 +67,11 @@ def test_keep_heap_switch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
     env = {k: v for k, v in os.environ.items() if k != "FUELGRAPH_KEEP_HEAP"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr            # off unless asked for
+    env["FUELGRAPH_KEEP_HEAP"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr             # glibc here
     env["MALLOC_TRIM_THRESHOLD_"] = "131072"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr

@@ -49,17 +49,18 @@ if hasattr(os, "register_at_fork"):
 #: backward at the Llama training shape (2 cores, separate processes alternating: backward
 #: 20.5-23 -> 11.6-13.4 ms, forward 8.8-10.5 -> 5.6-6.1 ms). Kept instead: blocks up to
 #: HEAP_MMAP_THRESHOLD come from the heap, and up to HEAP_TRIM_THRESHOLD of free heap stays
-#: with the process. FUELGRAPH_KEEP_HEAP=0, or the user's own MALLOC_*_THRESHOLD_ / glibc
-#: tunables, leave malloc as it is.
+#: with the process. Opt-in (FUELGRAPH_KEEP_HEAP=1): it changes malloc for the whole process,
+#: and whole Llama training steps on the quiet VM showed no gain beyond the noise (torch in
+#: the same process gets faster too). The user's own MALLOC_*_THRESHOLD_ / glibc tunables win.
 HEAP_MMAP_THRESHOLD = 32 << 20
 HEAP_TRIM_THRESHOLD = 1 << 30
 
 
 def _keep_freed_memory() -> bool:
-    """Set the two glibc malloc thresholds above (once, at import); False where not glibc,
-    opted out, or the user set malloc up already."""
+    """Set the two glibc malloc thresholds above (once, at import) when FUELGRAPH_KEEP_HEAP=1;
+    False where not asked for, not glibc, or the user set malloc up already."""
     env = os.environ
-    if env.get("FUELGRAPH_KEEP_HEAP", "1") == "0" or "GLIBC_TUNABLES" in env or \
+    if env.get("FUELGRAPH_KEEP_HEAP", "0") != "1" or "GLIBC_TUNABLES" in env or \
             "MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env:
         return False
     try:
