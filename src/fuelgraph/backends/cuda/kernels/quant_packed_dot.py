@@ -38,6 +38,21 @@ def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, 
 
 
 @triton.jit
+def _wquad(KIND: tl.constexpr, words, j0: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+           magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr, DT: tl.constexpr):
+    """Planes j0 .. j0 + 3 side by side, [BN, C, 32, 2, 2] in DT (plane j0 + 2 h + i at
+    [..., i, h]): the operand of one dot over four planes."""
+    w0 = _wplane(KIND, words, j0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS, FMA_DEQ)
+    w1 = _wplane(KIND, words, j0 + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                 FMA_DEQ)
+    w2 = _wplane(KIND, words, j0 + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                 FMA_DEQ)
+    w3 = _wplane(KIND, words, j0 + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                 FMA_DEQ)
+    return tl.join(tl.join(w0.to(DT), w1.to(DT)), tl.join(w2.to(DT), w3.to(DT)))
+
+
+@triton.jit
 def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, nch,
                        stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
                        E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,24 +111,10 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                  + (kk // 8) % 32)
             kq_ok = (ch0 + kk // 256) < nch
             xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :], other=0.0)
-            w0 = _wplane(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w1 = _wplane(KIND, words, 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w2 = _wplane(KIND, words, 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w3 = _wplane(KIND, words, 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w4 = _wplane(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w5 = _wplane(KIND, words, 5, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w6 = _wplane(KIND, words, 6, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            w7 = _wplane(KIND, words, 7, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                         FMA_DEQ).to(xt.dtype)
-            wj = tl.join(tl.join(tl.join(w0, w1), tl.join(w2, w3)),
-                         tl.join(tl.join(w4, w5), tl.join(w6, w7)))     # [BN, C, 32, 2, 2, 2]
+            wj = tl.join(_wquad(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
+                                E, BS, FMA_DEQ, xt.dtype),
+                         _wquad(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
+                                E, BS, FMA_DEQ, xt.dtype))              # [BN, C, 32, 2, 2, 2]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
         elif JOIN >= 4:
             for jg in tl.static_range(E // 128):
@@ -123,15 +124,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                 kq_ok = (ch0 + kk // 128) < nch
                 xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :],
                              other=0.0)
-                w0 = _wplane(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-                             magic, E, BS, FMA_DEQ).to(xt.dtype)
-                w1 = _wplane(KIND, words, 4 * jg + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-                             magic, E, BS, FMA_DEQ).to(xt.dtype)
-                w2 = _wplane(KIND, words, 4 * jg + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-                             magic, E, BS, FMA_DEQ).to(xt.dtype)
-                w3 = _wplane(KIND, words, 4 * jg + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-                             magic, E, BS, FMA_DEQ).to(xt.dtype)
-                wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))      # [BN, C, 32, 2, 2]
+                wj = _wquad(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
+                            E, BS, FMA_DEQ, xt.dtype)                   # [BN, C, 32, 2, 2]
                 acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 128)), xt, acc, input_precision=PREC)
         else:
             for j in tl.static_range(E // 32):
