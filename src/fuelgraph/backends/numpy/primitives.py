@@ -257,7 +257,7 @@ def gemm(a, b, out=None):
             and out is None and a.dtype.kind == "f":
         # x @ W.T with few rows (a decode step): OpenBLAS is up to 2x faster computing W @ x.T
         if 2.0 * m * k * n >= SMALL_M_POOL_FLOPS or k * n * b.itemsize >= SMALL_M_POOL_BYTES:
-            pooled = _pool_weight_rows(a, b.T, n)
+            pooled = _weight_row_blocks(a, b.T, n)
             if pooled is not None:
                 return pooled
 
@@ -271,7 +271,7 @@ def gemm(a, b, out=None):
     return _pool_matmul(a, b, m, n, out)
 
 
-def _pool_weight_rows(x, w, n):
+def _weight_row_blocks(x, w, n):
     """x [M, K] @ w.T for a row-major weight w [N, K] and few rows M, as w @ x.T by blocks of
     w's rows of about WEIGHT_BLOCK_BYTES, one single-threaded BLAS call each, on the calling
     thread (over the pool with WEIGHT_ROWS_ON_POOL): [M, N], or None when the pool's BLAS
