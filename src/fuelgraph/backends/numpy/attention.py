@@ -19,6 +19,7 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 from __future__ import annotations
 
 import collections
+import threading
 
 import numpy as np
 
@@ -104,12 +105,15 @@ class _Problem:
         if p["window_size_left"] is not None:
             lo = np.maximum(lo, a - int(p["window_size_left"]))
         self.lo, self.hi = lo, np.maximum(hi, lo)        # empty rows: lo == hi
-        self._masks = {}
+        self._masks, self._has_keys = {}, {}
         self.scale = float(p["softmax_scale"])
         self.cap = None if p["softcap"] is None else float(p["softcap"])
-        # shifts folded into the GEMMs: costs one extended copy of k and v, which pays when
-        # there are at least ~D/2 query rows per key (or the inputs are converted anyway)
-        self.fold = fold and self.cap is None and (acc != q.dtype or G * Sq * 2 >= D)
+        # shifts folded into the GEMMs: costs extended copies of q, dO, k and v and GEMMs
+        # with K = D + 1 (OpenBLAS runs them ~25% slower than K = D), which pays only when the
+        # inputs are converted anyway; in the compute dtype the units read q and dO in place
+        # and subtract the shifts (one backward, B4 Hq8 Hkv4 S256 D64 causal, one thread:
+        # 20.4-21.8 ms folded, 17.6-18.6 ms not)
+        self.fold = fold and self.cap is None and acc != q.dtype
         # scores are (q * qmul) @ k^T, then cap * tanh(.) with a softcap
         self.qmul = acc.type(self.scale / self.cap if self.cap else self.scale)
         self.slopes = None
@@ -155,6 +159,43 @@ class _Problem:
     def row_like(self, x):
         """[B, Hq, Sq] -> [B*Hkv, G, Sq] in acc."""
         return to_acc(x, self.acc).reshape(self.BH, self.G, self.Sq)
+
+    def q_source(self, x, scaled=True):
+        """(x [B, Hq, Sq, X] as [B*Hkv, G, Sq, X], the factor `q_rows` still applies or None):
+        a view when x is in the compute dtype (each unit then scales its own rows: no q-sized
+        copy), else converted (and scaled: qmul, with `scaled`) once by `q_like`."""
+        if x.dtype == self.acc:
+            return x.reshape(self.BH, self.G, self.Sq, x.shape[-1]), \
+                (self.qmul if scaled else None)
+        return self.q_like(x, self.qmul if scaled else None), None
+
+    def q_rows(self, src, h0, h1, i0, i1, name):
+        """The contiguous rows [hc, G*nq, X] of one unit of a `q_source` (times its factor) in
+        this thread's scratch buffer `name`."""
+        a, mul = src
+        rows = _array(name, (h1 - h0, self.G, i1 - i0, a.shape[-1]), self.acc)
+        if mul is None:
+            np.copyto(rows, a[h0:h1, :, i0:i1])
+        else:
+            np.multiply(a[h0:h1, :, i0:i1], mul, out=rows)
+        return rows.reshape(h1 - h0, -1, a.shape[-1])
+
+    def rows_output(self, units):
+        """An uninitialised [B*Hkv, G, Sq, D] output whose rows outside every unit (query
+        blocks without an admissible key) are zero."""
+        out = np.empty((self.BH, self.G, self.Sq, self.D), self.acc)
+        done = {u[2] for u in units}
+        for i0 in range(0, self.Sq, self.bq):
+            if i0 not in done:
+                out[:, :, i0:min(i0 + self.bq, self.Sq)] = 0
+        return out
+
+    def has_keys(self, i0, i1):
+        """[G * nq] bool: the rows of a unit (g * nq + i) that have an admissible key."""
+        got = self._has_keys.get(i0)
+        if got is None:
+            got = self._has_keys[i0] = np.tile(self.hi[i0:i1] > self.lo[i0:i1], self.G)
+        return got
 
     # -- tiling --
     def units(self):
@@ -265,8 +306,30 @@ def _threads(pb) -> int:
     return NUM_THREADS if work >= PARALLEL_MIN else 1
 
 
+_local = threading.local()
+
+
+def _buffer(name, n, dtype):
+    """A flat scratch array of at least n elements of `dtype`, private to the calling thread and
+    kept between calls: fresh arrays of a few MiB fault their pages in on every call (~1-2 us
+    per 4 KiB page on the VM, a third of a forward when nothing else freed memory before)."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    key = (name, np.dtype(dtype).char)
+    a = bufs.get(key)
+    if a is None or a.size < n:
+        a = bufs[key] = np.empty(max(n, 1), dtype)
+    return a[:n]
+
+
+def _array(name, shape, dtype):
+    """`_buffer` as an array of `shape` (contents undefined)."""
+    return _buffer(name, int(np.prod(shape)), dtype).reshape(shape)
+
+
 def _scratch(pb, n):
-    return [np.empty(TILE_ELEMS * 2, pb.acc) for _ in range(n)]
+    return [_buffer(f"tile{i}", TILE_ELEMS * 2, pb.acc) for i in range(n)]
 
 
 # ---- costs ----------------------------------------------------------------------------------
@@ -310,13 +373,13 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
         softmax_scale, causal, window_size_left, window_size_right, softcap, k_len,
         has_alibi, k_len_input), fold=False)
     G, D = pb.G, pb.D
-    out = np.zeros((pb.BH, G, pb.Sq, D), pb.acc)
+    units = pb.units()
+    out = pb.rows_output(units)
     lse = np.full((pb.BH, G, pb.Sq), np.inf, pb.acc)
-    qs = pb.q_like(q, pb.qmul, np.zeros(q.shape[:3], pb.acc) if pb.fold else None)
+    qs = pb.q_source(q)
 
     # threads take units from one queue, the most work first (causal masks make query blocks
     # unequal): a thread whose core another process takes meanwhile simply takes fewer
-    units = pb.units()
     span = pb.hi - pb.lo
     queue = collections.deque(sorted(
         units, key=lambda u: -(u[1] - u[0]) * int(span[u[2]:u[3]].sum())))
@@ -352,12 +415,12 @@ def _finish_rows(o, l, base, out, lse, h0, h1, i0, i1, G):
     hc, nq, D = h1 - h0, i1 - i0, o.shape[-1]
     live = l > 0
     if live.all():
-        o /= l[..., None]
+        np.divide(o.reshape(hc, G, nq, D), l.reshape(hc, G, nq, 1), out=out[h0:h1, :, i0:i1])
         ls = base + np.log(l)
     else:
         o *= np.where(live, 1 / np.where(live, l, 1), 0)[..., None]
         ls = np.where(live, base + np.log(np.where(live, l, 1)), np.inf)
-    out[h0:h1, :, i0:i1] = o.reshape(hc, G, nq, D)
+        out[h0:h1, :, i0:i1] = o.reshape(hc, G, nq, D)
     lse[h0:h1, :, i0:i1] = ls.reshape(hc, G, nq)
 
 
@@ -370,13 +433,13 @@ def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
     SUM_FLOOR (scores all far below 0): the caller then runs `_forward_unit`."""
     acc, D, ext = pb.acc, pb.D, pb.fold
     hc = h1 - h0
-    qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1: -base)]
+    qb = pb.q_rows(qs, h0, h1, i0, i1, "q")              # [hc, R, D (+1: -base)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
     shifted = False                                      # some base is not 0 (unfolded)
-    o = np.empty((hc, R, D), acc)
+    o = _array("o", (hc, R, D), acc)
     l = np.zeros((hc, R), acc)
-    pv = np.empty_like(o)
+    pv = _array("pv", (hc, R, D), acc)
     rs = np.empty_like(l)
     rs3 = rs[:, None, :]
     ones = np.ones((1, max(pb.bk, 1)), acc)
@@ -408,8 +471,7 @@ def _forward_unit_fast(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse) -> bool:
         l += rs
         _add_pv(s, pb.v[h0:h1, j0:j1], o, pv, first)
         first = False
-    has_keys = np.tile(pb.hi[i0:i1] > pb.lo[i0:i1], pb.G)          # [R], rows g * nq + i
-    if first or (has_keys & (l < SUM_FLOOR)).any():
+    if first or (pb.has_keys(i0, i1) & (l < SUM_FLOOR)).any():
         return False
     _finish_rows(o, l, base, out, lse, h0, h1, i0, i1, pb.G)
     return True
@@ -422,7 +484,7 @@ def _forward_unit(pb, qs, h0, h1, i0, i1, buf, tmp, out, lse):
     would make the P V product an N = D + 1 GEMM, which BLAS runs markedly slower)."""
     acc, D, ext = pb.acc, pb.D, pb.fold
     hc = h1 - h0
-    qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)]
+    qb = pb.q_rows(qs, h0, h1, i0, i1, "q")              # [hc, R, D (+1)]
     R = qb.shape[1]
     base = np.zeros((hc, R), acc)
     empty = np.ones((hc, R), bool)
@@ -461,16 +523,16 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
     """(dq, dk, dv)."""
     pb = _Problem("flash_attn_backward", q, k, v, opt, p)
     acc, D, L = pb.acc, pb.D, pb.L
-    dq = np.zeros((pb.BH, pb.G, pb.Sq, D), acc)
+    units = pb.units()
+    dq = pb.rows_output(units)
     if pb.fold:
-        qs = pb.q_like(q, pb.qmul, lse)                   # [q * qmul, -lse]
-        dos = pb.q_like(grad_out, None, delta)            # [dO, -delta]
+        qs = pb.q_like(q, pb.qmul, lse), None             # [q * qmul, -lse]
+        dos = pb.q_like(grad_out, None, delta), None      # [dO, -delta]
         lse4 = delta4 = None
     else:
-        qs, dos = pb.q_like(q, pb.qmul), pb.q_like(grad_out)
+        qs, dos = pb.q_source(q), pb.q_source(grad_out, scaled=False)
         lse4 = pb.row_like(lse)[..., None]
         delta4 = pb.row_like(delta)[..., None]
-    units = pb.units()
     nthr = _threads(pb)
     by_head = len({(u[0], u[1]) for u in units}) >= nthr
     groups = _thread_groups(pb, units, nthr, by_head)
@@ -519,13 +581,15 @@ def _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq
     lse and accumulate: dv += P^T dO, dS = P (dP - delta), dq += dS k, dk += dS^T q (all in the
     transposed tile layout [hc, nk, R])."""
     hc, D = h1 - h0, pb.D
-    qb = _rows(qs, h0, h1, i0, i1)                       # [hc, R, D (+1)], times qmul
-    dob = _rows(dos, h0, h1, i0, i1)                     # [hc, R, D (+1)]
+    qb = pb.q_rows(qs, h0, h1, i0, i1, "q")              # [hc, R, D (+1)], times qmul
+    dob = pb.q_rows(dos, h0, h1, i0, i1, "do")           # [hc, R, D (+1)]
     if not pb.fold:
         lseb = _rows(lse4, h0, h1, i0, i1).reshape(hc, 1, -1)     # [hc, 1, R]
         deltab = _rows(delta4, h0, h1, i0, i1).reshape(hc, 1, -1)
-    dqb = np.zeros((hc, qb.shape[1], D), pb.acc)
+    dqb = _array("dq", (hc, qb.shape[1], D), pb.acc)
+    dq_part = _array("dq_part", dqb.shape, pb.acc)
     dobv, qbv = dob[..., :D], qb[..., :D]
+    first = True
     for j0, j1, outside in pb.tiles(i0, i1):
         s, t = pb.score_tile(qb, h0, h1, i0, i1, j0, j1, outside, buf, tmp)
         if not pb.fold:
@@ -546,9 +610,16 @@ def _backward_unit(pb, h0, h1, i0, i1, qs, dos, lse4, delta4, buf, dbuf, tmp, dq
             np.multiply(t, t, out=t)
             np.subtract(1, t, out=t)
             ds *= t
-        dqb += np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1])
+        if first:
+            np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1], out=dqb)
+            first = False
+        else:
+            np.matmul(ds.transpose(0, 2, 1), pb.k[h0:h1, j0:j1], out=dq_part)
+            dqb += dq_part
         np.matmul(ds, qbv, out=part)
         dk[h0:h1, j0:j1] += part
+    if first:                                            # no live key tile
+        dqb[...] = 0
     # times the softmax scale as it is stored (each query row belongs to one unit)
     np.multiply(dqb.reshape(hc, pb.G, i1 - i0, D), pb.acc.type(pb.scale),
                 out=dq[h0:h1, :, i0:i1])
