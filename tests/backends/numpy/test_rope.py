@@ -36,3 +36,24 @@ def test_rope(dt, interleaved, shape, chunking):
 def test_rope_empty():
     assert rope.rope(np.ones((0, 3, 4), np.float32), np.ones((3, 4), np.float32),
                      np.ones((3, 4), np.float32), interleaved=False).shape == (0, 3, 4)
+
+
+@pytest.mark.parametrize("block", [16, 96])
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_rope_blocks(block, per_batch, dt, monkeypatch):
+    """Blocks inside a span: rows of one sequence (16 elements) or two whole sequences (96),
+    with one table or a table per batch entry; large enough for the pool (two spans)."""
+    from fuelgraph.backends.numpy import common
+    monkeypatch.setattr(rope, "BLOCK_ELEMS", block)
+    monkeypatch.setattr(common, "PARALLEL_MIN_ELEMS", 0)
+    rng = np.random.default_rng(7)
+    x = rand(rng, (3, 4, 5, 8), dt, 3.0)
+    tshape = (3, 1, 5, 8) if per_batch else (5, 8)
+    cos, sin = rand(rng, tshape, dt), rand(rng, tshape, dt)
+    for interleaved in (False, True):
+        out = rope.rope(x, cos, sin, interleaved=interleaved)
+        ref = _torch_rope(t64(x), t64(cos), t64(sin), interleaved)
+        same = _torch_rope(tdt(x, dt), tdt(cos, dt), tdt(sin, dt),
+                           interleaved)
+        check(out, ref, dt, same)

@@ -24,6 +24,9 @@ from . import common as _h
 from .common import acc_dtype, run_spans, store, to_acc
 
 _OP = "rope"
+#: elements per block of the computation inside a thread's span (128 KiB of float32 each for
+#: x, the output and one temporary: the three passes stay in L2)
+BLOCK_ELEMS = 1 << 15
 
 
 def _spans(batch: int, s: int, d: int) -> list[tuple[int, int]]:
@@ -86,17 +89,11 @@ def rope(x, cos, sin, *, interleaved):
         k = idx[b0:b1]
         return t[k[0]] if (k == k[0]).all() else t[k]
 
-    def work(r0, r1):
-        s0, n = r0 % s, r1 - r0
-        if s0 + n <= s:                                  # inside one sequence
-            b = r0 // s
-            c, sg, shp = cs[ci[b], s0:s0 + n], sn[si[b], s0:s0 + n], (n, d)
-        else:                                            # whole sequences
-            b0, b1 = r0 // s, r1 // s
-            c, sg, shp = rows(cs, ci, b0, b1), rows(sn, si, b0, b1), (n // s, s, d)
-        xc = to_acc(x2[r0:r1], acc).reshape(shp)
-        y = o2[r0:r1].reshape(shp) if dt == acc else np.empty(shp, acc)
-        t = np.empty(shp, acc)
+    def block(a, n, c, sg, shp, tmp):
+        """Rows a:a+n of x (shape shp) with their tables c, sg into out."""
+        xc = to_acc(x2[a:a + n], acc).reshape(shp)
+        y = o2[a:a + n].reshape(shp) if dt == acc else np.empty(shp, acc)
+        t = tmp[:xc.size].reshape(shp)
         np.multiply(xc, c, out=y)
         if interleaved:                                  # t = pair-swapped x
             t[..., 0::2] = xc[..., 1::2]
@@ -108,7 +105,26 @@ def rope(x, cos, sin, *, interleaved):
                         out=t.reshape(hv))
         np.add(y, t, out=y)
         if dt != acc:
-            store(o2[r0:r1], y.reshape(n, d))
+            store(o2[a:a + n], y.reshape(n, d))
+
+    def work(r0, r1):
+        # blocks of about BLOCK_ELEMS inside the span: x, y and the temporary pass over each
+        # block stay in L2 (whole spans of 1 MiB went to memory three times)
+        tmp = np.empty(min((r1 - r0) * d, max(BLOCK_ELEMS, s * d)), acc)
+        a = r0
+        while a < r1:
+            s0 = a % s
+            if s0 == 0 and r1 - a >= s and s * d <= BLOCK_ELEMS:     # whole sequences
+                k = min((r1 - a) // s, BLOCK_ELEMS // (s * d))
+                b0 = a // s
+                c, sg, shp = rows(cs, ci, b0, b0 + k), rows(sn, si, b0, b0 + k), (k, s, d)
+                n = k * s
+            else:                                        # rows inside one sequence
+                n = min(r1 - a, s - s0, max(1, BLOCK_ELEMS // d))
+                b = a // s
+                c, sg, shp = cs[ci[b], s0:s0 + n], sn[si[b], s0:s0 + n], (n, d)
+            block(a, n, c, sg, shp, tmp)
+            a += n
 
     with np.errstate(over="ignore", invalid="ignore"):
         run_spans(work, _spans(batch, s, d), x.size)
