@@ -19,6 +19,7 @@ otherwise contend for one BLAS pool), so the kernels use the cores once and no m
 from __future__ import annotations
 
 import collections
+import math
 import threading
 
 import numpy as np
@@ -325,7 +326,7 @@ def _buffer(name, n, dtype):
 
 def _array(name, shape, dtype):
     """`_buffer` as an array of `shape` (contents undefined)."""
-    return _buffer(name, int(np.prod(shape)), dtype).reshape(shape)
+    return _buffer(name, math.prod(shape), dtype).reshape(shape)
 
 
 def _scratch(pb, n):
