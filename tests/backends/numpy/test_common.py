@@ -76,3 +76,74 @@ def test_keep_heap_switch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
     assert isinstance(common.HEAP_KEPT, bool)
+
+
+def test_kept_blocks_are_never_shared_while_used(monkeypatch):
+    """new_output: large outputs come from kept blocks, a block is handed out again only once
+    nothing refers to it (an array, a view of it, a torch tensor over it)."""
+    import torch
+    monkeypatch.setattr(common, "RECYCLE", True)
+    monkeypatch.setattr(common, "_blocks", {})
+    monkeypatch.setattr(common, "_blocks_bytes", 0)
+    shape = (common.RECYCLE_MIN_BYTES // 4,)
+    a = common.new_output(shape, np.float32)
+    assert a.shape == shape and a.dtype == np.float32 and a.flags.c_contiguous
+    assert a.flags.writeable
+    a[:] = 1
+    b = common.new_output(shape, np.float32)            # a is alive: another block
+    assert not np.shares_memory(a, b)
+    view = a[::2]
+    tensor = torch.from_numpy(b.reshape(2, -1))
+    del a, b
+    c = common.new_output(shape, np.float32)            # both blocks still referred to
+    assert not np.shares_memory(c, view) and not np.shares_memory(c, tensor.numpy())
+    assert common._blocks_bytes == 3 * shape[0] * 4
+    del view
+    d = common.new_output((2, shape[0] // 2), np.float32)  # a's block is free: reused
+    assert common._blocks_bytes == 3 * shape[0] * 4
+    assert not np.shares_memory(d, c) and not np.shares_memory(d, tensor.numpy())
+    small = common.new_output((4,), np.float32)          # small outputs: plain arrays
+    assert small.base is None
+    common.release_kept_memory()                         # only blocks in use stay
+    assert common._blocks_bytes == 3 * shape[0] * 4
+    del c, d, tensor
+    common.release_kept_memory()
+    assert common._blocks_bytes == 0
+    monkeypatch.setattr(common, "RECYCLE", False)
+    assert common.new_output(shape, np.float32).base is None
+
+
+def test_kept_blocks_cap_and_threads(monkeypatch):
+    """Past the cap, free blocks of other sizes are dropped, then outputs come from malloc;
+    threads allocating at once never get the same block."""
+    import threading
+    monkeypatch.setattr(common, "RECYCLE", True)
+    monkeypatch.setattr(common, "_blocks", {})
+    monkeypatch.setattr(common, "_blocks_bytes", 0)
+    n = common.RECYCLE_MIN_BYTES
+    monkeypatch.setattr(common, "RECYCLE_CAP_BYTES", 2 * n)
+    x = common.new_output((2 * n,), np.uint8)           # a free block of another size...
+    del x
+    y = common.new_output((n,), np.uint8)               # ...dropped to make room
+    assert common._blocks_bytes == n
+    z = common.new_output((n,), np.uint8)
+    w = common.new_output((n,), np.uint8)                # over the cap: from malloc
+    assert w.base is None and common._blocks_bytes == 2 * n
+    del y, z, w
+    monkeypatch.setattr(common, "RECYCLE_CAP_BYTES", 1 << 30)
+    errors = []
+
+    def worker(k):
+        for _ in range(50):
+            a = common.new_output((n // 4,), np.float32)
+            a.fill(k)
+            b = common.new_output((n // 4,), np.float32)
+            b.fill(-k)
+            if not ((a == k).all() and (b == -k).all()):
+                errors.append(k)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

@@ -28,7 +28,7 @@ from ...errors import FuelGraphError
 from ...registry.attention import FLASH_ATTN_BACKWARD
 from ...registry.core import FusedOps
 from ..base import Cost, kernel
-from .common import NUM_THREADS, _get_pool, acc_dtype, blas_single, store, to_acc
+from .common import NUM_THREADS, _get_pool, acc_dtype, blas_single, new_output, store, to_acc
 
 #: elements of one score tile (heads x rows x keys); 2^18 float32 = 1 MiB stays in L2
 TILE_ELEMS = 1 << 18
@@ -184,7 +184,7 @@ class _Problem:
     def rows_output(self, units):
         """An uninitialised [B*Hkv, G, Sq, D] output whose rows outside every unit (query
         blocks without an admissible key) are zero."""
-        out = np.empty((self.BH, self.G, self.Sq, self.D), self.acc)
+        out = new_output((self.BH, self.G, self.Sq, self.D), self.acc)
         done = {u[2] for u in units}
         for i0 in range(0, self.Sq, self.bq):
             if i0 not in done:
@@ -539,8 +539,8 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
     groups = _thread_groups(pb, units, nthr, by_head)
     # dk / dv accumulate over query blocks: one buffer per thread unless threads own heads
     nbuf = 1 if by_head else max(1, len(groups))
-    dks = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
-    dvs = [np.zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
+    dks = [_zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
+    dvs = [_zeros((pb.BH, L, D), acc) for _ in range(nbuf)]
     # d score / d (q.k) = scale (times 1 - tanh^2 with a softcap); dk uses qs = q * qmul
     kmul = acc.type(pb.scale / float(pb.qmul))
 
@@ -567,6 +567,12 @@ def _backward(q, k, v, grad_out, lse, delta, opt, p):
         store(res[:, :, :L], tot.reshape(pb.B, pb.Hkv, L, D))
         grads.append(res)
     return tuple(grads)
+
+
+def _zeros(shape, dtype):
+    out = new_output(shape, dtype)
+    out.fill(0)
+    return out
 
 
 def _narrow(a, dtype):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..base import elementwise_cost, kernel_factory
 from ..glue import FULL, ROW, Program, Unsupported, build_program
-from .common import NUM_THREADS, PARALLEL_MIN_ELEMS, run_spans, store, to_acc
+from .common import NUM_THREADS, PARALLEL_MIN_ELEMS, new_output, run_spans, store, to_acc
 from .primitives import _BINARY, _COMPARE, _REDUCE, _UNARY, _erf
 
 #: elements per chunk: 256 KiB of float32 per live value; a region's few live values stay in
@@ -162,7 +162,7 @@ class GlueEvaluator:
             self.direct[v] = j
 
     def __call__(self, *inputs):
-        outs = [np.empty(shape, d) for shape, d in self.out_specs]
+        outs = [new_output(shape, d) for shape, d in self.out_specs]
         if not self.empty:
             out_views = [o.reshape(s) for o, s in zip(outs, self.out_shapes)]
             views = {}

@@ -254,7 +254,7 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     xa, wa = to_acc(x, acc), to_acc(weight, acc)
     ba = None if bias is None else to_acc(bias, acc)
     nll = np.zeros(n, _F64)
-    dx = np.empty((n, h), dt) if want_grads else None
+    dx = _common.new_output((n, h), dt) if want_grads else None
     dw = np.zeros((v, h), acc) if want_grads else None
     db = np.zeros(v, acc) if want_grads and bias is not None else None
     step = chunk_rows or flce_chunk_rows(n, v)

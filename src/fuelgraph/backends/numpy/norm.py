@@ -14,7 +14,7 @@ import numpy as np
 from ...registry.core import FusedOps
 from ...registry.norm import ADD_RMS_NORM
 from ..base import kernel, row_cost
-from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from .common import acc_dtype, new_output, row_spans, run_spans, store, to_acc
 
 
 #: inputs up to this many elements (float32/float64) skip the chunked, threaded evaluation:
@@ -62,7 +62,7 @@ def rms_norm_last_dim(x, *, eps):
     eps = 0 with an all-zero row gives NaN (0 * inf), as specified.
     """
     n, acc, (x2,) = _rows("rms_norm_last_dim", x)
-    out = np.empty(x.shape, x.dtype)
+    out = new_output(x.shape, x.dtype)
     o2 = out.reshape(-1, n)
     inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
     if x.dtype == acc and x.size <= SMALL_ELEMS:      # a decode step's rows: the math alone
@@ -119,7 +119,7 @@ def layer_norm_last_dim(x, *, eps):
     `y = (x - mu) * (1 / sqrt(var + eps))`.
     """
     n, acc, (x2,) = _rows("layer_norm_last_dim", x)
-    out = np.empty(x.shape, x.dtype)
+    out = new_output(x.shape, x.dtype)
     o2 = out.reshape(-1, n)
     inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
     ones = np.ones(n, acc)
@@ -144,7 +144,7 @@ def rms_norm_last_dim_backward(x, grad, *, eps):
     `dx = r * (grad - x * s / (n * den))`, evaluated as `grad * r - x * (r * s / (n * den))`.
     """
     n, acc, (x2, g2) = _rows("rms_norm_last_dim_backward", x, grad)
-    out = np.empty(x.shape, x.dtype)
+    out = new_output(x.shape, x.dtype)
     o2 = out.reshape(-1, n)
     inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
 
@@ -180,7 +180,7 @@ def layer_norm_last_dim_backward(x, grad, *, eps):
     `grad * r - ((x - mu) * (r^3 * mean(grad * (x - mu))) + r * mean(grad))`.
     """
     n, acc, (x2, g2) = _rows("layer_norm_last_dim_backward", x, grad)
-    out = np.empty(x.shape, x.dtype)
+    out = new_output(x.shape, x.dtype)
     o2 = out.reshape(-1, n)
     inv_n, eps_a, one = acc.type(1.0 / n), acc.type(eps), acc.type(1)
     ones = np.ones(n, acc)

@@ -65,6 +65,8 @@ def binary(a, b, *, op):
     f = _BINARY[op.kind]
     if a.dtype in _HALF or a.dtype != b.dtype or max(a.size, b.size) < common.PARALLEL_MIN_ELEMS \
             or common.NUM_THREADS < 2:
+        if a.dtype == b.dtype and a.dtype.kind == "f" and a.dtype not in _HALF:
+            return f(a, b, out=common.new_output(np.broadcast_shapes(a.shape, b.shape), a.dtype))
         return _down(f(_up(a), _up(b)), a.dtype)
     return _split_elementwise(f, a, b)
 
@@ -74,7 +76,7 @@ def _split_elementwise(f, a, b):
     with at least NUM_THREADS entries, over the pool; elementwise results are the same
     whatever the split."""
     shape = np.broadcast_shapes(a.shape, b.shape)
-    out = np.empty(shape, a.dtype)
+    out = common.new_output(shape, a.dtype)
     ax = next((i for i, d in enumerate(shape) if d >= common.NUM_THREADS), None)
     if ax is None:
         return f(a, b, out=out)
@@ -299,7 +301,7 @@ def _pool_matmul(a, b, m, n, out=None):
     when another process competes for the cores; the pool's threads sleep instead."""
     lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     if out is None:
-        out = np.empty(lead + (m, n), np.result_type(a, b))
+        out = common.new_output(lead + (m, n), np.result_type(a, b))
     parts = GEMM_PARTS_PER_THREAD * common.NUM_THREADS
     if lead and lead[0] >= common.NUM_THREADS and a.ndim == b.ndim:
         # stacked products: split the first batch axis (slices of broadcast views copy nothing)
@@ -354,7 +356,8 @@ def gemm_group(pairs, outs=None) -> list:
     (measured), so whole products sharing the threads beat each product split in four.
     `outs`: arrays to write the products into (default: new C-contiguous ones)."""
     if outs is None:
-        outs = [np.empty((a.shape[0], b.shape[1]), np.result_type(a, b)) for a, b in pairs]
+        outs = [common.new_output((a.shape[0], b.shape[1]), np.result_type(a, b))
+                for a, b in pairs]
     flops = [a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs]
     share = sum(flops) / common.NUM_THREADS
     items = []

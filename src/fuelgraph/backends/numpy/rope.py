@@ -68,7 +68,7 @@ def rope(x, cos, sin, *, interleaved):
     dt, acc = x.dtype, acc_dtype(x.dtype)
     if dt == acc and 0 < x.size < _h.PARALLEL_MIN_ELEMS:
         return _rope_small(x, to_acc(cos, acc), to_acc(sin, acc), interleaved)
-    out = np.empty(x.shape, dt)
+    out = _h.new_output(x.shape, dt)
     if x.size == 0:
         return out
     h = d // 2
