@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from ..base import Cost, elementwise_cost, import_kernel_modules, register_kernel
-from . import primitives
+from . import common, primitives
 
 
 def _matmul_cost(shapes, params=None):
@@ -56,7 +56,11 @@ class NumpyBackend:
 
     @staticmethod
     def contiguous(buf):
-        return np.asarray(buf, order="C")
+        if buf.flags.c_contiguous:
+            return buf
+        out = common.new_output(buf.shape, buf.dtype)     # a kept block when large
+        np.copyto(out, buf)
+        return out
 
     @staticmethod
     def writable_copy_needed(buf) -> bool:
@@ -64,11 +68,13 @@ class NumpyBackend:
 
     @staticmethod
     def empty_like(buf):
-        return np.empty(buf.shape, buf.dtype)
+        return common.new_output(buf.shape, buf.dtype)
 
     @staticmethod
     def copy(buf):
-        return np.array(buf, copy=True, order="C")
+        out = common.new_output(buf.shape, buf.dtype)
+        np.copyto(out, buf)
+        return out
 
     @staticmethod
     def is_contiguous(buf) -> bool:

@@ -255,7 +255,9 @@ def _flce(op, x, weight, targets, bias, grad, reduction, ignore_index, want_loss
     ba = None if bias is None else to_acc(bias, acc)
     nll = np.zeros(n, _F64)
     dx = _common.new_output((n, h), dt) if want_grads else None
-    dw = np.zeros((v, h), acc) if want_grads else None
+    # dW is written whole by the first chunk's product (zeros only when there is no chunk)
+    dw = (_common.new_output((v, h), acc) if n else np.zeros((v, h), acc)) if want_grads \
+        else None
     db = np.zeros(v, acc) if want_grads and bias is not None else None
     step = chunk_rows or flce_chunk_rows(n, v)
     part = np.empty((min(step, n), h), acc) if want_grads and dt != acc else None
