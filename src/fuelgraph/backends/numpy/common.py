@@ -93,9 +93,10 @@ RECYCLE = os.environ.get("FUELGRAPH_RECYCLE", "1") != "0"
 #: outputs below this size come from malloc (its heap serves them without page faults)
 RECYCLE_MIN_BYTES = 1 << 18
 #: at most this many bytes in kept blocks (free or in use); beyond, outputs come from malloc
-#: and free blocks of other sizes are dropped first
+#: and free blocks are dropped first, largest first (a decode loop whose sizes change every step
+#: would otherwise hold many dead sizes)
 try:
-    RECYCLE_CAP_BYTES = min(4 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4)
+    RECYCLE_CAP_BYTES = min(2 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
 except (ValueError, OSError, AttributeError):   # pragma: no cover - non-POSIX
     RECYCLE_CAP_BYTES = 1 << 30
 _blocks: dict = {}                  # nbytes -> [uint8 block, ...]
