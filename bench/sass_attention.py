@@ -45,7 +45,11 @@ def source(case, m, n, variant):
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"] != variant.get(
                     "ALIBI_COLS", False),
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
-                    "FMA_SCORES", False))
+                    "FMA_SCORES", False),
+                LAG=A.VARIANTS.get("PV_LAG", False) != variant.get("PV_LAG", False),
+                EDGE1=flags["HAS_WL"] and A.VARIANTS.get("EDGE_ONE_TEST", False) != variant.get(
+                    "EDGE_ONE_TEST", False),
+                ASM=A.VARIANTS.get("MASK_ASM", False) != variant.get("MASK_ASM", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

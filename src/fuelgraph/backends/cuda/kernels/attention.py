@@ -61,14 +61,16 @@ def _configs(choices):
 
 
 #: shared-memory budget a config may plan for (H100/H200 allow 227 KiB per block; the margin
-#: covers layout padding and the compiler's own buffers)
+#: covers layout padding and the compiler's own buffers). The forward's tiles are exactly
+#: what its kernel allocates (sm_90 builds checked: 128 x 128 tiles in 3 stages take 224 KiB)
 SMEM_BUDGET = 160 * 1024
+FWD_SMEM_BUDGET = 224 * 1024
 _SMALLEST = (64, 32, 4, 2)
 
 
-def _prune_for(resident_rows, staged_rows):
-    """early_config_prune for a kernel keeping `resident_rows(BM, BN)` rows of head-dim tiles
-    in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
+def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
+    """early_config_prune for a kernel keeping `resident_rows(BM, BN, args)` rows of head-dim
+    tiles in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
     def prune(configs, named_args, **kw):
         args = {**named_args, **kw}
         item = 4 if args.get("IEEE", False) else 2
@@ -76,8 +78,8 @@ def _prune_for(resident_rows, staged_rows):
 
         def smem(c):
             m, n, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-            return (resident_rows(m, n) + st * staged_rows(m, n)) * d * item
-        out = [c for c in configs if smem(c) <= SMEM_BUDGET]
+            return (resident_rows(m, n, args) + st * staged_rows(m, n)) * d * item
+        out = [c for c in configs if smem(c) <= budget]
         if not out:
             m, n, w, st = _SMALLEST
             out = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
@@ -85,11 +87,13 @@ def _prune_for(resident_rows, staged_rows):
     return {"early_config_prune": prune}
 
 
-_PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per stage
-_PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
-_PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
+# forward: q (and with LAG one k and one v block outside the pipelined loop); k, v per stage
+_PRUNE_FWD = _prune_for(lambda m, n, a: m + (2 * n if a.get("LAG") else 0), lambda m, n: 2 * n,
+                        FWD_SMEM_BUDGET)
+_PRUNE_KV = _prune_for(lambda m, n, a: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
+_PRUNE_Q = _prune_for(lambda m, n, a: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "LAG", "EDGE1", "ASM"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -122,7 +126,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: rescaled only when a row max grows by more than 2^8, behind a CTA-wide test a block (SASS
 #: 332 -> ~300 instructions a block, but 384 / 313: the test's barriers cost more); Triton's
 #: automatic warp specialization (tl.range warp_specialize): same SASS on sm_90.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PV_LAG": False, "EDGE_ONE_TEST": False,
+            "MASK_ASM": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -193,7 +198,7 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
             HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
             ALIBI_COLS: tl.constexpr = False, RAW: tl.constexpr = False,
-            LIVE_ROWS: tl.constexpr = False):
+            LIVE_ROWS: tl.constexpr = False, ASM: tl.constexpr = False):
     """Scores in log2 units from the raw product tile; a_pos / k_pos are the query and key
     positions broadcast to the tile's shape. Returns (scores, tanh or 0). ALIBI_COLS (causal
     only: every admissible key is <= its row) adds slope * key instead of -slope * (row - key):
@@ -212,19 +217,36 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
         else:
             s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
     if MASK:
-        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR, LIVE_ROWS)
+        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR, LIVE_ROWS, ASM)
     return s, t
 
 
 @triton.jit
+def _keep_le(s, col, bound, ASM: tl.constexpr):
+    """s where col <= bound, else -inf (col, bound int32, broadcast to s). ASM: one compare
+    and one select a score in inline PTX, which also keeps the compares after the product
+    they mask (ptxas otherwise hoists them above the wgmma wait and packs 32 predicates into
+    integers: ~25% more instructions in a masked block)."""
+    if ASM and _APPROX_TANH:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+            "=r,r,r,r", [s, col, bound], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.where(col <= bound, s, float("-inf"))
+
+
+@triton.jit
 def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-          HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False):
-    """-inf outside the admissible keys. LIVE_ROWS (the forward, whose rows past Sq are never
+          HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False, ASM: tl.constexpr = False):
+    """-inf outside the admissible keys. ASM with LIVE_ROWS and a plain causal mask: k <= a
+    as one compare and one select in inline PTX (_keep_le; with a window, two of them
+    measured more instructions than the two selects below, see EDGE1 instead). LIVE_ROWS (the forward, whose rows past Sq are never
     stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
     two selects in a row compile to fewer instructions than one select of the combined test
     (sm_90 SASS of the masked loop, 128 x 64: 508 instead of 556; H200 window 1024: 354
     instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
     compare a score, the compiler packs the predicates into integers (507 instead of 491)."""
+    if ASM and LIVE_ROWS and CAUSAL and not HAS_WL and not HAS_WR:
+        return _keep_le(s, k_pos, a_pos, True)     # 491 -> 443 a masked block (SASS)
     if LIVE_ROWS and CAUSAL and HAS_WL and not HAS_WR:
         s = tl.where(k_pos <= a_pos, s, float("-inf"))
         return tl.where(k_pos >= a_pos - WL, s, float("-inf"))
@@ -262,45 +284,112 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr = False,
+               ASM: tl.constexpr = False):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump))."""
+    band: [start, jump_at) and [jump_at + jump, end + jump)). EDGE1: see _fwd_softmax."""
     for j in range(start, end, BLOCK_N):
         j0 = j
         if MASK:
             j0 = j + tl.where(j >= jump_at, jump, 0)
         kn = j0 + offs_n
         k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
-        if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
-            if HAS_CAP:
-                mult = CAP * 1.4426950408889634
-            else:
-                mult = QK_SCALE * 1.4426950408889634
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FMA:    # one fused multiply-add a score
-            p = tl.exp2(s * mult - m_use[:, None])
-        else:
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = _dot_qk(q, k, IEEE)
+        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
+                                          WR, MASK, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
+                                          IEEE, ALIBI_COLS, FMA, EDGE1, j < jump_at, ASM)
         v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dot_qk(q, k, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _dot_pv(p, v, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(p, v, acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
+def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                 HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr = False,
+                 far=False, ASM: tl.constexpr = False):
+    """One key block's online-softmax step from its product tile qk (keys kn): (p, alpha,
+    l_i, m_i) with the accumulator to be scaled by alpha before p v is added. EDGE1 (a causal
+    left window at least twice the widest tile, live rows only): a block at the band's far
+    edge (`far`) holds no key past any row's diagonal and a diagonal block none before any
+    row's window, so each needs one test a score, k >= a - WL or k <= a, written as one
+    compare of k against a, or of ~k against ~(a - WL)."""
+    if EDGE1:
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
+        flip = tl.where(far, -1, 0)           # x ^ -1 = -x - 1: reverses the order
+        s = _keep_le(s, (kn ^ flip)[None, :], (a_pos - tl.where(far, WL, 0)) ^ flip, True)
+    else:
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True, ASM)
+    if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
+        if HAS_CAP:
+            mult = CAP * 1.4426950408889634
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+            mult = QK_SCALE * 1.4426950408889634
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if FMA:    # one fused multiply-add a score
+        p = tl.exp2(s * mult - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n, L,
+                   QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+    """The unmasked blocks [start, end) with each block's p v product issued one block late,
+    after the next block's q k^T: the tensor cores run it while the exponentials of that
+    next block are computed (in the plain loop each waits for the other). The first block's
+    softmax and the last block's p v sit outside the loop; an empty range contributes p = 0
+    there (no branch around the loop: a branch there makes ptxas serialize every wgmma)."""
+    some = start < end
+    kn = start + offs_n
+    qk = _dot_qk(q, _load(k_ptrs + start * skn, kn < L, HEAD_DIM, BLOCK_D, True), IEEE)
+    p, alpha, l_new, m_new = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
+                                          WR, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
+                                          IEEE, ALIBI_COLS, FMA)
+    p = tl.where(some, p, 0.0)
+    alpha = tl.where(some, alpha, 1.0)
+    l_i = tl.where(some, l_new, l_i)
+    m_i = tl.where(some, m_new, m_i)
+    for j in range(start + BLOCK_N, end, BLOCK_N):
+        qk = _dot_qk(q, _load(k_ptrs + j * skn, offs_n < L, HEAD_DIM, BLOCK_D, False), IEEE)
+        v = _load(v_ptrs + (j - BLOCK_N) * svn, offs_n < L, HEAD_DIM, BLOCK_D, False)
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, j + offs_n, a_pos, L, QK_SCALE, CAP,
+                                          slope, WL, WR, False, CAUSAL, HAS_WL, HAS_WR,
+                                          HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
+    last = tl.maximum(end - BLOCK_N, start)
+    kn = last + offs_n
+    v = _load(v_ptrs + last * svn, kn < L, HEAD_DIM, BLOCK_D, True)
+    acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_i
 
 
@@ -312,7 +401,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAG: tl.constexpr,
+                EDGE1: tl.constexpr, ASM: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -342,15 +432,21 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
+    if LAG:
+        acc, l_i, m_i = _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo,
+                                       mid_hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL,
+                                       WR, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
+                                       HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
+                                   0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
+                                   CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                                   BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
                                lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
                                a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
+                               BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -604,6 +700,12 @@ def attention_cost(products):
     return cost
 
 
+def _widest_fwd_tile():
+    """The largest BLOCK_M or BLOCK_N among the forward's configs (EDGE1 needs windows at
+    least twice as wide)."""
+    return max(max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in _fwd_kernel.configs)
+
+
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -652,7 +754,11 @@ class _Launch:
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
+                 and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
+            LAG=VARIANTS["PV_LAG"],
+            EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
+                   and self.wl >= 2 * _widest_fwd_tile()),
+            ASM=VARIANTS["MASK_ASM"])
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
