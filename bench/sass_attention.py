@@ -46,7 +46,8 @@ def source(case, m, n, variant):
                     "ALIBI_COLS", False),
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
                     "FMA_SCORES", False),
-                LAG=A.VARIANTS.get("PV_LAG", False) != variant.get("PV_LAG", False),
+                LAG=(2 if A.VARIANTS.get("PV_LAG_EDGES") else 1) if A.VARIANTS.get("PV_LAG")
+                else 0,
                 EDGE1=flags["HAS_WL"] and A.VARIANTS.get("EDGE_ONE_TEST", False) != variant.get(
                     "EDGE_ONE_TEST", False),
                 ASM=A.VARIANTS.get("MASK_ASM", False) != variant.get("MASK_ASM", False))

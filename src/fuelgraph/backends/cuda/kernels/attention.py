@@ -62,7 +62,7 @@ def _configs(choices):
 
 #: shared-memory budget a config may plan for (H100/H200 allow 227 KiB per block; the margin
 #: covers layout padding and the compiler's own buffers). The forward's tiles are exactly
-#: what its kernel allocates (sm_90 builds checked: 128 x 128 tiles in 3 stages take 224 KiB)
+#: what its 16-bit kernel allocates (sm_90 builds: 128 x 128 tiles in 3 stages take 224 KiB)
 SMEM_BUDGET = 160 * 1024
 FWD_SMEM_BUDGET = 224 * 1024
 _SMALLEST = (64, 32, 4, 2)
@@ -79,7 +79,8 @@ def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
         def smem(c):
             m, n, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
             return (resident_rows(m, n, args) + st * staged_rows(m, n)) * d * item
-        out = [c for c in configs if smem(c) <= budget]
+        limit = budget if item == 2 else SMEM_BUDGET     # float32 keeps the old margin
+        out = [c for c in configs if smem(c) <= limit]
         if not out:
             m, n, w, st = _SMALLEST
             out = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
@@ -102,7 +103,7 @@ def fwd_config(m, n, warps, stages):
 
 
 FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
-                        (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 16, 3)])
+                        (128, 128, 8, 2), (128, 64, 8, 4)])
 BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 
@@ -126,8 +127,17 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: rescaled only when a row max grows by more than 2^8, behind a CTA-wide test a block (SASS
 #: 332 -> ~300 instructions a block, but 384 / 313: the test's barriers cost more); Triton's
 #: automatic warp specialization (tl.range warp_specialize): same SASS on sm_90.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PV_LAG": False, "EDGE_ONE_TEST": False,
-            "MASK_ASM": False}
+#: Session 7 (sm_90 SASS, 128 x 64 tiles; H200 numbers in BENCHMARKS.md): PV_LAG -- the
+#: unmasked loop issues each block's p v after the next block's q k^T. In the plain loop both
+#: warpgroups wait for q k^T, compute the softmax while the tensor cores idle, then issue p v;
+#: lagged, p v of block j runs during block j+1's exponentials (Triton keeps it in flight:
+#: its result is only the next iteration's accumulator). 332 -> 313 instructions a block.
+#: PV_LAG_EDGES -- the masked loop continues the same lagged pipeline (one p v after both).
+#: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
+#: (491 -> 443). EDGE_ONE_TEST -- a causal window at least twice the widest tile needs one
+#: test a score in each edge block (508 -> 467 for window blocks).
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PV_LAG": False, "PV_LAG_EDGES": False,
+            "EDGE_ONE_TEST": False, "MASK_ASM": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -359,6 +369,36 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
 
 
 @triton.jit
+def _fwd_lag_loop(acc, l_i, m_i, p, alpha, pend, q, k_ptrs, v_ptrs, skn, svn, start, end,
+                  jump_at, jump, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR,
+                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
+                  EDGE1: tl.constexpr, ASM: tl.constexpr):
+    """_fwd_inner's blocks with p v one block late (LAG 2): (p, alpha) of block `pend` come
+    in unapplied, each iteration issues its q k^T, then the pending block's p v (the tensor
+    cores run it during this block's exponentials), and hands its own p on; the caller adds
+    the last pending block after all loops. p = 0 makes a pending block a no-op."""
+    for j in range(start, end, BLOCK_N):
+        j0 = j
+        jp = tl.maximum(j - BLOCK_N, start)      # the previous iteration's block
+        if MASK:     # the unmasked loop starts with pend = start (and p = 0)
+            j0 = j + tl.where(j >= jump_at, jump, 0)
+            jp = jp + tl.where(jp >= jump_at, jump, 0)
+            jp = tl.where(j == start, pend, jp)
+        kn = j0 + offs_n
+        qk = _dot_qk(q, _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK), IEEE)
+        v = _load(v_ptrs + jp * svn, (jp + offs_n) < L, HEAD_DIM, BLOCK_D, MASK)
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
+                                          WR, MASK, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
+                                          IEEE, ALIBI_COLS, FMA, EDGE1, j < jump_at, ASM)
+        pend = j0
+    return acc, l_i, m_i, p, alpha, pend
+
+
+@triton.jit
 def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n, L,
                    QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -367,8 +407,9 @@ def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos
     """The unmasked blocks [start, end) with each block's p v product issued one block late,
     after the next block's q k^T: the tensor cores run it while the exponentials of that
     next block are computed (in the plain loop each waits for the other). The first block's
-    softmax and the last block's p v sit outside the loop; an empty range contributes p = 0
-    there (no branch around the loop: a branch there makes ptxas serialize every wgmma)."""
+    softmax sits before the loop (an empty range gives p = 0 there: no branch around the
+    loop, which makes ptxas serialize every wgmma). Returns (acc, l_i, m_i, p, alpha, pend):
+    the last block `pend`'s p v is still to be added (_fwd_lag_loop or _fwd_lag_end)."""
     some = start < end
     kn = start + offs_n
     qk = _dot_qk(q, _load(k_ptrs + start * skn, kn < L, HEAD_DIM, BLOCK_D, True), IEEE)
@@ -386,11 +427,15 @@ def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos
         p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, j + offs_n, a_pos, L, QK_SCALE, CAP,
                                           slope, WL, WR, False, CAUSAL, HAS_WL, HAS_WR,
                                           HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
-    last = tl.maximum(end - BLOCK_N, start)
-    kn = last + offs_n
-    v = _load(v_ptrs + last * svn, kn < L, HEAD_DIM, BLOCK_D, True)
-    acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, p, alpha, tl.maximum(end - BLOCK_N, start)
+
+
+@triton.jit
+def _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """The last pending block's p v (p = 0 when there was none)."""
+    v = _load(v_ptrs + pend * svn, (pend + offs_n) < L, HEAD_DIM, BLOCK_D, True)
+    return _dot_pv(p, v, acc * alpha[:, None], IEEE)
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
@@ -433,20 +478,30 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
     if LAG:
-        acc, l_i, m_i = _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo,
-                                       mid_hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL,
-                                       WR, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-                                       HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
-    else:
+        acc, l_i, m_i, p, alpha, pend = _fwd_inner_lag(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, a_pos, offs_n, L,
+            QK_SCALE, CAP, slope, WL, WR, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
+            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+    if LAG == 1:
+        acc = _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM, BLOCK_D, IEEE)
+    if LAG == 2:     # the masked edges continue the lagged pipeline; the last block after them
+        acc, l_i, m_i, p, alpha, pend = _fwd_lag_loop(
+            acc, l_i, m_i, p, alpha, pend, q, k_ptrs, v_ptrs, skn, svn, lo,
+            lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end, a_pos, offs_n, L,
+            QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
+            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
+        acc = _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM, BLOCK_D, IEEE)
+    if not LAG:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
                                    0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
                                    CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
                                    BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
-                               lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
+    if LAG != 2:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
+                                   lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
+                                   a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                                   HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -755,7 +810,7 @@ class _Launch:
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
                  and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
-            LAG=VARIANTS["PV_LAG"],
+            LAG=(2 if VARIANTS["PV_LAG_EDGES"] else 1) if VARIANTS["PV_LAG"] else 0,
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
             ASM=VARIANTS["MASK_ASM"])
