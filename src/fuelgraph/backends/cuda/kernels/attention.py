@@ -249,8 +249,8 @@ def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr
           HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False, ASM: tl.constexpr = False):
     """-inf outside the admissible keys. ASM with LIVE_ROWS and a plain causal mask: k <= a
     as one compare and one select in inline PTX (_keep_le; with a window, two of them
-    measured more instructions than the two selects below, see EDGE1 instead). LIVE_ROWS (the forward, whose rows past Sq are never
-    stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
+    measured more instructions than the two selects below, see EDGE1 instead). LIVE_ROWS
+    (the forward, whose rows past Sq are never stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
     two selects in a row compile to fewer instructions than one select of the combined test
     (sm_90 SASS of the masked loop, 128 x 64: 508 instead of 556; H200 window 1024: 354
     instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
