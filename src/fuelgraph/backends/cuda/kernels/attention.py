@@ -250,10 +250,10 @@ def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr
     """-inf outside the admissible keys. ASM with LIVE_ROWS and a plain causal mask: k <= a
     as one compare and one select in inline PTX (_keep_le; with a window, two of them
     measured more instructions than the two selects below, see EDGE1 instead). LIVE_ROWS
-    (the forward, whose rows past Sq are never stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
-    two selects in a row compile to fewer instructions than one select of the combined test
-    (sm_90 SASS of the masked loop, 128 x 64: 508 instead of 556; H200 window 1024: 354
-    instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
+    (the forward, whose rows past Sq are never stored) with a causal left window: k <= a < L
+    already keeps a real row's keys below L, and two selects in a row compile to fewer
+    instructions than one select of the combined test (sm_90 SASS of the masked loop,
+    128 x 64: 508 instead of 556; H200 window 1024: 354 instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
     compare a score, the compiler packs the predicates into integers (507 instead of 491)."""
     if ASM and LIVE_ROWS and CAUSAL and not HAS_WL and not HAS_WR:
         return _keep_le(s, k_pos, a_pos, True)     # 491 -> 443 a masked block (SASS)
