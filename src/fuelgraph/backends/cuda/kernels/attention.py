@@ -253,8 +253,9 @@ def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr
     (the forward, whose rows past Sq are never stored) with a causal left window: k <= a < L
     already keeps a real row's keys below L, and two selects in a row compile to fewer
     instructions than one select of the combined test (sm_90 SASS of the masked loop,
-    128 x 64: 508 instead of 556; H200 window 1024: 354 instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
-    compare a score, the compiler packs the predicates into integers (507 instead of 491)."""
+    128 x 64: 508 instead of 556; H200 window 1024: 354 instead of 346 TFLOP/s). A plain
+    causal mask keeps the combined form without ASM: with a single compare a score written
+    as a select, the compiler packs the predicates into integers (507 instead of 491)."""
     if ASM and LIVE_ROWS and CAUSAL and not HAS_WL and not HAS_WR:
         return _keep_le(s, k_pos, a_pos, True)     # 491 -> 443 a masked block (SASS)
     if LIVE_ROWS and CAUSAL and HAS_WL and not HAS_WR:
