@@ -88,9 +88,11 @@ def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
     return {"early_config_prune": prune}
 
 
-# forward: q (and with LAG one k and one v block outside the pipelined loop); k, v per stage
-_PRUNE_FWD = _prune_for(lambda m, n, a: m + (2 * n if a.get("LAG") else 0), lambda m, n: 2 * n,
-                        FWD_SMEM_BUDGET)
+# forward: q (and with LAG one k and one v block outside the pipelined loop); k, v per stage.
+# _PRUNE_FWD (the old margin) is what the paged prefill kernel prunes with
+_PRUNE_FWD = _prune_for(lambda m, n, a: m, lambda m, n: 2 * n)
+_PRUNE_FWD_DENSE = _prune_for(lambda m, n, a: m + (2 * n if a.get("LAG") else 0),
+                              lambda m, n: 2 * n, FWD_SMEM_BUDGET)
 _PRUNE_KV = _prune_for(lambda m, n, a: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n, a: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
@@ -439,7 +441,7 @@ def _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM: tl.const
     return _dot_pv(p, v, acc * alpha[:, None], IEEE)
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD_DENSE)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
