@@ -50,7 +50,8 @@ def source(case, m, n, variant):
                 else 0,
                 EDGE1=flags["HAS_WL"] and A.VARIANTS.get("EDGE_ONE_TEST", False) != variant.get(
                     "EDGE_ONE_TEST", False),
-                ASM=A.VARIANTS.get("MASK_ASM", False) != variant.get("MASK_ASM", False))
+                ASM=A.VARIANTS.get("MASK_ASM", False) != variant.get("MASK_ASM", False),
+                LAG_IN_LOOP=A.VARIANTS.get("PV_LAG_IN_LOOP", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

@@ -96,7 +96,8 @@ _PRUNE_FWD_DENSE = _prune_for(lambda m, n, a: m + (2 * n if a.get("LAG") else 0)
 _PRUNE_KV = _prune_for(lambda m, n, a: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n, a: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "LAG", "EDGE1", "ASM"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "LAG", "EDGE1", "ASM",
+              "LAG_IN_LOOP"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -135,11 +136,14 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: lagged, p v of block j runs during block j+1's exponentials (Triton keeps it in flight:
 #: its result is only the next iteration's accumulator). 332 -> 313 instructions a block.
 #: PV_LAG_EDGES -- the masked loop continues the same lagged pipeline (one p v after both).
+#: PV_LAG_IN_LOOP -- the first unmasked block inside the loop (its p v a zero product on the
+#: first block) instead of a synchronous first block before it: the loop's loads start at
+#: once and no extra shared memory (128 instead of 160 KiB; 330 instructions a block).
 #: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
 #: (491 -> 443). EDGE_ONE_TEST -- a causal window at least twice the widest tile needs one
 #: test a score in each edge block (508 -> 467 for window blocks).
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PV_LAG": False, "PV_LAG_EDGES": False,
-            "EDGE_ONE_TEST": False, "MASK_ASM": False}
+            "EDGE_ONE_TEST": False, "MASK_ASM": False, "PV_LAG_IN_LOOP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -406,13 +410,28 @@ def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos
                    QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
+                   IN_LOOP: tl.constexpr = False):
     """The unmasked blocks [start, end) with each block's p v product issued one block late,
     after the next block's q k^T: the tensor cores run it while the exponentials of that
     next block are computed (in the plain loop each waits for the other). The first block's
     softmax sits before the loop (an empty range gives p = 0 there: no branch around the
-    loop, which makes ptxas serialize every wgmma). Returns (acc, l_i, m_i, p, alpha, pend):
+    loop, which makes ptxas serialize every wgmma); IN_LOOP: inside it, behind a first p v
+    of p = 0 (a load of block `start - BLOCK_N` in the loop kept Triton from pipelining it,
+    so the first iteration reloads block `start`). Returns (acc, l_i, m_i, p, alpha, pend):
     the last block `pend`'s p v is still to be added (_fwd_lag_loop or _fwd_lag_end)."""
+    if IN_LOOP:
+        p = tl.zeros([a_pos.shape[0], BLOCK_N], tl.float32)
+        alpha = tl.full([a_pos.shape[0]], 1.0, tl.float32)
+        for j in range(start, end, BLOCK_N):
+            qk = _dot_qk(q, _load(k_ptrs + j * skn, offs_n < L, HEAD_DIM, BLOCK_D, False), IEEE)
+            jp = j - BLOCK_N + tl.where(j == start, BLOCK_N, 0)
+            v = _load(v_ptrs + jp * svn, offs_n < L, HEAD_DIM, BLOCK_D, False)
+            acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+            p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, j + offs_n, a_pos, L, QK_SCALE, CAP,
+                                              slope, WL, WR, False, CAUSAL, HAS_WL, HAS_WR,
+                                              HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
+        return acc, l_i, m_i, p, alpha, tl.maximum(end - BLOCK_N, start)
     some = start < end
     kn = start + offs_n
     qk = _dot_qk(q, _load(k_ptrs + start * skn, kn < L, HEAD_DIM, BLOCK_D, True), IEEE)
@@ -450,7 +469,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAG: tl.constexpr,
-                EDGE1: tl.constexpr, ASM: tl.constexpr):
+                EDGE1: tl.constexpr, ASM: tl.constexpr, LAG_IN_LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -484,7 +503,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
         acc, l_i, m_i, p, alpha, pend = _fwd_inner_lag(
             acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, a_pos, offs_n, L,
             QK_SCALE, CAP, slope, WL, WR, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA, LAG_IN_LOOP)
     if LAG == 1:
         acc = _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM, BLOCK_D, IEEE)
     if LAG == 2:     # the masked edges continue the lagged pipeline; the last block after them
@@ -599,7 +618,7 @@ class _Launch:
             LAG=(2 if VARIANTS["PV_LAG_EDGES"] else 1) if VARIANTS["PV_LAG"] else 0,
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
-            ASM=VARIANTS["MASK_ASM"])
+            ASM=VARIANTS["MASK_ASM"], LAG_IN_LOOP=VARIANTS["PV_LAG_IN_LOOP"])
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
