@@ -417,8 +417,9 @@ def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos
     next block are computed (in the plain loop each waits for the other). The first block's
     softmax sits before the loop (an empty range gives p = 0 there: no branch around the
     loop, which makes ptxas serialize every wgmma); IN_LOOP: inside it, behind a first p v
-    of p = 0 (a load of block `start - BLOCK_N` in the loop kept Triton from pipelining it,
-    so the first iteration reloads block `start`). Returns (acc, l_i, m_i, p, alpha, pend):
+    of p = 0 on block `start` (its v block written as tl.maximum(j - BLOCK_N, start) kept
+    Triton 3.6 from pipelining the loop; the tl.where form below does not). Returns
+    (acc, l_i, m_i, p, alpha, pend):
     the last block `pend`'s p v is still to be added (_fwd_lag_loop or _fwd_lag_end)."""
     if IN_LOOP:
         p = tl.zeros([a_pos.shape[0], BLOCK_N], tl.float32)
