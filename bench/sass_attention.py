@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Compile the flash_attn forward kernel for sm_90 on a machine without a GPU and report, per
 case (plain causal, window, softcap, ALiBi), launch configuration and code variant
-(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it): registers, spill
-stack, shared memory, and the SASS of the longest loop (instructions, special-function MUFU
-ones, tensor-core HGMMA ones). Use it to check that a variant compiles for Hopper and what it
-costs before a GPU session.
+(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it, "+" joins several):
+registers, spill stack, shared memory, and the SASS of the longest loop (instructions,
+special-function MUFU ones, tensor-core HGMMA ones). Use it to check that a variant compiles
+for Hopper and what it costs before a GPU session.
 
     python3 bench/sass_attention.py [--configs 128,64,8,3;128,128,8,3] [--cases plain,window]
-        [--variants base,PV_LAG,PV_LAG+PV_LAG_EDGES+MASK_ASM+EDGE_ONE_TEST]
+        [--variants base,MASK_ASM,MASK_ASM+EDGE_ONE_TEST]
 """
 from __future__ import annotations
 
@@ -49,9 +49,8 @@ def source(case, m, n, variant):
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
                 ALIBI_COLS=flags["HAS_ALIBI"] and var["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
-                LAG=(2 if var.get("PV_LAG_EDGES") else 1) if var.get("PV_LAG") else 0,
                 EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
-                ASM=var.get("MASK_ASM", False), LAG_IN_LOOP=var.get("PV_LAG_IN_LOOP", False))
+                ASM=var.get("MASK_ASM", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

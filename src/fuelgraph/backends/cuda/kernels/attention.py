@@ -61,16 +61,14 @@ def _configs(choices):
 
 
 #: shared-memory budget a config may plan for (H100/H200 allow 227 KiB per block; the margin
-#: covers layout padding and the compiler's own buffers). The forward's tiles are exactly
-#: what its 16-bit kernel allocates (sm_90 builds: 128 x 128 tiles in 3 stages take 224 KiB)
+#: covers layout padding and the compiler's own buffers)
 SMEM_BUDGET = 160 * 1024
-FWD_SMEM_BUDGET = 224 * 1024
 _SMALLEST = (64, 32, 4, 2)
 
 
-def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
-    """early_config_prune for a kernel keeping `resident_rows(BM, BN, args)` rows of head-dim
-    tiles in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
+def _prune_for(resident_rows, staged_rows):
+    """early_config_prune for a kernel keeping `resident_rows(BM, BN)` rows of head-dim tiles
+    in shared memory and streaming `staged_rows(BM, BN)` rows per pipeline stage."""
     def prune(configs, named_args, **kw):
         args = {**named_args, **kw}
         item = 4 if args.get("IEEE", False) else 2
@@ -78,9 +76,8 @@ def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
 
         def smem(c):
             m, n, st = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages
-            return (resident_rows(m, n, args) + st * staged_rows(m, n)) * d * item
-        limit = budget if item == 2 else SMEM_BUDGET     # float32 keeps the old margin
-        out = [c for c in configs if smem(c) <= limit]
+            return (resident_rows(m, n) + st * staged_rows(m, n)) * d * item
+        out = [c for c in configs if smem(c) <= SMEM_BUDGET]
         if not out:
             m, n, w, st = _SMALLEST
             out = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)]
@@ -88,16 +85,11 @@ def _prune_for(resident_rows, staged_rows, budget=SMEM_BUDGET):
     return {"early_config_prune": prune}
 
 
-# forward: q (and with LAG one k and one v block outside the pipelined loop); k, v per stage.
-# _PRUNE_FWD (the old margin) is what the paged prefill kernel prunes with
-_PRUNE_FWD = _prune_for(lambda m, n, a: m, lambda m, n: 2 * n)
-_PRUNE_FWD_DENSE = _prune_for(lambda m, n, a: m + (2 * n if a.get("LAG") else 0),
-                              lambda m, n: 2 * n, FWD_SMEM_BUDGET)
-_PRUNE_KV = _prune_for(lambda m, n, a: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
-_PRUNE_Q = _prune_for(lambda m, n, a: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
+_PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per stage
+_PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
+_PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "LAG", "EDGE1", "ASM",
-              "LAG_IN_LOOP"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -130,20 +122,18 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: rescaled only when a row max grows by more than 2^8, behind a CTA-wide test a block (SASS
 #: 332 -> ~300 instructions a block, but 384 / 313: the test's barriers cost more); Triton's
 #: automatic warp specialization (tl.range warp_specialize): same SASS on sm_90.
-#: Session 7 (sm_90 SASS, 128 x 64 tiles; H200 numbers in BENCHMARKS.md): PV_LAG -- the
-#: unmasked loop issues each block's p v after the next block's q k^T. In the plain loop both
-#: warpgroups wait for q k^T, compute the softmax while the tensor cores idle, then issue p v;
-#: lagged, p v of block j runs during block j+1's exponentials (Triton keeps it in flight:
-#: its result is only the next iteration's accumulator). 332 -> 313 instructions a block.
-#: PV_LAG_EDGES -- the masked loop continues the same lagged pipeline (one p v after both).
-#: PV_LAG_IN_LOOP -- the first unmasked block inside the loop (its p v a zero product on the
-#: first block) instead of a synchronous first block before it: the loop's loads start at
-#: once and no extra shared memory (128 instead of 160 KiB; 330 instructions a block).
 #: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
-#: (491 -> 443). EDGE_ONE_TEST -- a causal window at least twice the widest tile needs one
-#: test a score in each edge block (508 -> 467 for window blocks).
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "PV_LAG": False, "PV_LAG_EDGES": False,
-            "EDGE_ONE_TEST": False, "MASK_ASM": False, "PV_LAG_IN_LOOP": False}
+#: (sm_90 SASS of the masked loop 491 -> 443 instructions). EDGE_ONE_TEST -- a causal window
+#: at least twice the widest tile needs one test a score in each edge block (508 -> 467).
+#: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
+#: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
+#: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
+#: flight; 332 -> 313 SASS instructions a block; a branch around that loop made ptxas
+#: serialize every wgmma): 409 / 323, with the edge blocks in the same lagged pipeline 394 /
+#: 327 -- the two warpgroups of a tile already overlap one's softmax with the other's
+#: products; 128 x 128 tiles in 3 stages (224 KiB of shared memory): 421 / 327; 64 x 64
+#: tiles on 4 warps, two programs an SM, lagged: 361 / 326.
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -375,93 +365,7 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return p, alpha, l_i, m_new
 
 
-@triton.jit
-def _fwd_lag_loop(acc, l_i, m_i, p, alpha, pend, q, k_ptrs, v_ptrs, skn, svn, start, end,
-                  jump_at, jump, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
-                  EDGE1: tl.constexpr, ASM: tl.constexpr):
-    """_fwd_inner's blocks with p v one block late (LAG 2): (p, alpha) of block `pend` come
-    in unapplied, each iteration issues its q k^T, then the pending block's p v (the tensor
-    cores run it during this block's exponentials), and hands its own p on; the caller adds
-    the last pending block after all loops. p = 0 makes a pending block a no-op."""
-    for j in range(start, end, BLOCK_N):
-        j0 = j
-        jp = tl.maximum(j - BLOCK_N, start)      # the previous iteration's block
-        if MASK:     # the unmasked loop starts with pend = start (and p = 0)
-            j0 = j + tl.where(j >= jump_at, jump, 0)
-            jp = jp + tl.where(jp >= jump_at, jump, 0)
-            jp = tl.where(j == start, pend, jp)
-        kn = j0 + offs_n
-        qk = _dot_qk(q, _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK), IEEE)
-        v = _load(v_ptrs + jp * svn, (jp + offs_n) < L, HEAD_DIM, BLOCK_D, MASK)
-        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
-        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
-                                          WR, MASK, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
-                                          IEEE, ALIBI_COLS, FMA, EDGE1, j < jump_at, ASM)
-        pend = j0
-    return acc, l_i, m_i, p, alpha, pend
-
-
-@triton.jit
-def _fwd_inner_lag(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n, L,
-                   QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr,
-                   IN_LOOP: tl.constexpr = False):
-    """The unmasked blocks [start, end) with each block's p v product issued one block late,
-    after the next block's q k^T: the tensor cores run it while the exponentials of that
-    next block are computed (in the plain loop each waits for the other). The first block's
-    softmax sits before the loop (an empty range gives p = 0 there: no branch around the
-    loop, which makes ptxas serialize every wgmma); IN_LOOP: inside it, behind a first p v
-    of p = 0 on block `start` (its v block written as tl.maximum(j - BLOCK_N, start) kept
-    Triton 3.6 from pipelining the loop; the tl.where form below does not). Returns
-    (acc, l_i, m_i, p, alpha, pend):
-    the last block `pend`'s p v is still to be added (_fwd_lag_loop or _fwd_lag_end)."""
-    if IN_LOOP:
-        p = tl.zeros([a_pos.shape[0], BLOCK_N], tl.float32)
-        alpha = tl.full([a_pos.shape[0]], 1.0, tl.float32)
-        for j in range(start, end, BLOCK_N):
-            qk = _dot_qk(q, _load(k_ptrs + j * skn, offs_n < L, HEAD_DIM, BLOCK_D, False), IEEE)
-            jp = j - BLOCK_N + tl.where(j == start, BLOCK_N, 0)
-            v = _load(v_ptrs + jp * svn, offs_n < L, HEAD_DIM, BLOCK_D, False)
-            acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
-            p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, j + offs_n, a_pos, L, QK_SCALE, CAP,
-                                              slope, WL, WR, False, CAUSAL, HAS_WL, HAS_WR,
-                                              HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
-        return acc, l_i, m_i, p, alpha, tl.maximum(end - BLOCK_N, start)
-    some = start < end
-    kn = start + offs_n
-    qk = _dot_qk(q, _load(k_ptrs + start * skn, kn < L, HEAD_DIM, BLOCK_D, True), IEEE)
-    p, alpha, l_new, m_new = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
-                                          WR, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
-                                          IEEE, ALIBI_COLS, FMA)
-    p = tl.where(some, p, 0.0)
-    alpha = tl.where(some, alpha, 1.0)
-    l_i = tl.where(some, l_new, l_i)
-    m_i = tl.where(some, m_new, m_i)
-    for j in range(start + BLOCK_N, end, BLOCK_N):
-        qk = _dot_qk(q, _load(k_ptrs + j * skn, offs_n < L, HEAD_DIM, BLOCK_D, False), IEEE)
-        v = _load(v_ptrs + (j - BLOCK_N) * svn, offs_n < L, HEAD_DIM, BLOCK_D, False)
-        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
-        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, j + offs_n, a_pos, L, QK_SCALE, CAP,
-                                          slope, WL, WR, False, CAUSAL, HAS_WL, HAS_WR,
-                                          HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA)
-    return acc, l_i, m_i, p, alpha, tl.maximum(end - BLOCK_N, start)
-
-
-@triton.jit
-def _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """The last pending block's p v (p = 0 when there was none)."""
-    v = _load(v_ptrs + pend * svn, (pend + offs_n) < L, HEAD_DIM, BLOCK_D, True)
-    return _dot_pv(p, v, acc * alpha[:, None], IEEE)
-
-
-@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD_DENSE)
+@triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 sob, soh, som, slb, H, G, SQ, SK, KLEN_STATIC, QK_SCALE, CAP, WL, WR,
@@ -469,8 +373,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, LAG: tl.constexpr,
-                EDGE1: tl.constexpr, ASM: tl.constexpr, LAG_IN_LOOP: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr,
+                ASM: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -500,31 +404,15 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
-    if LAG:
-        acc, l_i, m_i, p, alpha, pend = _fwd_inner_lag(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, a_pos, offs_n, L,
-            QK_SCALE, CAP, slope, WL, WR, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA, LAG_IN_LOOP)
-    if LAG == 1:
-        acc = _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM, BLOCK_D, IEEE)
-    if LAG == 2:     # the masked edges continue the lagged pipeline; the last block after them
-        acc, l_i, m_i, p, alpha, pend = _fwd_lag_loop(
-            acc, l_i, m_i, p, alpha, pend, q, k_ptrs, v_ptrs, skn, svn, lo,
-            lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end, a_pos, offs_n, L,
-            QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE,
-            HEAD_DIM, BLOCK_D, BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
-        acc = _fwd_lag_end(acc, p, alpha, pend, v_ptrs, svn, offs_n, L, HEAD_DIM, BLOCK_D, IEEE)
-    if not LAG:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
-                                   0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
-                                   CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
-                                   BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
-    if LAG != 2:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
-                                   lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
-                                   a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                                   HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                                   BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, ALIBI_COLS, FMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
+                               lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
+                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -616,10 +504,9 @@ class _Launch:
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
                  and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
-            LAG=(2 if VARIANTS["PV_LAG_EDGES"] else 1) if VARIANTS["PV_LAG"] else 0,
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
-            ASM=VARIANTS["MASK_ASM"], LAG_IN_LOOP=VARIANTS["PV_LAG_IN_LOOP"])
+            ASM=VARIANTS["MASK_ASM"])
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
