@@ -50,7 +50,8 @@ def source(case, m, n, variant):
                 ALIBI_COLS=flags["HAS_ALIBI"] and var["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
                 EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
-                ASM=var.get("MASK_ASM", False))
+                ASM=var.get("MASK_ASM", False),
+                ONE_LOOP=var.get("ONE_LOOP", False) and not flags["HAS_WL"])
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

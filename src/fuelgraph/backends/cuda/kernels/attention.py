@@ -89,7 +89,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -125,6 +125,11 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
 #: (sm_90 SASS of the masked loop 491 -> 443 instructions). EDGE_ONE_TEST -- a causal window
 #: at least twice the widest tile needs one test a score in each edge block (508 -> 467).
+#: ONE_LOOP -- plain causal (no window): all blocks in one pipelined loop (one pipeline ramp a
+#: program instead of two), the diagonal's k <= a behind a run-time branch; the earlier
+#: one-loop try (421) had its mask if-converted into every block, here the mask is a non-pure
+#: PTX compare + select, which keeps the branch (SASS: ~352 instructions an unmasked block
+#: instead of 332, 168 registers instead of 203).
 #: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
 #: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
 #: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
@@ -133,7 +138,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 327 -- the two warpgroups of a tile already overlap one's softmax with the other's
 #: products; 128 x 128 tiles in 3 stages (224 KiB of shared memory): 421 / 327; 64 x 64
 #: tiles on 4 warps, two programs an SM, lagged: 361 / 326.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False}
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
+            "ONE_LOOP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -228,15 +234,15 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
 
 
 @triton.jit
-def _keep_le(s, col, bound, ASM: tl.constexpr):
+def _keep_le(s, col, bound, ASM: tl.constexpr, PINNED: tl.constexpr = False):
     """s where col <= bound, else -inf (col, bound int32, broadcast to s). ASM: one compare
     and one select a score in inline PTX, which also keeps the compares after the product
     they mask (ptxas otherwise hoists them above the wgmma wait and packs 32 predicates into
     integers: ~25% more instructions in a masked block)."""
-    if ASM and _APPROX_TANH:
+    if ASM and _APPROX_TANH:      # PINNED: not pure, so a branch around it stays a branch
         return tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
-            "=r,r,r,r", [s, col, bound], dtype=tl.float32, is_pure=True, pack=1)
+            "=r,r,r,r", [s, col, bound], dtype=tl.float32, is_pure=not PINNED, pack=1)
     return tl.where(col <= bound, s, float("-inf"))
 
 
@@ -365,6 +371,44 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return p, alpha, l_i, m_new
 
 
+@triton.jit
+def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, diag, end, a_pos, offs_n,
+                  L, QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+    """ONE_LOOP (causal, no window): blocks [start, end) in one loop (one pipeline ramp a
+    program instead of two), the mask k <= a applied behind a run-time branch from block
+    `diag` on (one PTX compare + select a score)."""
+    for j in range(start, end, BLOCK_N):
+        kn = j + offs_n
+        k = _load(k_ptrs + j * skn, kn < L, HEAD_DIM, BLOCK_D, True)
+        qk = _dot_qk(q, k, IEEE)
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
+        if j >= diag:
+            s = _keep_le(s, kn[None, :], a_pos, True, True)
+        if FMA:
+            if HAS_CAP:
+                mult = CAP * 1.4426950408889634
+            else:
+                mult = QK_SCALE * 1.4426950408889634
+            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if FMA:
+            p = tl.exp2(s * mult - m_use[:, None])
+        else:
+            p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_ptrs + j * svn, kn < L, HEAD_DIM, BLOCK_D, True)
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -374,7 +418,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, ONE_LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -404,15 +448,21 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
-                               lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
+    if ONE_LOOP:     # plain causal: every block in one pipelined loop, the diagonal masked
+        acc, l_i, m_i = _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi,
+                                      hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, CAUSAL,
+                                      HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                                      BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
+                                   0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
+                                   CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                                   BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
+                                   lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
+                                   a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                                   HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -506,7 +556,9 @@ class _Launch:
                  and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
-            ASM=VARIANTS["MASK_ASM"])
+            ASM=VARIANTS["MASK_ASM"],
+            ONE_LOOP=(VARIANTS["ONE_LOOP"] and f["CAUSAL"] and not f["HAS_WL"]
+                      and not f["HAS_WR"]))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
