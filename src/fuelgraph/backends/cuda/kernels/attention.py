@@ -125,11 +125,11 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
 #: (sm_90 SASS of the masked loop 491 -> 443 instructions). EDGE_ONE_TEST -- a causal window
 #: at least twice the widest tile needs one test a score in each edge block (508 -> 467).
-#: ONE_LOOP -- plain causal (no window): all blocks in one pipelined loop (one pipeline ramp a
-#: program instead of two), the diagonal's k <= a behind a run-time branch; the earlier
-#: one-loop try (421) had its mask if-converted into every block, here the mask is a non-pure
-#: PTX compare + select, which keeps the branch (SASS: ~352 instructions an unmasked block
-#: instead of 332, 168 registers instead of 203).
+#: ONE_LOOP -- causal without a right window (a left one as wide as EDGE_ONE_TEST needs): all
+#: blocks in one pipelined loop (one pipeline ramp a program instead of two), the edge blocks'
+#: one test behind a run-time branch; the earlier one-loop try (421) had its mask if-converted
+#: into every block, here the mask is a non-pure PTX compare + select, which keeps the branch
+#: (SASS: ~352 instructions an unmasked block instead of 332, 168 registers instead of 203).
 #: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
 #: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
 #: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
@@ -351,6 +351,14 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     else:
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
                        HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True, ASM)
+    return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
+
+
+@triton.jit
+def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
+            GUARD: tl.constexpr):
+    """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
+    a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
@@ -360,7 +368,7 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = m_new
-    if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
+    if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FMA:    # one fused multiply-add a score
         p = tl.exp2(s * mult - m_use[:, None])
@@ -372,40 +380,35 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
 
 
 @triton.jit
-def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, diag, end, a_pos, offs_n,
-                  L, QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
-    """ONE_LOOP (causal, no window): blocks [start, end) in one loop (one pipeline ramp a
-    program instead of two), the mask k <= a applied behind a run-time branch from block
-    `diag` on (one PTX compare + select a score)."""
+def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, far_end, diag, end, a_pos,
+                  offs_n, L, QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr,
+                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr,
+                  FMA: tl.constexpr):
+    """ONE_LOOP (causal, no right window, a left window only as EDGE1 allows): blocks
+    [start, end) in one loop (one pipeline ramp a program instead of two); blocks before
+    `far_end` (a window's far edge) and from `diag` on take their one test a score behind a
+    run-time branch, as a non-pure PTX compare + select (a pure one is if-converted into
+    every block)."""
     for j in range(start, end, BLOCK_N):
         kn = j + offs_n
         k = _load(k_ptrs + j * skn, kn < L, HEAD_DIM, BLOCK_D, True)
         qk = _dot_qk(q, k, IEEE)
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                        HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
-        if j >= diag:
-            s = _keep_le(s, kn[None, :], a_pos, True, True)
-        if FMA:
-            if HAS_CAP:
-                mult = CAP * 1.4426950408889634
-            else:
-                mult = QK_SCALE * 1.4426950408889634
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        if HAS_WL:
+            if (j < far_end) | (j >= diag):
+                far = j < far_end
+                flip = tl.where(far, -1, 0)
+                s = _keep_le(s, (kn ^ flip)[None, :], (a_pos - tl.where(far, WL, 0)) ^ flip,
+                             True, True)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FMA:
-            p = tl.exp2(s * mult - m_use[:, None])
-        else:
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            if j >= diag:
+                s = _keep_le(s, kn[None, :], a_pos, True, True)
+        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, True)
         v = _load(v_ptrs + j * svn, kn < L, HEAD_DIM, BLOCK_D, True)
         acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -448,10 +451,10 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
-    if ONE_LOOP:     # plain causal: every block in one pipelined loop, the diagonal masked
-        acc, l_i, m_i = _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi,
-                                      hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, CAUSAL,
-                                      HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+    if ONE_LOOP:     # every block in one pipelined loop, the edges' masks behind a branch
+        acc, l_i, m_i = _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo, lo_end,
+                                      mid_hi, hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR,
+                                      CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
                                       BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
@@ -557,8 +560,8 @@ class _Launch:
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
             ASM=VARIANTS["MASK_ASM"],
-            ONE_LOOP=(VARIANTS["ONE_LOOP"] and f["CAUSAL"] and not f["HAS_WL"]
-                      and not f["HAS_WR"]))
+            ONE_LOOP=(VARIANTS["ONE_LOOP"] and f["CAUSAL"] and not f["HAS_WR"]
+                      and (not f["HAS_WL"] or self.wl >= 2 * _widest_fwd_tile())))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
