@@ -51,7 +51,7 @@ def source(case, m, n, variant):
                 FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
                 EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
                 ASM=var.get("MASK_ASM", False),
-                ONE_LOOP=var.get("ONE_LOOP", False))
+                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

@@ -13,8 +13,9 @@ constraint (causal, window left/right, keys < L) is an interval of keys, so the 
 a query block form at most three ranges: masked blocks at the band's far edge, wholly
 admissible blocks (the plain path: no mask arithmetic at all) and masked blocks at its near
 edge (the diagonal). The forward runs the admissible range first, then both masked ranges in
-one loop (one pipeline ramp for the two edges of a sliding window); blocks wholly outside the
-band are never visited.
+one loop (one pipeline ramp for the two edges of a sliding window); a causal window at least
+twice the widest tile runs all three in one loop, the edges' masks behind a branch
+(_fwd_one_loop). Blocks wholly outside the band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
 them carries none of their code.
 
@@ -125,11 +126,16 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
 #: (sm_90 SASS of the masked loop 491 -> 443 instructions). EDGE_ONE_TEST -- a causal window
 #: at least twice the widest tile needs one test a score in each edge block (508 -> 467).
-#: ONE_LOOP -- causal without a right window (a left one as wide as EDGE_ONE_TEST needs): all
-#: blocks in one pipelined loop (one pipeline ramp a program instead of two), the edge blocks'
-#: one test behind a run-time branch; the earlier one-loop try (421) had its mask if-converted
-#: into every block, here the mask is a non-pure PTX compare + select, which keeps the branch
-#: (SASS: ~352 instructions an unmasked block instead of 332, 168 registers instead of 203).
+#: ONE_LOOP (plain causal, softcap, ALiBi) / ONE_LOOP_WINDOW (a causal left window as wide as
+#: EDGE_ONE_TEST needs; the default) -- all key blocks in one pipelined loop (one pipeline ramp
+#: a program instead of two), the edge blocks' one test behind a run-time branch; the earlier
+#: one-loop try (421) had its mask if-converted into every block, here the mask is a non-pure
+#: PTX compare + select, which keeps the branch (SASS: ~352 instructions an unmasked block
+#: instead of 332, 168 registers instead of 203). H200, two interleaved repeats in one
+#: process (B4 H32 S4096, 128 x 64 tiles): window 1024 355.6 / 353.5 TFLOP/s against 348.5 /
+#: 342.8 with two loops (+2-3%); plain causal 418 against 433 / 423, softcap and ALiBi
+#: 1-4% slower: so windows only. MASK_ASM and EDGE_ONE_TEST in the two-loop kernel: plain
+#: causal 431 / 414, window 341 / 340 -- no gain from their fewer instructions; off.
 #: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
 #: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
 #: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
@@ -139,7 +145,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: products; 128 x 128 tiles in 3 stages (224 KiB of shared memory): 421 / 327; 64 x 64
 #: tiles on 4 warps, two programs an SM, lagged: 361 / 326.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
-            "ONE_LOOP": False}
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -560,8 +566,9 @@ class _Launch:
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
             ASM=VARIANTS["MASK_ASM"],
-            ONE_LOOP=(VARIANTS["ONE_LOOP"] and f["CAUSAL"] and not f["HAS_WR"]
-                      and (not f["HAS_WL"] or self.wl >= 2 * _widest_fwd_tile())))
+            ONE_LOOP=(f["CAUSAL"] and not f["HAS_WR"]
+                      and (VARIANTS["ONE_LOOP"] if not f["HAS_WL"] else
+                           VARIANTS["ONE_LOOP_WINDOW"] and self.wl >= 2 * _widest_fwd_tile())))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
