@@ -134,8 +134,9 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: instead of 332, 168 registers instead of 203). H200, two interleaved repeats in one
 #: process (B4 H32 S4096, 128 x 64 tiles): window 1024 355.6 / 353.5 TFLOP/s against 348.5 /
 #: 342.8 with two loops (+2-3%; a third call 369 / 325, unstable, against 348 / 346);
-#: plain causal 418 against 433 / 423, softcap and ALiBi 1-4% slower: so windows only. MASK_ASM and EDGE_ONE_TEST in the two-loop kernel: plain
-#: causal 431 / 414, window 341 / 340 -- no gain from their fewer instructions; off.
+#: plain causal 418 against 433 / 423, softcap and ALiBi 1-4% slower: so windows only.
+#: MASK_ASM and EDGE_ONE_TEST in the two-loop kernel: plain causal 431 / 414, window 341 /
+#: 340 -- no gain from their fewer instructions; off.
 #: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
 #: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
 #: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
