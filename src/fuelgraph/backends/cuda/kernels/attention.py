@@ -143,8 +143,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: flight; 332 -> 313 SASS instructions a block; a branch around that loop made ptxas
 #: serialize every wgmma): 409 / 323, with the edge blocks in the same lagged pipeline 394 /
 #: 327 (not profiled; presumably the tile's two warpgroups already overlap one's softmax
-#: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory): 421 / 327; 64 x 64
-#: tiles on 4 warps, two programs an SM, lagged: 361 / 326.
+#: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory):
+#: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
