@@ -34,8 +34,10 @@ Triton's disk cache: N such processes in parallel take the cold compiles off the
 
 --schedules times plain causal and window 1024 (row 5's shapes) under each setting of
 `attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
-forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal TFLOP/s and the window's time per unit of work against plain
-causal's, setting by setting (with --warm, it compiles those kernels instead).
+forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal
+TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
+(with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
+("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -312,8 +314,12 @@ def with_variants(kv, fn):
             K._fwd_kernel.cache.clear()
 
 
+SCHEDULE_CASES = ["plain causal", "window 1024"]
+
+
 def schedule_cases(H):
-    return [c for c in variant_cases(H) if c[0] in ("plain causal", "window 1024")]
+    """Row 5's cases that --schedules times (--schedule-cases; plain causal always first)."""
+    return [c for c in variant_cases(H) if c[0] in SCHEDULE_CASES]
 
 
 def warm_schedules(specs, part, nparts):
@@ -340,7 +346,7 @@ def schedules_row(row, specs, B, H, S):
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     refs, lines = {}, []
     for spec, kv in specs:
-        tf = {}
+        tf, errs = {}, []
         for name, p, opt, wl in schedule_cases(H):
             case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
             flops = 4.0 * D * pairs(S, S, True, wl) * B * H
@@ -348,15 +354,17 @@ def schedules_row(row, specs, B, H, S):
                 got = with_variants(kv, lambda: K.flash_attn(q, k, v, *opt, **p)[0])
                 refs.setdefault(name, got)
                 ms = with_variants(kv, lambda: t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)))
-                record(row, case, f"fuelgraph kernel {spec}", ms, flops,
-                       maxerr(got, refs[name]), **fwd_tuning())
+                err = maxerr(got, refs[name])
+                record(row, case, f"fuelgraph kernel {spec}", ms, flops, err, **fwd_tuning())
                 tf[name] = flops / (ms * 1e-3) / 1e12
+                errs.append(err)
             except Exception as exc:  # noqa: BLE001
                 print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
-        if len(tf) == 2:
-            lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  window "
-                         f"{tf['window 1024']:6.1f} TFLOP/s  window/plain "
-                         f"{tf['plain causal'] / tf['window 1024']:.3f}x")
+        if "plain causal" in tf and len(tf) == len(SCHEDULE_CASES):
+            rest = "  ".join(f"{n.split()[0]} {tf[n]:5.1f} = {tf['plain causal'] / tf[n]:.3f}x"
+                             for n in SCHEDULE_CASES if n != "plain causal")
+            lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  {rest}  err "
+                         f"vs first {max(errs):.1e}")
     return lines
 
 
@@ -444,6 +452,9 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--warm", default=None)
     ap.add_argument("--schedules", default=None)
+    ap.add_argument("--schedule-cases", default=None,
+                    help='row 5 cases for --schedules, e.g. "window 1024,softcap 50,alibi"')
+    ap.add_argument("--tag", default="schedules", help="--schedules: the JSON's name suffix")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -452,6 +463,9 @@ def main():
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
     specs = parse_schedules(args.schedules) if args.schedules else None
+    if args.schedule_cases:
+        SCHEDULE_CASES[:] = ["plain causal"] + [c.strip() for c in args.schedule_cases.split(",")
+                                                if c.strip() != "plain causal"]
     if args.warm and specs:
         warm_schedules(specs, *map(int, args.warm.split("/")))
         return
@@ -471,13 +485,14 @@ def main():
     if specs:          # the schedule sweep instead of the rows
         rows = set()
         lines = schedules_row(7, specs, B, H, S)
-        print("\nschedules (plain causal target >= 450 TFLOP/s; window/plain target <= 1.15x)")
+        print("\nschedules (plain causal target >= 450 TFLOP/s; the others: TFLOP/s and "
+              "time per unit of work / plain causal's, target <= 1.15x)")
         print("\n".join(lines), flush=True)
         doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
         for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"cuda_attention_{DATE}_schedules.json").write_text(json.dumps(doc, indent=1))
+            (d / f"cuda_attention_{DATE}_{args.tag}.json").write_text(json.dumps(doc, indent=1))
         return
     for row in sorted(rows):
         print(f"row {row}", flush=True)

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Compile the flash_attn forward kernel for sm_90 on a machine without a GPU and report, per
 case (plain causal, window, softcap, ALiBi), launch configuration and code variant
-(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it): registers, spill
-stack, shared memory, and the SASS of the longest loop (instructions, special-function MUFU
-ones, tensor-core HGMMA ones). Use it to check that a variant compiles for Hopper and what it
-costs before a GPU session.
+(`attention.VARIANTS`; "base" is the defaults, a variant's name flips it, "+" joins several):
+registers, spill stack, shared memory, and the SASS of the longest loop (instructions,
+special-function MUFU ones, tensor-core HGMMA ones). Use it to check that a variant compiles
+for Hopper and what it costs before a GPU session.
 
     python3 bench/sass_attention.py [--configs 128,64,8,3;128,128,8,3] [--cases plain,window]
+        [--variants base,MASK_ASM,MASK_ASM+EDGE_ONE_TEST]
 """
 from __future__ import annotations
 
@@ -41,11 +42,16 @@ def source(case, m, n, variant):
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
+    var = dict(A.VARIANTS)
+    for name, on in variant.items():        # a variant's name flips it
+        if on:
+            var[name] = not var.get(name, False)
     cons = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
-                ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"] != variant.get(
-                    "ALIBI_COLS", False),
-                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"] != variant.get(
-                    "FMA_SCORES", False))
+                ALIBI_COLS=flags["HAS_ALIBI"] and var["ALIBI_COLS"],
+                FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
+                EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
+                ASM=var.get("MASK_ASM", False),
+                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -77,10 +83,11 @@ def main():
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))
         for case in args.cases.split(","):
-            for var in args.variants.split(","):
-                variant = {} if var == "base" else {var: True}
-                if (var == "ALIBI_COLS") != (case == "alibi") and var != "base":
-                    continue
+            for var in args.variants.split(","):   # "+" joins several: PV_LAG+MASK_ASM
+                variant = {} if var == "base" else {v: True for v in var.split("+")}
+                if (("ALIBI_COLS" in variant) != (case == "alibi") and "ALIBI_COLS" in variant
+                        or "FMA_SCORES" in variant and case == "alibi"):
+                    continue        # ALiBi's own variant; FMA_SCORES does not apply to it
                 report(f"{case:8s} {var:10s} {m}x{n} w{w} s{st}", source(case, m, n, variant),
                        w, st)
 

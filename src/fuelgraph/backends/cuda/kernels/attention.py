@@ -6,15 +6,16 @@ its rows can see, keeps an online softmax in registers (base-2 exponent: scores 
 pre-multiplied by log2(e)) and writes the output and the row log-sum-exp. Backward: the saved
 log-sum-exp lets every tile recompute its probabilities; one kernel per key block accumulates
 dk and dv over the query heads of its key/value head (no atomics, no k/v copies for
-grouped-query attention) and a second kernel per query block accumulates dq.
+grouped-query attention) and a second kernel per query block accumulates dq (attention_bwd.py).
 
 Masks: a query row i sits at key position a_i = i + L - Sq (L = k_len or Sk). Every
 constraint (causal, window left/right, keys < L) is an interval of keys, so the key blocks of
 a query block form at most three ranges: masked blocks at the band's far edge, wholly
 admissible blocks (the plain path: no mask arithmetic at all) and masked blocks at its near
 edge (the diagonal). The forward runs the admissible range first, then both masked ranges in
-one loop (one pipeline ramp for the two edges of a sliding window); blocks wholly outside the
-band are never visited.
+one loop (one pipeline ramp for the two edges of a sliding window); a causal window at least
+twice the widest tile runs all three in one loop, the edges' masks behind a branch
+(_fwd_one_loop). Blocks wholly outside the band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
 them carries none of their code.
 
@@ -89,7 +90,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -98,7 +99,7 @@ def fwd_config(m, n, warps, stages):
 
 
 FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
-                        (128, 128, 8, 2), (128, 64, 8, 4), (128, 128, 16, 3)])
+                        (128, 128, 8, 2), (128, 64, 8, 4)])
 BWD_KV_CONFIGS = _configs([(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 
@@ -122,7 +123,30 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: rescaled only when a row max grows by more than 2^8, behind a CTA-wide test a block (SASS
 #: 332 -> ~300 instructions a block, but 384 / 313: the test's barriers cost more); Triton's
 #: automatic warp specialization (tl.range warp_specialize): same SASS on sm_90.
-VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True}
+#: MASK_ASM -- plain causal diagonal blocks test k <= a with one PTX setp + selp a score
+#: (sm_90 SASS of the masked loop 491 -> 443 instructions). EDGE_ONE_TEST -- a causal window
+#: at least twice the widest tile needs one test a score in each edge block (508 -> 467).
+#: ONE_LOOP (plain causal, softcap, ALiBi) / ONE_LOOP_WINDOW (a causal left window as wide as
+#: EDGE_ONE_TEST needs; the default) -- all key blocks in one pipelined loop (one pipeline ramp
+#: a program instead of two), the edge blocks' one test behind a run-time branch; the earlier
+#: one-loop try (421) had its mask if-converted into every block, here the mask is a non-pure
+#: PTX compare + select, which keeps the branch (SASS: ~352 instructions an unmasked block
+#: instead of 332, 168 registers instead of 203). H200, two interleaved repeats in one
+#: process (B4 H32 S4096, 128 x 64 tiles): window 1024 355.6 / 353.5 TFLOP/s against 348.5 /
+#: 342.8 with two loops (+2-3%; a third call 369 / 325, unstable, against 348 / 346);
+#: plain causal 418 against 433 / 423, softcap and ALiBi 1-4% slower: so windows only.
+#: MASK_ASM and EDGE_ONE_TEST in the two-loop kernel: plain causal 431 / 414, window 341 /
+#: 340 -- no gain from their fewer instructions; off.
+#: Tried in session 7 and dropped (H200, B4 H32 S4096, 128 x 64 tiles; plain causal / window
+#: 1024 TFLOP/s against 427-436 / 351 in the same runs): p v issued one block late, after the
+#: next block's q k^T, so that it runs during that block's exponentials (Triton keeps it in
+#: flight; 332 -> 313 SASS instructions a block; a branch around that loop made ptxas
+#: serialize every wgmma): 409 / 323, with the edge blocks in the same lagged pipeline 394 /
+#: 327 (not profiled; presumably the tile's two warpgroups already overlap one's softmax
+#: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory):
+#: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
+VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -193,7 +217,7 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
             HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
             ALIBI_COLS: tl.constexpr = False, RAW: tl.constexpr = False,
-            LIVE_ROWS: tl.constexpr = False):
+            LIVE_ROWS: tl.constexpr = False, ASM: tl.constexpr = False):
     """Scores in log2 units from the raw product tile; a_pos / k_pos are the query and key
     positions broadcast to the tile's shape. Returns (scores, tanh or 0). ALIBI_COLS (causal
     only: every admissible key is <= its row) adds slope * key instead of -slope * (row - key):
@@ -212,19 +236,37 @@ def _scores(qk, a_pos, k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexp
         else:
             s -= (slope * 1.4426950408889634) * tl.abs(a_pos - k_pos).to(tl.float32)
     if MASK:
-        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR, LIVE_ROWS)
+        s = _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL, HAS_WL, HAS_WR, LIVE_ROWS, ASM)
     return s, t
 
 
 @triton.jit
+def _keep_le(s, col, bound, ASM: tl.constexpr, PINNED: tl.constexpr = False):
+    """s where col <= bound, else -inf (col, bound int32, broadcast to s). ASM: one compare
+    and one select a score in inline PTX, which also keeps the compares after the product
+    they mask (ptxas otherwise hoists them above the wgmma wait and packs 32 predicates into
+    integers: ~25% more instructions in a masked block)."""
+    if ASM and _APPROX_TANH:      # PINNED: not pure, so a branch around it stays a branch
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+            "=r,r,r,r", [s, col, bound], dtype=tl.float32, is_pure=not PINNED, pack=1)
+    return tl.where(col <= bound, s, float("-inf"))
+
+
+@triton.jit
 def _mask(s, a_pos, k_pos, L, WL, WR, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-          HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False):
-    """-inf outside the admissible keys. LIVE_ROWS (the forward, whose rows past Sq are never
-    stored) with a causal left window: k <= a < L already keeps a real row's keys below L, and
-    two selects in a row compile to fewer instructions than one select of the combined test
-    (sm_90 SASS of the masked loop, 128 x 64: 508 instead of 556; H200 window 1024: 354
-    instead of 346 TFLOP/s). A plain causal mask keeps the combined form: with a single
-    compare a score, the compiler packs the predicates into integers (507 instead of 491)."""
+          HAS_WR: tl.constexpr, LIVE_ROWS: tl.constexpr = False, ASM: tl.constexpr = False):
+    """-inf outside the admissible keys. ASM with LIVE_ROWS and a plain causal mask: k <= a
+    as one compare and one select in inline PTX (_keep_le; with a window, two of them
+    measured more instructions than the two selects below, see EDGE1 instead). LIVE_ROWS
+    (the forward, whose rows past Sq are never stored) with a causal left window: k <= a < L
+    already keeps a real row's keys below L, and two selects in a row compile to fewer
+    instructions than one select of the combined test (sm_90 SASS of the masked loop,
+    128 x 64: 508 instead of 556; H200 window 1024: 354 instead of 346 TFLOP/s). A plain
+    causal mask keeps the combined form without ASM: with a single compare a score written
+    as a select, the compiler packs the predicates into integers (507 instead of 491)."""
+    if ASM and LIVE_ROWS and CAUSAL and not HAS_WL and not HAS_WR:
+        return _keep_le(s, k_pos, a_pos, True)     # 491 -> 443 a masked block (SASS)
     if LIVE_ROWS and CAUSAL and HAS_WL and not HAS_WR:
         s = tl.where(k_pos <= a_pos, s, float("-inf"))
         return tl.where(k_pos >= a_pos - WL, s, float("-inf"))
@@ -262,45 +304,118 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, end, jump_at, 
                CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+               ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr = False,
+               ASM: tl.constexpr = False):
     """Key blocks j0 = start, start + BLOCK_N, ... < end; with MASK, blocks at or past
     jump_at move on by `jump` (one loop, hence one pipeline, over both masked edges of a
-    band: [start, jump_at) and [jump_at + jump, end + jump))."""
+    band: [start, jump_at) and [jump_at + jump, end + jump)). EDGE1: see _fwd_softmax."""
     for j in range(start, end, BLOCK_N):
         j0 = j
         if MASK:
             j0 = j + tl.where(j >= jump_at, jump, 0)
         kn = j0 + offs_n
         k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
-        if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
-            if HAS_CAP:
-                mult = CAP * 1.4426950408889634
-            else:
-                mult = QK_SCALE * 1.4426950408889634
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:   # a row may still have no admissible key: shift by 0 instead of -inf
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FMA:    # one fused multiply-add a score
-            p = tl.exp2(s * mult - m_use[:, None])
-        else:
-            p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        qk = _dot_qk(q, k, IEEE)
+        p, alpha, l_i, m_i = _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL,
+                                          WR, MASK, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI,
+                                          IEEE, ALIBI_COLS, FMA, EDGE1, j < jump_at, ASM)
         v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _dot_qk(q, k, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _dot_pv(p, v, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(p, v, acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
+def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                 HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
+                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr = False,
+                 far=False, ASM: tl.constexpr = False):
+    """One key block's online-softmax step from its product tile qk (keys kn): (p, alpha,
+    l_i, m_i) with the accumulator to be scaled by alpha before p v is added. EDGE1 (a causal
+    left window at least twice the widest tile, live rows only): a block at the band's far
+    edge (`far`) holds no key past any row's diagonal and a diagonal block none before any
+    row's window, so each needs one test a score, k >= a - WL or k <= a, written as one
+    compare of k against a, or of ~k against ~(a - WL)."""
+    if EDGE1:
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
+        flip = tl.where(far, -1, 0)           # x ^ -1 = -x - 1: reverses the order
+        s = _keep_le(s, (kn ^ flip)[None, :], (a_pos - tl.where(far, WL, 0)) ^ flip, True)
+    else:
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True, ASM)
+    return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
+
+
+@triton.jit
+def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
+            GUARD: tl.constexpr):
+    """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
+    a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
+    if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
+        if HAS_CAP:
+            mult = CAP * 1.4426950408889634
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+            mult = QK_SCALE * 1.4426950408889634
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if GUARD:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if FMA:    # one fused multiply-add a score
+        p = tl.exp2(s * mult - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, far_end, diag, end, a_pos,
+                  offs_n, L, QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr,
+                  HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI_COLS: tl.constexpr,
+                  FMA: tl.constexpr):
+    """ONE_LOOP (causal, no right window, a left window only as EDGE1 allows): blocks
+    [start, end) in one loop (one pipeline ramp a program instead of two); blocks before
+    `far_end` (a window's far edge) and from `diag` on take their one test a score behind a
+    run-time branch, as a non-pure PTX compare + select (a pure one is if-converted into
+    every block)."""
+    for j in range(start, end, BLOCK_N):
+        kn = j + offs_n
+        k = _load(k_ptrs + j * skn, kn < L, HEAD_DIM, BLOCK_D, True)
+        qk = _dot_qk(q, k, IEEE)
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, ALIBI_COLS, FMA, True)
+        if HAS_WL:
+            if (j < far_end) | (j >= diag):
+                far = j < far_end
+                flip = tl.where(far, -1, 0)
+                s = _keep_le(s, (kn ^ flip)[None, :], (a_pos - tl.where(far, WL, 0)) ^ flip,
+                             True, True)
+        else:
+            if j >= diag:
+                s = _keep_le(s, kn[None, :], a_pos, True, True)
+        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, True)
+        v = _load(v_ptrs + j * svn, kn < L, HEAD_DIM, BLOCK_D, True)
+        acc = _dot_pv(p, v, acc * alpha[:, None], IEEE)
     return acc, l_i, m_i
 
 
@@ -312,7 +427,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
-                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr):
+                ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr,
+                ASM: tl.constexpr, ONE_LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -342,15 +458,21 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # the wholly admissible blocks first (no mask code, the longest pipelined loop), then both
     # masked edges (a window's far edge and the diagonal) in one loop
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0, 0,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
-                               lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
-                               a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
-                               HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, ALIBI_COLS, FMA)
+    if ONE_LOOP:     # every block in one pipelined loop, the edges' masks behind a branch
+        acc, l_i, m_i = _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo, lo_end,
+                                      mid_hi, hi, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR,
+                                      CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                                      BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, 0,
+                                   0, a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, False,
+                                   CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM,
+                                   BLOCK_D, BLOCK_N, ALIBI_COLS, FMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, lo,
+                                   lo_end + tl.maximum(hi - mid_hi, 0), lo_end, mid_hi - lo_end,
+                                   a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
+                                   HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
@@ -366,225 +488,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
 
 
-# ---- backward: dk, dv per key block -------------------------------------------------------------
-@triton.jit
-def _query_ranges(n0, off, SQ, WL, WR, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr):
-    """Query ranges seeing keys n0..n0+BLOCK_N-1 (all < L): [lo, mid_lo) masked,
-    [mid_lo, mid_hi) wholly admissible, [mid_hi, hi) masked."""
-    n_last = n0 + BLOCK_N - 1
-    lo = 0
-    full_lo = 0
-    if CAUSAL:
-        lo = tl.maximum(lo, n0 - off)
-        full_lo = tl.maximum(full_lo, n_last - off)
-    if HAS_WR:
-        lo = tl.maximum(lo, n0 - off - WR)
-        full_lo = tl.maximum(full_lo, n_last - off - WR)
-    lo = (lo // BLOCK_M) * BLOCK_M
-    full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
-    hi = SQ
-    full_hi = tl.cdiv(SQ, BLOCK_M) * BLOCK_M      # padded rows read lse = +inf: no mask needed
-    if HAS_WL:
-        hi = tl.minimum(hi, n_last + WL - off + 1)
-        full_hi = tl.minimum(full_hi, ((tl.maximum(n0 + WL - off + 1, 0)) // BLOCK_M) * BLOCK_M)
-    hi = tl.maximum(hi, 0)
-    full_hi = tl.maximum(full_hi, 0)
-    mid_lo = tl.maximum(full_lo, lo)
-    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
-    return lo, tl.minimum(mid_lo, hi), mid_lo, mid_hi, hi
-
-
-@triton.jit
-def _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom, start, end,
-                  k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope, WL, WR, off,
-                  MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    for m0 in range(start, end, BLOCK_M):
-        qm = m0 + offs_m
-        rmask = qm < SQ
-        q = _load(q_ptrs + m0 * sqm, rmask, HEAD_DIM, BLOCK_D, True)
-        do = _load(do_ptrs + m0 * sdom, rmask, HEAD_DIM, BLOCK_D, True)
-        lse = tl.load(lse_ptr + qm, mask=rmask, other=float("inf")) * 1.4426950408889634
-        if IEEE:
-            qkT = tl.dot(k, tl.trans(q), input_precision="ieee")
-        else:
-            qkT = tl.dot(k, tl.trans(q))
-        sT, tT = _scores(qkT, (qm + off)[None, :], k_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK,
-                         CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE)
-        pT = tl.exp2(sT - lse[None, :])
-        delta = tl.load(delta_ptr + qm, mask=rmask, other=0.0)
-        if IEEE:
-            dv = tl.dot(pT, do, dv, input_precision="ieee")
-            dpT = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            dv = tl.dot(pT.to(do.dtype), do, dv)
-            dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_CAP:
-            dsT = dsT * (1.0 - tT * tT)
-        if IEEE:
-            dk = tl.dot(dsT, q, dk, input_precision="ieee")
-        else:
-            dk = tl.dot(dsT.to(q.dtype), q, dk)
-    return dk, dv
-
-
-@triton.autotune(configs=BWD_KV_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_KV)
-@triton.jit
-def _bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
-                   svb, svh, svn, sdob, sdoh, sdom, sdkb, sdkh, sdkn, slb, H, G, SQ, SK,
-                   KLEN_STATIC, QK_SCALE, CAP, DK_SCALE, WL, WR, TUNE_Q, TUNE_K,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    HK = H // G
-    b = (bhk // HK).to(tl.int64)
-    hk = (bhk % HK).to(tl.int64)
-    L, bad = _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN)
-    off = L - SQ
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < HEAD_DIM
-    k = _load(K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :],
-              offs_n < L, HEAD_DIM, BLOCK_D, True)
-    v = _load(V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :],
-              offs_n < L, HEAD_DIM, BLOCK_D, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    k_pos = offs_n[:, None]
-    if n0 < L:
-        lo, lo_end, mid_lo, mid_hi, hi = _query_ranges(n0, off, SQ, WL, WR, BLOCK_M, BLOCK_N,
-                                                       CAUSAL, HAS_WL, HAS_WR)
-        if n0 + BLOCK_N > L:          # the block holds dead keys: mask every tile
-            lo_end = hi
-            mid_lo = hi
-            mid_hi = hi
-        for g in range(0, G):
-            h = hk * G + g
-            bh = b * H + h
-            slope = 0.0
-            if HAS_ALIBI:
-                slope = tl.load(SLOPES + b * slb + h)
-            q_ptrs = Q + b * sqb + h * sqh + offs_m[:, None].to(tl.int64) * sqm + offs_d[None, :]
-            do_ptrs = (DO + b * sdob + h * sdoh + offs_m[:, None].to(tl.int64) * sdom
-                       + offs_d[None, :])
-            lse_ptr = LSE + bh * SQ
-            delta_ptr = DELTA + bh * SQ
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
-                                   lo, lo_end, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
-                                   WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
-                                   mid_lo, mid_hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP,
-                                   slope, WL, WR, off, False, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
-            dk, dv = _bwd_kv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, sqm, sdom,
-                                   mid_hi, hi, k_pos, offs_m, SQ, L, QK_SCALE, CAP, slope,
-                                   WL, WR, off, True, CAUSAL, HAS_WL, HAS_WR, HAS_CAP,
-                                   HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_M)
-    smask = (offs_n[:, None] < SK) & dmask
-    base = b * sdkb + hk * sdkh + offs_n[:, None].to(tl.int64) * sdkn + offs_d[None, :]
-    dk = dk * DK_SCALE
-    if DYN_KLEN:
-        dk = tl.where(bad, float("nan"), dk)
-        dv = tl.where(bad, float("nan"), dv)
-    tl.store(DK + base, dk.to(DK.dtype.element_ty), mask=smask)
-    tl.store(DV + base, dv.to(DV.dtype.element_ty), mask=smask)
-
-
-# ---- backward: dq per query block ---------------------------------------------------------------
-@triton.jit
-def _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, start, end, a_pos, offs_n,
-                 L, QK_SCALE, CAP, slope, WL, WR, MASK: tl.constexpr,
-                 CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
-                 HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IEEE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    for j0 in range(start, end, BLOCK_N):
-        kn = j0 + offs_n
-        k = _load(k_ptrs + j0 * skn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        v = _load(v_ptrs + j0 * svn, kn < L, HEAD_DIM, BLOCK_D, MASK)
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, MASK, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE)
-        p = tl.exp2(s - lse[:, None])
-        ds = p * (dp - delta[:, None])
-        if HAS_CAP:
-            ds = ds * (1.0 - t * t)
-        if IEEE:
-            dq = tl.dot(ds, k, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(ds.to(k.dtype), k, dq)
-    return dq
-
-
-@triton.autotune(configs=BWD_Q_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_Q)
-@triton.jit
-def _bwd_q_kernel(Q, K, V, DO, LSE, DELTA, DQ, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn,
-                  svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm, slb, H, G, SQ, SK,
-                  KLEN_STATIC, QK_SCALE, CAP, DQ_SCALE, WL, WR, TUNE_Q, TUNE_K,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-                  HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  DYN_KLEN: tl.constexpr, IEEE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    hk = h // G
-    L, bad = _live_len(KLEN, KLEN_STATIC, SK, DYN_KLEN)
-    off = L - SQ
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < HEAD_DIM
-    rmask = offs_m < SQ
-    qmask = rmask[:, None] & dmask
-    rows = offs_m[:, None].to(tl.int64)
-    q = _load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :], rmask, HEAD_DIM, BLOCK_D, True)
-    do = _load(DO + b * sdob + h * sdoh + rows * sdom + offs_d[None, :], rmask, HEAD_DIM, BLOCK_D,
-               True)
-    lse = tl.load(LSE + bh.to(tl.int64) * SQ + offs_m, mask=rmask, other=float("inf"))
-    lse = lse * 1.4426950408889634
-    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + offs_m, mask=rmask, other=0.0)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + b * slb + h)
-    k_ptrs = K + b * skb + hk * skh + offs_n[:, None].to(tl.int64) * skn + offs_d[None, :]
-    v_ptrs = V + b * svb + hk * svh + offs_n[:, None].to(tl.int64) * svn + offs_d[None, :]
-    a_pos = (offs_m + off)[:, None]
-    lo, lo_end, mid_lo, mid_hi, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, WL, WR,
-                                                 BLOCK_N, CAUSAL, HAS_WL, HAS_WR)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, lo, lo_end, a_pos, offs_n,
-                      L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR,
-                      HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
-    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, mid_lo, mid_hi, a_pos,
-                      offs_n, L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL, HAS_WL,
-                      HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
-    dq = _bwd_q_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, skn, svn, mid_hi, hi, a_pos, offs_n,
-                      L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL, HAS_WL, HAS_WR,
-                      HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D, BLOCK_N)
-    dq = dq * DQ_SCALE
-    if DYN_KLEN:
-        dq = tl.where(bad, float("nan"), dq)
-    tl.store(DQ + b * sdqb + h * sdqh + rows * sdqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=qmask)
+# ---- backward (attention_bwd.py: it imports the helpers above) -----------------------------------
+from .attention_bwd import _bwd_kv_kernel, _bwd_q_kernel  # noqa: E402
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -602,6 +507,12 @@ def attention_cost(products):
         flops = 2.0 * B * Hq * Sq * L * D * products * frac
         return Cost(flops, 2.0 * (B * Hq * Sq * D * (1 + products) + 2 * B * Hkv * Sk * D))
     return cost
+
+
+def _widest_fwd_tile():
+    """The largest BLOCK_M or BLOCK_N among the forward's configs (EDGE1 needs windows at
+    least twice as wide)."""
+    return max(max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in _fwd_kernel.configs)
 
 
 def _last_dim_contiguous(x):
@@ -652,7 +563,13 @@ class _Launch:
             ALIBI_COLS=(f["HAS_ALIBI"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
                         and VARIANTS["ALIBI_COLS"]),
             FMA=(VARIANTS["FMA_SCORES"] and not f["HAS_ALIBI"]
-                 and (f["HAS_CAP"] or self.qk_scale > 0)))     # the multiplier must be > 0
+                 and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
+            EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
+                   and self.wl >= 2 * _widest_fwd_tile()),
+            ASM=VARIANTS["MASK_ASM"],
+            ONE_LOOP=(f["CAUSAL"] and not f["HAS_WR"]
+                      and (VARIANTS["ONE_LOOP"] if not f["HAS_WL"] else
+                           VARIANTS["ONE_LOOP_WINDOW"] and self.wl >= 2 * _widest_fwd_tile())))
 
     def scalars(self):
         return (self.H, self.G, self.SQ, self.SK, self.klen_static)
