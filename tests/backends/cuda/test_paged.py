@@ -247,6 +247,33 @@ def test_decode_early_ids_and_group_merge(early_ids, merge_group):
     check(case, "float32", n_split=2, **kw)
 
 
+@pytest.mark.parametrize("kv_evict", ["", "evict_first"])
+def test_decode_kv_ahead_and_eviction_policy(kv_evict):
+    """The k/v tiles loaded one key tile ahead into registers (kv_ahead) and the k/v loads'
+    eviction policy: split and unsplit, uneven lengths (a tile past the length, a length-0
+    sequence), key tiles narrower than a page, bad block ids (NaN rows), ALiBi."""
+    kw = dict(kv_ahead=True, kv_evict=kv_evict)
+    case = make_case(np.random.default_rng(34), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
+                     mb=10, alibi=True)
+    check(case, "float32", n_split=1, **kw)
+    check(case, "bfloat16", n_split=3, **kw)
+    check(case, "float32", n_split=2, block_n=16, early_ids=False, kv_evict=kv_evict)
+    case = make_case(np.random.default_rng(35), B=2, hq=4, hkv=1, d=16, bs=32, lens=(70, 9),
+                     mb=3)
+    check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
+
+
+def test_decode_kv_ahead_nan_rows(monkeypatch):
+    """kv_ahead with the check skipped: a live block id outside the pool poisons its row."""
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    case = make_case(np.random.default_rng(36), B=2, d=16, bs=4, lens=(11, 6), mb=3)
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][0, 2] = 10 ** 6                          # live entry outside the pool
+    for ns in (1, 2):
+        got = run(to_dev(case, "float32"), n_split=ns, kv_ahead=True, block_n=4).cpu().numpy()
+        assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),

@@ -84,6 +84,15 @@ EARLY_IDS = True
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
 #: G_T (launch knob merge_group; H200 B32 ctx 4096 alone: 0.1363 ms against 0.1376)
 MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
+#: L2 eviction priority of the grouped kernel's k/v loads ("" the default, "evict_first"): each
+#: k/v byte is read once, so marking it first to go keeps the L2's other lines (a step's
+#: activations, dirty lines still to be written back) in place instead of making every k/v line
+#: evict one of them (launch knob kv_evict)
+KV_EVICT = ""
+#: the grouped kernel (with block ids read ahead) loads the k/v tiles of the next key tile into
+#: registers during the current one, as plain loads run with num_stages 1 (Triton's pipelined
+#: copies into shared memory drop the eviction policy) (launch knob kv_ahead)
+KV_AHEAD = False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -115,6 +124,29 @@ def _tanh(x):
 
 
 @triton.jit
+def _kv_tile(K, V, phys, j, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS: tl.constexpr,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, OFF32: tl.constexpr,
+             EVICT: tl.constexpr):
+    """The k and v tiles [BLOCK_N, BLOCK_D] of keys j (< hi live) whose pool block ids are phys,
+    and n_bad plus the live keys whose id is outside the pool (read as block 0)."""
+    j_ok = j < hi
+    p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
+    n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+    phys = tl.where(p_ok, phys, 0)
+    if BLOCK_N % BS != 0:
+        in_page = ((j % BS) * hkv + hk) * D
+    if OFF32:
+        kv_row = phys * (BS * hkv * D) + in_page
+    else:
+        kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+    kv_off = kv_row[:, None] + d[None, :]
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
+    return k, v, n_bad
+
+
+@triton.jit
 def _paged_attn_kernel(
         Q, K, V, BT, CL, SL, O, PO, PM, PL,
         CNT, sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
@@ -123,7 +155,8 @@ def _paged_attn_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
-        OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr):
+        OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -176,27 +209,42 @@ def _paged_attn_kernel(
         else:
             j = lo + offs_n
             phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
+        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
+            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
+            BLOCK_N, OFF32, KV_EVICT)
+        j = lo + BLOCK_N + offs_n
+        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        if PREFETCH_IDX:
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+            k_next, v_next, n_bad = _kv_tile(
+                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                D, BLOCK_N, OFF32, KV_EVICT)
+            j_next = j + 2 * BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        elif PREFETCH_IDX:
             phys = phys_next
             j_next = j + BLOCK_N
             phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
         else:
             phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-        p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
-        n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-        phys = tl.where(p_ok, phys, 0)
-        if BLOCK_N % BS != 0:
-            in_page = ((j % BS) * hkv + hk) * D
-        if OFF32:                # the pool's element offsets fit int32: cheaper addresses
-            kv_row = phys * (BS * hkv * D) + in_page
-        else:
-            kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-        kv_off = kv_row[:, None] + d[None, :]
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        if not KV_AHEAD:
+            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
+            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+            phys = tl.where(p_ok, phys, 0)
+            if BLOCK_N % BS != 0:
+                in_page = ((j % BS) * hkv + hk) * D
+            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                kv_row = phys * (BS * hkv * D) + in_page
+            else:
+                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+            kv_off = kv_row[:, None] + d[None, :]
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -217,7 +265,8 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if not KV_AHEAD:
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         if DOT_F32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -583,7 +632,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
-               merge_group=None, programs_per_sm=None):
+               merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -595,7 +644,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
     ahead: the first tile's ids requested with the length), merge_group (fused merge of a
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
-    when sizing the splits)."""
+    when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
+    "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
+    registers; implies prefetch_index)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -605,7 +656,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -613,7 +664,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm)
+                            programs_per_sm, kv_evict, kv_ahead)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -631,7 +682,8 @@ _LAUNCHES: dict = {}
 def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
-               early_ids=None, merge_group=None, programs_per_sm=None):
+               early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
+               kv_ahead=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -659,6 +711,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
+    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
+    if kv_ahead:
+        pf = ahead = True
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
@@ -679,10 +734,11 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
-              PREFETCH_IDX=pf,
+              PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
+              KV_AHEAD=ahead,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
-              num_stages=num_stages or (3 if decode else 2))
+              num_stages=num_stages or (1 if ahead else 3 if decode else 2))
     grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
