@@ -16,7 +16,7 @@ pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every 
 is checked against a reference before it is timed (field max_err).
 
     python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
-        [--part K/N] [--clean-l2]
+        [--part K/N] [--clean-l2] [--graph] [--bounds]
 
 --sweep also times the launch candidates listed in SWEEPS as impl "fuelgraph[...]" (a few per
 case: each is one compile). --warm compiles and checks every launch once and times nothing: run
@@ -25,7 +25,11 @@ Triton's cache (--part K/N: only every N-th candidate from the K-th, so N proces
 the candidates in parallel). --clean-l2 adds ms_clean_l2 to each decode record: the time
 when the L2 was flushed by reading 256 MB instead of do_bench's writing them (do_bench leaves
 up to the L2's size of dirty lines, whose write-back shares the DRAM with the kernel's reads:
-a fixed cost that weighs most on the smallest case, B1). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
+a fixed cost that weighs most on the smallest case, B1). --graph adds the decode kernel (and with
+--sweep each candidate) replayed from a CUDA graph, impl "... (CUDA graph)". --bounds adds, per
+decode case, a plain streaming read of exactly its live k/v bytes (impl "read live k/v bytes":
+the floor for any kernel reading them once, under the same timing; SDPA / read bounds the
+speedup on SDPA) and SDPA's GB/s on the dense cache it reads (field gbps_padded). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
 prefill, decode_B32, append). Every record also has host_us: the host time of one call (launch overhead); when it
 exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
@@ -46,6 +50,8 @@ import time
 import traceback
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -232,6 +238,61 @@ def kernel_fn(inp, **kw):
     return lambda: K.paged_attn(*args, softmax_scale=1 / math.sqrt(D), **kw)
 
 
+def graph_fn(fn):
+    """fn captured in a CUDA graph (after one eager call: compile, checks, memo), replayed per
+    call; returns the captured output. The capture gives the split path fresh scratch, whose
+    zeroing of the arrival counters is then a memset node replayed before the kernel."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    keep = [g, out]
+    return lambda: (keep[0].replay(), keep[1])[1]
+
+
+@triton.jit
+def _read_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    """Sums a contiguous buffer (each program every num_programs-th BLOCK): a plain streaming
+    read, the time any kernel needs to read that many bytes once."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(OUT + pid, tl.sum(acc, 0))
+
+
+def read_bounds(case, nbytes):
+    """Floors for this case's live k/v bytes under the same timing: a streaming read of exactly
+    nbytes (a Triton sum over a contiguous buffer, a few grid sizes; the fastest is recorded as
+    impl "read live k/v bytes") and torch's copy_ of them (read + write, its GB/s counts both)."""
+    x = torch.randn(nbytes // 2, device=DEV).to(DT)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = None
+
+    def launch(grid, block, warps):
+        part = torch.empty(grid, dtype=torch.float32, device=DEV)
+        return lambda: _read_kernel[(grid,)](x, part, x.numel(), BLOCK=block, num_warps=warps)
+    for per_sm, block, warps in ((4, 4096, 4), (8, 2048, 4)):
+        grid = sms * per_sm
+        fn = launch(grid, block, warps)
+        fn()
+        ms = t_ms(fn)
+        if best is None or ms < best[0]:
+            best = (ms, fn, dict(grid=grid, block=block, num_warps=warps))
+    run("paged_attn", "read live k/v bytes", case, best[1], nbytes=nbytes,
+        note="Triton sum of a contiguous buffer of the live k/v bytes", launch=best[2])
+    y = torch.empty_like(x)
+    run("paged_attn", "copy live k/v bytes", case, lambda: y.copy_(x), nbytes=2 * nbytes,
+        note="torch copy_ of the live k/v bytes (GB/s counts read + write)")
+    del x, y
+
+
 def reference(inp, rows=None):
     """SDPA per sequence on its exact keys (bottom-right causal when Sq > 1)."""
     q = inp["q"]
@@ -262,16 +323,30 @@ def bench_decode(name, lens, args, pad_to_longest=False):
         sweep(case, inp, err, nbytes=nbytes, decode=True)
     if args.no_anchors or args.warm or REP["part"][0] != 0:
         return case
+    if args.graph:
+        run("paged_attn", "fuelgraph kernel (CUDA graph)", case, graph_fn(kernel_fn(inp)), err,
+            nbytes=nbytes)
+        for kw in SWEEPS.get(name, []) if args.sweep else []:
+            run("paged_attn", f"fuelgraph[{label(kw)}] (CUDA graph)", case,
+                graph_fn(kernel_fn(inp, **kw)), err, nbytes=nbytes, launch=kw)
+    if args.bounds:
+        read_bounds(case, nbytes)
     # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
     # no length mask: that only makes the anchor faster; its result is then not comparable)
     L = int(max(lens))
     kd = torch.stack([dense(inp, b, L)[0] for b in range(len(lens))])
     vd = torch.stack([dense(inp, b, L)[1] for b in range(len(lens))])
-    run("paged_attn", "torch eager", case,
-        lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kd, vd,
-                                                                 enable_gqa=True),
-        None if pad_to_longest else err, nbytes=nbytes,
-        anchor="SDPA dense" + (" padded to the longest, no mask" if pad_to_longest else ""))
+    padded = kd.numel() * kd.element_size() * 2
+    rec = run("paged_attn", "torch eager", case,
+              lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kd, vd,
+                                                                       enable_gqa=True),
+              None if pad_to_longest else err, nbytes=nbytes, padded_bytes=padded,
+              anchor="SDPA dense" + (" padded to the longest, no mask" if pad_to_longest
+                                     else ""))
+    if rec is not None:       # SDPA's own bandwidth: the bytes of the dense cache it reads
+        rec["gbps_padded"] = round(padded / (rec["ms"] * 1e-3) / 1e9, 1)
+        print(f"    SDPA reads {padded / 1e6:.1f} MB (live {nbytes / 1e6:.1f} MB): "
+              f"{rec['gbps_padded']:.0f} GB/s on its dense cache", flush=True)
     if HAVE_FLASH:
         fa = lambda: flash_attn_with_kvcache(   # noqa: E731
             inp["q"].transpose(1, 2), inp["k_cache"], inp["v_cache"],
@@ -336,14 +411,23 @@ SWEEPS = {
     # same shared memory; num_stages 4 = 2 tiles ahead (104 KB: 2 per SM); early_ids (first ids
     # with the length) and merge_group (the fused merge's rows together) shorten the head and
     # the tail of the launch
+    # (session 6: per_sm=3 0.0518 ms, num_stages=4 0.0508, bn=32 st=5 per_sm=3 0.0527, bn=32
+    # st=4 per_sm=4 0.0512, num_warps=8 0.0514, against 0.0492 for the defaults). kv_ahead: k/v
+    # a tile ahead in registers as plain loads (num_stages 1), which keep kv_evict's L2 policy
+    # (the pipelined copies drop it): evict_first keeps the L2's dirty lines (do_bench's flush)
+    # from being written back while the kernel reads; without kv_ahead, num_stages=1 tests the
+    # policy on unpipelined loads; l2_ahead adds L2 prefetches of the tile that many ahead
     "decode_B1_ctx32768": [
         dict(early_ids=True, merge_group=True),
-        dict(programs_per_sm=3, early_ids=True, merge_group=True),
-        dict(num_stages=4, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=4, programs_per_sm=4, early_ids=True, merge_group=True),
-        dict(num_warps=8, early_ids=True, merge_group=True)],
-    "decode_B64_mixed": [dict(early_ids=True, merge_group=True)],
+        dict(kv_ahead=True),
+        dict(kv_ahead=True, l2_ahead=2),
+        dict(kv_ahead=True, kv_evict="evict_first"),
+        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2),
+        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4),
+        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4, block_n=32, programs_per_sm=3),
+        dict(num_stages=1, kv_evict="evict_first", programs_per_sm=3)],
+    "decode_B64_mixed": [dict(early_ids=True, merge_group=True),
+                         dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2)],
     "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
@@ -360,8 +444,9 @@ def label(kw):
     short = {"prefetch_index": "pf", "merge_chunk": "mc", "early_ids": "early",
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
-             "prefill": "prefill", "page_tiles": "pt"}
-    return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}"
+             "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
+             "kv_evict": "evict", "l2_ahead": "l2"}
+    return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items())
 
 
@@ -474,6 +559,18 @@ def targets_table():
             vs = f"{v['gbps']:.0f} GB/s" if kind == "abs" else \
                 (f"{anchor['ms'] / v['ms']:.2f}x" if anchor else "")
             print(f"  best variant {v['impl']}: {v['ms']:.4f} ms {vs}")
+        floor = best(case, "read live k/v bytes")
+        if floor is not None:
+            sd = best(case, "torch eager")
+            bound = f"; SDPA / read = {sd['ms'] / floor['ms']:.2f}x (the most any kernel that " \
+                "reads the live bytes once can gain on SDPA)" if sd else ""
+            print(f"  read of the live k/v bytes: {floor['ms']:.4f} ms {floor['gbps']:.0f} GB/s"
+                  f"{bound}")
+        graphed = [r for r in RECORDS if r.get("case") == case and "ms" in r
+                   and r.get("impl", "").endswith("(CUDA graph)") and not r.get("wrong")]
+        if graphed:
+            v = min(graphed, key=lambda r: r["ms"])
+            print(f"  best in a CUDA graph {v['impl']}: {v['ms']:.4f} ms {v['gbps']:.0f} GB/s")
 
 
 def main():
@@ -488,6 +585,10 @@ def main():
                     "(the defaults and anchors only in part 0): parallel --warm processes")
     ap.add_argument("--clean-l2", action="store_true", help="decode records also get the "
                     "time after a reading L2 flush (ms_clean_l2)")
+    ap.add_argument("--graph", action="store_true", help="decode cases: also time the kernel "
+                    "(and with --sweep each candidate) replayed from a CUDA graph")
+    ap.add_argument("--bounds", action="store_true", help="decode cases: also time a plain "
+                    "read (and a copy) of exactly the live k/v bytes: the floor for any kernel")
     ap.add_argument("--smoke", action="store_true", help="check this script without a GPU: "
                     "TRITON_INTERPRET=1, CPU tensors, tiny cases, implies --warm")
     ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "

@@ -249,18 +249,19 @@ def test_decode_early_ids_and_group_merge(early_ids, merge_group):
 
 @pytest.mark.parametrize("kv_evict", ["", "evict_first"])
 def test_decode_kv_ahead_and_eviction_policy(kv_evict):
-    """The k/v tiles loaded one key tile ahead into registers (kv_ahead) and the k/v loads'
-    eviction policy: split and unsplit, uneven lengths (a tile past the length, a length-0
-    sequence), key tiles narrower than a page, bad block ids (NaN rows), ALiBi."""
+    """The k/v tiles loaded one key tile ahead into registers (kv_ahead), with L2 prefetches
+    of the tiles further ahead (l2_ahead; a GPU only: the interpreter runs none), and the k/v
+    loads' eviction policy: split and unsplit, uneven lengths (a tile past the length, a
+    length-0 sequence), key tiles narrower than a page, ALiBi."""
     kw = dict(kv_ahead=True, kv_evict=kv_evict)
     case = make_case(np.random.default_rng(34), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
                      mb=10, alibi=True)
-    check(case, "float32", n_split=1, **kw)
+    check(case, "float32", n_split=1, l2_ahead=2, **kw)
     check(case, "bfloat16", n_split=3, **kw)
     check(case, "float32", n_split=2, block_n=16, early_ids=False, kv_evict=kv_evict)
     case = make_case(np.random.default_rng(35), B=2, hq=4, hkv=1, d=16, bs=32, lens=(70, 9),
                      mb=3)
-    check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
+    check(case, "float32", n_split=2, block_n=16, l2_ahead=1, **kw)   # tiles inside a page
 
 
 def test_decode_kv_ahead_nan_rows(monkeypatch):
@@ -301,6 +302,7 @@ def test_many_splits_on_gpu():
                                        atol=2e-2)
     check(case, "bfloat16")
     check(case, "bfloat16", early_ids=True, merge_group=True, programs_per_sm=3)
+    check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", l2_ahead=2)
 
 
 def test_split_heuristic_uneven_lengths():

@@ -8,10 +8,11 @@ pool block up in the block table, so every live k/v block is read once per (tile
 load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
 are read one iteration ahead: a gathered load whose address comes from a load of the same
 iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
-with the ids carried over, the k/v tiles stream num_stages - 1 deep. Scores are float32
-(`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
-keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
-one split length for the launch, sized from the live lengths (finer when lengths are uneven);
+with the ids carried over, the k/v tiles stream num_stages - 1 deep (or, knob kv_ahead, the
+next tile's k/v are plain loads into registers, which keep an L2 eviction policy: `paged_loads`).
+Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long
+contexts split the keys over several programs (flash-decoding): the grid is (sequence x kv
+head, tile, split) with one split length for the launch, sized from the live lengths (finer when lengths are uneven);
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
@@ -50,6 +51,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .paged_loads import _kv_tile, _l2_prefetch
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 
 __all__ = ["paged_attn", "supports_paged_attn", "assume_valid", "MAX_HEAD_DIM"]
@@ -93,6 +95,10 @@ KV_EVICT = ""
 #: registers during the current one, as plain loads run with num_stages 1 (Triton's pipelined
 #: copies into shared memory drop the eviction policy) (launch knob kv_ahead)
 KV_AHEAD = False
+#: with kv_ahead, the L2 is also asked for the k/v lines of the key tile this many tiles ahead
+#: (prefetch instructions: more bytes in flight than registers can hold); 0: none (launch knob
+#: l2_ahead; the CPU interpreter runs none)
+L2_AHEAD = 0
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -124,29 +130,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _kv_tile(K, V, phys, j, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS: tl.constexpr,
-             D: tl.constexpr, BLOCK_N: tl.constexpr, OFF32: tl.constexpr,
-             EVICT: tl.constexpr):
-    """The k and v tiles [BLOCK_N, BLOCK_D] of keys j (< hi live) whose pool block ids are phys,
-    and n_bad plus the live keys whose id is outside the pool (read as block 0)."""
-    j_ok = j < hi
-    p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
-    n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-    phys = tl.where(p_ok, phys, 0)
-    if BLOCK_N % BS != 0:
-        in_page = ((j % BS) * hkv + hk) * D
-    if OFF32:
-        kv_row = phys * (BS * hkv * D) + in_page
-    else:
-        kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-    kv_off = kv_row[:, None] + d[None, :]
-    kv_mask = j_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
-    return k, v, n_bad
-
-
-@triton.jit
 def _paged_attn_kernel(
         Q, K, V, BT, CL, SL, O, PO, PM, PL,
         CNT, sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
@@ -156,7 +139,8 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, L2_AHEAD: tl.constexpr,
+        LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -215,6 +199,9 @@ def _paged_attn_kernel(
             BLOCK_N, OFF32, KV_EVICT)
         j = lo + BLOCK_N + offs_n
         phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        if L2_AHEAD > 0:     # block ids of the tile L2_AHEAD ahead, for its L2 prefetch
+            j = lo + L2_AHEAD * BLOCK_N + offs_n
+            phys_l2 = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
@@ -226,6 +213,11 @@ def _paged_attn_kernel(
                 D, BLOCK_N, OFF32, KV_EVICT)
             j_next = j + 2 * BLOCK_N
             phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+            if L2_AHEAD > 0:
+                _l2_prefetch(K, V, phys_l2, j + L2_AHEAD * BLOCK_N, hi, nb, in_page, hk, hkv,
+                             BS, D, BLOCK_N, LINES, LINE_ELEMS)
+                j_l2 = j + (L2_AHEAD + 1) * BLOCK_N
+                phys_l2 = tl.load(tab + j_l2 // BS, mask=j_l2 < hi, other=0)
         elif PREFETCH_IDX:
             phys = phys_next
             j_next = j + BLOCK_N
@@ -632,7 +624,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
-               merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None):
+               merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
+               l2_ahead=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -646,7 +639,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers; implies prefetch_index)."""
+    registers; implies prefetch_index), l2_ahead (with kv_ahead: L2 prefetch of the key
+    tile this many tiles ahead, 0 none)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -656,7 +650,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, l2_ahead)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -664,7 +658,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead)
+                            programs_per_sm, kv_evict, kv_ahead, l2_ahead)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -683,7 +677,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None):
+               kv_ahead=None, l2_ahead=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -735,7 +729,10 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead,
+              KV_AHEAD=ahead, LINE_ELEMS=128 // k_cache.element_size(),
+              L2_AHEAD=0 if INTERPRET or not ahead else int(L2_AHEAD if l2_ahead is None
+                                                            else l2_ahead),
+              LINES=next_pow2(_cdiv(d * k_cache.element_size(), 128)),
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
