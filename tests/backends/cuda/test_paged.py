@@ -302,7 +302,20 @@ def test_many_splits_on_gpu():
                                        atol=2e-2)
     check(case, "bfloat16")
     check(case, "bfloat16", early_ids=True, merge_group=True, programs_per_sm=3)
+
+
+@on_gpu
+def test_kv_ahead_on_gpu():
+    """kv_ahead with evict_first and L2 prefetches on GPU-sized cases (B1 long context split 32
+    and 128 ways, uneven lengths), against the float64 reference."""
+    case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(9000,))
+    for kw in (dict(), dict(n_split=128), dict(block_n=32, programs_per_sm=3, l2_ahead=4)):
+        check(case, "bfloat16", **dict(dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2),
+                                       **kw))
+    case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
+                     lens=(3000, 17, 0, 700))
     check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", l2_ahead=2)
+    check(case, "float32", kv_ahead=True, l2_ahead=2)
 
 
 def test_split_heuristic_uneven_lengths():
