@@ -264,6 +264,18 @@ def test_decode_kv_ahead_and_eviction_policy(kv_evict):
     check(case, "float32", n_split=2, block_n=16, l2_ahead=1, **kw)   # tiles inside a page
 
 
+def test_few_programs_launch_defaults(monkeypatch):
+    """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
+    defaults (kv_ahead and its policy among them); explicit knobs still win."""
+    monkeypatch.setattr(K, "FEW_PROGRAMS_LAUNCH", dict(kv_ahead=True, kv_evict="evict_first",
+                                                      l2_ahead=2, block_n=8))
+    monkeypatch.setattr(K, "_LAUNCHES", {})
+    case = make_case(np.random.default_rng(39), B=2, hq=4, hkv=1, d=16, bs=4, lens=(29, 6),
+                     mb=8)
+    check(case, "float32", n_split=2)
+    check(case, "float32", n_split=2, kv_ahead=False)
+
+
 def test_decode_kv_ahead_nan_rows(monkeypatch):
     """kv_ahead with the check skipped: a live block id outside the pool poisons its row."""
     monkeypatch.setattr(K, "_capturing", lambda: True)

@@ -74,7 +74,7 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 MERGE_CHUNK = 64
 #: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
 #: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
-#: block_n, num_stages, programs_per_sm; empty: the general defaults
+#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, l2_ahead; empty: the general defaults
 FEW_PROGRAMS_LAUNCH: dict = {}
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
@@ -699,6 +699,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         block_n = block_n or FEW_PROGRAMS_LAUNCH.get("block_n")
         num_stages = num_stages or FEW_PROGRAMS_LAUNCH.get("num_stages")
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
+        kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
+        kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
+        l2_ahead = FEW_PROGRAMS_LAUNCH.get("l2_ahead") if l2_ahead is None else l2_ahead
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
         bn = block_n or 16
