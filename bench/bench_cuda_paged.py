@@ -281,7 +281,7 @@ def read_bounds(case, nbytes):
                                              num_warps=warps)
     for evict in ("", "evict_first"):
         best = None
-        for per_sm, block, warps in ((4, 4096, 4), (4, 8192, 8), (8, 4096, 4)):
+        for per_sm, block, warps in ((4, 8192, 8), (8, 4096, 4)):
             grid = sms * per_sm
             fn = launch(grid, block, warps, evict)
             fn()
