@@ -433,6 +433,7 @@ SWEEPS = {
         dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2),
         dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4),
         dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4, block_n=32, programs_per_sm=3),
+        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=3, num_warps=8, programs_per_sm=1),
         dict(num_stages=1, kv_evict="evict_first", programs_per_sm=3)],
     "decode_B64_mixed": [dict(early_ids=True, merge_group=True),
                          dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2)],
