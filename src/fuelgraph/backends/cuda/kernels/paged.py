@@ -74,8 +74,10 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 MERGE_CHUNK = 64
 #: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
 #: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
-#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, l2_ahead; empty: the general defaults
+#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, l2_ahead; empty: the general defaults.
+#: Only when the longest context (the table's capacity when unknown) has FEW_PROGRAMS_MIN_KEYS
 FEW_PROGRAMS_LAUNCH: dict = {}
+FEW_PROGRAMS_MIN_KEYS = 0
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
@@ -695,7 +697,8 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
-    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device):
+    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device) and \
+            (mb * bs if stats is None else stats[0]) >= FEW_PROGRAMS_MIN_KEYS:
         block_n = block_n or FEW_PROGRAMS_LAUNCH.get("block_n")
         num_stages = num_stages or FEW_PROGRAMS_LAUNCH.get("num_stages")
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
