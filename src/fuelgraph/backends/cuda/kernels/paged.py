@@ -88,19 +88,13 @@ EARLY_IDS = True
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
 #: G_T (launch knob merge_group; H200 B32 ctx 4096 alone: 0.1363 ms against 0.1376)
 MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
-#: L2 eviction priority of the grouped kernel's k/v loads ("" the default, "evict_first"): each
-#: k/v byte is read once, so marking it first to go keeps the L2's other lines (a step's
-#: activations, dirty lines still to be written back) in place instead of making every k/v line
-#: evict one of them (launch knob kv_evict)
-KV_EVICT = ""
-#: the grouped kernel (with block ids read ahead) loads the k/v tiles of the next key tile into
-#: registers during the current one, as plain loads run with num_stages 1 (Triton's pipelined
-#: copies into shared memory drop the eviction policy) (launch knob kv_ahead)
-KV_AHEAD = False
-#: with kv_ahead, the L2 is also asked for the k/v lines of the key tile this many tiles ahead
-#: (prefetch instructions: more bytes in flight than registers can hold); 0: none (launch knob
-#: l2_ahead; the CPU interpreter runs none)
-L2_AHEAD = 0
+#: knob kv_evict: L2 eviction priority of the grouped kernel's k/v loads ("", "evict_first"):
+#: k/v bytes are read once; first to go, they leave the L2's other lines (activations, dirty
+#: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
+#: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
+#: memory drop the policy). Knob l2_ahead: with kv_ahead, L2 prefetches of the key tile this
+#: many tiles ahead (more bytes in flight than registers hold; none in the CPU interpreter)
+KV_EVICT, KV_AHEAD, L2_AHEAD = "", False, 0
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
