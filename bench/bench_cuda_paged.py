@@ -257,14 +257,18 @@ def graph_fn(fn):
 
 @triton.jit
 def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
-    """Sums a contiguous buffer (each program every num_programs-th BLOCK): a plain streaming
-    read, the time any kernel needs to read that many bytes once."""
+    """XORs n int32 words (each program every num_programs-th pair of BLOCKs, both loads issued
+    before either is used): a plain streaming read with few registers per byte in flight, the
+    time any kernel needs to read that many bytes once."""
     pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    tl.store(OUT + pid, tl.sum(acc, 0))
+    acc = tl.zeros([BLOCK], tl.int32)
+    for start in range(pid * 2 * BLOCK, n, tl.num_programs(0) * 2 * BLOCK):
+        o1 = start + tl.arange(0, BLOCK)
+        o2 = o1 + BLOCK
+        a = tl.load(X + o1, mask=o1 < n, other=0, eviction_policy=EVICT)
+        b = tl.load(X + o2, mask=o2 < n, other=0, eviction_policy=EVICT)
+        acc ^= a ^ b
+    tl.store(OUT + pid, tl.xor_sum(acc, 0))
 
 
 def read_bounds(case, nbytes):
@@ -273,15 +277,16 @@ def read_bounds(case, nbytes):
     impl "read live k/v bytes"; the same with L2 evict_first loads as "... (evict_first)") and
     torch's copy_ of them (read + write, its GB/s counts both)."""
     x = torch.randn(nbytes // 2, device=DEV).to(DT)
+    words = x.view(torch.int32)
     sms = K.num_sms(x.device)
 
     def launch(grid, block, warps, evict):
-        part = torch.empty(grid, dtype=torch.float32, device=DEV)
-        return lambda: _read_kernel[(grid,)](x, part, x.numel(), BLOCK=block, EVICT=evict,
-                                             num_warps=warps)
+        part = torch.empty(grid, dtype=torch.int32, device=DEV)
+        return lambda: _read_kernel[(grid,)](words, part, words.numel(), BLOCK=block,
+                                             EVICT=evict, num_warps=warps)
     for evict in ("", "evict_first"):
         best = None
-        for per_sm, block, warps in ((4, 8192, 8), (8, 4096, 4)):
+        for per_sm, block, warps in ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8)):
             grid = sms * per_sm
             fn = launch(grid, block, warps, evict)
             fn()
@@ -420,23 +425,22 @@ SWEEPS = {
     # with the length) and merge_group (the fused merge's rows together) shorten the head and
     # the tail of the launch
     # (session 6: per_sm=3 0.0518 ms, num_stages=4 0.0508, bn=32 st=5 per_sm=3 0.0527, bn=32
-    # st=4 per_sm=4 0.0512, num_warps=8 0.0514, against 0.0492 for the defaults). kv_ahead: k/v
-    # a tile ahead in registers as plain loads (num_stages 1), which keep kv_evict's L2 policy
-    # (the pipelined copies drop it): evict_first keeps the L2's dirty lines (do_bench's flush)
-    # from being written back while the kernel reads; without kv_ahead, num_stages=1 tests the
-    # policy on unpipelined loads; l2_ahead adds L2 prefetches of the tile that many ahead
+    # st=4 per_sm=4 0.0512, num_warps=8 0.0514, against 0.0492 for the defaults of then, the
+    # pipelined copies = ahead=0 below). Session 7: k/v a tile ahead in registers (kv_ahead,
+    # plain loads, which keep kv_evict's L2 policy) with evict_first 0.0464 ms (now the
+    # default from 16384 keys), without it 0.0501; L2 prefetches further ahead 0.0486-0.0556;
+    # num_stages=1 evict_first per_sm=3 0.0518. Register caps (maxnreg) fit more programs
+    # (bytes in flight) per SM: 3 or 4 of 4 warps, 2 of 8 warps
     "decode_B1_ctx32768": [
-        dict(early_ids=True, merge_group=True),
-        dict(kv_ahead=True),
-        dict(kv_ahead=True, l2_ahead=2),
-        dict(kv_ahead=True, kv_evict="evict_first"),
-        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2),
-        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4),
-        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=4, block_n=32, programs_per_sm=3),
-        dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=3, num_warps=8, programs_per_sm=1),
-        dict(num_stages=1, kv_evict="evict_first", programs_per_sm=3)],
-    "decode_B64_mixed": [dict(early_ids=True, merge_group=True),
-                         dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2)],
+        dict(kv_ahead=False, kv_evict=""),
+        dict(kv_ahead=True, kv_evict="evict_first", maxnreg=168, programs_per_sm=3),
+        dict(kv_ahead=True, kv_evict="evict_first", maxnreg=128, programs_per_sm=4),
+        dict(kv_ahead=True, kv_evict="evict_first", num_warps=8, maxnreg=128,
+             programs_per_sm=2),
+        dict(kv_ahead=True, kv_evict="evict_first", block_n=128, num_warps=8, maxnreg=128,
+             programs_per_sm=2)],
+    # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
+    "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
@@ -454,7 +458,7 @@ def label(kw):
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
-             "kv_evict": "evict", "l2_ahead": "l2"}
+             "kv_evict": "evict", "maxnreg": "reg"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items())
 

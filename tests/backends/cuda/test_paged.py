@@ -249,26 +249,26 @@ def test_decode_early_ids_and_group_merge(early_ids, merge_group):
 
 @pytest.mark.parametrize("kv_evict", ["", "evict_first"])
 def test_decode_kv_ahead_and_eviction_policy(kv_evict):
-    """The k/v tiles loaded one key tile ahead into registers (kv_ahead), with L2 prefetches
-    of the tiles further ahead (l2_ahead; a GPU only: the interpreter runs none), and the k/v
-    loads' eviction policy: split and unsplit, uneven lengths (a tile past the length, a
-    length-0 sequence), key tiles narrower than a page, ALiBi."""
+    """The k/v tiles loaded one key tile ahead into registers (kv_ahead) and the k/v loads'
+    eviction policy: split and unsplit, uneven lengths (a tile past the length, a length-0
+    sequence), key tiles narrower than a page, ALiBi."""
     kw = dict(kv_ahead=True, kv_evict=kv_evict)
     case = make_case(np.random.default_rng(34), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
                      mb=10, alibi=True)
-    check(case, "float32", n_split=1, l2_ahead=2, **kw)
+    check(case, "float32", n_split=1, **kw)
     check(case, "bfloat16", n_split=3, **kw)
     check(case, "float32", n_split=2, block_n=16, early_ids=False, kv_evict=kv_evict)
     case = make_case(np.random.default_rng(35), B=2, hq=4, hkv=1, d=16, bs=32, lens=(70, 9),
                      mb=3)
-    check(case, "float32", n_split=2, block_n=16, l2_ahead=1, **kw)   # tiles inside a page
+    check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
 
 
 def test_few_programs_launch_defaults(monkeypatch):
     """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
     defaults (kv_ahead and its policy among them); explicit knobs still win."""
     monkeypatch.setattr(K, "FEW_PROGRAMS_LAUNCH", dict(kv_ahead=True, kv_evict="evict_first",
-                                                      l2_ahead=2, block_n=8))
+                                                      block_n=16, maxnreg=168))
+    monkeypatch.setattr(K, "FEW_PROGRAMS_MIN_KEYS", 0)
     monkeypatch.setattr(K, "_LAUNCHES", {})
     case = make_case(np.random.default_rng(39), B=2, hq=4, hkv=1, d=16, bs=4, lens=(29, 6),
                      mb=8)
@@ -318,16 +318,18 @@ def test_many_splits_on_gpu():
 
 @on_gpu
 def test_kv_ahead_on_gpu():
-    """kv_ahead with evict_first and L2 prefetches on GPU-sized cases (B1 long context split 32
-    and 128 ways, uneven lengths), against the float64 reference."""
-    case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(9000,))
-    for kw in (dict(), dict(n_split=128), dict(block_n=32, programs_per_sm=3, l2_ahead=4)):
-        check(case, "bfloat16", **dict(dict(kv_ahead=True, kv_evict="evict_first", l2_ahead=2),
-                                       **kw))
+    """kv_ahead with evict_first on GPU-sized cases (B1 long context: the defaults, which take
+    it from 16384 keys, split 128 ways, register caps for 3 and 4 programs per SM; uneven
+    lengths), against the float64 reference."""
+    case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
+    check(case, "bfloat16")
+    for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
+               dict(maxnreg=128, programs_per_sm=4)):
+        check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))
-    check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", l2_ahead=2)
-    check(case, "float32", kv_ahead=True, l2_ahead=2)
+    check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first")
+    check(case, "float32", kv_ahead=True)
 
 
 def test_split_heuristic_uneven_lengths():

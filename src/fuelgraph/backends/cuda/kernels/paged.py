@@ -51,7 +51,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_loads import _kv_tile, _l2_prefetch
+from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 
 __all__ = ["paged_attn", "supports_paged_attn", "assume_valid", "MAX_HEAD_DIM"]
@@ -73,11 +73,14 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 #: up to this many splits merge in one step, whose loads are all independent (one round trip)
 MERGE_CHUNK = 64
 #: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
-#: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
-#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, l2_ahead; empty: the general defaults.
-#: Only when the longest context (the table's capacity when unknown) has FEW_PROGRAMS_MIN_KEYS
-FEW_PROGRAMS_LAUNCH: dict = {}
-FEW_PROGRAMS_MIN_KEYS = 0
+#: fewer than the SMs and the longest context (the table's capacity when unknown) has at least
+#: FEW_PROGRAMS_MIN_KEYS keys (B1 long contexts: a few long sequences split over many programs):
+#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, maxnreg. H200, B1 ctx 32768 under
+#: do_bench (its L2 flush leaves dirty lines): k/v a tile ahead in registers with evict_first
+#: 0.0464 ms against 0.0489 for the pipelined copies (which drop the policy); without
+#: evict_first 0.0501 (after a reading flush: 0.0413 against 0.0397)
+FEW_PROGRAMS_LAUNCH: dict = dict(kv_ahead=True, kv_evict="evict_first")
+FEW_PROGRAMS_MIN_KEYS = 16384
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
@@ -92,9 +95,9 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: k/v bytes are read once; first to go, they leave the L2's other lines (activations, dirty
 #: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
 #: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
-#: memory drop the policy). Knob l2_ahead: with kv_ahead, L2 prefetches of the key tile this
-#: many tiles ahead (more bytes in flight than registers hold; none in the CPU interpreter)
-KV_EVICT, KV_AHEAD, L2_AHEAD = "", False, 0
+#: memory drop the policy). (L2 prefetches of the tiles further ahead, tried with kv_ahead on
+#: the H200: 0.0486-0.0556 ms against 0.0464 without)
+KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -135,8 +138,7 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, L2_AHEAD: tl.constexpr,
-        LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -195,9 +197,6 @@ def _paged_attn_kernel(
             BLOCK_N, OFF32, KV_EVICT)
         j = lo + BLOCK_N + offs_n
         phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-        if L2_AHEAD > 0:     # block ids of the tile L2_AHEAD ahead, for its L2 prefetch
-            j = lo + L2_AHEAD * BLOCK_N + offs_n
-            phys_l2 = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
@@ -209,11 +208,6 @@ def _paged_attn_kernel(
                 D, BLOCK_N, OFF32, KV_EVICT)
             j_next = j + 2 * BLOCK_N
             phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-            if L2_AHEAD > 0:
-                _l2_prefetch(K, V, phys_l2, j + L2_AHEAD * BLOCK_N, hi, nb, in_page, hk, hkv,
-                             BS, D, BLOCK_N, LINES, LINE_ELEMS)
-                j_l2 = j + (L2_AHEAD + 1) * BLOCK_N
-                phys_l2 = tl.load(tab + j_l2 // BS, mask=j_l2 < hi, other=0)
         elif PREFETCH_IDX:
             phys = phys_next
             j_next = j + BLOCK_N
@@ -621,7 +615,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               l2_ahead=None):
+               maxnreg=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -635,8 +629,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers; implies prefetch_index), l2_ahead (with kv_ahead: L2 prefetch of the key
-    tile this many tiles ahead, 0 none)."""
+    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
+    more programs fit an SM)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -646,7 +640,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, l2_ahead)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -654,7 +648,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, l2_ahead)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -673,7 +667,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, l2_ahead=None):
+               kv_ahead=None, maxnreg=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -698,7 +692,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
         kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
         kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
-        l2_ahead = FEW_PROGRAMS_LAUNCH.get("l2_ahead") if l2_ahead is None else l2_ahead
+        maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
         bn = block_n or 16
@@ -729,13 +723,12 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead, LINE_ELEMS=128 // k_cache.element_size(),
-              L2_AHEAD=0 if INTERPRET or not ahead else int(L2_AHEAD if l2_ahead is None
-                                                            else l2_ahead),
-              LINES=next_pow2(_cdiv(d * k_cache.element_size(), 128)),
+              KV_AHEAD=ahead,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
+    if maxnreg and not INTERPRET:
+        kw["maxnreg"] = int(maxnreg)
     grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
