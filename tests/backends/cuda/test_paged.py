@@ -287,6 +287,51 @@ def test_decode_kv_ahead_nan_rows(monkeypatch):
         assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
 
 
+def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
+    """A launch configured while a CUDA graph is captured (faked) takes its arrival counters
+    from the pool an eager launch zeroed (no memset in the graph), a distinct aligned range per
+    launch, left at zero by the run; with the pool used up, fresh zeroed counters."""
+    case = make_case(np.random.default_rng(40), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 9),
+                     mb=8)
+    check(case, "float32", n_split=3)                 # eager: creates the pool
+    pool = K._GRAPH_COUNTERS[(torch.device(DEV).type, torch.device(DEV).index)]
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    start = pool[1]
+    for _ in range(2):
+        check(case, "float32", n_split=3)
+    assert pool[1] == start + 2 * 4 and start % 4 == 0           # grid (4, 1): 4 counters each
+    assert int(pool[0].abs().sum()) == 0
+    used, pool[1] = pool[1], pool[0].numel()
+    try:
+        check(case, "float32", n_split=3)
+    finally:
+        pool[1] = used
+
+
+@on_gpu
+def test_split_kernel_in_cuda_graphs():
+    """Two graphs capturing split launches (counters from the pool, distinct ranges), replayed
+    in turn and repeatedly, after the data changed in place, equal eager calls."""
+    case = make_case(np.random.default_rng(41), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
+    dc = to_dev(case, "bfloat16")
+    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16)]
+    want = [c().float() for c in calls]
+    graphs, outs = [], []
+    for c in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(c())
+        graphs.append(g)
+    for _ in range(3):
+        for g, o, w in zip(graphs, outs, want):
+            g.replay()
+            torch.testing.assert_close(o.float(), w, rtol=0, atol=0)
+    dc["q"].mul_(-1.0)
+    for g, o, c in zip(graphs, outs, calls):
+        g.replay()
+        torch.testing.assert_close(o.float(), c().float(), rtol=0, atol=0)
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),

@@ -581,15 +581,29 @@ def _splits(B, hkv, n_tiles, cap, stats, block_n, device, per_sm=PROGRAMS_PER_SM
 #: one stream may share it): float32 partials, and the arrival counters of the fused merge,
 #: which the last arriving program resets to zero
 _SCRATCH: dict = {}
+#: arrival counters for launches captured in CUDA graphs: zeroed once by an eager launch, never
+#: freed, a distinct 16-byte aligned range per captured launch (graphs may replay on any
+#: stream), left at zero by every replay; used up (or before any eager launch), a capture
+#: zeroes fresh counters in the graph instead (a memset node before each replay)
+_GRAPH_COUNTERS: dict = {}
+GRAPH_COUNTERS = 1 << 16
 
 
 def _scratch(device, n_float, n_count):
-    """(float32 buffer of >= n_float, int32 zeros of >= n_count). Fresh (not cached) buffers
-    while a CUDA graph is captured: the graph owns them and replays their zeroing."""
-    if _capturing():
-        return (torch.empty(n_float, dtype=torch.float32, device=device),
-                torch.zeros(n_count, dtype=torch.int32, device=device))
+    """(float32 buffer of >= n_float, int32 zeros of >= n_count). While a CUDA graph is
+    captured: a fresh float buffer (the graph owns it) and counters of _GRAPH_COUNTERS."""
     key = (device.type, device.index)
+    if _capturing():
+        pool = _GRAPH_COUNTERS.get(key)
+        n = -(-n_count // 4) * 4
+        if pool is not None and pool[1] + n <= pool[0].numel():
+            c = pool[0][pool[1]:pool[1] + n]
+            pool[1] += n
+        else:
+            c = torch.zeros(n_count, dtype=torch.int32, device=device)
+        return torch.empty(n_float, dtype=torch.float32, device=device), c
+    if key not in _GRAPH_COUNTERS:
+        _GRAPH_COUNTERS[key] = [torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
     f, c = _SCRATCH.get(key, (None, None))
     if f is None or f.numel() < n_float:
         f = torch.empty(max(n_float, 1 << 16), dtype=torch.float32, device=device)
