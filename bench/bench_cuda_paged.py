@@ -430,15 +430,13 @@ SWEEPS = {
     # plain loads, which keep kv_evict's L2 policy) with evict_first 0.0464 ms (now the
     # default from 16384 keys), without it 0.0501; L2 prefetches further ahead 0.0486-0.0556;
     # num_stages=1 evict_first per_sm=3 0.0518. Register caps (maxnreg) fit more programs
-    # (bytes in flight) per SM: 3 or 4 of 4 warps, 2 of 8 warps
+    # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
+    # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles:
+    # 168 registers, 3 programs per SM without a cap
     "decode_B1_ctx32768": [
         dict(kv_ahead=False, kv_evict=""),
-        dict(kv_ahead=True, kv_evict="evict_first", maxnreg=168, programs_per_sm=3),
-        dict(kv_ahead=True, kv_evict="evict_first", maxnreg=128, programs_per_sm=4),
-        dict(kv_ahead=True, kv_evict="evict_first", num_warps=8, maxnreg=128,
-             programs_per_sm=2),
-        dict(kv_ahead=True, kv_evict="evict_first", block_n=128, num_warps=8, maxnreg=128,
-             programs_per_sm=2)],
+        dict(kv_ahead=True, kv_evict="evict_first", block_n=32, programs_per_sm=3),
+        dict(kv_ahead=True, kv_evict="evict_first", block_n=32)],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],

@@ -283,7 +283,7 @@ def test_decode_kv_ahead_nan_rows(monkeypatch):
     case["block_table"] = case["block_table"].copy()
     case["block_table"][0, 2] = 10 ** 6                          # live entry outside the pool
     for ns in (1, 2):
-        got = run(to_dev(case, "float32"), n_split=ns, kv_ahead=True, block_n=4).cpu().numpy()
+        got = run(to_dev(case, "float32"), n_split=ns, kv_ahead=True, block_n=16).cpu().numpy()
         assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
 
 
@@ -294,7 +294,8 @@ def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
     case = make_case(np.random.default_rng(40), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 9),
                      mb=8)
     check(case, "float32", n_split=3)                 # eager: creates the pool
-    pool = K._GRAPH_COUNTERS[(torch.device(DEV).type, torch.device(DEV).index)]
+    dev = torch.empty(0, device=DEV).device
+    pool = K._GRAPH_COUNTERS[(dev.type, dev.index)]
     monkeypatch.setattr(K, "_capturing", lambda: True)
     start = pool[1]
     for _ in range(2):
@@ -364,12 +365,12 @@ def test_many_splits_on_gpu():
 @on_gpu
 def test_kv_ahead_on_gpu():
     """kv_ahead with evict_first on GPU-sized cases (B1 long context: the defaults, which take
-    it from 16384 keys, split 128 ways, register caps for 3 and 4 programs per SM; uneven
-    lengths), against the float64 reference."""
+    it from 16384 keys, split 128 ways, a register cap for 3 programs per SM, 32-key tiles;
+    uneven lengths), against the float64 reference."""
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     check(case, "bfloat16")
     for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
-               dict(maxnreg=128, programs_per_sm=4)):
+               dict(block_n=32, programs_per_sm=3), dict(block_n=32)):
         check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))
