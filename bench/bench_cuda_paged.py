@@ -431,8 +431,8 @@ SWEEPS = {
     # default from 16384 keys), without it 0.0501; L2 prefetches further ahead 0.0486-0.0556;
     # num_stages=1 evict_first per_sm=3 0.0518. Register caps (maxnreg) fit more programs
     # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
-    # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles:
-    # 168 registers, 3 programs per SM without a cap
+    # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
+    # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
     "decode_B1_ctx32768": [
         dict(kv_ahead=False, kv_evict=""),
         dict(kv_ahead=True, kv_evict="evict_first", block_n=32, programs_per_sm=3),

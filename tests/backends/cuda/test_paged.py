@@ -291,20 +291,21 @@ def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
     """A launch configured while a CUDA graph is captured (faked) takes its arrival counters
     from the pool an eager launch zeroed (no memset in the graph), a distinct aligned range per
     launch, left at zero by the run; with the pool used up, fresh zeroed counters."""
-    case = make_case(np.random.default_rng(40), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 9),
-                     mb=8)
-    check(case, "float32", n_split=3)                 # eager: creates the pool
+    case = make_case(np.random.default_rng(40), B=2, hq=4, hkv=2, d=16, bs=4, lens=(70, 9),
+                     mb=20)
+    kw = dict(n_split=3, block_n=16)                  # 3 splits of 32 keys, here and on a GPU
+    check(case, "float32", **kw)                      # eager: creates the pool
     dev = torch.empty(0, device=DEV).device
     pool = K._GRAPH_COUNTERS[(dev.type, dev.index)]
     monkeypatch.setattr(K, "_capturing", lambda: True)
     start = pool[1]
     for _ in range(2):
-        check(case, "float32", n_split=3)
+        check(case, "float32", **kw)
     assert pool[1] == start + 2 * 4 and start % 4 == 0           # grid (4, 1): 4 counters each
     assert int(pool[0].abs().sum()) == 0
     used, pool[1] = pool[1], pool[0].numel()
     try:
-        check(case, "float32", n_split=3)
+        check(case, "float32", **kw)
     finally:
         pool[1] = used
 
