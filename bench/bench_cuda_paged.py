@@ -16,7 +16,7 @@ pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every 
 is checked against a reference before it is timed (field max_err).
 
     python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
-        [--part K/N] [--clean-l2]
+        [--part K/N] [--clean-l2] [--graph] [--bounds]
 
 --sweep also times the launch candidates listed in SWEEPS as impl "fuelgraph[...]" (a few per
 case: each is one compile). --warm compiles and checks every launch once and times nothing: run
@@ -25,7 +25,11 @@ Triton's cache (--part K/N: only every N-th candidate from the K-th, so N proces
 the candidates in parallel). --clean-l2 adds ms_clean_l2 to each decode record: the time
 when the L2 was flushed by reading 256 MB instead of do_bench's writing them (do_bench leaves
 up to the L2's size of dirty lines, whose write-back shares the DRAM with the kernel's reads:
-a fixed cost that weighs most on the smallest case, B1). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
+a fixed cost that weighs most on the smallest case, B1). --graph adds the decode kernel (and with
+--sweep each candidate) replayed from a CUDA graph, impl "... (CUDA graph)". --bounds adds, per
+decode case, a plain streaming read of exactly its live k/v bytes (impl "read live k/v bytes":
+the floor for any kernel reading them once, under the same timing; SDPA / read bounds the
+speedup on SDPA) and SDPA's GB/s on the dense cache it reads (field gbps_padded). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
 prefill, decode_B32, append). Every record also has host_us: the host time of one call (launch overhead); when it
 exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
@@ -46,6 +50,8 @@ import time
 import traceback
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -232,6 +238,70 @@ def kernel_fn(inp, **kw):
     return lambda: K.paged_attn(*args, softmax_scale=1 / math.sqrt(D), **kw)
 
 
+def graph_fn(fn):
+    """fn captured in a CUDA graph (after one eager call: compile, checks, memo), replayed per
+    call; returns the captured output. The capture gives the split path fresh scratch, whose
+    zeroing of the arrival counters is then a memset node replayed before the kernel."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    keep = [g, out]
+    return lambda: (keep[0].replay(), keep[1])[1]
+
+
+@triton.jit
+def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """XORs n int32 words (each program every num_programs-th pair of BLOCKs, both loads issued
+    before either is used): a plain streaming read with few registers per byte in flight, the
+    time any kernel needs to read that many bytes once."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for start in range(pid * 2 * BLOCK, n, tl.num_programs(0) * 2 * BLOCK):
+        o1 = start + tl.arange(0, BLOCK)
+        o2 = o1 + BLOCK
+        a = tl.load(X + o1, mask=o1 < n, other=0, eviction_policy=EVICT)
+        b = tl.load(X + o2, mask=o2 < n, other=0, eviction_policy=EVICT)
+        acc ^= a ^ b
+    tl.store(OUT + pid, tl.xor_sum(acc, 0))
+
+
+def read_bounds(case, nbytes):
+    """Floors for this case's live k/v bytes under the same timing: a streaming read of exactly
+    nbytes (a Triton sum over a contiguous buffer, a few grid sizes; the fastest is recorded as
+    impl "read live k/v bytes"; the same with L2 evict_first loads as "... (evict_first)") and
+    torch's copy_ of them (read + write, its GB/s counts both)."""
+    x = torch.randn(nbytes // 2, device=DEV).to(DT)
+    words = x.view(torch.int32)
+    sms = K.num_sms(x.device)
+
+    def launch(grid, block, warps, evict):
+        part = torch.empty(grid, dtype=torch.int32, device=DEV)
+        return lambda: _read_kernel[(grid,)](words, part, words.numel(), BLOCK=block,
+                                             EVICT=evict, num_warps=warps)
+    for evict in ("", "evict_first"):
+        best = None
+        for per_sm, block, warps in ((4, 4096, 8), (8, 2048, 4), (2, 8192, 8)):
+            grid = sms * per_sm
+            fn = launch(grid, block, warps, evict)
+            fn()
+            ms = t_ms(fn)
+            if best is None or ms < best[0]:
+                best = (ms, fn, dict(grid=grid, block=block, num_warps=warps))
+        run("paged_attn", "read live k/v bytes" + (f" ({evict})" if evict else ""), case,
+            best[1], nbytes=nbytes, launch=best[2],
+            note="Triton sum of a contiguous buffer of the live k/v bytes")
+    y = torch.empty_like(x)
+    run("paged_attn", "copy live k/v bytes", case, lambda: y.copy_(x), nbytes=2 * nbytes,
+        note="torch copy_ of the live k/v bytes (GB/s counts read + write)")
+    del x, y
+
+
 def reference(inp, rows=None):
     """SDPA per sequence on its exact keys (bottom-right causal when Sq > 1)."""
     q = inp["q"]
@@ -260,6 +330,8 @@ def bench_decode(name, lens, args, pad_to_longest=False):
         run("paged_attn", "fuelgraph kernel", case, kernel_fn(inp), err, nbytes=nbytes)
     if args.sweep:
         sweep(case, inp, err, nbytes=nbytes, decode=True)
+    if args.bounds and REP["part"][0] == REP["part"][1] - 1:     # (--warm: compiles them)
+        read_bounds(case, nbytes)
     if args.no_anchors or args.warm or REP["part"][0] != 0:
         return case
     # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
@@ -267,11 +339,17 @@ def bench_decode(name, lens, args, pad_to_longest=False):
     L = int(max(lens))
     kd = torch.stack([dense(inp, b, L)[0] for b in range(len(lens))])
     vd = torch.stack([dense(inp, b, L)[1] for b in range(len(lens))])
-    run("paged_attn", "torch eager", case,
-        lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kd, vd,
-                                                                 enable_gqa=True),
-        None if pad_to_longest else err, nbytes=nbytes,
-        anchor="SDPA dense" + (" padded to the longest, no mask" if pad_to_longest else ""))
+    padded = kd.numel() * kd.element_size() * 2
+    rec = run("paged_attn", "torch eager", case,
+              lambda: torch.nn.functional.scaled_dot_product_attention(inp["q"], kd, vd,
+                                                                       enable_gqa=True),
+              None if pad_to_longest else err, nbytes=nbytes, padded_bytes=padded,
+              anchor="SDPA dense" + (" padded to the longest, no mask" if pad_to_longest
+                                     else ""))
+    if rec is not None:       # SDPA's own bandwidth: the bytes of the dense cache it reads
+        rec["gbps_padded"] = round(padded / (rec["ms"] * 1e-3) / 1e9, 1)
+        print(f"    SDPA reads {padded / 1e6:.1f} MB (live {nbytes / 1e6:.1f} MB): "
+              f"{rec['gbps_padded']:.0f} GB/s on its dense cache", flush=True)
     if HAVE_FLASH:
         fa = lambda: flash_attn_with_kvcache(   # noqa: E731
             inp["q"].transpose(1, 2), inp["k_cache"], inp["v_cache"],
@@ -279,6 +357,16 @@ def bench_decode(name, lens, args, pad_to_longest=False):
         run("paged_attn", "flash", case, fa, err, nbytes=nbytes,
             anchor="flash_attn_with_kvcache on the same paged pool")
     del kd, vd
+    if args.graph:           # last: a failed capture costs no other record
+        for kw in [None] + (SWEEPS.get(name, []) if args.sweep else []):
+            impl = "fuelgraph kernel" if kw is None else f"fuelgraph[{label(kw)}]"
+            try:
+                fn = graph_fn(kernel_fn(inp, **(kw or {})))
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {name:24s} {impl} (CUDA graph) capture FAILED: {exc!r}"[:200],
+                      flush=True)
+                continue
+            run("paged_attn", impl + " (CUDA graph)", case, fn, err, nbytes=nbytes, launch=kw)
     return case
 
 
@@ -336,14 +424,21 @@ SWEEPS = {
     # same shared memory; num_stages 4 = 2 tiles ahead (104 KB: 2 per SM); early_ids (first ids
     # with the length) and merge_group (the fused merge's rows together) shorten the head and
     # the tail of the launch
+    # (session 6: per_sm=3 0.0518 ms, num_stages=4 0.0508, bn=32 st=5 per_sm=3 0.0527, bn=32
+    # st=4 per_sm=4 0.0512, num_warps=8 0.0514, against 0.0492 for the defaults of then, the
+    # pipelined copies = ahead=0 below). Session 7: k/v a tile ahead in registers (kv_ahead,
+    # plain loads, which keep kv_evict's L2 policy) with evict_first 0.0464 ms (now the
+    # default from 16384 keys), without it 0.0501; L2 prefetches further ahead 0.0486-0.0556;
+    # num_stages=1 evict_first per_sm=3 0.0518. Register caps (maxnreg) fit more programs
+    # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
+    # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
+    # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
     "decode_B1_ctx32768": [
-        dict(early_ids=True, merge_group=True),
-        dict(programs_per_sm=3, early_ids=True, merge_group=True),
-        dict(num_stages=4, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=5, programs_per_sm=3, early_ids=True, merge_group=True),
-        dict(block_n=32, num_stages=4, programs_per_sm=4, early_ids=True, merge_group=True),
-        dict(num_warps=8, early_ids=True, merge_group=True)],
-    "decode_B64_mixed": [dict(early_ids=True, merge_group=True)],
+        dict(kv_ahead=False, kv_evict=""),
+        dict(kv_ahead=True, kv_evict="evict_first", block_n=32, programs_per_sm=3),
+        dict(kv_ahead=True, kv_evict="evict_first", block_n=32)],
+    # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
+    "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
@@ -360,8 +455,9 @@ def label(kw):
     short = {"prefetch_index": "pf", "merge_chunk": "mc", "early_ids": "early",
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
-             "prefill": "prefill", "page_tiles": "pt"}
-    return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else v}"
+             "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
+             "kv_evict": "evict", "maxnreg": "reg"}
+    return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items())
 
 
@@ -468,12 +564,25 @@ def targets_table():
             tgt = f">= {goal:.1f}x"
         print(f"{case:26s} {ours['ms']:8.4f} {a_ms}   {desc:19s} {tgt:10s} {'yes' if ok else 'NO'}")
         variants = [r for r in RECORDS if r.get("case") == case and "ms" in r
-                    and r.get("impl", "").startswith("fuelgraph[") and not r.get("wrong")]
+                    and r.get("impl", "").startswith("fuelgraph[") and not r.get("wrong")
+                    and not r["impl"].endswith("(CUDA graph)")]
         if variants:
             v = min(variants, key=lambda r: r["ms"])
             vs = f"{v['gbps']:.0f} GB/s" if kind == "abs" else \
                 (f"{anchor['ms'] / v['ms']:.2f}x" if anchor else "")
             print(f"  best variant {v['impl']}: {v['ms']:.4f} ms {vs}")
+        floor = best(case, "read live k/v bytes")
+        if floor is not None:
+            sd = best(case, "torch eager")
+            bound = f"; SDPA / read = {sd['ms'] / floor['ms']:.2f}x (the most any kernel that " \
+                "reads the live bytes once can gain on SDPA)" if sd else ""
+            print(f"  read of the live k/v bytes: {floor['ms']:.4f} ms {floor['gbps']:.0f} GB/s"
+                  f"{bound}")
+        graphed = [r for r in RECORDS if r.get("case") == case and "ms" in r
+                   and r.get("impl", "").endswith("(CUDA graph)") and not r.get("wrong")]
+        if graphed:
+            v = min(graphed, key=lambda r: r["ms"])
+            print(f"  best in a CUDA graph {v['impl']}: {v['ms']:.4f} ms {v['gbps']:.0f} GB/s")
 
 
 def main():
@@ -488,6 +597,10 @@ def main():
                     "(the defaults and anchors only in part 0): parallel --warm processes")
     ap.add_argument("--clean-l2", action="store_true", help="decode records also get the "
                     "time after a reading L2 flush (ms_clean_l2)")
+    ap.add_argument("--graph", action="store_true", help="decode cases: also time the kernel "
+                    "(and with --sweep each candidate) replayed from a CUDA graph")
+    ap.add_argument("--bounds", action="store_true", help="decode cases: also time a plain "
+                    "read (and a copy) of exactly the live k/v bytes: the floor for any kernel")
     ap.add_argument("--smoke", action="store_true", help="check this script without a GPU: "
                     "TRITON_INTERPRET=1, CPU tensors, tiny cases, implies --warm")
     ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "

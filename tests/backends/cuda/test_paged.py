@@ -247,6 +247,93 @@ def test_decode_early_ids_and_group_merge(early_ids, merge_group):
     check(case, "float32", n_split=2, **kw)
 
 
+@pytest.mark.parametrize("kv_evict", ["", "evict_first"])
+def test_decode_kv_ahead_and_eviction_policy(kv_evict):
+    """The k/v tiles loaded one key tile ahead into registers (kv_ahead) and the k/v loads'
+    eviction policy: split and unsplit, uneven lengths (a tile past the length, a length-0
+    sequence), key tiles narrower than a page, ALiBi."""
+    kw = dict(kv_ahead=True, kv_evict=kv_evict)
+    case = make_case(np.random.default_rng(34), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
+                     mb=10, alibi=True)
+    check(case, "float32", n_split=1, **kw)
+    check(case, "bfloat16", n_split=3, **kw)
+    check(case, "float32", n_split=2, block_n=16, early_ids=False, kv_evict=kv_evict)
+    case = make_case(np.random.default_rng(35), B=2, hq=4, hkv=1, d=16, bs=32, lens=(70, 9),
+                     mb=3)
+    check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
+
+
+def test_few_programs_launch_defaults(monkeypatch):
+    """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
+    defaults (kv_ahead and its policy among them); explicit knobs still win."""
+    monkeypatch.setattr(K, "FEW_PROGRAMS_LAUNCH", dict(kv_ahead=True, kv_evict="evict_first",
+                                                      block_n=16, maxnreg=168))
+    monkeypatch.setattr(K, "FEW_PROGRAMS_MIN_KEYS", 0)
+    monkeypatch.setattr(K, "_LAUNCHES", {})
+    case = make_case(np.random.default_rng(39), B=2, hq=4, hkv=1, d=16, bs=4, lens=(29, 6),
+                     mb=8)
+    check(case, "float32", n_split=2)
+    check(case, "float32", n_split=2, kv_ahead=False)
+
+
+def test_decode_kv_ahead_nan_rows(monkeypatch):
+    """kv_ahead with the check skipped: a live block id outside the pool poisons its row."""
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    case = make_case(np.random.default_rng(36), B=2, d=16, bs=4, lens=(11, 6), mb=3)
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][0, 2] = 10 ** 6                          # live entry outside the pool
+    for ns in (1, 2):
+        got = run(to_dev(case, "float32"), n_split=ns, kv_ahead=True, block_n=16).cpu().numpy()
+        assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
+def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
+    """A launch configured while a CUDA graph is captured (faked) takes its arrival counters
+    from the pool an eager launch zeroed (no memset in the graph), a distinct aligned range per
+    launch, left at zero by the run; with the pool used up, fresh zeroed counters."""
+    case = make_case(np.random.default_rng(40), B=2, hq=4, hkv=2, d=16, bs=4, lens=(70, 9),
+                     mb=20)
+    kw = dict(n_split=3, block_n=16)                  # 3 splits of 32 keys, here and on a GPU
+    check(case, "float32", **kw)                      # eager: creates the pool
+    dev = torch.empty(0, device=DEV).device
+    pool = K._GRAPH_COUNTERS[(dev.type, dev.index)]
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    start = pool[1]
+    for _ in range(2):
+        check(case, "float32", **kw)
+    assert pool[1] == start + 2 * 4 and start % 4 == 0           # grid (4, 1): 4 counters each
+    assert int(pool[0].abs().sum()) == 0
+    used, pool[1] = pool[1], pool[0].numel()
+    try:
+        check(case, "float32", **kw)
+    finally:
+        pool[1] = used
+
+
+@on_gpu
+def test_split_kernel_in_cuda_graphs():
+    """Two graphs capturing split launches (counters from the pool, distinct ranges), replayed
+    in turn and repeatedly, after the data changed in place, equal eager calls."""
+    case = make_case(np.random.default_rng(41), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
+    dc = to_dev(case, "bfloat16")
+    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16)]
+    want = [c().float() for c in calls]
+    graphs, outs = [], []
+    for c in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(c())
+        graphs.append(g)
+    for _ in range(3):
+        for g, o, w in zip(graphs, outs, want):
+            g.replay()
+            torch.testing.assert_close(o.float(), w, rtol=0, atol=0)
+    dc["q"].mul_(-1.0)
+    for g, o, c in zip(graphs, outs, calls):
+        g.replay()
+        torch.testing.assert_close(o.float(), c().float(), rtol=0, atol=0)
+
+
 def test_split_merge_in_a_second_launch():
     """The unfused merge (benchmark variant) agrees with the fused one."""
     case = make_case(np.random.default_rng(23), B=2, hq=4, hkv=2, d=16, bs=4, lens=(23, 0),
@@ -274,6 +361,22 @@ def test_many_splits_on_gpu():
                                        atol=2e-2)
     check(case, "bfloat16")
     check(case, "bfloat16", early_ids=True, merge_group=True, programs_per_sm=3)
+
+
+@on_gpu
+def test_kv_ahead_on_gpu():
+    """kv_ahead with evict_first on GPU-sized cases (B1 long context: the defaults, which take
+    it from 16384 keys, split 128 ways, a register cap for 3 programs per SM, 32-key tiles;
+    uneven lengths), against the float64 reference."""
+    case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
+    check(case, "bfloat16")
+    for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
+               dict(block_n=32, programs_per_sm=3), dict(block_n=32)):
+        check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
+    case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
+                     lens=(3000, 17, 0, 700))
+    check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first")
+    check(case, "float32", kv_ahead=True)
 
 
 def test_split_heuristic_uneven_lengths():

@@ -8,10 +8,11 @@ pool block up in the block table, so every live k/v block is read once per (tile
 load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
 are read one iteration ahead: a gathered load whose address comes from a load of the same
 iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
-with the ids carried over, the k/v tiles stream num_stages - 1 deep. Scores are float32
-(`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long contexts split the
-keys over several programs (flash-decoding): the grid is (sequence x kv head, tile, split) with
-one split length for the launch, sized from the live lengths (finer when lengths are uneven);
+with the ids carried over, the k/v tiles stream num_stages - 1 deep (or, knob kv_ahead, the
+next tile's k/v are plain loads into registers, which keep an L2 eviction policy: `paged_loads`).
+Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long
+contexts split the keys over several programs (flash-decoding): the grid is (sequence x kv
+head, tile, split) with one split length for the launch, sized from the live lengths (finer when lengths are uneven);
 a split past its own sequence's length exits at once, so each sequence runs as many programs as
 its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
@@ -50,6 +51,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .attention import _PRUNE_FWD, FWD_CONFIGS, _key_ranges, _scores
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 
 __all__ = ["paged_attn", "supports_paged_attn", "assume_valid", "MAX_HEAD_DIM"]
@@ -71,9 +73,14 @@ UNEVEN, UNEVEN_SPLITS = 1.25, 8
 #: up to this many splits merge in one step, whose loads are all independent (one round trip)
 MERGE_CHUNK = 64
 #: launch defaults of the grouped decode kernel when its (sequence, kv head, tile) triples are
-#: fewer than the SMs (B1 long contexts: a few long sequences split over many programs):
-#: block_n, num_stages, programs_per_sm; empty: the general defaults
-FEW_PROGRAMS_LAUNCH: dict = {}
+#: fewer than the SMs and the longest context (the table's capacity when unknown) has at least
+#: FEW_PROGRAMS_MIN_KEYS keys (B1 long contexts: a few long sequences split over many programs):
+#: block_n, num_stages, programs_per_sm, kv_ahead, kv_evict, maxnreg. H200, B1 ctx 32768 under
+#: do_bench (its L2 flush leaves dirty lines): k/v a tile ahead in registers with evict_first
+#: 0.0464 ms against 0.0489 for the pipelined copies (which drop the policy); without
+#: evict_first 0.0501 (after a reading flush: 0.0413 against 0.0397)
+FEW_PROGRAMS_LAUNCH: dict = dict(kv_ahead=True, kv_evict="evict_first")
+FEW_PROGRAMS_MIN_KEYS = 16384
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
@@ -84,6 +91,13 @@ EARLY_IDS = True
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
 #: G_T (launch knob merge_group; H200 B32 ctx 4096 alone: 0.1363 ms against 0.1376)
 MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
+#: knob kv_evict: L2 eviction priority of the grouped kernel's k/v loads ("", "evict_first"):
+#: k/v bytes are read once; first to go, they leave the L2's other lines (activations, dirty
+#: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
+#: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
+#: memory drop the policy). (L2 prefetches of the tiles further ahead, tried with kv_ahead on
+#: the H200: 0.0486-0.0556 ms against 0.0464 without)
+KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -123,7 +137,8 @@ def _paged_attn_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
-        OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr):
+        OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -176,27 +191,42 @@ def _paged_attn_kernel(
         else:
             j = lo + offs_n
             phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
+        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
+            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
+            BLOCK_N, OFF32, KV_EVICT)
+        j = lo + BLOCK_N + offs_n
+        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
-        if PREFETCH_IDX:
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+            k_next, v_next, n_bad = _kv_tile(
+                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                D, BLOCK_N, OFF32, KV_EVICT)
+            j_next = j + 2 * BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        elif PREFETCH_IDX:
             phys = phys_next
             j_next = j + BLOCK_N
             phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
         else:
             phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-        p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
-        n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-        phys = tl.where(p_ok, phys, 0)
-        if BLOCK_N % BS != 0:
-            in_page = ((j % BS) * hkv + hk) * D
-        if OFF32:                # the pool's element offsets fit int32: cheaper addresses
-            kv_row = phys * (BS * hkv * D) + in_page
-        else:
-            kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-        kv_off = kv_row[:, None] + d[None, :]
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        if not KV_AHEAD:
+            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
+            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+            phys = tl.where(p_ok, phys, 0)
+            if BLOCK_N % BS != 0:
+                in_page = ((j % BS) * hkv + hk) * D
+            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                kv_row = phys * (BS * hkv * D) + in_page
+            else:
+                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+            kv_off = kv_row[:, None] + d[None, :]
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -217,7 +247,8 @@ def _paged_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        if not KV_AHEAD:
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         if DOT_F32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -550,15 +581,29 @@ def _splits(B, hkv, n_tiles, cap, stats, block_n, device, per_sm=PROGRAMS_PER_SM
 #: one stream may share it): float32 partials, and the arrival counters of the fused merge,
 #: which the last arriving program resets to zero
 _SCRATCH: dict = {}
+#: arrival counters for launches captured in CUDA graphs: zeroed once by an eager launch, never
+#: freed, a distinct 16-byte aligned range per captured launch (graphs may replay on any
+#: stream), left at zero by every replay; used up (or before any eager launch), a capture
+#: zeroes fresh counters in the graph instead (a memset node before each replay)
+_GRAPH_COUNTERS: dict = {}
+GRAPH_COUNTERS = 1 << 16
 
 
 def _scratch(device, n_float, n_count):
-    """(float32 buffer of >= n_float, int32 zeros of >= n_count). Fresh (not cached) buffers
-    while a CUDA graph is captured: the graph owns them and replays their zeroing."""
-    if _capturing():
-        return (torch.empty(n_float, dtype=torch.float32, device=device),
-                torch.zeros(n_count, dtype=torch.int32, device=device))
+    """(float32 buffer of >= n_float, int32 zeros of >= n_count). While a CUDA graph is
+    captured: a fresh float buffer (the graph owns it) and counters of _GRAPH_COUNTERS."""
     key = (device.type, device.index)
+    if _capturing():
+        pool = _GRAPH_COUNTERS.get(key)
+        n = -(-n_count // 4) * 4
+        if pool is not None and pool[1] + n <= pool[0].numel():
+            c = pool[0][pool[1]:pool[1] + n]
+            pool[1] += n
+        else:
+            c = torch.zeros(n_count, dtype=torch.int32, device=device)
+        return torch.empty(n_float, dtype=torch.float32, device=device), c
+    if key not in _GRAPH_COUNTERS:
+        _GRAPH_COUNTERS[key] = [torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
     f, c = _SCRATCH.get(key, (None, None))
     if f is None or f.numel() < n_float:
         f = torch.empty(max(n_float, 1 << 16), dtype=torch.float32, device=device)
@@ -583,7 +628,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                softcap=None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
-               merge_group=None, programs_per_sm=None):
+               merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
+               maxnreg=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -595,7 +641,10 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
     ahead: the first tile's ids requested with the length), merge_group (fused merge of a
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
-    when sizing the splits)."""
+    when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
+    "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
+    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
+    more programs fit an SM)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -605,7 +654,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -613,7 +662,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -631,7 +680,8 @@ _LAUNCHES: dict = {}
 def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale, softcap,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
-               early_ids=None, merge_group=None, programs_per_sm=None):
+               early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
+               kv_ahead=None, maxnreg=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -649,16 +699,23 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     g_t, sq_t = _tiles(g, sq, block_m)
     n_qt, n_gt = _cdiv(sq, sq_t), _cdiv(g, g_t)
     decode = sq_t * g_t <= 16
-    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device):
+    if decode and d <= 128 and B * hkv * n_gt * n_qt < num_sms(q.device) and \
+            (mb * bs if stats is None else stats[0]) >= FEW_PROGRAMS_MIN_KEYS:
         block_n = block_n or FEW_PROGRAMS_LAUNCH.get("block_n")
         num_stages = num_stages or FEW_PROGRAMS_LAUNCH.get("num_stages")
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
+        kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
+        kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
+        maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
         bn = block_n or 16
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
+    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
+    if kv_ahead:
+        pf = ahead = True
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
@@ -679,10 +736,13 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
-              PREFETCH_IDX=pf,
+              PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
+              KV_AHEAD=ahead,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
-              num_stages=num_stages or (3 if decode else 2))
+              num_stages=num_stages or (1 if ahead else 3 if decode else 2))
+    if maxnreg and not INTERPRET:
+        kw["maxnreg"] = int(maxnreg)
     grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
