@@ -13,6 +13,7 @@ CANDIDATES, each checked against the dense product first. Effective bandwidth = 
 
     python3 bench/bench_cuda_quant_gemv.py [--out DIR] [--ops Q4_0,nf4,...] [--ms 1,16]
                                            [--compile-only] [--no-cold] [--default-only]
+                                           [--pick 0,2]
 """
 from __future__ import annotations
 
@@ -51,13 +52,19 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
-#: split, warps, stages, fma, prefetch, join). 18:13 run: four planes a dot (one chunk a step)
-#: won for Q4_0 / Q8_0 (now their default), lost for Q4_K; 3 stages and prefetch lost. Around
-#: it: 8 planes a dot, 128 rows on 8 warps, prefetch, the previous default
-_DOTS = [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 1, 0, 8, 1, 1, 0, 4),
-         (128, 16, 1, 0, 8, 1, 1, 0, 8), (64, 16, 1, 0, 4, 1, 1, 1, 4), (64, 16, 2, 0, 4, 1)]
-DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS[1:2] + _DOTS[3:],
-                  "Q4_K": [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 2, 0, 8, 1)]}
+#: split, warps, stages, fma, prefetch, join, nat). 18:13 run: four planes a dot (one chunk a
+#: step) won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the planes
+#: in K order (nat: x read with 16-byte loads, not gathered) on whole steps (the default split
+#: is now a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops its masks;
+#: sm_90 SASS of Q4_0's loop 5.91 -> 4.72 instructions a weight); split 3 = the old default
+_NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
+_NAT_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1)
+DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _NAT, _NAT_PF,
+                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1), (128, 16, 1, 0, 8, 1, 1, 0, 4, 1)],
+                  "Q8_0": [_NAT],
+                  "awq": [_NAT, _NAT_PF],
+                  "Q4_K": [_NAT, _NAT_PF, (64, 16, 2, 0, 4, 1)],
+                  "nf4": [_NAT, _NAT_PF]}
 
 
 def weights(op, n, k, g):
@@ -126,6 +133,9 @@ def main():
                          "variants; c / d: M > 1, the first 3 / the rest (for a parallel "
                          "compile warm-up)")
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
+    ap.add_argument("--pick", default=None,
+                    help="indices into the configs of each (op, M): 0 = the default route, i = "
+                         "the i-th candidate (one compile a process in a parallel warm-up)")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -133,7 +143,7 @@ def main():
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
         jsonl = pathlib.Path(args.out) / "cuda_quant_gemv.jsonl"
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
     copies = 1 if args.compile_only or args.no_cold else COPIES
     for op in args.ops.split(","):
         made = [weights(op, n, k, g) for _ in range(copies)]
@@ -146,7 +156,9 @@ def main():
                 cut = 4
             else:
                 cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
-            if args.default_only:
+            if args.pick is not None:
+                cfgs = [cfgs[int(i)] for i in args.pick.split(",") if int(i) < len(cfgs)]
+            elif args.default_only:
                 cfgs = cfgs[:1]
             elif args.part in ("c", "d"):
                 cfgs = [] if m == 1 else cfgs[:3] if args.part == "c" else cfgs[3:]

@@ -219,15 +219,56 @@ def test_unpackable_groups():
 
 
 # ---- few rows: tensor-core dots on the packed copy (quant_packed_dot) ------------------------
-def _dot_cfg(m, variant="plain"):
+def _dot_cfg(m, variant="plain", split=None):
     """The dot kernel on 16 x 16 tiles; "pf_join": words loaded a step ahead and four planes
-    side by side in one dot; "join8": all planes of a chunk in one dot."""
+    side by side in one dot; "join8": all planes of a chunk in one dot; "nat" / "pf_nat8":
+    the joined planes in K order (x read contiguously)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
-    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8}}[variant]
-    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0, **extra)
+    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
+             "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1}}
+    split = (2 if m > 16 else 0) if split is None else split
+    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8"])
+def _dot_case(fmt, m, n=None):
+    """(n, k, float64 reference W.T [K, N], fn(x, cfg)) of a random weight of the format."""
+    rng = np.random.default_rng(m)
+    if fmt in ("Q4_0", "Q8_0", "Q4_K"):
+        n, k = n or 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
+        raw = gguf_bytes(rng, fmt, n, k)
+        ref = gguf_dequant_ref(raw, fmt).T
+        return n, k, ref, lambda x, c: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt,
+                                                 n=n, k=k, config=c)
+    if fmt == "NF4":
+        n, k = n or 11, 512
+        packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+        absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+        ref = nf4_reference(packed, absmax, 64).T
+        return n, k, ref, lambda x, c: K.nf4_matmul(x, to_dev(packed), to_dev(absmax),
+                                                    block_size=64, config=c)
+    n, k, gs = n or 24, 256, 128
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    ref = awq_reference(qw, qz, sc, gs)
+    return n, k, ref, lambda x, c: K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc),
+                                                group_size=gs, config=c)
+
+
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
+def test_packed_dot_even(fmt, variant):
+    """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
+    without bounds masks (planes in K order, or gathered x as the Q4_0 / Q8_0 default)."""
+    dt = torch.float32 if INTERPRET else torch.bfloat16
+    n, k, ref, fn = _dot_case(fmt, 16, n=32)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(9)).to(dt).to(DEV)
+    fmt_id = {"NF4": NF4, "AWQ": AWQ}[fmt] if fmt in ("NF4", "AWQ") else GGUF_IDS[fmt]
+    nch = k // P.CHUNK[fmt_id]          # one chunk a program: the steps divide evenly
+    check_product(fn(x, _dot_cfg(16, variant, split=nch)), x, ref, dt)
+
+
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):

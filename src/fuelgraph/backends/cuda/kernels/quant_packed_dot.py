@@ -23,33 +23,52 @@ DOT_FORMATS = PACKED_FORMATS - {Q6_K}
 
 @triton.jit
 def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr):
+            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
+            EVEN: tl.constexpr = False):
     """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied."""
     g = (ch * E + j * 32) // BS
-    s = tl.load(s_rows + g, mask=ok, other=0.0).to(tl.float32)
-    if KIND == 2 or KIND == 4:
+    if EVEN:
+        s = tl.load(s_rows + g)
+    else:
+        s = tl.load(s_rows + g, mask=ok, other=0)
+    if (KIND == 2 or KIND == 4) and EVEN:
+        zq = tl.load(z_rows + g).to(tl.int32)
+    elif KIND == 2 or KIND == 4:
         zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
     else:
         zq = 0
-    if KIND == 4:
-        s = d * s
-        zq = dmin * zq.to(tl.float32)
+    if KIND == 4:   # 6-bit scale and min to float through 2^23's mantissa (exact; I2F is a
+        #             quarter-rate instruction), times d / dmin as gguf-py does
+        s = d * ((s.to(tl.int32) | magic).to(tl.float32, bitcast=True) - 8388608.0)
+        zq = dmin * ((zq | magic).to(tl.float32, bitcast=True) - 8388608.0)
+    else:
+        s = s.to(tl.float32)
     return _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
 
 
 @triton.jit
 def _wquad(KIND: tl.constexpr, words, j0: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-           magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr, DT: tl.constexpr):
+           magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr, DT: tl.constexpr,
+           EVEN: tl.constexpr = False):
     """Planes j0 .. j0 + 3 side by side, [BN, C, 32, 2, 2] in DT (plane j0 + 2 h + i at
     [..., i, h]): the operand of one dot over four planes."""
-    w0 = _wplane(KIND, words, j0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS, FMA_DEQ)
+    w0 = _wplane(KIND, words, j0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS, FMA_DEQ,
+                 EVEN)
     w1 = _wplane(KIND, words, j0 + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ)
+                 FMA_DEQ, EVEN)
     w2 = _wplane(KIND, words, j0 + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ)
+                 FMA_DEQ, EVEN)
     w3 = _wplane(KIND, words, j0 + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ)
+                 FMA_DEQ, EVEN)
     return tl.join(tl.join(w0.to(DT), w1.to(DT)), tl.join(w2.to(DT), w3.to(DT)))
+
+
+@triton.jit
+def _x_tile(x_cols, k, k_ok, m_ok, EVEN: tl.constexpr):
+    """x rows at elements k [KT] of the dot's K order: [KT, BM]."""
+    if EVEN:
+        return tl.load(x_cols + k[:, None])
+    return tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -58,13 +77,19 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                        E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr,
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
-                       PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1):
+                       PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
+                       NAT: tl.constexpr = False, EVEN: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
     one DRAM round trip a step). JOIN = 4: four planes side by side in one dot (K = C * 128,
     x gathered in the matching order): a quarter of the dots, each a shared-memory round trip
-    with barriers (wgmma on sm_90); JOIN = 8: all eight planes of 4-bit formats (Q8_0: four)."""
+    with barriers (wgmma on sm_90); JOIN = 8: all eight planes of 4-bit formats (Q8_0: four).
+    NAT (with JOIN): the joined planes permuted back into K order (plane-major, as the chunk
+    holds them), so x is read in its own order, 16-byte loads of contiguous elements, rather
+    than gathered element by element (the permutation is free: the operand goes through
+    shared memory on its way to the MMA anyway). EVEN: no bounds masks (N, M and the chunks
+    are whole tiles / steps)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -85,8 +110,11 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if PREFETCH:
         ch = pid_s * STEPS * C + c
-        nxt = tl.load(q_rows + ch * 32 + t, mask=n_ok[:, None, None] & (ch < nch) & (t < 32),
-                      other=0)
+        if EVEN:
+            nxt = tl.load(q_rows + ch * 32 + t)
+        else:
+            nxt = tl.load(q_rows + ch * 32 + t,
+                          mask=n_ok[:, None, None] & (ch < nch) & (t < 32), other=0)
     for i in range(STEPS):
         ch0 = (pid_s * STEPS + i) * C
         ch = ch0 + c
@@ -94,52 +122,71 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
         if PREFETCH:
             words = nxt
             if i + 1 < STEPS:
-                nxt = tl.load(q_rows + (ch + C) * 32 + t,
-                              mask=n_ok[:, None, None] & (ch + C < nch) & (t < 32), other=0)
+                if EVEN:
+                    nxt = tl.load(q_rows + (ch + C) * 32 + t)
+                else:
+                    nxt = tl.load(q_rows + (ch + C) * 32 + t,
+                                  mask=n_ok[:, None, None] & (ch + C < nch) & (t < 32), other=0)
+        elif EVEN:
+            words = tl.load(q_rows + ch * 32 + t)
         else:
             words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
         k_ok = (ch0 + kt // 32) < nch
         if KIND == 4:
-            d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
-            dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
+            if EVEN:
+                d = tl.load(c_ptr + 2 * ch).to(tl.float32)
+                dmin = tl.load(c_ptr + 2 * ch + 1).to(tl.float32)
+            else:
+                d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
+                dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
         else:
             d = 0.0
             dmin = 0.0
         if JOIN == 8 and E == 256:     # all 8 planes of a 4-bit chunk in one dot
             kk = tl.arange(0, C * 256)          # (chunk, t, i, h, g): plane 4 g + 2 h + i
-            k = ((ch0 + kk // 256) * E + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32
-                 + (kk // 8) % 32)
-            kq_ok = (ch0 + kk // 256) < nch
-            xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :], other=0.0)
+            if NAT:                             # (chunk, g, h, i, t): K order
+                k = (ch0 + kk // 256) * E + kk % 256
+            else:
+                k = ((ch0 + kk // 256) * E
+                     + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32 + (kk // 8) % 32)
+            xt = _x_tile(x_cols, k, (ch0 + kk // 256) < nch, m_ok, EVEN)
             wj = tl.join(_wquad(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype),
+                                E, BS, FMA_DEQ, xt.dtype, EVEN),
                          _wquad(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype))              # [BN, C, 32, 2, 2, 2]
+                                E, BS, FMA_DEQ, xt.dtype, EVEN))        # [BN, C, 32, 2, 2, 2]
+            if NAT:
+                wj = tl.permute(wj, (0, 1, 5, 4, 3, 2))                 # [BN, C, 2, 2, 2, 32]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
         elif JOIN >= 4:
             for jg in tl.static_range(E // 128):
                 kk = tl.arange(0, C * 128)      # (chunk, t, i, h): plane 4 jg + 2 h + i
-                k = ((ch0 + kk // 128) * E + (4 * jg + 2 * (kk % 2) + (kk // 2) % 2) * 32
-                     + (kk // 4) % 32)
-                kq_ok = (ch0 + kk // 128) < nch
-                xt = tl.load(x_cols + k[:, None], mask=kq_ok[:, None] & m_ok[None, :],
-                             other=0.0)
+                if NAT:                         # (chunk, h, i, t): K order
+                    k = (ch0 + kk // 128) * E + jg * 128 + kk % 128
+                else:
+                    k = ((ch0 + kk // 128) * E + (4 * jg + 2 * (kk % 2) + (kk // 2) % 2) * 32
+                         + (kk // 4) % 32)
+                xt = _x_tile(x_cols, k, (ch0 + kk // 128) < nch, m_ok, EVEN)
                 wj = _wquad(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                            E, BS, FMA_DEQ, xt.dtype)                   # [BN, C, 32, 2, 2]
+                            E, BS, FMA_DEQ, xt.dtype, EVEN)             # [BN, C, 32, 2, 2]
+                if NAT:
+                    wj = tl.permute(wj, (0, 1, 4, 3, 2))                # [BN, C, 2, 2, 32]
                 acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 128)), xt, acc, input_precision=PREC)
         else:
             for j in tl.static_range(E // 32):
                 w = _wplane(KIND, words, j, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                            FMA_DEQ)                                            # [BN, C, 32]
+                            FMA_DEQ, EVEN)                                      # [BN, C, 32]
                 k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
-                xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
-                             other=0.0)
+                xt = _x_tile(x_cols, k, k_ok, m_ok, EVEN)
                 w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
                 acc = tl.dot(w2, xt, acc, input_precision=PREC)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok[:, None] & m_ok[None, :]
-    if ATOMIC:
+    if ATOMIC and EVEN:
+        tl.atomic_add(o_ptrs, acc, sem="relaxed")
+    elif ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+    elif EVEN:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
     else:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -157,12 +204,21 @@ class PackedDotConfig:
     fma: int = 1
     prefetch: int = 0   # next step's words loaded ahead into registers
     join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
+    nat: int = 0        # with join: the joined planes in K order, x read contiguously
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
-                + "]")
+                + (",nat" if self.nat and self.join > 1 else "") + "]")
+
+
+def _even_split(total: int, want: int) -> int:
+    """The divisor of `total` steps nearest to `want` splits (the larger on a tie) within
+    2/3..3/2 of it, else `want`: whole steps per program let the kernel drop its bounds
+    masks (EVEN; N = K = 8192 on 128 row tiles: 4 rather than 3)."""
+    near = [d for d in range(max(1, -(-2 * want // 3)), 3 * want // 2 + 1) if total % d == 0]
+    return min(near, key=lambda d: (abs(d - want), -d)) if near else want
 
 
 def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -183,10 +239,11 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     split = cfg.split
     if split <= 0:      # about 3 programs an SM stream the weight
         want = 3 * num_sms(x.device)
-        split = 1 if tiles >= want else max(1, min(total, want // tiles))
+        split = _even_split(total, 1 if tiles >= want else max(1, min(total, want // tiles)))
     steps = _cdiv(total, split)
     split = _cdiv(total, steps)
     atomic = split > 1
+    even = n % cfg.block_n == 0 and m % cfg.block_m == 0 and nch == split * steps * c
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
@@ -198,6 +255,7 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         STEPS=steps, KIND=_KIND[fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
-        PREFETCH=bool(cfg.prefetch), JOIN=cfg.join,
+        PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
+        EVEN=even,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
