@@ -52,19 +52,22 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
-#: split, warps, stages, fma, prefetch, join, nat). 18:13 run: four planes a dot (one chunk a
-#: step) won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the planes
-#: in K order (nat: x read with 16-byte loads, not gathered) on whole steps (the default split
-#: is now a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops its masks;
-#: sm_90 SASS of Q4_0's loop 5.91 -> 4.72 instructions a weight); split 3 = the old default
+#: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run: four planes a dot (one
+#: chunk a step) won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7:
+#: the planes in K order (nat: x read with 16-byte loads, not gathered) on whole steps (the
+#: default split is now a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops
+#: its masks), each plane's (a, b) float32 pair precomputed (aff: one 8-byte load, no scale
+#: arithmetic); sm_90 SASS of the loop, instructions a weight: Q4_0 5.91 -> 4.72 (nat) -> 3.97
+#: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09. Q4_0's first candidate is the old default
 _NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
-_NAT_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1)
-DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _NAT, _NAT_PF,
-                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1), (128, 16, 1, 0, 8, 1, 1, 0, 4, 1)],
+_AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
+_AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
+DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT,
+                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1, 1), (128, 16, 1, 0, 8, 1, 1, 0, 4, 1, 1)],
                   "Q8_0": [_NAT],
-                  "awq": [_NAT, _NAT_PF],
-                  "Q4_K": [_NAT, _NAT_PF, (64, 16, 2, 0, 4, 1)],
-                  "nf4": [_NAT, _NAT_PF]}
+                  "awq": [_AFF, _AFF_PF, _NAT],
+                  "Q4_K": [_AFF, _AFF_PF, _NAT],
+                  "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1)]}
 
 
 def weights(op, n, k, g):
@@ -135,7 +138,8 @@ def main():
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
     ap.add_argument("--pick", default=None,
                     help="indices into the configs of each (op, M): 0 = the default route, i = "
-                         "the i-th candidate (one compile a process in a parallel warm-up)")
+                         "the i-th candidate (one compile a process in a parallel warm-up); "
+                         "per op: Q4_0=0,1/awq=0,2")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -156,8 +160,11 @@ def main():
                 cut = 4
             else:
                 cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
-            if args.pick is not None:
-                cfgs = [cfgs[int(i)] for i in args.pick.split(",") if int(i) < len(cfgs)]
+            if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq=0,2"
+                pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
+                    else {op: args.pick}
+                cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
+                        if i and int(i) < len(cfgs)]
             elif args.default_only:
                 cfgs = cfgs[:1]
             elif args.part in ("c", "d"):

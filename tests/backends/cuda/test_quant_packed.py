@@ -225,7 +225,8 @@ def _dot_cfg(m, variant="plain", split=None):
     the joined planes in K order (x read contiguously)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
-             "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1}}
+             "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
+             "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
@@ -255,7 +256,7 @@ def _dot_case(fmt, m, n=None):
                                                 group_size=gs, config=c)
 
 
-@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join"])
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
@@ -268,7 +269,7 @@ def test_packed_dot_even(fmt, variant):
     check_product(fn(x, _dot_cfg(16, variant, split=nch)), x, ref, dt)
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat"])
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):
@@ -298,6 +299,39 @@ def test_packed_dot(fmt, m, variant):
                                     to_dev(sc), group_size=gs, config=_dot_cfg(m, variant))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
     check_product(fn(x), x, ref, dt)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "AWQ"])
+def test_packed_dot_affine_bit_exact(fmt):
+    """The (a, b) pairs of `affine_pairs` decode every weight bit for bit as the format's
+    dequantizer: x = the float32 identity, so out[m, n] = W[n, m] exactly (rows whose weights
+    are all finite; random bytes and the edge blocks: every nibble, extreme scales)."""
+    from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
+    rng = np.random.default_rng(31)
+    if fmt == "AWQ":
+        n, k, gs = 16, 512, 64
+        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
+        qz = qz.astype(np.int32)
+        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
+        sc = bits.astype(np.uint16).view(np.float16)                  # every finite magnitude
+        want = awq_reference(qw, qz, sc, gs).T
+        fn = lambda x, c: K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc),  # noqa: E731
+                                       group_size=gs, config=c)
+    else:
+        e = P.CHUNK[GGUF_IDS[fmt]]
+        raw, n, k = _edge_rows(fmt, max(1, e // GGUF[fmt][0]))
+        raw = np.concatenate([raw, gguf_bytes(rng, fmt, 16, k)])
+        n += 16
+        want = gguf_dequant_ref(raw, fmt)
+        fn = lambda x, c: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt,  # noqa: E731
+                                    n=n, k=k, config=c)
+    x = torch.eye(k, dtype=torch.float32).to(DEV)
+    for cfg in (PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1),
+                PackedDotConfig(64, 64, 1, 1, aff=1)):
+        got = fn(x, cfg).cpu().numpy().T                                   # [N, K]
+        fin = np.isfinite(want).all(axis=1)
+        same_bits(got[fin] + 0.0, want[fin] + 0.0)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -346,7 +346,8 @@ class PackedWeight:
     """codes int32 [N, K / 8] (4-bit) or [N, K / 4] (Q8_0) in chunk order; scales [N, K / group]
     (f16 or float32; Q4_K: the 6-bit sub-block scales, uint8); zeros uint8 [N, K / group]
     (AWQ; Q4_K: the 6-bit mins) or None; group: elements a scale; table: NF4's code values or
-    Q4_K's super-block (d, dmin) f16 pairs [N, 2 K / 256], else None."""
+    Q4_K's super-block (d, dmin) f16 pairs [N, 2 K / 256], else None; extra: copies derived
+    from it on first use (`quant_packed_dot.affine_pairs`)."""
     fmt: int
     codes: torch.Tensor
     scales: torch.Tensor
@@ -355,6 +356,7 @@ class PackedWeight:
     n: int
     k: int
     table: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def packable(fmt: int, i0: int, k: int, n: int) -> bool:

@@ -14,19 +14,112 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2, num_sms
-from .quant_packed import (_KIND, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q6_K, _cdiv, _plane,
+from .quant_packed import (_KIND, AWQ, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q4_0, Q4_K, Q6_K,
+                           PackedWeight, _cdiv, _plane,
                            packed_weight)
 
 #: formats of the dot kernel: Q6_K's 16-element scale groups split a plane row (GEMV only)
 DOT_FORMATS = PACKED_FORMATS - {Q6_K}
 
 
+#: nibble position SH of plane j in the view `_affine_plane` takes of a word (the pairs fold
+#: 2^-SH in): Q4_0 as `_q4_0_fma`, AWQ as `_awq_fma`, Q4_K the word and the word >> 16
+AFFINE_SHIFTS = {Q4_0: (8, 12, 8, 12, 16, 8, 12, 16), AWQ: (12, 16) * 4, Q4_K: (0, 4, 8, 12) * 2}
+AFFINE_FORMATS = frozenset(AFFINE_SHIFTS)
+
+
+@triton.jit
+def _affine_plane(KIND: tl.constexpr, words, j: tl.constexpr, a, b, magic):
+    """Plane j of a 4-bit affine format (W = s q + o per 32-element plane) from its pair (a, b)
+    (`affine_pairs`): the nibble at bit SH of a view of the word, OR-ed into 2^23's mantissa,
+    is v = 2^23 + 2^SH q (exact). Q4_0 / AWQ: W = fma(v, a, b) with a = s 2^-SH and
+    b = o - s 2^(23 - SH), both exact (see `affine_pairs`), so the fused result is the exact
+    product. Q4_K: W = fma(v - 2^23, a, b) with a = (d sc) 2^-SH, b = -(dmin m): the product
+    (d sc) q is exact (at most 21 significant bits) and the sum is rounded once, as gguf-py
+    rounds (d sc) q - dmin m."""
+    if KIND == 0:       # Q4_0: the views of `_q4_0_fma`
+        if j < 2:
+            v = words << 8
+            SH: tl.constexpr = 8 + 4 * j
+        elif j < 5:
+            v = words
+            SH: tl.constexpr = 4 * j
+        else:
+            v = words >> 12
+            SH: tl.constexpr = 4 * j - 12
+        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
+    elif KIND == 2:     # AWQ: the views of `_awq_fma` (SH 12 or 16)
+        if j < 2:
+            v = words << 12
+        elif j < 4:
+            v = words << 4
+        elif j < 6:
+            v = words >> 4
+        else:
+            v = words >> 12
+        SH: tl.constexpr = 12 + 4 * (j % 2)
+        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
+    else:               # Q4_K
+        if j < 4:
+            h = words
+        else:
+            h = words >> 16
+        SH: tl.constexpr = 4 * (j % 4)
+        qf = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True) - 8388608.0   # 2^SH q
+        return tl.fma(qf, a, b)
+
+
+def affine_pairs(pw: PackedWeight) -> torch.Tensor:
+    """Per 32-element plane of the packed weight, W = s q + o as the float32 pair (a, b) of
+    `_affine_plane`, one int64 (a in the low word) [N, K / 32]; made once per packed copy.
+    Q4_0: s = d, o = -8 d: a = d 2^-SH, b = -d (8 + 2^(23 - SH)); SH >= 8, so the integer
+    factor has at most 13 significant bits and d 11: b is exact. AWQ: s, o = -z s:
+    b = -s (z + 2^(23 - SH)), SH >= 12: at most 12 + 11 bits, exact. Q4_K: s = d sc and
+    o = dmin m as gguf-py forms them (exact: 11 + 6 bits), a = s 2^-SH, b = -o (-0 for +0,
+    as gguf-py's subtraction keeps). Powers of two keep a exact (no f16 scale reaches
+    float32's subnormals)."""
+    hit = pw.extra.get("affine")
+    if hit is not None:
+        return hit
+    n, groups = pw.n, pw.k // 32
+    dev = pw.codes.device
+    shifts = AFFINE_SHIFTS[pw.fmt]
+    lo = torch.tensor([2.0 ** -v for v in shifts], device=dev).repeat(groups // 8)   # 2^-SH
+    hi = torch.tensor([2.0 ** (23 - v) for v in shifts], device=dev).repeat(groups // 8)
+    if pw.fmt == Q4_0:
+        d = pw.scales.float()
+        a, b = d * lo, -(d * (8.0 + hi))
+    elif pw.fmt == AWQ:
+        rep = pw.group // 32
+        s = pw.scales.float().repeat_interleave(rep, dim=1)
+        z = pw.zeros.float().repeat_interleave(rep, dim=1)
+        a, b = s * lo, -(s * (z + hi))
+    else:
+        dd = pw.table.float().reshape(n, groups // 8, 2)                   # (d, dmin) a chunk
+        d = dd[..., 0].repeat_interleave(8, dim=1)
+        dmin = dd[..., 1].repeat_interleave(8, dim=1)
+        s = d * pw.scales.float()
+        a, b = s * lo, -(dmin * pw.zeros.float())
+    pairs = torch.stack([a, b], dim=-1).contiguous().view(torch.int64).reshape(n, groups)
+    pw.extra["affine"] = pairs
+    return pairs
+
+
 @triton.jit
 def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
             magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
-            EVEN: tl.constexpr = False):
-    """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied."""
+            EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
+    """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied. AFF: s_rows
+    holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64."""
     g = (ch * E + j * 32) // BS
+    if AFF:
+        if EVEN:
+            pr = tl.load(s_rows + g)
+        else:
+            pr = tl.load(s_rows + g, mask=ok, other=0)
+        a = pr.to(tl.int32).to(tl.float32, bitcast=True)                  # low word
+        b = (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return _affine_plane(KIND, words, j, a, b, magic)
     if EVEN:
         s = tl.load(s_rows + g)
     else:
@@ -49,17 +142,17 @@ def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, 
 @triton.jit
 def _wquad(KIND: tl.constexpr, words, j0: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr, DT: tl.constexpr,
-           EVEN: tl.constexpr = False):
+           EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
     """Planes j0 .. j0 + 3 side by side, [BN, C, 32, 2, 2] in DT (plane j0 + 2 h + i at
     [..., i, h]): the operand of one dot over four planes."""
     w0 = _wplane(KIND, words, j0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS, FMA_DEQ,
-                 EVEN)
+                 EVEN, AFF)
     w1 = _wplane(KIND, words, j0 + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN)
+                 FMA_DEQ, EVEN, AFF)
     w2 = _wplane(KIND, words, j0 + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN)
+                 FMA_DEQ, EVEN, AFF)
     w3 = _wplane(KIND, words, j0 + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN)
+                 FMA_DEQ, EVEN, AFF)
     return tl.join(tl.join(w0.to(DT), w1.to(DT)), tl.join(w2.to(DT), w3.to(DT)))
 
 
@@ -78,7 +171,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                        BLOCK_M: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr,
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
-                       NAT: tl.constexpr = False, EVEN: tl.constexpr = False):
+                       NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
+                       AFF: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -89,7 +183,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     holds them), so x is read in its own order, 16-byte loads of contiguous elements, rather
     than gathered element by element (the permutation is free: the operand goes through
     shared memory on its way to the MMA anyway). EVEN: no bounds masks (N, M and the chunks
-    are whole tiles / steps)."""
+    are whole tiles / steps). AFF: s_ptr holds the (a, b) pairs of `affine_pairs` [N, K / 32]
+    (Q4_0, AWQ, Q4_K; BS = 32), one 8-byte load and one FMA (Q4_K: and an add) a weight."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -132,7 +227,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
         else:
             words = tl.load(q_rows + ch * 32 + t, mask=ok & (t < 32), other=0)
         k_ok = (ch0 + kt // 32) < nch
-        if KIND == 4:
+        if KIND == 4 and not AFF:
             if EVEN:
                 d = tl.load(c_ptr + 2 * ch).to(tl.float32)
                 dmin = tl.load(c_ptr + 2 * ch + 1).to(tl.float32)
@@ -151,9 +246,9 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                      + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32 + (kk // 8) % 32)
             xt = _x_tile(x_cols, k, (ch0 + kk // 256) < nch, m_ok, EVEN)
             wj = tl.join(_wquad(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype, EVEN),
+                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF),
                          _wquad(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype, EVEN))        # [BN, C, 32, 2, 2, 2]
+                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF))   # [BN, C, 32, 2, 2, 2]
             if NAT:
                 wj = tl.permute(wj, (0, 1, 5, 4, 3, 2))                 # [BN, C, 2, 2, 2, 32]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
@@ -167,14 +262,14 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                          + (kk // 4) % 32)
                 xt = _x_tile(x_cols, k, (ch0 + kk // 128) < nch, m_ok, EVEN)
                 wj = _wquad(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                            E, BS, FMA_DEQ, xt.dtype, EVEN)             # [BN, C, 32, 2, 2]
+                            E, BS, FMA_DEQ, xt.dtype, EVEN, AFF)        # [BN, C, 32, 2, 2]
                 if NAT:
                     wj = tl.permute(wj, (0, 1, 4, 3, 2))                # [BN, C, 2, 2, 32]
                 acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 128)), xt, acc, input_precision=PREC)
         else:
             for j in tl.static_range(E // 32):
                 w = _wplane(KIND, words, j, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                            FMA_DEQ, EVEN)                                      # [BN, C, 32]
+                            FMA_DEQ, EVEN, AFF)                                 # [BN, C, 32]
                 k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
                 xt = _x_tile(x_cols, k, k_ok, m_ok, EVEN)
                 w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
@@ -205,12 +300,14 @@ class PackedDotConfig:
     prefetch: int = 0   # next step's words loaded ahead into registers
     join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
     nat: int = 0        # with join: the joined planes in K order, x read contiguously
+    aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
-                + (",nat" if self.nat and self.join > 1 else "") + "]")
+                + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
+                + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -248,14 +345,16 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
+    aff = bool(cfg.aff) and fmt in AFFINE_FORMATS
+    scales, group = (affine_pairs(pw), 32) if aff else (pw.scales, pw.group)
     grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
     _packed_dot_kernel[grid](
-        x2, pw.codes, pw.scales, z, table, out, m, n,
-        pw.codes.shape[1], pw.scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
-        STEPS=steps, KIND=_KIND[fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n,
+        x2, pw.codes, scales, z, table, out, m, n,
+        pw.codes.shape[1], scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
+        STEPS=steps, KIND=_KIND[fmt], E=e, BS=group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
         PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
-        EVEN=even,
+        EVEN=even, AFF=aff,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
