@@ -234,7 +234,7 @@ def _dot_cfg(m, variant="plain", split=None):
 def _dot_case(fmt, m, n=None):
     """(n, k, float64 reference W.T [K, N], fn(x, cfg)) of a random weight of the format."""
     rng = np.random.default_rng(m)
-    if fmt in ("Q4_0", "Q8_0", "Q4_K"):
+    if fmt in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
         n, k = n or 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T
@@ -257,7 +257,7 @@ def _dot_case(fmt, m, n=None):
 
 
 @pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff"])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
     without bounds masks (planes in K order, or gathered x as the Q4_0 / Q8_0 default)."""
@@ -271,12 +271,12 @@ def test_packed_dot_even(fmt, variant):
 
 @pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain"])
 @pytest.mark.parametrize("m", [3, 16, 20])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):
     """Odd N, M not a multiple of the 16-row tile (20: two x tiles, a split reduction)."""
     rng = np.random.default_rng(m)
     dt = torch.float32 if INTERPRET else torch.bfloat16
-    if fmt in ("Q4_0", "Q8_0", "Q4_K"):
+    if fmt in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
         n, k = 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T
@@ -301,11 +301,12 @@ def test_packed_dot(fmt, m, variant):
     check_product(fn(x), x, ref, dt)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "AWQ", "Q6_K"])
 def test_packed_dot_affine_bit_exact(fmt):
-    """The (a, b) pairs of `affine_pairs` decode every weight bit for bit as the format's
-    dequantizer: x = the float32 identity, so out[m, n] = W[n, m] exactly (rows whose weights
-    are all finite; random bytes and the edge blocks: every nibble, extreme scales)."""
+    """The (a, b) pairs of `affine_pairs` (and Q6_K's half-plane scales) decode every weight
+    bit for bit as the format's dequantizer: x = the float32 identity, so out[m, n] = W[n, m]
+    exactly (rows whose weights are all finite; random bytes and the edge blocks: every
+    nibble, extreme scales)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     rng = np.random.default_rng(31)
     if fmt == "AWQ":

@@ -18,8 +18,8 @@ from .quant_packed import (_KIND, AWQ, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q
                            PackedWeight, _cdiv, _plane,
                            packed_weight)
 
-#: formats of the dot kernel: Q6_K's 16-element scale groups split a plane row (GEMV only)
-DOT_FORMATS = PACKED_FORMATS - {Q6_K}
+#: formats of the dot kernel (Q6_K: its 16-element scale groups as the two halves of a plane)
+DOT_FORMATS = PACKED_FORMATS
 
 
 #: nibble position SH of plane j in the view `_affine_plane` takes of a word (the pairs fold
@@ -111,6 +111,20 @@ def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, 
             EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
     """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied. AFF: s_rows
     holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64."""
+    if KIND == 5:       # Q6_K: a scale per half plane row; d [BN, C, 1] of the super-block
+        BN: tl.constexpr = words.shape[0]
+        C: tl.constexpr = words.shape[1]
+        half = tl.arange(0, 2)[None, None, :, None]
+        g6 = ((ch * E + j * 32)[:, :, :, None] + half * 16) // BS                # [1, C, 2, 1]
+        if EVEN:
+            s6 = tl.load(s_rows[:, :, :, None] + g6)
+        else:
+            s6 = tl.load(s_rows[:, :, :, None] + g6, mask=ok[:, :, :, None], other=0)
+        # int8 scale through 2^23's mantissa, times d (exact, as gguf-py)
+        s6 = d[:, :, :, None] * (((s6.to(tl.int32) ^ 128) | magic).to(tl.float32, bitcast=True)
+                                 - 8388736.0)
+        w6 = _plane(KIND, tl.reshape(words, (BN, C, 2, 16)), j, s6, 0, c_ptr, magic, FMA_DEQ)
+        return tl.reshape(w6, (BN, C, 32))
     g = (ch * E + j * 32) // BS
     if AFF:
         if EVEN:
@@ -199,6 +213,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x                # [1, BM]
     if KIND == 4:       # Q4_K: c_ptr holds [N, 2 * nch] f16 (d, dmin) pairs
         c_ptr = c_ptr + rows * (2 * nch)
+    if KIND == 5:       # Q6_K: c_ptr holds [N, nch / 2] f16 d
+        c_ptr = c_ptr + rows * (nch // 2)
     c = tl.arange(0, C)[None, :, None]
     t = tl.arange(0, 32)[None, None, :]
     kt = tl.arange(0, C * 32)                                                # plane column
@@ -234,6 +250,12 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
             else:
                 d = tl.load(c_ptr + 2 * ch, mask=ok, other=0.0).to(tl.float32)
                 dmin = tl.load(c_ptr + 2 * ch + 1, mask=ok, other=0.0).to(tl.float32)
+        elif KIND == 5:
+            if EVEN:
+                d = tl.load(c_ptr + ch // 2).to(tl.float32)
+            else:
+                d = tl.load(c_ptr + ch // 2, mask=ok, other=0.0).to(tl.float32)
+            dmin = 0.0
         else:
             d = 0.0
             dmin = 0.0
