@@ -58,16 +58,19 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
 #: default split is now a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops
 #: its masks), each plane's (a, b) float32 pair precomputed (aff: one 8-byte load, no scale
 #: arithmetic); sm_90 SASS of the loop, instructions a weight: Q4_0 5.91 -> 4.72 (nat) -> 3.97
-#: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09. Q4_0's first candidate is the old default.
+#: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09; early: a step's loads all before its first dot
+#: (168 registers: 3 programs an SM). Q4_0's first candidate is the old default.
 #: Q6_K: the dot kernel with a scale per half plane (7.34; its default: the tile kernels)
 _NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
 _AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
+_AFF_EARLY = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1, 1)
 _AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
-DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT,
-                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1, 1), (128, 16, 1, 0, 8, 1, 1, 0, 4, 1, 1)],
+DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF_PF, _NAT,
+                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1, 1, 1),
+                           (64, 16, 1, 2, 4, 1, 1, 0, 4, 1, 1)],
                   "Q8_0": [_NAT],
-                  "awq": [_AFF, _AFF_PF, _NAT],
-                  "Q4_K": [_AFF, _AFF_PF, _NAT],
+                  "awq": [_AFF, _AFF_EARLY, _AFF_PF, _NAT],
+                  "Q4_K": [_AFF, _AFF_EARLY, _AFF_PF, _NAT],
                   "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
 

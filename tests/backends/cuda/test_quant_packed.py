@@ -226,7 +226,8 @@ def _dot_cfg(m, variant="plain", split=None):
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
              "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
-             "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1}}
+             "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
+             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
@@ -256,7 +257,7 @@ def _dot_case(fmt, m, n=None):
                                                 group_size=gs, config=c)
 
 
-@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff"])
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
@@ -269,7 +270,8 @@ def test_packed_dot_even(fmt, variant):
     check_product(fn(x, _dot_cfg(16, variant, split=nch)), x, ref, dt)
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain"])
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain",
+                                     "aff_early"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):
@@ -328,7 +330,7 @@ def test_packed_dot_affine_bit_exact(fmt):
         fn = lambda x, c: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt,  # noqa: E731
                                     n=n, k=k, config=c)
     x = torch.eye(k, dtype=torch.float32).to(DEV)
-    for cfg in (PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1),
+    for cfg in (PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1, early=1),
                 PackedDotConfig(64, 64, 1, 1, aff=1)):
         got = fn(x, cfg).cpu().numpy().T                                   # [N, K]
         fin = np.isfinite(want).all(axis=1)

@@ -4,7 +4,17 @@ run of chunks; per step it loads the words [BLOCK_N, C, 32] (16-byte loads), deq
 plane j (32 consecutive K elements of every chunk, one scale group) exactly as the GEMV does,
 and multiplies it by the matching x rows: acc [BLOCK_N, BLOCK_M] += W_j [BLOCK_N, C * 32] @
 x_j [C * 32, BLOCK_M] (the many weight rows fill the MMA's M side, the few activation rows its
-N side, padded to 16). The plane is rounded to x's dtype for the dot, as the recipe does."""
+N side, padded to 16). The plane is rounded to x's dtype for the dot, as the recipe does.
+
+Variants (PackedDotConfig): four or eight planes joined into one dot (join; fewer dots, each a
+shared-memory round trip on sm_90), in K order (nat: x then read with 16-byte loads instead of
+gathered element by element), the next step's words loaded ahead (prefetch); on whole tiles
+and steps the kernel drops its bounds masks (EVEN; the default split is a divisor of the
+steps). For the affine 4-bit formats (Q4_0, AWQ, Q4_K: W = s q + o per 32-element plane) each
+plane's two float32 constants can be precomputed once per packed copy (aff, `affine_pairs`,
+0.25 bytes a weight more): one 8-byte load and one exact FMA a weight (Q4_K: and an add),
+none of the per-plane scale arithmetic. Q6_K's 16-element scale groups are the two halves of
+a plane row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -106,6 +116,28 @@ def affine_pairs(pw: PackedWeight) -> torch.Tensor:
 
 
 @triton.jit
+def _apair(s_rows, ch, j: tl.constexpr, ok, EVEN: tl.constexpr):
+    """The (a, b) float32 pair of plane j of 4-bit chunks ch (`affine_pairs`, one int64)."""
+    if EVEN:
+        pr = tl.load(s_rows + ch * 8 + j)
+    else:
+        pr = tl.load(s_rows + ch * 8 + j, mask=ok, other=0)
+    return (pr.to(tl.int32).to(tl.float32, bitcast=True),
+            (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _aquad(KIND: tl.constexpr, words, j0: tl.constexpr, a0, b0, a1, b1, a2, b2, a3, b3, magic,
+           DT: tl.constexpr):
+    """Planes j0 .. j0 + 3 from their pairs, in K order: [BN, C, 2, 2, 32] in DT."""
+    w = tl.join(tl.join(_affine_plane(KIND, words, j0, a0, b0, magic).to(DT),
+                        _affine_plane(KIND, words, j0 + 1, a1, b1, magic).to(DT)),
+                tl.join(_affine_plane(KIND, words, j0 + 2, a2, b2, magic).to(DT),
+                        _affine_plane(KIND, words, j0 + 3, a3, b3, magic).to(DT)))
+    return tl.permute(w, (0, 1, 4, 3, 2))
+
+
+@triton.jit
 def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
             magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
             EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
@@ -186,7 +218,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
                        NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
-                       AFF: tl.constexpr = False):
+                       AFF: tl.constexpr = False, EARLY: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -198,7 +230,10 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     than gathered element by element (the permutation is free: the operand goes through
     shared memory on its way to the MMA anyway). EVEN: no bounds masks (N, M and the chunks
     are whole tiles / steps). AFF: s_ptr holds the (a, b) pairs of `affine_pairs` [N, K / 32]
-    (Q4_0, AWQ, Q4_K; BS = 32), one 8-byte load and one FMA (Q4_K: and an add) a weight."""
+    (Q4_0, AWQ, Q4_K; BS = 32), one 8-byte load and one FMA (Q4_K: and an add) a weight.
+    EARLY (with AFF, JOIN = 4, NAT): every pair and x tile of a step loaded before its first
+    dot (the barriers around each dot otherwise keep the second half's loads behind the
+    first dot: two memory latencies a step instead of one)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -274,6 +309,24 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
             if NAT:
                 wj = tl.permute(wj, (0, 1, 5, 4, 3, 2))                 # [BN, C, 2, 2, 2, 32]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
+        elif JOIN == 4 and AFF and EARLY:      # 4-bit: two quads, loads first
+            a0, b0 = _apair(s_rows, ch, 0, ok, EVEN)
+            a1, b1 = _apair(s_rows, ch, 1, ok, EVEN)
+            a2, b2 = _apair(s_rows, ch, 2, ok, EVEN)
+            a3, b3 = _apair(s_rows, ch, 3, ok, EVEN)
+            a4, b4 = _apair(s_rows, ch, 4, ok, EVEN)
+            a5, b5 = _apair(s_rows, ch, 5, ok, EVEN)
+            a6, b6 = _apair(s_rows, ch, 6, ok, EVEN)
+            a7, b7 = _apair(s_rows, ch, 7, ok, EVEN)
+            kk = tl.arange(0, C * 128)
+            k0 = (ch0 + kk // 128) * E + kk % 128
+            kq_ok = (ch0 + kk // 128) < nch
+            x0 = _x_tile(x_cols, k0, kq_ok, m_ok, EVEN)
+            x1 = _x_tile(x_cols, k0 + 128, kq_ok, m_ok, EVEN)
+            w = _aquad(KIND, words, 0, a0, b0, a1, b1, a2, b2, a3, b3, magic, x0.dtype)
+            acc = tl.dot(tl.reshape(w, (BLOCK_N, C * 128)), x0, acc, input_precision=PREC)
+            w = _aquad(KIND, words, 4, a4, b4, a5, b5, a6, b6, a7, b7, magic, x1.dtype)
+            acc = tl.dot(tl.reshape(w, (BLOCK_N, C * 128)), x1, acc, input_precision=PREC)
         elif JOIN >= 4:
             for jg in tl.static_range(E // 128):
                 kk = tl.arange(0, C * 128)      # (chunk, t, i, h): plane 4 jg + 2 h + i
@@ -323,13 +376,14 @@ class PackedDotConfig:
     join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
     nat: int = 0        # with join: the joined planes in K order, x read contiguously
     aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
+    early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
-                + "]")
+                + (",early" if self.early else "") + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -378,5 +432,6 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
         PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
         EVEN=even, AFF=aff,
+        EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
