@@ -48,8 +48,11 @@ COPIES = 4
 CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
               (32, 4, 0, 4, 0, 2, 1, 0, 3), (16, 4, 0, 4, 0, 2, 1, 0, 3),
               (32, 4, 0, 8, 0, 2, 1, 0, 3)]
-#: per format: NF4's launch with absmax per plane; Q6_K's old decode on the new launch
-EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
+#: per format: NF4's launch with absmax per plane, and with its code table read by warp
+#: shuffles (session 7: sm_90 SASS 5.21 -> 3.97 instructions a weight); Q6_K's old decode on
+#: the new launch
+EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
+                 PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run: four planes a dot (one
@@ -59,7 +62,9 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
 #: its masks), each plane's (a, b) float32 pair precomputed (aff: one 8-byte load, no scale
 #: arithmetic); sm_90 SASS of the loop, instructions a weight: Q4_0 5.91 -> 4.72 (nat) -> 3.97
 #: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09; early: a step's loads all before its first dot
-#: (168 registers: 3 programs an SM). Q4_0's first candidate is the old default.
+#: (168 registers: 3 programs an SM); NF4's code table read by warp shuffles (shfl: 5.96 ->
+#: 4.46, no shared-memory table behind a barrier per plane). Q4_0's first candidate is the
+#: old default.
 #: Q6_K: the dot kernel with a scale per half plane (7.34; its default: the tile kernels)
 _NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
 _AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
@@ -71,7 +76,8 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF
                   "Q8_0": [_NAT],
                   "awq": [_AFF, _AFF_EARLY, _AFF_PF, _NAT],
                   "Q4_K": [_AFF, _AFF_EARLY, _AFF_PF, _NAT],
-                  "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1)],
+                  "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1),
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
 
 
@@ -144,7 +150,7 @@ def main():
     ap.add_argument("--pick", default=None,
                     help="indices into the configs of each (op, M): 0 = the default route, i = "
                          "the i-th candidate (one compile a process in a parallel warm-up); "
-                         "per op: Q4_0=0,1/awq=0,2")
+                         "per op (and M): Q4_0=0,1/awq@16=0,2")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -164,11 +170,12 @@ def main():
                 cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
                 cut = 4
             else:
-                cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
-            if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq=0,2"
+                cfgs = [None] + [v if isinstance(v, PackedDotConfig) else PackedDotConfig(*v)
+                                 for v in DOT_CANDIDATES.get(op, [])]
+            if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq@16=0,2"
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
                     else {op: args.pick}
-                cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
+                cfgs = [cfgs[int(i)] for i in pick.get(f"{op}@{m}", pick.get(op, "")).split(",")
                         if i and int(i) < len(cfgs)]
             elif args.default_only:
                 cfgs = cfgs[:1]

@@ -44,7 +44,9 @@ def _cfg(kind):
             "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
             "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
             "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0),
-            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3)}[kind]
+            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3),
+            "shfl": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
+                                   shfl=1)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -119,7 +121,7 @@ def test_packed_gguf_gemv(qtype, kind):
         check_product(out, x, w.T, dt)
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", CONFIGS + ["shfl"])
 def test_packed_nf4_gemv(kind):
     rng = np.random.default_rng(7)
     n, k = 11, 768
@@ -227,7 +229,8 @@ def _dot_cfg(m, variant="plain", split=None):
     extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
              "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
              "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
-             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1}}
+             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1},
+             "nat_shfl": {"join": 4, "nat": 1, "shfl": 1}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
@@ -257,7 +260,8 @@ def _dot_case(fmt, m, n=None):
                                                 group_size=gs, config=c)
 
 
-@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early"])
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early",
+                                     "nat_shfl"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel

@@ -42,6 +42,7 @@ the storage-order kernels (`packable`)."""
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -108,12 +109,37 @@ def _nf4_lookup(q, c_ptr):
 
 
 @triton.jit
-def _nf4_codes(words, j: tl.constexpr, c_ptr):
-    """NF4 code values of plane j of the words (float32, the words' shape)."""
+def _lane_codes(c_ptr, like):
+    """NF4's code value of this lane's index (lane % 16), as int32 bits in like's shape: the
+    table a warp shuffle reads (`_nf4_shfl`). Sixteen uniform loads and selects, once."""
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32,
+                                     is_pure=True, pack=1) & 15
+    v = tl.zeros(like.shape, tl.float32)
+    for i in tl.static_range(16):
+        v = tl.where(lane == i, tl.load(c_ptr + i), v)
+    return v.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _nf4_shfl(q, codes):
+    """code[q % 16] (float32) by one warp shuffle a weight from the lanes' `codes` (lane l
+    holds code[l % 16]; the shuffle takes q's low 5 bits): no shared-memory table, no
+    barrier."""
+    v = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
+                                  [codes, q], dtype=tl.int32, is_pure=True, pack=1)
+    return v.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nf4_codes(words, j: tl.constexpr, c_ptr, codes=0, SHFL: tl.constexpr = False):
+    """NF4 code values of plane j of the words (float32, the words' shape); SHFL: by warp
+    shuffles from the lanes' `codes` (`_lane_codes`; the index needs no mask, see there)."""
     if j < 4:
         h = words
     else:
         h = words >> 16
+    if SHFL:
+        return _nf4_shfl(h >> (4 * (j % 4)), codes)
     return _nf4_lookup((h >> (4 * (j % 4))) & 15, c_ptr)
 
 
@@ -220,7 +246,7 @@ def _load_words(q_rows, n_ok, ch, nch, H: tl.constexpr, EVEN: tl.constexpr):
 def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
                 n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
                 EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr,
-                PAIR: tl.constexpr = False):
+                PAIR: tl.constexpr = False, codes=0, SHFL: tl.constexpr = False):
     """acc [C, BN, H, 32 / H] += every plane of the word tile `words` (same shape; chunks ch
     [C, 1, 1, 1]) times the matching x; DEQ: store the planes at out_rows [1, BN, 1, 1] +
     element instead. XB: x loaded as a full tile of the words' shape (their own register
@@ -250,8 +276,8 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
                 s = tl.load(s_rows + e0 // BS, mask=g_ok, other=0)
             x0 = _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
             x1 = _x_plane(x_ptr, e0 + 32, t, words, ch, nch, XB, EVEN)
-            p = _nf4_codes(words, 2 * jp, c_ptr) * x0
-            p += _nf4_codes(words, 2 * jp + 1, c_ptr) * x1
+            p = _nf4_codes(words, 2 * jp, c_ptr, codes, SHFL) * x0
+            p += _nf4_codes(words, 2 * jp + 1, c_ptr, codes, SHFL) * x1
             acc += p * s.to(tl.float32)
         return acc
     for j in tl.static_range(PLANES):
@@ -294,11 +320,13 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
                         H: tl.constexpr = 1, DEQ: tl.constexpr = False,
-                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False):
+                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False,
+                        SHFL: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
     DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
-    64 elements or more, absmax once per two planes."""
+    64 elements or more, absmax once per two planes; SHFL (with PAIR): the code values by warp
+    shuffles, not a shared-memory table."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -315,6 +343,10 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
     c = tl.arange(0, C)[:, None, None, None]
     first = pid_s * STEPS * C
     acc = tl.zeros((C, BLOCK_N, H, 32 // H), tl.float32)
+    if SHFL:    # NF4 (PAIR): the code table in the lanes, read by warp shuffles
+        codes = _lane_codes(c_ptr, tl.zeros((C, BLOCK_N, H, 32 // H), tl.int32))
+    else:
+        codes = 0
     if PREFETCH:
         words = _load_words(q_rows, n_ok, first + c, nch, H, EVEN)
         for i in range(STEPS):
@@ -324,14 +356,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
             else:
                 nxt = words
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR,
+                              codes, SHFL)
             words = nxt
     else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
         for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR,
+                              codes, SHFL)
     if not DEQ:
         total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
         if ATOMIC:
@@ -437,6 +471,9 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
     raise ValueError(f"no chunk layout for format {fmt}")
 
 
+#: Triton's CPU interpreter runs no inline PTX (SHFL falls back to tl.gather there)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 #: (id of the first weight's base tensor, geometry of the three) -> (weak references to
 #: their base tensors, their in-place versions, PackedWeight)
 _CACHE: dict[tuple, tuple] = {}
@@ -492,13 +529,14 @@ class PackedConfig:
     stages: int = 1     # without prefetch: > 1 pipelines the loop's loads (cp.async, stages - 1
     #                     steps ahead in shared memory; more bytes in flight than registers hold)
     pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
+    shfl: int = 0       # NF4 with pair: code values by warp shuffles (compiled kernels only)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
                 + (",pf" if self.prefetch else "") + f",h{self.halves}"
                 + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
                 + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
-                + ("" if self.pair else ",nopair") + "]")
+                + ("" if self.pair else ",nopair") + (",shfl" if self.shfl else "") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
@@ -553,6 +591,7 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     even = pw.n % cfg.block_n == 0 and nch == split * steps * c
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else code if code is not None else pw.scales
+    pair = pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair)
     _packed_gemv_kernel[(tiles, split)](
         x1, pw.codes, pw.scales, z, table, out, pw.n,
         pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
@@ -561,7 +600,7 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
         DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
-        PAIR=pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair),
+        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET,
         num_warps=cfg.num_warps, num_stages=1)
 
 

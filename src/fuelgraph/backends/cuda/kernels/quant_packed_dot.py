@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .common import next_pow2, num_sms
 from .quant_packed import (_KIND, AWQ, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q4_0, Q4_K, Q6_K,
-                           PackedWeight, _cdiv, _plane,
+                           INTERPRET, PackedWeight, _cdiv, _lane_codes, _nf4_shfl, _plane,
                            packed_weight)
 
 #: formats of the dot kernel (Q6_K: its 16-element scale groups as the two halves of a plane)
@@ -140,9 +140,23 @@ def _aquad(KIND: tl.constexpr, words, j0: tl.constexpr, a0, b0, a1, b1, a2, b2, 
 @triton.jit
 def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
             magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
-            EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
+            EVEN: tl.constexpr = False, AFF: tl.constexpr = False, SHFL: tl.constexpr = False):
     """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied. AFF: s_rows
-    holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64."""
+    holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64. SHFL (NF4): d holds
+    the lanes' code values (`_lane_codes`), looked up by warp shuffles."""
+    if KIND == 1 and SHFL:
+        g1 = (ch * E + j * 32) // BS
+        if EVEN:
+            s1 = tl.load(s_rows + g1)
+        else:
+            s1 = tl.load(s_rows + g1, mask=ok, other=0.0)
+        if j < 4:
+            h1 = words
+        else:
+            h1 = words >> 16
+        # the shuffle reads only the index's low 5 bits, and lanes l and l + 16 hold the same
+        # code: the nibble needs no mask
+        return _nf4_shfl(h1 >> (4 * (j % 4)), d) * s1
     if KIND == 5:       # Q6_K: a scale per half plane row; d [BN, C, 1] of the super-block
         BN: tl.constexpr = words.shape[0]
         C: tl.constexpr = words.shape[1]
@@ -188,17 +202,17 @@ def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, 
 @triton.jit
 def _wquad(KIND: tl.constexpr, words, j0: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr, DT: tl.constexpr,
-           EVEN: tl.constexpr = False, AFF: tl.constexpr = False):
+           EVEN: tl.constexpr = False, AFF: tl.constexpr = False, SHFL: tl.constexpr = False):
     """Planes j0 .. j0 + 3 side by side, [BN, C, 32, 2, 2] in DT (plane j0 + 2 h + i at
     [..., i, h]): the operand of one dot over four planes."""
     w0 = _wplane(KIND, words, j0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS, FMA_DEQ,
-                 EVEN, AFF)
+                 EVEN, AFF, SHFL)
     w1 = _wplane(KIND, words, j0 + 1, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN, AFF)
+                 FMA_DEQ, EVEN, AFF, SHFL)
     w2 = _wplane(KIND, words, j0 + 2, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN, AFF)
+                 FMA_DEQ, EVEN, AFF, SHFL)
     w3 = _wplane(KIND, words, j0 + 3, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                 FMA_DEQ, EVEN, AFF)
+                 FMA_DEQ, EVEN, AFF, SHFL)
     return tl.join(tl.join(w0.to(DT), w1.to(DT)), tl.join(w2.to(DT), w3.to(DT)))
 
 
@@ -218,7 +232,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
                        NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
-                       AFF: tl.constexpr = False, EARLY: tl.constexpr = False):
+                       AFF: tl.constexpr = False, EARLY: tl.constexpr = False,
+                       SHFL: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -233,7 +248,9 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     (Q4_0, AWQ, Q4_K; BS = 32), one 8-byte load and one FMA (Q4_K: and an add) a weight.
     EARLY (with AFF, JOIN = 4, NAT): every pair and x tile of a step loaded before its first
     dot (the barriers around each dot otherwise keep the second half's loads behind the
-    first dot: two memory latencies a step instead of one)."""
+    first dot: two memory latencies a step instead of one). SHFL (NF4): the code table looked
+    up by warp shuffles (`_nf4_shfl`) instead of tl.gather (a shared-memory table behind a
+    barrier per plane)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -254,6 +271,10 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     t = tl.arange(0, 32)[None, None, :]
     kt = tl.arange(0, C * 32)                                                # plane column
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if KIND == 1 and SHFL:
+        codes = _lane_codes(c_ptr, tl.zeros((BLOCK_N, C, 32), tl.int32))
+    else:
+        codes = 0.0
     if PREFETCH:
         ch = pid_s * STEPS * C + c
         if EVEN:
@@ -292,7 +313,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                 d = tl.load(c_ptr + ch // 2, mask=ok, other=0.0).to(tl.float32)
             dmin = 0.0
         else:
-            d = 0.0
+            d = codes
             dmin = 0.0
         if JOIN == 8 and E == 256:     # all 8 planes of a 4-bit chunk in one dot
             kk = tl.arange(0, C * 256)          # (chunk, t, i, h, g): plane 4 g + 2 h + i
@@ -303,9 +324,9 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                      + (4 * (kk % 2) + 2 * ((kk // 2) % 2) + (kk // 4) % 2) * 32 + (kk // 8) % 32)
             xt = _x_tile(x_cols, k, (ch0 + kk // 256) < nch, m_ok, EVEN)
             wj = tl.join(_wquad(KIND, words, 0, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF),
+                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF, SHFL),
                          _wquad(KIND, words, 4, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF))   # [BN, C, 32, 2, 2, 2]
+                                E, BS, FMA_DEQ, xt.dtype, EVEN, AFF, SHFL))  # [BN, C, 32, 2, 2, 2]
             if NAT:
                 wj = tl.permute(wj, (0, 1, 5, 4, 3, 2))                 # [BN, C, 2, 2, 2, 32]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
@@ -337,14 +358,14 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                          + (kk // 4) % 32)
                 xt = _x_tile(x_cols, k, (ch0 + kk // 128) < nch, m_ok, EVEN)
                 wj = _wquad(KIND, words, 4 * jg, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic,
-                            E, BS, FMA_DEQ, xt.dtype, EVEN, AFF)        # [BN, C, 32, 2, 2]
+                            E, BS, FMA_DEQ, xt.dtype, EVEN, AFF, SHFL)  # [BN, C, 32, 2, 2]
                 if NAT:
                     wj = tl.permute(wj, (0, 1, 4, 3, 2))                # [BN, C, 2, 2, 32]
                 acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 128)), xt, acc, input_precision=PREC)
         else:
             for j in tl.static_range(E // 32):
                 w = _wplane(KIND, words, j, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
-                            FMA_DEQ, EVEN, AFF)                                 # [BN, C, 32]
+                            FMA_DEQ, EVEN, AFF, SHFL)                           # [BN, C, 32]
                 k = (ch0 + kt // 32) * E + j * 32 + kt % 32                        # [C * 32]
                 xt = _x_tile(x_cols, k, k_ok, m_ok, EVEN)
                 w2 = tl.reshape(w, (BLOCK_N, C * 32)).to(xt.dtype)
@@ -377,13 +398,14 @@ class PackedDotConfig:
     nat: int = 0        # with join: the joined planes in K order, x read contiguously
     aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
     early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
+    shfl: int = 0       # NF4: the code table read by warp shuffles (compiled kernels only)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
-                + (",early" if self.early else "") + "]")
+                + (",early" if self.early else "") + (",shfl" if self.shfl else "") + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -433,5 +455,6 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
         EVEN=even, AFF=aff,
         EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
+        SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
