@@ -50,10 +50,14 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
               (32, 4, 0, 8, 0, 2, 1, 0, 3)]
 #: per format: NF4's launch with absmax per plane, and with its code table read by warp
 #: shuffles (session 7: sm_90 SASS 5.21 -> 3.97 instructions a weight); Q6_K's old decode on
-#: the new launch
+#: the new launch; Q4_K / AWQ with each plane's precomputed (a, b) pair (aff; Q4_K 6.73 -> 5.21
+#: on its launch, 4.96 on the register-prefetch one; AWQ 4.43 -> 4.09; 0.25 bytes a weight more)
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
+         "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
+         "awq": [PackedConfig(aff=1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run: four planes a dot (one
 #: chunk a step) won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7:

@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -46,7 +46,9 @@ def _cfg(kind):
             "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0),
             "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3),
             "shfl": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
-                                   shfl=1)}[kind]
+                                   shfl=1),
+            "aff": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
+                                  aff=1)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -71,6 +73,10 @@ def test_packed_gguf_bit_exact(qtype):
         # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
         # there for either sign of d), non-finite elsewhere
         got = P.dequantize_packed(pw).cpu().numpy()
+        if qtype in ("Q4_0", "Q4_K"):   # each plane's precomputed pair (`affine_pairs`)
+            fin = np.isfinite(want).all(axis=1)
+            aff = P.dequantize_packed(pw, aff=1).cpu().numpy()
+            same_bits(aff[fin] + 0.0, want[fin] + 0.0)
         if qtype == "Q4_K":     # the same operations as gguf-py
             same_bits(got, want)
             continue
@@ -105,6 +111,7 @@ def test_packed_awq_bit_exact(group):
     want = awq_reference(qw, qz, sc, group).T
     same_bits(P.dequantize_packed(pw, fma=0).cpu().numpy(), want)
     same_bits(P.dequantize_packed(pw, fma=1).cpu().numpy() + 0.0, want + 0.0)   # +0 for -0
+    same_bits(P.dequantize_packed(pw, aff=1).cpu().numpy() + 0.0, want + 0.0)
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

@@ -24,95 +24,12 @@ import triton
 import triton.language as tl
 
 from .common import next_pow2, num_sms
-from .quant_packed import (_KIND, AWQ, CHUNK, MAGIC_BITS, NF4, PACKED_FORMATS, Q4_0, Q4_K, Q6_K,
-                           INTERPRET, PackedWeight, _cdiv, _lane_codes, _nf4_shfl, _plane,
-                           packed_weight)
+from .quant_packed import (_KIND, AFFINE_FORMATS, CHUNK, INTERPRET, MAGIC_BITS, NF4,
+                           PACKED_FORMATS, _affine_plane, _cdiv, _lane_codes, _nf4_shfl, _plane,
+                           affine_pairs, packed_weight)
 
 #: formats of the dot kernel (Q6_K: its 16-element scale groups as the two halves of a plane)
 DOT_FORMATS = PACKED_FORMATS
-
-
-#: nibble position SH of plane j in the view `_affine_plane` takes of a word (the pairs fold
-#: 2^-SH in): Q4_0 as `_q4_0_fma`, AWQ as `_awq_fma`, Q4_K the word and the word >> 16
-AFFINE_SHIFTS = {Q4_0: (8, 12, 8, 12, 16, 8, 12, 16), AWQ: (12, 16) * 4, Q4_K: (0, 4, 8, 12) * 2}
-AFFINE_FORMATS = frozenset(AFFINE_SHIFTS)
-
-
-@triton.jit
-def _affine_plane(KIND: tl.constexpr, words, j: tl.constexpr, a, b, magic):
-    """Plane j of a 4-bit affine format (W = s q + o per 32-element plane) from its pair (a, b)
-    (`affine_pairs`): the nibble at bit SH of a view of the word, OR-ed into 2^23's mantissa,
-    is v = 2^23 + 2^SH q (exact). Q4_0 / AWQ: W = fma(v, a, b) with a = s 2^-SH and
-    b = o - s 2^(23 - SH), both exact (see `affine_pairs`), so the fused result is the exact
-    product. Q4_K: W = fma(v - 2^23, a, b) with a = (d sc) 2^-SH, b = -(dmin m): the product
-    (d sc) q is exact (at most 21 significant bits) and the sum is rounded once, as gguf-py
-    rounds (d sc) q - dmin m."""
-    if KIND == 0:       # Q4_0: the views of `_q4_0_fma`
-        if j < 2:
-            v = words << 8
-            SH: tl.constexpr = 8 + 4 * j
-        elif j < 5:
-            v = words
-            SH: tl.constexpr = 4 * j
-        else:
-            v = words >> 12
-            SH: tl.constexpr = 4 * j - 12
-        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
-    elif KIND == 2:     # AWQ: the views of `_awq_fma` (SH 12 or 16)
-        if j < 2:
-            v = words << 12
-        elif j < 4:
-            v = words << 4
-        elif j < 6:
-            v = words >> 4
-        else:
-            v = words >> 12
-        SH: tl.constexpr = 12 + 4 * (j % 2)
-        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
-    else:               # Q4_K
-        if j < 4:
-            h = words
-        else:
-            h = words >> 16
-        SH: tl.constexpr = 4 * (j % 4)
-        qf = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True) - 8388608.0   # 2^SH q
-        return tl.fma(qf, a, b)
-
-
-def affine_pairs(pw: PackedWeight) -> torch.Tensor:
-    """Per 32-element plane of the packed weight, W = s q + o as the float32 pair (a, b) of
-    `_affine_plane`, one int64 (a in the low word) [N, K / 32]; made once per packed copy.
-    Q4_0: s = d, o = -8 d: a = d 2^-SH, b = -d (8 + 2^(23 - SH)); SH >= 8, so the integer
-    factor has at most 13 significant bits and d 11: b is exact. AWQ: s, o = -z s:
-    b = -s (z + 2^(23 - SH)), SH >= 12: at most 12 + 11 bits, exact. Q4_K: s = d sc and
-    o = dmin m as gguf-py forms them (exact: 11 + 6 bits), a = s 2^-SH, b = -o (-0 for +0,
-    as gguf-py's subtraction keeps). Powers of two keep a exact (no f16 scale reaches
-    float32's subnormals)."""
-    hit = pw.extra.get("affine")
-    if hit is not None:
-        return hit
-    n, groups = pw.n, pw.k // 32
-    dev = pw.codes.device
-    shifts = AFFINE_SHIFTS[pw.fmt]
-    lo = torch.tensor([2.0 ** -v for v in shifts], device=dev).repeat(groups // 8)   # 2^-SH
-    hi = torch.tensor([2.0 ** (23 - v) for v in shifts], device=dev).repeat(groups // 8)
-    if pw.fmt == Q4_0:
-        d = pw.scales.float()
-        a, b = d * lo, -(d * (8.0 + hi))
-    elif pw.fmt == AWQ:
-        rep = pw.group // 32
-        s = pw.scales.float().repeat_interleave(rep, dim=1)
-        z = pw.zeros.float().repeat_interleave(rep, dim=1)
-        a, b = s * lo, -(s * (z + hi))
-    else:
-        dd = pw.table.float().reshape(n, groups // 8, 2)                   # (d, dmin) a chunk
-        d = dd[..., 0].repeat_interleave(8, dim=1)
-        dmin = dd[..., 1].repeat_interleave(8, dim=1)
-        s = d * pw.scales.float()
-        a, b = s * lo, -(dmin * pw.zeros.float())
-    pairs = torch.stack([a, b], dim=-1).contiguous().view(torch.int64).reshape(n, groups)
-    pw.extra["affine"] = pairs
-    return pairs
 
 
 @triton.jit
