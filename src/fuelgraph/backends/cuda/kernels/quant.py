@@ -217,17 +217,24 @@ PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
 PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, prefetch=1, join=4)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+#: 2..16 rows of 16-bit x: the packed dot's launch per format (formats not listed keep their
+#: route above 1 row: NF4 / AWQ the storage-order rows kernels, Q6_K the tile kernels)
+DOT_16 = {GGUF_IDS["Q4_0"]: PACKED_DOT_16_JOIN, GGUF_IDS["Q8_0"]: PACKED_DOT_16_JOIN,
+          GGUF_IDS["Q4_K"]: PACKED_DOT_16}
 
 
 def _dot_gguf_route(dot):
     return {1: "packed", 16: dot, DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 
 
-_JOIN_FORMATS = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"])
-ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
-          AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _dot_gguf_route(PACKED_DOT_16_JOIN if fmt in _JOIN_FORMATS else PACKED_DOT_16)
-             if fmt in DOT_FORMATS else
+def _with_dot(fmt, route):
+    """route with DOT_16's launch of the format for 2..16 rows, if it has one."""
+    return route if fmt not in DOT_16 else {**route, 16: DOT_16[fmt]}
+
+
+ROUTES = {NF4: _with_dot(NF4, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"}),
+          AWQ: _with_dot(AWQ, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM}),
+          **{fmt: _dot_gguf_route(DOT_16[fmt]) if fmt in DOT_16 else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
@@ -269,7 +276,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             if isinstance(config, GemmConfig) and x.dtype == torch.float32:
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
             elif isinstance(config, PackedDotConfig) and x.dtype == torch.float32:
-                config = "tiles"        # (measured for 16-bit x; float32 dots spill)
+                # (measured for 16-bit x; float32 dots spill)
+                config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
     if isinstance(config, PackedDotConfig):
