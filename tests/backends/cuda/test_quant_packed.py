@@ -383,3 +383,32 @@ def test_packed_gemv_in_a_cuda_graph():
     x.copy_(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
     graph.replay()
     check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
+def test_packed_dot_aff_in_a_cuda_graph():
+    """A graph captured before the weight's (a, b) pairs exist takes the per-plane scales (the
+    pairs are not made inside the capture); made eagerly afterwards, they are used."""
+    from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
+    rng = np.random.default_rng(14)
+    n, k = 64, 512
+    raw = gguf_bytes(rng, "Q4_0", n, k)
+    w = to_dev(raw.reshape(-1))
+    ref = gguf_dequant_ref(raw, "Q4_0").T
+    aff = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1)
+    x = torch.randn(16, k, device=DEV, dtype=torch.bfloat16)
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=PackedDotConfig(64, 16, 1, 0, 4, 1,
+                                                                          join=4, nat=1))
+    (pw,) = _entry(w)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=aff)
+    assert "affine" not in pw.extra
+    x.copy_(torch.randn(16, k, device=DEV, dtype=torch.bfloat16))
+    graph.replay()
+    check_product(out, x, ref, torch.bfloat16)
+    check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=aff), x, ref,
+                  torch.bfloat16)
+    assert "affine" in pw.extra

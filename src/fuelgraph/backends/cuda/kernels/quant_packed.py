@@ -569,6 +569,14 @@ def affine_pairs(pw: PackedWeight) -> torch.Tensor:
     return pairs
 
 
+def affine_ready(pw: PackedWeight) -> bool:
+    """Whether `affine_pairs` may be used now: made already, or can be made (not while a CUDA
+    graph is being captured: the copy would live in the graph's memory pool and be made again
+    on every replay; the launch then takes the per-plane scales)."""
+    return "affine" in pw.extra or not (pw.codes.is_cuda
+                                         and torch.cuda.is_current_stream_capturing())
+
+
 #: Triton's CPU interpreter runs no inline PTX (SHFL falls back to tl.gather there)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -692,7 +700,7 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else code if code is not None else pw.scales
     pair = pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair)
-    aff = bool(cfg.aff) and pw.fmt in AFFINE_FORMATS
+    aff = bool(cfg.aff) and pw.fmt in AFFINE_FORMATS and affine_ready(pw)
     scales = affine_pairs(pw) if aff else pw.scales
     _packed_gemv_kernel[(tiles, split)](
         x1, pw.codes, scales, z, table, out, pw.n,

@@ -26,7 +26,7 @@ import triton.language as tl
 from .common import next_pow2, num_sms
 from .quant_packed import (_KIND, AFFINE_FORMATS, CHUNK, INTERPRET, MAGIC_BITS, NF4,
                            PACKED_FORMATS, _affine_plane, _cdiv, _lane_codes, _nf4_shfl, _plane,
-                           affine_pairs, packed_weight)
+                           affine_pairs, affine_ready, packed_weight)
 
 #: formats of the dot kernel (Q6_K: its 16-element scale groups as the two halves of a plane)
 DOT_FORMATS = PACKED_FORMATS
@@ -360,7 +360,7 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
-    aff = bool(cfg.aff) and fmt in AFFINE_FORMATS
+    aff = bool(cfg.aff) and fmt in AFFINE_FORMATS and affine_ready(pw)
     scales, group = (affine_pairs(pw), 32) if aff else (pw.scales, pw.group)
     grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
     _packed_dot_kernel[grid](
