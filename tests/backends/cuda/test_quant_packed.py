@@ -236,7 +236,7 @@ def _dot_cfg(m, variant="plain", split=None):
     extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
              "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
              "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
-             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1},
+             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1, "maxnreg": 128},
              "nat_shfl": {"join": 4, "nat": 1, "shfl": 1}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])

@@ -316,13 +316,16 @@ class PackedDotConfig:
     aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
     early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
     shfl: int = 0       # NF4: the code table read by warp shuffles (compiled kernels only)
+    maxnreg: int = 0    # registers a thread at most (0: the compiler's choice); early's 168
+    #                     allow 3 programs an SM, 128 four (sm_90: 16 bytes of spill stack)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
-                + (",early" if self.early else "") + (",shfl" if self.shfl else "") + "]")
+                + (",early" if self.early else "") + (",shfl" if self.shfl else "")
+                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -373,5 +376,6 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         EVEN=even, AFF=aff,
         EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
         SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
