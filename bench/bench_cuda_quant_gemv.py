@@ -66,7 +66,9 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
 #: its masks), each plane's (a, b) float32 pair precomputed (aff: one 8-byte load, no scale
 #: arithmetic); sm_90 SASS of the loop, instructions a weight: Q4_0 5.91 -> 4.72 (nat) -> 3.97
 #: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09; early: a step's loads all before its first dot
-#: (168 registers: 3 programs an SM; r128: at most 128, 4 programs, 16 bytes of spill stack); NF4's code table read by warp shuffles (shfl: 5.96 ->
+#: (168 registers: 3 programs an SM; r128: at most 128, 4 programs, 16 bytes of spill stack);
+#: fix: split K reduced by the last program of each tile (no zeroed float32 output, no
+#: conversion kernel: 3 graph nodes -> 1); NF4's code table read by warp shuffles (shfl: 5.96 ->
 #: 4.46, no shared-memory table behind a barrier per plane). Q4_0's first candidate is the
 #: old default.
 #: Q6_K: the dot kernel with a scale per half plane (7.34; its default: the tile kernels)
@@ -75,11 +77,12 @@ _AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
 _AFF_EARLY = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1, 1)
 _AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
 _AFF_EARLY_R = PackedDotConfig(*_AFF_EARLY, maxnreg=128)
+_AFF_FIX = PackedDotConfig(*_AFF, fixup=1)
 DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF_PF, _AFF_EARLY_R,
-                           _NAT],
+                           _AFF_FIX, _NAT],
                   "Q8_0": [_NAT],
-                  "awq": [_AFF, _AFF_EARLY_R, _AFF_EARLY, _AFF_PF, _NAT],
-                  "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_EARLY, _AFF_PF, _NAT],
+                  "awq": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
+                  "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
                   "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}

@@ -142,15 +142,16 @@ def _x_tile(x_cols, k, k_ok, m_ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, nch,
-                       stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
+def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt_ptr, M, N, kw,
+                       s_row, nch, stride_x, stride_o, magic, STEPS: tl.constexpr,
+                       KIND: tl.constexpr,
                        E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_M: tl.constexpr, C: tl.constexpr, ATOMIC: tl.constexpr,
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
                        NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
                        AFF: tl.constexpr = False, EARLY: tl.constexpr = False,
-                       SHFL: tl.constexpr = False):
+                       SHFL: tl.constexpr = False, FIXUP: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -167,7 +168,10 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
     dot (the barriers around each dot otherwise keep the second half's loads behind the
     first dot: two memory latencies a step instead of one). SHFL (NF4): the code table looked
     up by warp shuffles (`_nf4_shfl`) instead of tl.gather (a shared-memory table behind a
-    barrier per plane)."""
+    barrier per plane). FIXUP (split K): each program stores its partial tile to part_ptr
+    [split, tiles, BN * BM] and counts itself in at cnt_ptr[tile]; the last one sums the
+    partials in split order (deterministic) and writes out in its dtype, then zeroes the
+    count: no zeroed float32 output and no conversion kernel around the launch."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -289,7 +293,24 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_r
                 acc = tl.dot(w2, xt, acc, input_precision=PREC)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok[:, None] & m_ok[None, :]
-    if ATOMIC and EVEN:
+    if FIXUP:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        loc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_ptr + (pid_s * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + loc, acc)
+        tl.debug_barrier()      # every thread's partial stored before the count (release)
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == tl.num_programs(2) - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for s2 in range(tl.num_programs(2)):
+                total += tl.load(part_ptr + (s2 * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M)
+                                 + loc, cache_modifier=".cg")
+            if EVEN:
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty))
+            else:
+                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    elif ATOMIC and EVEN:
         tl.atomic_add(o_ptrs, acc, sem="relaxed")
     elif ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
@@ -316,6 +337,7 @@ class PackedDotConfig:
     aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
     early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
     shfl: int = 0       # NF4: the code table read by warp shuffles (compiled kernels only)
+    fixup: int = 0      # split K: the last program of a tile sums the partials (no atomics)
     maxnreg: int = 0    # registers a thread at most (0: the compiler's choice); early's 168
     #                     allow 3 programs an SM, 128 four (sm_90: 16 bytes of spill stack)
 
@@ -325,7 +347,8 @@ class PackedDotConfig:
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
                 + (",early" if self.early else "") + (",shfl" if self.shfl else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
+                + (f",r{self.maxnreg}" if self.maxnreg else "") + (",fix" if self.fixup else "")
+                + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -334,6 +357,21 @@ def _even_split(total: int, want: int) -> int:
     masks (EVEN; N = K = 8192 on 128 row tiles: 4 rather than 3)."""
     near = [d for d in range(max(1, -(-2 * want // 3)), 3 * want // 2 + 1) if total % d == 0]
     return min(near, key=lambda d: (abs(d - want), -d)) if near else want
+
+
+def _counts(pw, tiles: int):
+    """The int32 counts of a FIXUP launch, one per output tile, zero between launches (the last
+    program of a tile resets its count); kept with the packed weight: launches of one weight on
+    one stream run in order (two streams multiplying by the same weight at once would share
+    them). None while a CUDA graph is being captured and they do not exist yet (made then, they
+    would live in the graph's pool); the launch then takes the atomics."""
+    got = pw.extra.get(("counts", tiles))
+    if got is None:
+        if pw.codes.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        got = pw.extra[("counts", tiles)] = torch.zeros(tiles, dtype=torch.int32,
+                                                        device=pw.codes.device)
+    return got
 
 
 def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -357,17 +395,20 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         split = _even_split(total, 1 if tiles >= want else max(1, min(total, want // tiles)))
     steps = _cdiv(total, split)
     split = _cdiv(total, steps)
-    atomic = split > 1
     even = n % cfg.block_n == 0 and m % cfg.block_m == 0 and nch == split * steps * c
+    grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
+    counts = _counts(pw, grid[0] * grid[1]) if split > 1 and cfg.fixup else None
+    atomic = split > 1 and counts is None
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split * grid[0] * grid[1] * cfg.block_n * cfg.block_m,
+                       dtype=torch.float32, device=x.device) if counts is not None else out
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
     aff = bool(cfg.aff) and fmt in AFFINE_FORMATS and affine_ready(pw)
     scales, group = (affine_pairs(pw), 32) if aff else (pw.scales, pw.group)
-    grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
     _packed_dot_kernel[grid](
-        x2, pw.codes, scales, z, table, out, m, n,
+        x2, pw.codes, scales, z, table, out, part, out if counts is None else counts, m, n,
         pw.codes.shape[1], scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
         STEPS=steps, KIND=_KIND[fmt], E=e, BS=group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
@@ -375,7 +416,7 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
         EVEN=even, AFF=aff,
         EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
-        SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET,
+        SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET, FIXUP=counts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
