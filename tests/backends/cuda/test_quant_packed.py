@@ -187,9 +187,9 @@ def test_default_route_and_cache():
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
-    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16_JOIN
-    assert K.default_route(GGUF_IDS["Q4_K"], 16) == K.PACKED_DOT_16
-    assert K.default_route(NF4, 16) == "rows"
+    for fmt in (GGUF_IDS["Q4_0"], GGUF_IDS["Q4_K"], NF4, AWQ):
+        assert K.default_route(fmt, 16) == K.DOT_16.get(fmt, "rows")
+        assert K.default_route(fmt, 17) == ("rows" if fmt in (NF4, AWQ) else "tiles")
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
                   gguf_dequant_ref(raw, "Q4_0").T, torch.float32)
@@ -362,6 +362,16 @@ def test_few_rows_default_route(qtype):
             x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dt).to(DEV)
             out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=qtype, n=n, k=k)
             check_product(out, x, w.T, dt)
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "NF4", "AWQ"])
+def test_few_rows_default_route_other_formats(fmt):
+    """5 rows by the default route (DOT_16's launch where the format has one, else its rows /
+    tile kernels), 16-bit and float32 x."""
+    n, k, ref, fn = _dot_case(fmt, 5)
+    for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dt).to(DEV)
+        check_product(fn(x, None), x, ref, dt)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
