@@ -154,12 +154,15 @@ def main():
                          "variants; c / d: M > 1, the first 3 / the rest (for a parallel "
                          "compile warm-up)")
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
+    ap.add_argument("--xdtype", default="bfloat16",
+                    help="x's dtype (float32 at one row: the GEMV without x's conversion kernel)")
     ap.add_argument("--pick", default=None,
                     help="indices into the configs of each (op, M): 0 = the default route, i = "
                          "the i-th candidate (one compile a process in a parallel warm-up); "
                          "per op (and M): Q4_0=0,1/awq@16=0,2")
     args = ap.parse_args()
     n = k = args.size
+    xdt = getattr(torch, args.xdtype)
     g = torch.Generator(device=DEV).manual_seed(0)
     jsonl = None
     if args.out:
@@ -171,8 +174,8 @@ def main():
         made = [weights(op, n, k, g) for _ in range(copies)]
         fn0, w0, nbytes = made[0]
         for m in (int(v) for v in args.ms.split(",")):
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
-            want = TF.linear(x, w0)
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g).to(xdt)
+            want = TF.linear(x, w0.to(x.dtype))
             if m == 1:
                 cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
                 cut = 4
@@ -210,7 +213,7 @@ def main():
                     continue
                 best = cold if cold is not None else warm
                 r = {"op": op, "impl": f"fuelgraph[{tag}]", "device": name, "shape": [m, n, k],
-                     "dtype": "bfloat16", "ms_graph": round(warm, 5),
+                     "dtype": args.xdtype, "ms_graph": round(warm, 5),
                      "ms_cold": None if cold is None else round(cold, 5),
                      "gbps_cold": None if cold is None else round(nbytes / cold / 1e6, 1),
                      "date": time.strftime("%Y-%m-%d", time.gmtime())}
