@@ -659,9 +659,15 @@ class PackedConfig:
 #: (0.0325 vs 0.0291) but helps on the new one (0.0253 vs 0.0274). Q6_K: the new launch with
 #: its one-FMA decode 0.0344-0.0345 vs 0.0348-0.0352 in two runs (the FMA decode on the old
 #: launch: 0.0966). Q4_0, AWQ and Q8_0 keep theirs (new launch 0.0232 / 0.0229 / 0.0333)
+#: Session 7 (same bench, one run): NF4 with its code table read by warp shuffles 0.0228 /
+#: 0.0234 (0.0254 / 0.0263 the same run without); Q4_K on the register-prefetch launch with
+#: each plane's precomputed (a, b) pair 0.0239 / 0.0247 (its previous default 0.0270 / 0.0288;
+#: the pairs on the 2-warp launch 0.0296 / 0.0303). AWQ with the pairs lost (0.0267 / 0.0294:
+#: 0.25 bytes a weight more against one multiply less per plane and 8 weights)
 _NEW = PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
-                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW, Q6_K: _NEW}
+                  NF4: PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1), AWQ: PackedConfig(),
+                  Q4_K: PackedConfig(aff=1), Q6_K: _NEW}
 
 
 def _cdiv(a: int, b: int) -> int:
