@@ -54,13 +54,15 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: on its launch, 4.96 on the register-prefetch one; AWQ 4.43 -> 4.09; 0.25 bytes a weight
 #: more). 20:29 run: NF4 shfl 0.0228 / 0.0234 (0.0254 / 0.0263), Q4_K aff on the register-
 #: prefetch launch 0.0239 / 0.0247 (0.0270 / 0.0288; on its own launch 0.0296): both now the
-#: defaults; AWQ aff 0.0267 / 0.0294 lost (0.0209 / 0.0235)
+#: defaults; AWQ aff 0.0267 / 0.0294 lost (0.0209 / 0.0235). pdl: the GEMV launched as a
+#: programmatic dependent of x's conversion kernel (its first weight loads before the wait)
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
                   PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
-         "awq": [PackedConfig(aff=1)]}
+         "awq": [PackedConfig(aff=1), PackedConfig(pdl=1)],
+         "Q4_0": [PackedConfig(pdl=1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff, early). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the

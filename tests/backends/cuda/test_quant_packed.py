@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff", "pdl"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -48,7 +48,8 @@ def _cfg(kind):
             "shfl": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
                                    shfl=1),
             "aff": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
-                                  aff=1)}[kind]
+                                  aff=1),
+            "pdl": P.PackedConfig(8, 2, split=2, pdl=1)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -375,22 +376,25 @@ def test_few_rows_default_route_other_formats(fmt):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
-def test_packed_gemv_in_a_cuda_graph():
-    """Warmed up once (the copy made outside), the one-row path captures and replays."""
+@pytest.mark.parametrize("kind", [None, "pdl"])
+def test_packed_gemv_in_a_cuda_graph(kind):
+    """Warmed up once (the copy made outside), the one-row path captures and replays (also
+    launched as a programmatic dependent of x's conversion: pdl)."""
+    cfg = _cfg(kind)
     rng = np.random.default_rng(13)
     n, k = 64, 512
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+        K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     x.copy_(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
     graph.replay()
     check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)

@@ -383,12 +383,16 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
                         H: tl.constexpr = 1, DEQ: tl.constexpr = False,
                         STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                        SHFL: tl.constexpr = False, AFF: tl.constexpr = False):
+                        SHFL: tl.constexpr = False, AFF: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
     DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
     64 elements or more, absmax once per two planes; SHFL (with PAIR): the code values by warp
-    shuffles, not a shared-memory table. AFF: s_ptr holds `affine_pairs` [N, K / 32]."""
+    shuffles, not a shared-memory table. AFF: s_ptr holds `affine_pairs` [N, K / 32]. PDL:
+    launched as a programmatic dependent of the prior kernel (x's conversion): it waits for
+    that kernel (griddepcontrol.wait) after its first weight loads and before reading x; it
+    writes nothing before."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -411,6 +415,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
         codes = 0
     if PREFETCH:
         words = _load_words(q_rows, n_ok, first + c, nch, H, EVEN)
+        if PDL:     # the first words are the weight's: in flight before the prior kernel ends
+            tl.extra.cuda.gdc_wait()
         for i in range(STEPS):
             ch = first + i * C + c
             if i + 1 < STEPS:
@@ -422,6 +428,8 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                               codes, SHFL, AFF)
             words = nxt
     else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
@@ -637,6 +645,7 @@ class PackedConfig:
     pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
     shfl: int = 0       # NF4 with pair: code values by warp shuffles (compiled kernels only)
     aff: int = 0        # Q4_0 / AWQ / Q4_K: each plane's precomputed (a, b) pair
+    pdl: int = 0        # programmatic dependent launch (the first loads overlap the prior kernel)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
@@ -644,7 +653,7 @@ class PackedConfig:
                 + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
                 + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
                 + ("" if self.pair else ",nopair") + (",shfl" if self.shfl else "")
-                + (",aff" if self.aff else "") + "]")
+                + (",aff" if self.aff else "") + (",pdl" if self.pdl else "") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
@@ -707,6 +716,7 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     table = pw.table if pw.table is not None else code if code is not None else pw.scales
     pair = pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair)
     aff = bool(cfg.aff) and pw.fmt in AFFINE_FORMATS and affine_ready(pw)
+    pdl = bool(cfg.pdl) and not deq and not INTERPRET
     scales = affine_pairs(pw) if aff else pw.scales
     _packed_gemv_kernel[(tiles, split)](
         x1, pw.codes, scales, z, table, out, pw.n,
@@ -716,8 +726,8 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
         DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
-        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET, AFF=aff,
-        num_warps=cfg.num_warps, num_stages=1)
+        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET, AFF=aff, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
