@@ -74,7 +74,8 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
 #: 5.96 -> 4.46); Q6_K with a scale per half plane (7.34); early: a step's loads all before
 #: its first dot (168 registers: 3 programs an SM; r128: at most 128, 4 programs, 16 bytes of
 #: spill stack); fix: split K reduced by the last program of each tile (no zeroed float32
-#: output, no conversion kernel: 3 graph nodes -> 1). 20:29 run (warm / cold ms): Q4_0 aff
+#: output, no conversion kernel: 3 graph nodes -> 1; with pdl, consecutive launches overlap:
+#: programmatic dependent launch). 20:29 run (warm / cold ms): Q4_0 aff
 #: 0.0368 / 0.0374, aff with prefetch 0.0369 / 0.0378, early 0.0461 / 0.0464, the session 6
 #: default (Q4_0's first candidate) 0.0437 / 0.0458 and its launch on 4 splits 0.0528 / 0.0544;
 #: AWQ aff 0.0372 / 0.0376 (rows 0.0526); Q4_K aff 0.0373 / 0.0378 (0.0709); NF4 nat + shfl
@@ -87,7 +88,8 @@ _AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
 _AFF_EARLY_R = PackedDotConfig(*_AFF_EARLY, maxnreg=128)
 _AFF_FIX = PackedDotConfig(*_AFF, fixup=1)
 DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF_PF,
-                           _AFF_EARLY_R, _AFF_FIX, _NAT],
+                           _AFF_EARLY_R, _AFF_FIX, _NAT, PackedDotConfig(*_AFF, fixup=1, pdl=1),
+                           PackedDotConfig(*_AFF_PF, fixup=1, pdl=1)],
                   "Q8_0": [_NAT],
                   "awq": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
                   "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],

@@ -239,7 +239,9 @@ def _dot_cfg(m, variant="plain", split=None):
              "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
              "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1, "maxnreg": 128},
              "nat_shfl": {"join": 4, "nat": 1, "shfl": 1},
-             "aff_fix": {"join": 4, "nat": 1, "aff": 1, "fixup": 1}}
+             "aff_fix": {"join": 4, "nat": 1, "aff": 1, "fixup": 1},
+             "aff_fix_pdl": {"join": 4, "nat": 1, "aff": 1, "fixup": 1, "pdl": 1,
+                             "prefetch": 1}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
@@ -270,7 +272,7 @@ def _dot_case(fmt, m, n=None):
 
 
 @pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early",
-                                     "nat_shfl", "aff_fix"])
+                                     "nat_shfl", "aff_fix", "aff_fix_pdl"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
@@ -404,17 +406,18 @@ def test_packed_gemv_in_a_cuda_graph(kind):
 def test_packed_dot_aff_in_a_cuda_graph():
     """A graph captured before the weight's (a, b) pairs exist takes the per-plane scales (the
     pairs are not made inside the capture); made eagerly afterwards, they are used. The split
-    reduction in the kernel (fixup) replays with its counts made before the capture."""
+    reduction in the kernel (fixup) replays with its counts made before the capture; both
+    launched as programmatic dependents (pdl)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     rng = np.random.default_rng(14)
     n, k = 64, 512
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     ref = gguf_dequant_ref(raw, "Q4_0").T
-    aff = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1, fixup=1)
+    aff = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1, fixup=1, pdl=1)
     x = torch.randn(16, k, device=DEV, dtype=torch.bfloat16)
-    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=PackedDotConfig(64, 16, 1, 0, 4, 1,
-                                                                          join=4, nat=1, fixup=1))
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=PackedDotConfig(
+        64, 16, 1, 0, 4, 1, join=4, nat=1, fixup=1, pdl=1))
     (pw,) = _entry(w)
     assert ("counts", 1) in pw.extra       # split 2: the in-kernel reduction's counts
     side = torch.cuda.Stream()

@@ -151,7 +151,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
                        NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
                        AFF: tl.constexpr = False, EARLY: tl.constexpr = False,
-                       SHFL: tl.constexpr = False, FIXUP: tl.constexpr = False):
+                       SHFL: tl.constexpr = False, FIXUP: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -171,7 +172,9 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
     barrier per plane). FIXUP (split K): each program stores its partial tile to part_ptr
     [split, tiles, BN * BM] and counts itself in at cnt_ptr[tile]; the last one sums the
     partials in split order (deterministic) and writes out in its dtype, then zeroes the
-    count: no zeroed float32 output and no conversion kernel around the launch."""
+    count: no zeroed float32 output and no conversion kernel around the launch. PDL: launched
+    as a programmatic dependent of the prior kernel, waiting for it (griddepcontrol.wait)
+    before reading x and after the first words' loads (PREFETCH); nothing is written before."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -203,6 +206,9 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
         else:
             nxt = tl.load(q_rows + ch * 32 + t,
                           mask=n_ok[:, None, None] & (ch < nch) & (t < 32), other=0)
+    if PDL:     # the prior kernel (x's producer) done before x is read; the first words (the
+        #         weight's, with PREFETCH) are in flight already
+        tl.extra.cuda.gdc_wait()
     for i in range(STEPS):
         ch0 = (pid_s * STEPS + i) * C
         ch = ch0 + c
@@ -338,6 +344,7 @@ class PackedDotConfig:
     early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
     shfl: int = 0       # NF4: the code table read by warp shuffles (compiled kernels only)
     fixup: int = 0      # split K: the last program of a tile sums the partials (no atomics)
+    pdl: int = 0        # programmatic dependent launch (overlaps the prior kernel's tail)
     maxnreg: int = 0    # registers a thread at most (0: the compiler's choice); early's 168
     #                     allow 3 programs an SM, 128 four (sm_90: 16 bytes of spill stack)
 
@@ -348,7 +355,7 @@ class PackedDotConfig:
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
                 + (",early" if self.early else "") + (",shfl" if self.shfl else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "") + (",fix" if self.fixup else "")
-                + "]")
+                + (",pdl" if self.pdl else "") + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -417,6 +424,8 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         EVEN=even, AFF=aff,
         EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
         SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET, FIXUP=counts is not None,
+        PDL=bool(cfg.pdl) and not INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **({"launch_pdl": True} if cfg.pdl and not INTERPRET else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
