@@ -37,6 +37,12 @@ With 2 warps on 16 rows (4 warps on 32) a thread holds 4 rows of the same words,
 and the per-plane arithmetic on scales serve 4 rows: sm_90 SASS 3.96 instructions a weight for
 Q4_0 against 4.20 for the register-prefetching 16 x 4 launch (bench/sass_quant_rows.py).
 
+Optional per launch (PackedConfig): each plane's two float32 constants of the affine 4-bit
+formats (Q4_0, AWQ, Q4_K: W = s q + o) precomputed once per packed copy (aff, `affine_pairs`:
+0.25 bytes a weight, exact, see there); NF4's code table read by warp shuffles from the
+lanes' registers (shfl: no shared-memory table behind a barrier); a programmatic dependent
+launch (pdl: the first weight loads overlap the prior kernel, x is read after it ends).
+
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
 from __future__ import annotations
