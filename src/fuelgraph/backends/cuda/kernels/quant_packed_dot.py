@@ -55,39 +55,47 @@ def _aquad(KIND: tl.constexpr, words, j0: tl.constexpr, a0, b0, a1, b1, a2, b2, 
 
 
 @triton.jit
-def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
-            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
-            EVEN: tl.constexpr = False, AFF: tl.constexpr = False, SHFL: tl.constexpr = False):
-    """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied. AFF: s_rows
-    holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64. SHFL (NF4): d holds
-    the lanes' code values (`_lane_codes`), looked up by warp shuffles."""
-    if KIND == 1 and SHFL:
-        g1 = (ch * E + j * 32) // BS
-        if EVEN:
-            s1 = tl.load(s_rows + g1)
-        else:
-            s1 = tl.load(s_rows + g1, mask=ok, other=0.0)
-        if j < 4:
-            h1 = words
-        else:
-            h1 = words >> 16
-        # the shuffle reads only the index's low 5 bits, and lanes l and l + 16 hold the same
-        # code: the nibble needs no mask
-        return _nf4_shfl(h1 >> (4 * (j % 4)), d) * s1
-    if KIND == 5:       # Q6_K: a scale per half plane row; d [BN, C, 1] of the super-block
-        BN: tl.constexpr = words.shape[0]
-        C: tl.constexpr = words.shape[1]
-        half = tl.arange(0, 2)[None, None, :, None]
-        g6 = ((ch * E + j * 32)[:, :, :, None] + half * 16) // BS                # [1, C, 2, 1]
-        if EVEN:
-            s6 = tl.load(s_rows[:, :, :, None] + g6)
-        else:
-            s6 = tl.load(s_rows[:, :, :, None] + g6, mask=ok[:, :, :, None], other=0)
-        # int8 scale through 2^23's mantissa, times d (exact, as gguf-py)
-        s6 = d[:, :, :, None] * (((s6.to(tl.int32) ^ 128) | magic).to(tl.float32, bitcast=True)
-                                 - 8388736.0)
-        w6 = _plane(KIND, tl.reshape(words, (BN, C, 2, 16)), j, s6, 0, c_ptr, magic, FMA_DEQ)
-        return tl.reshape(w6, (BN, C, 32))
+def _wplane_nf4_shfl(words, j: tl.constexpr, ch, ok, s_rows, codes, E: tl.constexpr,
+                     BS: tl.constexpr, EVEN: tl.constexpr):
+    """NF4 plane j by warp shuffles from the lanes' `codes` (`_lane_codes`), times absmax."""
+    g1 = (ch * E + j * 32) // BS
+    if EVEN:
+        s1 = tl.load(s_rows + g1)
+    else:
+        s1 = tl.load(s_rows + g1, mask=ok, other=0.0)
+    if j < 4:
+        h1 = words
+    else:
+        h1 = words >> 16
+    # the shuffle reads only the index's low 5 bits, and lanes l and l + 16 hold the same
+    # code: the nibble needs no mask
+    return _nf4_shfl(h1 >> (4 * (j % 4)), codes) * s1
+
+
+@triton.jit
+def _wplane_q6k(words, j: tl.constexpr, ch, ok, s_rows, c_ptr, d, magic, E: tl.constexpr,
+                BS: tl.constexpr, FMA_DEQ: tl.constexpr, EVEN: tl.constexpr):
+    """Q6_K plane j [BN, C, 32]: a scale per half plane row; d [BN, C, 1] of the super-block."""
+    BN: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1]
+    half = tl.arange(0, 2)[None, None, :, None]
+    g6 = ((ch * E + j * 32)[:, :, :, None] + half * 16) // BS                    # [1, C, 2, 1]
+    if EVEN:
+        s6 = tl.load(s_rows[:, :, :, None] + g6)
+    else:
+        s6 = tl.load(s_rows[:, :, :, None] + g6, mask=ok[:, :, :, None], other=0)
+    # int8 scale through 2^23's mantissa, times d (exact, as gguf-py)
+    s6 = d[:, :, :, None] * (((s6.to(tl.int32) ^ 128) | magic).to(tl.float32, bitcast=True)
+                             - 8388736.0)
+    w6 = _plane(5, tl.reshape(words, (BN, C, 2, 16)), j, s6, 0, c_ptr, magic, FMA_DEQ)
+    return tl.reshape(w6, (BN, C, 32))
+
+
+@triton.jit
+def _wplane_scaled(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr,
+                   d, dmin, magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
+                   EVEN: tl.constexpr, AFF: tl.constexpr):
+    """Plane j of the other formats from its scales (AFF: its (a, b) pair)."""
     g = (ch * E + j * 32) // BS
     if AFF:
         if EVEN:
@@ -96,24 +104,43 @@ def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, 
             pr = tl.load(s_rows + g, mask=ok, other=0)
         a = pr.to(tl.int32).to(tl.float32, bitcast=True)                  # low word
         b = (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        return _affine_plane(KIND, words, j, a, b, magic)
-    if EVEN:
-        s = tl.load(s_rows + g)
+        w = _affine_plane(KIND, words, j, a, b, magic)
     else:
-        s = tl.load(s_rows + g, mask=ok, other=0)
-    if (KIND == 2 or KIND == 4) and EVEN:
-        zq = tl.load(z_rows + g).to(tl.int32)
-    elif KIND == 2 or KIND == 4:
-        zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
+        if EVEN:
+            s = tl.load(s_rows + g)
+        else:
+            s = tl.load(s_rows + g, mask=ok, other=0)
+        if (KIND == 2 or KIND == 4) and EVEN:
+            zq = tl.load(z_rows + g).to(tl.int32)
+        elif KIND == 2 or KIND == 4:
+            zq = tl.load(z_rows + g, mask=ok, other=0).to(tl.int32)
+        else:
+            zq = 0
+        if KIND == 4:   # 6-bit scale and min to float through 2^23's mantissa (exact; I2F is a
+            #             quarter-rate instruction), times d / dmin as gguf-py does
+            s = d * ((s.to(tl.int32) | magic).to(tl.float32, bitcast=True) - 8388608.0)
+            zq = dmin * ((zq | magic).to(tl.float32, bitcast=True) - 8388608.0)
+        else:
+            s = s.to(tl.float32)
+        w = _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
+    return w
+
+
+@triton.jit
+def _wplane(KIND: tl.constexpr, words, j: tl.constexpr, ch, ok, s_rows, z_rows, c_ptr, d, dmin,
+            magic, E: tl.constexpr, BS: tl.constexpr, FMA_DEQ: tl.constexpr,
+            EVEN: tl.constexpr = False, AFF: tl.constexpr = False, SHFL: tl.constexpr = False):
+    """Plane j [BN, C, 32] (float32) of the words: its scales loaded and applied. AFF: s_rows
+    holds the plane's (a, b) float32 pair (`affine_pairs`) as one int64. SHFL (NF4): d holds
+    the lanes' code values (`_lane_codes`), looked up by warp shuffles."""
+    if KIND == 1 and SHFL:
+        w = _wplane_nf4_shfl(words, j, ch, ok, s_rows, d, E, BS, EVEN)
+    elif KIND == 5:
+        w = _wplane_q6k(words, j, ch, ok, s_rows, c_ptr, d, magic, E, BS, FMA_DEQ, EVEN)
     else:
-        zq = 0
-    if KIND == 4:   # 6-bit scale and min to float through 2^23's mantissa (exact; I2F is a
-        #             quarter-rate instruction), times d / dmin as gguf-py does
-        s = d * ((s.to(tl.int32) | magic).to(tl.float32, bitcast=True) - 8388608.0)
-        zq = dmin * ((zq | magic).to(tl.float32, bitcast=True) - 8388608.0)
-    else:
-        s = s.to(tl.float32)
-    return _plane(KIND, words, j, s, zq, c_ptr, magic, FMA_DEQ)
+        w = _wplane_scaled(KIND, words, j, ch, ok, s_rows, z_rows, c_ptr, d, dmin, magic, E, BS,
+                           FMA_DEQ, EVEN, AFF)
+    return w
 
 
 @triton.jit
