@@ -95,7 +95,8 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF
                   "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
                   "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
-                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1, fixup=1)],
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1, fixup=1),
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4), PackedDotConfig(*_NAT, fixup=1)]}
 
 

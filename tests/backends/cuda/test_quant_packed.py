@@ -239,6 +239,7 @@ def _dot_cfg(m, variant="plain", split=None):
              "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
              "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1, "maxnreg": 128},
              "nat_shfl": {"join": 4, "nat": 1, "shfl": 1},
+             "pf_nat_shfl": {"join": 4, "nat": 1, "shfl": 1, "prefetch": 1},
              "aff_fix": {"join": 4, "nat": 1, "aff": 1, "fixup": 1},
              "aff_fix_pdl": {"join": 4, "nat": 1, "aff": 1, "fixup": 1, "pdl": 1,
                              "prefetch": 1}}
@@ -272,7 +273,7 @@ def _dot_case(fmt, m, n=None):
 
 
 @pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early",
-                                     "nat_shfl", "aff_fix", "aff_fix_pdl"])
+                                     "nat_shfl", "pf_nat_shfl", "aff_fix", "aff_fix_pdl"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
