@@ -13,6 +13,7 @@ CANDIDATES, each checked against the dense product first. Effective bandwidth = 
 
     python3 bench/bench_cuda_quant_gemv.py [--out DIR] [--ops Q4_0,nf4,...] [--ms 1,16]
                                            [--compile-only] [--no-cold] [--default-only]
+                                           [--pick 0,2]
 """
 from __future__ import annotations
 
@@ -47,17 +48,56 @@ COPIES = 4
 CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
               (32, 4, 0, 4, 0, 2, 1, 0, 3), (16, 4, 0, 4, 0, 2, 1, 0, 3),
               (32, 4, 0, 8, 0, 2, 1, 0, 3)]
-#: per format: NF4's launch with absmax per plane; Q6_K's old decode on the new launch
-EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)]}
+#: per format: NF4's launch with absmax per plane, and with its code table read by warp
+#: shuffles (session 7: sm_90 SASS 5.21 -> 3.97 instructions a weight); Q6_K's old decode on
+#: the new launch; Q4_K / AWQ with each plane's precomputed (a, b) pair (aff; Q4_K 6.73 -> 5.21
+#: on its launch, 4.96 on the register-prefetch one; AWQ 4.43 -> 4.09; 0.25 bytes a weight
+#: more). 20:29 run: NF4 shfl 0.0228 / 0.0234 (0.0254 / 0.0263), Q4_K aff on the register-
+#: prefetch launch 0.0239 / 0.0247 (0.0270 / 0.0288; on its own launch 0.0296): both now the
+#: defaults; AWQ aff 0.0267 / 0.0294 lost (0.0209 / 0.0235). pdl: the GEMV launched as a
+#: programmatic dependent of x's conversion kernel (its first weight loads before the wait)
+EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
+                 PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
+         "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
+         "awq": [PackedConfig(aff=1), PackedConfig(pdl=1)],
+         "Q4_0": [PackedConfig(pdl=1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
-#: split, warps, stages, fma, prefetch, join). 18:13 run: four planes a dot (one chunk a step)
-#: won for Q4_0 / Q8_0 (now their default), lost for Q4_K; 3 stages and prefetch lost. Around
-#: it: 8 planes a dot, 128 rows on 8 warps, prefetch, the previous default
-_DOTS = [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 1, 0, 8, 1, 1, 0, 4),
-         (128, 16, 1, 0, 8, 1, 1, 0, 8), (64, 16, 1, 0, 4, 1, 1, 1, 4), (64, 16, 2, 0, 4, 1)]
-DOT_CANDIDATES = {"Q4_0": _DOTS, "Q8_0": _DOTS[1:2] + _DOTS[3:],
-                  "Q4_K": [(64, 16, 1, 0, 4, 1, 1, 0, 8), (128, 16, 2, 0, 8, 1)]}
+#: split, warps, stages, fma, prefetch, join, nat, aff, early). 18:13 run (session 6): four
+#: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
+#: planes in K order (nat: x read with 16-byte loads, not gathered) on whole steps (the default
+#: split is a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops its
+#: masks), each plane's (a, b) float32 pair precomputed (aff: one 8-byte load, no scale
+#: arithmetic); sm_90 SASS of the loop, instructions a weight: Q4_0 5.91 -> 4.72 (nat) -> 3.97
+#: (aff), AWQ 7.98 -> 4.22, Q4_K 7.03 -> 5.09; NF4's code table read by warp shuffles (shfl:
+#: 5.96 -> 4.46); Q6_K with a scale per half plane (7.34); early: a step's loads all before
+#: its first dot (168 registers: 3 programs an SM; r128: at most 128, 4 programs, 16 bytes of
+#: spill stack); fix: split K reduced by the last program of each tile (no zeroed float32
+#: output, no conversion kernel: 3 graph nodes -> 1; with pdl, consecutive launches overlap:
+#: programmatic dependent launch). 20:29 run (warm / cold ms): Q4_0 aff
+#: 0.0368 / 0.0374, aff with prefetch 0.0369 / 0.0378, early 0.0461 / 0.0464, the session 6
+#: default (Q4_0's first candidate) 0.0437 / 0.0458 and its launch on 4 splits 0.0528 / 0.0544;
+#: AWQ aff 0.0372 / 0.0376 (rows 0.0526); Q4_K aff 0.0373 / 0.0378 (0.0709); NF4 nat + shfl
+#: 0.0406 / 0.0433 (nat 0.0522); Q8_0 nat 0.0399 / 0.0403 (0.0463); Q6_K nat 0.0736 / 0.0739
+#: (tiles 0.156): the new defaults (quant.DOT_16)
+_NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
+_AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
+_AFF_EARLY = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1, 1)
+_AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
+_AFF_EARLY_R = PackedDotConfig(*_AFF_EARLY, maxnreg=128)
+_AFF_FIX = PackedDotConfig(*_AFF, fixup=1)
+DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF_PF,
+                           _AFF_EARLY_R, _AFF_FIX, _NAT, PackedDotConfig(*_AFF, fixup=1, pdl=1),
+                           PackedDotConfig(*_AFF_PF, fixup=1, pdl=1)],
+                  "Q8_0": [_NAT],
+                  "awq": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
+                  "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
+                  "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1),
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1, fixup=1),
+                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
+                  "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4), PackedDotConfig(*_NAT, fixup=1)]}
 
 
 def weights(op, n, k, g):
@@ -126,27 +166,40 @@ def main():
                          "variants; c / d: M > 1, the first 3 / the rest (for a parallel "
                          "compile warm-up)")
     ap.add_argument("--default-only", action="store_true", help="time the default routes only")
+    ap.add_argument("--xdtype", default="bfloat16",
+                    help="x's dtype (float32 at one row: the GEMV without x's conversion kernel)")
+    ap.add_argument("--pick", default=None,
+                    help="indices into the configs of each (op, M): 0 = the default route, i = "
+                         "the i-th candidate (one compile a process in a parallel warm-up); "
+                         "per op (and M): Q4_0=0,1/awq@16=0,2")
     args = ap.parse_args()
     n = k = args.size
+    xdt = getattr(torch, args.xdtype)
     g = torch.Generator(device=DEV).manual_seed(0)
     jsonl = None
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
         jsonl = pathlib.Path(args.out) / "cuda_quant_gemv.jsonl"
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
     copies = 1 if args.compile_only or args.no_cold else COPIES
     for op in args.ops.split(","):
         made = [weights(op, n, k, g) for _ in range(copies)]
         fn0, w0, nbytes = made[0]
         for m in (int(v) for v in args.ms.split(",")):
-            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
-            want = TF.linear(x, w0)
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g).to(xdt)
+            want = TF.linear(x, w0.to(x.dtype))
             if m == 1:
                 cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
                 cut = 4
             else:
-                cfgs = [None] + [PackedDotConfig(*v) for v in DOT_CANDIDATES.get(op, [])]
-            if args.default_only:
+                cfgs = [None] + [v if isinstance(v, PackedDotConfig) else PackedDotConfig(*v)
+                                 for v in DOT_CANDIDATES.get(op, [])]
+            if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq@16=0,2"
+                pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
+                    else {op: args.pick}
+                cfgs = [cfgs[int(i)] for i in pick.get(f"{op}@{m}", pick.get(op, "")).split(",")
+                        if i and int(i) < len(cfgs)]
+            elif args.default_only:
                 cfgs = cfgs[:1]
             elif args.part in ("c", "d"):
                 cfgs = [] if m == 1 else cfgs[:3] if args.part == "c" else cfgs[3:]
@@ -172,7 +225,7 @@ def main():
                     continue
                 best = cold if cold is not None else warm
                 r = {"op": op, "impl": f"fuelgraph[{tag}]", "device": name, "shape": [m, n, k],
-                     "dtype": "bfloat16", "ms_graph": round(warm, 5),
+                     "dtype": args.xdtype, "ms_graph": round(warm, 5),
                      "ms_cold": None if cold is None else round(cold, 5),
                      "gbps_cold": None if cold is None else round(nbytes / cold / 1e6, 1),
                      "date": time.strftime("%Y-%m-%d", time.gmtime())}

@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff", "pdl"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -44,7 +44,12 @@ def _cfg(kind):
             "chunk1": P.PackedConfig(4, 1, split=1, num_warps=2),
             "h1_nofma": P.PackedConfig(8, 2, split=1, halves=1, fma=0),
             "h4_x16": P.PackedConfig(8, 2, split=2, halves=4, x32=0),
-            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3)}[kind]
+            "stages": P.PackedConfig(32, 2, split=1, num_warps=8, prefetch=0, stages=3),
+            "shfl": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
+                                   shfl=1),
+            "aff": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
+                                  aff=1),
+            "pdl": P.PackedConfig(8, 2, split=2, pdl=1)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -69,6 +74,10 @@ def test_packed_gguf_bit_exact(qtype):
         # the one-FMA form: the same values where the row's scales are finite (d * 0 is +0
         # there for either sign of d), non-finite elsewhere
         got = P.dequantize_packed(pw).cpu().numpy()
+        if qtype in ("Q4_0", "Q4_K"):   # each plane's precomputed pair (`affine_pairs`)
+            fin = np.isfinite(want).all(axis=1)
+            aff = P.dequantize_packed(pw, aff=1).cpu().numpy()
+            same_bits(aff[fin] + 0.0, want[fin] + 0.0)
         if qtype == "Q4_K":     # the same operations as gguf-py
             same_bits(got, want)
             continue
@@ -103,6 +112,7 @@ def test_packed_awq_bit_exact(group):
     want = awq_reference(qw, qz, sc, group).T
     same_bits(P.dequantize_packed(pw, fma=0).cpu().numpy(), want)
     same_bits(P.dequantize_packed(pw, fma=1).cpu().numpy() + 0.0, want + 0.0)   # +0 for -0
+    same_bits(P.dequantize_packed(pw, aff=1).cpu().numpy() + 0.0, want + 0.0)
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
@@ -119,7 +129,7 @@ def test_packed_gguf_gemv(qtype, kind):
         check_product(out, x, w.T, dt)
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("kind", CONFIGS + ["shfl"])
 def test_packed_nf4_gemv(kind):
     rng = np.random.default_rng(7)
     n, k = 11, 768
@@ -178,9 +188,9 @@ def test_default_route_and_cache():
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     assert K.default_route(GGUF_IDS["Q4_0"], 1) == "packed"
-    assert K.default_route(GGUF_IDS["Q4_0"], 16) == K.PACKED_DOT_16_JOIN
-    assert K.default_route(GGUF_IDS["Q4_K"], 16) == K.PACKED_DOT_16
-    assert K.default_route(NF4, 16) == "rows"
+    for fmt in (GGUF_IDS["Q4_0"], GGUF_IDS["Q4_K"], NF4, AWQ):
+        assert K.default_route(fmt, 16) == K.DOT_16.get(fmt, "rows")
+        assert K.default_route(fmt, 17) == ("rows" if fmt in (NF4, AWQ) else "tiles")
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEV)
     check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k), x,
                   gguf_dequant_ref(raw, "Q4_0").T, torch.float32)
@@ -219,22 +229,72 @@ def test_unpackable_groups():
 
 
 # ---- few rows: tensor-core dots on the packed copy (quant_packed_dot) ------------------------
-def _dot_cfg(m, variant="plain"):
+def _dot_cfg(m, variant="plain", split=None):
     """The dot kernel on 16 x 16 tiles; "pf_join": words loaded a step ahead and four planes
-    side by side in one dot; "join8": all planes of a chunk in one dot."""
+    side by side in one dot; "join8": all planes of a chunk in one dot; "nat" / "pf_nat8":
+    the joined planes in K order (x read contiguously)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
-    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8}}[variant]
-    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=2 if m > 16 else 0, **extra)
+    extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
+             "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
+             "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
+             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1, "maxnreg": 128},
+             "nat_shfl": {"join": 4, "nat": 1, "shfl": 1},
+             "pf_nat_shfl": {"join": 4, "nat": 1, "shfl": 1, "prefetch": 1},
+             "aff_fix": {"join": 4, "nat": 1, "aff": 1, "fixup": 1},
+             "aff_fix_pdl": {"join": 4, "nat": 1, "aff": 1, "fixup": 1, "pdl": 1,
+                             "prefetch": 1}}
+    split = (2 if m > 16 else 0) if split is None else split
+    return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8"])
+def _dot_case(fmt, m, n=None):
+    """(n, k, float64 reference W.T [K, N], fn(x, cfg)) of a random weight of the format."""
+    rng = np.random.default_rng(m)
+    if fmt in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
+        n, k = n or 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
+        raw = gguf_bytes(rng, fmt, n, k)
+        ref = gguf_dequant_ref(raw, fmt).T
+        return n, k, ref, lambda x, c: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt,
+                                                 n=n, k=k, config=c)
+    if fmt == "NF4":
+        n, k = n or 11, 512
+        packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+        absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+        ref = nf4_reference(packed, absmax, 64).T
+        return n, k, ref, lambda x, c: K.nf4_matmul(x, to_dev(packed), to_dev(absmax),
+                                                    block_size=64, config=c)
+    n, k, gs = n or 24, 256, 128
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    ref = awq_reference(qw, qz, sc, gs)
+    return n, k, ref, lambda x, c: K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc),
+                                                group_size=gs, config=c)
+
+
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early",
+                                     "nat_shfl", "pf_nat_shfl", "aff_fix", "aff_fix_pdl"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
+def test_packed_dot_even(fmt, variant):
+    """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
+    without bounds masks (planes in K order, or gathered x as the Q4_0 / Q8_0 default)."""
+    dt = torch.float32 if INTERPRET else torch.bfloat16
+    n, k, ref, fn = _dot_case(fmt, 16, n=32)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(9)).to(dt).to(DEV)
+    fmt_id = {"NF4": NF4, "AWQ": AWQ}[fmt] if fmt in ("NF4", "AWQ") else GGUF_IDS[fmt]
+    nch = k // P.CHUNK[fmt_id]          # one chunk a program: the steps divide evenly
+    check_product(fn(x, _dot_cfg(16, variant, split=nch)), x, ref, dt)
+
+
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain",
+                                     "aff_early", "aff_fix"])
 @pytest.mark.parametrize("m", [3, 16, 20])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "NF4", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):
     """Odd N, M not a multiple of the 16-row tile (20: two x tiles, a split reduction)."""
     rng = np.random.default_rng(m)
     dt = torch.float32 if INTERPRET else torch.bfloat16
-    if fmt in ("Q4_0", "Q8_0", "Q4_K"):
+    if fmt in ("Q4_0", "Q8_0", "Q4_K", "Q6_K"):
         n, k = 19, 2 * P.CHUNK[GGUF_IDS[fmt]]
         raw = gguf_bytes(rng, fmt, n, k)
         ref = gguf_dequant_ref(raw, fmt).T
@@ -259,6 +319,43 @@ def test_packed_dot(fmt, m, variant):
     check_product(fn(x), x, ref, dt)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "AWQ", "Q6_K"])
+def test_packed_dot_affine_bit_exact(fmt):
+    """The (a, b) pairs of `affine_pairs` (and Q6_K's half-plane scales) decode every weight
+    bit for bit as the format's dequantizer: x = the float32 identity, so out[m, n] = W[n, m]
+    exactly (rows whose weights are all finite; random bytes and the edge blocks: every
+    nibble, extreme scales)."""
+    from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
+    rng = np.random.default_rng(31)
+    if fmt == "AWQ":
+        n, k, gs = 16, 512, 64
+        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
+        qz = qz.astype(np.int32)
+        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
+        sc = bits.astype(np.uint16).view(np.float16)                  # every finite magnitude
+        want = awq_reference(qw, qz, sc, gs).T
+        fn = lambda x, c: K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc),  # noqa: E731
+                                       group_size=gs, config=c)
+    else:
+        e = P.CHUNK[GGUF_IDS[fmt]]
+        raw, n, k = _edge_rows(fmt, max(1, e // GGUF[fmt][0]))
+        raw = np.concatenate([raw, gguf_bytes(rng, fmt, 16, k)])
+        n += 16
+        want = gguf_dequant_ref(raw, fmt)
+        fn = lambda x, c: K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type=fmt,  # noqa: E731
+                                    n=n, k=k, config=c)
+    x = torch.eye(k, dtype=torch.float32).to(DEV)
+    cfgs = [PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1)]    # the default's decoding
+    if INTERPRET:       # (each a slow float32 compile on the GPU)
+        cfgs += [PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1, early=1),
+                 PackedDotConfig(64, 64, 1, 1, aff=1)]
+    for cfg in cfgs:
+        got = fn(x, cfg).cpu().numpy().T                                   # [N, K]
+        fin = np.isfinite(want).all(axis=1)
+        same_bits(got[fin] + 0.0, want[fin] + 0.0)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K"])
 def test_few_rows_default_route(qtype):
     """2..16 rows of 16-bit x take the dots on the packed copy by default (float32 x and shapes
@@ -274,23 +371,68 @@ def test_few_rows_default_route(qtype):
             check_product(out, x, w.T, dt)
 
 
+@pytest.mark.parametrize("fmt", ["Q6_K", "NF4", "AWQ"])
+def test_few_rows_default_route_other_formats(fmt):
+    """5 rows by the default route (DOT_16's launch where the format has one, else its rows /
+    tile kernels), 16-bit and float32 x."""
+    n, k, ref, fn = _dot_case(fmt, 5)
+    for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(k)).to(dt).to(DEV)
+        check_product(fn(x, None), x, ref, dt)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
-def test_packed_gemv_in_a_cuda_graph():
-    """Warmed up once (the copy made outside), the one-row path captures and replays."""
+@pytest.mark.parametrize("kind", [None, "pdl"])
+def test_packed_gemv_in_a_cuda_graph(kind):
+    """Warmed up once (the copy made outside), the one-row path captures and replays (also
+    launched as a programmatic dependent of x's conversion: pdl)."""
+    cfg = _cfg(kind)
     rng = np.random.default_rng(13)
     n, k = 64, 512
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+        K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k)
+        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=cfg)
     x.copy_(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
     graph.replay()
     check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
+def test_packed_dot_aff_in_a_cuda_graph():
+    """A graph captured before the weight's (a, b) pairs exist takes the per-plane scales (the
+    pairs are not made inside the capture); made eagerly afterwards, they are used. The split
+    reduction in the kernel (fixup) replays with its counts made before the capture; both
+    launched as programmatic dependents (pdl)."""
+    from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
+    rng = np.random.default_rng(14)
+    n, k = 64, 512
+    raw = gguf_bytes(rng, "Q4_0", n, k)
+    w = to_dev(raw.reshape(-1))
+    ref = gguf_dequant_ref(raw, "Q4_0").T
+    aff = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1, fixup=1, pdl=1)
+    x = torch.randn(16, k, device=DEV, dtype=torch.bfloat16)
+    K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=PackedDotConfig(
+        64, 16, 1, 0, 4, 1, join=4, nat=1, fixup=1, pdl=1))
+    (pw,) = _entry(w)
+    assert ("counts", 1) in pw.extra       # split 2: the in-kernel reduction's counts
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=aff)
+    assert "affine" not in pw.extra
+    x.copy_(torch.randn(16, k, device=DEV, dtype=torch.bfloat16))
+    graph.replay()
+    check_product(out, x, ref, torch.bfloat16)
+    check_product(K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=aff), x, ref,
+                  torch.bfloat16)
+    assert "affine" in pw.extra

@@ -7,7 +7,7 @@ Dispatch (`run`), per format and number of activation rows by the table `ROUTES`
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
   separate scales; shapes that layout rejects take the storage-order kernels below.
   `quant_packed_dot` runs tensor-core dots on the same copy for 2..16 rows of 16-bit x of
-  Q4_0, Q8_0 and Q4_K (ROUTES).
+  all six (ROUTES, DOT_16).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
@@ -213,21 +213,38 @@ AWQ_GEMM = GemmConfig(128, 256, 64, 0, 8, 3)
 #:   (0.0549 / 0.0551): each dot is a wgmma behind a shared-memory store, fence and barriers.
 #:   Q4_K lost with it (0.0774 vs 0.0628) and keeps 8 dots a step; all 8 planes in one dot lost
 #:   (Q4_0 0.0779: the joined tile goes through more layout conversions)
-PACKED_DOT_16 = PackedDotConfig(64, 16, 2, 0, 4, 1)
-PACKED_DOT_16_JOIN = PackedDotConfig(64, 16, 1, 0, 4, 1, prefetch=1, join=4)
+#: * session 7 (same bench, one run, warm / cold): four planes a dot in K order (x read with
+#:   16-byte loads), whole steps without masks (split 4 here), and for the affine 4-bit formats
+#:   each plane's precomputed (a, b) pair (one load and one FMA a weight): Q4_0 0.0368 / 0.0374
+#:   (the session 6 default 0.0437 / 0.0458 in the same run), AWQ 0.0372 / 0.0376 (its rows
+#:   kernel 0.0526 / 0.0549), Q4_K 0.0373 / 0.0378 (0.0709 / 0.0731); NF4 with warp-shuffle
+#:   code lookups 0.0406 / 0.0433 (0.0522 / 0.0545 with tl.gather; rows 0.057), Q8_0 0.0399 /
+#:   0.0403 (0.0463), Q6_K (a scale per half plane) 0.0736 / 0.0739 (tile kernels 0.156). The
+#:   session 6 launch on 4 splits lost (0.0528: 164 registers, 3 programs an SM for 512), and
+#:   all loads of a step before its first dot (early, 168 registers) lost (0.0461)
+PACKED_DOT_NAT = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1)
+PACKED_DOT_AFF = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
+#: 2..16 rows of 16-bit x: the packed dot's launch per format (float32 x keeps the rows kernels
+#: of NF4 / AWQ and the tile kernels of the GGUF formats: the dots were measured for 16 bits)
+DOT_16 = {GGUF_IDS["Q4_0"]: PACKED_DOT_AFF, GGUF_IDS["Q8_0"]: PACKED_DOT_NAT,
+          GGUF_IDS["Q4_K"]: PACKED_DOT_AFF, GGUF_IDS["Q6_K"]: PACKED_DOT_NAT,
+          AWQ: PACKED_DOT_AFF, NF4: PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, shfl=1)}
 
 
 def _dot_gguf_route(dot):
     return {1: "packed", 16: dot, DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 
 
-_JOIN_FORMATS = (GGUF_IDS["Q4_0"], GGUF_IDS["Q8_0"])
-ROUTES = {NF4: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"},
-          AWQ: {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM},
-          **{fmt: _dot_gguf_route(PACKED_DOT_16_JOIN if fmt in _JOIN_FORMATS else PACKED_DOT_16)
-             if fmt in DOT_FORMATS else
+def _with_dot(fmt, route):
+    """route with DOT_16's launch of the format for 2..16 rows, if it has one."""
+    return route if fmt not in DOT_16 else {**route, 16: DOT_16[fmt]}
+
+
+ROUTES = {NF4: _with_dot(NF4, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"}),
+          AWQ: _with_dot(AWQ, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM}),
+          **{fmt: _dot_gguf_route(DOT_16[fmt]) if fmt in DOT_16 else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
@@ -269,7 +286,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             if isinstance(config, GemmConfig) and x.dtype == torch.float32:
                 config = "dequant"      # the GEMM tiles are sized for 16-bit operands
             elif isinstance(config, PackedDotConfig) and x.dtype == torch.float32:
-                config = "tiles"        # (measured for 16-bit x; float32 dots spill)
+                # (measured for 16-bit x; float32 dots spill)
+                config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
     if isinstance(config, PackedDotConfig):

@@ -37,13 +37,20 @@ With 2 warps on 16 rows (4 warps on 32) a thread holds 4 rows of the same words,
 and the per-plane arithmetic on scales serve 4 rows: sm_90 SASS 3.96 instructions a weight for
 Q4_0 against 4.20 for the register-prefetching 16 x 4 launch (bench/sass_quant_rows.py).
 
+Optional per launch (PackedConfig): each plane's two float32 constants of the affine 4-bit
+formats (Q4_0, AWQ, Q4_K: W = s q + o) precomputed once per packed copy (aff, `affine_pairs`:
+0.25 bytes a weight, exact, see there); NF4's code table read by warp shuffles from the
+lanes' registers (shfl: no shared-memory table behind a barrier); a programmatic dependent
+launch (pdl: the first weight loads overlap the prior kernel, x is read after it ends).
+
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
 from __future__ import annotations
 
 import functools
+import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -108,13 +115,85 @@ def _nf4_lookup(q, c_ptr):
 
 
 @triton.jit
-def _nf4_codes(words, j: tl.constexpr, c_ptr):
-    """NF4 code values of plane j of the words (float32, the words' shape)."""
+def _lane_codes(c_ptr, like):
+    """NF4's code value of this lane's index (lane % 16), as int32 bits in like's shape: the
+    table a warp shuffle reads (`_nf4_shfl`). Sixteen uniform loads and selects, once."""
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32,
+                                     is_pure=True, pack=1) & 15
+    v = tl.zeros(like.shape, tl.float32)
+    for i in tl.static_range(16):
+        v = tl.where(lane == i, tl.load(c_ptr + i), v)
+    return v.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _nf4_shfl(q, codes):
+    """code[q % 16] (float32) by one warp shuffle a weight from the lanes' `codes` (lane l
+    holds code[l % 16]; the shuffle takes q's low 5 bits): no shared-memory table, no
+    barrier."""
+    v = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
+                                  [codes, q], dtype=tl.int32, is_pure=True, pack=1)
+    return v.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nf4_codes(words, j: tl.constexpr, c_ptr, codes=0, SHFL: tl.constexpr = False):
+    """NF4 code values of plane j of the words (float32, the words' shape); SHFL: by warp
+    shuffles from the lanes' `codes` (`_lane_codes`; the index needs no mask, see there)."""
     if j < 4:
         h = words
     else:
         h = words >> 16
+    if SHFL:
+        return _nf4_shfl(h >> (4 * (j % 4)), codes)
     return _nf4_lookup((h >> (4 * (j % 4))) & 15, c_ptr)
+
+
+#: nibble position SH of plane j in the view `_affine_plane` takes of a word (the pairs fold
+#: 2^-SH in): Q4_0 as `_q4_0_fma`, AWQ as `_awq_fma`, Q4_K the word and the word >> 16
+AFFINE_SHIFTS = {Q4_0: (8, 12, 8, 12, 16, 8, 12, 16), AWQ: (12, 16) * 4, Q4_K: (0, 4, 8, 12) * 2}
+AFFINE_FORMATS = frozenset(AFFINE_SHIFTS)
+
+
+@triton.jit
+def _affine_plane(KIND: tl.constexpr, words, j: tl.constexpr, a, b, magic):
+    """Plane j of a 4-bit affine format (W = s q + o per 32-element plane) from its pair (a, b)
+    (`affine_pairs`): the nibble at bit SH of a view of the word, OR-ed into 2^23's mantissa,
+    is v = 2^23 + 2^SH q (exact). Q4_0 / AWQ: W = fma(v, a, b) with a = s 2^-SH and
+    b = o - s 2^(23 - SH), both exact (see `affine_pairs`), so the fused result is the exact
+    product. Q4_K: W = fma(v - 2^23, a, b) with a = (d sc) 2^-SH, b = -(dmin m): the product
+    (d sc) q is exact (at most 21 significant bits) and the sum is rounded once, as gguf-py
+    rounds (d sc) q - dmin m."""
+    if KIND == 0:       # Q4_0: the views of `_q4_0_fma`
+        if j < 2:
+            v = words << 8
+            SH: tl.constexpr = 8 + 4 * j
+        elif j < 5:
+            v = words
+            SH: tl.constexpr = 4 * j
+        else:
+            v = words >> 12
+            SH: tl.constexpr = 4 * j - 12
+        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
+    elif KIND == 2:     # AWQ: the views of `_awq_fma` (SH 12 or 16)
+        if j < 2:
+            v = words << 12
+        elif j < 4:
+            v = words << 4
+        elif j < 6:
+            v = words >> 4
+        else:
+            v = words >> 12
+        SH: tl.constexpr = 12 + 4 * (j % 2)
+        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
+    else:               # Q4_K
+        if j < 4:
+            h = words
+        else:
+            h = words >> 16
+        SH: tl.constexpr = 4 * (j % 4)
+        qf = ((h & (15 << SH)) | magic).to(tl.float32, bitcast=True) - 8388608.0   # 2^SH q
+        return tl.fma(qf, a, b)
 
 
 @triton.jit
@@ -220,7 +299,8 @@ def _load_words(q_rows, n_ok, ch, nch, H: tl.constexpr, EVEN: tl.constexpr):
 def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
                 n_ok, nch, magic, E: tl.constexpr, BS: tl.constexpr, DEQ: tl.constexpr,
                 EVEN: tl.constexpr, XB: tl.constexpr, FMA_DEQ: tl.constexpr, H: tl.constexpr,
-                PAIR: tl.constexpr = False):
+                PAIR: tl.constexpr = False, codes=0, SHFL: tl.constexpr = False,
+                AFF: tl.constexpr = False):
     """acc [C, BN, H, 32 / H] += every plane of the word tile `words` (same shape; chunks ch
     [C, 1, 1, 1]) times the matching x; DEQ: store the planes at out_rows [1, BN, 1, 1] +
     element instead. XB: x loaded as a full tile of the words' shape (their own register
@@ -233,6 +313,20 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
             d = tl.load(c_ptr + ch // 2).to(tl.float32)
         else:
             d = tl.load(c_ptr + ch // 2, mask=g_ok, other=0.0).to(tl.float32)
+    if AFF:     # Q4_0 / AWQ / Q4_K: each plane's (a, b) pair (`affine_pairs`, int64 at s_rows)
+        for ja in tl.static_range(PLANES):
+            ea = ch * E + ja * 32
+            if EVEN:
+                pr = tl.load(s_rows + ea // 32)
+            else:
+                pr = tl.load(s_rows + ea // 32, mask=g_ok, other=0)
+            wa = _affine_plane(KIND, words, ja, pr.to(tl.int32).to(tl.float32, bitcast=True),
+                               (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True), magic)
+            if DEQ:
+                tl.store(out_rows + ea + t, wa, mask=g_ok & (t < 32))
+            else:
+                acc += wa * _x_plane(x_ptr, ea, t, words, ch, nch, XB, EVEN)
+        return acc
     if KIND == 4:       # Q4_K: the super-block's d, dmin (f16 pairs at c_ptr [1, BN, 1, 1])
         if EVEN:
             d = tl.load(c_ptr + 2 * ch).to(tl.float32)
@@ -250,8 +344,8 @@ def _chunk_step(KIND: tl.constexpr, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr
                 s = tl.load(s_rows + e0 // BS, mask=g_ok, other=0)
             x0 = _x_plane(x_ptr, e0, t, words, ch, nch, XB, EVEN)
             x1 = _x_plane(x_ptr, e0 + 32, t, words, ch, nch, XB, EVEN)
-            p = _nf4_codes(words, 2 * jp, c_ptr) * x0
-            p += _nf4_codes(words, 2 * jp + 1, c_ptr) * x1
+            p = _nf4_codes(words, 2 * jp, c_ptr, codes, SHFL) * x0
+            p += _nf4_codes(words, 2 * jp + 1, c_ptr, codes, SHFL) * x1
             acc += p * s.to(tl.float32)
         return acc
     for j in tl.static_range(PLANES):
@@ -294,11 +388,17 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         ATOMIC: tl.constexpr, PREFETCH: tl.constexpr, EVEN: tl.constexpr,
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
                         H: tl.constexpr = 1, DEQ: tl.constexpr = False,
-                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False):
+                        STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False,
+                        SHFL: tl.constexpr = False, AFF: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
     DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
-    64 elements or more, absmax once per two planes."""
+    64 elements or more, absmax once per two planes; SHFL (with PAIR): the code values by warp
+    shuffles, not a shared-memory table. AFF: s_ptr holds `affine_pairs` [N, K / 32]. PDL:
+    launched as a programmatic dependent of the prior kernel (x's conversion): it waits for
+    that kernel (griddepcontrol.wait) after its first weight loads and before reading x; it
+    writes nothing before."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -315,8 +415,14 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
     c = tl.arange(0, C)[:, None, None, None]
     first = pid_s * STEPS * C
     acc = tl.zeros((C, BLOCK_N, H, 32 // H), tl.float32)
+    if SHFL:    # NF4 (PAIR): the code table in the lanes, read by warp shuffles
+        codes = _lane_codes(c_ptr, tl.zeros((C, BLOCK_N, H, 32 // H), tl.int32))
+    else:
+        codes = 0
     if PREFETCH:
         words = _load_words(q_rows, n_ok, first + c, nch, H, EVEN)
+        if PDL:     # the first words are the weight's: in flight before the prior kernel ends
+            tl.extra.cuda.gdc_wait()
         for i in range(STEPS):
             ch = first + i * C + c
             if i + 1 < STEPS:
@@ -324,14 +430,18 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
             else:
                 nxt = words
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR,
+                              codes, SHFL, AFF)
             words = nxt
     else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
             acc = _chunk_step(KIND, acc, words, ch, x_ptr, s_rows, z_rows, c_ptr, out_rows,
-                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR)
+                              n_ok, nch, magic, E, BS, DEQ, EVEN, XB, FMA_DEQ, H, PAIR,
+                              codes, SHFL, AFF)
     if not DEQ:
         total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
         if ATOMIC:
@@ -346,7 +456,8 @@ class PackedWeight:
     """codes int32 [N, K / 8] (4-bit) or [N, K / 4] (Q8_0) in chunk order; scales [N, K / group]
     (f16 or float32; Q4_K: the 6-bit sub-block scales, uint8); zeros uint8 [N, K / group]
     (AWQ; Q4_K: the 6-bit mins) or None; group: elements a scale; table: NF4's code values or
-    Q4_K's super-block (d, dmin) f16 pairs [N, 2 K / 256], else None."""
+    Q4_K's super-block (d, dmin) f16 pairs [N, 2 K / 256], else None; extra: copies derived
+    from it on first use (`affine_pairs`)."""
     fmt: int
     codes: torch.Tensor
     scales: torch.Tensor
@@ -355,6 +466,7 @@ class PackedWeight:
     n: int
     k: int
     table: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def packable(fmt: int, i0: int, k: int, n: int) -> bool:
@@ -435,6 +547,53 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
     raise ValueError(f"no chunk layout for format {fmt}")
 
 
+def affine_pairs(pw: PackedWeight) -> torch.Tensor:
+    """Per 32-element plane of the packed weight, W = s q + o as the float32 pair (a, b) of
+    `_affine_plane`, one int64 (a in the low word) [N, K / 32]; made once per packed copy.
+    Q4_0: s = d, o = -8 d: a = d 2^-SH, b = -d (8 + 2^(23 - SH)); SH >= 8, so the integer
+    factor has at most 13 significant bits and d 11: b is exact. AWQ: s, o = -z s:
+    b = -s (z + 2^(23 - SH)), SH >= 12: at most 12 + 11 bits, exact. Q4_K: s = d sc and
+    o = dmin m as gguf-py forms them (exact: 11 + 6 bits), a = s 2^-SH, b = -o (-0 for +0,
+    as gguf-py's subtraction keeps). Powers of two keep a exact (no f16 scale reaches
+    float32's subnormals)."""
+    hit = pw.extra.get("affine")
+    if hit is not None:
+        return hit
+    n, groups = pw.n, pw.k // 32
+    dev = pw.codes.device
+    shifts = AFFINE_SHIFTS[pw.fmt]
+    lo = torch.tensor([2.0 ** -v for v in shifts], device=dev).repeat(groups // 8)   # 2^-SH
+    hi = torch.tensor([2.0 ** (23 - v) for v in shifts], device=dev).repeat(groups // 8)
+    if pw.fmt == Q4_0:
+        d = pw.scales.float()
+        a, b = d * lo, -(d * (8.0 + hi))
+    elif pw.fmt == AWQ:
+        rep = pw.group // 32
+        s = pw.scales.float().repeat_interleave(rep, dim=1)
+        z = pw.zeros.float().repeat_interleave(rep, dim=1)
+        a, b = s * lo, -(s * (z + hi))
+    else:
+        dd = pw.table.float().reshape(n, groups // 8, 2)                   # (d, dmin) a chunk
+        d = dd[..., 0].repeat_interleave(8, dim=1)
+        dmin = dd[..., 1].repeat_interleave(8, dim=1)
+        s = d * pw.scales.float()
+        a, b = s * lo, -(dmin * pw.zeros.float())
+    pairs = torch.stack([a, b], dim=-1).contiguous().view(torch.int64).reshape(n, groups)
+    pw.extra["affine"] = pairs
+    return pairs
+
+
+def affine_ready(pw: PackedWeight) -> bool:
+    """Whether `affine_pairs` may be used now: made already, or can be made (not while a CUDA
+    graph is being captured: the copy would live in the graph's memory pool and be made again
+    on every replay; the launch then takes the per-plane scales)."""
+    return "affine" in pw.extra or not (pw.codes.is_cuda
+                                         and torch.cuda.is_current_stream_capturing())
+
+
+#: Triton's CPU interpreter runs no inline PTX (SHFL falls back to tl.gather there)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
 #: (id of the first weight's base tensor, geometry of the three) -> (weak references to
 #: their base tensors, their in-place versions, PackedWeight)
 _CACHE: dict[tuple, tuple] = {}
@@ -490,13 +649,17 @@ class PackedConfig:
     stages: int = 1     # without prefetch: > 1 pipelines the loop's loads (cp.async, stages - 1
     #                     steps ahead in shared memory; more bytes in flight than registers hold)
     pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
+    shfl: int = 0       # NF4 with pair: code values by warp shuffles (compiled kernels only)
+    aff: int = 0        # Q4_0 / AWQ / Q4_K: each plane's precomputed (a, b) pair
+    pdl: int = 0        # programmatic dependent launch (the first loads overlap the prior kernel)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
                 + (",pf" if self.prefetch else "") + f",h{self.halves}"
                 + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
                 + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
-                + ("" if self.pair else ",nopair") + "]")
+                + ("" if self.pair else ",nopair") + (",shfl" if self.shfl else "")
+                + (",aff" if self.aff else "") + (",pdl" if self.pdl else "") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
@@ -511,9 +674,15 @@ class PackedConfig:
 #: (0.0325 vs 0.0291) but helps on the new one (0.0253 vs 0.0274). Q6_K: the new launch with
 #: its one-FMA decode 0.0344-0.0345 vs 0.0348-0.0352 in two runs (the FMA decode on the old
 #: launch: 0.0966). Q4_0, AWQ and Q8_0 keep theirs (new launch 0.0232 / 0.0229 / 0.0333)
+#: Session 7 (same bench, one run): NF4 with its code table read by warp shuffles 0.0228 /
+#: 0.0234 (0.0254 / 0.0263 the same run without); Q4_K on the register-prefetch launch with
+#: each plane's precomputed (a, b) pair 0.0239 / 0.0247 (its previous default 0.0270 / 0.0288;
+#: the pairs on the 2-warp launch 0.0296 / 0.0303). AWQ with the pairs lost (0.0267 / 0.0294:
+#: 0.25 bytes a weight more against one multiply less per plane and 8 weights)
 _NEW = PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3)
 DEFAULT_PACKED = {Q4_0: PackedConfig(), Q8_0: PackedConfig(block_n=32, num_warps=8),
-                  NF4: _NEW, AWQ: PackedConfig(), Q4_K: _NEW, Q6_K: _NEW}
+                  NF4: PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1), AWQ: PackedConfig(),
+                  Q4_K: PackedConfig(aff=1), Q6_K: _NEW}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -551,16 +720,20 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     even = pw.n % cfg.block_n == 0 and nch == split * steps * c
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else code if code is not None else pw.scales
+    pair = pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair)
+    aff = bool(cfg.aff) and pw.fmt in AFFINE_FORMATS and affine_ready(pw)
+    pdl = bool(cfg.pdl) and not deq and not INTERPRET
+    scales = affine_pairs(pw) if aff else pw.scales
     _packed_gemv_kernel[(tiles, split)](
-        x1, pw.codes, pw.scales, z, table, out, pw.n,
-        pw.codes.shape[1], pw.scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
+        x1, pw.codes, scales, z, table, out, pw.n,
+        pw.codes.shape[1], scales.shape[1], nch, MAGIC_BITS, STEPS=steps,
         KIND=_KIND[pw.fmt], E=e, BS=pw.group, BLOCK_N=cfg.block_n, C=c, ATOMIC=split > 1,
         PREFETCH=bool(cfg.prefetch), EVEN=even, XB=bool(cfg.prefetch) or cfg.stages <= 1,
         FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
         DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
-        PAIR=pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair),
-        num_warps=cfg.num_warps, num_stages=1)
+        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET, AFF=aff, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -580,10 +753,11 @@ def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def dequantize_packed(pw: PackedWeight, code=None, fma: int = 1) -> torch.Tensor:
-    """W [N, K] float32 from the packed copy, by the GEMV kernel's own plane decoding (tests)."""
+def dequantize_packed(pw: PackedWeight, code=None, fma: int = 1, aff: int = 0) -> torch.Tensor:
+    """W [N, K] float32 from the packed copy, by the GEMV kernel's own plane decoding (tests);
+    aff: from `affine_pairs` (Q4_0, AWQ, Q4_K)."""
     out = torch.empty(pw.n, pw.k, dtype=torch.float32, device=pw.codes.device)
     x1 = torch.zeros(1, dtype=torch.float32, device=pw.codes.device)
-    cfg = PackedConfig(block_n=8, chunks=2, split=1, prefetch=0, fma=fma)
+    cfg = PackedConfig(block_n=8, chunks=2, split=1, prefetch=0, fma=fma, aff=aff)
     _launch(pw, x1, out, code, cfg, _plan(pw, cfg, out.device), deq=True)
     return out
