@@ -54,17 +54,16 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: on its launch, 4.96 on the register-prefetch one; AWQ 4.43 -> 4.09; 0.25 bytes a weight
 #: more). 20:29 run: NF4 shfl 0.0228 / 0.0234 (0.0254 / 0.0263), Q4_K aff on the register-
 #: prefetch launch 0.0239 / 0.0247 (0.0270 / 0.0288; on its own launch 0.0296): both now the
-#: defaults; AWQ aff 0.0267 / 0.0294 lost (0.0209 / 0.0235). pdl: the GEMV launched as a
-#: programmatic dependent of x's conversion kernel (its first weight loads before the wait)
+#: defaults; AWQ aff 0.0267 / 0.0294 lost (0.0209 / 0.0235). pdl (the GEMV launched as a
+#: programmatic dependent of x's conversion kernel) gained nothing and was removed
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
                   PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
-         "awq": [PackedConfig(aff=1), PackedConfig(pdl=1)],
-         "Q4_0": [PackedConfig(pdl=1)]}
+         "awq": [PackedConfig(aff=1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
-#: split, warps, stages, fma, prefetch, join, nat, aff, early). 18:13 run (session 6): four
+#: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
 #: planes in K order (nat: x read with 16-byte loads, not gathered) on whole steps (the default
 #: split is a divisor of the steps: 4, not 3, for 8192 x 8192, and the kernel drops its
@@ -80,24 +79,19 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
 #: default (Q4_0's first candidate) 0.0437 / 0.0458 and its launch on 4 splits 0.0528 / 0.0544;
 #: AWQ aff 0.0372 / 0.0376 (rows 0.0526); Q4_K aff 0.0373 / 0.0378 (0.0709); NF4 nat + shfl
 #: 0.0406 / 0.0433 (nat 0.0522); Q8_0 nat 0.0399 / 0.0403 (0.0463); Q6_K nat 0.0736 / 0.0739
-#: (tiles 0.156): the new defaults (quant.DOT_16)
+#: (tiles 0.156): the new defaults (quant.DOT_16). early, fix and pdl lost or tied and were
+#: removed from the kernel
 _NAT = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1)
 _AFF = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1)
-_AFF_EARLY = (64, 16, 1, 0, 4, 1, 1, 0, 4, 1, 1, 1)
 _AFF_PF = (64, 16, 1, 0, 4, 1, 1, 1, 4, 1, 1)
-_AFF_EARLY_R = PackedDotConfig(*_AFF_EARLY, maxnreg=128)
-_AFF_FIX = PackedDotConfig(*_AFF, fixup=1)
-DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_EARLY, _AFF_PF,
-                           _AFF_EARLY_R, _AFF_FIX, _NAT, PackedDotConfig(*_AFF, fixup=1, pdl=1),
-                           PackedDotConfig(*_AFF_PF, fixup=1, pdl=1)],
+DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
                   "Q8_0": [_NAT],
-                  "awq": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
-                  "Q4_K": [_AFF, _AFF_EARLY_R, _AFF_FIX, _AFF_EARLY, _AFF_PF, _NAT],
+                  "awq": [_AFF, _AFF_PF, _NAT],
+                  "Q4_K": [_AFF, _AFF_PF, _NAT],
                   "nf4": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4, 1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
-                          PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1, fixup=1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
-                  "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4), PackedDotConfig(*_NAT, fixup=1)]}
+                  "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
 
 
 def weights(op, n, k, g):

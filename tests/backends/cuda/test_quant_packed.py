@@ -27,7 +27,7 @@ if HAS_CUDA or INTERPRET:
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
-CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff", "pdl"]
+CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
     [torch.float32, torch.bfloat16]
 
@@ -48,8 +48,7 @@ def _cfg(kind):
             "shfl": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
                                    shfl=1),
             "aff": P.PackedConfig(16, 4, split=0, num_warps=2, prefetch=0, x32=0, stages=3,
-                                  aff=1),
-            "pdl": P.PackedConfig(8, 2, split=2, pdl=1)}[kind]
+                                  aff=1)}[kind]
 
 
 def _edge_rows(qtype, per_row):
@@ -237,12 +236,9 @@ def _dot_cfg(m, variant="plain", split=None):
     extra = {"plain": {}, "pf_join": {"prefetch": 1, "join": 4}, "join8": {"join": 8},
              "nat": {"join": 4, "nat": 1}, "pf_nat8": {"prefetch": 1, "join": 8, "nat": 1},
              "aff": {"join": 4, "nat": 1, "aff": 1}, "aff_plain": {"aff": 1},
-             "aff_early": {"join": 4, "nat": 1, "aff": 1, "early": 1, "maxnreg": 128},
              "nat_shfl": {"join": 4, "nat": 1, "shfl": 1},
              "pf_nat_shfl": {"join": 4, "nat": 1, "shfl": 1, "prefetch": 1},
-             "aff_fix": {"join": 4, "nat": 1, "aff": 1, "fixup": 1},
-             "aff_fix_pdl": {"join": 4, "nat": 1, "aff": 1, "fixup": 1, "pdl": 1,
-                             "prefetch": 1}}
+             "aff_r128": {"join": 4, "nat": 1, "aff": 1, "maxnreg": 128}}
     split = (2 if m > 16 else 0) if split is None else split
     return PackedDotConfig(block_n=16, block_m=16, chunks=1, split=split, **extra[variant])
 
@@ -272,8 +268,8 @@ def _dot_case(fmt, m, n=None):
                                                 group_size=gs, config=c)
 
 
-@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_early",
-                                     "nat_shfl", "pf_nat_shfl", "aff_fix", "aff_fix_pdl"])
+@pytest.mark.parametrize("variant", ["nat", "pf_nat8", "pf_join", "aff", "aff_r128",
+                                     "nat_shfl", "pf_nat_shfl"])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot_even(fmt, variant):
     """Whole tiles (N = 32 on 16-row tiles, M = 16, the chunks split evenly): the kernel
@@ -286,8 +282,7 @@ def test_packed_dot_even(fmt, variant):
     check_product(fn(x, _dot_cfg(16, variant, split=nch)), x, ref, dt)
 
 
-@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain",
-                                     "aff_early", "aff_fix"])
+@pytest.mark.parametrize("variant", ["plain", "pf_join", "join8", "nat", "aff", "aff_plain"])
 @pytest.mark.parametrize("m", [3, 16, 20])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"])
 def test_packed_dot(fmt, m, variant):
@@ -348,8 +343,7 @@ def test_packed_dot_affine_bit_exact(fmt):
     x = torch.eye(k, dtype=torch.float32).to(DEV)
     cfgs = [PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1)]    # the default's decoding
     if INTERPRET:       # (each a slow float32 compile on the GPU)
-        cfgs += [PackedDotConfig(64, 64, 1, 1, join=4, nat=1, aff=1, early=1),
-                 PackedDotConfig(64, 64, 1, 1, aff=1)]
+        cfgs += [PackedDotConfig(64, 64, 1, 1, aff=1)]
     for cfg in cfgs:
         got = fn(x, cfg).cpu().numpy().T                                   # [N, K]
         fin = np.isfinite(want).all(axis=1)
@@ -382,10 +376,10 @@ def test_few_rows_default_route_other_formats(fmt):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
-@pytest.mark.parametrize("kind", [None, "pdl"])
+@pytest.mark.parametrize("kind", [None, "split"])
 def test_packed_gemv_in_a_cuda_graph(kind):
     """Warmed up once (the copy made outside), the one-row path captures and replays (also
-    launched as a programmatic dependent of x's conversion: pdl)."""
+    with a split-K launch)."""
     cfg = _cfg(kind)
     rng = np.random.default_rng(13)
     n, k = 64, 512
@@ -409,21 +403,19 @@ def test_packed_gemv_in_a_cuda_graph(kind):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
 def test_packed_dot_aff_in_a_cuda_graph():
     """A graph captured before the weight's (a, b) pairs exist takes the per-plane scales (the
-    pairs are not made inside the capture); made eagerly afterwards, they are used. The split
-    reduction in the kernel (fixup) replays with its counts made before the capture; both
-    launched as programmatic dependents (pdl)."""
+    pairs are not made inside the capture); made eagerly afterwards, they are used (split K:
+    the atomics into a zeroed float32 output replay too)."""
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     rng = np.random.default_rng(14)
     n, k = 64, 512
     raw = gguf_bytes(rng, "Q4_0", n, k)
     w = to_dev(raw.reshape(-1))
     ref = gguf_dequant_ref(raw, "Q4_0").T
-    aff = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1, fixup=1, pdl=1)
+    aff = PackedDotConfig(64, 16, 1, 2, 4, 1, join=4, nat=1, aff=1)
     x = torch.randn(16, k, device=DEV, dtype=torch.bfloat16)
     K.qmatmul(x, w, quant_type="Q4_0", n=n, k=k, config=PackedDotConfig(
-        64, 16, 1, 0, 4, 1, join=4, nat=1, fixup=1, pdl=1))
+        64, 16, 1, 2, 4, 1, join=4, nat=1))
     (pw,) = _entry(w)
-    assert ("counts", 1) in pw.extra       # split 2: the in-kernel reduction's counts
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

@@ -40,8 +40,7 @@ Q4_0 against 4.20 for the register-prefetching 16 x 4 launch (bench/sass_quant_r
 Optional per launch (PackedConfig): each plane's two float32 constants of the affine 4-bit
 formats (Q4_0, AWQ, Q4_K: W = s q + o) precomputed once per packed copy (aff, `affine_pairs`:
 0.25 bytes a weight, exact, see there); NF4's code table read by warp shuffles from the
-lanes' registers (shfl: no shared-memory table behind a barrier); a programmatic dependent
-launch (pdl: the first weight loads overlap the prior kernel, x is read after it ends).
+lanes' registers (shfl: no shared-memory table behind a barrier).
 
 Shapes the layout does not take (K not a multiple of E, group sizes not multiples of 32) keep
 the storage-order kernels (`packable`)."""
@@ -68,42 +67,50 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)      # column 8c + e of AWQ sits in nibbl
 
 
 @triton.jit
-def _q4_0_fma(words, j: tl.constexpr, s, magic):
-    """Q4_0 plane j as one FMA a weight: the nibble is moved to bit SH in 8..16 of a view of
-    the word (j < 2: words << 8; j < 5: words; else words >> 12), OR-ed into 2^23 (v = 2^23 +
-    2^SH q), and d (q - 8) = v * (d 2^-SH) - d (2^(23 - SH) + 8): both factors exact (d has 11
-    significant bits, 2^(23 - SH) + 8 at most 13), so the fused result is the exact product,
-    the dequantizer's value for finite d (an infinite d gives NaN instead of +-inf)."""
-    if j < 2:
-        v = words << 8
-        SH: tl.constexpr = 8 + 4 * j
-    elif j < 5:
-        v = words
-        SH: tl.constexpr = 4 * j
+def _nibble_view(KIND: tl.constexpr, words, j: tl.constexpr, magic):
+    """Plane j's nibble of a Q4_0 (KIND 0) or AWQ (KIND 2) word at bit SH of a view of the word,
+    OR-ed into 2^23's mantissa: v = 2^23 + 2^SH q as float32 (exact). Q4_0: SH in 8..16 (j < 2:
+    words << 8; j < 5: words; else words >> 12); AWQ: SH = 12 or 16 (words << 12, << 4, >> 4,
+    >> 12 for nibbles 0-1, 2-3, 4-5, 6-7). AFFINE_SHIFTS lists the same SH."""
+    if KIND == 0:
+        SH: tl.constexpr = 8 + 4 * j if j < 2 else (4 * j if j < 5 else 4 * j - 12)
+        if j < 2:
+            v = words << 8
+        elif j < 5:
+            v = words
+        else:
+            v = words >> 12
     else:
-        v = words >> 12
-        SH: tl.constexpr = 4 * j - 12
-    f = ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
-    return tl.fma(f, s * (1.0 / (1 << SH)), s * -(8.0 + (1 << (23 - SH))))
+        SH: tl.constexpr = 12 + 4 * (j % 2)
+        if j < 2:
+            v = words << 12
+        elif j < 4:
+            v = words << 4
+        elif j < 6:
+            v = words >> 4
+        else:
+            v = words >> 12
+    return ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q4_0_fma(words, j: tl.constexpr, s, magic):
+    """Q4_0 plane j as one FMA a weight: with v = 2^23 + 2^SH q (`_nibble_view`),
+    d (q - 8) = v * (d 2^-SH) - d (2^(23 - SH) + 8): both factors exact (d has 11 significant
+    bits, 2^(23 - SH) + 8 at most 13), so the fused result is the exact product, the
+    dequantizer's value for finite d (an infinite d gives NaN instead of +-inf)."""
+    SH: tl.constexpr = 8 + 4 * j if j < 2 else (4 * j if j < 5 else 4 * j - 12)
+    return tl.fma(_nibble_view(0, words, j, magic), s * (1.0 / (1 << SH)),
+                  s * -(8.0 + (1 << (23 - SH))))
 
 
 @triton.jit
 def _awq_fma(words, j: tl.constexpr, s, zq, magic):
-    """AWQ plane j as one FMA a weight, as `_q4_0_fma` with the zero z in place of 8: the nibble
-    at bit SH = 12 or 16 of a view (words << 12, << 4, >> 4, >> 12 for nibbles 0-1, 2-3, 4-5,
-    6-7), (q - z) s = v (s 2^-SH) - s (2^(23 - SH) + z), the second factor at most 12 bits."""
-    if j < 2:
-        v = words << 12
-    elif j < 4:
-        v = words << 4
-    elif j < 6:
-        v = words >> 4
-    else:
-        v = words >> 12
+    """AWQ plane j as one FMA a weight, as `_q4_0_fma` with the zero z in place of 8:
+    (q - z) s = v (s 2^-SH) - s (2^(23 - SH) + z), the second factor at most 12 bits."""
     SH: tl.constexpr = 12 + 4 * (j % 2)
-    f = ((v & (15 << SH)) | magic).to(tl.float32, bitcast=True)
     zf = (zq | magic).to(tl.float32, bitcast=True) - (8388608.0 - (1 << (23 - SH)))  # exact
-    return tl.fma(f, s * (1.0 / (1 << SH)), -(s * zf))
+    return tl.fma(_nibble_view(2, words, j, magic), s * (1.0 / (1 << SH)), -(s * zf))
 
 
 @triton.jit
@@ -150,7 +157,7 @@ def _nf4_codes(words, j: tl.constexpr, c_ptr, codes=0, SHFL: tl.constexpr = Fals
 
 
 #: nibble position SH of plane j in the view `_affine_plane` takes of a word (the pairs fold
-#: 2^-SH in): Q4_0 as `_q4_0_fma`, AWQ as `_awq_fma`, Q4_K the word and the word >> 16
+#: 2^-SH in): Q4_0 and AWQ as `_nibble_view`, Q4_K the word and the word >> 16
 AFFINE_SHIFTS = {Q4_0: (8, 12, 8, 12, 16, 8, 12, 16), AWQ: (12, 16) * 4, Q4_K: (0, 4, 8, 12) * 2}
 AFFINE_FORMATS = frozenset(AFFINE_SHIFTS)
 
@@ -164,28 +171,8 @@ def _affine_plane(KIND: tl.constexpr, words, j: tl.constexpr, a, b, magic):
     product. Q4_K: W = fma(v - 2^23, a, b) with a = (d sc) 2^-SH, b = -(dmin m): the product
     (d sc) q is exact (at most 21 significant bits) and the sum is rounded once, as gguf-py
     rounds (d sc) q - dmin m."""
-    if KIND == 0:       # Q4_0: the views of `_q4_0_fma`
-        if j < 2:
-            v = words << 8
-            SH: tl.constexpr = 8 + 4 * j
-        elif j < 5:
-            v = words
-            SH: tl.constexpr = 4 * j
-        else:
-            v = words >> 12
-            SH: tl.constexpr = 4 * j - 12
-        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
-    elif KIND == 2:     # AWQ: the views of `_awq_fma` (SH 12 or 16)
-        if j < 2:
-            v = words << 12
-        elif j < 4:
-            v = words << 4
-        elif j < 6:
-            v = words >> 4
-        else:
-            v = words >> 12
-        SH: tl.constexpr = 12 + 4 * (j % 2)
-        return tl.fma(((v & (15 << SH)) | magic).to(tl.float32, bitcast=True), a, b)
+    if KIND != 4:       # Q4_0, AWQ
+        return tl.fma(_nibble_view(KIND, words, j, magic), a, b)
     else:               # Q4_K
         if j < 4:
             h = words
@@ -389,16 +376,12 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                         XB: tl.constexpr = True, FMA_DEQ: tl.constexpr = False,
                         H: tl.constexpr = 1, DEQ: tl.constexpr = False,
                         STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False,
-                        SHFL: tl.constexpr = False, AFF: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        SHFL: tl.constexpr = False, AFF: tl.constexpr = False):
     """out[0, N] (+)= x[0, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...). kw: words a row; s_row: scales a row; nch: chunks a row.
     DEQ: out is W [N, K] (float32), written instead of the product. PAIR: NF4 with blocks of
     64 elements or more, absmax once per two planes; SHFL (with PAIR): the code values by warp
-    shuffles, not a shared-memory table. AFF: s_ptr holds `affine_pairs` [N, K / 32]. PDL:
-    launched as a programmatic dependent of the prior kernel (x's conversion): it waits for
-    that kernel (griddepcontrol.wait) after its first weight loads and before reading x; it
-    writes nothing before."""
+    shuffles, not a shared-memory table. AFF: s_ptr holds `affine_pairs` [N, K / 32]."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -421,8 +404,6 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
         codes = 0
     if PREFETCH:
         words = _load_words(q_rows, n_ok, first + c, nch, H, EVEN)
-        if PDL:     # the first words are the weight's: in flight before the prior kernel ends
-            tl.extra.cuda.gdc_wait()
         for i in range(STEPS):
             ch = first + i * C + c
             if i + 1 < STEPS:
@@ -434,8 +415,6 @@ def _packed_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, N, kw, s_row
                               codes, SHFL, AFF)
             words = nxt
     else:   # STAGES > 1: Triton's pipeliner streams the words through shared memory (cp.async)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         for i in tl.range(STEPS, num_stages=STAGES):
             ch = first + i * C + c
             words = _load_words(q_rows, n_ok, ch, nch, H, EVEN)
@@ -651,7 +630,6 @@ class PackedConfig:
     pair: int = 1       # NF4 (blocks of 64+): absmax applied once per two planes
     shfl: int = 0       # NF4 with pair: code values by warp shuffles (compiled kernels only)
     aff: int = 0        # Q4_0 / AWQ / Q4_K: each plane's precomputed (a, b) pair
-    pdl: int = 0        # programmatic dependent launch (the first loads overlap the prior kernel)
 
     def tag(self) -> str:
         return (f"packed[n{self.block_n},c{self.chunks},s{self.split},w{self.num_warps}"
@@ -659,7 +637,7 @@ class PackedConfig:
                 + ("" if self.fma else ",nofma") + ("" if self.x32 else ",x16")
                 + (f",st{self.stages}" if self.stages > 1 and not self.prefetch else "")
                 + ("" if self.pair else ",nopair") + (",shfl" if self.shfl else "")
-                + (",aff" if self.aff else "") + (",pdl" if self.pdl else "") + "]")
+                + (",aff" if self.aff else "") + "]")
 
 
 #: default launch per format, H200 N = K = 8192 bf16 CUDA-graph times (session 5 sweep): 16
@@ -722,7 +700,6 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
     table = pw.table if pw.table is not None else code if code is not None else pw.scales
     pair = pw.fmt == NF4 and pw.group % 64 == 0 and not deq and bool(cfg.pair)
     aff = bool(cfg.aff) and pw.fmt in AFFINE_FORMATS and affine_ready(pw)
-    pdl = bool(cfg.pdl) and not deq and not INTERPRET
     scales = affine_pairs(pw) if aff else pw.scales
     _packed_gemv_kernel[(tiles, split)](
         x1, pw.codes, scales, z, table, out, pw.n,
@@ -732,8 +709,8 @@ def _launch(pw: PackedWeight, x1, out, code, cfg: PackedConfig, plan, deq: bool 
         FMA_DEQ=bool(cfg.fma),
         H=max(cfg.halves, 2) if pw.fmt == Q6_K else cfg.halves,
         DEQ=deq, STAGES=1 if cfg.prefetch else cfg.stages,
-        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET, AFF=aff, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        PAIR=pair, SHFL=pair and bool(cfg.shfl) and not INTERPRET, AFF=aff,
+        num_warps=cfg.num_warps, num_stages=1)
 
 
 def run_packed(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,

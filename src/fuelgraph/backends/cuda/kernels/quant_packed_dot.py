@@ -33,28 +33,6 @@ DOT_FORMATS = PACKED_FORMATS
 
 
 @triton.jit
-def _apair(s_rows, ch, j: tl.constexpr, ok, EVEN: tl.constexpr):
-    """The (a, b) float32 pair of plane j of 4-bit chunks ch (`affine_pairs`, one int64)."""
-    if EVEN:
-        pr = tl.load(s_rows + ch * 8 + j)
-    else:
-        pr = tl.load(s_rows + ch * 8 + j, mask=ok, other=0)
-    return (pr.to(tl.int32).to(tl.float32, bitcast=True),
-            (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _aquad(KIND: tl.constexpr, words, j0: tl.constexpr, a0, b0, a1, b1, a2, b2, a3, b3, magic,
-           DT: tl.constexpr):
-    """Planes j0 .. j0 + 3 from their pairs, in K order: [BN, C, 2, 2, 32] in DT."""
-    w = tl.join(tl.join(_affine_plane(KIND, words, j0, a0, b0, magic).to(DT),
-                        _affine_plane(KIND, words, j0 + 1, a1, b1, magic).to(DT)),
-                tl.join(_affine_plane(KIND, words, j0 + 2, a2, b2, magic).to(DT),
-                        _affine_plane(KIND, words, j0 + 3, a3, b3, magic).to(DT)))
-    return tl.permute(w, (0, 1, 4, 3, 2))
-
-
-@triton.jit
 def _wplane_nf4_shfl(words, j: tl.constexpr, ch, ok, s_rows, codes, E: tl.constexpr,
                      BS: tl.constexpr, EVEN: tl.constexpr):
     """NF4 plane j by warp shuffles from the lanes' `codes` (`_lane_codes`), times absmax."""
@@ -169,7 +147,7 @@ def _x_tile(x_cols, k, k_ok, m_ok, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt_ptr, M, N, kw,
+def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw,
                        s_row, nch, stride_x, stride_o, magic, STEPS: tl.constexpr,
                        KIND: tl.constexpr,
                        E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -177,9 +155,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
                        PREC: tl.constexpr, FMA_DEQ: tl.constexpr,
                        PREFETCH: tl.constexpr = False, JOIN: tl.constexpr = 1,
                        NAT: tl.constexpr = False, EVEN: tl.constexpr = False,
-                       AFF: tl.constexpr = False, EARLY: tl.constexpr = False,
-                       SHFL: tl.constexpr = False, FIXUP: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       AFF: tl.constexpr = False, SHFL: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over chunks [pid_s * STEPS * C, ...) of rows
     [pid_n * BLOCK_N, ...) and x rows [pid_m * BLOCK_M, ...). PREFETCH: the next step's words
     are loaded before the current ones are multiplied (in registers; the loop is otherwise
@@ -192,16 +168,8 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
     shared memory on its way to the MMA anyway). EVEN: no bounds masks (N, M and the chunks
     are whole tiles / steps). AFF: s_ptr holds the (a, b) pairs of `affine_pairs` [N, K / 32]
     (Q4_0, AWQ, Q4_K; BS = 32), one 8-byte load and one FMA (Q4_K: and an add) a weight.
-    EARLY (with AFF, JOIN = 4, NAT): every pair and x tile of a step loaded before its first
-    dot (the barriers around each dot otherwise keep the second half's loads behind the
-    first dot: two memory latencies a step instead of one). SHFL (NF4): the code table looked
-    up by warp shuffles (`_nf4_shfl`) instead of tl.gather (a shared-memory table behind a
-    barrier per plane). FIXUP (split K): each program stores its partial tile to part_ptr
-    [split, tiles, BN * BM] and counts itself in at cnt_ptr[tile]; the last one sums the
-    partials in split order (deterministic) and writes out in its dtype, then zeroes the
-    count: no zeroed float32 output and no conversion kernel around the launch. PDL: launched
-    as a programmatic dependent of the prior kernel, waiting for it (griddepcontrol.wait)
-    before reading x and after the first words' loads (PREFETCH); nothing is written before."""
+    SHFL (NF4): the code table looked up by warp shuffles (`_nf4_shfl`) instead of tl.gather
+    (a shared-memory table behind a barrier per plane)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -233,9 +201,6 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
         else:
             nxt = tl.load(q_rows + ch * 32 + t,
                           mask=n_ok[:, None, None] & (ch < nch) & (t < 32), other=0)
-    if PDL:     # the prior kernel (x's producer) done before x is read; the first words (the
-        #         weight's, with PREFETCH) are in flight already
-        tl.extra.cuda.gdc_wait()
     for i in range(STEPS):
         ch0 = (pid_s * STEPS + i) * C
         ch = ch0 + c
@@ -284,24 +249,6 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
             if NAT:
                 wj = tl.permute(wj, (0, 1, 5, 4, 3, 2))                 # [BN, C, 2, 2, 2, 32]
             acc = tl.dot(tl.reshape(wj, (BLOCK_N, C * 256)), xt, acc, input_precision=PREC)
-        elif JOIN == 4 and AFF and EARLY:      # 4-bit: two quads, loads first
-            a0, b0 = _apair(s_rows, ch, 0, ok, EVEN)
-            a1, b1 = _apair(s_rows, ch, 1, ok, EVEN)
-            a2, b2 = _apair(s_rows, ch, 2, ok, EVEN)
-            a3, b3 = _apair(s_rows, ch, 3, ok, EVEN)
-            a4, b4 = _apair(s_rows, ch, 4, ok, EVEN)
-            a5, b5 = _apair(s_rows, ch, 5, ok, EVEN)
-            a6, b6 = _apair(s_rows, ch, 6, ok, EVEN)
-            a7, b7 = _apair(s_rows, ch, 7, ok, EVEN)
-            kk = tl.arange(0, C * 128)
-            k0 = (ch0 + kk // 128) * E + kk % 128
-            kq_ok = (ch0 + kk // 128) < nch
-            x0 = _x_tile(x_cols, k0, kq_ok, m_ok, EVEN)
-            x1 = _x_tile(x_cols, k0 + 128, kq_ok, m_ok, EVEN)
-            w = _aquad(KIND, words, 0, a0, b0, a1, b1, a2, b2, a3, b3, magic, x0.dtype)
-            acc = tl.dot(tl.reshape(w, (BLOCK_N, C * 128)), x0, acc, input_precision=PREC)
-            w = _aquad(KIND, words, 4, a4, b4, a5, b5, a6, b6, a7, b7, magic, x1.dtype)
-            acc = tl.dot(tl.reshape(w, (BLOCK_N, C * 128)), x1, acc, input_precision=PREC)
         elif JOIN >= 4:
             for jg in tl.static_range(E // 128):
                 kk = tl.arange(0, C * 128)      # (chunk, t, i, h): plane 4 jg + 2 h + i
@@ -326,26 +273,7 @@ def _packed_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, part_ptr, cnt
                 acc = tl.dot(w2, xt, acc, input_precision=PREC)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok[:, None] & m_ok[None, :]
-    if FIXUP:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        loc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(part_ptr + (pid_s * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M) + loc, acc)
-        tl.debug_barrier()      # every thread's partial stored before the count (release)
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == tl.num_programs(2) - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            for s2 in range(tl.num_programs(2)):
-                total += tl.load(part_ptr + (s2 * tiles + tile).to(tl.int64) * (BLOCK_N * BLOCK_M)
-                                 + loc, cache_modifier=".cg")
-            if EVEN:
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty))
-            else:
-                tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-    elif ATOMIC and EVEN:
-        tl.atomic_add(o_ptrs, acc, sem="relaxed")
-    elif ATOMIC:
+    if ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
     elif EVEN:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
@@ -368,21 +296,17 @@ class PackedDotConfig:
     join: int = 1       # planes a dot (1, 4 or 8; 8 is 4 for Q8_0)
     nat: int = 0        # with join: the joined planes in K order, x read contiguously
     aff: int = 0        # Q4_0 / AWQ / Q4_K: the (a, b) pair of each plane (`affine_pairs`)
-    early: int = 0      # with aff, join 4, nat: all of a step's pairs and x loaded first
     shfl: int = 0       # NF4: the code table read by warp shuffles (compiled kernels only)
-    fixup: int = 0      # split K: the last program of a tile sums the partials (no atomics)
-    pdl: int = 0        # programmatic dependent launch (overlaps the prior kernel's tail)
-    maxnreg: int = 0    # registers a thread at most (0: the compiler's choice); early's 168
-    #                     allow 3 programs an SM, 128 four (sm_90: 16 bytes of spill stack)
+    maxnreg: int = 0    # registers a thread at most (0: the compiler's choice; 128 lets four
+    #                     programs share an SM)
 
     def tag(self) -> str:
         return (f"packed_dot[n{self.block_n},m{self.block_m},c{self.chunks},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + ("" if self.fma else ",nofma")
                 + (",pf" if self.prefetch else "") + (f",j{self.join}" if self.join > 1 else "")
                 + (",nat" if self.nat and self.join > 1 else "") + (",aff" if self.aff else "")
-                + (",early" if self.early else "") + (",shfl" if self.shfl else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "") + (",fix" if self.fixup else "")
-                + (",pdl" if self.pdl else "") + "]")
+                + (",shfl" if self.shfl else "")
+                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
 
 
 def _even_split(total: int, want: int) -> int:
@@ -391,21 +315,6 @@ def _even_split(total: int, want: int) -> int:
     masks (EVEN; N = K = 8192 on 128 row tiles: 4 rather than 3)."""
     near = [d for d in range(max(1, -(-2 * want // 3)), 3 * want // 2 + 1) if total % d == 0]
     return min(near, key=lambda d: (abs(d - want), -d)) if near else want
-
-
-def _counts(pw, tiles: int):
-    """The int32 counts of a FIXUP launch, one per output tile, zero between launches (the last
-    program of a tile resets its count); kept with the packed weight: launches of one weight on
-    one stream run in order (two streams multiplying by the same weight at once would share
-    them). None while a CUDA graph is being captured and they do not exist yet (made then, they
-    would live in the graph's pool); the launch then takes the atomics."""
-    got = pw.extra.get(("counts", tiles))
-    if got is None:
-        if pw.codes.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        got = pw.extra[("counts", tiles)] = torch.zeros(tiles, dtype=torch.int32,
-                                                        device=pw.codes.device)
-    return got
 
 
 def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -431,28 +340,21 @@ def run_packed_dot(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     split = _cdiv(total, steps)
     even = n % cfg.block_n == 0 and m % cfg.block_m == 0 and nch == split * steps * c
     grid = (_cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m), split)
-    counts = _counts(pw, grid[0] * grid[1]) if split > 1 and cfg.fixup else None
-    atomic = split > 1 and counts is None
+    atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split * grid[0] * grid[1] * cfg.block_n * cfg.block_m,
-                       dtype=torch.float32, device=x.device) if counts is not None else out
     z = pw.zeros if pw.zeros is not None else pw.scales
     table = pw.table if pw.table is not None else w2 if fmt == NF4 else pw.scales
     aff = bool(cfg.aff) and fmt in AFFINE_FORMATS and affine_ready(pw)
     scales, group = (affine_pairs(pw), 32) if aff else (pw.scales, pw.group)
     _packed_dot_kernel[grid](
-        x2, pw.codes, scales, z, table, out, part, out if counts is None else counts, m, n,
+        x2, pw.codes, scales, z, table, out, m, n,
         pw.codes.shape[1], scales.shape[1], nch, x2.stride(0), out.stride(0), MAGIC_BITS,
         STEPS=steps, KIND=_KIND[fmt], E=e, BS=group, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, C=c, ATOMIC=atomic,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", FMA_DEQ=bool(cfg.fma),
         PREFETCH=bool(cfg.prefetch), JOIN=cfg.join, NAT=bool(cfg.nat) and cfg.join > 1,
-        EVEN=even, AFF=aff,
-        EARLY=aff and bool(cfg.early) and cfg.join == 4 and bool(cfg.nat),
-        SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET, FIXUP=counts is not None,
-        PDL=bool(cfg.pdl) and not INTERPRET,
+        EVEN=even, AFF=aff, SHFL=fmt == NF4 and bool(cfg.shfl) and not INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-        **({"launch_pdl": True} if cfg.pdl and not INTERPRET else {}))
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
