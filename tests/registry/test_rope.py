@@ -238,7 +238,8 @@ def test_empty(interleaved, shape):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
-@pytest.mark.parametrize("bshd,ts", [((2, 256, 8, 64), (256, 64)), ((2, 128, 3, 32), (2, 1, 128, 32)),
+@pytest.mark.parametrize("bshd,ts", [((2, 256, 8, 64), (256, 64)),
+                                     ((2, 128, 3, 32), (2, 1, 128, 32)),
                                      ((3, 40, 5, 16), (40, 16))], ids=str)
 def test_heads_permuted_input(bshd, ts, dt, interleaved):
     """x as a model makes it: a [B, S, H, D] projection viewed heads first. The NumPy kernel
@@ -253,7 +254,8 @@ def test_heads_permuted_input(bshd, ts, dt, interleaved):
     got = rope_kernel(view, c, sn, interleaved=interleaved)
     want = rope_kernel(np.ascontiguousarray(view), c, sn, interleaved=interleaved)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-    y = F.rope(fg.tensor(a).permute(0, 2, 1, 3), fg.tensor(c), fg.tensor(sn), interleaved=interleaved)
+    y = F.rope(fg.tensor(a).permute(0, 2, 1, 3), fg.tensor(c), fg.tensor(sn),
+               interleaved=interleaved)
     t64 = [torch.tensor(v.astype(np.float64)) for v in (view, c, sn)]
     r64 = torch_rope(*t64, interleaved).numpy()
     if dt == fg.float32:

@@ -1,9 +1,11 @@
-"""NumPy fused kernel for FUSED_LINEAR: `a @ b + bias`.
+"""NumPy fused kernels for FUSED_LINEAR (`a @ b + bias`) and SILU_MUL (`silu(g) * u`, with its
+gradient helper SILU_MUL_BACKWARD).
 
 The matrix product goes to BLAS (`np.matmul`) in the accumulation dtype (float32 for
 float32/float16/bfloat16 -- NumPy has no BLAS path for halves, so they are widened first --
 float64 for float64); the bias is added to the accumulator in place and the result is narrowed
-once (round to nearest even) to the input dtype.
+once (round to nearest even) to the input dtype. silu_mul and its backward run the recipe's
+operations in the same order, in blocks that stay in L2, over the thread pool.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import math
 import numpy as np
 
 from ...registry.core import FusedOps
-from ..base import Cost, kernel
-from .common import acc_dtype, row_spans, run_spans, store, to_acc
+from ...registry.linear import SILU_MUL, SILU_MUL_BACKWARD
+from ..base import Cost, kernel, row_cost
+from .common import acc_dtype, new_output, row_spans, run_spans, store, to_acc
 from .primitives import gemm
 
 
@@ -58,3 +61,79 @@ def fused_linear(a, b, bias):
 
     run_spans(work, row_spans(o2.shape[0], n), o2.size)
     return res
+
+
+#: elements per block of silu_mul's work inside a thread's span: the inputs, the outputs and
+#: two temporaries of a block (128 KiB each in float32) stay in L2 across its passes
+SILU_BLOCK = 1 << 15
+
+
+def _blocks(n, fn) -> None:
+    """fn(i0, i1) over [0, n) in blocks of SILU_BLOCK elements, spans of them on the pool."""
+    def work(r0, r1):
+        for a in range(r0, r1, SILU_BLOCK):
+            fn(a, min(r1, a + SILU_BLOCK))
+    with np.errstate(all="ignore"):
+        run_spans(work, row_spans(n, 1), n)
+
+
+def _sigmoid(x, out, one):
+    """out = 1 / (1 + exp(-x)), as the recipe's primitives compute it."""
+    np.negative(x, out=out)
+    np.exp(out, out=out)
+    np.add(out, one, out=out)
+    np.divide(one, out, out=out)
+    return out
+
+
+@kernel(SILU_MUL, "numpy", cost=row_cost(6))
+def silu_mul(g, u):
+    """SILU_MUL: g, u [...] (one shape and float dtype) -> silu(g) * u = g * sigmoid(g) * u,
+    computed in the accumulation dtype and rounded once (the same operations, in the same
+    order, as the recipe: float32 results equal its primitives bit for bit)."""
+    dt, acc = g.dtype, acc_dtype(g.dtype)
+    out = new_output(g.shape, dt)
+    fg_, fu, fo = g.reshape(-1), u.reshape(-1), out.reshape(-1)
+    one = acc.type(1)
+
+    def block(a, b):
+        x, y = to_acc(fg_[a:b], acc), to_acc(fu[a:b], acc)
+        s = _sigmoid(x, np.empty(b - a, acc), one)
+        o = fo[a:b] if dt == acc else s
+        np.multiply(x, s, out=o)
+        np.multiply(o, y, out=o)
+        if dt != acc:
+            store(fo[a:b], o)
+    _blocks(fg_.size, block)
+    return out
+
+
+@kernel(SILU_MUL_BACKWARD, "numpy", cost=row_cost(12))
+def silu_mul_backward(g, u, grad):
+    """SILU_MUL_BACKWARD: g, u (the forward's inputs), grad (the output's gradient), one shape
+    and float dtype -> (dg, du): s = sigmoid(g) recomputed, du = grad * (g * s),
+    dg = (grad * u) * (s * (1 + g * (1 - s))), in the accumulation dtype, each rounded once."""
+    dt, acc = g.dtype, acc_dtype(g.dtype)
+    dg, du = new_output(g.shape, dt), new_output(g.shape, dt)
+    ins = [a.reshape(-1) for a in (g, u, grad)]
+    fdg, fdu = dg.reshape(-1), du.reshape(-1)
+    one = acc.type(1)
+
+    def block(a, b):
+        x, y, d = (to_acc(f[a:b], acc) for f in ins)
+        s = _sigmoid(x, np.empty(b - a, acc), one)
+        t = np.multiply(x, s)                            # silu(g)
+        odu = fdu[a:b] if dt == acc else np.empty(b - a, acc)
+        np.multiply(d, t, out=odu)
+        np.subtract(one, s, out=t)                       # silu'(g) = s * (1 + g * (1 - s))
+        np.multiply(x, t, out=t)
+        np.add(one, t, out=t)
+        np.multiply(s, t, out=t)
+        odg = fdg[a:b] if dt == acc else s
+        np.multiply(d, y, out=odg)
+        np.multiply(odg, t, out=odg)
+        if dt != acc:
+            store(fdu[a:b], odu)
+            store(fdg[a:b], odg)
+    _blocks(ins[0].size, block)
+    return dg, du
