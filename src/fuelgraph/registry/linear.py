@@ -97,15 +97,18 @@ def _sample(rng):
 
 
 def silu_mul_recipe(g, u):
-    """silu(g) * u = g * sigmoid(g) * u (the idiom; it fuses from this)."""
-    return g.silu() * u
+    """silu(g) * u = g / (1 + exp(-g)) * u: `g.silu() * u` in its canonical form (the
+    optimizer rewrites g * (1 / d) to g / d), so the recipe lowers to the graph the idiom
+    becomes, bit for bit."""
+    return g / (1.0 + (-g).exp()) * u
 
 
 def silu_mul_backward_recipe(g, u, grad):
-    """(dg, du) of silu(g) * u: s = sigmoid(g), du = grad * g * s,
-    dg = grad * u * s * (1 + g * (1 - s)) (silu's derivative)."""
-    s = g.sigmoid()
-    return grad * u * (s * (1.0 + g * (1.0 - s))), grad * (g * s)
+    """(dg, du) of silu(g) * u: d = 1 + exp(-g), s = 1 / d, du = grad * (g / d),
+    dg = grad * u * (s * (1 + g * (1 - s))) (silu's derivative)."""
+    d = 1.0 + (-g).exp()
+    s = 1.0 / d
+    return grad * u * (s * (1.0 + g * (1.0 - s))), grad * (g / d)
 
 
 def _silu_mul_validate(name, labels):
@@ -142,9 +145,9 @@ def declare(reg):
         shape_rule=same_as_input0, dtype_rule=same_as_input0,
         validate=_silu_mul_validate("silu_mul", ["g", "u"]), decompose=silu_mul_recipe,
         backward=BackwardKind.fused(SILU_MUL_BACKWARD), vjp=_silu_mul_vjp,
-        recipe_only=("cuda",),
+        recipe_only=("cuda",), fuse_late=True,
         sample=lambda rng: [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2)],
-        doc="out = silu(g) * u = g * sigmoid(g) * u, elementwise (a SwiGLU MLP's gate). g, u "
+        doc="out = silu(g) * u = g / (1 + exp(-g)) * u, elementwise (a SwiGLU MLP's gate). g, u "
             "one shape and float dtype -> out, same shape and dtype. Computed in float32 for "
             "16/32-bit inputs (float64 for float64), rounded once. Backward "
             "fused(silu_mul_backward), which recomputes the sigmoid. Fuses from silu(g) * u. "
@@ -158,7 +161,8 @@ def declare(reg):
         sample=lambda rng: [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(3)],
         doc="Gradient of silu_mul: g, u (the forward's inputs) and grad (the output's "
             "gradient), one shape and float dtype -> (dg, du) of that shape and dtype: "
-            "s = sigmoid(g), du = grad * g * s, dg = grad * u * s * (1 + g * (1 - s)). "
+            "d = 1 + exp(-g), s = 1 / d, du = grad * (g / d), dg = grad * u * s * (1 + g * "
+            "(1 - s)). "
             "Computed in float32 for 16/32-bit inputs, rounded once per output."))
 
 

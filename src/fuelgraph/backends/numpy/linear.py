@@ -77,20 +77,19 @@ def _blocks(n, fn) -> None:
         run_spans(work, row_spans(n, 1), n)
 
 
-def _sigmoid(x, out, one):
-    """out = 1 / (1 + exp(-x)), as the recipe's primitives compute it."""
+def _one_plus_exp_neg(x, out, one):
+    """out = 1 + exp(-x), as the recipe's primitives compute it."""
     np.negative(x, out=out)
     np.exp(out, out=out)
     np.add(out, one, out=out)
-    np.divide(one, out, out=out)
     return out
 
 
 @kernel(SILU_MUL, "numpy", cost=row_cost(6))
 def silu_mul(g, u):
-    """SILU_MUL: g, u [...] (one shape and float dtype) -> silu(g) * u = g * sigmoid(g) * u,
-    computed in the accumulation dtype and rounded once (the same operations, in the same
-    order, as the recipe: float32 results equal its primitives bit for bit)."""
+    """SILU_MUL: g, u [...] (one shape and float dtype) -> silu(g) * u = g / (1 + exp(-g)) * u,
+    computed in the accumulation dtype and rounded once (the recipe's operations in its order:
+    float32 results equal its primitives, and the idiom's glue, bit for bit)."""
     dt, acc = g.dtype, acc_dtype(g.dtype)
     out = new_output(g.shape, dt)
     fg_, fu, fo = g.reshape(-1), u.reshape(-1), out.reshape(-1)
@@ -98,9 +97,9 @@ def silu_mul(g, u):
 
     def block(a, b):
         x, y = to_acc(fg_[a:b], acc), to_acc(fu[a:b], acc)
-        s = _sigmoid(x, np.empty(b - a, acc), one)
-        o = fo[a:b] if dt == acc else s
-        np.multiply(x, s, out=o)
+        d = _one_plus_exp_neg(x, np.empty(b - a, acc), one)
+        o = fo[a:b] if dt == acc else d
+        np.divide(x, d, out=o)
         np.multiply(o, y, out=o)
         if dt != acc:
             store(fo[a:b], o)
@@ -111,7 +110,7 @@ def silu_mul(g, u):
 @kernel(SILU_MUL_BACKWARD, "numpy", cost=row_cost(12))
 def silu_mul_backward(g, u, grad):
     """SILU_MUL_BACKWARD: g, u (the forward's inputs), grad (the output's gradient), one shape
-    and float dtype -> (dg, du): s = sigmoid(g) recomputed, du = grad * (g * s),
+    and float dtype -> (dg, du): d = 1 + exp(-g) recomputed, s = 1 / d, du = grad * (g / d),
     dg = (grad * u) * (s * (1 + g * (1 - s))), in the accumulation dtype, each rounded once."""
     dt, acc = g.dtype, acc_dtype(g.dtype)
     dg, du = new_output(g.shape, dt), new_output(g.shape, dt)
@@ -120,17 +119,18 @@ def silu_mul_backward(g, u, grad):
     one = acc.type(1)
 
     def block(a, b):
-        x, y, d = (to_acc(f[a:b], acc) for f in ins)
-        s = _sigmoid(x, np.empty(b - a, acc), one)
-        t = np.multiply(x, s)                            # silu(g)
+        x, y, dy = (to_acc(f[a:b], acc) for f in ins)
+        s = _one_plus_exp_neg(x, np.empty(b - a, acc), one)
+        t = np.divide(x, s)                              # silu(g)
         odu = fdu[a:b] if dt == acc else np.empty(b - a, acc)
-        np.multiply(d, t, out=odu)
+        np.multiply(dy, t, out=odu)
+        np.divide(one, s, out=s)                         # sigmoid(g)
         np.subtract(one, s, out=t)                       # silu'(g) = s * (1 + g * (1 - s))
         np.multiply(x, t, out=t)
         np.add(one, t, out=t)
         np.multiply(s, t, out=t)
         odg = fdg[a:b] if dt == acc else s
-        np.multiply(d, y, out=odg)
+        np.multiply(dy, y, out=odg)
         np.multiply(odg, t, out=odg)
         if dt != acc:
             store(fdu[a:b], odu)
