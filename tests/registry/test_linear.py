@@ -248,3 +248,17 @@ def test_silu_mul_second_order_and_validation():
         F.silu_mul(fg.tensor(np.ones((2, 3), np.float32)), fg.tensor(np.ones((3,), np.float32)))
     with pytest.raises(FuelGraphError, match="silu_mul: u has dtype"):
         F.silu_mul(fg.tensor(np.ones(3, np.float32)), fg.tensor(np.ones(3, np.float64)))
+
+
+@pytest.mark.parametrize("shape", [(4, 2048), (512, 1024)])
+def test_silu_mul_of_strided_halves(shape):
+    """A decode step's merged gate/up product: the halves are strided views, read as they are
+    (few rows) or copied (many); the same bits as contiguous inputs."""
+    gu = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    f = shape[1] // 2
+    t = fg.tensor(gu)
+    y = t[:, :f].silu() * t[:, f:]
+    assert fg.explain([y]).fused_ops == {"silu_mul": 1}
+    want = F.silu_mul(fg.tensor(np.ascontiguousarray(gu[:, :f])),
+                      fg.tensor(np.ascontiguousarray(gu[:, f:])))
+    np.testing.assert_array_equal(y.numpy(), want.numpy())

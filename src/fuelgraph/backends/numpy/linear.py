@@ -16,7 +16,8 @@ import numpy as np
 from ...registry.core import FusedOps
 from ...registry.linear import SILU_MUL, SILU_MUL_BACKWARD
 from ..base import Cost, kernel, row_cost
-from .common import acc_dtype, new_output, row_spans, run_spans, store, to_acc
+from .common import (PARALLEL_MIN_ELEMS, acc_dtype, new_output, row_spans, run_spans, store,
+                     to_acc)
 from .primitives import gemm
 
 
@@ -85,12 +86,19 @@ def _one_plus_exp_neg(x, out, one):
     return out
 
 
-@kernel(SILU_MUL, "numpy", cost=row_cost(6))
+@kernel(SILU_MUL, "numpy", cost=row_cost(6), strided_input=True)
 def silu_mul(g, u):
-    """SILU_MUL: g, u [...] (one shape and float dtype) -> silu(g) * u = g / (1 + exp(-g)) * u,
-    computed in the accumulation dtype and rounded once (the recipe's operations in its order:
-    float32 results equal its primitives, and the idiom's glue, bit for bit)."""
+    """SILU_MUL: g, u [...] (one shape and float dtype, any strides: a decode step's halves of
+    a merged gate/up product) -> silu(g) * u = g / (1 + exp(-g)) * u, computed in the
+    accumulation dtype and rounded once (the recipe's operations in its order: float32 results
+    equal its primitives, and the idiom's glue, bit for bit)."""
     dt, acc = g.dtype, acc_dtype(g.dtype)
+    if g.size < PARALLEL_MIN_ELEMS and dt == acc:       # a few rows: whole arrays, as they are
+        with np.errstate(all="ignore"):
+            o = _one_plus_exp_neg(g, np.empty(g.shape, acc), acc.type(1))
+            np.divide(g, o, out=o)
+            return np.multiply(o, u, out=o)
+    g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
     out = new_output(g.shape, dt)
     fg_, fu, fo = g.reshape(-1), u.reshape(-1), out.reshape(-1)
     one = acc.type(1)
