@@ -250,10 +250,10 @@ def test_silu_mul_second_order_and_validation():
         F.silu_mul(fg.tensor(np.ones(3, np.float32)), fg.tensor(np.ones(3, np.float64)))
 
 
-@pytest.mark.parametrize("shape", [(4, 2048), (512, 1024)])
+@pytest.mark.parametrize("shape", [(4, 2048), (512, 1024), (300, 2048)])
 def test_silu_mul_of_strided_halves(shape):
-    """A decode step's merged gate/up product: the halves are strided views, read as they are
-    (few rows) or copied (many); the same bits as contiguous inputs."""
+    """A prompt's or a decode step's merged gate/up product: the halves are strided views, read
+    in place (whole, or in blocks of rows over the pool); the same bits as contiguous inputs."""
     gu = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
     f = shape[1] // 2
     t = fg.tensor(gu)

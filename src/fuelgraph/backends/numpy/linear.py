@@ -86,32 +86,60 @@ def _one_plus_exp_neg(x, out, one):
     return out
 
 
+def _strided_rows(*arrays):
+    """The arrays as [R, C] row views (C the last extent) without a copy, when every one has a
+    unit-stride last axis that fits a block (a merged product's halves); else None."""
+    out = []
+    for a in arrays:
+        if a.ndim == 0 or a.strides[-1] != a.itemsize or a.shape[-1] > SILU_BLOCK:
+            return None
+        try:
+            out.append(np.reshape(a, (-1, a.shape[-1]), copy=False))
+        except ValueError:
+            return None
+    return out
+
+
 @kernel(SILU_MUL, "numpy", cost=row_cost(6), strided_input=True)
 def silu_mul(g, u):
-    """SILU_MUL: g, u [...] (one shape and float dtype, any strides: a decode step's halves of
-    a merged gate/up product) -> silu(g) * u = g / (1 + exp(-g)) * u, computed in the
-    accumulation dtype and rounded once (the recipe's operations in its order: float32 results
-    equal its primitives, and the idiom's glue, bit for bit)."""
+    """SILU_MUL: g, u [...] (one shape and float dtype, any strides: the halves of a merged
+    gate/up product are read in place) -> silu(g) * u = g / (1 + exp(-g)) * u, computed in
+    the accumulation dtype and rounded once (the recipe's operations in its order: float32
+    results equal its primitives, and the idiom's glue, bit for bit)."""
     dt, acc = g.dtype, acc_dtype(g.dtype)
-    if g.size < PARALLEL_MIN_ELEMS and dt == acc:       # a few rows: whole arrays, as they are
-        with np.errstate(all="ignore"):
-            o = _one_plus_exp_neg(g, np.empty(g.shape, acc), acc.type(1))
-            np.divide(g, o, out=o)
-            return np.multiply(o, u, out=o)
-    g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
-    out = new_output(g.shape, dt)
-    fg_, fu, fo = g.reshape(-1), u.reshape(-1), out.reshape(-1)
     one = acc.type(1)
 
-    def block(a, b):
-        x, y = to_acc(fg_[a:b], acc), to_acc(fu[a:b], acc)
-        d = _one_plus_exp_neg(x, np.empty(b - a, acc), one)
-        o = fo[a:b] if dt == acc else d
-        np.divide(x, d, out=o)
-        np.multiply(o, y, out=o)
+    def block(x, y, o):
+        x, y = to_acc(x, acc), to_acc(y, acc)
+        d = _one_plus_exp_neg(x, np.empty(x.shape, acc), one)
+        r = o if dt == acc else d
+        np.divide(x, d, out=r)
+        np.multiply(r, y, out=r)
         if dt != acc:
-            store(fo[a:b], o)
-    _blocks(fg_.size, block)
+            store(o, r)
+
+    if g.size < PARALLEL_MIN_ELEMS and dt == acc:       # a few rows: whole arrays, as they are
+        with np.errstate(all="ignore"):
+            o = np.empty(g.shape, acc)
+            block(g, u, o)
+            return o
+    out = new_output(g.shape, dt)
+    rows = None if g.flags.c_contiguous and u.flags.c_contiguous else _strided_rows(g, u)
+    if rows is not None:                                 # blocks of whole (strided) rows
+        (g2, u2), o2 = rows, out.reshape(rows[0].shape)
+        n, c = g2.shape
+        step = max(1, SILU_BLOCK // c)
+
+        def work(r0, r1):
+            for a in range(r0, r1, step):
+                b = min(r1, a + step)
+                block(g2[a:b], u2[a:b], o2[a:b])
+        with np.errstate(all="ignore"):
+            run_spans(work, row_spans(n, c), n * c)
+        return out
+    fg_, fu = np.ascontiguousarray(g).reshape(-1), np.ascontiguousarray(u).reshape(-1)
+    fo = out.reshape(-1)
+    _blocks(fg_.size, lambda a, b: block(fg_[a:b], fu[a:b], fo[a:b]))
     return out
 
 
