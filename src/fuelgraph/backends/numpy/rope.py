@@ -168,8 +168,15 @@ def _rope_small(x, cos, sin, interleaved):
     swap, sign = _pairing(x.shape[-1], interleaved, x.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         y = np.multiply(x, cos)                     # the tables broadcast to x: x's shape
-        t = np.take(x, swap, axis=-1)
-        np.multiply(t, np.multiply(sin, sign), out=t)
+        ss = np.multiply(sin, sign)
+        if interleaved:
+            t = np.take(x, swap, axis=-1)
+            np.multiply(t, ss, out=t)
+        else:                                       # halves swapped by two slice products
+            h = x.shape[-1] // 2
+            t = np.empty(y.shape, y.dtype)
+            np.multiply(x[..., h:], ss[..., :h], out=t[..., :h])
+            np.multiply(x[..., :h], ss[..., h:], out=t[..., h:])
         np.add(y, t, out=y)
     return y
 
