@@ -93,6 +93,9 @@ class Plan:
             env[out] = r[0] if isinstance(r, tuple) else r
             for i in free:
                 env[i] = None
+            # this step's references go before the next step allocates (a view it returned
+            # would otherwise keep the storage its slot just gave up alive one step longer)
+            r = args = None
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]
@@ -157,6 +160,7 @@ class Plan:
             freed = self._special_step(st, env, pending, must_copy, refs)
             refs.add(env[o] for o in st.outs)
             refs.drop(freed)
+            freed = None                # the freed buffers go now, not after the next step
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]
