@@ -3,6 +3,8 @@
 graph lowered to primitives ("fuelgraph lowered": matmul, then a broadcast add) and torch CPU
 eager ("torch eager": torch.addmm for 2-D a, matmul + bias otherwise), float32; forward, and
 forward+backward (out and the grads of a, b, bias through fg.grad vs torch.autograd.grad).
+SILU_MUL (silu(g) * u, a SwiGLU gate) the same way: its kernel and backward helper, its recipe's
+primitives, torch's silu(g) * u and autograd.
 
     python bench/bench_linear.py [--quick]
 
@@ -54,11 +56,34 @@ def cases(sa, sb, rng):
     yield "fused_linear+backward", fg_case(fwd_bwd, [a, b, c, g]), t_fwd_bwd
 
 
+#: silu_mul shapes: the benchmark Llama's MLP (B4 x S256 tokens, FFN 1024), a wider one
+SILU_SHAPES = [(1024, 1024), (4096, 2816)]
+
+
+def silu_cases(shape, rng):
+    g, u, gy = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    tg, tu, tgy = map(torch.from_numpy, (g, u, gy))
+    tvars = [t.clone().requires_grad_(True) for t in (tg, tu)]
+
+    def t_fwd_bwd():
+        y = torch.nn.functional.silu(tvars[0]) * tvars[1]
+        return (y,) + torch.autograd.grad(y, tvars, tgy)
+
+    def fwd_bwd(gt, ut, gyt):
+        y = F.silu_mul(gt, ut)
+        return [y] + fg.grad([y], [gt, ut], [gyt])
+
+    yield "silu_mul", fg_case(F.silu_mul, [g, u]), lambda: torch.nn.functional.silu(tg) * tu
+    yield "silu_mul+backward", fg_case(fwd_bwd, [g, u, gy]), t_fwd_bwd
+
+
 def main(quick=False):
     rng = np.random.default_rng(0)
-    return run_cases("linear", ((name, list(sa) + [sb[-1]], make, tr) for sa, sb in SHAPES
-                                for name, make, tr in cases(sa, sb, rng)),
-                     quick, min_time=0.5, repeat=5)
+    linear = ((name, list(sa) + [sb[-1]], make, tr) for sa, sb in SHAPES
+              for name, make, tr in cases(sa, sb, rng))
+    silu = ((name, list(shape), make, tr) for shape in SILU_SHAPES
+            for name, make, tr in silu_cases(shape, rng))
+    return run_cases("linear", list(linear) + list(silu), quick, min_time=0.5, repeat=5)
 
 
 if __name__ == "__main__":

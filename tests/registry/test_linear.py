@@ -1,6 +1,8 @@
 """FUSED_LINEAR (id 2) vs torch CPU: forward over the four float dtypes and broadcast batch
 shapes, gradients (grad_b summed over broadcast batches, H.14) vs torch autograd and float64
-finite differences, recipe vs kernel, validation errors."""
+finite differences, recipe vs kernel, validation errors. SILU_MUL (silu(g) * u) and its backward
+helper vs torch: forward and gradients over the float dtypes, fusion from the idiom, the kernel
+against its recipe."""
 import zlib
 
 import ml_dtypes
@@ -188,3 +190,75 @@ def test_mixed_dtypes_promote_like_matmul():
     from fuelgraph.registry.core import call_fused
     with pytest.raises(FuelGraphError, match="b has dtype float64, expected float32"):
         call_fused(FusedOps.FUSED_LINEAR, a, b, c.astype(fg.float32))
+
+
+# ---- silu_mul ---------------------------------------------------------------------------------
+SILU_SHAPES = [(5, 7), (3, 4, 9), (256, 1100)]      # the last one takes the blocked pool path
+
+
+def _silu_mul_torch(g, u, dy, dtype):
+    tg, tu = (torch.tensor(np.asarray(v, np.float64)).to(TORCH[dtype]).requires_grad_()
+              for v in (g, u))
+    y = torch.nn.functional.silu(tg) * tu
+    y.backward(torch.tensor(np.asarray(dy, np.float64)).to(TORCH[dtype]))
+    return y.detach().double().numpy(), tg.grad.double().numpy(), tu.grad.double().numpy()
+
+
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_silu_mul_forward_and_gradients_match_torch(dtype, shape):
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{shape}".encode()))
+    g, u, dy = (rng.standard_normal(shape).astype(NP[dtype]) * 3 for _ in range(3))
+    tg, tu = fg.tensor(g, requires_grad=True), fg.tensor(u, requires_grad=True)
+    y = tg.silu() * tu                                   # the idiom, as the MLP writes it
+    (y * fg.tensor(dy)).sum().backward()
+    assert fg.explain([y]).fused_ops == {"silu_mul": 1}
+    assert fg.explain([tg.grad, tu.grad]).fused_ops.get("silu_mul_backward") == 1
+    ref64 = _silu_mul_torch(g, u, dy, "float64")
+    same = _silu_mul_torch(g, u, dy, dtype)
+    for ours, r64, r in zip((y, tg.grad, tu.grad), ref64, same):
+        assert ours.dtype == fg.tensor(g).dtype and ours.shape == shape
+        assert_close_dtype(ours.numpy(), r64, r, dtype)
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_silu_mul_kernels_and_recipes_agree(shape):
+    """float32: the kernels run the recipes' operations in order (the forward bit for bit)."""
+    rng = np.random.default_rng(3)
+    g, u, dy = (fg.tensor(rng.standard_normal(shape).astype(np.float32) * 4) for _ in range(3))
+    y = F.silu_mul(g, u)
+    np.testing.assert_array_equal(y.numpy(), fg.realize([y], lower_all=True)[0])
+    grads = F.silu_mul_backward(g, u, dy)
+    for got, want in zip(fg.realize(list(grads)), fg.realize(list(grads), lower_all=True)):
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_silu_mul_second_order_and_validation():
+    rng = np.random.default_rng(4)
+    g = fg.tensor(rng.standard_normal((3, 5)), requires_grad=True)
+    u = fg.tensor(rng.standard_normal((3, 5)), requires_grad=True)
+    (dg,) = fg.grad((F.silu_mul(g, u) ** 2).sum(), [g])
+    (ddg,) = fg.grad(dg.sum(), [u])
+    tg, tu = (torch.tensor(t.numpy(), requires_grad=True) for t in (g, u))
+    (tdg,) = torch.autograd.grad((torch.nn.functional.silu(tg) * tu).pow(2).sum(), [tg],
+                                 create_graph=True)
+    (tddg,) = torch.autograd.grad(tdg.sum(), [tu])
+    np.testing.assert_allclose(ddg.numpy(), tddg.numpy(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(FuelGraphError, match="silu_mul: u has shape"):
+        F.silu_mul(fg.tensor(np.ones((2, 3), np.float32)), fg.tensor(np.ones((3,), np.float32)))
+    with pytest.raises(FuelGraphError, match="silu_mul: u has dtype"):
+        F.silu_mul(fg.tensor(np.ones(3, np.float32)), fg.tensor(np.ones(3, np.float64)))
+
+
+@pytest.mark.parametrize("shape", [(4, 2048), (512, 1024), (300, 2048)])
+def test_silu_mul_of_strided_halves(shape):
+    """A prompt's or a decode step's merged gate/up product: the halves are strided views, read
+    in place (whole, or in blocks of rows over the pool); the same bits as contiguous inputs."""
+    gu = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    f = shape[1] // 2
+    t = fg.tensor(gu)
+    y = t[:, :f].silu() * t[:, f:]
+    assert fg.explain([y]).fused_ops == {"silu_mul": 1}
+    want = F.silu_mul(fg.tensor(np.ascontiguousarray(gu[:, :f])),
+                      fg.tensor(np.ascontiguousarray(gu[:, f:])))
+    np.testing.assert_array_equal(y.numpy(), want.numpy())

@@ -234,3 +234,32 @@ def test_empty(interleaved, shape):
     c = fg.tensor(np.ones(shape[-2:], np.float32))
     y = F.rope(x, c, c, interleaved=interleaved)
     assert y.numpy().shape == shape and fg.realize([y], lower_all=True)[0].shape == shape
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dt", [fg.float32, fg.bfloat16], ids=lambda d: d.name)
+@pytest.mark.parametrize("bshd,ts", [((2, 256, 8, 64), (256, 64)),
+                                     ((2, 128, 3, 32), (2, 1, 128, 32)),
+                                     ((3, 40, 5, 16), (40, 16))], ids=str)
+def test_heads_permuted_input(bshd, ts, dt, interleaved):
+    """x as a model makes it: a [B, S, H, D] projection viewed heads first. The NumPy kernel
+    reads that view in place (no copy first) and gives the bits it gives for a contiguous x,
+    whether the tables are shared or per batch (large x: the span path, small: the whole)."""
+    from fuelgraph.backends.numpy.rope import rope as rope_kernel
+    rng = np.random.default_rng(31)
+    a = rng.standard_normal(bshd).astype(dt.np)
+    c, sn = (rng.standard_normal(ts).astype(dt.np) for _ in range(2))
+    view = a.transpose(0, 2, 1, 3)
+    assert not view.flags.c_contiguous
+    got = rope_kernel(view, c, sn, interleaved=interleaved)
+    want = rope_kernel(np.ascontiguousarray(view), c, sn, interleaved=interleaved)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    y = F.rope(fg.tensor(a).permute(0, 2, 1, 3), fg.tensor(c), fg.tensor(sn),
+               interleaved=interleaved)
+    t64 = [torch.tensor(v.astype(np.float64)) for v in (view, c, sn)]
+    r64 = torch_rope(*t64, interleaved).numpy()
+    if dt == fg.float32:
+        np.testing.assert_allclose(y.numpy(), r64, rtol=1e-6, atol=1e-6)
+    else:
+        same = torch_rope(*(t.to(dt.torch) for t in t64), interleaved).double().numpy()
+        lowp_ok(y.numpy(), r64, same, dt)

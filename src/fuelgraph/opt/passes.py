@@ -58,6 +58,7 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
     that they were recognized."""
     reg = default_registry()
     by_sig: dict = {}
+    late: dict = {}                 # the patterns of `fuse_late` entries: matched afterwards
     nodes = toposort(outputs)
     present = None
     for e in reg:
@@ -71,10 +72,12 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
                 if not all(t in present for t in e.pattern_needs):
                     continue
             for p in patterns_of(e):
-                by_sig.setdefault(p.root_key, []).append((e, p))
-    for cands in by_sig.values():   # the larger pattern wins at a root (layer norm before RMS
-        cands.sort(key=lambda ep: -ep[1].size)   # norm, which matches its tail); stable sort
-    if not by_sig:
+                (late if e.fuse_late else by_sig).setdefault(p.root_key, []).append((e, p))
+    for cands in list(by_sig.values()) + list(late.values()):
+        # the larger pattern wins at a root (layer norm before RMS norm, which matches its
+        # tail); stable sort
+        cands.sort(key=lambda ep: -ep[1].size)
+    if not by_sig and not late:
         return outputs
     users = consumers(nodes)
     for v in outputs:   # a graph output is a consumer too: fusing over it would duplicate it
@@ -90,6 +93,17 @@ def fuse(outputs: list[Value], backend: str | None, log: RewriteLog, misses: dic
         if r is not None:
             matches[n] = r
             claimed |= r[1].interior
+    if late:
+        # small idioms that larger patterns take in (silu(g) * u inside a conv's silu or a
+        # scan's gate), on what the others left: a later root never claims their nodes
+        for n in reversed(nodes):
+            if n in claimed or n in matches or n.nout != 1:
+                continue
+            r = match_at(n, late.get(_op_sig(n.op), ()), users, canon, misses, pos)
+            if r is not None and not (r[1].interior & claimed or
+                                      any(m in r[1].interior for m in matches)):
+                matches[n] = r
+                claimed |= r[1].interior
     if not matches:
         return loss_rewrites(outputs, backend, log)
     taken = {v: (root, slot, m.interior) for root, (_, m) in matches.items()

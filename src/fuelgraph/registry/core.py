@@ -127,6 +127,9 @@ class FusedOpEntry:
     # op types (primitives) every pattern of the op holds: a graph without one of them cannot
     # match, so the fuser does not even derive the patterns (they cost time on first use)
     pattern_needs: tuple = ()
+    # fuse only where no other entry's pattern took the nodes: a small idiom that larger
+    # patterns hold (silu(g) * u: a conv's silu times the next op's input) is matched last
+    fuse_late: bool = False
     recipe_only: tuple[str, ...] = ()
     doc: str = ""
     body: "ops.Body | None" = None   # entries registered from a graph: the sub-graph itself

@@ -12,7 +12,14 @@ Backward is DECOMPOSE: differentiating the recipe gives grad_a = g @ b^T, grad_b
 grad_bias = sum(g), each summed over the batch dims its input was broadcast along (H.14).
 The recipe is the idiom (`a @ b + bias`), written as one GEMM over the rows of a when b is a
 shared 2-D weight; the plain idiom is also declared as a spelling, so `a @ b + bias` and
-`bias + a @ b` fuse for every shape (the matcher takes commutative operands either way round)."""
+`bias + a @ b` fuse for every shape (the matcher takes commutative operands either way round).
+
+SILU_MUL (0x190): `silu(g) * u`, the gate of a SwiGLU MLP between its projections (Llama's
+`down(silu(gate(x)) * up(x))`), g and u of one shape and float dtype. It fuses from the idiom
+(its recipe). Backward: SILU_MUL_BACKWARD (0x191) computes (dg, du) from g, u and the output's
+gradient, recomputing the sigmoid; differentiating the primitives instead makes the forward
+write the sigmoid's intermediates for the backward (four outputs of g's size instead of one).
+On the GPU both run as their recipes (generated glue kernels)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,10 +27,14 @@ import numpy as np
 from ..errors import FuelGraphError
 from ..dtype import result_type
 from ..ir.tensor import Tensor, broadcast_shapes
-from .core import BackwardKind, FusedOpEntry, FusedOps, NoParams, call_fused
-from .rules import check_arity, check_float, check_rank, check_same_dtype
+from .core import BackwardKind, FusedOpEntry, FusedOpId, FusedOps, NoParams, call_fused
+from .rules import (check_arity, check_float, check_rank, check_same_dtype, check_same_shape,
+                    same_as_input0)
 
 _LABELS = ["a", "b", "bias"]
+#: silu(g) * u and its gradient helper (dg, du)
+SILU_MUL = FusedOpId(0x190)
+SILU_MUL_BACKWARD = FusedOpId(0x191)
 
 
 def linear_spelling(a, b, bias):
@@ -85,6 +96,38 @@ def _sample(rng):
             rng.standard_normal((5,)).astype(np.float32)]
 
 
+def silu_mul_recipe(g, u):
+    """silu(g) * u = g / (1 + exp(-g)) * u: `g.silu() * u` in its canonical form (the
+    optimizer rewrites g * (1 / d) to g / d), so the recipe lowers to the graph the idiom
+    becomes, bit for bit."""
+    return g / (1.0 + (-g).exp()) * u
+
+
+def silu_mul_backward_recipe(g, u, grad):
+    """(dg, du) of silu(g) * u: d = 1 + exp(-g), s = 1 / d, du = grad * (g / d),
+    dg = grad * u * (s * (1 + g * (1 - s))) (silu's derivative)."""
+    d = 1.0 + (-g).exp()
+    s = 1.0 / d
+    return grad * u * (s * (1.0 + g * (1.0 - s))), grad * (g / d)
+
+
+def _silu_mul_validate(name, labels):
+    def validate(srcs, params):
+        check_arity(name, srcs, len(labels))
+        check_float(name, srcs, labels=labels)
+        check_same_shape(name, srcs, labels)
+        check_same_dtype(name, srcs, tuple(range(len(labels))), labels)
+    return validate
+
+
+def _silu_mul_vjp(xs, ys, gs, p):
+    return list(call_fused(SILU_MUL_BACKWARD, xs[0], xs[1], gs[0]))
+
+
+def _same_n(k):
+    return lambda shapes_or_dtypes, params: [shapes_or_dtypes[0]] * k
+
+
 def declare(reg):
     reg.add(FusedOpEntry(
         id=FusedOps.FUSED_LINEAR, name="fused_linear", family="forward", params=NoParams,
@@ -97,6 +140,30 @@ def declare(reg):
             "float32 for 16/32-bit inputs, float64 for float64. Backward DECOMPOSE (grad_b and "
             "grad_bias summed over broadcast batches). Fuses from a @ b + bias and "
             "bias + a @ b."))
+    reg.add(FusedOpEntry(
+        id=SILU_MUL, name="silu_mul", family="forward", params=NoParams,
+        shape_rule=same_as_input0, dtype_rule=same_as_input0,
+        validate=_silu_mul_validate("silu_mul", ["g", "u"]), decompose=silu_mul_recipe,
+        backward=BackwardKind.fused(SILU_MUL_BACKWARD), vjp=_silu_mul_vjp,
+        recipe_only=("cuda",), fuse_late=True,
+        sample=lambda rng: [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2)],
+        doc="out = silu(g) * u = g / (1 + exp(-g)) * u, elementwise (a SwiGLU MLP's gate). g, u "
+            "one shape and float dtype -> out, same shape and dtype. Computed in float32 for "
+            "16/32-bit inputs (float64 for float64), rounded once. Backward "
+            "fused(silu_mul_backward), which recomputes the sigmoid. Fuses from silu(g) * u. "
+            "On the GPU it runs as its recipe (a generated glue kernel)."))
+    reg.add(FusedOpEntry(
+        id=SILU_MUL_BACKWARD, name="silu_mul_backward", family="backward", params=NoParams,
+        shape_rule=_same_n(2), dtype_rule=_same_n(2),
+        validate=_silu_mul_validate("silu_mul_backward", ["g", "u", "grad"]),
+        decompose=silu_mul_backward_recipe, backward=BackwardKind.DECOMPOSE,
+        outputs=("dg", "du"), pattern_variants=None, recipe_only=("cuda",),
+        sample=lambda rng: [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(3)],
+        doc="Gradient of silu_mul: g, u (the forward's inputs) and grad (the output's "
+            "gradient), one shape and float dtype -> (dg, du) of that shape and dtype: "
+            "d = 1 + exp(-g), s = 1 / d, du = grad * (g / d), dg = grad * u * s * (1 + g * "
+            "(1 - s)). "
+            "Computed in float32 for 16/32-bit inputs, rounded once per output."))
 
 
 
@@ -111,3 +178,13 @@ def fused_linear(a, b, bias):
         d = result_type(result_type(a.dtype, b.dtype), bias.dtype)
         a, b, bias = a.astype(d), b.astype(d), bias.astype(d)
     return call_fused(FusedOps.FUSED_LINEAR, a, b, bias)
+
+
+def silu_mul(g, u):
+    """silu(g) * u (SwiGLU's gate): g, u one shape and float dtype -> same shape and dtype."""
+    return call_fused(SILU_MUL, g, u)
+
+
+def silu_mul_backward(g, u, grad):
+    """(dg, du) of silu_mul(g, u) for the output gradient `grad` (all one shape and dtype)."""
+    return call_fused(SILU_MUL_BACKWARD, g, u, grad)

@@ -2,9 +2,10 @@
 
 The prediction walks the plan's steps as `Plan.run` executes them: every non-view step
 allocates its outputs; a view shares its input's storage (a reshape that cannot be a view
-copies); a kernel that wants contiguous inputs gets a temporary copy of each strided one for
-the duration of the step; a destructive op overwrites its input when the plan proved that safe
-and nothing else reads that storage (in-place reuse: nothing is allocated); a storage is freed
+copies); a kernel that wants contiguous inputs gets a contiguous copy of each strided one, which
+replaces the view in its slot (later readers reuse it; it is freed with the slot); a
+destructive op overwrites its input when the plan proved that safe and nothing else reads that
+storage (in-place reuse: nothing is allocated); a storage is freed
 when the last slot reading it dies; a kernel's scratch memory counts while it runs where the
 kernel declares it (`@kernel(workspace=...)`). Inputs and constants exist before the run and are
 reported apart."""
@@ -128,14 +129,20 @@ def predict_memory(plan, inputs=None) -> MemoryPlan:
             moved += sum(unique_elements(types[s][0], strides[s]) * types[s][1].itemsize
                          for s in step.srcs)
             moved += sum(nb(o) for o in step.outs)
-            copied = set()
             if step.contiguous:
                 for k, s in enumerate(step.srcs):
-                    if not contig[k]:
-                        temp += _alloc_size(nb(s), gran)
+                    if not is_contiguous(types[s][0], strides[s]):
+                        # the slot itself takes the contiguous copy (Plan.run): it lives as
+                        # long as the slot, later readers reuse it, and the view's storage
+                        # loses this reader
+                        old = store[s]
+                        alloc(s, types[s][0])
+                        old.refs -= 1
+                        if old.refs == 0 and old.owned:
+                            cur -= old.nbytes
                         moved += 2 * nb(s)
                         copies += 1
-                        copied.add(k)
+                        contig[k] = True
             outs = list(step.outs)
             done = set()
             # output j of a destructive op is written over its j-th destructive input
@@ -144,12 +151,8 @@ def predict_memory(plan, inputs=None) -> MemoryPlan:
                     break
                 src = step.srcs[k]
                 st = store[src]
-                if k in copied:                          # the contiguous copy is overwritten
-                    temp -= _alloc_size(nb(src), gran)
-                    alloc(outs[j], out_shapes[j])
-                    reused += 1
-                elif (not static_copy and src in step.free and st.owned and st.writable
-                      and st.refs == 1 and contig[k]):
+                if (not static_copy and src in step.free and st.owned and st.writable
+                        and st.refs == 1 and contig[k]):
                     store[outs[j]], strides[outs[j]] = st, strides[src]
                     st.refs += 1
                     reused += 1

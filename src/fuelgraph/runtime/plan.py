@@ -76,16 +76,16 @@ class Plan:
         be = self.backend
         if prog.dynamic or (prog.alias_targets and _inputs_alias(be, env, prog)):
             return self._run_counted(env)
-        is_c, contiguous, writable_needed = be.is_contiguous, be.contiguous, be.writable_copy_needed
+        writable_needed = be.writable_copy_needed
         pending: dict = {}      # slot -> handle of the asynchronous step still writing it
         for st, srcs, out, free, contig, special in prog.steps:
             if special is not None:         # the general path; `special`: the copy decisions
                 self._special_step(st, env, pending,
                                    lambda j, k, a: special[j] or writable_needed(a))
                 continue
-            args = [env[i] for i in srcs]
             if contig:
-                args = [a if is_c(a) else contiguous(a) for a in args]
+                _make_contiguous(be, env, srcs)
+            args = [env[i] for i in srcs]
             try:
                 r = st.fn(*args)
             except Exception as e:
@@ -93,23 +93,27 @@ class Plan:
             env[out] = r[0] if isinstance(r, tuple) else r
             for i in free:
                 env[i] = None
+            # this step's references go before the next step allocates (a view it returned
+            # would otherwise keep the storage its slot just gave up alive one step longer)
+            r = args = None
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]
 
-    def _special_step(self, st, env, pending, must_copy):
+    def _special_step(self, st, env, pending, must_copy, refs=None):
         """A step with more than the common case: destructive inputs (overwritten in place
         unless `must_copy(j, k, buffer)` says the j-th of them, argument k, must be copied
         first), waits on asynchronous steps, an asynchronous kernel, several outputs. Returns
-        the buffers of the slots it frees."""
+        the buffers of the slots it frees. `refs`: the run's storage counts, kept up to date
+        when an input slot takes a contiguous copy."""
         for i in st.waits:
             h = pending.pop(i, None)
             if h is not None:
                 h.wait()
         be = self.backend
-        args = [env[i] for i in st.srcs]
         if st.contiguous:
-            args = [a if be.is_contiguous(a) else be.contiguous(a) for a in args]
+            _make_contiguous(be, env, st.srcs, refs)
+        args = [env[i] for i in st.srcs]
         kw = {}
         for j, k in enumerate(st.inplace):
             if must_copy(j, k, args[k]):
@@ -153,9 +157,10 @@ class Plan:
                 s = st.srcs[k]
                 return (st.copy_first[j] or be.writable_copy_needed(a) or s not in st.free
                         or refs.shared(env[s]) or st.srcs.count(s) > 1)
-            freed = self._special_step(st, env, pending, must_copy)
+            freed = self._special_step(st, env, pending, must_copy, refs)
             refs.add(env[o] for o in st.outs)
             refs.drop(freed)
+            freed = None                # the freed buffers go now, not after the next step
         for h in {id(h): h for h in pending.values()}.values():
             h.wait()
         return [env[i] for i in self.output_slots]
@@ -249,6 +254,21 @@ class _Program:
         self.alias_targets = tuple(sorted(targets))
         self.alias_inputs = tuple(s for s in leaves if s not in targets) if targets else ()
         return copy
+
+
+def _make_contiguous(be, env, srcs, refs=None) -> None:
+    """Replace each non-contiguous buffer among the slots `srcs` by a contiguous copy, in
+    `env` itself: a later step that wants the same slot contiguous (attention's grad_out read by
+    its delta and by the backward, v read by the forward and the backward) reads the copy
+    instead of making its own. Same values, and the copy shares no storage, so in-place
+    decisions stay safe; the view's memory goes when nothing else holds it."""
+    for s in srcs:
+        a = env[s]
+        if not be.is_contiguous(a):
+            c = env[s] = be.contiguous(a)
+            if refs is not None:
+                refs.drop([a])
+                refs.add([c])
 
 
 def _closure(start, nxt) -> set:

@@ -50,7 +50,19 @@ def _table_blocks(table, lead):
     return table.reshape((n,) + table.shape[-2:]), idx
 
 
-@kernel(FusedOps.ROPE, "numpy", cost=row_cost(4))
+def _heads_view(x):
+    """x [..., H, S, D] as [outer, H, S, D] without a copy, when its last axis is unit-stride
+    (a heads-first view of a [B, S, H, D] projection: q.reshape(B, S, H, D).permute(0, 2, 1, 3));
+    None when that is impossible (the caller then copies x)."""
+    if x.ndim < 3 or x.strides[-1] != x.itemsize:
+        return None
+    try:
+        return np.reshape(x, (-1,) + x.shape[-3:], copy=False)
+    except ValueError:
+        return None
+
+
+@kernel(FusedOps.ROPE, "numpy", cost=row_cost(4), strided_input=True)
 def rope(x, cos, sin, *, interleaved):
     """ROPE: x [..., S, D] (rank >= 2, D even), cos/sin [..., S, D] broadcastable to x -> y,
     shape/dtype of x.
@@ -71,6 +83,12 @@ def rope(x, cos, sin, *, interleaved):
     out = _h.new_output(x.shape, dt)
     if x.size == 0:
         return out
+    # a strided x (heads permuted out of a projection) is read in place, sequence blocks at a
+    # time, instead of being copied to a contiguous array first
+    x4 = None if x.flags.c_contiguous else _heads_view(x)
+    if x4 is None and not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    inner = x4.shape[1] if x4 is not None else 0
     h = d // 2
     lead = x.shape[:-2]
     cs, ci = _table_blocks(np.ascontiguousarray(to_acc(cos, acc)), lead)
@@ -79,8 +97,18 @@ def rope(x, cos, sin, *, interleaved):
         sn[..., 0::2] *= -1
     else:
         sn[..., :h] *= -1
-    x2, o2 = x.reshape(-1, d), out.reshape(-1, d)
-    batch = x2.shape[0] // s
+    x2 = x.reshape(-1, d) if x4 is None else None
+    o2 = out.reshape(-1, d)
+    batch = o2.shape[0] // s
+
+    def x_rows(a, n, shp):
+        """Rows a:a+n of x as `shp`: (k, s, d) whole sequences or (n, d) inside one."""
+        if x4 is None:
+            return x2[a:a + n].reshape(shp)
+        b = a // s
+        if len(shp) == 3:
+            return x4[b // inner, b % inner:b % inner + shp[0]]
+        return x4[b // inner, b % inner, a % s:a % s + n]
 
     def rows(t, idx, b0, b1):
         """The table for sequences b0..b1-1: one shared [S, D] block, or one per sequence."""
@@ -91,7 +119,7 @@ def rope(x, cos, sin, *, interleaved):
 
     def block(a, n, c, sg, shp, tmp):
         """Rows a:a+n of x (shape shp) with their tables c, sg into out."""
-        xc = to_acc(x2[a:a + n], acc).reshape(shp)
+        xc = to_acc(x_rows(a, n, shp), acc)
         y = o2[a:a + n].reshape(shp) if dt == acc else np.empty(shp, acc)
         t = tmp[:xc.size].reshape(shp)
         np.multiply(xc, c, out=y)
@@ -117,6 +145,8 @@ def rope(x, cos, sin, *, interleaved):
             if s0 == 0 and r1 - a >= s and s * d <= BLOCK_ELEMS:     # whole sequences
                 k = min((r1 - a) // s, BLOCK_ELEMS // (s * d))
                 b0 = a // s
+                if x4 is not None:                   # one strided block: one outer index
+                    k = min(k, inner - b0 % inner)
                 c, sg, shp = rows(cs, ci, b0, b0 + k), rows(sn, si, b0, b0 + k), (k, s, d)
                 n = k * s
             else:                                        # rows inside one sequence
@@ -138,8 +168,15 @@ def _rope_small(x, cos, sin, interleaved):
     swap, sign = _pairing(x.shape[-1], interleaved, x.dtype)
     with np.errstate(over="ignore", invalid="ignore"):
         y = np.multiply(x, cos)                     # the tables broadcast to x: x's shape
-        t = np.take(x, swap, axis=-1)
-        np.multiply(t, np.multiply(sin, sign), out=t)
+        ss = np.multiply(sin, sign)
+        if interleaved:
+            t = np.take(x, swap, axis=-1)
+            np.multiply(t, ss, out=t)
+        else:                                       # halves swapped by two slice products
+            h = x.shape[-1] // 2
+            t = np.empty(y.shape, y.dtype)
+            np.multiply(x[..., h:], ss[..., :h], out=t[..., :h])
+            np.multiply(x[..., :h], ss[..., h:], out=t[..., h:])
         np.add(y, t, out=y)
     return y
 
