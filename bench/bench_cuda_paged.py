@@ -49,6 +49,7 @@ import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -181,8 +182,19 @@ def host_us(fn, n=50) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def as_torch(out):
+    """A result as a torch tensor: on the CPU (--smoke) a plan returns a NumPy array, bfloat16
+    ones of ml_dtypes' type, which torch does not take: those through float32."""
+    if isinstance(out, torch.Tensor):
+        return out
+    arr = np.asarray(out)
+    if arr.dtype.name == "bfloat16":
+        arr = arr.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
 def max_err(ref, rows):
-    return lambda out: (torch.as_tensor(out)[rows].float() - ref[rows].float()).abs().max().item()
+    return lambda out: (as_torch(out)[rows].float() - ref[rows].float()).abs().max().item()
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -510,7 +522,7 @@ def bench_append(B=64, nb=16384):
         anchor="index_put_ (k and v)")
     # the whole PagedKVCache step a decode loop runs (host bookkeeping + uploads + 2 scatters)
     cache = PagedKVCache(nb, BS, HKV, D, max_blocks_per_seq=nb // B, max_seqs=B,
-                               dtype=fg.bfloat16, device="cuda")
+                               dtype=fg.bfloat16, device=DEV.type)
     seqs = cache.add_sequences(B)
     kt = fg.from_torch(kn.reshape(B, HKV, 1, D))
     vt = fg.from_torch(vn.reshape(B, HKV, 1, D))
