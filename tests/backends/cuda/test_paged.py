@@ -263,6 +263,49 @@ def test_decode_kv_ahead_and_eviction_policy(kv_evict):
     check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
 
 
+def test_decode_two_tiles_of_early_ids_and_early_last_merge():
+    """early_ids=2 (with kv_ahead: the first two key tiles' block ids requested with the
+    length; a split shorter than two tiles, a tile past the length) and early_last (the split
+    that finds all others arrived at its last key tile merges from its registers; in the
+    interpreter the programs run in grid order, so the last live split of each (sequence, kv
+    head) takes that path): groups of 4 and of 3 (a masked row), a length-0 sequence, a
+    sequence with one live split, uneven split counts, a second run (the counters were reset),
+    and both knobs together."""
+    case = make_case(np.random.default_rng(42), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
+                     mb=10, alibi=True)
+    for kw in (dict(early_ids=2), dict(early_last=True), dict(early_ids=2, early_last=True)):
+        kw.update(kv_ahead=True, kv_evict="evict_first", block_n=16)
+        check(case, "float32", n_split=3, **kw)
+        check(case, "float32", n_split=3, **kw)
+        check(case, "bfloat16", n_split=5, merge_chunk=2, **kw)
+    case = make_case(np.random.default_rng(43), B=2, hq=6, hkv=2, d=12, bs=2, lens=(23, 2),
+                     mb=12)
+    check(case, "float32", n_split=4, block_n=16, kv_ahead=True, early_ids=2, early_last=True)
+    check(case, "float32", n_split=2, block_n=16, early_last=True)      # ids ahead, no kv_ahead
+    if INTERPRET:        # grid order: the last split merged from its registers, stored nothing
+        one = make_case(np.random.default_rng(45), B=1, hq=8, hkv=2, d=16, bs=4, lens=(37,),
+                        mb=10)
+        kw = dict(n_split=3, kv_ahead=True, block_n=16, early_last=True)
+        check(one, "float32", **kw)
+        part = K._SCRATCH[("cpu", None)][0]
+        part.fill_(12345.0)
+        check(one, "float32", **kw)
+        stored = (part[:8 * 3 * 16].view(8, 3, 16) != 12345.0).all(-1).all(0).tolist()
+        assert stored == [True, True, False]
+
+
+def test_early_last_merge_with_a_poisoned_split(monkeypatch):
+    """early_last with the check skipped: a live block id outside the pool in the split that
+    merges from its registers (the last one) still poisons its rows."""
+    monkeypatch.setattr(K, "_capturing", lambda: True)
+    case = make_case(np.random.default_rng(44), B=2, d=16, bs=4, lens=(40, 6), mb=10)
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][0, 9] = 10 ** 6                          # in the last split of seq 0
+    got = run(to_dev(case, "float32"), n_split=3, kv_ahead=True, block_n=16,
+              early_last=True).cpu().numpy()
+    assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
 def test_few_programs_launch_defaults(monkeypatch):
     """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
     defaults (kv_ahead and its policy among them); explicit knobs still win."""
@@ -316,7 +359,8 @@ def test_split_kernel_in_cuda_graphs():
     in turn and repeatedly, after the data changed in place, equal eager calls."""
     case = make_case(np.random.default_rng(41), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     dc = to_dev(case, "bfloat16")
-    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16)]
+    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16),
+             lambda: run(dc, early_ids=2, early_last=True)]
     want = [c().float() for c in calls]
     graphs, outs = [], []
     for c in calls:
@@ -371,7 +415,8 @@ def test_kv_ahead_on_gpu():
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     check(case, "bfloat16")
     for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
-               dict(block_n=32, programs_per_sm=3), dict(block_n=32)):
+               dict(block_n=32, programs_per_sm=3), dict(block_n=32), dict(early_ids=2),
+               dict(early_last=True), dict(early_ids=2, early_last=True, n_split=96)):
         check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))

@@ -83,7 +83,11 @@ FEW_PROGRAMS_MIN_KEYS = 16384
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
 #: both; B64 mixed 0.2879 against 0.2929)
-EARLY_IDS = True
+EARLY_IDS = 1
+#: the fused group merge's last split merges at once, from its own registers, when every other
+#: split had arrived by the time it started its last key tile (no partial store, release and
+#: arrival in the launch's tail): launch knob early_last
+EARLY_LAST = False
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
@@ -129,7 +133,7 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -144,8 +148,10 @@ def _paged_attn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     if EARLY_IDS:        # the first tile's block ids requested with the length, not after it
         j = lo + offs_n                          # (one round trip less before the first k/v)
-        ids_first = tl.load(tab + j // BS, mask=j < tl.minimum(lo + keys_per_split, cap),
-                            other=0)
+        lim = tl.minimum(lo + keys_per_split, cap)
+        ids_first = tl.load(tab + j // BS, mask=j < lim, other=0)
+        if EARLY_IDS > 1:                        # and the second tile's (kv_ahead)
+            ids_second = tl.load(tab + (j + BLOCK_N) // BS, mask=j + BLOCK_N < lim, other=0)
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -186,11 +192,19 @@ def _paged_attn_kernel(
         k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
             K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
             BLOCK_N, OFF32, KV_EVICT)
-        j = lo + BLOCK_N + offs_n
-        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        if EARLY_IDS > 1:
+            phys_next = ids_second
+        else:
+            j = lo + BLOCK_N + offs_n
+            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
+    seen = n * 0 - 1                         # arrivals seen at the last tile (EARLY_LAST)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
+        if EARLY_LAST:   # at the last tile: have all other splits arrived? (then this one is
+            if start + BLOCK_N >= hi:            # the last and merges from its registers)
+                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         if KV_AHEAD:
             k = k_next
             v = v_next
@@ -246,6 +260,22 @@ def _paged_attn_kernel(
         m_i = m_new
 
     poison = tl.sum(n_bad, 0) > 0
+    n_live = (tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split
+    if SPLIT & FUSED_MERGE & MERGE_GROUP & EARLY_LAST:
+        if seen == n_live - 1:   # every other live split arrived before this one's last tile:
+            # merge now, this split's partial from registers (no store, release, arrival)
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
+            bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
+            first = r < G_T                  # Sq = 1: the tile's rows of position 0
+            acc = tl.where(poison, float("nan"), acc)
+            _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
+                         tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D, BLOCK_D, G_T,
+                         S_P2, MERGE_CHUNK, True, pid_s,
+                         tl.max(tl.reshape(tl.where(first, m_i, float("-inf")), [SQ_T, G_T]), 0),
+                         tl.sum(tl.reshape(tl.where(first, l_i, 0.0), [SQ_T, G_T]), 0),
+                         tl.sum(tl.reshape(tl.where(first[:, None], acc, 0.0),
+                                           [SQ_T, G_T, BLOCK_D]), 0))
+            return
     if SPLIT:
         prow = row * n_split + pid_s
         acc = tl.where(poison, float("nan"), acc)
@@ -255,9 +285,7 @@ def _paged_attn_kernel(
         if FUSED_MERGE:
             # the last split of this (sequence, kv head, tile) to finish merges all of them:
             # no second launch. Every live split (lo < n, or the first) arrives exactly once.
-            n_live = (tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split
             tl.debug_barrier()               # all threads' partial stores precede the release
-            cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
             arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == n_live - 1:
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
@@ -265,7 +293,7 @@ def _paged_attn_kernel(
                 if MERGE_GROUP:      # one query position (decode): its G_T consecutive rows
                     _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
                                  tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
-                                 BLOCK_D, G_T, S_P2, MERGE_CHUNK)
+                                 BLOCK_D, G_T, S_P2, MERGE_CHUNK, False, pid_s, m_i, l_i, acc)
                 else:
                     for rr in range(0, BLOCK_M):
                         gi_r = gt * G_T + rr % G_T
@@ -438,7 +466,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None):
+               maxnreg=None, early_last=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -448,12 +476,14 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     merge), prefetch_index (grouped kernel: read block ids one tile ahead), group_heads (prefill:
     query heads per program, sharing each k/v tile), page_tiles (prefill: the wholly admissible
     key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
-    ahead: the first tile's ids requested with the length), merge_group (fused merge of a
+    ahead: the first tile's ids requested with the length; 2: the first two tiles' with
+    kv_ahead), merge_group (fused merge of a
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
     registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
-    more programs fit an SM)."""
+    more programs fit an SM), early_last (fused group merge: a split that finds every other
+    split arrived when it starts its last key tile merges from its own registers)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -463,7 +493,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
+           early_last)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -471,7 +502,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -490,7 +521,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None):
+               kv_ahead=None, maxnreg=None, early_last=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -516,6 +547,8 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
         kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
         kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
+        early_ids = FEW_PROGRAMS_LAUNCH.get("early_ids") if early_ids is None else early_ids
+        early_last = FEW_PROGRAMS_LAUNCH.get("early_last") if early_last is None else early_last
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -545,7 +578,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
-              EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
+              EARLY_IDS=min(int(EARLY_IDS if early_ids is None else early_ids),
+                            2 if ahead else 1) if pf else 0,
+              EARLY_LAST=group and (EARLY_LAST if early_last is None else bool(early_last)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
               KV_AHEAD=ahead,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
