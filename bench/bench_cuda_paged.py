@@ -449,14 +449,17 @@ SWEEPS = {
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
     # (session 8: early_ids=2 (the first two tiles' ids with the length), early_last (a split
     # that finds all others arrived at its last tile merges from its registers), 2 waves of
-    # 512-key splits (programs_per_sm=4), the group merge in one step (merge_chunk=32); dict():
-    # the defaults again, after the candidates, for the run's noise)
+    # 512-key splits (programs_per_sm=4), dynamic chunks of 2 / 4 tiles taken by ticket
+    # (dyn_tiles), the group merge in one step (merge_chunk=32); dict(): the defaults again,
+    # after the candidates, for the run's noise)
     "decode_B1_ctx32768": [
         dict(early_ids=2),
         dict(early_last=True),
         dict(early_ids=2, early_last=True),
         dict(programs_per_sm=4),
-        dict(programs_per_sm=4, early_ids=2, early_last=True),
+        dict(dyn_tiles=2),
+        dict(dyn_tiles=4),
+        dict(dyn_tiles=4, early_ids=2, early_last=True),
         dict(merge_chunk=32),
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
@@ -478,7 +481,7 @@ def label(kw):
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
-             "kv_evict": "evict", "maxnreg": "reg", "early_last": "last"}
+             "kv_evict": "evict", "maxnreg": "reg", "early_last": "last", "dyn_tiles": "dyn"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items()) or "defaults"
 

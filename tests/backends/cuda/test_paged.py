@@ -294,6 +294,25 @@ def test_decode_two_tiles_of_early_ids_and_early_last_merge():
         assert stored == [True, True, False]
 
 
+def test_decode_dynamic_chunks():
+    """dyn_tiles: each split starts with its own chunk of dyn_tiles key tiles and takes further
+    chunks from a ticket counter (in the interpreter the first program takes them all): chunks
+    past a short sequence's end, a length-0 sequence, with early ids / early_last, ALiBi and
+    softcap, Sq > 1 (row merge), a second run (both counters were reset), a split count larger
+    than the chunks (fewer programs)."""
+    case = make_case(np.random.default_rng(46), B=3, hq=8, hkv=2, d=16, bs=4, lens=(150, 0, 37),
+                     mb=40, alibi=True)
+    for kw in (dict(dyn_tiles=2), dict(dyn_tiles=3, early_ids=2, early_last=True)):
+        kw.update(kv_ahead=True, kv_evict="evict_first", block_n=16, n_split=3)
+        check(case, "float32", **kw)
+        check(case, "float32", **kw)
+        check(case, "bfloat16", softcap=2.0, **kw)
+    check(case, "float32", kv_ahead=True, block_n=16, n_split=64, dyn_tiles=2)
+    case = make_case(np.random.default_rng(47), B=2, hq=4, hkv=2, sq=3, d=16, bs=4,
+                     lens=(70, 3), mb=20)
+    check(case, "float32", kv_ahead=True, block_n=16, n_split=2, dyn_tiles=2)
+
+
 def test_early_last_merge_with_a_poisoned_split(monkeypatch):
     """early_last with the check skipped: a live block id outside the pool in the split that
     merges from its registers (the last one) still poisons its rows."""
@@ -360,7 +379,8 @@ def test_split_kernel_in_cuda_graphs():
     case = make_case(np.random.default_rng(41), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     dc = to_dev(case, "bfloat16")
     calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16),
-             lambda: run(dc, early_ids=2, early_last=True)]
+             lambda: run(dc, early_ids=2, early_last=True),
+             lambda: run(dc, dyn_tiles=4, early_ids=2, early_last=True)]
     want = [c().float() for c in calls]
     graphs, outs = [], []
     for c in calls:
@@ -416,7 +436,8 @@ def test_kv_ahead_on_gpu():
     check(case, "bfloat16")
     for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
                dict(block_n=32, programs_per_sm=3), dict(block_n=32), dict(early_ids=2),
-               dict(early_last=True), dict(early_ids=2, early_last=True, n_split=96)):
+               dict(early_last=True), dict(early_ids=2, early_last=True, n_split=96),
+               dict(dyn_tiles=4), dict(dyn_tiles=2, early_ids=2, early_last=True)):
         check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))

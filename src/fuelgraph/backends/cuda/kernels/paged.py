@@ -13,13 +13,17 @@ with the ids carried over, the k/v tiles stream num_stages - 1 deep (or, knob kv
 next tile's k/v are plain loads into registers, which keep an L2 eviction policy: `paged_loads`).
 Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long
 contexts split the keys over several programs (flash-decoding): the grid is (sequence x kv
-head, tile, split) with one split length for the launch, sized from the live lengths (finer when lengths are uneven);
-a split past its own sequence's length exits at once, so each sequence runs as many programs as
-its length needs, with no host sync. Each split writes an unnormalised float32 partial (max,
+head, tile, split) with one split length for the launch, sized from the live lengths (finer
+when lengths are uneven); a split past its own sequence's length exits at once, so each
+sequence runs as many programs as its length needs, with no host sync (or, knob dyn_tiles,
+each split starts with its own chunk and takes further chunks from a ticket counter:
+`paged_dyn`). Each split writes an unnormalised float32 partial (max,
 sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
 to arrive merges them (`paged_merge`: up to MERGE_CHUNK splits of a row in one step whose
 loads are independent, one round trip per row; or, knob merge_group, a decode tile's rows
-together) and resets the counter, so the split path is a single launch.
+together) and resets the counter, so the split path is a single launch (knob early_last: a
+split that finds all the others arrived when it starts its last key tile merges at once, its
+own partial from registers).
 
 Chunked prefill (Sq >= PREFILL_MIN_SQ) runs the FlashAttention-2 style kernel of
 `paged_prefill`. Pools under 2**31 elements use int32 offsets.
@@ -48,6 +52,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .paged_dyn import _dyn_chunks
 from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
@@ -133,7 +138,8 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr,
+        DYN_TILES: tl.constexpr, LANES: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -152,6 +158,11 @@ def _paged_attn_kernel(
         ids_first = tl.load(tab + j // BS, mask=j < lim, other=0)
         if EARLY_IDS > 1:                        # and the second tile's (kv_ahead)
             ids_second = tl.load(tab + (j + BLOCK_N) // BS, mask=j + BLOCK_N < lim, other=0)
+        else:
+            ids_second = ids_first
+    else:
+        ids_first = offs_n * 0
+        ids_second = ids_first
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -172,6 +183,8 @@ def _paged_attn_kernel(
     a = n - sq + i                           # absolute position: row sees keys j <= a
     if HAS_ALIBI:
         slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        slope = tl.zeros([BLOCK_M], tl.float32)
     i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
     hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
 
@@ -182,89 +195,105 @@ def _paged_attn_kernel(
     # tiles start at multiples of BLOCK_N (keys_per_split is one): when a tile spans whole
     # pages, a key's offset within its page is the same in every tile
     in_page = ((offs_n % BS) * hkv + hk) * D
-    if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load of
-        if EARLY_IDS:                           # their own iteration and pipeline deeper
-            phys_next = ids_first    # ids past the length: masked out of k/v and the id check
-        else:
-            j = lo + offs_n
-            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
-        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
-            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
-            BLOCK_N, OFF32, KV_EVICT)
-        if EARLY_IDS > 1:
-            phys_next = ids_second
-        else:
-            j = lo + BLOCK_N + offs_n
-            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
-    seen = n * 0 - 1                         # arrivals seen at the last tile (EARLY_LAST)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + offs_n
-        j_ok = j < hi
-        if EARLY_LAST:   # at the last tile: have all other splits arrived? (then this one is
-            if start + BLOCK_N >= hi:            # the last and merges from its registers)
-                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        if KV_AHEAD:
-            k = k_next
-            v = v_next
-            k_next, v_next, n_bad = _kv_tile(
-                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
-                D, BLOCK_N, OFF32, KV_EVICT)
-            j_next = j + 2 * BLOCK_N
-            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-        elif PREFETCH_IDX:
-            phys = phys_next
-            j_next = j + BLOCK_N
-            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-        else:
-            phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-        if not KV_AHEAD:
-            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
-            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-            phys = tl.where(p_ok, phys, 0)
-            if BLOCK_N % BS != 0:
-                in_page = ((j % BS) * hkv + hk) * D
-            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
-                kv_row = phys * (BS * hkv * D) + in_page
+    seen = n * 0 - 1                         # arrivals seen at the last tile (EARLY_LAST):
+    lane = tl.arange(0, LANES)               # one lane's atomic (one element per thread: no
+    seen_v = lane * 0 - 1                    # broadcast), summed only after the loop
+    if DYN_TILES > 0:    # chunks of the keys taken from a ticket counter (`paged_dyn`)
+        m_i, l_i, acc, n_bad, seen = _dyn_chunks(
+            K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo,
+            n - sq + i_last + 1, n_split, cnt_ptr + tl.num_programs(0) * tl.num_programs(1),
+            cnt_ptr, ids_first, ids_second, in_page, d, d_ok, nb, hk, hkv, BS, D, BLOCK_N,
+            OFF32, KV_EVICT, DYN_TILES, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI,
+            DOT_PREC, DOT_F32, LANES)
+    else:
+        if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load
+            if EARLY_IDS:                       # of their own iteration and pipeline deeper
+                phys_next = ids_first   # ids past the length: masked out of k/v and id check
             else:
-                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-            kv_off = kv_row[:, None] + d[None, :]
-            kv_mask = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if HAS_SOFTCAP or HAS_ALIBI:
-            s = s * scale
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            rel = a[:, None] - j[None, :]
-            if HAS_ALIBI:
-                s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
-            s = s * 1.4426950408889634
-        else:
-            rel = a[:, None] - j[None, :]
-            s = s * (scale * 1.4426950408889634)
-        s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not KV_AHEAD:
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+                j = lo + offs_n
+                phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        if KV_AHEAD:     # the k/v tiles themselves one tile ahead, in registers (plain
+            k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
+                K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                D, BLOCK_N, OFF32, KV_EVICT)
+            if EARLY_IDS > 1:
+                phys_next = ids_second
+            else:
+                j = lo + BLOCK_N + offs_n
+                phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + offs_n
+            j_ok = j < hi
+            if EARLY_LAST:   # at the last tile: have all other splits arrived? (then this
+                if start + BLOCK_N >= hi:    # one is the last and merges from its registers)
+                    seen_v = tl.atomic_add(cnt_ptr + lane * 0, 0, mask=lane == 0,
+                                           sem="acquire", scope="gpu")
+            if KV_AHEAD:
+                k = k_next
+                v = v_next
+                k_next, v_next, n_bad = _kv_tile(
+                    K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                    D, BLOCK_N, OFF32, KV_EVICT)
+                j_next = j + 2 * BLOCK_N
+                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+            elif PREFETCH_IDX:
+                phys = phys_next
+                j_next = j + BLOCK_N
+                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+            else:
+                phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+            if not KV_AHEAD:
+                p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
+                n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+                phys = tl.where(p_ok, phys, 0)
+                if BLOCK_N % BS != 0:
+                    in_page = ((j % BS) * hkv + hk) * D
+                if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                    kv_row = phys * (BS * hkv * D) + in_page
+                else:
+                    kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+                kv_off = kv_row[:, None] + d[None, :]
+                kv_mask = j_ok[:, None] & d_ok[None, :]
+                k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            if HAS_SOFTCAP or HAS_ALIBI:
+                s = s * scale
+                if HAS_SOFTCAP:
+                    s = softcap * _tanh(s / softcap)
+                rel = a[:, None] - j[None, :]
+                if HAS_ALIBI:
+                    s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+                s = s * 1.4426950408889634
+            else:
+                rel = a[:, None] - j[None, :]
+                s = s * (scale * 1.4426950408889634)
+            s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not KV_AHEAD:
+                v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
 
+        if EARLY_LAST:
+            seen = tl.max(tl.where(lane == 0, seen_v, -1), 0)
     poison = tl.sum(n_bad, 0) > 0
-    n_live = (tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split
+    n_live = tl.minimum((tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split, n_split)
     if SPLIT & FUSED_MERGE & MERGE_GROUP & EARLY_LAST:
         if seen == n_live - 1:   # every other live split arrived before this one's last tile:
             # merge now, this split's partial from registers (no store, release, arrival)
             tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
+            if DYN_TILES > 0:
+                tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * tl.num_programs(1), 0,
+                               sem="relaxed", scope="gpu")
             bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
             first = r < G_T                  # Sq = 1: the tile's rows of position 0
             acc = tl.where(poison, float("nan"), acc)
@@ -289,6 +318,9 @@ def _paged_attn_kernel(
             arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == n_live - 1:
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
+                if DYN_TILES > 0:
+                    tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * tl.num_programs(1), 0,
+                                   sem="relaxed", scope="gpu")
                 bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
                 if MERGE_GROUP:      # one query position (decode): its G_T consecutive rows
                     _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
@@ -466,7 +498,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, early_last=None):
+               maxnreg=None, early_last=None, dyn_tiles=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -483,7 +515,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
     registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
     more programs fit an SM), early_last (fused group merge: a split that finds every other
-    split arrived when it starts its last key tile merges from its own registers)."""
+    split arrived when it starts its last key tile merges from its own registers), dyn_tiles
+    (kv_ahead split launches: each program takes further chunks of dyn_tiles key tiles from a
+    ticket counter after its own first one, `paged_dyn`; 0 / None: fixed key ranges)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -494,7 +528,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
            page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           early_last)
+           early_last, dyn_tiles)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -502,7 +536,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last,
+                            dyn_tiles)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -521,7 +556,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None, early_last=None):
+               kv_ahead=None, maxnreg=None, early_last=None, dyn_tiles=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -549,6 +584,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
         early_ids = FEW_PROGRAMS_LAUNCH.get("early_ids") if early_ids is None else early_ids
         early_last = FEW_PROGRAMS_LAUNCH.get("early_last") if early_last is None else early_last
+        dyn_tiles = FEW_PROGRAMS_LAUNCH.get("dyn_tiles") if dyn_tiles is None else dyn_tiles
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -565,6 +601,14 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
         ns = _cdiv(cap, kps)
+    # dynamic chunks: ns programs per (sequence, kv head, tile), program s starting with keys
+    # [s * kps, (s + 1) * kps), kps = dyn_tiles key tiles, then taking chunks by ticket
+    dyn = max(2, int(dyn_tiles)) if dyn_tiles and ahead and fused_merge and ns > 1 else 0
+    if dyn and _cdiv(cap, dyn * bn) > 1:
+        kps = dyn * bn
+        ns = min(ns, _cdiv(cap, kps))
+    else:
+        dyn = 0
     s_p2 = max(2, next_pow2(ns))
     chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
     # the group merge: one query position, its loop unrolled MERGE_GROUP_STEPS steps at most
@@ -582,10 +626,11 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                             2 if ahead else 1) if pf else 0,
               EARLY_LAST=group and (EARLY_LAST if early_last is None else bool(early_last)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead,
+              KV_AHEAD=ahead, DYN_TILES=dyn,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
+    kw["LANES"] = 32 * kw["num_warps"]       # one element per thread
     if maxnreg and not INTERPRET:
         kw["maxnreg"] = int(maxnreg)
     grid = (B * hkv, n_gt * n_qt, ns)
@@ -598,7 +643,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                     FUSED_MERGE=False, **kw)
         return launch
     rows = B * hq * sq
-    buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1])
+    buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1] * (2 if dyn else 1))
     po = buf[:rows * ns * d]
     pm = buf[rows * ns * d:rows * ns * (d + 1)]
     pl = buf[rows * ns * (d + 1):rows * ns * (d + 2)]
