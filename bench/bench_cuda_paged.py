@@ -450,8 +450,9 @@ SWEEPS = {
     # (session 8: early_ids=2 (the first two tiles' ids with the length), early_last (a split
     # that finds all others arrived at its last tile merges from its registers), 2 waves of
     # 512-key splits (programs_per_sm=4), dynamic chunks of 2 / 4 tiles taken by ticket
-    # (dyn_tiles; with 33 programs per kv head: all 264 slots of 2 per SM), the group merge in
-    # one step (merge_chunk=32); dict(): the defaults again,
+    # (dyn_tiles; with 33 programs per kv head: all 264 slots of 2 per SM), keys two tiles
+    # ahead and values one (kv_ahead=2), the group merge in one step (merge_chunk=32); dict():
+    # the defaults again,
     # after the candidates, for the run's noise)
     "decode_B1_ctx32768": [
         dict(early_ids=2),
@@ -462,6 +463,8 @@ SWEEPS = {
         dict(dyn_tiles=4),
         dict(dyn_tiles=4, early_ids=2, early_last=True),
         dict(dyn_tiles=4, n_split=33),
+        dict(kv_ahead=2),
+        dict(kv_ahead=2, early_ids=2, early_last=True),
         dict(merge_chunk=32),
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)

@@ -69,7 +69,7 @@ def main():
     args = ap.parse_args()
     for spec in args.cands.split(";"):
         kw = parse(spec)
-        ahead = kw.get("ahead", "1") == "1"
+        ahead = int(kw.get("ahead", "1"))
         src = source(K._paged_attn_kernel, int(kw.get("bn", 64)), ahead,
                      kw.get("evict", "evict_first"), int(kw.get("early", 1)),
                      kw.get("last", "0") == "1", int(kw.get("mc", 8)), int(kw.get("dyn", 0)))

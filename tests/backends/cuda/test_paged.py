@@ -313,6 +313,28 @@ def test_decode_dynamic_chunks():
     check(case, "float32", kv_ahead=True, block_n=16, n_split=2, dyn_tiles=2)
 
 
+def test_decode_keys_two_tiles_ahead(monkeypatch):
+    """kv_ahead=2 (keys two tiles ahead, values one): splits of one, two and many tiles, a
+    split shorter than its tile, uneven lengths (a length-0 sequence), tiles narrower than a
+    page, with early ids / early_last, ALiBi, Sq > 1; and a poisoned block id."""
+    case = make_case(np.random.default_rng(48), B=3, hq=8, hkv=2, d=16, bs=4, lens=(70, 0, 5),
+                     mb=20, alibi=True)
+    kw = dict(kv_ahead=2, kv_evict="evict_first", block_n=16)
+    check(case, "float32", n_split=1, **kw)
+    check(case, "bfloat16", n_split=3, **kw)
+    check(case, "float32", n_split=5, early_ids=2, early_last=True, **kw)
+    case = make_case(np.random.default_rng(49), B=2, hq=4, hkv=1, d=16, bs=32, lens=(70, 9),
+                     mb=3, sq=2)
+    check(case, "float32", n_split=2, **kw)
+    monkeypatch.setattr(K, "_capturing", lambda: True)          # the check skipped
+    case = make_case(np.random.default_rng(50), B=2, d=16, bs=4, lens=(40, 6), mb=10)
+    case["block_table"] = case["block_table"].copy()
+    case["block_table"][0, 5] = 10 ** 6                          # live entry outside the pool
+    for ns in (1, 2):
+        got = run(to_dev(case, "float32"), n_split=ns, **kw).cpu().numpy()
+        assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+
+
 def test_early_last_merge_with_a_poisoned_split(monkeypatch):
     """early_last with the check skipped: a live block id outside the pool in the split that
     merges from its registers (the last one) still poisons its rows."""
@@ -437,7 +459,8 @@ def test_kv_ahead_on_gpu():
     for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
                dict(block_n=32, programs_per_sm=3), dict(block_n=32), dict(early_ids=2),
                dict(early_last=True), dict(early_ids=2, early_last=True, n_split=96),
-               dict(dyn_tiles=4), dict(dyn_tiles=2, early_ids=2, early_last=True)):
+               dict(dyn_tiles=4), dict(dyn_tiles=2, early_ids=2, early_last=True),
+               dict(kv_ahead=2), dict(kv_ahead=2, early_ids=2, early_last=True)):
         check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))

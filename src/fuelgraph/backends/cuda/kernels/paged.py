@@ -53,7 +53,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 from .paged_dyn import _dyn_chunks
-from .paged_loads import _kv_tile
+from .paged_loads import _kv_tile, _staggered_tiles
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -102,9 +102,10 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: k/v bytes are read once; first to go, they leave the L2's other lines (activations, dirty
 #: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
 #: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
-#: memory drop the policy). (L2 prefetches of the tiles further ahead, tried with kv_ahead on
-#: the H200: 0.0486-0.0556 ms against 0.0464 without)
-KV_EVICT, KV_AHEAD = "", False
+#: memory drop the policy); kv_ahead=2: the keys two tiles ahead, the values one, in as many
+#: registers. (L2 prefetches of the tiles further ahead, tried with kv_ahead on the H200:
+#: 0.0486-0.0556 ms against 0.0464 without)
+KV_EVICT, KV_AHEAD = "", 0
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -206,6 +207,11 @@ def _paged_attn_kernel(
             cnt_ptr, ids_first, ids_second, in_page, d, d_ok, nb, hk, hkv, BS, D, BLOCK_N,
             OFF32, KV_EVICT, DYN_TILES, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI,
             DOT_PREC, DOT_F32, LANES)
+    elif KV_AHEAD > 1:   # keys two tiles ahead, values one (`paged_loads`)
+        m_i, l_i, acc, n_bad, seen = _staggered_tiles(
+            K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo, hi, cnt_ptr,
+            ids_first, ids_second, in_page, d, d_ok, nb, hk, hkv, BS, D, BLOCK_N, OFF32,
+            KV_EVICT, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, DOT_F32, LANES)
     else:
         if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load
             if EARLY_IDS:                       # of their own iteration and pipeline deeper
@@ -513,7 +519,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
+    registers, implies prefetch_index; 2: keys two tiles ahead, values one), maxnreg (grouped kernel: register cap per thread, so
     more programs fit an SM), early_last (fused group merge: a split that finds every other
     split arrived when it starts its last key tile merges from its own registers), dyn_tiles
     (kv_ahead split launches: each program takes further chunks of dyn_tiles key tiles from a
@@ -592,9 +598,10 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
+    ahead = int(KV_AHEAD if kv_ahead is None else kv_ahead)   # 0, 1, 2 (keys 2 tiles ahead)
     if kv_ahead:
-        pf = ahead = True
+        pf = True
+    ahead = ahead if pf else 0
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:

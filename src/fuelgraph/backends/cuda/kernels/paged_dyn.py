@@ -11,43 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .paged_loads import _kv_tile
-
-
-@triton.jit
-def _tanh(x):
-    e = tl.exp(2.0 * x)                     # inf for large x: 1 - 0 = 1; 0 for very negative: -1
-    return 1.0 - 2.0 / (e + 1.0)
-
-
-@triton.jit
-def _attend(q, k, v, j, j_ok, a, scale, softcap, slope, m_i, l_i, acc,
-            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PREC: tl.constexpr,
-            DOT_F32: tl.constexpr):
-    """One key tile (keys j, live where j_ok) into the online softmax of rows at absolute
-    positions a (row sees keys <= a); scores in base 2."""
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    rel = a[:, None] - j[None, :]
-    if HAS_SOFTCAP or HAS_ALIBI:
-        s = s * scale
-        if HAS_SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        if HAS_ALIBI:
-            s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
-        s = s * 1.4426950408889634
-    else:
-        s = s * (scale * 1.4426950408889634)
-    s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+from .paged_loads import _attend, _kv_tile
 
 
 @triton.jit
