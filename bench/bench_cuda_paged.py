@@ -449,23 +449,22 @@ SWEEPS = {
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
     # (session 8: early_ids=2 (the first two tiles' ids with the length), early_last (a split
     # that finds all others arrived at its last tile merges from its registers), 2 waves of
-    # 512-key splits (programs_per_sm=4), dynamic chunks of 2 / 4 tiles taken by ticket
-    # (dyn_tiles; with 33 programs per kv head: all 264 slots of 2 per SM), keys two tiles
-    # ahead and values one (kv_ahead=2), the group merge in one step (merge_chunk=32); dict():
-    # the defaults again,
-    # after the candidates, for the run's noise)
+    # 512-key splits (programs_per_sm=4), dynamic chunks of 4 tiles taken by ticket (dyn_tiles;
+    # with 33 programs per kv head: all 264 slots of 2 per SM), keys two tiles ahead and values
+    # one (kv_ahead=2), two kv heads per program (kv_heads=2: 512-byte k/v rows, 32-key tiles);
+    # dict(): the defaults again, after the candidates, for the run's noise)
     "decode_B1_ctx32768": [
         dict(early_ids=2),
         dict(early_last=True),
         dict(early_ids=2, early_last=True),
         dict(programs_per_sm=4),
-        dict(dyn_tiles=2),
         dict(dyn_tiles=4),
         dict(dyn_tiles=4, early_ids=2, early_last=True),
         dict(dyn_tiles=4, n_split=33),
         dict(kv_ahead=2),
         dict(kv_ahead=2, early_ids=2, early_last=True),
-        dict(merge_chunk=32),
+        dict(kv_heads=2),
+        dict(kv_heads=2, early_ids=2, early_last=True),
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
@@ -486,7 +485,8 @@ def label(kw):
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
-             "kv_evict": "evict", "maxnreg": "reg", "early_last": "last", "dyn_tiles": "dyn"}
+             "kv_evict": "evict", "maxnreg": "reg", "early_last": "last", "dyn_tiles": "dyn",
+             "kv_heads": "heads"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items()) or "defaults"
 

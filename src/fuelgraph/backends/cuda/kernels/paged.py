@@ -93,6 +93,10 @@ EARLY_IDS = 1
 #: split had arrived by the time it started its last key tile (no partial store, release and
 #: arrival in the launch's tail): launch knob early_last
 EARLY_LAST = False
+#: kv heads per decode program (knob kv_heads): their k/v rows of a key are adjacent in the
+#: pool, so HK_T of them are one contiguous row of HK_T * D (the queries of each head in its
+#: own columns of a zero-padded [rows, HK_T * D] tile, so one dot scores them all)
+KV_HEADS = 1
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
@@ -140,13 +144,14 @@ def _paged_attn_kernel(
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
         KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr,
-        DYN_TILES: tl.constexpr, LANES: tl.constexpr):
-    BLOCK_M: tl.constexpr = G_T * SQ_T
+        DYN_TILES: tl.constexpr, LANES: tl.constexpr, HK_T: tl.constexpr):
+    BLOCK_M: tl.constexpr = G_T * SQ_T * HK_T
+    DK: tl.constexpr = HK_T * BLOCK_D       # k/v columns of a key: HK_T adjacent kv heads
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // hkv
-    hk = pid_bh % hkv
+    b = pid_bh // (hkv // HK_T)
+    hk = (pid_bh % (hkv // HK_T)) * HK_T     # the program's (first) kv head
     gt = pid_t // n_qt
     qt = pid_t % n_qt
     cap = mb * BS
@@ -171,14 +176,23 @@ def _paged_attn_kernel(
 
     r = tl.arange(0, BLOCK_M)
     gi = gt * G_T + r % G_T                  # query head within the group
-    i = qt * SQ_T + r // G_T                 # query position
+    i = qt * SQ_T + r // (G_T * HK_T)        # query position
+    hh = (r // G_T) % HK_T                   # kv head of the row among the program's HK_T
     row_ok = (gi < G) & (i < sq)
-    h = hk * G + gi
+    h = (hk + hh) * G + gi
     row = (b * hq + h).to(tl.int64) * sq + i          # row of q / o viewed as [B*Hq*Sq, D]
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    if HK_T == 1:
+        dk = d
+        dk_ok = d_ok
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+    else:    # HK_T kv heads' adjacent k/v rows as one: q of a row in its own head's columns,
+        dk = tl.arange(0, DK)                # zero in the others (D == BLOCK_D)
+        dk_ok = dk < DK
+        q = tl.load(Q + row[:, None] * D + (dk % BLOCK_D)[None, :],
+                    mask=row_ok[:, None] & (dk // BLOCK_D == hh[:, None]), other=0.0)
     if DOT_F32:                              # the CPU interpreter's bfloat16 dot is wrong
         q = q.to(tl.float32)
     a = n - sq + i                           # absolute position: row sees keys j <= a
@@ -191,7 +205,7 @@ def _paged_attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DK], tl.float32)
     n_bad = tl.zeros([BLOCK_N], tl.int32)    # live keys whose block id is outside the pool
     # tiles start at multiples of BLOCK_N (keys_per_split is one): when a tile spans whole
     # pages, a key's offset within its page is the same in every tile
@@ -204,13 +218,13 @@ def _paged_attn_kernel(
         m_i, l_i, acc, n_bad, seen = _dyn_chunks(
             K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo,
             n - sq + i_last + 1, n_split, cnt_ptr + tl.num_programs(0) * tl.num_programs(1),
-            cnt_ptr, ids_first, ids_second, in_page, d, d_ok, nb, hk, hkv, BS, D, BLOCK_N,
+            cnt_ptr, ids_first, ids_second, in_page, dk, dk_ok, nb, hk, hkv, BS, D, BLOCK_N,
             OFF32, KV_EVICT, DYN_TILES, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI,
             DOT_PREC, DOT_F32, LANES)
     elif KV_AHEAD > 1:   # keys two tiles ahead, values one (`paged_loads`)
         m_i, l_i, acc, n_bad, seen = _staggered_tiles(
             K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo, hi, cnt_ptr,
-            ids_first, ids_second, in_page, d, d_ok, nb, hk, hkv, BS, D, BLOCK_N, OFF32,
+            ids_first, ids_second, in_page, dk, dk_ok, nb, hk, hkv, BS, D, BLOCK_N, OFF32,
             KV_EVICT, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, DOT_F32, LANES)
     else:
         if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load
@@ -221,7 +235,7 @@ def _paged_attn_kernel(
                 phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
         if KV_AHEAD:     # the k/v tiles themselves one tile ahead, in registers (plain
             k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
-                K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                K, V, phys_next, lo + offs_n, hi, in_page, dk, dk_ok, nb, n_bad, hk, hkv, BS,
                 D, BLOCK_N, OFF32, KV_EVICT)
             if EARLY_IDS > 1:
                 phys_next = ids_second
@@ -239,8 +253,8 @@ def _paged_attn_kernel(
                 k = k_next
                 v = v_next
                 k_next, v_next, n_bad = _kv_tile(
-                    K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
-                    D, BLOCK_N, OFF32, KV_EVICT)
+                    K, V, phys_next, j + BLOCK_N, hi, in_page, dk, dk_ok, nb, n_bad, hk, hkv,
+                    BS, D, BLOCK_N, OFF32, KV_EVICT)
                 j_next = j + 2 * BLOCK_N
                 phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
             elif PREFETCH_IDX:
@@ -291,6 +305,9 @@ def _paged_attn_kernel(
 
         if EARLY_LAST:
             seen = tl.max(tl.where(lane == 0, seen_v, -1), 0)
+    if HK_T > 1:         # each row's own head's columns
+        sel = tl.arange(0, HK_T)[None, :, None] == hh[:, None, None]
+        acc = tl.sum(tl.where(sel, tl.reshape(acc, [BLOCK_M, HK_T, BLOCK_D]), 0.0), 1)
     poison = tl.sum(n_bad, 0) > 0
     n_live = tl.minimum((tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split, n_split)
     if SPLIT & FUSED_MERGE & MERGE_GROUP & EARLY_LAST:
@@ -301,15 +318,16 @@ def _paged_attn_kernel(
                 tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * tl.num_programs(1), 0,
                                sem="relaxed", scope="gpu")
             bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
-            first = r < G_T                  # Sq = 1: the tile's rows of position 0
+            GR: tl.constexpr = G_T * HK_T    # Sq = 1: the tile's rows of position 0
+            first = r < GR
             acc = tl.where(poison, float("nan"), acc)
             _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
-                         tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D, BLOCK_D, G_T,
-                         S_P2, MERGE_CHUNK, True, pid_s,
-                         tl.max(tl.reshape(tl.where(first, m_i, float("-inf")), [SQ_T, G_T]), 0),
-                         tl.sum(tl.reshape(tl.where(first, l_i, 0.0), [SQ_T, G_T]), 0),
+                         HK_T * tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
+                         BLOCK_D, GR, S_P2, MERGE_CHUNK, True, pid_s,
+                         tl.max(tl.reshape(tl.where(first, m_i, float("-inf")), [SQ_T, GR]), 0),
+                         tl.sum(tl.reshape(tl.where(first, l_i, 0.0), [SQ_T, GR]), 0),
                          tl.sum(tl.reshape(tl.where(first[:, None], acc, 0.0),
-                                           [SQ_T, G_T, BLOCK_D]), 0))
+                                           [SQ_T, GR, BLOCK_D]), 0))
             return
     if SPLIT:
         prow = row * n_split + pid_s
@@ -330,8 +348,9 @@ def _paged_attn_kernel(
                 bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
                 if MERGE_GROUP:      # one query position (decode): its G_T consecutive rows
                     _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
-                                 tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
-                                 BLOCK_D, G_T, S_P2, MERGE_CHUNK, False, pid_s, m_i, l_i, acc)
+                                 HK_T * tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad,
+                                 D, BLOCK_D, G_T * HK_T, S_P2, MERGE_CHUNK, False, pid_s, m_i,
+                                 l_i, acc)
                 else:
                     for rr in range(0, BLOCK_M):
                         gi_r = gt * G_T + rr % G_T
@@ -504,7 +523,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, early_last=None, dyn_tiles=None):
+               maxnreg=None, early_last=None, dyn_tiles=None, kv_heads=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -523,7 +542,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     more programs fit an SM), early_last (fused group merge: a split that finds every other
     split arrived when it starts its last key tile merges from its own registers), dyn_tiles
     (kv_ahead split launches: each program takes further chunks of dyn_tiles key tiles from a
-    ticket counter after its own first one, `paged_dyn`; 0 / None: fixed key ranges)."""
+    ticket counter after its own first one, `paged_dyn`; 0 / None: fixed key ranges), kv_heads
+    (decode with k/v tiles in registers: adjacent kv heads per program, their k/v rows read as
+    one contiguous row per key; 1 / None: one)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -534,7 +555,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
            page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           early_last, dyn_tiles)
+           early_last, dyn_tiles, kv_heads)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -543,7 +564,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
                             programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last,
-                            dyn_tiles)
+                            dyn_tiles, kv_heads)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -562,7 +583,8 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None, early_last=None, dyn_tiles=None):
+               kv_ahead=None, maxnreg=None, early_last=None, dyn_tiles=None,
+               kv_heads=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -591,6 +613,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         early_ids = FEW_PROGRAMS_LAUNCH.get("early_ids") if early_ids is None else early_ids
         early_last = FEW_PROGRAMS_LAUNCH.get("early_last") if early_last is None else early_last
         dyn_tiles = FEW_PROGRAMS_LAUNCH.get("dyn_tiles") if dyn_tiles is None else dyn_tiles
+        kv_heads = kv_heads or FEW_PROGRAMS_LAUNCH.get("kv_heads")
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -602,7 +625,15 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     if kv_ahead:
         pf = True
     ahead = ahead if pf else 0
-    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
+    # kv_heads adjacent kv heads per program (one contiguous k/v row of kv_heads * D per key):
+    # decode, whole groups of a power-of-two size, D a power of two, k/v tiles in registers
+    hk_t = int(kv_heads or KV_HEADS)
+    if hk_t > 1 and not (sq == 1 and g == g_t and hkv % hk_t == 0 and d == block_d and ahead):
+        hk_t = 1
+    if hk_t > 1:
+        sq_t = max(1, sq_t // hk_t)
+        bn = block_n or max(16, bn // hk_t)      # the same bytes per k/v tile
+    kps, ns = _splits(B, hkv // hk_t, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
         ns = max(1, int(n_split))
@@ -622,7 +653,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     group = (MERGE_GROUP if merge_group is None else bool(merge_group)) and sq == 1 and \
         bool(fused_merge) and ns > 1
     if group:
-        chunk = min(s_p2, max(1, (merge_chunk or MERGE_GROUP_TILE // (g_t * block_d))))
+        chunk = min(s_p2, max(1, (merge_chunk or MERGE_GROUP_TILE // (g_t * hk_t * block_d))))
+        if hk_t > 1:     # no row merge for several kv heads: larger steps instead
+            chunk = max(chunk, _cdiv(s_p2, MERGE_GROUP_STEPS))
         group = s_p2 <= MERGE_GROUP_STEPS * chunk
         if not group:
             chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
@@ -633,14 +666,14 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                             2 if ahead else 1) if pf else 0,
               EARLY_LAST=group and (EARLY_LAST if early_last is None else bool(early_last)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead, DYN_TILES=dyn,
+              KV_AHEAD=ahead, DYN_TILES=dyn, HK_T=hk_t,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
     kw["LANES"] = 32 * kw["num_warps"]       # one element per thread
     if maxnreg and not INTERPRET:
         kw["maxnreg"] = int(maxnreg)
-    grid = (B * hkv, n_gt * n_qt, ns)
+    grid = (B * hkv // hk_t, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
     kernel_ = _paged_attn_kernel[grid]
