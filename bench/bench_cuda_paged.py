@@ -447,24 +447,21 @@ SWEEPS = {
     # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
     # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
-    # (session 8: early_ids=2 (the first two tiles' ids with the length), early_last (a split
-    # that finds all others arrived at its last tile merges from its registers), 2 waves of
-    # 512-key splits (programs_per_sm=4), dynamic chunks of 4 tiles taken by ticket (dyn_tiles;
-    # with 33 programs per kv head: all 264 slots of 2 per SM), keys two tiles ahead and values
-    # one (kv_ahead=2), two kv heads per program (kv_heads=2: 512-byte k/v rows, 32-key tiles);
-    # dict(): the defaults again, after the candidates, for the run's noise)
+    # (session 8, round 1, CUDA graph, median of 3, default 0.0461-0.0464 ms: early_ids=2 (the
+    # first two tiles' ids with the length) 0.0462; early_last (a split that finds all others
+    # arrived at its last tile merges from its registers) 0.0467, with early_ids=2 0.0468;
+    # dynamic chunks of 4 tiles taken by ticket (dyn_tiles) 0.0473, with 33 programs per kv
+    # head 0.0472; keys two tiles ahead, values one (kv_ahead=2) 0.0505; two kv heads per
+    # program (kv_heads=2) 0.0518; 2 waves of 512-key splits (programs_per_sm=4) 0.0511.
+    # Round 2: the pipelined copies (kv_ahead=False: 2 tiles ahead in shared memory, fastest
+    # after a clean flush) with their used lines marked evict_first (l2_touch), 3 tiles ahead,
+    # 3 programs per SM; dict(): the defaults again, for the run's noise)
     "decode_B1_ctx32768": [
+        dict(kv_ahead=False, kv_evict=""),
+        dict(kv_ahead=False, kv_evict="", l2_touch=True),
+        dict(kv_ahead=False, kv_evict="", l2_touch=True, num_stages=4),
+        dict(kv_ahead=False, kv_evict="", l2_touch=True, programs_per_sm=3),
         dict(early_ids=2),
-        dict(early_last=True),
-        dict(early_ids=2, early_last=True),
-        dict(programs_per_sm=4),
-        dict(dyn_tiles=4),
-        dict(dyn_tiles=4, early_ids=2, early_last=True),
-        dict(dyn_tiles=4, n_split=33),
-        dict(kv_ahead=2),
-        dict(kv_ahead=2, early_ids=2, early_last=True),
-        dict(kv_heads=2),
-        dict(kv_heads=2, early_ids=2, early_last=True),
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
@@ -486,7 +483,7 @@ def label(kw):
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
              "kv_evict": "evict", "maxnreg": "reg", "early_last": "last", "dyn_tiles": "dyn",
-             "kv_heads": "heads"}
+             "kv_heads": "heads", "l2_touch": "touch"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items()) or "defaults"
 

@@ -30,7 +30,7 @@ INTS = ["hq", "hkv", "mb", "nb", "keys_per_split", "n_split", "sl_stride_b"]
 
 
 def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", early_ids=1, early_last=False,
-           merge_chunk=8, dyn=0, heads=1):
+           merge_chunk=8, dyn=0, heads=1, touch=False):
     """ASTSource of the grouped kernel for B1 ctx 32768 with these knobs (the JIT's view:
     sq = n_qt = 1 specialized, sizes divisible by 16 marked)."""
     fn = kn                                 # the JITFunction
@@ -43,6 +43,7 @@ def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", early_ids=1, e
                 MERGE_CHUNK=merge_chunk, DOT_PREC="tf32", DOT_F32=False, PREFETCH_IDX=True,
                 OFF32=True, EARLY_IDS=early_ids, MERGE_GROUP=True, KV_EVICT=kv_evict,
                 KV_AHEAD=kv_ahead, EARLY_LAST=early_last, DYN_TILES=dyn, LANES=128,
+                L2_TOUCH=K.l2_evict_first_asm(256) if touch else "",
                 S_P2=64 if heads > 1 else 32)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     sig = {k: v for k, v in sig.items() if k in fn.arg_names and k not in cons}
@@ -74,7 +75,7 @@ def main():
         src = source(K._paged_attn_kernel, int(kw.get("bn", 64)), ahead,
                      kw.get("evict", "evict_first"), int(kw.get("early", 1)),
                      kw.get("last", "0") == "1", int(kw.get("mc", 8)), int(kw.get("dyn", 0)),
-                     int(kw.get("heads", 1)))
+                     int(kw.get("heads", 1)), kw.get("touch", "0") == "1")
         if kw.get("w", "4") != "4":
             src.constants[(src.fn.arg_names.index("LANES"),)] = 32 * int(kw["w"])
         opts = dict(num_warps=int(kw.get("w", 4)), num_stages=int(kw.get("st", 1 if ahead else 3)))

@@ -365,6 +365,14 @@ def test_decode_two_kv_heads_per_program(monkeypatch):
         assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
 
 
+def test_l2_touch_knob_runs():
+    """l2_touch is accepted with and without kv_ahead (its inline PTX runs on a GPU only)."""
+    case = make_case(np.random.default_rng(57), B=2, hq=4, hkv=2, d=16, bs=4, lens=(37, 5),
+                     mb=10)
+    check(case, "float32", n_split=3, l2_touch=True, prefetch_index=True)
+    check(case, "float32", n_split=3, l2_touch=True, kv_ahead=True)
+
+
 def test_early_last_merge_with_a_poisoned_split(monkeypatch):
     """early_last with the check skipped: a live block id outside the pool in the split that
     merges from its registers (the last one) still poisons its rows."""
@@ -507,6 +515,19 @@ def test_kv_ahead_on_gpu_uneven_lengths():
     check(case, "float32", kv_ahead=True)
     check(case, "bfloat16", kv_ahead=True, kv_heads=2, early_last=True, n_split=8)
     check(case, "bfloat16", kv_ahead=True, dyn_tiles=2, early_last=True, n_split=8)
+
+
+@on_gpu
+@pytest.mark.parametrize("kw", [dict(), dict(num_stages=4), dict(programs_per_sm=3),
+                                dict(prefetch_index=False, n_split=1)])
+def test_l2_touch_on_gpu(kw):
+    """l2_touch (k/v copied into shared memory by the pipeliner, their L2 lines marked
+    evict_first once used): B1 long context split and unsplit, uneven lengths."""
+    case = make_case(np.random.default_rng(55), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
+    check(case, "bfloat16", kv_ahead=False, kv_evict="", l2_touch=True, **kw)
+    case = make_case(np.random.default_rng(56), B=4, hq=32, hkv=8, d=128, bs=16,
+                     lens=(3000, 17, 0, 700))
+    check(case, "bfloat16", l2_touch=True, **kw)
 
 
 def test_split_heuristic_uneven_lengths():

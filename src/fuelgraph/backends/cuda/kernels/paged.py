@@ -53,7 +53,7 @@ from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
 from .paged_dyn import _dyn_chunks
-from .paged_loads import _kv_tile, _staggered_tiles
+from .paged_loads import _kv_tile, _l2_evict_first, _staggered_tiles, l2_evict_first_asm
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -97,6 +97,10 @@ EARLY_LAST = False
 #: pool, so HK_T of them are one contiguous row of HK_T * D (the queries of each head in its
 #: own columns of a zero-padded [rows, HK_T * D] tile, so one dot scores them all)
 KV_HEADS = 1
+#: knob l2_touch: the grouped kernel without kv_ahead (k/v copied into shared memory by
+#: Triton's pipeliner, which drops eviction policies) marks each key tile's L2 lines
+#: evict_first once used, so the copies that follow replace them rather than other lines
+L2_TOUCH = False
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
@@ -144,7 +148,8 @@ def _paged_attn_kernel(
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
         KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr,
-        DYN_TILES: tl.constexpr, LANES: tl.constexpr, HK_T: tl.constexpr):
+        DYN_TILES: tl.constexpr, LANES: tl.constexpr, HK_T: tl.constexpr,
+        L2_TOUCH: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T * HK_T
     DK: tl.constexpr = HK_T * BLOCK_D       # k/v columns of a key: HK_T adjacent kv heads
     pid_bh = tl.program_id(0)
@@ -302,6 +307,10 @@ def _paged_attn_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
+            if L2_TOUCH != "":   # the pipelined copies' lines, used: first to leave the L2
+                if not KV_AHEAD:
+                    _l2_evict_first(K, kv_row, j_ok, L2_TOUCH)
+                    _l2_evict_first(V, kv_row, j_ok, L2_TOUCH)
 
         if EARLY_LAST:
             seen = tl.max(tl.where(lane == 0, seen_v, -1), 0)
@@ -523,7 +532,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, early_last=None, dyn_tiles=None, kv_heads=None):
+               maxnreg=None, early_last=None, dyn_tiles=None, kv_heads=None, l2_touch=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -544,7 +553,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     (kv_ahead split launches: each program takes further chunks of dyn_tiles key tiles from a
     ticket counter after its own first one, `paged_dyn`; 0 / None: fixed key ranges), kv_heads
     (decode with k/v tiles in registers: adjacent kv heads per program, their k/v rows read as
-    one contiguous row per key; 1 / None: one)."""
+    one contiguous row per key; 1 / None: one), l2_touch (k/v tiles copied into shared memory
+    by the pipeliner: marked evict_first in the L2 once used, `paged_loads._l2_evict_first`)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -555,7 +565,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
            page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           early_last, dyn_tiles, kv_heads)
+           early_last, dyn_tiles, kv_heads, l2_touch)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -564,7 +574,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
                             programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last,
-                            dyn_tiles, kv_heads)
+                            dyn_tiles, kv_heads, l2_touch)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -584,7 +594,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
                kv_ahead=None, maxnreg=None, early_last=None, dyn_tiles=None,
-               kv_heads=None):
+               kv_heads=None, l2_touch=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -614,6 +624,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         early_last = FEW_PROGRAMS_LAUNCH.get("early_last") if early_last is None else early_last
         dyn_tiles = FEW_PROGRAMS_LAUNCH.get("dyn_tiles") if dyn_tiles is None else dyn_tiles
         kv_heads = kv_heads or FEW_PROGRAMS_LAUNCH.get("kv_heads")
+        l2_touch = FEW_PROGRAMS_LAUNCH.get("l2_touch") if l2_touch is None else l2_touch
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -667,6 +678,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               EARLY_LAST=group and (EARLY_LAST if early_last is None else bool(early_last)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
               KV_AHEAD=ahead, DYN_TILES=dyn, HK_T=hk_t,
+              L2_TOUCH=l2_evict_first_asm(d * q.element_size()) if (
+                  L2_TOUCH if l2_touch is None else l2_touch) and not ahead and not INTERPRET
+              and (d * q.element_size()) % 16 == 0 else "",
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))

@@ -49,6 +49,25 @@ def _x_tile(X, phys, j, hi, in_page, d, d_ok, nb, hk, hkv, BS: tl.constexpr, D: 
 
 
 @triton.jit
+def _l2_evict_first(X, kv_row, ok, ASM: tl.constexpr):
+    """Marks the k or v rows of a consumed key tile (X + kv_row[n], n where ok) first to be
+    evicted from the L2, with a bulk L2 prefetch carrying an evict_first policy (the rows are
+    in the L2: the access only changes their priority). Triton's pipelined copies into shared
+    memory carry no eviction policy: marked afterwards, the tile's lines are the ones the next
+    copies replace, not the lines other work left in the L2 (dirty ones cost a write-back)."""
+    tl.inline_asm_elementwise(ASM, "=r,l,r", [X + kv_row, ok.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def l2_evict_first_asm(row_bytes: int) -> str:
+    """The PTX of `_l2_evict_first` for rows of row_bytes (a multiple of 16; sm_90)."""
+    return ("{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
+            "createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+            f"@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {row_bytes}, pol; "
+            "mov.u32 $0, 0; }")
+
+
+@triton.jit
 def _bad_ids(phys, j, hi, nb, n_bad):
     """n_bad plus the live keys j (< hi) whose block id is outside the pool."""
     p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)
