@@ -448,11 +448,12 @@ SWEEPS = {
     # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
     # (session 8, round 1, CUDA graph, median of 3, default 0.0461-0.0464 ms: early_ids=2 (the
-    # first two tiles' ids with the length) 0.0462; early_last (a split that finds all others
-    # arrived at its last tile merges from its registers) 0.0467, with early_ids=2 0.0468;
-    # dynamic chunks of 4 tiles taken by ticket (dyn_tiles) 0.0473, with 33 programs per kv
-    # head 0.0472; keys two tiles ahead, values one (kv_ahead=2) 0.0505; two kv heads per
-    # program (kv_heads=2) 0.0518; 2 waves of 512-key splits (programs_per_sm=4) 0.0511.
+    # first two tiles' ids with the length) 0.0462; 2 waves of 512-key splits (programs_per_sm
+    # =4) 0.0511; and, removed after it (code in commit e452cd6): early_last (a split that finds
+    # all others arrived at its last tile merges from its registers) 0.0467, with early_ids=2
+    # 0.0468; dynamic chunks of 4 tiles taken by ticket (dyn_tiles) 0.0473, with 33 programs
+    # per kv head 0.0472; keys two tiles ahead, values one (kv_ahead=2) 0.0505; two kv heads
+    # per program (kv_heads=2, 512-byte rows) 0.0518.
     # Round 2: the pipelined copies (kv_ahead=False: 2 tiles ahead in shared memory, fastest
     # after a clean flush) with their used lines marked evict_first (l2_touch), 3 tiles ahead,
     # 3 programs per SM; dict(): the defaults again, for the run's noise)
@@ -482,8 +483,7 @@ def label(kw):
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
-             "kv_evict": "evict", "maxnreg": "reg", "early_last": "last", "dyn_tiles": "dyn",
-             "kv_heads": "heads", "l2_touch": "touch"}
+             "kv_evict": "evict", "maxnreg": "reg", "l2_touch": "touch"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items()) or "defaults"
 

@@ -9,21 +9,19 @@ pool block up in the block table, so every live k/v block is read once per (tile
 load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
 are read one iteration ahead: a gathered load whose address comes from a load of the same
 iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
-with the ids carried over, the k/v tiles stream num_stages - 1 deep (or, knob kv_ahead, the
-next tile's k/v are plain loads into registers, which keep an L2 eviction policy: `paged_loads`).
+with the ids carried over, the k/v tiles stream num_stages - 1 deep (their L2 lines marked
+evict_first once used with knob l2_touch; or, knob kv_ahead, the next tile's k/v are plain loads
+into registers, which keep an L2 eviction policy: `paged_loads`).
 Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long
 contexts split the keys over several programs (flash-decoding): the grid is (sequence x kv
 head, tile, split) with one split length for the launch, sized from the live lengths (finer
 when lengths are uneven); a split past its own sequence's length exits at once, so each
-sequence runs as many programs as its length needs, with no host sync (or, knob dyn_tiles,
-each split starts with its own chunk and takes further chunks from a ticket counter:
-`paged_dyn`). Each split writes an unnormalised float32 partial (max,
-sum, accumulator) and bumps an arrival counter; the last split of a (sequence, kv head, tile)
-to arrive merges them (`paged_merge`: up to MERGE_CHUNK splits of a row in one step whose
-loads are independent, one round trip per row; or, knob merge_group, a decode tile's rows
-together) and resets the counter, so the split path is a single launch (knob early_last: a
-split that finds all the others arrived when it starts its last key tile merges at once, its
-own partial from registers).
+sequence runs as many programs as its length needs, with no host sync. Each split writes an
+unnormalised float32 partial (max, sum, accumulator) and bumps an arrival counter; the last
+split of a (sequence, kv head, tile) to arrive merges them (`paged_merge`: up to MERGE_CHUNK
+splits of a row in one step whose loads are independent, one round trip per row; or, knob
+merge_group, a decode tile's rows together) and resets the counter, so the split path is a
+single launch.
 
 Chunked prefill (Sq >= PREFILL_MIN_SQ) runs the FlashAttention-2 style kernel of
 `paged_prefill`. Pools under 2**31 elements use int32 offsets.
@@ -52,8 +50,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_dyn import _dyn_chunks
-from .paged_loads import _kv_tile, _l2_evict_first, _staggered_tiles, l2_evict_first_asm
+from .paged_loads import _kv_tile, _l2_evict_first, l2_evict_first_asm
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -87,20 +84,9 @@ FEW_PROGRAMS_MIN_KEYS = 16384
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
-#: both; B64 mixed 0.2879 against 0.2929)
+#: both; B64 mixed 0.2879 against 0.2929). early_ids=2, with kv_ahead: the second tile's too
+#: (session 8, B1 in a CUDA graph: 0.0462 ms against 0.0461-0.0464)
 EARLY_IDS = 1
-#: the fused group merge's last split merges at once, from its own registers, when every other
-#: split had arrived by the time it started its last key tile (no partial store, release and
-#: arrival in the launch's tail): launch knob early_last
-EARLY_LAST = False
-#: kv heads per decode program (knob kv_heads): their k/v rows of a key are adjacent in the
-#: pool, so HK_T of them are one contiguous row of HK_T * D (the queries of each head in its
-#: own columns of a zero-padded [rows, HK_T * D] tile, so one dot scores them all)
-KV_HEADS = 1
-#: knob l2_touch: the grouped kernel without kv_ahead (k/v copied into shared memory by
-#: Triton's pipeliner, which drops eviction policies) marks each key tile's L2 lines
-#: evict_first once used, so the copies that follow replace them rather than other lines
-L2_TOUCH = False
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
@@ -110,10 +96,13 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: k/v bytes are read once; first to go, they leave the L2's other lines (activations, dirty
 #: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
 #: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
-#: memory drop the policy); kv_ahead=2: the keys two tiles ahead, the values one, in as many
-#: registers. (L2 prefetches of the tiles further ahead, tried with kv_ahead on the H200:
-#: 0.0486-0.0556 ms against 0.0464 without)
-KV_EVICT, KV_AHEAD = "", 0
+#: memory drop the policy). (L2 prefetches of the tiles further ahead, tried with kv_ahead on
+#: the H200: 0.0486-0.0556 ms against 0.0464 without)
+KV_EVICT, KV_AHEAD = "", False
+#: knob l2_touch: the grouped kernel without kv_ahead (k/v copied into shared memory by
+#: Triton's pipeliner, which drops eviction policies) marks each key tile's L2 lines
+#: evict_first once used, so the copies that follow replace them rather than other lines
+L2_TOUCH = False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -147,16 +136,13 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_LAST: tl.constexpr,
-        DYN_TILES: tl.constexpr, LANES: tl.constexpr, HK_T: tl.constexpr,
-        L2_TOUCH: tl.constexpr):
-    BLOCK_M: tl.constexpr = G_T * SQ_T * HK_T
-    DK: tl.constexpr = HK_T * BLOCK_D       # k/v columns of a key: HK_T adjacent kv heads
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, L2_TOUCH: tl.constexpr):
+    BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // (hkv // HK_T)
-    hk = (pid_bh % (hkv // HK_T)) * HK_T     # the program's (first) kv head
+    b = pid_bh // hkv
+    hk = pid_bh % hkv
     gt = pid_t // n_qt
     qt = pid_t % n_qt
     cap = mb * BS
@@ -169,11 +155,6 @@ def _paged_attn_kernel(
         ids_first = tl.load(tab + j // BS, mask=j < lim, other=0)
         if EARLY_IDS > 1:                        # and the second tile's (kv_ahead)
             ids_second = tl.load(tab + (j + BLOCK_N) // BS, mask=j + BLOCK_N < lim, other=0)
-        else:
-            ids_second = ids_first
-    else:
-        ids_first = offs_n * 0
-        ids_second = ids_first
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -181,163 +162,106 @@ def _paged_attn_kernel(
 
     r = tl.arange(0, BLOCK_M)
     gi = gt * G_T + r % G_T                  # query head within the group
-    i = qt * SQ_T + r // (G_T * HK_T)        # query position
-    hh = (r // G_T) % HK_T                   # kv head of the row among the program's HK_T
+    i = qt * SQ_T + r // G_T                 # query position
     row_ok = (gi < G) & (i < sq)
-    h = (hk + hh) * G + gi
+    h = hk * G + gi
     row = (b * hq + h).to(tl.int64) * sq + i          # row of q / o viewed as [B*Hq*Sq, D]
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    if HK_T == 1:
-        dk = d
-        dk_ok = d_ok
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-    else:    # HK_T kv heads' adjacent k/v rows as one: q of a row in its own head's columns,
-        dk = tl.arange(0, DK)                # zero in the others (D == BLOCK_D)
-        dk_ok = dk < DK
-        q = tl.load(Q + row[:, None] * D + (dk % BLOCK_D)[None, :],
-                    mask=row_ok[:, None] & (dk // BLOCK_D == hh[:, None]), other=0.0)
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0)
     if DOT_F32:                              # the CPU interpreter's bfloat16 dot is wrong
         q = q.to(tl.float32)
     a = n - sq + i                           # absolute position: row sees keys j <= a
     if HAS_ALIBI:
         slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        slope = tl.zeros([BLOCK_M], tl.float32)
     i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
     hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DK], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_bad = tl.zeros([BLOCK_N], tl.int32)    # live keys whose block id is outside the pool
     # tiles start at multiples of BLOCK_N (keys_per_split is one): when a tile spans whole
     # pages, a key's offset within its page is the same in every tile
     in_page = ((offs_n % BS) * hkv + hk) * D
-    cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
-    seen = n * 0 - 1                         # arrivals seen at the last tile (EARLY_LAST):
-    lane = tl.arange(0, LANES)               # one lane's atomic (one element per thread: no
-    seen_v = lane * 0 - 1                    # broadcast), summed only after the loop
-    if DYN_TILES > 0:    # chunks of the keys taken from a ticket counter (`paged_dyn`)
-        m_i, l_i, acc, n_bad, seen = _dyn_chunks(
-            K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo,
-            n - sq + i_last + 1, n_split, cnt_ptr + tl.num_programs(0) * tl.num_programs(1),
-            cnt_ptr, ids_first, ids_second, in_page, dk, dk_ok, nb, hk, hkv, BS, D, BLOCK_N,
-            OFF32, KV_EVICT, DYN_TILES, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI,
-            DOT_PREC, DOT_F32, LANES)
-    elif KV_AHEAD > 1:   # keys two tiles ahead, values one (`paged_loads`)
-        m_i, l_i, acc, n_bad, seen = _staggered_tiles(
-            K, V, tab, q, a, scale, softcap, slope, m_i, l_i, acc, n_bad, lo, hi, cnt_ptr,
-            ids_first, ids_second, in_page, dk, dk_ok, nb, hk, hkv, BS, D, BLOCK_N, OFF32,
-            KV_EVICT, EARLY_IDS, EARLY_LAST, HAS_SOFTCAP, HAS_ALIBI, DOT_PREC, DOT_F32, LANES)
-    else:
-        if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load
-            if EARLY_IDS:                       # of their own iteration and pipeline deeper
-                phys_next = ids_first   # ids past the length: masked out of k/v and id check
-            else:
-                j = lo + offs_n
-                phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-        if KV_AHEAD:     # the k/v tiles themselves one tile ahead, in registers (plain
-            k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
-                K, V, phys_next, lo + offs_n, hi, in_page, dk, dk_ok, nb, n_bad, hk, hkv, BS,
+    if PREFETCH_IDX:     # block ids one tile ahead: the k/v loads then depend on no load of
+        if EARLY_IDS:                           # their own iteration and pipeline deeper
+            phys_next = ids_first    # ids past the length: masked out of k/v and the id check
+        else:
+            j = lo + offs_n
+            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
+        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
+            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
+            BLOCK_N, OFF32, KV_EVICT)
+        if EARLY_IDS > 1:
+            phys_next = ids_second
+        else:
+            j = lo + BLOCK_N + offs_n
+            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+            k_next, v_next, n_bad = _kv_tile(
+                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
                 D, BLOCK_N, OFF32, KV_EVICT)
-            if EARLY_IDS > 1:
-                phys_next = ids_second
+            j_next = j + 2 * BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        elif PREFETCH_IDX:
+            phys = phys_next
+            j_next = j + BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        else:
+            phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+        if not KV_AHEAD:
+            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
+            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+            phys = tl.where(p_ok, phys, 0)
+            if BLOCK_N % BS != 0:
+                in_page = ((j % BS) * hkv + hk) * D
+            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                kv_row = phys * (BS * hkv * D) + in_page
             else:
-                j = lo + BLOCK_N + offs_n
-                phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-        for start in range(lo, hi, BLOCK_N):
-            j = start + offs_n
-            j_ok = j < hi
-            if EARLY_LAST:   # at the last tile: have all other splits arrived? (then this
-                if start + BLOCK_N >= hi:    # one is the last and merges from its registers)
-                    seen_v = tl.atomic_add(cnt_ptr + lane * 0, 0, mask=lane == 0,
-                                           sem="acquire", scope="gpu")
-            if KV_AHEAD:
-                k = k_next
-                v = v_next
-                k_next, v_next, n_bad = _kv_tile(
-                    K, V, phys_next, j + BLOCK_N, hi, in_page, dk, dk_ok, nb, n_bad, hk, hkv,
-                    BS, D, BLOCK_N, OFF32, KV_EVICT)
-                j_next = j + 2 * BLOCK_N
-                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-            elif PREFETCH_IDX:
-                phys = phys_next
-                j_next = j + BLOCK_N
-                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-            else:
-                phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+            kv_off = kv_row[:, None] + d[None, :]
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s = s * scale
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            rel = a[:, None] - j[None, :]
+            if HAS_ALIBI:
+                s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+            s = s * 1.4426950408889634
+        else:
+            rel = a[:, None] - j[None, :]
+            s = s * (scale * 1.4426950408889634)
+        s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if not KV_AHEAD:
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+        if L2_TOUCH != "":       # the pipelined copies' lines, used: first to leave the L2
             if not KV_AHEAD:
-                p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
-                n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-                phys = tl.where(p_ok, phys, 0)
-                if BLOCK_N % BS != 0:
-                    in_page = ((j % BS) * hkv + hk) * D
-                if OFF32:            # the pool's element offsets fit int32: cheaper addresses
-                    kv_row = phys * (BS * hkv * D) + in_page
-                else:
-                    kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-                kv_off = kv_row[:, None] + d[None, :]
-                kv_mask = j_ok[:, None] & d_ok[None, :]
-                k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-            if HAS_SOFTCAP or HAS_ALIBI:
-                s = s * scale
-                if HAS_SOFTCAP:
-                    s = softcap * _tanh(s / softcap)
-                rel = a[:, None] - j[None, :]
-                if HAS_ALIBI:
-                    s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
-                s = s * 1.4426950408889634
-            else:
-                rel = a[:, None] - j[None, :]
-                s = s * (scale * 1.4426950408889634)
-            s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if not KV_AHEAD:
-                v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            if DOT_F32:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
-            if L2_TOUCH != "":   # the pipelined copies' lines, used: first to leave the L2
-                if not KV_AHEAD:
-                    _l2_evict_first(K, kv_row, j_ok, L2_TOUCH)
-                    _l2_evict_first(V, kv_row, j_ok, L2_TOUCH)
+                _l2_evict_first(K, kv_row, j_ok, L2_TOUCH)
+                _l2_evict_first(V, kv_row, j_ok, L2_TOUCH)
 
-        if EARLY_LAST:
-            seen = tl.max(tl.where(lane == 0, seen_v, -1), 0)
-    if HK_T > 1:         # each row's own head's columns
-        sel = tl.arange(0, HK_T)[None, :, None] == hh[:, None, None]
-        acc = tl.sum(tl.where(sel, tl.reshape(acc, [BLOCK_M, HK_T, BLOCK_D]), 0.0), 1)
     poison = tl.sum(n_bad, 0) > 0
-    n_live = tl.minimum((tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split, n_split)
-    if SPLIT & FUSED_MERGE & MERGE_GROUP & EARLY_LAST:
-        if seen == n_live - 1:   # every other live split arrived before this one's last tile:
-            # merge now, this split's partial from registers (no store, release, arrival)
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
-            if DYN_TILES > 0:
-                tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * tl.num_programs(1), 0,
-                               sem="relaxed", scope="gpu")
-            bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
-            GR: tl.constexpr = G_T * HK_T    # Sq = 1: the tile's rows of position 0
-            first = r < GR
-            acc = tl.where(poison, float("nan"), acc)
-            _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
-                         HK_T * tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
-                         BLOCK_D, GR, S_P2, MERGE_CHUNK, True, pid_s,
-                         tl.max(tl.reshape(tl.where(first, m_i, float("-inf")), [SQ_T, GR]), 0),
-                         tl.sum(tl.reshape(tl.where(first, l_i, 0.0), [SQ_T, GR]), 0),
-                         tl.sum(tl.reshape(tl.where(first[:, None], acc, 0.0),
-                                           [SQ_T, GR, BLOCK_D]), 0))
-            return
     if SPLIT:
         prow = row * n_split + pid_s
         acc = tl.where(poison, float("nan"), acc)
@@ -347,19 +271,17 @@ def _paged_attn_kernel(
         if FUSED_MERGE:
             # the last split of this (sequence, kv head, tile) to finish merges all of them:
             # no second launch. Every live split (lo < n, or the first) arrives exactly once.
+            n_live = (tl.maximum(n, 1) + keys_per_split - 1) // keys_per_split
             tl.debug_barrier()               # all threads' partial stores precede the release
+            cnt_ptr = CNT + pid_bh * tl.num_programs(1) + pid_t
             arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == n_live - 1:
                 tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")   # ready for next launch
-                if DYN_TILES > 0:
-                    tl.atomic_xchg(cnt_ptr + tl.num_programs(0) * tl.num_programs(1), 0,
-                                   sem="relaxed", scope="gpu")
                 bad = (ctx64 > cap) | ((ctx64 > 0) & (ctx64 < sq)) | (ctx64 < 0)
                 if MERGE_GROUP:      # one query position (decode): its G_T consecutive rows
                     _merge_group(PO, PM, PL, O, (b * hq + hk * G + gt * G_T).to(tl.int64),
-                                 HK_T * tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad,
-                                 D, BLOCK_D, G_T * HK_T, S_P2, MERGE_CHUNK, False, pid_s, m_i,
-                                 l_i, acc)
+                                 tl.minimum(G - gt * G_T, G_T), n_split, n_live, bad, D,
+                                 BLOCK_D, G_T, S_P2, MERGE_CHUNK)
                 else:
                     for rr in range(0, BLOCK_M):
                         gi_r = gt * G_T + rr % G_T
@@ -532,7 +454,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, early_last=None, dyn_tiles=None, kv_heads=None, l2_touch=None):
+               maxnreg=None, l2_touch=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -547,14 +469,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers, implies prefetch_index; 2: keys two tiles ahead, values one), maxnreg (grouped kernel: register cap per thread, so
-    more programs fit an SM), early_last (fused group merge: a split that finds every other
-    split arrived when it starts its last key tile merges from its own registers), dyn_tiles
-    (kv_ahead split launches: each program takes further chunks of dyn_tiles key tiles from a
-    ticket counter after its own first one, `paged_dyn`; 0 / None: fixed key ranges), kv_heads
-    (decode with k/v tiles in registers: adjacent kv heads per program, their k/v rows read as
-    one contiguous row per key; 1 / None: one), l2_touch (k/v tiles copied into shared memory
-    by the pipeliner: marked evict_first in the L2 once used, `paged_loads._l2_evict_first`)."""
+    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
+    more programs fit an SM), l2_touch (grouped kernel without kv_ahead: each key tile's L2
+    lines marked evict_first once used)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -565,7 +482,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
            page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           early_last, dyn_tiles, kv_heads, l2_touch)
+           l2_touch)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -573,8 +490,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg, early_last,
-                            dyn_tiles, kv_heads, l2_touch)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg, l2_touch)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -593,8 +509,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None, early_last=None, dyn_tiles=None,
-               kv_heads=None, l2_touch=None):
+               kv_ahead=None, maxnreg=None, l2_touch=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -621,9 +536,6 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
         kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
         early_ids = FEW_PROGRAMS_LAUNCH.get("early_ids") if early_ids is None else early_ids
-        early_last = FEW_PROGRAMS_LAUNCH.get("early_last") if early_last is None else early_last
-        dyn_tiles = FEW_PROGRAMS_LAUNCH.get("dyn_tiles") if dyn_tiles is None else dyn_tiles
-        kv_heads = kv_heads or FEW_PROGRAMS_LAUNCH.get("kv_heads")
         l2_touch = FEW_PROGRAMS_LAUNCH.get("l2_touch") if l2_touch is None else l2_touch
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
@@ -632,41 +544,22 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    ahead = int(KV_AHEAD if kv_ahead is None else kv_ahead)   # 0, 1, 2 (keys 2 tiles ahead)
+    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
     if kv_ahead:
-        pf = True
-    ahead = ahead if pf else 0
-    # kv_heads adjacent kv heads per program (one contiguous k/v row of kv_heads * D per key):
-    # decode, whole groups of a power-of-two size, D a power of two, k/v tiles in registers
-    hk_t = int(kv_heads or KV_HEADS)
-    if hk_t > 1 and not (sq == 1 and g == g_t and hkv % hk_t == 0 and d == block_d and ahead):
-        hk_t = 1
-    if hk_t > 1:
-        sq_t = max(1, sq_t // hk_t)
-        bn = block_n or max(16, bn // hk_t)      # the same bytes per k/v tile
-    kps, ns = _splits(B, hkv // hk_t, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
+        pf = ahead = True
+    kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
         ns = max(1, int(n_split))
         kps = _cdiv(_cdiv(cap, ns), bn) * bn
         ns = _cdiv(cap, kps)
-    # dynamic chunks: ns programs per (sequence, kv head, tile), program s starting with keys
-    # [s * kps, (s + 1) * kps), kps = dyn_tiles key tiles, then taking chunks by ticket
-    dyn = max(2, int(dyn_tiles)) if dyn_tiles and ahead and fused_merge and ns > 1 else 0
-    if dyn and _cdiv(cap, dyn * bn) > 1:
-        kps = dyn * bn
-        ns = min(ns, _cdiv(cap, kps))
-    else:
-        dyn = 0
     s_p2 = max(2, next_pow2(ns))
     chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
     # the group merge: one query position, its loop unrolled MERGE_GROUP_STEPS steps at most
     group = (MERGE_GROUP if merge_group is None else bool(merge_group)) and sq == 1 and \
         bool(fused_merge) and ns > 1
     if group:
-        chunk = min(s_p2, max(1, (merge_chunk or MERGE_GROUP_TILE // (g_t * hk_t * block_d))))
-        if hk_t > 1:     # no row merge for several kv heads: larger steps instead
-            chunk = max(chunk, _cdiv(s_p2, MERGE_GROUP_STEPS))
+        chunk = min(s_p2, max(1, (merge_chunk or MERGE_GROUP_TILE // (g_t * block_d))))
         group = s_p2 <= MERGE_GROUP_STEPS * chunk
         if not group:
             chunk = min(merge_chunk or MERGE_CHUNK, s_p2)
@@ -675,19 +568,17 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=min(int(EARLY_IDS if early_ids is None else early_ids),
                             2 if ahead else 1) if pf else 0,
-              EARLY_LAST=group and (EARLY_LAST if early_last is None else bool(early_last)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead, DYN_TILES=dyn, HK_T=hk_t,
+              KV_AHEAD=ahead,
               L2_TOUCH=l2_evict_first_asm(d * q.element_size()) if (
                   L2_TOUCH if l2_touch is None else l2_touch) and not ahead and not INTERPRET
               and (d * q.element_size()) % 16 == 0 else "",
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
-    kw["LANES"] = 32 * kw["num_warps"]       # one element per thread
     if maxnreg and not INTERPRET:
         kw["maxnreg"] = int(maxnreg)
-    grid = (B * hkv // hk_t, n_gt * n_qt, ns)
+    grid = (B * hkv, n_gt * n_qt, ns)
     scal = (sq, hq, hkv, mb, nb, kps, ns, n_qt, float(softmax_scale),
             float(softcap) if softcap is not None else 1.0, sl_stride_b)
     kernel_ = _paged_attn_kernel[grid]
@@ -697,7 +588,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                     FUSED_MERGE=False, **kw)
         return launch
     rows = B * hq * sq
-    buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1] * (2 if dyn else 1))
+    buf, cnt = _scratch(q.device, rows * ns * (d + 2), grid[0] * grid[1])
     po = buf[:rows * ns * d]
     pm = buf[rows * ns * d:rows * ns * (d + 1)]
     pl = buf[rows * ns * (d + 1):rows * ns * (d + 2)]

@@ -48,42 +48,28 @@ def _merge_row(PO, PM, PL, O, row, n_split, n_live, bad, D: tl.constexpr, BLOCK_
 @triton.jit
 def _merge_group(PO, PM, PL, O, row0, n_rows, n_split, n_live, bad, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, ROWS: tl.constexpr, S_P2: tl.constexpr,
-                 S_CHUNK: tl.constexpr, OWN: tl.constexpr, own_s, m_own, l_own, acc_own):
+                 S_CHUNK: tl.constexpr):
     """Rows row0 .. row0 + n_rows - 1 (n_rows <= ROWS; decode: the query heads of one kv head,
     whose rows are consecutive) merged together: the maxima and sums as one [ROWS, S_P2] tile,
     the accumulators [ROWS, S_CHUNK, D] at a time in an unrolled loop, so every load is
-    independent of the others (one round trip for the group instead of one per row). OWN: split
-    own_s's partial is not in memory but given, m_own / l_own [ROWS], acc_own [ROWS, BLOCK_D]
-    (the merging program's own registers)."""
+    independent of the others (one round trip for the group instead of one per row)."""
     rr = tl.arange(0, ROWS)
     r_ok = rr < n_rows
     rows = row0 + rr
     s = tl.arange(0, S_P2)
-    s_in = s < n_live
-    if OWN:
-        s_in = s_in & (s != own_s)
-    ok = r_ok[:, None] & s_in[None, :]
+    ok = r_ok[:, None] & (s < n_live)[None, :]
     idx = rows[:, None] * n_split + s[None, :]
     m = tl.load(PM + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(PL + idx, mask=ok, other=0.0, cache_modifier=".cg")
     mx = tl.max(m, 1)
-    if OWN:
-        mx = tl.maximum(mx, m_own)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.sum(tl.where(ok, tl.exp2(m - mx[:, None]), 0.0) * l, 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    if OWN:
-        w_own = tl.exp2(m_own - mx)
-        den += w_own * l_own
-        out = w_own[:, None] * acc_own
-    else:
-        out = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    out = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for c0 in tl.static_range(0, S_P2, S_CHUNK):
         sc = c0 + tl.arange(0, S_CHUNK)
         okc = r_ok[:, None] & (sc < n_live)[None, :]
-        if OWN:
-            okc = okc & (sc != own_s)[None, :]
         idc = rows[:, None] * n_split + sc[None, :]
         m_c = tl.load(PM + idc, mask=okc, other=float("-inf"), cache_modifier=".cg")
         w = tl.where(okc, tl.exp2(m_c - mx[:, None]), 0.0)
