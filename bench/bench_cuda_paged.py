@@ -466,7 +466,8 @@ SWEEPS = {
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
-    "decode_B32_ctx4096": [dict(merge_group=True)],
+    # (session 8: the pipelined copies' used lines marked evict_first in the L2, l2_touch)
+    "decode_B32_ctx4096": [dict(l2_touch=True), dict()],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
