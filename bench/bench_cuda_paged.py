@@ -447,27 +447,20 @@ SWEEPS = {
     # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
     # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
-    # (session 8, round 1, CUDA graph, median of 3, default 0.0461-0.0464 ms: early_ids=2 (the
-    # first two tiles' ids with the length) 0.0462; 2 waves of 512-key splits (programs_per_sm
-    # =4) 0.0511; and, removed after it (code in commit e452cd6): early_last (a split that finds
-    # all others arrived at its last tile merges from its registers) 0.0467, with early_ids=2
-    # 0.0468; dynamic chunks of 4 tiles taken by ticket (dyn_tiles) 0.0473, with 33 programs
-    # per kv head 0.0472; keys two tiles ahead, values one (kv_ahead=2) 0.0505; two kv heads
-    # per program (kv_heads=2, 512-byte rows) 0.0518.
-    # Round 2: the pipelined copies (kv_ahead=False: 2 tiles ahead in shared memory, fastest
-    # after a clean flush) with their used lines marked evict_first (l2_touch), 3 tiles ahead,
-    # 3 programs per SM; dict(): the defaults again, for the run's noise)
+    # (session 8, CUDA graph, median of 3, default 0.0461-0.0465 ms: the first two tiles' ids
+    # with the length (early_ids=2) 0.0462-0.0465; 2 waves of 512-key splits (programs_per_sm
+    # =4) 0.0511; the pipelined copies (ahead=0) 0.0496, with each used tile's L2 lines marked
+    # evict_first by a bulk L2 prefetch carrying the policy 0.0625, 3 tiles ahead 0.0664, 3
+    # programs per SM 0.0610; and, removed (code in commits e452cd6 / e6ea34c): the last split
+    # merging from its registers when all others arrived before its last tile 0.0467; dynamic
+    # chunks of 4 tiles taken by ticket 0.0473, 33 programs per kv head 0.0472; keys two tiles
+    # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
     "decode_B1_ctx32768": [
         dict(kv_ahead=False, kv_evict=""),
-        dict(kv_ahead=False, kv_evict="", l2_touch=True),
-        dict(kv_ahead=False, kv_evict="", l2_touch=True, num_stages=4),
-        dict(kv_ahead=False, kv_evict="", l2_touch=True, programs_per_sm=3),
-        dict(early_ids=2),
         dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
-    # (session 8: the pipelined copies' used lines marked evict_first in the L2, l2_touch)
-    "decode_B32_ctx4096": [dict(l2_touch=True), dict()],
+    "decode_B32_ctx4096": [dict(merge_group=True)],
     "prefill_Sq256_ctx4096_B8": [
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3, page_tiles=False),
         dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
@@ -484,7 +477,7 @@ def label(kw):
              "merge_group": "mg", "programs_per_sm": "per_sm", "num_stages": "st", "num_warps": "w",
              "n_split": "split", "block_n": "bn", "block_m": "bm", "group_heads": "gh",
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
-             "kv_evict": "evict", "maxnreg": "reg", "l2_touch": "touch"}
+             "kv_evict": "evict", "maxnreg": "reg"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
                     for k, v in kw.items()) or "defaults"
 

@@ -6,7 +6,7 @@ shared memory and the SASS of the key loop (instructions, loads, tensor-core ops
 check that a candidate compiles for Hopper, does not spill and fits the programs per SM it
 assumes, before a GPU session.
 
-    python3 bench/sass_paged.py [--cands "ahead=1,evict=evict_first,early=2;ahead=0,touch=1"]
+    python3 bench/sass_paged.py [--cands "ahead=1,evict=evict_first;ahead=0,evict=,st=3"]
         [--ptx]
 """
 from __future__ import annotations
@@ -29,8 +29,7 @@ PTRS = ["Q", "K", "V", "BT", "CL", "SL", "O", "PO", "PM", "PL", "CNT"]
 INTS = ["hq", "hkv", "mb", "nb", "keys_per_split", "n_split", "sl_stride_b"]
 
 
-def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", early_ids=1, merge_chunk=8,
-           touch=False):
+def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", merge_chunk=8):
     """ASTSource of the grouped kernel for B1 ctx 32768 with these knobs (the JIT's view:
     sq = n_qt = 1 specialized, sizes divisible by 16 marked)."""
     fn = kn                                 # the JITFunction
@@ -41,9 +40,8 @@ def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", early_ids=1, m
     cons = dict(sq=1, n_qt=1, G=4, G_T=4, SQ_T=4, BS=16, D=128, BLOCK_D=128, BLOCK_N=block_n,
                 HAS_ALIBI=False, HAS_SOFTCAP=False, SPLIT=True, FUSED_MERGE=True,
                 MERGE_CHUNK=merge_chunk, DOT_PREC="tf32", DOT_F32=False, PREFETCH_IDX=True,
-                OFF32=True, EARLY_IDS=early_ids, MERGE_GROUP=True, KV_EVICT=kv_evict,
-                KV_AHEAD=kv_ahead, L2_TOUCH=K.l2_evict_first_asm(256) if touch else "",
-                S_P2=32)
+                OFF32=True, EARLY_IDS=True, MERGE_GROUP=True, KV_EVICT=kv_evict,
+                KV_AHEAD=kv_ahead, S_P2=32)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     sig = {k: v for k, v in sig.items() if k in fn.arg_names and k not in cons}
     names = [a for a in fn.arg_names if a in sig]
@@ -64,16 +62,14 @@ def parse(spec):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cands", default="ahead=1,evict=evict_first,bn=64,w=4;"
-                    "ahead=1,evict=evict_first,early=2;ahead=0,evict=,st=3;"
-                    "ahead=0,evict=,st=3,touch=1")
+                    "ahead=1,evict=evict_first,bn=32;ahead=0,evict=,st=3")
     ap.add_argument("--ptx", action="store_true", help="print the PTX loads of the key loop")
     args = ap.parse_args()
     for spec in args.cands.split(";"):
         kw = parse(spec)
         ahead = kw.get("ahead", "1") == "1"
         src = source(K._paged_attn_kernel, int(kw.get("bn", 64)), ahead,
-                     kw.get("evict", "evict_first"), int(kw.get("early", 1)),
-                     int(kw.get("mc", 8)), kw.get("touch", "0") == "1")
+                     kw.get("evict", "evict_first"), int(kw.get("mc", 8)))
         opts = dict(num_warps=int(kw.get("w", 4)), num_stages=int(kw.get("st", 1 if ahead else 3)))
         if "reg" in kw:
             opts["maxnreg"] = int(kw["reg"])

@@ -263,30 +263,6 @@ def test_decode_kv_ahead_and_eviction_policy(kv_evict):
     check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
 
 
-def test_decode_two_tiles_of_early_ids():
-    """early_ids=2 with kv_ahead: the first two key tiles' block ids requested with the length
-    (a split shorter than two tiles, a tile past the length, a length-0 sequence, groups of 4
-    and of 3, uneven split counts); without kv_ahead it means early_ids=1."""
-    case = make_case(np.random.default_rng(42), B=3, hq=8, hkv=2, d=16, bs=4, lens=(37, 0, 5),
-                     mb=10, alibi=True)
-    kw = dict(kv_ahead=True, kv_evict="evict_first", block_n=16, early_ids=2)
-    check(case, "float32", n_split=3, **kw)
-    check(case, "bfloat16", n_split=5, merge_chunk=2, **kw)
-    check(case, "float32", n_split=1, **kw)
-    case = make_case(np.random.default_rng(43), B=2, hq=6, hkv=2, d=12, bs=2, lens=(23, 2),
-                     mb=12)
-    check(case, "float32", n_split=4, **kw)
-    check(case, "float32", n_split=2, block_n=16, early_ids=2, prefetch_index=True)
-
-
-def test_l2_touch_knob_runs():
-    """l2_touch is accepted with and without kv_ahead (its inline PTX runs on a GPU only)."""
-    case = make_case(np.random.default_rng(57), B=2, hq=4, hkv=2, d=16, bs=4, lens=(37, 5),
-                     mb=10)
-    check(case, "float32", n_split=3, l2_touch=True, prefetch_index=True)
-    check(case, "float32", n_split=3, l2_touch=True, kv_ahead=True)
-
-
 def test_few_programs_launch_defaults(monkeypatch):
     """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
     defaults (kv_ahead and its policy among them); explicit knobs still win."""
@@ -336,12 +312,11 @@ def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
 
 @on_gpu
 def test_split_kernel_in_cuda_graphs():
-    """Graphs capturing split launches (counters from the pool, distinct ranges), replayed
+    """Two graphs capturing split launches (counters from the pool, distinct ranges), replayed
     in turn and repeatedly, after the data changed in place, equal eager calls."""
     case = make_case(np.random.default_rng(41), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     dc = to_dev(case, "bfloat16")
-    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16),
-             lambda: run(dc, early_ids=2), lambda: run(dc, kv_ahead=False, l2_touch=True)]
+    calls = [lambda: run(dc), lambda: run(dc, kv_ahead=False, n_split=16)]
     want = [c().float() for c in calls]
     graphs, outs = [], []
     for c in calls:
@@ -391,12 +366,11 @@ def test_many_splits_on_gpu():
 @on_gpu
 @pytest.mark.parametrize("kw", [
     dict(), dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
-    dict(block_n=32, programs_per_sm=3), dict(block_n=32), dict(early_ids=2),
-    dict(early_ids=2, n_split=96)])
+    dict(block_n=32, programs_per_sm=3), dict(block_n=32)])
 def test_kv_ahead_on_gpu(kw):
     """kv_ahead with evict_first on a GPU-sized B1 long context (the defaults, which take it from
-    16384 keys; split 128 ways; a register cap for 3 programs per SM; 32-key tiles; two tiles'
-    ids early), against the float64 reference."""
+    16384 keys; split 128 ways; a register cap for 3 programs per SM; 32-key tiles), against
+    the float64 reference (one case per test: they spread over test workers)."""
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     check(case, "bfloat16", **dict(dict(kv_ahead=True, kv_evict="evict_first"), **kw))
 
@@ -407,19 +381,6 @@ def test_kv_ahead_on_gpu_uneven_lengths():
                      lens=(3000, 17, 0, 700))
     check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first")
     check(case, "float32", kv_ahead=True)
-
-
-@on_gpu
-@pytest.mark.parametrize("kw", [dict(), dict(num_stages=4), dict(programs_per_sm=3),
-                                dict(prefetch_index=False, n_split=1)])
-def test_l2_touch_on_gpu(kw):
-    """l2_touch (k/v copied into shared memory by the pipeliner, their L2 lines marked
-    evict_first once used): B1 long context split and unsplit, uneven lengths."""
-    case = make_case(np.random.default_rng(55), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
-    check(case, "bfloat16", kv_ahead=False, kv_evict="", l2_touch=True, **kw)
-    case = make_case(np.random.default_rng(56), B=4, hq=32, hkv=8, d=128, bs=16,
-                     lens=(3000, 17, 0, 700))
-    check(case, "bfloat16", l2_touch=True, **kw)
 
 
 def test_split_heuristic_uneven_lengths():

@@ -9,9 +9,8 @@ pool block up in the block table, so every live k/v block is read once per (tile
 load of a kv head serves its whole group of query heads (GQA/MQA). The block ids of a tile
 are read one iteration ahead: a gathered load whose address comes from a load of the same
 iteration gets a single shared-memory buffer from Triton's pipeliner, whatever num_stages says;
-with the ids carried over, the k/v tiles stream num_stages - 1 deep (their L2 lines marked
-evict_first once used with knob l2_touch; or, knob kv_ahead, the next tile's k/v are plain loads
-into registers, which keep an L2 eviction policy: `paged_loads`).
+with the ids carried over, the k/v tiles stream num_stages - 1 deep (or, knob kv_ahead, the
+next tile's k/v are plain loads into registers, which keep an L2 eviction policy: `paged_loads`).
 Scores are float32 (`tl.dot`; float32 inputs in IEEE precision), online softmax in base 2. Long
 contexts split the keys over several programs (flash-decoding): the grid is (sequence x kv
 head, tile, split) with one split length for the launch, sized from the live lengths (finer
@@ -50,7 +49,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_loads import _kv_tile, _l2_evict_first, l2_evict_first_asm
+from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -84,9 +83,8 @@ FEW_PROGRAMS_MIN_KEYS = 16384
 #: the grouped kernel requests the first key tile's block ids together with the sequence length
 #: (one dependent round trip less before its first k/v load; ids past the length are masked out)
 #: (launch knob early_ids; H200 with merge_group, B1 ctx 32768: 0.0492 ms against 0.0537 without
-#: both; B64 mixed 0.2879 against 0.2929). early_ids=2, with kv_ahead: the second tile's too
-#: (session 8, B1 in a CUDA graph: 0.0462 ms against 0.0461-0.0464)
-EARLY_IDS = 1
+#: both; B64 mixed 0.2879 against 0.2929)
+EARLY_IDS = True
 #: the fused merge of a decode step (Sq = 1) merges the G_T rows of a tile together (their maxima
 #: as one [G_T, splits] tile, the accumulators MERGE_GROUP_TILE floats per unrolled step, all
 #: loads independent) instead of row after row: one round trip in the launch's tail instead of
@@ -97,12 +95,13 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: lines not yet written back) in place. Knob kv_ahead: the next key tile's k/v are plain loads
 #: into registers during the current tile (num_stages 1; Triton's pipelined copies into shared
 #: memory drop the policy). (L2 prefetches of the tiles further ahead, tried with kv_ahead on
-#: the H200: 0.0486-0.0556 ms against 0.0464 without)
+#: the H200: 0.0486-0.0556 ms against 0.0464 without. Session 8, B1 in CUDA graphs, default
+#: 0.0461-0.0465 ms: the pipelined copies with each used tile's lines re-marked evict_first by
+#: a bulk L2 prefetch carrying the policy 0.0625 (B32: 0.166 against 0.136); the keys two tiles
+#: ahead and the values one 0.0505; two adjacent kv heads per program (512-byte rows) 0.0518;
+#: dynamic chunks taken by ticket 0.0473; the last split merging from its registers 0.0467;
+#: the first two tiles' ids early 0.0462-0.0465; code in commits e452cd6 / e6ea34c)
 KV_EVICT, KV_AHEAD = "", False
-#: knob l2_touch: the grouped kernel without kv_ahead (k/v copied into shared memory by
-#: Triton's pipeliner, which drops eviction policies) marks each key tile's L2 lines
-#: evict_first once used, so the copies that follow replace them rather than other lines
-L2_TOUCH = False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
 #: heads of one kv head share each k/v load)
@@ -136,7 +135,7 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, L2_TOUCH: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -151,10 +150,8 @@ def _paged_attn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     if EARLY_IDS:        # the first tile's block ids requested with the length, not after it
         j = lo + offs_n                          # (one round trip less before the first k/v)
-        lim = tl.minimum(lo + keys_per_split, cap)
-        ids_first = tl.load(tab + j // BS, mask=j < lim, other=0)
-        if EARLY_IDS > 1:                        # and the second tile's (kv_ahead)
-            ids_second = tl.load(tab + (j + BLOCK_N) // BS, mask=j + BLOCK_N < lim, other=0)
+        ids_first = tl.load(tab + j // BS, mask=j < tl.minimum(lo + keys_per_split, cap),
+                            other=0)
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -195,11 +192,8 @@ def _paged_attn_kernel(
         k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
             K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
             BLOCK_N, OFF32, KV_EVICT)
-        if EARLY_IDS > 1:
-            phys_next = ids_second
-        else:
-            j = lo + BLOCK_N + offs_n
-            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        j = lo + BLOCK_N + offs_n
+        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         j = start + offs_n
         j_ok = j < hi
@@ -256,10 +250,6 @@ def _paged_attn_kernel(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-        if L2_TOUCH != "":       # the pipelined copies' lines, used: first to leave the L2
-            if not KV_AHEAD:
-                _l2_evict_first(K, kv_row, j_ok, L2_TOUCH)
-                _l2_evict_first(V, kv_row, j_ok, L2_TOUCH)
 
     poison = tl.sum(n_bad, 0) > 0
     if SPLIT:
@@ -454,7 +444,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, l2_touch=None):
+               maxnreg=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -464,14 +454,12 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     merge), prefetch_index (grouped kernel: read block ids one tile ahead), group_heads (prefill:
     query heads per program, sharing each k/v tile), page_tiles (prefill: the wholly admissible
     key tiles page by page, block ids one tile ahead), early_ids (grouped kernel with ids read
-    ahead: the first tile's ids requested with the length; 2: the first two tiles' with
-    kv_ahead), merge_group (fused merge of a
+    ahead: the first tile's ids requested with the length), merge_group (fused merge of a
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
     registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
-    more programs fit an SM), l2_touch (grouped kernel without kv_ahead: each key tile's L2
-    lines marked evict_first once used)."""
+    more programs fit an SM)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -481,8 +469,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           l2_touch)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -490,7 +477,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg, l2_touch)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -509,7 +496,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None, l2_touch=None):
+               kv_ahead=None, maxnreg=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -535,8 +522,6 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
         programs_per_sm = programs_per_sm or FEW_PROGRAMS_LAUNCH.get("programs_per_sm")
         kv_ahead = FEW_PROGRAMS_LAUNCH.get("kv_ahead") if kv_ahead is None else kv_ahead
         kv_evict = FEW_PROGRAMS_LAUNCH.get("kv_evict") if kv_evict is None else kv_evict
-        early_ids = FEW_PROGRAMS_LAUNCH.get("early_ids") if early_ids is None else early_ids
-        l2_touch = FEW_PROGRAMS_LAUNCH.get("l2_touch") if l2_touch is None else l2_touch
         maxnreg = maxnreg or FEW_PROGRAMS_LAUNCH.get("maxnreg")
     bn = block_n or (64 if d <= 128 else 32)
     if INTERPRET:
@@ -566,13 +551,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     kw = dict(G=g, G_T=g_t, SQ_T=sq_t, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=bn,
               HAS_ALIBI=has_alibi, HAS_SOFTCAP=softcap is not None, DOT_PREC=dot_prec,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
-              EARLY_IDS=min(int(EARLY_IDS if early_ids is None else early_ids),
-                            2 if ahead else 1) if pf else 0,
+              EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
               KV_AHEAD=ahead,
-              L2_TOUCH=l2_evict_first_asm(d * q.element_size()) if (
-                  L2_TOUCH if l2_touch is None else l2_touch) and not ahead and not INTERPRET
-              and (d * q.element_size()) % 16 == 0 else "",
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))

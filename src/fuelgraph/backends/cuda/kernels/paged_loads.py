@@ -1,7 +1,6 @@
 """The k/v loads of the paged decode kernel (`paged`) when it reads a key tile ahead into
 registers (launch knob kv_ahead): plain loads, which keep their L2 eviction policy (Triton's
-pipelined copies into shared memory drop it); and the L2 priority mark of used tiles that the
-pipelined copies cannot carry (launch knob l2_touch)."""
+pipelined copies into shared memory drop it)."""
 from __future__ import annotations
 
 import triton
@@ -29,22 +28,3 @@ def _kv_tile(K, V, phys, j, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS: tl.con
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
     v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
     return k, v, n_bad
-
-
-@triton.jit
-def _l2_evict_first(X, kv_row, ok, ASM: tl.constexpr):
-    """Marks the k or v rows of a used key tile (X + kv_row[n], n where ok) first to be evicted
-    from the L2, with a bulk L2 prefetch carrying an evict_first policy (the rows are in the
-    L2: the access only changes their priority). Triton's pipelined copies into shared memory
-    carry no eviction policy: marked afterwards, the tile's lines are the ones the next copies
-    replace, not the lines other work left in the L2 (dirty ones cost a write-back)."""
-    tl.inline_asm_elementwise(ASM, "=r,l,r", [X + kv_row, ok.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-def l2_evict_first_asm(row_bytes: int) -> str:
-    """The PTX of `_l2_evict_first` for rows of row_bytes (a multiple of 16; sm_90)."""
-    return ("{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $2, 0; "
-            "createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
-            f"@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], {row_bytes}, pol; "
-            "mov.u32 $0, 0; }")
