@@ -16,7 +16,7 @@ pool), "fuelgraph flash_attn" (fuelgraph's own dense op, when it exists). Every 
 is checked against a reference before it is timed (field max_err).
 
     python3 bench/bench_cuda_paged.py [--out DIR] [--sweep] [--quick] [--only CASES]
-        [--part K/N] [--clean-l2] [--graph] [--bounds]
+        [--part K/N] [--clean-l2] [--graph] [--bounds] [--rounds N] [--smoke]
 
 --sweep also times the launch candidates listed in SWEEPS as impl "fuelgraph[...]" (a few per
 case: each is one compile). --warm compiles and checks every launch once and times nothing: run
@@ -29,8 +29,10 @@ a fixed cost that weighs most on the smallest case, B1). --graph adds the decode
 --sweep each candidate) replayed from a CUDA graph, impl "... (CUDA graph)". --bounds adds, per
 decode case, a plain streaming read of exactly its live k/v bytes (impl "read live k/v bytes":
 the floor for any kernel reading them once, under the same timing; SDPA / read bounds the
-speedup on SDPA) and SDPA's GB/s on the dense cache it reads (field gbps_padded). --quick uses shorter timing; --only runs some cases (decode_B1, decode_B64,
-prefill, decode_B32, append). Every record also has host_us: the host time of one call (launch overhead); when it
+speedup on SDPA) and SDPA's GB/s on the dense cache it reads (field gbps_padded). --rounds N
+times the sweep's candidates N times, interleaved (the spread is the run's noise). --quick uses
+shorter timing; --only runs some cases (decode_B1, decode_B64, prefill, decode_B32, append).
+--smoke checks this script on the CPU (TRITON_INTERPRET=1, tiny cases, nothing timed). Every record also has host_us: the host time of one call (launch overhead); when it
 exceeds the GPU time plus do_bench's L2 flush, the time measures the host. The append's
 "fuelgraph kernel" writes k and v in one launch (what PagedKVCache.write runs); "k, v
 separately" is the registry op's kernel once per pool. The prefill target compares with
@@ -49,6 +51,7 @@ import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -82,7 +85,7 @@ DT = torch.bfloat16
 HQ, HKV, D, BS = 32, 8, 128, 16
 DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 RECORDS: list[dict] = []
-REP = {"warmup": 25, "rep": 100, "part": (0, 1)}
+REP = {"warmup": 25, "rep": 100, "part": (0, 1), "rounds": 1}
 _FLUSH: list = []
 
 
@@ -181,8 +184,19 @@ def host_us(fn, n=50) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def as_torch(out):
+    """A result as a torch tensor: on the CPU (--smoke) a plan returns a NumPy array, bfloat16
+    ones of ml_dtypes' type, which torch does not take: those through float32."""
+    if isinstance(out, torch.Tensor):
+        return out
+    arr = np.asarray(out)
+    if arr.dtype.name == "bfloat16":
+        arr = arr.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
 def max_err(ref, rows):
-    return lambda out: (torch.as_tensor(out)[rows].float() - ref[rows].float()).abs().max().item()
+    return lambda out: (as_torch(out)[rows].float() - ref[rows].float()).abs().max().item()
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -358,7 +372,7 @@ def bench_decode(name, lens, args, pad_to_longest=False):
             anchor="flash_attn_with_kvcache on the same paged pool")
     del kd, vd
     if args.graph:           # last: a failed capture costs no other record
-        for kw in [None] + (SWEEPS.get(name, []) if args.sweep else []):
+        for kw in [None] + (SWEEPS.get(name, []) * REP["rounds"] if args.sweep else []):
             impl = "fuelgraph kernel" if kw is None else f"fuelgraph[{label(kw)}]"
             try:
                 fn = graph_fn(kernel_fn(inp, **(kw or {})))
@@ -433,10 +447,17 @@ SWEEPS = {
     # (bytes in flight) per SM but spill: reg=168 per_sm=3 0.0692 ms, reg=128 per_sm=4 0.1136,
     # w=8 reg=128 0.0539, bn=128 w=8 reg=128 0.1036 (default 0.0461-0.0468). 32-key tiles
     # (168 registers): 3 programs per SM 0.0647, 2 per SM 0.0515
+    # (session 8, CUDA graph, median of 3, default 0.0461-0.0465 ms: the first two tiles' ids
+    # with the length (early_ids=2) 0.0462-0.0465; 2 waves of 512-key splits (programs_per_sm
+    # =4) 0.0511; the pipelined copies (ahead=0) 0.0496, with each used tile's L2 lines marked
+    # evict_first by a bulk L2 prefetch carrying the policy 0.0625, 3 tiles ahead 0.0664, 3
+    # programs per SM 0.0610; and, removed (code in commits e452cd6 / e6ea34c): the last split
+    # merging from its registers when all others arrived before its last tile 0.0467; dynamic
+    # chunks of 4 tiles taken by ticket 0.0473, 33 programs per kv head 0.0472; keys two tiles
+    # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
     "decode_B1_ctx32768": [
         dict(kv_ahead=False, kv_evict=""),
-        dict(kv_ahead=True, kv_evict="evict_first", block_n=32, programs_per_sm=3),
-        dict(kv_ahead=True, kv_evict="evict_first", block_n=32)],
+        dict()],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],
@@ -458,13 +479,13 @@ def label(kw):
              "prefill": "prefill", "page_tiles": "pt", "kv_ahead": "ahead",
              "kv_evict": "evict", "maxnreg": "reg"}
     return ",".join(f"{short.get(k, k)}={int(v) if isinstance(v, bool) else str(v).replace('evict_', '')}"
-                    for k, v in kw.items())
+                    for k, v in kw.items()) or "defaults"
 
 
 def sweep(case, inp, err, decode, nbytes=None, flops=None):
     """The launch candidates of SWEEPS for this case, as impl "fuelgraph[...]"."""
     k, n = REP["part"]
-    for kw in SWEEPS.get(case["name"], []):
+    for kw in SWEEPS.get(case["name"], []) * (1 if REP.get("warm_only") else REP["rounds"]):
         REP["sweep_i"] = REP.get("sweep_i", -1) + 1     # numbered across cases: parts balance
         if REP["sweep_i"] % n != k:
             continue
@@ -510,7 +531,7 @@ def bench_append(B=64, nb=16384):
         anchor="index_put_ (k and v)")
     # the whole PagedKVCache step a decode loop runs (host bookkeeping + uploads + 2 scatters)
     cache = PagedKVCache(nb, BS, HKV, D, max_blocks_per_seq=nb // B, max_seqs=B,
-                               dtype=fg.bfloat16, device="cuda")
+                               dtype=fg.bfloat16, device=DEV.type)
     seqs = cache.add_sequences(B)
     kt = fg.from_torch(kn.reshape(B, HKV, 1, D))
     vt = fg.from_torch(vn.reshape(B, HKV, 1, D))
@@ -603,6 +624,8 @@ def main():
                     "read (and a copy) of exactly the live k/v bytes: the floor for any kernel")
     ap.add_argument("--smoke", action="store_true", help="check this script without a GPU: "
                     "TRITON_INTERPRET=1, CPU tensors, tiny cases, implies --warm")
+    ap.add_argument("--rounds", type=int, default=1, help="--sweep: time the candidates this "
+                    "many times, interleaved (the run's noise)")
     ap.add_argument("--only", default="", help="comma-separated case names (or parts of them): "
                     "decode_B32, decode_B1, decode_B64, prefill, append")
     args = ap.parse_args()
@@ -612,6 +635,7 @@ def main():
         args.warm = True
     REP["warm_only"] = args.warm
     REP["clean_l2"] = args.clean_l2
+    REP["rounds"] = max(1, args.rounds)
     REP["part"] = tuple(int(x) for x in args.part.split("/"))
     print(f"device: {device_name()}  torch {torch.__version__}  flash_attn "
           f"{'yes' if HAVE_FLASH else 'no'}", flush=True)

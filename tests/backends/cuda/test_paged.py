@@ -364,15 +364,19 @@ def test_many_splits_on_gpu():
 
 
 @on_gpu
-def test_kv_ahead_on_gpu():
-    """kv_ahead with evict_first on GPU-sized cases (B1 long context: the defaults, which take
-    it from 16384 keys, split 128 ways, a register cap for 3 programs per SM, 32-key tiles;
-    uneven lengths), against the float64 reference."""
+@pytest.mark.parametrize("kw", [
+    dict(), dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
+    dict(block_n=32, programs_per_sm=3), dict(block_n=32)])
+def test_kv_ahead_on_gpu(kw):
+    """kv_ahead with evict_first on a GPU-sized B1 long context (the defaults, which take it from
+    16384 keys; split 128 ways; a register cap for 3 programs per SM; 32-key tiles), against
+    the float64 reference (one case per test: they spread over test workers)."""
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
-    check(case, "bfloat16")
-    for kw in (dict(n_split=128), dict(maxnreg=168, programs_per_sm=3),
-               dict(block_n=32, programs_per_sm=3), dict(block_n=32)):
-        check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first", **kw)
+    check(case, "bfloat16", **dict(dict(kv_ahead=True, kv_evict="evict_first"), **kw))
+
+
+@on_gpu
+def test_kv_ahead_on_gpu_uneven_lengths():
     case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
                      lens=(3000, 17, 0, 700))
     check(case, "bfloat16", kv_ahead=True, kv_evict="evict_first")
