@@ -46,6 +46,7 @@ from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
+from .quant_packed_gemm import GEMM_PACKED_FORMATS, PackedGemmConfig, run_packed_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -249,6 +250,11 @@ ROUTES = {NF4: _with_dot(NF4, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62:
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
 
 
+#: many rows where the packed GEMM cannot run (float32 x, unpackable shapes, no affine pairs
+#: while a CUDA graph is captured): the previous defaults
+MANY_ROWS_FALLBACK = {AWQ: AWQ_GEMM, NF4: "dequant"}
+
+
 def default_route(fmt_id: int, m: int):
     """The default path (see ROUTES) for `m` rows of a format that has the fast kernels."""
     table = ROUTES[fmt_id]
@@ -265,14 +271,15 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | str |
-        None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig |
+        PackedGemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
     (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
     on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
-    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot),
+    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot), a
+    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm),
     "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
     (the copy written in storage order). Configs a format / direction has no kernel for fall
     back to the tile kernels."""
@@ -290,6 +297,15 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, PackedGemmConfig):
+        if rows_ok and fmt_id in GEMM_PACKED_FORMATS and packable(fmt_id, i0, k, n) and \
+                x.dtype in (torch.bfloat16, torch.float16):
+            out = run_packed_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+            if out is not None:
+                return out
+        config = MANY_ROWS_FALLBACK.get(fmt_id, "dequant_rows")
+        if isinstance(config, GemmConfig) and x.dtype == torch.float32:
+            config = "dequant"
     if isinstance(config, PackedDotConfig):
         if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
             return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
