@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Many-row quantized matmuls (M = 256, N = K = 8192, bf16 x) on one CUDA GPU, against the dense
+bf16 cuBLAS matmul (`x @ W.T`, the same weight dequantized) in the same process, all timed with
+CUDA graphs (`do_bench_cudagraph`, median): the default route (before the packed GEMM: the
+dense copy + cuBLAS, AWQ's fused storage-order GEMM) and the packed-copy GEMM candidates (`quant_packed_gemm`,
+PackedGemmConfig) of CANDIDATES, each checked against the dense product first. TFLOP/s = 2 M N
+K / time; GB/s = weight bytes (the format's own) / time. Records go to
+DIR/cuda_quant_gemm.jsonl (--out).
+
+    python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
+                                           [--compile-only] [--pick 0,2] [--no-anchor]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as TF
+from triton.testing import do_bench_cudagraph
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_cuda_quant_gemv import close, weights  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  # noqa: E402
+
+DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
+G = PackedGemmConfig
+#: packed-copy GEMM candidates per format (block_n, block_m, split, warps, stages[, group]).
+#: sm_90 compile (bench/sass_quant_gemm.py): 128 x 128 on 8 warps, 3 stages: 239 registers,
+#: 172 KB shared, wgmma with the decoded weight as its register operand (one shared-memory
+#: layout conversion of the tile a step); 64 x 256 (each weight decoded once, one wave) fits
+#: 2 stages only; 128 x 256 split 2 spills (255 registers + 88 bytes)
+_AFFINE = [G(128, 128, 1, 8, 3), G(128, 128, 1, 8, 4), G(64, 256, 1, 8, 2),
+           G(128, 128, 1, 8, 3, group=8)]
+CANDIDATES = {"Q4_0": _AFFINE, "awq": _AFFINE, "Q4_K": _AFFINE[:2],
+              "nf4": [G(128, 128, 1, 8, 3)], "Q8_0": [G(128, 128, 1, 8, 3)],
+              "Q6_K": [G(128, 128, 1, 8, 3)]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", default="Q4_0,awq,Q4_K,nf4,Q8_0,Q6_K")
+    ap.add_argument("--ms", default="256")
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--rep", type=int, default=30, help="ms of repetitions a timing")
+    ap.add_argument("--pick", default=None,
+                    help="indices into each op's configs: 0 = the default route, 1.. = the "
+                         "candidates (per op: Q4_0=0,2/awq=3)")
+    ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
+    args = ap.parse_args()
+    n = k = args.size
+    g = torch.Generator(device=DEV).manual_seed(0)
+    jsonl = None
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        jsonl = pathlib.Path(args.out) / "cuda_quant_gemm.jsonl"
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+
+    best: dict = {}
+
+    def record(op, impl, m, ms, nbytes):
+        key = (op, m, "default" if impl.endswith("[default]") or op == "dense" else "fused")
+        if key not in best or ms < best[key][0]:
+            best[key] = (ms, impl)
+        tf = 2 * m * n * k / ms / 1e9
+        gb = nbytes / ms / 1e6
+        print(f"{op:5s} M={m:<4d} {impl:52s} {ms:.4f} ms  {tf:6.1f} TFLOP/s  {gb:6.0f} GB/s",
+              flush=True)
+        if jsonl:
+            with open(jsonl, "a") as fh:
+                fh.write(json.dumps({"op": op, "impl": impl, "device": name, "shape": [m, n, k],
+                                     "dtype": "bfloat16", "ms": round(ms, 5),
+                                     "TFLOP/s": round(tf, 1), "GB/s": round(gb, 1),
+                                     "date": time.strftime("%Y-%m-%d", time.gmtime())}) + "\n")
+
+    anchored = set()
+    for op in args.ops.split(","):
+        fn, w, nbytes = weights(op, n, k, g)
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+            want = TF.linear(x, w)
+            if not args.no_anchor and not args.compile_only and m not in anchored:
+                anchored.add(m)
+                ms = do_bench_cudagraph(lambda: TF.linear(x, w), rep=args.rep,
+                                        return_mode="median")
+                record("dense", "cublas_bf16", m, ms, 2 * n * k)
+            cfgs = [None] + CANDIDATES.get(op, [])
+            if args.pick is not None:
+                pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
+                    else {op: args.pick}
+                cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
+                        if i and int(i) < len(cfgs)]
+            for cfg in cfgs:
+                tag = "default" if cfg is None else cfg if isinstance(cfg, str) else cfg.tag()
+                try:
+                    ok, err = close(fn(x, cfg), want)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op:5s} M={m:<4d} {tag:52s} FAILED {str(exc)[:300]!r}", flush=True)
+                    continue
+                if not ok:
+                    print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
+                    continue
+                if args.compile_only:
+                    continue
+                try:
+                    ms = do_bench_cudagraph(lambda: fn(x, cfg), rep=args.rep,
+                                            return_mode="median")
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{op:5s} M={m:<4d} {tag:52s} FAILED timing {str(exc)[:200]!r}",
+                          flush=True)
+                    continue
+                record(op, f"fuelgraph[{tag}]", m, ms, nbytes)
+        del fn, w
+        torch.cuda.empty_cache()
+    print("summary (ms): op M default | best fused | dense cuBLAS")
+    for (op, m, kind), (ms, impl) in best.items():
+        if kind == "default" and op != "dense":
+            fused = best.get((op, m, "fused"))
+            dense = best.get(("dense", m, "default"))
+            print(f"  {op:5s} {m:4d} {ms:.4f} | " + (f"{fused[0]:.4f} {fused[1][10:-1]}"
+                  if fused else "-") + (f" | {dense[0]:.4f}" if dense else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Compile the many-row GEMM on the packed weight copy (`quant_packed_gemm`) for sm_90 on a
+machine without a GPU and report per launch configuration: registers, spill stack, shared
+memory, the SASS instructions of the main loop per weight element of the program's tile
+(decode + dot issue, per x tile) and its most frequent opcodes (HGMMA = wgmma).
+
+    python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
+                                     [--cfg "128,128,1,8,3;128,256,2,8,2"]
+        (block_n,block_m,split,warps,stages[,group[,maxnreg]])
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from sass_common import TARGET, loop_stats  # noqa: E402
+from fuelgraph.backends.cuda.kernels import quant_packed_gemm as G  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_packed import _KIND, CHUNK  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K  # noqa: E402
+
+ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(14)}
+
+
+def source(fmt, cfg, steps=64):
+    """The kernel with bf16 x and output, whole tiles, no split."""
+    kind = _KIND[fmt]
+    aff = kind in (0, 2, 4)
+    sdt = "*i64" if aff else {NF4: "*fp32", GGUF_IDS["Q6_K"]: "*u8"}.get(fmt, "*fp16")
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": sdt,
+           "c_ptr": "*fp16" if fmt == GGUF_IDS["Q6_K"] else "*fp32",
+           "out_ptr": "*fp32" if cfg.split > 1 else "*bf16", "M": "i32", "N": "i32",
+           "kw": "i32", "s_row": "i32", "c_row": "i32", "stride_x": "i32", "stride_o": "i32",
+           "magic": "i32"}
+    d = G._DELTA.get(kind, (0,) * 8)
+    cons = dict(STEPS=steps, KIND=kind, E=CHUNK[fmt],
+                BS=32 if aff else {NF4: 64, GGUF_IDS["Q6_K"]: 16}.get(fmt, 32),
+                BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages,
+                ATOMIC=cfg.split > 1, EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
+                D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group)
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (10, 13)}
+    return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
+
+
+def report(name, fmt, cfg):
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    try:
+        k = triton.compile(source(fmt, cfg), target=TARGET, options=opts)
+    except Exception as exc:  # noqa: BLE001
+        print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
+        return
+    regs, stack, n, ops = loop_stats(k.asm["cubin"])
+    per = n * cfg.num_warps * 32 / (cfg.block_n * 128)
+    top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
+    print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  "
+          f"{per:5.2f} instr/weight  {top}", flush=True)
+    return k
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fmt", default="Q4_0")
+    ap.add_argument("--cfg", default="128,128,1,8,3;128,256,2,8,2")
+    ap.add_argument("--ptx", default=None, help="write the first kernel's PTX here")
+    args = ap.parse_args()
+    ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}
+    for name in args.fmt.split(","):
+        for spec in args.cfg.split(";"):
+            v = [int(t) for t in spec.split(",")]
+            cfg = G.PackedGemmConfig(*v)
+            k = report(f"{name} {cfg.tag()}", ids[name], cfg)
+            if args.ptx and k is not None:
+                pathlib.Path(args.ptx).write_text(k.asm["ptx"])
+                args.ptx = None
+
+
+if __name__ == "__main__":
+    main()
