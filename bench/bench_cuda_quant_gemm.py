@@ -32,13 +32,14 @@ from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  
 
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
 G = PackedGemmConfig
-#: packed-copy GEMM candidates per format (block_n, block_m, split, warps, stages[, group]).
-#: sm_90 compile (bench/sass_quant_gemm.py): 128 x 128 on 8 warps, 3 stages: 239 registers,
-#: 172 KB shared, wgmma with the decoded weight as its register operand (one shared-memory
-#: layout conversion of the tile a step); 64 x 256 (each weight decoded once, one wave) fits
-#: 2 stages only; 128 x 256 split 2 spills (255 registers + 88 bytes)
+#: packed-copy GEMM candidates per format (block_n, block_m, split, warps, stages[, group,
+#: maxnreg, tma]). sm_90 compile (bench/sass_quant_gemm.py): 128 x 128 on 8 warps, 3 stages:
+#: 239 registers, 172 KB shared, wgmma with the decoded weight as its register operand (one
+#: shared-memory layout conversion of the tile a step), 7.6 SASS instructions a weight of the
+#: tile a step; 64 x 256 (each weight decoded once, one wave) fits 2 stages only (11.0); x by
+#: TMA (host descriptor); 128 x 256 / 256 x 128 split 2 spill on 8 and 16 warps
 _AFFINE = [G(128, 128, 1, 8, 3), G(128, 128, 1, 8, 4), G(64, 256, 1, 8, 2),
-           G(128, 128, 1, 8, 3, group=8)]
+           G(128, 128, 1, 8, 3, tma=1)]
 CANDIDATES = {"Q4_0": _AFFINE, "awq": _AFFINE, "Q4_K": _AFFINE[:2],
               "nf4": [G(128, 128, 1, 8, 3)], "Q8_0": [G(128, 128, 1, 8, 3)],
               "Q6_K": [G(128, 128, 1, 8, 3)]}

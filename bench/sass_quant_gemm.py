@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3;128,256,2,8,2"]
-        (block_n,block_m,split,warps,stages[,group[,maxnreg]])
+        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma]]])
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def source(fmt, cfg, steps=64):
     kind = _KIND[fmt]
     aff = kind in (0, 2, 4)
     sdt = "*i64" if aff else {NF4: "*fp32", GGUF_IDS["Q6_K"]: "*u8"}.get(fmt, "*fp16")
-    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": sdt,
+    xsig = f"tensordesc<bf16[{cfg.block_m}, 128]>" if cfg.tma else "*bf16"
+    sig = {"x_ptr": xsig, "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": sdt,
            "c_ptr": "*fp16" if fmt == GGUF_IDS["Q6_K"] else "*fp32",
            "out_ptr": "*fp32" if cfg.split > 1 else "*bf16", "M": "i32", "N": "i32",
            "kw": "i32", "s_row": "i32", "c_row": "i32", "stride_x": "i32", "stride_o": "i32",
@@ -43,7 +44,8 @@ def source(fmt, cfg, steps=64):
                 BS=32 if aff else {NF4: 64, GGUF_IDS["Q6_K"]: 16}.get(fmt, 32),
                 BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages,
                 ATOMIC=cfg.split > 1, EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
-                D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group)
+                D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group,
+                TMA_X=bool(cfg.tma))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (10, 13)}
     return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
 

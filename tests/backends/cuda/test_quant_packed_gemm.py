@@ -27,10 +27,11 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
                          same_bits)
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"]
-#: small launches: partial tiles, a split reduction, the grouped program order
+#: small launches: partial tiles, a split reduction, the grouped program order, x by TMA
 VARIANTS = {"plain": PackedGemmConfig(16, 16, 1, 4, 2),
             "split": PackedGemmConfig(16, 32, 2, 4, 2),
-            "group": PackedGemmConfig(16, 16, 1, 4, 2, group=2)}
+            "group": PackedGemmConfig(16, 16, 1, 4, 2, group=2),
+            "tma": PackedGemmConfig(16, 32, 1, 4, 2, tma=1)}
 
 
 def _weight(fmt, rng, n, edge=False):
@@ -104,3 +105,24 @@ def test_packed_gemm_route(fmt):
     for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):
         x = torch.randn(33, k, generator=torch.Generator().manual_seed(1)).to(dt).to(DEV)
         check_product(K.run(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T, dt)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (CUDA graphs)")
+def test_packed_gemm_in_a_cuda_graph():
+    """Captured before the weight's (a, b) pairs exist, the route falls back to the dense copy
+    (no pairs made inside a capture); made eagerly afterwards, a new capture uses the GEMM."""
+    args, n, k, want = _weight("Q4_0", np.random.default_rng(15), 64)
+    fid, w0, w1, w2, i0 = args
+    cfg = PackedGemmConfig(64, 64, 1, 4, 2)
+    x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
+    K.run(fid, x, w0, w1, w2, i0, k, n, config="dequant_rows")     # warm up outside
+    P.packed_weight(fid, w0, w1, w2, i0, k, n)                      # the copy, no pairs yet
+    for _ in range(2):      # first capture: no pairs yet; second: made in between
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = K.run(fid, x, w0, w1, w2, i0, k, n, config=cfg)
+        x.copy_(torch.randn(64, k, device=DEV, dtype=torch.bfloat16))
+        graph.replay()
+        check_product(out, x, want.T, torch.bfloat16)
+        check_product(K.run(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T,
+                      torch.bfloat16)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import num_sms
 from .quant_packed import (_KIND, AFFINE_FORMATS, AFFINE_SHIFTS, AWQ, CHUNK, INTERPRET,
@@ -149,7 +150,8 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
                         BLOCK_M: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr,
                         EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PREC: tl.constexpr,
                         D0: tl.constexpr = (0, 0, 0, 0), D1: tl.constexpr = (0, 0, 0, 0),
-                        SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0):
+                        SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0,
+                        TMA_X: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K, for
     W's rows [pid_n * BLOCK_N, ...) and x's rows [pid_m * BLOCK_M, ...). s_ptr: the pairs
     (Q4_0 / AWQ / Q4_K, int64 [N, K / 32]) or the scales; c_ptr: NF4's code table or Q6_K's d
@@ -181,7 +183,10 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
         c_rows = c_ptr
     t = tl.arange(0, 32)[None, :]
     kt = tl.arange(0, 128)
-    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x                # [1, BM]
+    if TMA_X:
+        x_cols = 0
+    else:
+        x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x            # [1, BM]
     if KIND == 1 and SHFL:
         codes = _lane_codes(c_ptr, tl.zeros((BLOCK_N, 32), tl.int32))
     else:
@@ -195,11 +200,14 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
             words = tl.load(q_rows + ch * 32 + t)
         else:
             words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
-        k = step * 128 + kt
-        if EVEN_M:
-            xt = tl.load(x_cols + k[:, None])
+        if TMA_X:       # x_ptr is a host TensorDescriptor of x [M, K], blocks [BM, 128]
+            xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, step * 128]))
         else:
-            xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+            k = step * 128 + kt
+            if EVEN_M:
+                xt = tl.load(x_cols + k[:, None])
+            else:
+                xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
         if HALVES == 2:
             hw = words >> (16 * h)
         else:
@@ -239,12 +247,14 @@ class PackedGemmConfig:
     num_stages: int = 3
     group: int = 0
     maxnreg: int = 0
+    tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}"
                 + (f",g{self.group}" if self.group else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
+                + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
+                + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -289,14 +299,15 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         grid = (_cdiv(n_tiles, cfg.group) * cfg.group * m_tiles, split)
     else:
         grid = (n_tiles, m_tiles, split)
+    xa = TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if cfg.tma else x2
     _packed_gemm_kernel[grid](
-        x2, pw.codes, scales, z, table, out, m, n, pw.codes.shape[1], s_row, c_row,
+        xa, pw.codes, scales, z, table, out, m, n, pw.codes.shape[1], s_row, c_row,
         x2.stride(0), out.stride(0), MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], E=e,
         BS=32 if aff else pw.group, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         STAGES=cfg.num_stages, ATOMIC=atomic,
         EVEN_N=n % cfg.block_n == 0 and (cfg.group == 0 or n_tiles % cfg.group == 0),
         EVEN_M=m % cfg.block_m == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group,
+        D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=bool(cfg.tma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
