@@ -40,7 +40,10 @@ G = PackedGemmConfig
 #: TMA (host descriptor); 128 x 256 / 256 x 128 split 2 spill on 8 and 16 warps
 _AFFINE = [G(128, 128, 1, 8, 3), G(128, 128, 1, 8, 4), G(64, 256, 1, 8, 2),
            G(128, 128, 1, 8, 3, tma=1)]
-CANDIDATES = {"Q4_0": _AFFINE, "awq": _AFFINE, "Q4_K": _AFFINE[:2],
+#: every load by TMA (ws=1), and Triton's warp-specialized loop (ws=2: producer warpgroup +
+#: consumers; the pass fails on 128-row tiles here, runs on 64-row ones)
+_TMA_ALL = [G(128, 128, 1, 8, 3, ws=1), G(64, 128, 1, 4, 3, ws=2)]
+CANDIDATES = {"Q4_0": _AFFINE + _TMA_ALL, "awq": _AFFINE, "Q4_K": _AFFINE[:2],
               "nf4": [G(128, 128, 1, 8, 3)], "Q8_0": [G(128, 128, 1, 8, 3)],
               "Q6_K": [G(128, 128, 1, 8, 3)]}
 

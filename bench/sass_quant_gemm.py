@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3;128,256,2,8,2"]
-        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma]]])
+        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,ws]]]])
 """
 from __future__ import annotations
 
@@ -50,12 +50,29 @@ def source(fmt, cfg, steps=64):
     return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
 
 
+def ws_source(fmt, cfg, steps=64):
+    """The all-TMA kernel of the affine formats (ws=1; ws=2: warp-specialized loop)."""
+    kind = _KIND[fmt]
+    sig = {"xd": f"tensordesc<bf16[{cfg.block_m}, 128]>",
+           "qd": f"tensordesc<i32[{cfg.block_n}, 32]>",
+           "sd": f"tensordesc<i64[{cfg.block_n}, 4]>",
+           "out_ptr": "*fp32" if cfg.split > 1 else "*bf16", "M": "i32", "N": "i32",
+           "stride_o": "i32", "magic": "i32"}
+    d = G._DELTA[kind]
+    cons = dict(STEPS=steps, KIND=kind, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+                STAGES=cfg.num_stages, ATOMIC=cfg.split > 1, D0=d[:4], D1=d[4:],
+                WS=cfg.ws > 1)
+    attrs = {(3,): [["tt.divisibility", 16]]}
+    return ASTSource(G._packed_gemm_ws_kernel, sig, cons, attrs=attrs)
+
+
 def report(name, fmt, cfg):
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     try:
-        k = triton.compile(source(fmt, cfg), target=TARGET, options=opts)
+        k = triton.compile(ws_source(fmt, cfg) if cfg.ws else source(fmt, cfg), target=TARGET,
+                           options=opts)
     except Exception as exc:  # noqa: BLE001
         print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
         return

@@ -95,6 +95,20 @@ def test_packed_gemm_product(fmt, variant):
     check_product(got, x, want.T, dt)
 
 
+@pytest.mark.parametrize("ws", [1, 2])
+@pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
+def test_packed_gemm_all_tma(fmt, ws):
+    """The affine formats' all-TMA kernel on whole tiles (M = 64), plain and with the
+    warp-specialized loop (a split reduction for Q4_K); N = 64."""
+    args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
+    dt = torch.float32 if INTERPRET else torch.bfloat16
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
+    fid, w0, w1, w2, i0 = args
+    cfg = PackedGemmConfig(16 if ws == 1 else 64, 32, 2 if fmt == "Q4_K" else 1, 4, 2, ws=ws)
+    got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg)
+    check_product(got, x, want.T, dt)
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])
 def test_packed_gemm_route(fmt):
     """quant.run takes the GEMM for a PackedGemmConfig and 16-bit x; float32 x falls back to

@@ -94,6 +94,18 @@ def _affine_here(KIND: tl.constexpr, view, jj: tl.constexpr, a, b, magic):
 
 
 @triton.jit
+def _affine_word_plane(KIND: tl.constexpr, hw, jj: tl.constexpr, h, pr, magic, D0: tl.constexpr,
+                       D1: tl.constexpr):
+    """Plane 4h + jj of the half words hw (Q4_0 / AWQ / Q4_K) from its GEMV pair pr [BN, 1]."""
+    a, b = _pair_here(KIND, pr, jj, h, D0, D1)
+    if jj < 2:
+        view = hw << 12
+    else:
+        view = hw << 4
+    return _affine_here(KIND, view, jj, a, b, magic)
+
+
+@triton.jit
 def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, z_rows, c_rows,
                 n_ok, codes, magic, E: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr,
                 D0: tl.constexpr, D1: tl.constexpr, SHFL: tl.constexpr):
@@ -107,12 +119,7 @@ def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, 
             pr = tl.load(s_rows + g)
         else:
             pr = tl.load(s_rows + g, mask=n_ok, other=0)
-        a, b = _pair_here(KIND, pr, jj, h, D0, D1)
-        if jj < 2:
-            view = hw << 12
-        else:
-            view = hw << 4
-        w = _affine_here(KIND, view, jj, a, b, magic)
+        w = _affine_word_plane(KIND, hw, jj, h, pr, magic, D0, D1)
     elif KIND == 1:     # NF4: code[q] * absmax
         g = (ch * E + (4 * h + jj) * 32) // BS
         if EVEN:
@@ -233,6 +240,50 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
+                           KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                           STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
+                           D1: tl.constexpr, WS: tl.constexpr):
+    """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
+    xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
+    pairs [N, K / 32] in [BN, 4]) and, WS, the loop warp-specialized by Triton (written for 4
+    warps: a producer warpgroup issues the copies, the tile's rows split over two consumer
+    warpgroups that decode and multiply, registers moved to them with setmaxnreg, no CTA-wide
+    barrier a step). Grid (weight tiles, x tiles, split); whole tiles and steps."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m0 = pid_m * BLOCK_M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
+        step = pid_s * STEPS + i
+        ch = step // 2
+        h = step % 2
+        words = qd.load([n0, ch * 32])                                   # [BN, 32]
+        prs = sd.load([n0, ch * 8 + 4 * h])                               # [BN, 4] int64
+        xt = tl.trans(xd.load([m0, step * 128]))                          # [128, BM]
+        hw = words >> (16 * h)
+        pa, pb = tl.split(tl.reshape(prs, (BLOCK_N, 2, 2)))              # planes 0, 2 / 1, 3
+        p0, p2 = tl.split(pa)
+        p1, p3 = tl.split(pb)
+        w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
+        w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
+        w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
+        w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
+        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+        wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
+        acc = tl.dot(wj, xt, acc)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+    if ATOMIC:
+        tl.atomic_add(o_ptrs, acc, sem="relaxed")
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
 # ---- launch ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PackedGemmConfig:
@@ -248,13 +299,15 @@ class PackedGemmConfig:
     group: int = 0
     maxnreg: int = 0
     tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
+    ws: int = 0         # affine formats, whole tiles: every load by TMA (`_packed_gemm_ws_kernel`);
+    #                     2: and the loop warp-specialized (num_warps: 4, the consumers' count)
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}"
                 + (f",g{self.group}" if self.group else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
-                + "]")
+                + (f",ws{self.ws}" if self.ws else "") + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -299,6 +352,17 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         grid = (_cdiv(n_tiles, cfg.group) * cfg.group * m_tiles, split)
     else:
         grid = (n_tiles, m_tiles, split)
+    if cfg.ws and aff and n % cfg.block_n == 0 and m % cfg.block_m == 0 and cfg.group == 0:
+        d0, d1 = _DELTA[_KIND[fmt]][:4], _DELTA[_KIND[fmt]][4:]
+        _packed_gemm_ws_kernel[(n_tiles, m_tiles, split)](
+            TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
+            TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
+            TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
+            MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+            STAGES=cfg.num_stages, ATOMIC=atomic, D0=tuple(d0), D1=tuple(d1), WS=cfg.ws > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
     xa = TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if cfg.tma else x2
     _packed_gemm_kernel[grid](
         xa, pw.codes, scales, z, table, out, m, n, pw.codes.shape[1], s_row, c_row,
