@@ -33,19 +33,23 @@ from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
 G = PackedGemmConfig
 #: packed-copy GEMM candidates per format (block_n, block_m, split, warps, stages[, group,
-#: maxnreg, tma]). sm_90 compile (bench/sass_quant_gemm.py): 128 x 128 on 8 warps, 3 stages:
-#: 239 registers, 172 KB shared, wgmma with the decoded weight as its register operand (one
-#: shared-memory layout conversion of the tile a step), 7.6 SASS instructions a weight of the
-#: tile a step; 64 x 256 (each weight decoded once, one wave) fits 2 stages only (11.0); x by
-#: TMA (host descriptor); 128 x 256 / 256 x 128 split 2 spill on 8 and 16 warps
-_AFFINE = [G(128, 128, 1, 8, 3), G(128, 128, 1, 8, 4), G(64, 256, 1, 8, 2),
-           G(128, 128, 1, 8, 3, tma=1)]
-#: every load by TMA (ws=1), and Triton's warp-specialized loop (ws=2: producer warpgroup +
-#: consumers; the pass fails on 128-row tiles here, runs on 64-row ones)
-_TMA_ALL = [G(128, 128, 1, 8, 3, ws=1), G(64, 128, 1, 4, 3, ws=2)]
-CANDIDATES = {"Q4_0": _AFFINE + _TMA_ALL, "awq": _AFFINE, "Q4_K": _AFFINE[:2],
-              "nf4": [G(128, 128, 1, 8, 3)], "Q8_0": [G(128, 128, 1, 8, 3)],
-              "Q6_K": [G(128, 128, 1, 8, 3)]}
+#: maxnreg, tma, pair, ws]). sm_90 compile (bench/sass_quant_gemm.py; SASS of the main loop a
+#: weight of the tile a step): 128 x 128 on 8 warps, 3 stages: 239 registers, 172 KB shared,
+#: wgmma with the decoded weight as its register operand (one shared-memory layout conversion
+#: of the tile a step), 7.61; x by TMA: 8.52; every load by TMA (ws=1): 219 registers, 7.52;
+#: 64 x 256 (each weight decoded once, one wave, twice the x traffic of 128 x 128) fits 2
+#: stages only (11.0); 128 x 256 split 2 (each weight decoded once, half the x traffic) only
+#: all-TMA (253 registers, 7.53; with pointer loads it spills), its two programs a tile meeting
+#: in the kernel (pair: 1.5 KB of spill stack in the epilogue) or adding by atomics; Triton's
+#: warp-specialized loop (ws=2) fails in its data-partition pass on 128-row tiles, 64 x 128
+#: compiles (168 registers, 5.66: the decoded operand through shared memory)
+_BASE = G(128, 128, 1, 8, 3)
+_WIDE = G(128, 256, 2, 8, 2, ws=1)
+CANDIDATES = {"Q4_0": [_BASE, G(128, 128, 1, 8, 4), G(64, 256, 1, 8, 2),
+                       G(128, 128, 1, 8, 3, tma=1), G(128, 128, 1, 8, 3, ws=1),
+                       G(64, 128, 1, 4, 3, ws=2), _WIDE, G(128, 256, 2, 8, 2, ws=1, pair=1)],
+              "awq": [_BASE, G(128, 128, 1, 8, 3, ws=1), _WIDE, G(64, 256, 1, 8, 2)],
+              "Q4_K": [_BASE, _WIDE], "nf4": [_BASE], "Q8_0": [_BASE], "Q6_K": [_BASE]}
 
 
 def main():

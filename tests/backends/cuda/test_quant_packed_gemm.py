@@ -27,11 +27,13 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
                          same_bits)
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"]
-#: small launches: partial tiles, a split reduction, the grouped program order, x by TMA
+#: small launches: partial tiles, a split reduction (atomics; the two programs of a tile meeting
+#: in the kernel), the grouped program order, x by TMA
 VARIANTS = {"plain": PackedGemmConfig(16, 16, 1, 4, 2),
             "split": PackedGemmConfig(16, 32, 2, 4, 2),
             "group": PackedGemmConfig(16, 16, 1, 4, 2, group=2),
-            "tma": PackedGemmConfig(16, 32, 1, 4, 2, tma=1)}
+            "tma": PackedGemmConfig(16, 32, 1, 4, 2, tma=1),
+            "pair": PackedGemmConfig(16, 16, 2, 4, 2, group=2, pair=1)}
 
 
 def _weight(fmt, rng, n, edge=False):
@@ -99,14 +101,17 @@ def test_packed_gemm_product(fmt, variant):
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
 def test_packed_gemm_all_tma(fmt, ws):
     """The affine formats' all-TMA kernel on whole tiles (M = 64), plain and with the
-    warp-specialized loop (a split reduction for Q4_K); N = 64."""
+    warp-specialized loop (split 2: by atomics for Q4_K, meeting in the kernel for AWQ);
+    N = 64."""
     args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
     dt = torch.float32 if INTERPRET else torch.bfloat16
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
     fid, w0, w1, w2, i0 = args
-    cfg = PackedGemmConfig(16 if ws == 1 else 64, 32, 2 if fmt == "Q4_K" else 1, 4, 2, ws=ws)
-    got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg)
-    check_product(got, x, want.T, dt)
+    cfg = PackedGemmConfig(16 if ws == 1 else 64, 32, 2 if fmt != "Q4_0" else 1, 4, 2, ws=ws,
+                           pair=int(fmt == "AWQ"))
+    for _ in range(2):      # (the meeting's counters: a second call with their new parity)
+        got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg)
+        check_product(got, x, want.T, dt)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])

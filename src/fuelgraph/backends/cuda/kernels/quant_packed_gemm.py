@@ -151,14 +151,50 @@ def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, 
 
 
 @triton.jit
-def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, c_row,
+def _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr, tile, ATOMIC: tl.constexpr,
+                PAIR: tl.constexpr, MASKED: tl.constexpr):
+    """The tile's result acc [BN, BM]: stored (in out's dtype), added by float32 atomics
+    (ATOMIC), or (PAIR: split = 2) met by the other program of the tile: a ticket from the
+    tile's counter sync_ptr[2 tile] (never reset: even = first, odd = second) decides; the
+    first writes its partial to ws_ptr[tile] and releases sync_ptr[2 tile + 1] = ticket + 1,
+    the second waits for that value, adds the partial (read past L1) and stores. Both
+    programs run by then (the second holds a ticket the first took), so the wait ends."""
+    if PAIR:
+        BN: tl.constexpr = acc.shape[0]
+        BM: tl.constexpr = acc.shape[1]
+        part = ws_ptr + tile.to(tl.int64) * (BN * BM) + \
+            (tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :])
+        ticket = tl.atomic_add(sync_ptr + 2 * tile, 1, sem="relaxed")
+        if ticket % 2 == 0:
+            tl.store(part, acc)
+            tl.debug_barrier()
+            tl.atomic_xchg(sync_ptr + 2 * tile + 1, ticket + 1, sem="release")
+        else:
+            while tl.atomic_add(sync_ptr + 2 * tile + 1, 0, sem="acquire") != ticket:
+                pass
+            acc += tl.load(part, cache_modifier=".cg")
+            if MASKED:
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+            else:
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+    elif ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
+    elif MASKED:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync_ptr, M, N, kw,
+                        s_row, c_row,
                         stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
                         E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr,
                         EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PREC: tl.constexpr,
                         D0: tl.constexpr = (0, 0, 0, 0), D1: tl.constexpr = (0, 0, 0, 0),
                         SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0,
-                        TMA_X: tl.constexpr = False):
+                        TMA_X: tl.constexpr = False, PAIR: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K, for
     W's rows [pid_n * BLOCK_N, ...) and x's rows [pid_m * BLOCK_M, ...). s_ptr: the pairs
     (Q4_0 / AWQ / Q4_K, int64 [N, K / 32]) or the scales; c_ptr: NF4's code table or Q6_K's d
@@ -232,19 +268,16 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
         acc = tl.dot(wj, xt, acc, input_precision=PREC)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok & m_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
-    elif EVEN_N and EVEN_M:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr,
+                pid_n * tl.cdiv(M, BLOCK_M) + pid_m, ATOMIC, PAIR, not (EVEN_N and EVEN_M))
 
 
 @triton.jit
-def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
+def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, ws_ptr, sync_ptr, M, N, stride_o, magic,
+                           STEPS: tl.constexpr,
                            KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                           D1: tl.constexpr, WS: tl.constexpr):
+                           D1: tl.constexpr, WS: tl.constexpr, PAIR: tl.constexpr = False):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
     pairs [N, K / 32] in [BN, 4]) and, WS, the loop warp-specialized by Triton (written for 4
@@ -278,10 +311,8 @@ def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-    if ATOMIC:
-        tl.atomic_add(o_ptrs, acc, sem="relaxed")
-    else:
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+    _store_tile(acc, out_ptr, o_ptrs, None, ws_ptr, sync_ptr, pid_n * tl.num_programs(1) + pid_m,
+                ATOMIC, PAIR, False)
 
 
 # ---- launch ---------------------------------------------------------------------------------
@@ -299,6 +330,8 @@ class PackedGemmConfig:
     group: int = 0
     maxnreg: int = 0
     tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
+    pair: int = 0       # split 2: the tile's two programs meet in the kernel (`_store_tile`)
+    #                     instead of float32 atomics into a zeroed output + a conversion
     ws: int = 0         # affine formats, whole tiles: every load by TMA (`_packed_gemm_ws_kernel`);
     #                     2: and the loop warp-specialized (num_warps: 4, the consumers' count)
 
@@ -307,7 +340,30 @@ class PackedGemmConfig:
                 f"w{self.num_warps},st{self.num_stages}"
                 + (f",g{self.group}" if self.group else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
-                + (f",ws{self.ws}" if self.ws else "") + "]")
+                + (f",ws{self.ws}" if self.ws else "") + (",pair" if self.pair else "") + "]")
+
+
+#: device -> (float32 partial tiles, int32 tile counters / flags) of the split-2 meeting
+#: (`_store_tile`); grown as needed, never while a CUDA graph is captured. Launches on one
+#: stream at a time share them (as the runtime's plans run)
+_PAIR_WS: dict = {}
+
+
+def _pair_workspace(device, tiles: int, tile_elems: int):
+    """(partials, counters) with room for `tiles` tiles, or (None, None) where they would have
+    to be made inside a CUDA graph capture (the launch then adds by atomics)."""
+    have = _PAIR_WS.get(str(device))
+    if have is not None and have[1].numel() >= 2 * tiles and have[0].numel() >= tiles * tile_elems:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None, None
+    grown = (torch.empty(tiles * tile_elems, dtype=torch.float32, device=device),
+             torch.zeros(2 * tiles, dtype=torch.int32, device=device))
+    if have is not None:    # keep the counters' parity: replace only the partials if enough
+        if have[1].numel() >= 2 * tiles:
+            grown = (grown[0], have[1])
+    _PAIR_WS[str(device)] = grown
+    return grown
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -336,9 +392,16 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     split = _cdiv(total, steps)
     if split * steps != total:          # whole steps only: no K masks in the kernel
         split, steps = 1, total
-    atomic = split > 1
+    ws_buf = sync = None
+    if split == 2 and cfg.pair:
+        padded = _cdiv(n_tiles, cfg.group) * cfg.group if cfg.group else n_tiles
+        ws_buf, sync = _pair_workspace(x.device, padded * m_tiles, cfg.block_n * cfg.block_m)
+    pair = ws_buf is not None
+    atomic = split > 1 and not pair
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not pair:
+        ws_buf = sync = out
     if aff:
         scales, s_row = affine_pairs(pw), k // 32
         d0, d1 = _DELTA[_KIND[fmt]][:4], _DELTA[_KIND[fmt]][4:]
@@ -352,26 +415,32 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         grid = (_cdiv(n_tiles, cfg.group) * cfg.group * m_tiles, split)
     else:
         grid = (n_tiles, m_tiles, split)
-    if cfg.ws and aff and n % cfg.block_n == 0 and m % cfg.block_m == 0 and cfg.group == 0:
+    tma_ok = x2.data_ptr() % 16 == 0        # (TMA: 16-byte aligned bases)
+    if cfg.ws and aff and tma_ok and n % cfg.block_n == 0 and m % cfg.block_m == 0 and \
+            cfg.group == 0:
         d0, d1 = _DELTA[_KIND[fmt]][:4], _DELTA[_KIND[fmt]][4:]
         _packed_gemm_ws_kernel[(n_tiles, m_tiles, split)](
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
-            TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
+            TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, ws_buf, sync, m, n,
+            out.stride(0),
             MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
             STAGES=cfg.num_stages, ATOMIC=atomic, D0=tuple(d0), D1=tuple(d1), WS=cfg.ws > 1,
+            PAIR=pair,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    xa = TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if cfg.tma else x2
+    tma = bool(cfg.tma) and tma_ok
+    xa = TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if tma else x2
     _packed_gemm_kernel[grid](
-        xa, pw.codes, scales, z, table, out, m, n, pw.codes.shape[1], s_row, c_row,
+        xa, pw.codes, scales, z, table, out, ws_buf, sync, m, n, pw.codes.shape[1], s_row, c_row,
         x2.stride(0), out.stride(0), MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], E=e,
         BS=32 if aff else pw.group, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
         STAGES=cfg.num_stages, ATOMIC=atomic,
         EVEN_N=n % cfg.block_n == 0 and (cfg.group == 0 or n_tiles % cfg.group == 0),
         EVEN_M=m % cfg.block_m == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=bool(cfg.tma),
+        D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=tma,
+        PAIR=pair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
