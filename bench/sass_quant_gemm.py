@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3;128,256,2,8,2"]
-        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,pair[,ws]]]]])
+        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,vec[,pair[,ws]]]]]])
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def source(fmt, cfg, steps=64):
                 ATOMIC=cfg.split > 1 and not cfg.pair, PAIR=cfg.split == 2 and bool(cfg.pair),
                 EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
                 D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group,
-                TMA_X=bool(cfg.tma))
+                TMA_X=bool(cfg.tma), VEC=bool(cfg.vec))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (12, 15)}
     return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
 

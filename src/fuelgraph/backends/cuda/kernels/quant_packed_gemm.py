@@ -106,23 +106,53 @@ def _affine_word_plane(KIND: tl.constexpr, hw, jj: tl.constexpr, h, pr, magic, D
 
 
 @triton.jit
+def _step_scales(KIND: tl.constexpr, s_rows, ch, h, n_ok, E: tl.constexpr, BS: tl.constexpr,
+                 EVEN: tl.constexpr):
+    """The four planes' scales of a step in one load [BN, 4] (Q4_0 / AWQ / Q4_K: the pairs,
+    32 contiguous bytes a row; Q8_0: the f16 d, 8 bytes; NF4: absmax, repeated where planes
+    share a block), split into four [BN, 1] columns (no data movement: one thread holds a
+    row's four)."""
+    BN: tl.constexpr = s_rows.shape[0]
+    j4 = tl.arange(0, 4)[None, :]
+    if KIND == 0 or KIND == 2 or KIND == 4:
+        g = ch * 8 + 4 * h + j4
+    elif KIND == 3:
+        g = ch * 4 + j4
+    else:
+        g = (ch * E + 128 * h + 32 * j4) // BS
+    if EVEN:
+        v = tl.load(s_rows + g)
+    else:
+        v = tl.load(s_rows + g, mask=n_ok, other=0)
+    va, vb = tl.split(tl.reshape(v, (BN, 2, 2)))
+    v0, v2 = tl.split(va)
+    v1, v3 = tl.split(vb)
+    return v0[:, None], v1[:, None], v2[:, None], v3[:, None]
+
+
+@triton.jit
 def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, z_rows, c_rows,
                 n_ok, codes, magic, E: tl.constexpr, BS: tl.constexpr, EVEN: tl.constexpr,
-                D0: tl.constexpr, D1: tl.constexpr, SHFL: tl.constexpr):
+                D0: tl.constexpr, D1: tl.constexpr, SHFL: tl.constexpr, pre=0,
+                PRE: tl.constexpr = False):
     """Plane 4h + jj ([BN, 32] float32) of the step: words [BN, 32] of chunk ch (scalar), hw
     its half (words >> 16h) for the 4-bit formats; s_rows / z_rows / c_rows [BN, 1] row
     pointers of the scales (Q4_0 / AWQ / Q4_K: the pairs), AWQ zeros, table (NF4 codes, Q6_K
-    d)."""
+    d). PRE: the plane's scale (pair) `pre` [BN, 1] loaded already (`_step_scales`)."""
     if KIND == 0 or KIND == 2 or KIND == 4:
         g = ch * 8 + 4 * h + jj
-        if EVEN:
+        if PRE:
+            pr = pre
+        elif EVEN:
             pr = tl.load(s_rows + g)
         else:
             pr = tl.load(s_rows + g, mask=n_ok, other=0)
         w = _affine_word_plane(KIND, hw, jj, h, pr, magic, D0, D1)
     elif KIND == 1:     # NF4: code[q] * absmax
         g = (ch * E + (4 * h + jj) * 32) // BS
-        if EVEN:
+        if PRE:
+            s = pre
+        elif EVEN:
             s = tl.load(s_rows + g)
         else:
             s = tl.load(s_rows + g, mask=n_ok, other=0.0)
@@ -131,7 +161,9 @@ def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, 
         else:
             w = _nf4_lookup((hw >> (4 * jj)) & 15, c_rows) * s
     elif KIND == 3:     # Q8_0: d (q + 128 - 128), one FMA
-        if EVEN:
+        if PRE:
+            s = pre.to(tl.float32)
+        elif EVEN:
             s = tl.load(s_rows + ch * 4 + jj).to(tl.float32)
         else:
             s = tl.load(s_rows + ch * 4 + jj, mask=n_ok, other=0.0).to(tl.float32)
@@ -194,7 +226,8 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
                         EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PREC: tl.constexpr,
                         D0: tl.constexpr = (0, 0, 0, 0), D1: tl.constexpr = (0, 0, 0, 0),
                         SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0,
-                        TMA_X: tl.constexpr = False, PAIR: tl.constexpr = False):
+                        TMA_X: tl.constexpr = False, PAIR: tl.constexpr = False,
+                        VEC: tl.constexpr = False):
     """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K, for
     W's rows [pid_n * BLOCK_N, ...) and x's rows [pid_m * BLOCK_M, ...). s_ptr: the pairs
     (Q4_0 / AWQ / Q4_K, int64 [N, K / 32]) or the scales; c_ptr: NF4's code table or Q6_K's d
@@ -255,14 +288,22 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
             hw = words >> (16 * h)
         else:
             hw = words
+        if VEC and KIND != 5:
+            p0, p1, p2, p3 = _step_scales(KIND, s_rows, ch, h, n_ok, E, BS, EVEN_N)
+        else:
+            p0 = 0
+            p1 = 0
+            p2 = 0
+            p3 = 0
+        PRE: tl.constexpr = VEC and KIND != 5
         w0 = _plane_here(KIND, words, hw, 0, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[0], D1[0], SHFL).to(xt.dtype)
+                         E, BS, EVEN_N, D0[0], D1[0], SHFL, p0, PRE).to(xt.dtype)
         w1 = _plane_here(KIND, words, hw, 1, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[1], D1[1], SHFL).to(xt.dtype)
+                         E, BS, EVEN_N, D0[1], D1[1], SHFL, p1, PRE).to(xt.dtype)
         w2 = _plane_here(KIND, words, hw, 2, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[2], D1[2], SHFL).to(xt.dtype)
+                         E, BS, EVEN_N, D0[2], D1[2], SHFL, p2, PRE).to(xt.dtype)
         w3 = _plane_here(KIND, words, hw, 3, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[3], D1[3], SHFL).to(xt.dtype)
+                         E, BS, EVEN_N, D0[3], D1[3], SHFL, p3, PRE).to(xt.dtype)
         wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))          # [BN, 32, 2, 2]: plane 2hh + i
         wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))    # K order
         acc = tl.dot(wj, xt, acc, input_precision=PREC)
@@ -330,6 +371,7 @@ class PackedGemmConfig:
     group: int = 0
     maxnreg: int = 0
     tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
+    vec: int = 0        # a step's four scales (pairs) in one load rather than one a plane
     pair: int = 0       # split 2: the tile's two programs meet in the kernel (`_store_tile`)
     #                     instead of float32 atomics into a zeroed output + a conversion
     ws: int = 0         # affine formats, whole tiles: every load by TMA (`_packed_gemm_ws_kernel`);
@@ -340,7 +382,8 @@ class PackedGemmConfig:
                 f"w{self.num_warps},st{self.num_stages}"
                 + (f",g{self.group}" if self.group else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
-                + (f",ws{self.ws}" if self.ws else "") + (",pair" if self.pair else "") + "]")
+                + (f",ws{self.ws}" if self.ws else "") + (",pair" if self.pair else "")
+                + (",vec" if self.vec else "") + "]")
 
 
 #: device -> (float32 partial tiles, int32 tile counters / flags) of the split-2 meeting
@@ -440,7 +483,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         EVEN_N=n % cfg.block_n == 0 and (cfg.group == 0 or n_tiles % cfg.group == 0),
         EVEN_M=m % cfg.block_m == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=tma,
-        PAIR=pair,
+        PAIR=pair, VEC=bool(cfg.vec),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
