@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3;128,256,2,8,2"]
-        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,vec[,pair[,ws]]]]]])
+        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,full[,vec[,pair[,ws]]]]]]])
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(16)}
 
 
-def source(fmt, cfg, steps=64):
+def source(fmt, cfg, steps=32):
     """The kernel with bf16 x and output, whole tiles, no split."""
     kind = _KIND[fmt]
     aff = kind in (0, 2, 4)
@@ -46,7 +46,8 @@ def source(fmt, cfg, steps=64):
                 ATOMIC=cfg.split > 1 and not cfg.pair, PAIR=cfg.split == 2 and bool(cfg.pair),
                 EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
                 D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group,
-                TMA_X=bool(cfg.tma), VEC=bool(cfg.vec))
+                TMA_X=bool(cfg.tma), VEC=bool(cfg.vec),
+                FULL=bool(cfg.full) and CHUNK[fmt] == 256)
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (12, 15)}
     return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
 
@@ -113,7 +114,7 @@ def report(name, fmt, cfg):
         return
     regs, stack, _, _ = loop_stats(k.asm["cubin"])
     n, ops = mma_loop_stats(k.asm["cubin"])
-    per = n * cfg.num_warps * 32 / (cfg.block_n * 128)
+    per = n * cfg.num_warps * 32 / (cfg.block_n * (256 if cfg.full and CHUNK[fmt] == 256 else 128))
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
     print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  "
           f"{per:5.2f} instr/weight  {top}", flush=True)

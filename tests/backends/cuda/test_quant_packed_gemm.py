@@ -28,13 +28,15 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"]
 #: small launches: partial tiles, a split reduction (atomics; the two programs of a tile meeting
-#: in the kernel), the grouped program order, x by TMA, a step's scales in one load
+#: in the kernel), the grouped program order, x by TMA, a step's scales in one load, a whole
+#: chunk a step
 VARIANTS = {"plain": PackedGemmConfig(16, 16, 1, 4, 2),
             "split": PackedGemmConfig(16, 32, 2, 4, 2),
             "group": PackedGemmConfig(16, 16, 1, 4, 2, group=2),
             "tma": PackedGemmConfig(16, 32, 1, 4, 2, tma=1),
             "pair": PackedGemmConfig(16, 16, 2, 4, 2, group=2, pair=1),
-            "vec": PackedGemmConfig(16, 16, 1, 4, 2, vec=1)}
+            "vec": PackedGemmConfig(16, 16, 1, 4, 2, vec=1),
+            "full": PackedGemmConfig(16, 32, 1, 4, 2, full=1, vec=1)}
 
 
 def _weight(fmt, rng, n, edge=False):

@@ -218,6 +218,48 @@ def _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr, tile, ATOMIC: tl
 
 
 @triton.jit
+def _half_step(KIND: tl.constexpr, acc, words, ch, h, x_ptr, x_cols, kt, pid_m, m_ok, s_rows,
+               z_rows, c_rows, n_ok, codes, magic, E: tl.constexpr, BS: tl.constexpr,
+               EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+               SHFL: tl.constexpr, TMA_X: tl.constexpr, VEC: tl.constexpr, PREC: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc += planes 4h .. 4h + 3 of the chunk ch's words [BN, 32] (h = 0 where a chunk has 4
+    planes) times x at K = ch * E + 128 h + [0, 128), one dot of K = 128."""
+    k0 = ch * E + 128 * h
+    if TMA_X:       # x_ptr is a host TensorDescriptor of x [M, K], blocks [BM, 128]
+        xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, k0]))
+    else:
+        k = k0 + kt
+        if EVEN_M:
+            xt = tl.load(x_cols + k[:, None])
+        else:
+            xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+    if E == 256:
+        hw = words >> (16 * h)
+    else:
+        hw = words
+    PRE: tl.constexpr = VEC and KIND != 5
+    if PRE:
+        p0, p1, p2, p3 = _step_scales(KIND, s_rows, ch, h, n_ok, E, BS, EVEN_N)
+    else:
+        p0 = 0
+        p1 = 0
+        p2 = 0
+        p3 = 0
+    w0 = _plane_here(KIND, words, hw, 0, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
+                     E, BS, EVEN_N, D0[0], D1[0], SHFL, p0, PRE).to(xt.dtype)
+    w1 = _plane_here(KIND, words, hw, 1, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
+                     E, BS, EVEN_N, D0[1], D1[1], SHFL, p1, PRE).to(xt.dtype)
+    w2 = _plane_here(KIND, words, hw, 2, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
+                     E, BS, EVEN_N, D0[2], D1[2], SHFL, p2, PRE).to(xt.dtype)
+    w3 = _plane_here(KIND, words, hw, 3, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
+                     E, BS, EVEN_N, D0[3], D1[3], SHFL, p3, PRE).to(xt.dtype)
+    wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))              # [BN, 32, 2, 2]: plane 2hh + i
+    wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))        # K order
+    return tl.dot(wj, xt, acc, input_precision=PREC)
+
+
+@triton.jit
 def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync_ptr, M, N, kw,
                         s_row, c_row,
                         stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
@@ -227,8 +269,9 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
                         D0: tl.constexpr = (0, 0, 0, 0), D1: tl.constexpr = (0, 0, 0, 0),
                         SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0,
                         TMA_X: tl.constexpr = False, PAIR: tl.constexpr = False,
-                        VEC: tl.constexpr = False):
-    """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K, for
+                        VEC: tl.constexpr = False, FULL: tl.constexpr = False):
+    """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K (FULL:
+    of a chunk, 256), for
     W's rows [pid_n * BLOCK_N, ...) and x's rows [pid_m * BLOCK_M, ...). s_ptr: the pairs
     (Q4_0 / AWQ / Q4_K, int64 [N, K / 32]) or the scales; c_ptr: NF4's code table or Q6_K's d
     [N, K / 256] (row stride c_row). D0 / D1: per-plane exponents of `_pair_here`. GROUP > 0:
@@ -268,45 +311,30 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
     else:
         codes = 0
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for i in tl.range(STEPS, num_stages=STAGES):
-        step = pid_s * STEPS + i
-        ch = step // HALVES
-        h = step % HALVES
-        if EVEN_N:
-            words = tl.load(q_rows + ch * 32 + t)
-        else:
-            words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
-        if TMA_X:       # x_ptr is a host TensorDescriptor of x [M, K], blocks [BM, 128]
-            xt = tl.trans(x_ptr.load([pid_m * BLOCK_M, step * 128]))
-        else:
-            k = step * 128 + kt
-            if EVEN_M:
-                xt = tl.load(x_cols + k[:, None])
+    if FULL:            # a whole chunk a step (4-bit formats): its words loaded once
+        for i in tl.range(STEPS, num_stages=STAGES):
+            ch = pid_s * STEPS + i
+            if EVEN_N:
+                words = tl.load(q_rows + ch * 32 + t)
             else:
-                xt = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
-        if HALVES == 2:
-            hw = words >> (16 * h)
-        else:
-            hw = words
-        if VEC and KIND != 5:
-            p0, p1, p2, p3 = _step_scales(KIND, s_rows, ch, h, n_ok, E, BS, EVEN_N)
-        else:
-            p0 = 0
-            p1 = 0
-            p2 = 0
-            p3 = 0
-        PRE: tl.constexpr = VEC and KIND != 5
-        w0 = _plane_here(KIND, words, hw, 0, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[0], D1[0], SHFL, p0, PRE).to(xt.dtype)
-        w1 = _plane_here(KIND, words, hw, 1, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[1], D1[1], SHFL, p1, PRE).to(xt.dtype)
-        w2 = _plane_here(KIND, words, hw, 2, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[2], D1[2], SHFL, p2, PRE).to(xt.dtype)
-        w3 = _plane_here(KIND, words, hw, 3, h, ch, s_rows, z_rows, c_rows, n_ok, codes, magic,
-                         E, BS, EVEN_N, D0[3], D1[3], SHFL, p3, PRE).to(xt.dtype)
-        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))          # [BN, 32, 2, 2]: plane 2hh + i
-        wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))    # K order
-        acc = tl.dot(wj, xt, acc, input_precision=PREC)
+                words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
+            acc = _half_step(KIND, acc, words, ch, 0, x_ptr, x_cols, kt, pid_m, m_ok, s_rows,
+                             z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M, D0, D1,
+                             SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
+            acc = _half_step(KIND, acc, words, ch, 1, x_ptr, x_cols, kt, pid_m, m_ok, s_rows,
+                             z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M, D0, D1,
+                             SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
+    else:
+        for i in tl.range(STEPS, num_stages=STAGES):
+            step = pid_s * STEPS + i
+            ch = step // HALVES
+            if EVEN_N:
+                words = tl.load(q_rows + ch * 32 + t)
+            else:
+                words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
+            acc = _half_step(KIND, acc, words, ch, step % HALVES, x_ptr, x_cols, kt, pid_m, m_ok,
+                             s_rows, z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M,
+                             D0, D1, SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     o_mask = n_ok & m_ok[None, :]
     _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr,
@@ -371,6 +399,7 @@ class PackedGemmConfig:
     group: int = 0
     maxnreg: int = 0
     tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
+    full: int = 0       # 4-bit formats: a chunk a step (the words loaded once for two dots)
     vec: int = 0        # a step's four scales (pairs) in one load rather than one a plane
     pair: int = 0       # split 2: the tile's two programs meet in the kernel (`_store_tile`)
     #                     instead of float32 atomics into a zeroed output + a conversion
@@ -383,7 +412,8 @@ class PackedGemmConfig:
                 + (f",g{self.group}" if self.group else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
                 + (f",ws{self.ws}" if self.ws else "") + (",pair" if self.pair else "")
-                + (",vec" if self.vec else "") + "]")
+                + (",vec" if self.vec else "")
+                + (",full" if self.full else "") + "]")
 
 
 #: device -> (float32 partial tiles, int32 tile counters / flags) of the split-2 meeting
@@ -424,7 +454,8 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         x2 = x2.contiguous()
     m = x2.shape[0]
     e = CHUNK[fmt]
-    total = k // 128                    # steps of 128 elements
+    full = bool(cfg.full) and e == 256 and not cfg.ws
+    total = k // (256 if full else 128)     # steps of 128 elements (full: of a chunk)
     n_tiles, m_tiles = _cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)
     split = cfg.split
     if split <= 0:
@@ -483,7 +514,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         EVEN_N=n % cfg.block_n == 0 and (cfg.group == 0 or n_tiles % cfg.group == 0),
         EVEN_M=m % cfg.block_m == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=tma,
-        PAIR=pair, VEC=bool(cfg.vec),
+        PAIR=pair, VEC=bool(cfg.vec), FULL=full,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
