@@ -7,7 +7,8 @@ Dispatch (`run`), per format and number of activation rows by the table `ROUTES`
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
   separate scales; shapes that layout rejects take the storage-order kernels below.
   `quant_packed_dot` runs tensor-core dots on the same copy for 2..16 rows of 16-bit x of
-  all six (ROUTES, DOT_16).
+  all six (ROUTES, DOT_16), `quant_packed_gemm` a GEMM on it for many rows (the weight tile
+  decoded in registers as the wgmma's register operand; PackedGemmConfig).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
@@ -25,8 +26,9 @@ both split R (split-K, float32 atomics); larger M uses 64/128-row tensor-core ti
 
 Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
 rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
-lower to the recipe. `config=` (QConfig, RowConfig, GemmConfig or a path name) lets benchmarks
-pick a path and sweep tile shapes (`bench_cuda_quant.py --sweep`)."""
+lower to the recipe. `config=` (QConfig, RowConfig, GemmConfig, PackedConfig, PackedDotConfig,
+PackedGemmConfig or a path name) lets benchmarks pick a path and sweep tile shapes
+(`bench_cuda_quant.py --sweep`, `bench_cuda_quant_gemv.py`, `bench_cuda_quant_gemm.py`)."""
 from __future__ import annotations
 
 import functools
