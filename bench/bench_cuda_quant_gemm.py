@@ -57,6 +57,22 @@ CANDIDATES = {"Q4_0": [_BASE, _VEC, G(128, 128, 1, 8, 4, vec=1), G(64, 256, 1, 8
               "Q4_K": [_VEC, _WIDE], "nf4": [_VEC, _FULL], "Q8_0": [_VEC], "Q6_K": [_BASE]}
 
 
+def _bnb_anchor(x, n, k, g, record, m, rep):
+    """bitsandbytes' NF4 matmul (its own quantization of a random dense weight, blocks of 64)
+    timed as the others: the issue's NF4 anchor. Skipped where bitsandbytes is missing."""
+    try:
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnbF
+        w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(torch.bfloat16)
+        packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4",
+                                           compress_statistics=False)
+        ms = do_bench_cudagraph(lambda: bnb.matmul_4bit(x, packed.t(), quant_state=state),
+                                rep=rep, return_mode="median")
+        record("nf4", f"bitsandbytes {bnb.__version__}", m, ms, n * k // 2 + 4 * n * k // 64)
+    except Exception as exc:  # noqa: BLE001
+        print(f"bitsandbytes anchor skipped: {str(exc)[:200]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -81,7 +97,9 @@ def main():
     best: dict = {}
 
     def record(op, impl, m, ms, nbytes):
-        key = (op, m, "default" if impl.endswith("[default]") or op == "dense" else "fused")
+        kind = "default" if impl.endswith("[default]") or op == "dense" else \
+            "fused" if impl.startswith("fuelgraph[") else "anchor"
+        key = (op, m, kind)
         if key not in best or ms < best[key][0]:
             best[key] = (ms, impl)
         tf = 2 * m * n * k / ms / 1e9
@@ -132,6 +150,8 @@ def main():
                           flush=True)
                     continue
                 record(op, f"fuelgraph[{tag}]", m, ms, nbytes)
+            if op == "nf4" and not args.compile_only and args.pick is None:
+                _bnb_anchor(x, n, k, g, record, m, args.rep)
         del fn, w
         torch.cuda.empty_cache()
     print("summary (ms): op M default | best fused | dense cuBLAS")
@@ -140,7 +160,9 @@ def main():
             fused = best.get((op, m, "fused"))
             dense = best.get(("dense", m, "default"))
             print(f"  {op:5s} {m:4d} {ms:.4f} | " + (f"{fused[0]:.4f} {fused[1][10:-1]}"
-                  if fused else "-") + (f" | {dense[0]:.4f}" if dense else ""), flush=True)
+                  if fused else "-") + (f" | {dense[0]:.4f}" if dense else "")
+                  + (f" | {best[(op, m, 'anchor')][1]} {best[(op, m, 'anchor')][0]:.4f}"
+                     if (op, m, "anchor") in best else ""), flush=True)
 
 
 if __name__ == "__main__":
