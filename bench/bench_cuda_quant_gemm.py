@@ -45,15 +45,17 @@ G = PackedGemmConfig
 #: compiles (168 registers, 5.66: the decoded operand through shared memory); a step's four
 #: scales in one load (vec): Q4_0 7.06, AWQ 6.67, Q4_K 7.67, Q8_0 7.17 (its f16 scales were
 #: not pipelined), NF4 6.62 (7.61, 7.22, 8.23, 7.89, 7.23 without); a whole chunk a step
-#: (full: the words loaded once for two dots; 2 stages fit): Q4_0 5.11, AWQ 4.92, NF4 4.97
+#: (full: the words loaded once for two dots; 2 stages fit): Q4_0 5.11, AWQ 4.92, NF4 4.97;
+#: all-TMA and full: Q4_0 5.72 (205 registers)
 _BASE = G(128, 128, 1, 8, 3)
 _VEC = G(128, 128, 1, 8, 3, vec=1)
 _WIDE = G(128, 256, 2, 8, 2, ws=1)
 _FULL = G(128, 128, 1, 8, 2, full=1, vec=1)
+_TMA_FULL = G(128, 128, 1, 8, 2, ws=1, full=1)
 CANDIDATES = {"Q4_0": [_BASE, _VEC, G(128, 128, 1, 8, 4, vec=1), G(64, 256, 1, 8, 2, vec=1),
                        _FULL, G(128, 128, 1, 8, 3, ws=1), G(64, 128, 1, 4, 3, ws=2), _WIDE,
-                       G(128, 256, 2, 8, 2, ws=1, pair=1)],
-              "awq": [_VEC, _FULL, G(128, 128, 1, 8, 3, ws=1), _WIDE],
+                       G(128, 256, 2, 8, 2, ws=1, pair=1), _TMA_FULL],
+              "awq": [_VEC, _FULL, _TMA_FULL, _WIDE],
               "Q4_K": [_VEC, _WIDE], "nf4": [_VEC, _FULL], "Q8_0": [_VEC], "Q6_K": [_BASE]}
 
 

@@ -57,14 +57,14 @@ def ws_source(fmt, cfg, steps=64):
     kind = _KIND[fmt]
     sig = {"xd": f"tensordesc<bf16[{cfg.block_m}, 128]>",
            "qd": f"tensordesc<i32[{cfg.block_n}, 32]>",
-           "sd": f"tensordesc<i64[{cfg.block_n}, 4]>",
+           "sd": f"tensordesc<i64[{cfg.block_n}, {8 if cfg.full else 4}]>",
            "out_ptr": "*fp32" if cfg.split > 1 and not cfg.pair else "*bf16",
            "ws_ptr": "*fp32", "sync_ptr": "*i32", "M": "i32", "N": "i32",
            "stride_o": "i32", "magic": "i32"}
     d = G._DELTA[kind]
     cons = dict(STEPS=steps, KIND=kind, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                 STAGES=cfg.num_stages, ATOMIC=cfg.split > 1 and not cfg.pair, D0=d[:4], D1=d[4:],
-                WS=cfg.ws > 1, PAIR=cfg.split == 2 and bool(cfg.pair))
+                WS=cfg.ws > 1, PAIR=cfg.split == 2 and bool(cfg.pair), FULL=bool(cfg.full))
     attrs = {(5,): [["tt.divisibility", 16]]}
     return ASTSource(G._packed_gemm_ws_kernel, sig, cons, attrs=attrs)
 

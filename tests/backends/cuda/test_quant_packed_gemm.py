@@ -104,14 +104,14 @@ def test_packed_gemm_product(fmt, variant):
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
 def test_packed_gemm_all_tma(fmt, ws):
     """The affine formats' all-TMA kernel on whole tiles (M = 64), plain and with the
-    warp-specialized loop (split 2: by atomics for Q4_K, meeting in the kernel for AWQ);
-    N = 64."""
+    warp-specialized loop (split 2: by atomics for Q4_K, meeting in the kernel for AWQ; a
+    chunk a step for Q4_0); N = 64."""
     args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
     dt = torch.float32 if INTERPRET else torch.bfloat16
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
     fid, w0, w1, w2, i0 = args
     cfg = PackedGemmConfig(16 if ws == 1 else 64, 32, 2 if fmt != "Q4_0" else 1, 4, 2, ws=ws,
-                           pair=int(fmt == "AWQ"))
+                           pair=int(fmt == "AWQ"), full=int(fmt == "Q4_0"))
     for _ in range(2):      # (the meeting's counters: a second call with their new parity)
         got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg)
         check_product(got, x, want.T, dt)

@@ -342,41 +342,62 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
 
 
 @triton.jit
+def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.constexpr,
+              D1: tl.constexpr):
+    """acc [BN, BM] += planes 4h .. 4h + 3 of words [BN, 32] (pairs prs [BN, 4]) times the x
+    block x_blk [BM, 128] (transposed in shared memory for the dot)."""
+    BLOCK_N: tl.constexpr = words.shape[0]
+    xt = tl.trans(x_blk)                                                  # [128, BM]
+    hw = words >> (16 * h)
+    pa, pb = tl.split(tl.reshape(prs, (BLOCK_N, 2, 2)))                  # planes 0, 2 / 1, 3
+    p0, p2 = tl.split(pa)
+    p1, p3 = tl.split(pb)
+    w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
+    w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
+    w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
+    w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
+    wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+    wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
+    return tl.dot(wj, xt, acc)
+
+
+@triton.jit
 def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, ws_ptr, sync_ptr, M, N, stride_o, magic,
                            STEPS: tl.constexpr,
                            KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                            STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                           D1: tl.constexpr, WS: tl.constexpr, PAIR: tl.constexpr = False):
+                           D1: tl.constexpr, WS: tl.constexpr, PAIR: tl.constexpr = False,
+                           FULL: tl.constexpr = False):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
     pairs [N, K / 32] in [BN, 4]) and, WS, the loop warp-specialized by Triton (written for 4
     warps: a producer warpgroup issues the copies, the tile's rows split over two consumer
     warpgroups that decode and multiply, registers moved to them with setmaxnreg, no CTA-wide
-    barrier a step). Grid (weight tiles, x tiles, split); whole tiles and steps."""
+    barrier a step). FULL: a chunk a step (STEPS counts chunks; pairs in blocks [BN, 8]).
+    Grid (weight tiles, x tiles, split); whole tiles and steps."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     m0 = pid_m * BLOCK_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
-        step = pid_s * STEPS + i
-        ch = step // 2
-        h = step % 2
-        words = qd.load([n0, ch * 32])                                   # [BN, 32]
-        prs = sd.load([n0, ch * 8 + 4 * h])                               # [BN, 4] int64
-        xt = tl.trans(xd.load([m0, step * 128]))                          # [128, BM]
-        hw = words >> (16 * h)
-        pa, pb = tl.split(tl.reshape(prs, (BLOCK_N, 2, 2)))              # planes 0, 2 / 1, 3
-        p0, p2 = tl.split(pa)
-        p1, p3 = tl.split(pb)
-        w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
-        w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
-        w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
-        w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
-        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
-        wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
-        acc = tl.dot(wj, xt, acc)
+    if FULL:            # a chunk a step: its words and eight pairs loaded once, two dots
+        for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
+            ch = pid_s * STEPS + i
+            words = qd.load([n0, ch * 32])                               # [BN, 32]
+            prs = sd.load([n0, ch * 8])                                  # [BN, 8] int64
+            lo, hi = tl.split(tl.reshape(prs, (BLOCK_N, 2, 4)).permute(0, 2, 1))
+            acc = _tma_half(KIND, acc, words, lo, 0, xd.load([m0, ch * 256]), magic, D0, D1)
+            acc = _tma_half(KIND, acc, words, hi, 1, xd.load([m0, ch * 256 + 128]), magic, D0,
+                            D1)
+    else:
+        for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
+            step = pid_s * STEPS + i
+            ch = step // 2
+            words = qd.load([n0, ch * 32])                               # [BN, 32]
+            prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                  # [BN, 4] int64
+            acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic,
+                            D0, D1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
@@ -454,7 +475,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         x2 = x2.contiguous()
     m = x2.shape[0]
     e = CHUNK[fmt]
-    full = bool(cfg.full) and e == 256 and not cfg.ws
+    full = bool(cfg.full) and e == 256
     total = k // (256 if full else 128)     # steps of 128 elements (full: of a chunk)
     n_tiles, m_tiles = _cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)
     split = cfg.split
@@ -496,11 +517,12 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         _packed_gemm_ws_kernel[(n_tiles, m_tiles, split)](
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
-            TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, ws_buf, sync, m, n,
+            TensorDescriptor.from_tensor(scales, [cfg.block_n, 8 if full else 4]), out, ws_buf,
+            sync, m, n,
             out.stride(0),
             MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
             STAGES=cfg.num_stages, ATOMIC=atomic, D0=tuple(d0), D1=tuple(d1), WS=cfg.ws > 1,
-            PAIR=pair,
+            PAIR=pair, FULL=full,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
