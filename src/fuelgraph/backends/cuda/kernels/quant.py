@@ -245,11 +245,24 @@ def _with_dot(fmt, route):
     return route if fmt not in DOT_16 else {**route, 16: DOT_16[fmt]}
 
 
+#: DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows of 16-bit x: the GEMM on the packed copy
+#: (`quant_packed_gemm`) for the formats listed (float32 x, shapes the copy rejects and, while
+#: a CUDA graph is captured before the affine pairs exist, MANY_ROWS_FALLBACK)
+PACKED_GEMM: dict = {}
+PACKED_GEMM_MAX_M = 512
+
+
+def _with_gemm(fmt, route):
+    """route with PACKED_GEMM's launch of the format up to PACKED_GEMM_MAX_M rows."""
+    return route if fmt not in PACKED_GEMM else {**route, PACKED_GEMM_MAX_M: PACKED_GEMM[fmt]}
+
+
 ROUTES = {NF4: _with_dot(NF4, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"}),
           AWQ: _with_dot(AWQ, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM}),
           **{fmt: _dot_gguf_route(DOT_16[fmt]) if fmt in DOT_16 else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
+ROUTES = {fmt: _with_gemm(fmt, route) for fmt, route in ROUTES.items()}
 
 
 #: many rows where the packed GEMM cannot run (float32 x, unpackable shapes, no affine pairs
