@@ -28,35 +28,33 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_cuda_quant_gemv import close, weights  # noqa: E402
+from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  # noqa: E402
 
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
 G = PackedGemmConfig
-#: packed-copy GEMM candidates per format (block_n, block_m, split, warps, stages[, group,
-#: maxnreg, tma, pair, ws]). sm_90 compile (bench/sass_quant_gemm.py; SASS of the main loop a
-#: weight of the tile a step): 128 x 128 on 8 warps, 3 stages: 239 registers, 172 KB shared,
-#: wgmma with the decoded weight as its register operand (one shared-memory layout conversion
-#: of the tile a step), 7.61; x by TMA: 8.52; every load by TMA (ws=1): 219 registers, 7.52;
-#: 64 x 256 (each weight decoded once, one wave, twice the x traffic of 128 x 128) fits 2
-#: stages only (11.0); 128 x 256 split 2 (each weight decoded once, half the x traffic) only
-#: all-TMA (253 registers, 7.53; with pointer loads it spills), its two programs a tile meeting
-#: in the kernel (pair: 1.5 KB of spill stack in the epilogue) or adding by atomics; Triton's
-#: warp-specialized loop (ws=2) fails in its data-partition pass on 128-row tiles, 64 x 128
-#: compiles (168 registers, 5.66: the decoded operand through shared memory); a step's four
-#: scales in one load (vec): Q4_0 7.06, AWQ 6.67, Q4_K 7.67, Q8_0 7.17 (its f16 scales were
-#: not pipelined), NF4 6.62 (7.61, 7.22, 8.23, 7.89, 7.23 without); a whole chunk a step
-#: (full: the words loaded once for two dots; 2 stages fit): Q4_0 5.11, AWQ 4.92, NF4 4.97;
-#: all-TMA and full: Q4_0 5.72 (205 registers)
-_BASE = G(128, 128, 1, 8, 3)
+#: per format: the previous default (the dense copy + cuBLAS; AWQ's storage-order fused GEMM),
+#: then packed-copy GEMM candidates (block_n, block_m, split, warps, stages[, tma, vec]).
+#: Round 1 (session 8, H200, M = 256, dense cuBLAS 0.0552 ms): Q4_0 with every load by TMA
+#: (tma=2, 128 x 128, 3 stages) 0.0843, with cp.async loads and a step's scales in one load
+#: (vec) 0.0985 (one load a plane 0.1224), 4 stages 0.1003, a chunk a step 0.1144 (all-TMA
+#: 0.1200), 64 x 256 on 8 warps 0.1346, 128 x 256 split 2 all-TMA 0.1003 (meeting in the
+#: kernel 0.1025), Triton's warp-specialized loop wrong (NaN); AWQ vec 0.0985 (storage-order
+#: GEMM 0.1437); Q4_K vec 0.1025, 128 x 256 split 2 0.1006 (0.1236); Q8_0 vec 0.0934 (0.1241);
+#: NF4 vec 0.1251 (dense copy 0.1053, bitsandbytes 0.1279); Q6_K 0.1757 (0.1305).
+#: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88, 64 x 128
+#: on 4 warps with tma=2 (229 registers, 92 KB shared: two programs an SM, one's decoding
+#: under the other's wgmma) 7.52
+_T2 = G(128, 128, 1, 8, 3, tma=2)
+_T2_HALF = G(64, 128, 1, 4, 2, tma=2)
 _VEC = G(128, 128, 1, 8, 3, vec=1)
-_WIDE = G(128, 256, 2, 8, 2, ws=1)
-_FULL = G(128, 128, 1, 8, 2, full=1, vec=1)
-_TMA_FULL = G(128, 128, 1, 8, 2, ws=1, full=1)
-CANDIDATES = {"Q4_0": [_BASE, _VEC, G(128, 128, 1, 8, 4, vec=1), G(64, 256, 1, 8, 2, vec=1),
-                       _FULL, G(128, 128, 1, 8, 3, ws=1), G(64, 128, 1, 4, 3, ws=2), _WIDE,
-                       G(128, 256, 2, 8, 2, ws=1, pair=1), _TMA_FULL],
-              "awq": [_VEC, _FULL, _TMA_FULL, _WIDE],
-              "Q4_K": [_VEC, _WIDE], "nf4": [_VEC, _FULL], "Q8_0": [_VEC], "Q6_K": [_BASE]}
+_OLD = "dequant_rows"
+CANDIDATES = {"Q4_0": [_OLD, _T2, G(128, 128, 1, 8, 4, tma=2), G(128, 128, 1, 8, 2, tma=2),
+                       _T2_HALF, G(64, 128, 1, 4, 3, tma=2), G(64, 256, 1, 4, 2, tma=2)],
+              "awq": [K.AWQ_GEMM, _T2, _T2_HALF], "Q4_K": [_OLD, _T2, _T2_HALF],
+              "Q8_0": [_OLD, _VEC, G(128, 128, 1, 8, 3, tma=1, vec=1), G(64, 128, 1, 4, 2, vec=1)],
+              "nf4": [G(64, 128, 1, 4, 2, vec=1), G(128, 128, 1, 8, 3, tma=1, vec=1)],
+              "Q6_K": [G(128, 128, 1, 8, 3, vec=1)]}
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -84,8 +82,8 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--rep", type=int, default=30, help="ms of repetitions a timing")
     ap.add_argument("--pick", default=None,
-                    help="indices into each op's configs: 0 = the default route, 1.. = the "
-                         "candidates (per op: Q4_0=0,2/awq=3)")
+                    help="indices into each op's configs: 0 = the default route, 1.. = "
+                         "CANDIDATES (per op: Q4_0=0,2/awq=3)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
     args = ap.parse_args()
     n = k = args.size
@@ -100,7 +98,7 @@ def main():
 
     def record(op, impl, m, ms, nbytes):
         kind = "default" if impl.endswith("[default]") or op == "dense" else \
-            "fused" if impl.startswith("fuelgraph[") else "anchor"
+            "fused" if "packed_gemm" in impl else "anchor"
         key = (op, m, kind)
         if key not in best or ms < best[key][0]:
             best[key] = (ms, impl)
@@ -156,7 +154,7 @@ def main():
                 _bnb_anchor(x, n, k, g, record, m, args.rep)
         del fn, w
         torch.cuda.empty_cache()
-    print("summary (ms): op M default | best fused | dense cuBLAS")
+    print("summary (ms): op M default | best packed GEMM | dense cuBLAS | best other")
     for (op, m, kind), (ms, impl) in best.items():
         if kind == "default" and op != "dense":
             fused = best.get((op, m, "fused"))

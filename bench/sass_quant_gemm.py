@@ -5,8 +5,8 @@ memory, the SASS instructions of the main loop per weight element of the program
 (decode + dot issue, per x tile) and its most frequent opcodes (HGMMA = wgmma).
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
-                                     [--cfg "128,128,1,8,3;128,256,2,8,2"]
-        (block_n,block_m,split,warps,stages[,group[,maxnreg[,tma[,full[,vec[,pair[,ws]]]]]]])
+                                     [--cfg "128,128,1,8,3,2;128,128,1,8,3,0,1"]
+        (block_n,block_m,split,warps,stages[,tma[,vec[,maxnreg]]])
 """
 from __future__ import annotations
 
@@ -29,44 +29,34 @@ ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(16)}
 
 
 def source(fmt, cfg, steps=32):
-    """The kernel with bf16 x and output, whole tiles, no split."""
+    """The kernel with bf16 x and output, whole tiles (tma=2, affine formats: the all-TMA
+    kernel)."""
     kind = _KIND[fmt]
     aff = kind in (0, 2, 4)
+    out = "*fp32" if cfg.split > 1 else "*bf16"
+    d = G._DELTA.get(kind, (0,) * 8)
+    if cfg.tma >= 2 and aff:
+        sig = {"xd": f"tensordesc<bf16[{cfg.block_m}, 128]>",
+               "qd": f"tensordesc<i32[{cfg.block_n}, 32]>",
+               "sd": f"tensordesc<i64[{cfg.block_n}, 4]>", "out_ptr": out, "M": "i32",
+               "N": "i32", "stride_o": "i32", "magic": "i32"}
+        cons = dict(STEPS=steps, KIND=kind, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+                    STAGES=cfg.num_stages, ATOMIC=cfg.split > 1, D0=d[:4], D1=d[4:])
+        return ASTSource(G._packed_gemm_tma_kernel, sig, cons,
+                         attrs={(3,): [["tt.divisibility", 16]]})
     sdt = "*i64" if aff else {NF4: "*fp32", GGUF_IDS["Q6_K"]: "*u8"}.get(fmt, "*fp16")
     xsig = f"tensordesc<bf16[{cfg.block_m}, 128]>" if cfg.tma else "*bf16"
     sig = {"x_ptr": xsig, "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": sdt,
-           "c_ptr": "*fp16" if fmt == GGUF_IDS["Q6_K"] else "*fp32",
-           "out_ptr": "*fp32" if cfg.split > 1 and not cfg.pair else "*bf16",
-           "ws_ptr": "*fp32", "sync_ptr": "*i32", "M": "i32", "N": "i32", "kw": "i32", "s_row": "i32", "c_row": "i32", "stride_x": "i32", "stride_o": "i32",
-           "magic": "i32"}
-    d = G._DELTA.get(kind, (0,) * 8)
+           "c_ptr": "*fp16" if fmt == GGUF_IDS["Q6_K"] else "*fp32", "out_ptr": out,
+           "M": "i32", "N": "i32", "kw": "i32", "s_row": "i32", "c_row": "i32",
+           "stride_x": "i32", "stride_o": "i32", "magic": "i32"}
     cons = dict(STEPS=steps, KIND=kind, E=CHUNK[fmt],
                 BS=32 if aff else {NF4: 64, GGUF_IDS["Q6_K"]: 16}.get(fmt, 32),
                 BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, STAGES=cfg.num_stages,
-                ATOMIC=cfg.split > 1 and not cfg.pair, PAIR=cfg.split == 2 and bool(cfg.pair),
-                EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
-                D1=d[4:], SHFL=fmt == NF4, GROUP=cfg.group,
-                TMA_X=bool(cfg.tma), VEC=bool(cfg.vec),
-                FULL=bool(cfg.full) and CHUNK[fmt] == 256)
-    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (12, 15)}
+                ATOMIC=cfg.split > 1, EVEN_N=True, EVEN_M=True, PREC="tf32", D0=d[:4],
+                D1=d[4:], SHFL=fmt == NF4, TMA_X=bool(cfg.tma), VEC=bool(cfg.vec))
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (10, 13)}
     return ASTSource(G._packed_gemm_kernel, sig, cons, attrs=attrs)
-
-
-def ws_source(fmt, cfg, steps=64):
-    """The all-TMA kernel of the affine formats (ws=1; ws=2: warp-specialized loop)."""
-    kind = _KIND[fmt]
-    sig = {"xd": f"tensordesc<bf16[{cfg.block_m}, 128]>",
-           "qd": f"tensordesc<i32[{cfg.block_n}, 32]>",
-           "sd": f"tensordesc<i64[{cfg.block_n}, {8 if cfg.full else 4}]>",
-           "out_ptr": "*fp32" if cfg.split > 1 and not cfg.pair else "*bf16",
-           "ws_ptr": "*fp32", "sync_ptr": "*i32", "M": "i32", "N": "i32",
-           "stride_o": "i32", "magic": "i32"}
-    d = G._DELTA[kind]
-    cons = dict(STEPS=steps, KIND=kind, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-                STAGES=cfg.num_stages, ATOMIC=cfg.split > 1 and not cfg.pair, D0=d[:4], D1=d[4:],
-                WS=cfg.ws > 1, PAIR=cfg.split == 2 and bool(cfg.pair), FULL=bool(cfg.full))
-    attrs = {(5,): [["tt.divisibility", 16]]}
-    return ASTSource(G._packed_gemm_ws_kernel, sig, cons, attrs=attrs)
 
 
 def mma_loop_stats(cubin: bytes):
@@ -107,14 +97,13 @@ def report(name, fmt, cfg):
     if cfg.maxnreg:
         opts["maxnreg"] = cfg.maxnreg
     try:
-        k = triton.compile(ws_source(fmt, cfg) if cfg.ws else source(fmt, cfg), target=TARGET,
-                           options=opts)
+        k = triton.compile(source(fmt, cfg), target=TARGET, options=opts)
     except Exception as exc:  # noqa: BLE001
         print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
         return
     regs, stack, _, _ = loop_stats(k.asm["cubin"])
     n, ops = mma_loop_stats(k.asm["cubin"])
-    per = n * cfg.num_warps * 32 / (cfg.block_n * (256 if cfg.full and CHUNK[fmt] == 256 else 128))
+    per = n * cfg.num_warps * 32 / (cfg.block_n * 128)
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(10))
     print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  "
           f"{per:5.2f} instr/weight  {top}", flush=True)
@@ -124,7 +113,7 @@ def report(name, fmt, cfg):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fmt", default="Q4_0")
-    ap.add_argument("--cfg", default="128,128,1,8,3;128,256,2,8,2")
+    ap.add_argument("--cfg", default="128,128,1,8,3,2;128,128,1,8,3,0,1")
     ap.add_argument("--ptx", default=None, help="write the first kernel's PTX here")
     args = ap.parse_args()
     ids = {**GGUF_IDS, "NF4": NF4, "AWQ": AWQ}

@@ -1,8 +1,8 @@
 """The many-row GEMM on the packed (chunk-layout) weight copy (`quant_packed_gemm`: Q4_0, Q8_0,
 Q4_K, Q6_K, NF4, AWQ): every weight decoded bit for bit as gguf-py / the NF4 and AWQ layout
 references (x = the float32 identity, random and edge bytes), and the products against float64
-torch on the dequantized weight (partial tiles in N and M, a split reduction by atomics, the
-grouped program order), and the route through `quant.run`.
+torch on the dequantized weight (partial tiles in N and M, a split reduction by atomics, x or
+every load by TMA), and the route through `quant.run`.
 
 Runs on a CUDA GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes."""
 from __future__ import annotations
@@ -27,16 +27,12 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_r
                          same_bits)
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"]
-#: small launches: partial tiles, a split reduction (atomics; the two programs of a tile meeting
-#: in the kernel), the grouped program order, x by TMA, a step's scales in one load, a whole
-#: chunk a step
+#: small launches: partial tiles, a split reduction (atomics), x by TMA, a step's scales in one
+#: load
 VARIANTS = {"plain": PackedGemmConfig(16, 16, 1, 4, 2),
             "split": PackedGemmConfig(16, 32, 2, 4, 2),
-            "group": PackedGemmConfig(16, 16, 1, 4, 2, group=2),
             "tma": PackedGemmConfig(16, 32, 1, 4, 2, tma=1),
-            "pair": PackedGemmConfig(16, 16, 2, 4, 2, group=2, pair=1),
-            "vec": PackedGemmConfig(16, 16, 1, 4, 2, vec=1),
-            "full": PackedGemmConfig(16, 32, 1, 4, 2, full=1, vec=1)}
+            "vec": PackedGemmConfig(16, 16, 1, 4, 2, vec=1)}
 
 
 def _weight(fmt, rng, n, edge=False):
@@ -100,21 +96,16 @@ def test_packed_gemm_product(fmt, variant):
     check_product(got, x, want.T, dt)
 
 
-@pytest.mark.parametrize("ws", [1, 2])
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
-def test_packed_gemm_all_tma(fmt, ws):
-    """The affine formats' all-TMA kernel on whole tiles (M = 64), plain and with the
-    warp-specialized loop (split 2: by atomics for Q4_K, meeting in the kernel for AWQ; a
-    chunk a step for Q4_0); N = 64."""
+def test_packed_gemm_all_tma(fmt):
+    """The affine formats' all-TMA kernel on whole tiles (N = 64, M = 64; split 2 by atomics
+    for AWQ and Q4_K)."""
     args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
     dt = torch.float32 if INTERPRET else torch.bfloat16
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
     fid, w0, w1, w2, i0 = args
-    cfg = PackedGemmConfig(16 if ws == 1 else 64, 32, 2 if fmt != "Q4_0" else 1, 4, 2, ws=ws,
-                           pair=int(fmt == "AWQ"), full=int(fmt == "Q4_0"))
-    for _ in range(2):      # (the meeting's counters: a second call with their new parity)
-        got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg)
-        check_product(got, x, want.T, dt)
+    cfg = PackedGemmConfig(16, 32, 2 if fmt != "Q4_0" else 1, 4, 2, tma=2)
+    check_product(run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T, dt)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])
@@ -148,3 +139,19 @@ def test_packed_gemm_in_a_cuda_graph():
         check_product(out, x, want.T, torch.bfloat16)
         check_product(K.run(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T,
                       torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "AWQ"])
+def test_many_rows_default_route(fmt):
+    """65..PACKED_GEMM_MAX_M rows of 16-bit x take the packed GEMM by default (M = 70: a
+    partial x tile, split K on the small grid); float32 x the dense copy (AWQ: its GEMM)."""
+    assert _fmt_route(fmt, 70).__class__ is PackedGemmConfig
+    args, n, k, want = _weight(fmt, np.random.default_rng(17), 24)
+    fid, w0, w1, w2, i0 = args
+    for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(2)).to(dt).to(DEV)
+        check_product(K.run(fid, x, w0, w1, w2, i0, k, n), x, want.T, dt)
+
+
+def _fmt_route(fmt, m):
+    return K.default_route(AWQ if fmt == "AWQ" else GGUF_IDS[fmt], m)

@@ -248,7 +248,16 @@ def _with_dot(fmt, route):
 #: DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows of 16-bit x: the GEMM on the packed copy
 #: (`quant_packed_gemm`) for the formats listed (float32 x, shapes the copy rejects and, while
 #: a CUDA graph is captured before the affine pairs exist, MANY_ROWS_FALLBACK)
-PACKED_GEMM: dict = {}
+#: H200, N = K = 8192, M = 256, bf16, CUDA-graph medians (bench_cuda_quant_gemm.py, session 8,
+#: dense cuBLAS 0.0552 ms in the same run): Q4_0 with every load by TMA 0.0843 ms (the dense
+#: copy + cuBLAS 0.1251; with cp.async loads 0.0985, one load a plane 0.1224); AWQ 0.0985
+#: (its storage-order GEMM 0.1437); Q4_K 0.1025 (0.1236); Q8_0 0.0934 (0.1241). NF4 (0.1251
+#: vs its dense copy 0.1053) and Q6_K (0.1757 vs 0.1305) keep the dense copy. Lost: a chunk a
+#: step (Q4_0 0.1144), 64 x 256 tiles (0.1346), 128 x 256 split 2 (0.1003; meeting in the
+#: kernel instead of atomics 0.1025), Triton's warp-specialized loop (wrong results)
+_GEMM_128 = PackedGemmConfig(128, 128, 0, 8, 3, vec=1)
+PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: PackedGemmConfig(128, 128, 0, 8, 3, tma=2, vec=1),
+                     AWQ: _GEMM_128, GGUF_IDS["Q4_K"]: _GEMM_128, GGUF_IDS["Q8_0"]: _GEMM_128}
 PACKED_GEMM_MAX_M = 512
 
 

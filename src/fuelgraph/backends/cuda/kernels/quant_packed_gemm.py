@@ -25,7 +25,9 @@ Decoding (bit for bit the format's dequantizer, as the tests check):
 * Q8_0: one FMA a weight from the f16 scale (`quant_packed._plane`, FMA_DEQ).
 * Q6_K: a scale per half plane row (`quant_packed_dot._wplane_q6k`).
 
-Split-K (split > 1) adds partial tiles by float32 atomics into a zeroed output."""
+With every load a TMA copy (tma=2, the affine formats: `_packed_gemm_tma_kernel`) the loop
+has no per-thread addresses and no register round trip of the copies. Split-K (split > 1)
+adds partial tiles by float32 atomics into a zeroed output."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -183,33 +185,9 @@ def _plane_here(KIND: tl.constexpr, words, hw, jj: tl.constexpr, h, ch, s_rows, 
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr, tile, ATOMIC: tl.constexpr,
-                PAIR: tl.constexpr, MASKED: tl.constexpr):
-    """The tile's result acc [BN, BM]: stored (in out's dtype), added by float32 atomics
-    (ATOMIC), or (PAIR: split = 2) met by the other program of the tile: a ticket from the
-    tile's counter sync_ptr[2 tile] (never reset: even = first, odd = second) decides; the
-    first writes its partial to ws_ptr[tile] and releases sync_ptr[2 tile + 1] = ticket + 1,
-    the second waits for that value, adds the partial (read past L1) and stores. Both
-    programs run by then (the second holds a ticket the first took), so the wait ends."""
-    if PAIR:
-        BN: tl.constexpr = acc.shape[0]
-        BM: tl.constexpr = acc.shape[1]
-        part = ws_ptr + tile.to(tl.int64) * (BN * BM) + \
-            (tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :])
-        ticket = tl.atomic_add(sync_ptr + 2 * tile, 1, sem="relaxed")
-        if ticket % 2 == 0:
-            tl.store(part, acc)
-            tl.debug_barrier()
-            tl.atomic_xchg(sync_ptr + 2 * tile + 1, ticket + 1, sem="release")
-        else:
-            while tl.atomic_add(sync_ptr + 2 * tile + 1, 0, sem="acquire") != ticket:
-                pass
-            acc += tl.load(part, cache_modifier=".cg")
-            if MASKED:
-                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-            else:
-                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
-    elif ATOMIC:
+def _store_tile(acc, out_ptr, o_ptrs, o_mask, ATOMIC: tl.constexpr, MASKED: tl.constexpr):
+    """The tile's result acc [BN, BM]: stored in out's dtype, or added by float32 atomics."""
+    if ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=o_mask, sem="relaxed")
     elif MASKED:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -260,34 +238,23 @@ def _half_step(KIND: tl.constexpr, acc, words, ch, h, x_ptr, x_cols, kt, pid_m, 
 
 
 @triton.jit
-def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync_ptr, M, N, kw,
-                        s_row, c_row,
+def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_row, c_row,
                         stride_x, stride_o, magic, STEPS: tl.constexpr, KIND: tl.constexpr,
                         E: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr,
                         EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, PREC: tl.constexpr,
                         D0: tl.constexpr = (0, 0, 0, 0), D1: tl.constexpr = (0, 0, 0, 0),
-                        SHFL: tl.constexpr = False, GROUP: tl.constexpr = 0,
-                        TMA_X: tl.constexpr = False, PAIR: tl.constexpr = False,
-                        VEC: tl.constexpr = False, FULL: tl.constexpr = False):
-    """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K (FULL:
-    of a chunk, 256), for
+                        SHFL: tl.constexpr = False, TMA_X: tl.constexpr = False,
+                        VEC: tl.constexpr = False):
+    """out[M, N] (+)= x[M, K] @ W.T over steps [pid_s * STEPS, ...) of 128 elements of K, for
     W's rows [pid_n * BLOCK_N, ...) and x's rows [pid_m * BLOCK_M, ...). s_ptr: the pairs
     (Q4_0 / AWQ / Q4_K, int64 [N, K / 32]) or the scales; c_ptr: NF4's code table or Q6_K's d
-    [N, K / 256] (row stride c_row). D0 / D1: per-plane exponents of `_pair_here`. GROUP > 0:
-    programs ordered in groups of GROUP row tiles (for L2 reuse of the weight tiles)."""
+    [N, K / 256] (row stride c_row). D0 / D1: per-plane exponents of `_pair_here`. TMA_X:
+    x_ptr is a host tensor descriptor of x. VEC: a step's four scales in one load."""
     HALVES: tl.constexpr = E // 128
-    if GROUP > 0:       # one flat program id: GROUP weight tiles x all x tiles, then the next
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BLOCK_M)
-        per = GROUP * n_m
-        first = (pid // per) * GROUP
-        pid_n = first + (pid % per) % GROUP
-        pid_m = (pid % per) // GROUP
-    else:
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2) if GROUP == 0 else tl.program_id(1)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = (offs_n < N)[:, None]
@@ -311,34 +278,18 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, ws_ptr, sync
     else:
         codes = 0
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if FULL:            # a whole chunk a step (4-bit formats): its words loaded once
-        for i in tl.range(STEPS, num_stages=STAGES):
-            ch = pid_s * STEPS + i
-            if EVEN_N:
-                words = tl.load(q_rows + ch * 32 + t)
-            else:
-                words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
-            acc = _half_step(KIND, acc, words, ch, 0, x_ptr, x_cols, kt, pid_m, m_ok, s_rows,
-                             z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M, D0, D1,
-                             SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
-            acc = _half_step(KIND, acc, words, ch, 1, x_ptr, x_cols, kt, pid_m, m_ok, s_rows,
-                             z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M, D0, D1,
-                             SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
-    else:
-        for i in tl.range(STEPS, num_stages=STAGES):
-            step = pid_s * STEPS + i
-            ch = step // HALVES
-            if EVEN_N:
-                words = tl.load(q_rows + ch * 32 + t)
-            else:
-                words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
-            acc = _half_step(KIND, acc, words, ch, step % HALVES, x_ptr, x_cols, kt, pid_m, m_ok,
-                             s_rows, z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M,
-                             D0, D1, SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
+    for i in tl.range(STEPS, num_stages=STAGES):
+        step = pid_s * STEPS + i
+        ch = step // HALVES
+        if EVEN_N:
+            words = tl.load(q_rows + ch * 32 + t)
+        else:
+            words = tl.load(q_rows + ch * 32 + t, mask=n_ok, other=0)
+        acc = _half_step(KIND, acc, words, ch, step % HALVES, x_ptr, x_cols, kt, pid_m, m_ok,
+                         s_rows, z_rows, c_rows, n_ok, codes, magic, E, BS, EVEN_N, EVEN_M, D0,
+                         D1, SHFL, TMA_X, VEC, PREC, BLOCK_N, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-    o_mask = n_ok & m_ok[None, :]
-    _store_tile(acc, out_ptr, o_ptrs, o_mask, ws_ptr, sync_ptr,
-                pid_n * tl.cdiv(M, BLOCK_M) + pid_m, ATOMIC, PAIR, not (EVEN_N and EVEN_M))
+    _store_tile(acc, out_ptr, o_ptrs, n_ok & m_ok[None, :], ATOMIC, not (EVEN_N and EVEN_M))
 
 
 @triton.jit
@@ -362,18 +313,13 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
 
 
 @triton.jit
-def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, ws_ptr, sync_ptr, M, N, stride_o, magic,
-                           STEPS: tl.constexpr,
-                           KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                           STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                           D1: tl.constexpr, WS: tl.constexpr, PAIR: tl.constexpr = False,
-                           FULL: tl.constexpr = False):
+def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
+                            KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                            STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
+                            D1: tl.constexpr):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
-    pairs [N, K / 32] in [BN, 4]) and, WS, the loop warp-specialized by Triton (written for 4
-    warps: a producer warpgroup issues the copies, the tile's rows split over two consumer
-    warpgroups that decode and multiply, registers moved to them with setmaxnreg, no CTA-wide
-    barrier a step). FULL: a chunk a step (STEPS counts chunks; pairs in blocks [BN, 8]).
+    pairs [N, K / 32] in [BN, 4]): no per-thread addresses, no copies through registers.
     Grid (weight tiles, x tiles, split); whole tiles and steps."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -381,83 +327,41 @@ def _packed_gemm_ws_kernel(xd, qd, sd, out_ptr, ws_ptr, sync_ptr, M, N, stride_o
     n0 = pid_n * BLOCK_N
     m0 = pid_m * BLOCK_M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if FULL:            # a chunk a step: its words and eight pairs loaded once, two dots
-        for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
-            ch = pid_s * STEPS + i
-            words = qd.load([n0, ch * 32])                               # [BN, 32]
-            prs = sd.load([n0, ch * 8])                                  # [BN, 8] int64
-            lo, hi = tl.split(tl.reshape(prs, (BLOCK_N, 2, 4)).permute(0, 2, 1))
-            acc = _tma_half(KIND, acc, words, lo, 0, xd.load([m0, ch * 256]), magic, D0, D1)
-            acc = _tma_half(KIND, acc, words, hi, 1, xd.load([m0, ch * 256 + 128]), magic, D0,
-                            D1)
-    else:
-        for i in tl.range(STEPS, num_stages=STAGES, warp_specialize=WS):
-            step = pid_s * STEPS + i
-            ch = step // 2
-            words = qd.load([n0, ch * 32])                               # [BN, 32]
-            prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                  # [BN, 4] int64
-            acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic,
-                            D0, D1)
+    for i in tl.range(STEPS, num_stages=STAGES):
+        step = pid_s * STEPS + i
+        ch = step // 2
+        words = qd.load([n0, ch * 32])                                   # [BN, 32]
+        prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                      # [BN, 4] int64
+        acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic, D0,
+                        D1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
-    _store_tile(acc, out_ptr, o_ptrs, None, ws_ptr, sync_ptr, pid_n * tl.num_programs(1) + pid_m,
-                ATOMIC, PAIR, False)
+    _store_tile(acc, out_ptr, o_ptrs, None, ATOMIC, False)
 
 
 # ---- launch ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PackedGemmConfig:
     """block_n weight rows x block_m rows of x a program (acc [block_n, block_m] float32),
-    `split` programs along K (0: only when the tiles are under half the SMs), warps, pipeline
-    stages of the loads, group: programs ordered in groups of that many weight tiles (0: a
-    3-D grid, weight tiles fastest)."""
+    `split` programs along K (0: only when the tiles are under half the SMs; partial tiles
+    added by float32 atomics), warps, pipeline stages of the loads; tma: 1 = the x tiles by
+    TMA, 2 = every load by TMA (`_packed_gemm_tma_kernel`: the affine formats on whole tiles;
+    others take 1); vec: a step's four scales (pairs) in one load rather than one a plane."""
     block_n: int = 128
     block_m: int = 128
     split: int = 0
     num_warps: int = 8
     num_stages: int = 3
-    group: int = 0
+    tma: int = 0
+    vec: int = 0
     maxnreg: int = 0
-    tma: int = 0        # x tiles by TMA (a host tensor descriptor) instead of cp.async
-    full: int = 0       # 4-bit formats: a chunk a step (the words loaded once for two dots)
-    vec: int = 0        # a step's four scales (pairs) in one load rather than one a plane
-    pair: int = 0       # split 2: the tile's two programs meet in the kernel (`_store_tile`)
-    #                     instead of float32 atomics into a zeroed output + a conversion
-    ws: int = 0         # affine formats, whole tiles: every load by TMA (`_packed_gemm_ws_kernel`);
-    #                     2: and the loop warp-specialized (num_warps: 4, the consumers' count)
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
-                f"w{self.num_warps},st{self.num_stages}"
-                + (f",g{self.group}" if self.group else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "") + (",tma" if self.tma else "")
-                + (f",ws{self.ws}" if self.ws else "") + (",pair" if self.pair else "")
+                f"w{self.num_warps},st{self.num_stages}" + (f",tma{self.tma}" if self.tma else "")
                 + (",vec" if self.vec else "")
-                + (",full" if self.full else "") + "]")
-
-
-#: device -> (float32 partial tiles, int32 tile counters / flags) of the split-2 meeting
-#: (`_store_tile`); grown as needed, never while a CUDA graph is captured. Launches on one
-#: stream at a time share them (as the runtime's plans run)
-_PAIR_WS: dict = {}
-
-
-def _pair_workspace(device, tiles: int, tile_elems: int):
-    """(partials, counters) with room for `tiles` tiles, or (None, None) where they would have
-    to be made inside a CUDA graph capture (the launch then adds by atomics)."""
-    have = _PAIR_WS.get(str(device))
-    if have is not None and have[1].numel() >= 2 * tiles and have[0].numel() >= tiles * tile_elems:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None, None
-    grown = (torch.empty(tiles * tile_elems, dtype=torch.float32, device=device),
-             torch.zeros(2 * tiles, dtype=torch.int32, device=device))
-    if have is not None:    # keep the counters' parity: replace only the partials if enough
-        if have[1].numel() >= 2 * tiles:
-            grown = (grown[0], have[1])
-    _PAIR_WS[str(device)] = grown
-    return grown
+                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -475,8 +379,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         x2 = x2.contiguous()
     m = x2.shape[0]
     e = CHUNK[fmt]
-    full = bool(cfg.full) and e == 256
-    total = k // (256 if full else 128)     # steps of 128 elements (full: of a chunk)
+    total = k // 128                    # steps of 128 elements
     n_tiles, m_tiles = _cdiv(n, cfg.block_n), _cdiv(m, cfg.block_m)
     split = cfg.split
     if split <= 0:
@@ -487,56 +390,34 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     split = _cdiv(total, steps)
     if split * steps != total:          # whole steps only: no K masks in the kernel
         split, steps = 1, total
-    ws_buf = sync = None
-    if split == 2 and cfg.pair:
-        padded = _cdiv(n_tiles, cfg.group) * cfg.group if cfg.group else n_tiles
-        ws_buf, sync = _pair_workspace(x.device, padded * m_tiles, cfg.block_n * cfg.block_m)
-    pair = ws_buf is not None
-    atomic = split > 1 and not pair
+    atomic = split > 1
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if not pair:
-        ws_buf = sync = out
+    opts = dict(STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+                STAGES=cfg.num_stages, ATOMIC=atomic, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if aff:
         scales, s_row = affine_pairs(pw), k // 32
-        d0, d1 = _DELTA[_KIND[fmt]][:4], _DELTA[_KIND[fmt]][4:]
+        opts.update(D0=_DELTA[_KIND[fmt]][:4], D1=_DELTA[_KIND[fmt]][4:])
     else:
         scales, s_row = pw.scales, pw.scales.shape[1]
-        d0 = d1 = (0, 0, 0, 0)
-    z = pw.zeros if pw.zeros is not None else scales
-    table = pw.table if fmt == Q6_K else w2 if fmt == NF4 else scales
-    c_row = pw.table.shape[1] if fmt == Q6_K else 0
-    if cfg.group:
-        grid = (_cdiv(n_tiles, cfg.group) * cfg.group * m_tiles, split)
-    else:
-        grid = (n_tiles, m_tiles, split)
     tma_ok = x2.data_ptr() % 16 == 0        # (TMA: 16-byte aligned bases)
-    if cfg.ws and aff and tma_ok and n % cfg.block_n == 0 and m % cfg.block_m == 0 and \
-            cfg.group == 0:
-        d0, d1 = _DELTA[_KIND[fmt]][:4], _DELTA[_KIND[fmt]][4:]
-        _packed_gemm_ws_kernel[(n_tiles, m_tiles, split)](
+    grid = (n_tiles, m_tiles, split)
+    if cfg.tma >= 2 and aff and tma_ok and n % cfg.block_n == 0 and m % cfg.block_m == 0:
+        _packed_gemm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
-            TensorDescriptor.from_tensor(scales, [cfg.block_n, 8 if full else 4]), out, ws_buf,
-            sync, m, n,
-            out.stride(0),
-            MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-            STAGES=cfg.num_stages, ATOMIC=atomic, D0=tuple(d0), D1=tuple(d1), WS=cfg.ws > 1,
-            PAIR=pair, FULL=full,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+            TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
+            MAGIC_BITS, **opts)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
-    tma = bool(cfg.tma) and tma_ok
-    xa = TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if tma else x2
+    tma = cfg.tma >= 1 and tma_ok
+    z = pw.zeros if pw.zeros is not None else scales
+    table = pw.table if fmt == Q6_K else w2 if fmt == NF4 else scales
     _packed_gemm_kernel[grid](
-        xa, pw.codes, scales, z, table, out, ws_buf, sync, m, n, pw.codes.shape[1], s_row, c_row,
-        x2.stride(0), out.stride(0), MAGIC_BITS, STEPS=steps, KIND=_KIND[fmt], E=e,
-        BS=32 if aff else pw.group, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-        STAGES=cfg.num_stages, ATOMIC=atomic,
-        EVEN_N=n % cfg.block_n == 0 and (cfg.group == 0 or n_tiles % cfg.group == 0),
-        EVEN_M=m % cfg.block_m == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        D0=tuple(d0), D1=tuple(d1), SHFL=fmt == NF4 and not INTERPRET, GROUP=cfg.group, TMA_X=tma,
-        PAIR=pair, VEC=bool(cfg.vec), FULL=full,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]) if tma else x2, pw.codes, scales,
+        z, table, out, m, n, pw.codes.shape[1], s_row, pw.table.shape[1] if fmt == Q6_K else 0,
+        x2.stride(0), out.stride(0), MAGIC_BITS, E=e, BS=32 if aff else pw.group,
+        EVEN_N=n % cfg.block_n == 0, EVEN_M=m % cfg.block_m == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", SHFL=fmt == NF4 and not INTERPRET,
+        TMA_X=tma, VEC=bool(cfg.vec), **opts)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
