@@ -294,7 +294,7 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
 
 @triton.jit
 def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.constexpr,
-              D1: tl.constexpr):
+              D1: tl.constexpr, DIAG: tl.constexpr = 0):
     """acc [BN, BM] += planes 4h .. 4h + 3 of words [BN, 32] (pairs prs [BN, 4]) times the x
     block x_blk [BM, 128] (transposed in shared memory for the dot)."""
     BLOCK_N: tl.constexpr = words.shape[0]
@@ -303,10 +303,16 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
     pa, pb = tl.split(tl.reshape(prs, (BLOCK_N, 2, 2)))                  # planes 0, 2 / 1, 3
     p0, p2 = tl.split(pa)
     p1, p3 = tl.split(pb)
-    w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
-    w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
-    w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
-    w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
+    if DIAG:        # benchmark diagnostics: no decode (one shift a weight; wrong values)
+        w0 = hw.to(tl.float32, bitcast=True).to(xt.dtype)
+        w1 = (hw << 4).to(tl.float32, bitcast=True).to(xt.dtype)
+        w2 = (hw << 8).to(tl.float32, bitcast=True).to(xt.dtype)
+        w3 = (hw << 12).to(tl.float32, bitcast=True).to(xt.dtype)
+    else:
+        w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
+        w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
+        w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
+        w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
     wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
     wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
     return tl.dot(wj, xt, acc)
@@ -316,7 +322,7 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
 def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
                             KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                             STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                            D1: tl.constexpr):
+                            D1: tl.constexpr, DIAG: tl.constexpr = 0):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
     pairs [N, K / 32] in [BN, 4]): no per-thread addresses, no copies through registers.
@@ -333,7 +339,7 @@ def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: t
         words = qd.load([n0, ch * 32])                                   # [BN, 32]
         prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                      # [BN, 4] int64
         acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic, D0,
-                        D1)
+                        D1, DIAG)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
@@ -356,12 +362,15 @@ class PackedGemmConfig:
     tma: int = 0
     vec: int = 0
     maxnreg: int = 0
+    diag: int = 0       # benchmarks only (all-TMA kernel): 1 = no decode, wrong values (what the
+    #                     decode costs)
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",tma{self.tma}" if self.tma else "")
                 + (",vec" if self.vec else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "") + "]")
+                + (f",r{self.maxnreg}" if self.maxnreg else "")
+                + (f",diag{self.diag}" if self.diag else "") + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -408,7 +417,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
             TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
-            MAGIC_BITS, **opts)
+            MAGIC_BITS, DIAG=cfg.diag, **opts)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     tma = cfg.tma >= 1 and tma_ok
     z = pw.zeros if pw.zeros is not None else scales
