@@ -126,7 +126,7 @@ def test_packed_gemm_in_a_cuda_graph():
     (no pairs made inside a capture); made eagerly afterwards, a new capture uses the GEMM."""
     args, n, k, want = _weight("Q4_0", np.random.default_rng(15), 64)
     fid, w0, w1, w2, i0 = args
-    cfg = PackedGemmConfig(64, 64, 1, 4, 2)
+    cfg = PackedGemmConfig(64, 64, 1, 4, 2, tma=2)                 # (TMA descriptors too)
     x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
     K.run(fid, x, w0, w1, w2, i0, k, n, config="dequant_rows")     # warm up outside
     P.packed_weight(fid, w0, w1, w2, i0, k, n)                      # the copy, no pairs yet
