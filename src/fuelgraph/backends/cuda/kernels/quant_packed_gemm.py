@@ -72,6 +72,8 @@ def _pair_here(KIND: tl.constexpr, pr, jj: tl.constexpr, h, D0: tl.constexpr,
     representable, so exact. Q4_K's b = -dmin m has no SH in it."""
     a = pr.to(tl.int32).to(tl.float32, bitcast=True)
     b = (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    if D0 == 0 and D1 == 0:     # the pair is already at this view (AWQ, `gemm_pairs`)
+        return a, b
     if D0 == D1:
         f = 2.0 ** D0
         c = 8388608.0 - 2.0 ** (23 + D0)
@@ -347,6 +349,38 @@ def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: t
 
 
 # ---- launch ---------------------------------------------------------------------------------
+def gemm_pairs(pw) -> torch.Tensor:
+    """The GEMV pairs (`affine_pairs`) moved to this kernel's views once per packed copy
+    (cached with it, 0.25 bytes a weight more): a 2^D and, for Q4_0 / AWQ, b + a (2^23 -
+    2^(23 + D)) formed in float64 (both products and the sum exact there) and rounded once to
+    the exact float32 value `_pair_here` forms with an FMA; the kernel then takes D = 0. AWQ's
+    D are all 0: its GEMV pairs are these."""
+    if pw.fmt == AWQ:
+        return affine_pairs(pw)
+    hit = pw.extra.get("affine_gemm")
+    if hit is not None:
+        return hit
+    pairs = affine_pairs(pw)
+    ab = pairs.view(torch.float32).reshape(pw.n, pw.k // 32, 2)
+    d = torch.tensor(_DELTA[_KIND[pw.fmt]], dtype=torch.float64, device=ab.device)
+    d = d.repeat(pw.k // 256)                                          # per plane, 8 a chunk
+    a = ab[..., 0].double()
+    b = ab[..., 1].double()
+    if pw.fmt != Q4_K:
+        b = b + a * (2.0 ** 23 - torch.exp2(23 + d))
+    moved = torch.stack([(a * torch.exp2(d)).float(), b.float()], dim=-1)
+    out = moved.contiguous().view(torch.int64).reshape(pw.n, pw.k // 32)
+    pw.extra["affine_gemm"] = out
+    return out
+
+
+def _gemm_pairs_ready(pw) -> bool:
+    """As `affine_ready`, for `gemm_pairs` (never made inside a CUDA graph capture)."""
+    if pw.fmt == AWQ or "affine_gemm" in pw.extra:
+        return affine_ready(pw)
+    return not (pw.codes.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 @dataclass(frozen=True)
 class PackedGemmConfig:
     """block_n weight rows x block_m rows of x a program (acc [block_n, block_m] float32),
@@ -362,6 +396,7 @@ class PackedGemmConfig:
     tma: int = 0
     vec: int = 0
     maxnreg: int = 0
+    own: int = 0        # Q4_0 / Q4_K: pairs moved to the kernel's views once (`gemm_pairs`)
     diag: int = 0       # benchmarks only (all-TMA kernel): 1 = no decode, wrong values (what the
     #                     decode costs)
 
@@ -370,6 +405,7 @@ class PackedGemmConfig:
                 f"w{self.num_warps},st{self.num_stages}" + (f",tma{self.tma}" if self.tma else "")
                 + (",vec" if self.vec else "")
                 + (f",r{self.maxnreg}" if self.maxnreg else "")
+                + (",own" if self.own else "")
                 + (f",diag{self.diag}" if self.diag else "") + "]")
 
 
@@ -381,7 +417,8 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     cfg = config or PackedGemmConfig()
     pw = packed_weight(fmt, w0, w1, w2, i0, k, n)
     aff = fmt in AFFINE_FORMATS
-    if aff and not affine_ready(pw):
+    own = aff and bool(cfg.own)
+    if aff and not (_gemm_pairs_ready(pw) if own else affine_ready(pw)):
         return None
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -405,7 +442,10 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     opts = dict(STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                 STAGES=cfg.num_stages, ATOMIC=atomic, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if aff:
+    if own:
+        scales, s_row = gemm_pairs(pw), k // 32
+        opts.update(D0=(0, 0, 0, 0), D1=(0, 0, 0, 0))
+    elif aff:
         scales, s_row = affine_pairs(pw), k // 32
         opts.update(D0=_DELTA[_KIND[fmt]][:4], D1=_DELTA[_KIND[fmt]][4:])
     else:
