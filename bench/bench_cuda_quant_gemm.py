@@ -52,8 +52,8 @@ _OLD = "dequant_rows"
 #: diag=1: the same loop without the decode (wrong values, timed anyway): what decoding costs;
 #: own=1: the pairs moved to the kernel's views once (Q4_0 SASS 7.50 -> 6.86 a weight)
 CANDIDATES = {"Q4_0": [_OLD, _T2, G(128, 128, 1, 8, 4, tma=2), G(128, 128, 1, 8, 2, tma=2),
-                       _T2_HALF, G(64, 128, 1, 4, 3, tma=2), G(64, 256, 1, 4, 2, tma=2),
-                       G(128, 128, 1, 8, 3, tma=2, diag=1), G(128, 128, 1, 8, 3, tma=2, own=1)],
+                       _T2_HALF, G(64, 256, 1, 4, 2, tma=2), G(128, 128, 1, 8, 3, tma=2, diag=1),
+                       G(128, 128, 1, 8, 3, tma=2, own=1)],
               "awq": [K.AWQ_GEMM, _T2, _T2_HALF], "Q4_K": [_OLD, _T2, _T2_HALF, G(128, 128, 1, 8, 3, tma=2, own=1)],
               "Q8_0": [_OLD, _VEC, G(128, 128, 1, 8, 3, tma=1, vec=1), G(64, 128, 1, 4, 2, vec=1)],
               "nf4": [G(64, 128, 1, 4, 2, vec=1), G(128, 128, 1, 8, 3, tma=1, vec=1)],
