@@ -35,29 +35,21 @@ DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
 G = PackedGemmConfig
 #: per format: the previous default (the dense copy + cuBLAS; AWQ's storage-order fused GEMM),
 #: then packed-copy GEMM candidates (block_n, block_m, split, warps, stages[, tma, vec]).
-#: Round 1 (session 8, H200, M = 256, dense cuBLAS 0.0552 ms): Q4_0 with every load by TMA
-#: (tma=2, 128 x 128, 3 stages) 0.0843, with cp.async loads and a step's scales in one load
-#: (vec) 0.0985 (one load a plane 0.1224), 4 stages 0.1003, a chunk a step 0.1144 (all-TMA
-#: 0.1200), 64 x 256 on 8 warps 0.1346, 128 x 256 split 2 all-TMA 0.1003 (meeting in the
-#: kernel 0.1025), Triton's warp-specialized loop wrong (NaN); AWQ vec 0.0985 (storage-order
-#: GEMM 0.1437); Q4_K vec 0.1025, 128 x 256 split 2 0.1006 (0.1236); Q8_0 vec 0.0934 (0.1241);
-#: NF4 vec 0.1251 (dense copy 0.1053, bitsandbytes 0.1279); Q6_K 0.1757 (0.1305).
-#: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88, 64 x 128
-#: on 4 warps with tma=2 (229 registers, 92 KB shared: two programs an SM, one's decoding
-#: under the other's wgmma) 7.52
+#: Session 8, H200, M = 256 (dense cuBLAS 0.0552 / 0.0538 ms in the two runs), ms:
+#: * Q4_0: every load by TMA (tma=2, 128 x 128, 8 warps, 3 stages) 0.0843 / 0.0856; cp.async
+#:   loads and a step's scales in one load (vec) 0.0985, one load a plane 0.1224; 2 / 4 stages
+#:   0.1373 / 0.0869; a chunk a step 0.1144 (all-TMA 0.1200); 64 x 128 on 4 warps (two programs
+#:   an SM) 0.1018; 64 x 256 0.1184 (4 warps) / 0.1346 (8); 128 x 256 split 2 0.1003 (meeting
+#:   in the kernel 0.1025); the pairs moved to the kernel's views once 0.0861; Triton's warp-
+#:   specialized loop wrong (NaN); the loop without any decode 0.0639. Dense copy 0.1238.
+#: * AWQ tma=2 0.0862, vec 0.0954 (storage-order GEMM 0.1441); Q4_K tma=2 0.0897, vec 0.1024
+#:   (0.1220); Q8_0 x by TMA + vec 0.0886, vec 0.0936 (0.1234); NF4 0.1151 (dense copy 0.1050,
+#:   bitsandbytes 0.1273); Q6_K 0.1757 (0.1305). M = 1024 Q4_0: 0.3480 vs 0.2588 (dense copy).
+#: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88
 _T2 = G(128, 128, 1, 8, 3, tma=2)
-_T2_HALF = G(64, 128, 1, 4, 2, tma=2)
-_VEC = G(128, 128, 1, 8, 3, vec=1)
 _OLD = "dequant_rows"
-#: diag=1: the same loop without the decode (wrong values, timed anyway): what decoding costs;
-#: own=1: the pairs moved to the kernel's views once (Q4_0 SASS 7.50 -> 6.86 a weight)
-CANDIDATES = {"Q4_0": [_OLD, _T2, G(128, 128, 1, 8, 4, tma=2), G(128, 128, 1, 8, 2, tma=2),
-                       _T2_HALF, G(64, 256, 1, 4, 2, tma=2), G(128, 128, 1, 8, 3, tma=2, diag=1),
-                       G(128, 128, 1, 8, 3, tma=2, own=1)],
-              "awq": [K.AWQ_GEMM, _T2, _T2_HALF], "Q4_K": [_OLD, _T2, _T2_HALF, G(128, 128, 1, 8, 3, tma=2, own=1)],
-              "Q8_0": [_OLD, _VEC, G(128, 128, 1, 8, 3, tma=1, vec=1), G(64, 128, 1, 4, 2, vec=1)],
-              "nf4": [G(64, 128, 1, 4, 2, vec=1), G(128, 128, 1, 8, 3, tma=1, vec=1)],
-              "Q6_K": [G(128, 128, 1, 8, 3, vec=1)]}
+CANDIDATES = {"Q4_0": [_OLD, _T2], "awq": [K.AWQ_GEMM], "Q4_K": [_OLD], "Q8_0": [_OLD],
+              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -101,7 +93,7 @@ def main():
 
     def record(op, impl, m, ms, nbytes):
         kind = "default" if impl.endswith("[default]") or op == "dense" else \
-            "diag" if "diag" in impl else "fused" if "packed_gemm" in impl else "anchor"
+            "fused" if "packed_gemm" in impl else "anchor"
         key = (op, m, kind)
         if key not in best or ms < best[key][0]:
             best[key] = (ms, impl)
@@ -140,7 +132,7 @@ def main():
                 except Exception as exc:  # noqa: BLE001
                     print(f"{op:5s} M={m:<4d} {tag:52s} FAILED {str(exc)[:300]!r}", flush=True)
                     continue
-                if not ok and not getattr(cfg, "diag", 0):
+                if not ok:
                     print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
                     continue
                 if args.compile_only:

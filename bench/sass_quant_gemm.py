@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3,2;128,128,1,8,3,0,1"]
-        (block_n,block_m,split,warps,stages[,tma[,vec[,maxnreg[,own]]]])
+        (block_n,block_m,split,warps,stages[,tma[,vec]])
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def source(fmt, cfg, steps=32):
     kind = _KIND[fmt]
     aff = kind in (0, 2, 4)
     out = "*fp32" if cfg.split > 1 else "*bf16"
-    d = (0,) * 8 if cfg.own else G._DELTA.get(kind, (0,) * 8)
+    d = G._DELTA.get(kind, (0,) * 8)
     if cfg.tma >= 2 and aff:
         sig = {"xd": f"tensordesc<bf16[{cfg.block_m}, 128]>",
                "qd": f"tensordesc<i32[{cfg.block_n}, 32]>",
@@ -94,8 +94,6 @@ def mma_loop_stats(cubin: bytes):
 
 def report(name, fmt, cfg):
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.maxnreg:
-        opts["maxnreg"] = cfg.maxnreg
     try:
         k = triton.compile(source(fmt, cfg), target=TARGET, options=opts)
     except Exception as exc:  # noqa: BLE001

@@ -73,17 +73,14 @@ def _weight(fmt, rng, n, edge=False):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_gemm_decodes_bit_exact(fmt):
     """x = the float32 identity: out[m, n] = W[n, m] exactly, the format's dequantizer's value
-    (rows whose weights are all finite; zero signs aside); Q4_0 / Q4_K also from the pairs
-    moved to the kernel's views once (own)."""
+    (rows whose weights are all finite; zero signs aside)."""
     args, n, k, want = _weight(fmt, np.random.default_rng(41), 16, edge=fmt != "NF4")
     fid, w0, w1, w2, i0 = args
     x = torch.eye(k, dtype=torch.float32).to(DEV)
     fin = np.isfinite(want).all(axis=1)
-    for own in (0, 1) if fmt in ("Q4_0", "Q4_K") else (0,):    # the pairs moved once
-        got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n,
-                              config=PackedGemmConfig(64, 64, 1, 4, 2, own=own))
-        got = got.cpu().numpy().T
-        same_bits(got[fin] + 0.0, want[fin] + 0.0)
+    got = run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=PackedGemmConfig(64, 64, 1, 4, 2))
+    got = got.cpu().numpy().T
+    same_bits(got[fin] + 0.0, want[fin] + 0.0)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -102,12 +99,12 @@ def test_packed_gemm_product(fmt, variant):
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
 def test_packed_gemm_all_tma(fmt):
     """The affine formats' all-TMA kernel on whole tiles (N = 64, M = 64; split 2 by atomics
-    for AWQ and Q4_K; Q4_0 / Q4_K with their pairs moved once)."""
+    for AWQ and Q4_K)."""
     args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
     dt = torch.float32 if INTERPRET else torch.bfloat16
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
     fid, w0, w1, w2, i0 = args
-    cfg = PackedGemmConfig(16, 32, 2 if fmt != "Q4_0" else 1, 4, 2, tma=2, own=int(fmt != "AWQ"))
+    cfg = PackedGemmConfig(16, 32, 2 if fmt != "Q4_0" else 1, 4, 2, tma=2)
     check_product(run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T, dt)
 
 

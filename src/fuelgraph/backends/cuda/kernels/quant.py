@@ -249,16 +249,22 @@ def _with_dot(fmt, route):
 #: (`quant_packed_gemm`) for the formats listed (float32 x, shapes the copy rejects and, while
 #: a CUDA graph is captured before the affine pairs exist, MANY_ROWS_FALLBACK)
 #: H200, N = K = 8192, M = 256, bf16, CUDA-graph medians (bench_cuda_quant_gemm.py, session 8,
-#: dense cuBLAS 0.0552 ms in the same run): Q4_0 with every load by TMA 0.0843 ms (the dense
-#: copy + cuBLAS 0.1251; with cp.async loads 0.0985, one load a plane 0.1224); AWQ 0.0985
-#: (its storage-order GEMM 0.1437); Q4_K 0.1025 (0.1236); Q8_0 0.0934 (0.1241). NF4 (0.1251
-#: vs its dense copy 0.1053) and Q6_K (0.1757 vs 0.1305) keep the dense copy. Lost: a chunk a
-#: step (Q4_0 0.1144), 64 x 256 tiles (0.1346), 128 x 256 split 2 (0.1003; meeting in the
-#: kernel instead of atomics 0.1025), Triton's warp-specialized loop (wrong results)
-_GEMM_128 = PackedGemmConfig(128, 128, 0, 8, 3, vec=1)
-PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: PackedGemmConfig(128, 128, 0, 8, 3, tma=2, vec=1),
-                     AWQ: _GEMM_128, GGUF_IDS["Q4_K"]: _GEMM_128, GGUF_IDS["Q8_0"]: _GEMM_128}
-PACKED_GEMM_MAX_M = 512
+#: two runs; dense cuBLAS 0.0552 / 0.0538 ms): every load by TMA (tma=2, 128 x 128 tiles, 3
+#: stages) Q4_0 0.0843 / 0.0856 ms (the dense copy + cuBLAS 0.1251 / 0.1238), AWQ 0.0862 (its
+#: storage-order GEMM 0.1441), Q4_K 0.0897 (0.1220); Q8_0 with x by TMA and a step's scales in
+#: one load 0.0886 (0.1234). NF4 (0.1151 vs its dense copy 0.1050) and Q6_K (0.1757 vs
+#: 0.1305) keep the dense copy. The same loop without any decoding runs 0.0639 (the structure:
+#: a shared-memory layout conversion of the decoded tile and CTA barriers a step), the decode
+#: adds ~0.022. Lost: cp.async loads (Q4_0 0.0985, one load a plane 0.1224), 2 / 4 stages
+#: (0.1373 / 0.0869), a chunk a step (0.1144), 64 x 128 tiles on 4 warps, two programs an SM
+#: (0.1018), 64 x 256 (0.1184 / 0.1346), 128 x 256 split 2 (0.1003; meeting in the kernel
+#: instead of atomics 0.1025), the pairs moved to the kernel's views once (0.0861), Triton's
+#: warp-specialized loop (wrong results). M = 1024: 0.3480 vs the dense copy's 0.2588: above
+#: one wave of 128 x 128 tiles the dense copy + cuBLAS wins (estimated crossover below 512)
+_GEMM_TMA = PackedGemmConfig(128, 128, 0, 8, 3, tma=2, vec=1)
+PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: _GEMM_TMA, AWQ: _GEMM_TMA, GGUF_IDS["Q4_K"]: _GEMM_TMA,
+                     GGUF_IDS["Q8_0"]: PackedGemmConfig(128, 128, 0, 8, 3, tma=1, vec=1)}
+PACKED_GEMM_MAX_M = 256
 
 
 def _with_gemm(fmt, route):

@@ -27,7 +27,14 @@ Decoding (bit for bit the format's dequantizer, as the tests check):
 
 With every load a TMA copy (tma=2, the affine formats: `_packed_gemm_tma_kernel`) the loop
 has no per-thread addresses and no register round trip of the copies. Split-K (split > 1)
-adds partial tiles by float32 atomics into a zeroed output."""
+adds partial tiles by float32 atomics into a zeroed output.
+
+Where the time goes (H200, N = K = 8192, M = 256, 128 x 128 tiles, one wave of 128 programs):
+0.0856 ms against dense cuBLAS's 0.054; the same loop with the decode replaced by one shift a
+weight runs 0.064, so the loop's structure (the decoded tile's layout conversion through
+shared memory into the wgmma's register operand, with CTA-wide barriers a step: the decode of
+one step hardly overlaps the tensor cores' work on the previous one) costs as much as the
+decode's ~0.022 (sm_90 SASS: ~7 instructions a weight, 3.3 of them the decode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,7 +79,7 @@ def _pair_here(KIND: tl.constexpr, pr, jj: tl.constexpr, h, D0: tl.constexpr,
     representable, so exact. Q4_K's b = -dmin m has no SH in it."""
     a = pr.to(tl.int32).to(tl.float32, bitcast=True)
     b = (pr >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    if D0 == 0 and D1 == 0:     # the pair is already at this view (AWQ, `gemm_pairs`)
+    if D0 == 0 and D1 == 0:     # the pair is already at this view (AWQ)
         return a, b
     if D0 == D1:
         f = 2.0 ** D0
@@ -296,7 +303,7 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
 
 @triton.jit
 def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.constexpr,
-              D1: tl.constexpr, DIAG: tl.constexpr = 0):
+              D1: tl.constexpr):
     """acc [BN, BM] += planes 4h .. 4h + 3 of words [BN, 32] (pairs prs [BN, 4]) times the x
     block x_blk [BM, 128] (transposed in shared memory for the dot)."""
     BLOCK_N: tl.constexpr = words.shape[0]
@@ -305,16 +312,10 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
     pa, pb = tl.split(tl.reshape(prs, (BLOCK_N, 2, 2)))                  # planes 0, 2 / 1, 3
     p0, p2 = tl.split(pa)
     p1, p3 = tl.split(pb)
-    if DIAG:        # benchmark diagnostics: no decode (one shift a weight; wrong values)
-        w0 = hw.to(tl.float32, bitcast=True).to(xt.dtype)
-        w1 = (hw << 4).to(tl.float32, bitcast=True).to(xt.dtype)
-        w2 = (hw << 8).to(tl.float32, bitcast=True).to(xt.dtype)
-        w3 = (hw << 12).to(tl.float32, bitcast=True).to(xt.dtype)
-    else:
-        w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
-        w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
-        w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
-        w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
+    w0 = _affine_word_plane(KIND, hw, 0, h, p0[:, None], magic, D0[0], D1[0]).to(xt.dtype)
+    w1 = _affine_word_plane(KIND, hw, 1, h, p1[:, None], magic, D0[1], D1[1]).to(xt.dtype)
+    w2 = _affine_word_plane(KIND, hw, 2, h, p2[:, None], magic, D0[2], D1[2]).to(xt.dtype)
+    w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
     wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
     wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
     return tl.dot(wj, xt, acc)
@@ -324,7 +325,7 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
 def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
                             KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                             STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                            D1: tl.constexpr, DIAG: tl.constexpr = 0):
+                            D1: tl.constexpr):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
     pairs [N, K / 32] in [BN, 4]): no per-thread addresses, no copies through registers.
@@ -341,7 +342,7 @@ def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: t
         words = qd.load([n0, ch * 32])                                   # [BN, 32]
         prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                      # [BN, 4] int64
         acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic, D0,
-                        D1, DIAG)
+                        D1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
@@ -349,38 +350,6 @@ def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: t
 
 
 # ---- launch ---------------------------------------------------------------------------------
-def gemm_pairs(pw) -> torch.Tensor:
-    """The GEMV pairs (`affine_pairs`) moved to this kernel's views once per packed copy
-    (cached with it, 0.25 bytes a weight more): a 2^D and, for Q4_0 / AWQ, b + a (2^23 -
-    2^(23 + D)) formed in float64 (both products and the sum exact there) and rounded once to
-    the exact float32 value `_pair_here` forms with an FMA; the kernel then takes D = 0. AWQ's
-    D are all 0: its GEMV pairs are these."""
-    if pw.fmt == AWQ:
-        return affine_pairs(pw)
-    hit = pw.extra.get("affine_gemm")
-    if hit is not None:
-        return hit
-    pairs = affine_pairs(pw)
-    ab = pairs.view(torch.float32).reshape(pw.n, pw.k // 32, 2)
-    d = torch.tensor(_DELTA[_KIND[pw.fmt]], dtype=torch.float64, device=ab.device)
-    d = d.repeat(pw.k // 256)                                          # per plane, 8 a chunk
-    a = ab[..., 0].double()
-    b = ab[..., 1].double()
-    if pw.fmt != Q4_K:
-        b = b + a * (2.0 ** 23 - torch.exp2(23 + d))
-    moved = torch.stack([(a * torch.exp2(d)).float(), b.float()], dim=-1)
-    out = moved.contiguous().view(torch.int64).reshape(pw.n, pw.k // 32)
-    pw.extra["affine_gemm"] = out
-    return out
-
-
-def _gemm_pairs_ready(pw) -> bool:
-    """As `affine_ready`, for `gemm_pairs` (never made inside a CUDA graph capture)."""
-    if pw.fmt == AWQ or "affine_gemm" in pw.extra:
-        return affine_ready(pw)
-    return not (pw.codes.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 @dataclass(frozen=True)
 class PackedGemmConfig:
     """block_n weight rows x block_m rows of x a program (acc [block_n, block_m] float32),
@@ -395,18 +364,11 @@ class PackedGemmConfig:
     num_stages: int = 3
     tma: int = 0
     vec: int = 0
-    maxnreg: int = 0
-    own: int = 0        # Q4_0 / Q4_K: pairs moved to the kernel's views once (`gemm_pairs`)
-    diag: int = 0       # benchmarks only (all-TMA kernel): 1 = no decode, wrong values (what the
-    #                     decode costs)
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",tma{self.tma}" if self.tma else "")
-                + (",vec" if self.vec else "")
-                + (f",r{self.maxnreg}" if self.maxnreg else "")
-                + (",own" if self.own else "")
-                + (f",diag{self.diag}" if self.diag else "") + "]")
+                + (",vec" if self.vec else "") + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -417,8 +379,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     cfg = config or PackedGemmConfig()
     pw = packed_weight(fmt, w0, w1, w2, i0, k, n)
     aff = fmt in AFFINE_FORMATS
-    own = aff and bool(cfg.own)
-    if aff and not (_gemm_pairs_ready(pw) if own else affine_ready(pw)):
+    if aff and not affine_ready(pw):
         return None
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -441,11 +402,8 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     opts = dict(STEPS=steps, KIND=_KIND[fmt], BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
                 STAGES=cfg.num_stages, ATOMIC=atomic, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if own:
-        scales, s_row = gemm_pairs(pw), k // 32
-        opts.update(D0=(0, 0, 0, 0), D1=(0, 0, 0, 0))
-    elif aff:
+                num_stages=cfg.num_stages)
+    if aff:
         scales, s_row = affine_pairs(pw), k // 32
         opts.update(D0=_DELTA[_KIND[fmt]][:4], D1=_DELTA[_KIND[fmt]][4:])
     else:
@@ -457,7 +415,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
             TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
-            MAGIC_BITS, DIAG=cfg.diag, **opts)
+            MAGIC_BITS, **opts)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     tma = cfg.tma >= 1 and tma_ok
     z = pw.zeros if pw.zeros is not None else scales
