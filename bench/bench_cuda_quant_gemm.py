@@ -147,7 +147,7 @@ def main():
                 record(op, f"fuelgraph[{tag}]", m, ms, nbytes)
             if op == "nf4" and not args.compile_only and args.pick is None:
                 _bnb_anchor(x, n, k, g, record, m, args.rep)
-        del fn, w
+        fn = w = None       # (frees the weight before the next format)
         torch.cuda.empty_cache()
     print("summary (ms): op M default | best packed GEMM | dense cuBLAS | best other")
     for (op, m, kind), (ms, impl) in best.items():

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from sass_common import TARGET, loop_stats  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_packed_gemm as G  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed import _KIND, CHUNK  # noqa: E402
-from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4, Q4_K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(16)}
 

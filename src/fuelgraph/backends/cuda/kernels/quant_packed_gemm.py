@@ -45,10 +45,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .common import num_sms
-from .quant_packed import (_KIND, AFFINE_FORMATS, AFFINE_SHIFTS, AWQ, CHUNK, INTERPRET,
-                           MAGIC_BITS, NF4, PACKED_FORMATS, Q4_0, Q4_K, Q6_K, _cdiv,
-                           _lane_codes, _nf4_lookup, _nf4_shfl, _plane, affine_pairs,
-                           affine_ready, packable, packed_weight)
+from .quant_packed import (_KIND, AFFINE_FORMATS, AFFINE_SHIFTS, CHUNK, INTERPRET, MAGIC_BITS,
+                           NF4, PACKED_FORMATS, Q6_K, _cdiv, _lane_codes, _nf4_lookup, _nf4_shfl,
+                           _plane, affine_pairs, affine_ready, packed_weight)
 from .quant_packed_dot import _wplane_q6k
 
 #: formats of the GEMM
