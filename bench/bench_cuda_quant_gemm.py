@@ -48,7 +48,11 @@ G = PackedGemmConfig
 #: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88
 _T2 = G(128, 128, 1, 8, 3, tma=2)
 _OLD = "dequant_rows"
-CANDIDATES = {"Q4_0": [_OLD, _T2], "awq": [K.AWQ_GEMM], "Q4_K": [_OLD], "Q8_0": [_OLD],
+#: x as the wgmma's left operand, the decoded tile its right one from shared memory (x_left:
+#: SASS 7.50 -> 6.41 a weight, no read-back of the tile, 174 registers)
+_XL = G(128, 128, 1, 8, 3, tma=2, x_left=1)
+CANDIDATES = {"Q4_0": [_OLD, _T2, _XL], "awq": [K.AWQ_GEMM, _XL], "Q4_K": [_OLD, _XL],
+              "Q8_0": [_OLD],
               "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
 
 
