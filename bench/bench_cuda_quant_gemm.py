@@ -45,14 +45,14 @@ G = PackedGemmConfig
 #: * AWQ tma=2 0.0862, vec 0.0954 (storage-order GEMM 0.1441); Q4_K tma=2 0.0897, vec 0.1024
 #:   (0.1220); Q8_0 x by TMA + vec 0.0886, vec 0.0936 (0.1234); NF4 0.1151 (dense copy 0.1050,
 #:   bitsandbytes 0.1273); Q6_K 0.1757 (0.1305). M = 1024 Q4_0: 0.3480 vs 0.2588 (dense copy).
+#: Round 3: Q4_0 0.0861 (defaults), AWQ 0.0854, Q4_K 0.0885, Q8_0 0.0881, NF4 dense copy 0.1046,
+#: Q6_K 0.1285, dense cuBLAS 0.0549; x as the wgmma's left operand (the decoded tile its right
+#: one from shared memory) lost: Q4_0 0.0927, AWQ 0.0914, Q4_K 0.0944. M = 128 Q4_0: 0.0522
+#: (split 2 by atomics) vs 0.1151 (dense copy), dense cuBLAS 0.0352.
 #: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88
 _T2 = G(128, 128, 1, 8, 3, tma=2)
 _OLD = "dequant_rows"
-#: x as the wgmma's left operand, the decoded tile its right one from shared memory (x_left:
-#: SASS 7.50 -> 6.41 a weight, no read-back of the tile, 174 registers)
-_XL = G(128, 128, 1, 8, 3, tma=2, x_left=1)
-CANDIDATES = {"Q4_0": [_OLD, _T2, _XL], "awq": [K.AWQ_GEMM, _XL], "Q4_K": [_OLD, _XL],
-              "Q8_0": [_OLD],
+CANDIDATES = {"Q4_0": [_OLD, _T2], "awq": [K.AWQ_GEMM], "Q4_K": [_OLD], "Q8_0": [_OLD],
               "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
 
 

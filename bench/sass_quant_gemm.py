@@ -6,7 +6,7 @@ memory, the SASS instructions of the main loop per weight element of the program
 
     python3 bench/sass_quant_gemm.py [--fmt Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K]
                                      [--cfg "128,128,1,8,3,2;128,128,1,8,3,0,1"]
-        (block_n,block_m,split,warps,stages[,tma[,vec[,x_left]]])
+        (block_n,block_m,split,warps,stages[,tma[,vec]])
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ def source(fmt, cfg, steps=32):
                "sd": f"tensordesc<i64[{cfg.block_n}, 4]>", "out_ptr": out, "M": "i32",
                "N": "i32", "stride_o": "i32", "magic": "i32"}
         cons = dict(STEPS=steps, KIND=kind, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-                    STAGES=cfg.num_stages, ATOMIC=cfg.split > 1, D0=d[:4], D1=d[4:],
-                    X_LEFT=bool(cfg.x_left))
+                    STAGES=cfg.num_stages, ATOMIC=cfg.split > 1, D0=d[:4], D1=d[4:])
         return ASTSource(G._packed_gemm_tma_kernel, sig, cons,
                          attrs={(3,): [["tt.divisibility", 16]]})
     sdt = "*i64" if aff else {NF4: "*fp32", GGUF_IDS["Q6_K"]: "*u8"}.get(fmt, "*fp16")

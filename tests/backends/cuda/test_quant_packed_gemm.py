@@ -99,15 +99,13 @@ def test_packed_gemm_product(fmt, variant):
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ", "Q4_K"])
 def test_packed_gemm_all_tma(fmt):
     """The affine formats' all-TMA kernel on whole tiles (N = 64, M = 64; split 2 by atomics
-    for AWQ and Q4_K), the weight as the dot's left or (x_left, 64-row tiles) right operand."""
+    for AWQ and Q4_K)."""
     args, n, k, want = _weight(fmt, np.random.default_rng(9), 64)
     dt = torch.float32 if INTERPRET else torch.bfloat16
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(4)).to(dt).to(DEV)
     fid, w0, w1, w2, i0 = args
-    for x_left in (0, 1):   # x as the dot's left operand too
-        cfg = PackedGemmConfig(64 if x_left else 16, 32, 2 if fmt != "Q4_0" else 1, 4, 2,
-                               tma=2, x_left=x_left)
-        check_product(run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T, dt)
+    cfg = PackedGemmConfig(16, 32, 2 if fmt != "Q4_0" else 1, 4, 2, tma=2)
+    check_product(run_packed_gemm(fid, x, w0, w1, w2, i0, k, n, config=cfg), x, want.T, dt)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])

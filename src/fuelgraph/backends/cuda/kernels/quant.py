@@ -259,7 +259,9 @@ def _with_dot(fmt, route):
 #: (0.1373 / 0.0869), a chunk a step (0.1144), 64 x 128 tiles on 4 warps, two programs an SM
 #: (0.1018), 64 x 256 (0.1184 / 0.1346), 128 x 256 split 2 (0.1003; meeting in the kernel
 #: instead of atomics 0.1025), the pairs moved to the kernel's views once (0.0861), Triton's
-#: warp-specialized loop (wrong results). M = 1024: 0.3480 vs the dense copy's 0.2588: above
+#: warp-specialized loop (wrong results), x as the wgmma's left operand (Q4_0 0.0927). Third
+#: run, these defaults: Q4_0 0.0861, AWQ 0.0854, Q4_K 0.0885, Q8_0 0.0881 (dense 0.0549); M =
+#: 128: Q4_0 0.0522 (split 2) vs 0.1151. M = 1024: 0.3480 vs the dense copy's 0.2588: above
 #: one wave of 128 x 128 tiles the dense copy + cuBLAS wins (estimated crossover below 512)
 _GEMM_TMA = PackedGemmConfig(128, 128, 0, 8, 3, tma=2, vec=1)
 PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: _GEMM_TMA, AWQ: _GEMM_TMA, GGUF_IDS["Q4_K"]: _GEMM_TMA,

@@ -302,11 +302,9 @@ def _packed_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, c_ptr, out_ptr, M, N, kw, s_
 
 @triton.jit
 def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.constexpr,
-              D1: tl.constexpr, X_LEFT: tl.constexpr = False):
+              D1: tl.constexpr):
     """acc [BN, BM] += planes 4h .. 4h + 3 of words [BN, 32] (pairs prs [BN, 4]) times the x
-    block x_blk [BM, 128] (transposed in shared memory for the dot); X_LEFT: acc [BM, BN] +=
-    x_blk @ W.T (x the wgmma's shared-memory left operand, the decoded tile its right one:
-    stored to shared memory once, not read back into registers)."""
+    block x_blk [BM, 128] (transposed in shared memory for the dot)."""
     BLOCK_N: tl.constexpr = words.shape[0]
     xt = tl.trans(x_blk)                                                  # [128, BM]
     hw = words >> (16 * h)
@@ -319,8 +317,6 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
     w3 = _affine_word_plane(KIND, hw, 3, h, p3[:, None], magic, D0[3], D1[3]).to(xt.dtype)
     wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))
     wj = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_N, 128))
-    if X_LEFT:
-        return tl.dot(x_blk, tl.trans(wj), acc)
     return tl.dot(wj, xt, acc)
 
 
@@ -328,7 +324,7 @@ def _tma_half(KIND: tl.constexpr, acc, words, prs, h, x_blk, magic, D0: tl.const
 def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: tl.constexpr,
                             KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                             STAGES: tl.constexpr, ATOMIC: tl.constexpr, D0: tl.constexpr,
-                            D1: tl.constexpr, X_LEFT: tl.constexpr = False):
+                            D1: tl.constexpr):
     """The affine formats (Q4_0 / AWQ / Q4_K) with every load a TMA copy (host descriptors:
     xd of x [M, K] in blocks [BM, 128], qd of the codes [N, K / 8] in [BN, 32], sd of the
     pairs [N, K / 32] in [BN, 4]): no per-thread addresses, no copies through registers.
@@ -338,23 +334,17 @@ def _packed_gemm_tma_kernel(xd, qd, sd, out_ptr, M, N, stride_o, magic, STEPS: t
     pid_s = tl.program_id(2)
     n0 = pid_n * BLOCK_N
     m0 = pid_m * BLOCK_M
-    if X_LEFT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for i in tl.range(STEPS, num_stages=STAGES):
         step = pid_s * STEPS + i
         ch = step // 2
         words = qd.load([n0, ch * 32])                                   # [BN, 32]
         prs = sd.load([n0, ch * 8 + 4 * (step % 2)])                      # [BN, 4] int64
         acc = _tma_half(KIND, acc, words, prs, step % 2, xd.load([m0, step * 128]), magic, D0,
-                        D1, X_LEFT)
+                        D1)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    if X_LEFT:
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    else:
-        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_o + offs_n[:, None]
     _store_tile(acc, out_ptr, o_ptrs, None, ATOMIC, False)
 
 
@@ -373,12 +363,11 @@ class PackedGemmConfig:
     num_stages: int = 3
     tma: int = 0
     vec: int = 0
-    x_left: int = 0     # tma=2: x the wgmma's left operand (the decoded tile from shared memory)
 
     def tag(self) -> str:
         return (f"packed_gemm[n{self.block_n},m{self.block_m},s{self.split},"
                 f"w{self.num_warps},st{self.num_stages}" + (f",tma{self.tma}" if self.tma else "")
-                + (",vec" if self.vec else "") + (",xl" if self.x_left else "") + "]")
+                + (",vec" if self.vec else "") + "]")
 
 
 def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -425,7 +414,7 @@ def run_packed_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
             TensorDescriptor.from_tensor(x2, [cfg.block_m, 128]),
             TensorDescriptor.from_tensor(pw.codes, [cfg.block_n, 32]),
             TensorDescriptor.from_tensor(scales, [cfg.block_n, 4]), out, m, n, out.stride(0),
-            MAGIC_BITS, X_LEFT=bool(cfg.x_left), **opts)
+            MAGIC_BITS, **opts)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     tma = cfg.tma >= 1 and tma_ok
     z = pw.zeros if pw.zeros is not None else scales
