@@ -7,7 +7,8 @@ Dispatch (`run`), per format and number of activation rows by the table `ROUTES`
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
   separate scales; shapes that layout rejects take the storage-order kernels below.
   `quant_packed_dot` runs tensor-core dots on the same copy for 2..16 rows of 16-bit x of
-  all six (ROUTES, DOT_16).
+  all six (ROUTES, DOT_16), `quant_packed_gemm` a GEMM on it for many rows (the weight tile
+  decoded in registers as the wgmma's register operand; PackedGemmConfig).
 * Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ forward: the storage-order kernels of `quant_rows` (each
   weight byte read once, coalesced along K, unpacked in registers; one-row GEMV, CUDA-core and
   tl.dot variants, split-K by atomics; launch table `quant_rows.ROWS_TABLE` / `AWQ_TABLE`;
@@ -25,8 +26,9 @@ both split R (split-K, float32 atomics); larger M uses 64/128-row tensor-core ti
 
 Activations are float32 (dot in IEEE float32), bfloat16 or float16 (the dequantized tile is
 rounded to that dtype for the MMA, as the recipe does; accumulation in float32); float64 calls
-lower to the recipe. `config=` (QConfig, RowConfig, GemmConfig or a path name) lets benchmarks
-pick a path and sweep tile shapes (`bench_cuda_quant.py --sweep`)."""
+lower to the recipe. `config=` (QConfig, RowConfig, GemmConfig, PackedConfig, PackedDotConfig,
+PackedGemmConfig or a path name) lets benchmarks pick a path and sweep tile shapes
+(`bench_cuda_quant.py --sweep`, `bench_cuda_quant_gemv.py`, `bench_cuda_quant_gemm.py`)."""
 from __future__ import annotations
 
 import functools
@@ -46,6 +48,7 @@ from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
+from .quant_packed_gemm import GEMM_PACKED_FORMATS, PackedGemmConfig, run_packed_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -242,11 +245,46 @@ def _with_dot(fmt, route):
     return route if fmt not in DOT_16 else {**route, 16: DOT_16[fmt]}
 
 
+#: DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows of 16-bit x: the GEMM on the packed copy
+#: (`quant_packed_gemm`) for the formats listed (float32 x, shapes the copy rejects and, while
+#: a CUDA graph is captured before the affine pairs exist, MANY_ROWS_FALLBACK)
+#: H200, N = K = 8192, M = 256, bf16, CUDA-graph medians (bench_cuda_quant_gemm.py, session 8,
+#: two runs; dense cuBLAS 0.0552 / 0.0538 ms): every load by TMA (tma=2, 128 x 128 tiles, 3
+#: stages) Q4_0 0.0843 / 0.0856 ms (the dense copy + cuBLAS 0.1251 / 0.1238), AWQ 0.0862 (its
+#: storage-order GEMM 0.1441), Q4_K 0.0897 (0.1220); Q8_0 with x by TMA and a step's scales in
+#: one load 0.0886 (0.1234). NF4 (0.1151 vs its dense copy 0.1050) and Q6_K (0.1757 vs
+#: 0.1305) keep the dense copy. The same loop without any decoding runs 0.0639 (the structure:
+#: a shared-memory layout conversion of the decoded tile and CTA barriers a step), the decode
+#: adds ~0.022. Lost: cp.async loads (Q4_0 0.0985, one load a plane 0.1224), 2 / 4 stages
+#: (0.1373 / 0.0869), a chunk a step (0.1144), 64 x 128 tiles on 4 warps, two programs an SM
+#: (0.1018), 64 x 256 (0.1184 / 0.1346), 128 x 256 split 2 (0.1003; meeting in the kernel
+#: instead of atomics 0.1025), the pairs moved to the kernel's views once (0.0861), Triton's
+#: warp-specialized loop (wrong results), x as the wgmma's left operand (Q4_0 0.0927). Third
+#: run, these defaults: Q4_0 0.0861, AWQ 0.0854, Q4_K 0.0885, Q8_0 0.0881 (dense 0.0549); M =
+#: 128: Q4_0 0.0522 (split 2) vs 0.1151. M = 1024: 0.3480 vs the dense copy's 0.2588: above
+#: one wave of 128 x 128 tiles the dense copy + cuBLAS wins (estimated crossover below 512)
+_GEMM_TMA = PackedGemmConfig(128, 128, 0, 8, 3, tma=2, vec=1)
+PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: _GEMM_TMA, AWQ: _GEMM_TMA, GGUF_IDS["Q4_K"]: _GEMM_TMA,
+                     GGUF_IDS["Q8_0"]: PackedGemmConfig(128, 128, 0, 8, 3, tma=1, vec=1)}
+PACKED_GEMM_MAX_M = 256
+
+
+def _with_gemm(fmt, route):
+    """route with PACKED_GEMM's launch of the format up to PACKED_GEMM_MAX_M rows."""
+    return route if fmt not in PACKED_GEMM else {**route, PACKED_GEMM_MAX_M: PACKED_GEMM[fmt]}
+
+
 ROUTES = {NF4: _with_dot(NF4, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: "dequant"}),
           AWQ: _with_dot(AWQ, {1: "packed", DEQUANT_GEMM_MIN_M: "rows", 1 << 62: AWQ_GEMM}),
           **{fmt: _dot_gguf_route(DOT_16[fmt]) if fmt in DOT_16 else
              _PACKED_GGUF_ROUTE if fmt in PACKED_FORMATS else _GGUF_ROUTE
              for fmt in FAST_FORMATS if fmt not in (NF4, AWQ)}}
+ROUTES = {fmt: _with_gemm(fmt, route) for fmt, route in ROUTES.items()}
+
+
+#: many rows where the packed GEMM cannot run (float32 x, unpackable shapes, no affine pairs
+#: while a CUDA graph is captured): the previous defaults
+MANY_ROWS_FALLBACK = {AWQ: AWQ_GEMM, NF4: "dequant"}
 
 
 def default_route(fmt_id: int, m: int):
@@ -265,14 +303,15 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | str |
-        None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig |
+        PackedGemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
     (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
     on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
-    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot),
+    PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot), a
+    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm),
     "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
     (the copy written in storage order). Configs a format / direction has no kernel for fall
     back to the tile kernels."""
@@ -290,6 +329,15 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, PackedGemmConfig):
+        if rows_ok and fmt_id in GEMM_PACKED_FORMATS and packable(fmt_id, i0, k, n) and \
+                x.dtype in (torch.bfloat16, torch.float16):
+            out = run_packed_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+            if out is not None:
+                return out
+        config = MANY_ROWS_FALLBACK.get(fmt_id, "dequant_rows")
+        if isinstance(config, GemmConfig) and x.dtype == torch.float32:
+            config = "dequant"
     if isinstance(config, PackedDotConfig):
         if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
             return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
