@@ -34,7 +34,8 @@ Triton's disk cache: N such processes in parallel take the cold compiles off the
 
 --schedules times plain causal and window 1024 (row 5's shapes) under each setting of
 `attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
-forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal
+forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized forward's
+(WARP_SPEC=1; W: one consumer's warps); impl "fuelgraph kernel <setting>") and prints causal
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
 ("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
@@ -62,6 +63,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
 from fuelgraph.backends.cuda.kernels import attention as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels import attention_ws as W  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
 
@@ -103,8 +105,8 @@ def pairs(sq, sk, causal=False, wl=None):
 
 def fwd_tuning():
     """{"config": the config the forward's autotuner chose for its last key} and, with --sweep,
-    the time of every config it tried."""
-    kern = K._fwd_kernel
+    the time of every config it tried (the warp-specialized kernel's when WARP_SPEC is on)."""
+    kern = W._fwd_ws_kernel if K.VARIANTS["WARP_SPEC"] else K._fwd_kernel
     best = getattr(kern, "best_config", None)
     if best is None:
         return {}
@@ -289,7 +291,7 @@ def parse_schedules(text):
         kv = {}
         for item in filter(None, spec.split(",")) if spec != "base" else ():
             key, val = item.split("=")
-            kv[key] = val if key == "CONFIG" else val not in ("0", "false")
+            kv[key] = val if key in ("CONFIG", "WSCONFIG") else val not in ("0", "false")
         out.append((spec, kv))
     return out
 
@@ -299,12 +301,17 @@ def with_variants(kv, fn):
     cleared before and after)."""
     kv = dict(kv)
     config = kv.pop("CONFIG", None)
+    ws_config = kv.pop("WSCONFIG", None)
     old = {k: K.VARIANTS[k] for k in kv}
     old_configs = K._fwd_kernel.configs
+    old_ws = W._fwd_ws_kernel.configs
     K.VARIANTS.update(kv)
     if config:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, config.split(".")))]
         K._fwd_kernel.cache.clear()
+    if ws_config:
+        W._fwd_ws_kernel.configs = [W.ws_config(*map(int, ws_config.split(".")))]
+        W._fwd_ws_kernel.cache.clear()
     try:
         return fn()
     finally:
@@ -312,6 +319,9 @@ def with_variants(kv, fn):
         if config:
             K._fwd_kernel.configs = old_configs
             K._fwd_kernel.cache.clear()
+        if ws_config:
+            W._fwd_ws_kernel.configs = old_ws
+            W._fwd_ws_kernel.cache.clear()
 
 
 SCHEDULE_CASES = ["plain causal", "window 1024"]

@@ -145,8 +145,10 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 327 (not profiled; presumably the tile's two warpgroups already overlap one's softmax
 #: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory):
 #: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
+#: WARP_SPEC -- 16-bit inputs through the warp-specialized kernel (attention_ws.py: a TMA
+#: producer warpgroup and two 64-row consumer warpgroups, masks on every block).
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
-            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True}
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -490,6 +492,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
 
 # ---- backward (attention_bwd.py: it imports the helpers above) -----------------------------------
 from .attention_bwd import _bwd_kv_kernel, _bwd_q_kernel  # noqa: E402
+from .attention_ws import _fwd_ws_kernel  # noqa: E402
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -599,12 +602,45 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
         lse.fill_(float("inf"))
         return out.zero_(), lse
     grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+    if _warp_specialized(a, q, k, v):
+        _launch_ws(a, q, k, v, out, lse, grid)
+        return out, lse
     _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
                       **a.fwd_flags)
     return out, lse
+
+
+def _tma_ready(x):
+    """TMA can read x: 16-byte aligned base and strides (the last dim contiguous)."""
+    item = x.element_size()
+    return x.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in x.stride()[:-1])
+
+
+def _warp_specialized(a, q, k, v):
+    """Whether the forward runs as the warp-specialized kernel: WARP_SPEC on, 16-bit inputs,
+    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors."""
+    f = a.flags
+    return (VARIANTS["WARP_SPEC"] and not f["IEEE"] and not f["DYN_KLEN"]
+            and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
+            and all(_tma_ready(x) for x in (q, k, v)))
+
+
+def _launch_ws(a, q, k, v, out, lse, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    L, D = a.klen_static, a.D
+    qd = TensorDescriptor(q, [a.B, a.H, a.SQ, D], list(q.stride()), [1, 1, 128, D])
+    kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
+    vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
+    f = a.flags
+    _fwd_ws_kernel[grid](qd, kd, vd, out, lse, a.slopes, out.stride(0), out.stride(1),
+                         out.stride(2), a.slb, a.H, a.G, a.SQ, L, a.qk_scale, a.cap, a.wl, a.wr,
+                         **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
+                         HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
+                         ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
+                         EVEN_L=L % 128 == 0)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):
