@@ -32,7 +32,7 @@ from sass_common import TARGET, loop_stats  # noqa: E402
 PTRS = ["Q", "K", "V", "O", "LSE", "SLOPES", "KLEN"]
 INTS = ["sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "som",
         "slb", "H", "G", "SQ", "SK", "KLEN_STATIC"]
-CASES = {"plain": dict(CAUSAL=True), "window": dict(CAUSAL=True, HAS_WL=True),
+CASES = {"full": dict(), "plain": dict(CAUSAL=True), "window": dict(CAUSAL=True, HAS_WL=True),
          "softcap": dict(CAUSAL=True, HAS_CAP=True), "alibi": dict(CAUSAL=True, HAS_ALIBI=True)}
 
 
@@ -42,7 +42,8 @@ def source(case, m, n, variant):
              "SLOPES": "*fp32", "KLEN": "*i32"}
     sig = dict(types)
     sig.update({k: "i32" for k in INTS if k != "G"})
-    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
+    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32",
+               AHEAD="i32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
@@ -55,7 +56,8 @@ def source(case, m, n, variant):
                 FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
                 EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
                 ASM=var.get("MASK_ASM", False),
-                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False))
+                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False),
+                PREFETCH=var.get("PREFETCH_Q", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)

@@ -90,7 +90,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP", "PREFETCH"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -147,8 +147,12 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
 #: WARP_SPEC -- 16-bit inputs through the warp-specialized kernel (attention_ws.py: a TMA
 #: producer warpgroup and two 64-row consumer warpgroups, masks on every block).
+#: PREFETCH_Q -- each forward program first prefetches into L2 the q tile of the program one
+#: wave later (q is read once, from HBM: its latency and then the k/v pipeline ramp's were
+#: exposed one after the other at every program's start).
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
-            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": False}
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": False,
+            "PREFETCH_Q": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -421,6 +425,29 @@ def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, far_end, di
     return acc, l_i, m_i
 
 
+@triton.jit
+def _prefetch_q(Q, sqb, sqh, sqm, H, SQ, AHEAD, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """L2 prefetch (no registers, no wait) of the q rows of the program AHEAD launch slots
+    after this one (launch order: program_id(0) fastest), so that it finds them in L2."""
+    num_m = tl.num_programs(0)
+    nxt = tl.program_id(0) + num_m * tl.program_id(1) + AHEAD
+    if nxt < num_m * tl.num_programs(1):
+        pid_m = nxt % num_m
+        if CAUSAL:
+            pid_m = num_m - 1 - pid_m
+        bh = nxt // num_m
+        ELEMS: tl.constexpr = 128 * 8 // Q.dtype.element_ty.primitive_bitwidth   # a 128-B line
+        LINES: tl.constexpr = (BLOCK_D + ELEMS - 1) // ELEMS
+        rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), SQ - 1)
+        cols = tl.minimum(tl.arange(0, LINES) * ELEMS, HEAD_DIM - 1)
+        ptrs = (Q + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
+                + rows[:, None].to(tl.int64) * sqm + cols[None, :])
+        if _APPROX_TANH:     # inline PTX: not in the interpreter
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -430,7 +457,10 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr,
-                ASM: tl.constexpr, ONE_LOOP: tl.constexpr):
+                ASM: tl.constexpr, ONE_LOOP: tl.constexpr, AHEAD=0,
+                PREFETCH: tl.constexpr = False):
+    if PREFETCH:    # the q tile of the program AHEAD launches later into L2 (see VARIANTS)
+        _prefetch_q(Q, sqb, sqh, sqm, H, SQ, AHEAD, CAUSAL, BLOCK_M, BLOCK_D, HEAD_DIM)
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -569,7 +599,7 @@ class _Launch:
                  and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
-            ASM=VARIANTS["MASK_ASM"],
+            ASM=VARIANTS["MASK_ASM"], PREFETCH=VARIANTS["PREFETCH_Q"],
             ONE_LOOP=(f["CAUSAL"] and not f["HAS_WR"]
                       and (VARIANTS["ONE_LOOP"] if not f["HAS_WL"] else
                            VARIANTS["ONE_LOOP_WINDOW"] and self.wl >= 2 * _widest_fwd_tile())))
@@ -609,8 +639,21 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
-                      **a.fwd_flags)
+                      **a.fwd_flags, AHEAD=_resident_programs(q.device))
     return out, lse
+
+
+_SM_COUNT = {}
+
+
+def _resident_programs(device):
+    """Forward programs resident at once (one a multiprocessor: the tiles' shared memory)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def _tma_ready(x):
