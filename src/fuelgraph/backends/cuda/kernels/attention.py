@@ -431,21 +431,21 @@ def _prefetch_q(Q, sqb, sqh, sqm, H, SQ, AHEAD, CAUSAL: tl.constexpr, BLOCK_M: t
     """L2 prefetch (no registers, no wait) of the q rows of the program AHEAD launch slots
     after this one (launch order: program_id(0) fastest), so that it finds them in L2."""
     num_m = tl.num_programs(0)
-    nxt = tl.program_id(0) + num_m * tl.program_id(1) + AHEAD
-    if nxt < num_m * tl.num_programs(1):
-        pid_m = nxt % num_m
-        if CAUSAL:
-            pid_m = num_m - 1 - pid_m
-        bh = nxt // num_m
-        ELEMS: tl.constexpr = 128 * 8 // Q.dtype.element_ty.primitive_bitwidth   # a 128-B line
-        LINES: tl.constexpr = (BLOCK_D + ELEMS - 1) // ELEMS
-        rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), SQ - 1)
-        cols = tl.minimum(tl.arange(0, LINES) * ELEMS, HEAD_DIM - 1)
-        ptrs = (Q + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
-                + rows[:, None].to(tl.int64) * sqm + cols[None, :])
-        if _APPROX_TANH:     # inline PTX: not in the interpreter
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+    nxt = tl.minimum(tl.program_id(0) + num_m * tl.program_id(1) + AHEAD,
+                     num_m * tl.num_programs(1) - 1)      # the last programs: the last tile
+    pid_m = nxt % num_m
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m
+    bh = nxt // num_m
+    ELEMS: tl.constexpr = 128 * 8 // Q.dtype.element_ty.primitive_bitwidth   # a 128-B line
+    LINES: tl.constexpr = (BLOCK_D + ELEMS - 1) // ELEMS
+    rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), SQ - 1)
+    cols = tl.minimum(tl.arange(0, LINES) * ELEMS, HEAD_DIM - 1)
+    ptrs = (Q + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
+            + rows[:, None].to(tl.int64) * sqm + cols[None, :])
+    if _APPROX_TANH:     # inline PTX: not in the interpreter
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
