@@ -21,14 +21,14 @@ expanded" (SDPA flash on k/v already repeated to 32 heads; the copy is not timed
 SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
-        [--configs "128,64,8,3;128,128,8,3"] [--sweep]
+        [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
 (with --configs and --sweep) will use, on small tensors with the same specializations, into
 Triton's disk cache: N such processes in parallel take the cold compiles off the timed run.
 --configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
-(each is a compile per flag set); --sweep records every tuned forward config's time (impl
+(each is a compile per flag set), --ws-configs the warp-specialized forward's (WARP_SPEC); --sweep records every tuned forward config's time (impl
 "config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
 `attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
@@ -259,26 +259,35 @@ def flipped(name):
 
 
 def warm(part, nparts):
-    """Compile every (case, variant, config) of rows 1 and 5 in this part, without timing."""
+    """Compile the forward kernels of rows 1, 2, 4, 5 and 6 (every flag set; each config of
+    the kernel that runs them, the warp-specialized one under WARP_SPEC; with --sweep each
+    variant flipped) in this part, without timing."""
     B, H, S = 1, 16, 256      # the specializations of B4 H32 S4096: sizes divisible by 16
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    configs = list(K._fwd_kernel.configs)
-    jobs = [(case, var, c) for case in variant_cases(H)
+    kg, vg = rand(B, H // 4, S, D), rand(B, H // 4, S, D)
+    kern = W._fwd_ws_kernel if K.VARIANTS["WARP_SPEC"] else K._fwd_kernel
+    configs = list(kern.configs)
+    cases = [(name, p, opt, k, v) for name, p, opt, _ in variant_cases(H)] + \
+        [("non-causal", params(False), (), k, v), ("gqa causal", params(True), (), kg, vg)]
+    jobs = [(case, var, c) for case in cases
             for var in [None] + (flipped(case[0]) if SWEEP["on"] else []) for c in configs]
-    for n, ((name, p, opt, _), var, c) in enumerate(jobs):
+    for n, ((name, p, opt, kk, vv), var, c) in enumerate(jobs):
         if n % nparts != part:
             continue
-        K._fwd_kernel.configs = [c]
+        kern.configs = [c]
+        kern.cache.clear()
         if var:
             K.VARIANTS[var] = not K.VARIANTS[var]
         try:
-            K.flash_attn(q, k, v, *opt, **p)
+            K.flash_attn(q, kk, vv, *opt, **p)
             if DEV.type == "cuda":
                 torch.cuda.synchronize()
             print(f"warm {name} {var} {c}", flush=True)
         except Exception as exc:  # noqa: BLE001
             print(f"warm {name} {var} {c} failed: {exc!r}", flush=True)
         finally:
+            kern.configs = configs
+            kern.cache.clear()
             if var:
                 K.VARIANTS[var] = not K.VARIANTS[var]
 
@@ -459,6 +468,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="1,2,3,4,5,6")
     ap.add_argument("--configs", default=None)
+    ap.add_argument("--ws-configs", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--warm", default=None)
     ap.add_argument("--schedules", default=None)
@@ -472,6 +482,9 @@ def main():
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
+    if args.ws_configs:
+        W._fwd_ws_kernel.configs = [W.ws_config(*map(int, c.split(",")))
+                                    for c in args.ws_configs.split(";")]
     specs = parse_schedules(args.schedules) if args.schedules else None
     if args.schedule_cases:
         SCHEDULE_CASES[:] = ["plain causal"] + [c.strip() for c in args.schedule_cases.split(",")
