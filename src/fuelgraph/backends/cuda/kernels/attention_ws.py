@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _key_ranges, _online, _scores
+from .attention import _APPROX_TANH, _key_ranges, _online, _scores
 from .common import INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages), best guess first; 128-row tiles (the
@@ -98,10 +98,17 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
         kn = j + offs_n
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                        HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
-        if HI_MASK:
-            s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
-        if HAS_WL:
-            s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
+        if HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
+            s = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
+                "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
+                [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
+                pack=1)
+        else:
+            if HI_MASK:
+                s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
+            if HAS_WL:
+                s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
                                      HI_MASK or HAS_WL)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
