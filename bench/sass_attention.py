@@ -68,7 +68,7 @@ def source(case, m, n, variant):
     return ASTSource(A._fwd_kernel.fn, sig, cons, attrs=aligned)
 
 
-def ws_source(case, m, n):
+def ws_source(case, m, n, persist=False):
     """ASTSource of the warp-specialized forward for bfloat16, D = 128 (host descriptors)."""
     from fuelgraph.backends.cuda.kernels import attention_ws as W
     sig = {"QD": f"tensordesc<bf16[1,1,{m},128]>", "KD": f"tensordesc<bf16[1,1,{n},128]>",
@@ -81,7 +81,9 @@ def ws_source(case, m, n):
     flags.update(CASES[case])
     cons = dict(BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
-                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1)
+                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
+                PERSIST=persist, GROUP=8)
+    sig["BH"] = "i32"
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
@@ -113,7 +115,9 @@ def main():
         for cfg in args.configs.split(";"):
             m, n, w, st = (int(x) for x in cfg.split(","))
             for case in args.cases.split(","):
-                report(f"ws {case:8s} {m}x{n} w{w} s{st}", ws_source(case, m, n), w, st)
+                for pers in (False, True) if "WS_PERSIST" in args.variants else (False,):
+                    report(f"ws {case:8s} {m}x{n} w{w} s{st}{' PERSIST' if pers else ''}",
+                           ws_source(case, m, n, pers), w, st)
         return
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))

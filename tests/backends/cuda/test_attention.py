@@ -255,19 +255,28 @@ WS_OPTS = [dict(causal=True, window_size_left=_W), dict(causal=True),
            dict(window_size_left=_W - 7, window_size_right=20), dict(causal=True, k_len=33)]
 
 
+def _ws_cases():
+    if not HAS_CUDA:
+        return [((1, 2, 1, 70, 90, 16), o, pers) for o in WS_OPTS for pers in (False, True)]
+    return [((2, 8, 2, 700, 1000, 128), WS_OPTS[0], False),
+            ((1, 4, 4, 1000, 600, 128), WS_OPTS[1], False),
+            ((2, 4, 2, 300, 700, 64), WS_OPTS[2], False),
+            ((2, 8, 2, 700, 1000, 128), WS_OPTS[0], True),
+            ((1, 4, 4, 1000, 600, 128), WS_OPTS[1], True)]
+
+
 @KERNEL_TESTS
-@pytest.mark.parametrize("shape,opts", [((1, 2, 1, 70, 90, 16), o) for o in WS_OPTS]
-                         if not HAS_CUDA else
-                         [((2, 8, 2, 700, 1000, 128), WS_OPTS[0]),
-                          ((1, 4, 4, 1000, 600, 128), WS_OPTS[1]),
-                          ((2, 4, 2, 300, 700, 64), WS_OPTS[2])],
+@pytest.mark.parametrize("shape,opts,persist", _ws_cases(),
                          ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
-                         else ",".join(sorted(x)))
-def test_warp_specialized_forward(shape, opts, monkeypatch):
-    """out and lse of the warp-specialized kernel (16-bit only) against float64 references:
-    causal and window bands, Sq > Sk, ALiBi + softcap with a static k_len off the tile grid."""
+                         else ",".join(sorted(x)) if isinstance(x, dict)
+                         else ("persist" if x else "grid"))
+def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
+    """out and lse of the warp-specialized kernel (16-bit only; a program per tile, or
+    persistent) against float64 references: causal and window bands, Sq > Sk, ALiBi +
+    softcap with a static k_len off the tile grid."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
+    monkeypatch.setitem(K.VARIANTS, "WS_PERSIST", persist)
     used = []
     launch = K._launch_ws
     monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))

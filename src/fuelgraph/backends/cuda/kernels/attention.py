@@ -147,12 +147,14 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
 #: WARP_SPEC -- 16-bit inputs through the warp-specialized kernel (attention_ws.py: a TMA
 #: producer warpgroup and two 64-row consumer warpgroups, masks on every block).
+#: WS_PERSIST -- the warp-specialized kernel persistent: one program a multiprocessor striding
+#: over the tiles, its producer loading the next tile while the consumers finish one.
 #: PREFETCH_Q -- each forward program first prefetches into L2 the q tile of the program one
 #: wave later (q is read once, from HBM: its latency and then the k/v pipeline ramp's were
 #: exposed one after the other at every program's start).
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": False,
-            "PREFETCH_Q": False}
+            "PREFETCH_Q": False, "WS_PERSIST": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -678,12 +680,16 @@ def _launch_ws(a, q, k, v, out, lse, grid):
     kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
     vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
     f = a.flags
+    persist = VARIANTS["WS_PERSIST"]
+    if persist:
+        nprog = _resident_programs(q.device)
+        grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
     _fwd_ws_kernel[grid](qd, kd, vd, out, lse, a.slopes, out.stride(0), out.stride(1),
                          out.stride(2), a.slb, a.H, a.G, a.SQ, L, a.qk_scale, a.cap, a.wl, a.wr,
                          **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
-                         EVEN_L=L % 128 == 0)
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -44,7 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
 
 
 def _prune(configs, named_args, **kw):
@@ -59,13 +59,45 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
                    WL, WR, TUNE_Q, TUNE_K, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                   ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr):
-    """Forward of one 128-row query tile (grid and outputs as attention._fwd_kernel); L the
-    live key count (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+                   ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
+    """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
+    (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
+    B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
+    the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
+    k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
+    next tile's q, k and v while the consumers finish this one."""
+    if PERSIST:
+        num_m = tl.cdiv(SQ, BLOCK_M)
+        per_group = GROUP * num_m
+        for tile in tl.range(tl.program_id(0), num_m * BH, tl.num_programs(0),
+                             warp_specialize=True):
+            g0 = (tile // per_group) * GROUP
+            heads = tl.minimum(BH - g0, GROUP)
+            rank = (tile % per_group) // heads
+            pid_m = rank
+            if CAUSAL:
+                pid_m = num_m - 1 - rank
+            _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
+                     soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
+                     BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
+                     EVEN_L, False)
+    else:
+        pid_m = tl.program_id(0)
+        if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
+                 SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
+
+
+@triton.jit
+def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
+             CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+             HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
+             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr):
+    """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -92,7 +124,7 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for j in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+    for j in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         k = KD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         kn = j + offs_n
