@@ -44,7 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SPECIALIZE"]
 
 
 def _prune(configs, named_args, **kw):
@@ -60,7 +60,8 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
-                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
+                   SPECIALIZE: tl.constexpr = True):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -88,7 +89,7 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, SPECIALIZE)
 
 
 @triton.jit
