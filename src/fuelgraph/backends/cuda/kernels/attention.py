@@ -666,17 +666,27 @@ def _tma_ready(x):
 
 def _warp_specialized(a, q, k, v):
     """Whether the forward runs as the warp-specialized kernel: WARP_SPEC on, 16-bit inputs,
-    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors."""
+    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
+    [B * H * Sq, D] one strided matrix."""
     f = a.flags
     return (VARIANTS["WARP_SPEC"] and not f["IEEE"] and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
-            and all(_tma_ready(x) for x in (q, k, v)))
+            and all(_tma_ready(x) for x in (q, k, v))
+            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2))
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch from Triton's allocator: a torch
+    one, unless the process set its own."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device="cuda"))
 
 
 def _launch_ws(a, q, k, v, out, lse, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
     L, D = a.klen_static, a.D
-    qd = TensorDescriptor(q, [a.B, a.H, a.SQ, D], list(q.stride()), [1, 1, 128, D])
     kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
     vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
     f = a.flags
@@ -684,8 +694,10 @@ def _launch_ws(a, q, k, v, out, lse, grid):
     if persist:
         nprog = _resident_programs(q.device)
         grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
-    _fwd_ws_kernel[grid](qd, kd, vd, out, lse, a.slopes, out.stride(0), out.stride(1),
-                         out.stride(2), a.slb, a.H, a.G, a.SQ, L, a.qk_scale, a.cap, a.wl, a.wr,
+    _ensure_allocator()
+    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(0), q.stride(1), q.stride(2),
+                         out.stride(0), out.stride(1), out.stride(2), a.slb, a.B, a.H, a.G,
+                         a.SQ, L, a.qk_scale, a.cap, a.wl, a.wr,
                          **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],

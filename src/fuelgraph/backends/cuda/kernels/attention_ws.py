@@ -31,7 +31,6 @@ WS_CHOICES = [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3)]
 def _block_shapes(nargs):
     """Autotune pre-hook: the descriptors' block shapes follow the config."""
     m, n, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
-    nargs["QD"].block_shape = [1, 1, m, d]
     nargs["KD"].block_shape = [1, 1, n, d]
     nargs["VD"].block_shape = [1, 1, n, d]
 
@@ -55,8 +54,8 @@ def _prune(configs, named_args, **kw):
 @triton.autotune(configs=WS_CONFIGS, key=_WS_TUNE_KEYS,
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE, CAP,
-                   WL, WR, TUNE_Q, TUNE_K, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqb, sqh, sqm, sob, soh, som, slb, B, H, G, SQ, L,
+                   QK_SCALE, CAP, WL, WR, TUNE_Q, TUNE_K, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
@@ -68,6 +67,11 @@ def _fwd_ws_kernel(QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, 
     the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
     k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
     next tile's q, k and v while the consumers finish this one."""
+    # q's descriptor is made here, 2-D over the [B * H * SQ, D] rows: the specialization
+    # splits the q tile between the two consumers, shrinking the copy's box (a host
+    # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
+    # the copy's first coordinate (the batch of a 4-D one)
+    QD = tl.make_tensor_descriptor(Q, [B * H * SQ, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
     if PERSIST:
         num_m = tl.cdiv(SQ, BLOCK_M)
         per_group = GROUP * num_m
@@ -107,7 +111,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = QD.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+    q = QD.load([bh * SQ + m0, 0])
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + b * slb + h)
