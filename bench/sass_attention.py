@@ -74,8 +74,8 @@ def ws_source(case, m, n, persist=False):
     sig = {"Q": "*bf16", "KD": f"tensordesc<bf16[1,1,{n},128]>",
            "VD": f"tensordesc<bf16[1,1,{n},128]>", "O": "*bf16", "LSE": "*fp32",
            "SLOPES": "*fp32"}
-    sig.update({k: "i32" for k in ["sqb", "sqh", "sqm", "sob", "soh", "som", "slb", "B", "H",
-                                   "SQ", "L", "WL", "WR", "TUNE_Q", "TUNE_K"]})
+    sig.update({k: "i32" for k in ["sqm", "sob", "soh", "som", "slb", "ROWS", "H", "SQ", "L",
+                                   "WL", "WR", "TUNE_Q", "TUNE_K"]})
     sig.update(QK_SCALE="fp32", CAP="fp32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False)
     flags.update(CASES[case])
@@ -87,8 +87,7 @@ def ws_source(case, m, n, persist=False):
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
-               for k in ["Q", "O", "LSE", "sqb", "sqh", "sqm", "sob", "soh", "som", "H", "SQ",
-                         "L"]}
+               for k in ["Q", "O", "LSE", "sqm", "sob", "soh", "som", "ROWS", "H", "SQ", "L"]}
     return ASTSource(W._fwd_ws_kernel.fn, sig, cons, attrs=aligned)
 
 

@@ -695,9 +695,9 @@ def _launch_ws(a, q, k, v, out, lse, grid):
         nprog = _resident_programs(q.device)
         grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
     _ensure_allocator()
-    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(0), q.stride(1), q.stride(2),
-                         out.stride(0), out.stride(1), out.stride(2), a.slb, a.B, a.H, a.G,
-                         a.SQ, L, a.qk_scale, a.cap, a.wl, a.wr,
+    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
+                         out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
+                         a.cap, a.wl, a.wr,
                          **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],

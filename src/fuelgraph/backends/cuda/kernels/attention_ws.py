@@ -54,7 +54,7 @@ def _prune(configs, named_args, **kw):
 @triton.autotune(configs=WS_CONFIGS, key=_WS_TUNE_KEYS,
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
-def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqb, sqh, sqm, sob, soh, som, slb, B, H, G, SQ, L,
+def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, G, SQ, L,
                    QK_SCALE, CAP, WL, WR, TUNE_Q, TUNE_K, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -71,7 +71,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqb, sqh, sqm, sob, soh, som, slb,
     # splits the q tile between the two consumers, shrinking the copy's box (a host
     # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
     # the copy's first coordinate (the batch of a 4-D one)
-    QD = tl.make_tensor_descriptor(Q, [B * H * SQ, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
+    QD = tl.make_tensor_descriptor(Q, [ROWS, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
     if PERSIST:
         num_m = tl.cdiv(SQ, BLOCK_M)
         per_group = GROUP * num_m
