@@ -259,35 +259,29 @@ def flipped(name):
 
 
 def warm(part, nparts):
-    """Compile the forward kernels of rows 1, 2, 4, 5 and 6 (every flag set; each config of
-    the kernel that runs them, the warp-specialized one under WARP_SPEC; with --sweep each
-    variant flipped) in this part, without timing."""
+    """Compile the forward kernels of rows 1, 2, 4, 5 and 6 (every flag set, each config the
+    kernel that runs it tunes over: narrow them with --configs / --ws-configs; with --sweep
+    each variant flipped) in this part, without timing."""
     B, H, S = 1, 16, 256      # the specializations of B4 H32 S4096: sizes divisible by 16
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     kg, vg = rand(B, H // 4, S, D), rand(B, H // 4, S, D)
-    kern = W._fwd_ws_kernel if K.VARIANTS["WARP_SPEC"] else K._fwd_kernel
-    configs = list(kern.configs)
     cases = [(name, p, opt, k, v) for name, p, opt, _ in variant_cases(H)] + \
         [("non-causal", params(False), (), k, v), ("gqa causal", params(True), (), kg, vg)]
-    jobs = [(case, var, c) for case in cases
-            for var in [None] + (flipped(case[0]) if SWEEP["on"] else []) for c in configs]
-    for n, ((name, p, opt, kk, vv), var, c) in enumerate(jobs):
+    jobs = [(case, var) for case in cases
+            for var in [None] + (flipped(case[0]) if SWEEP["on"] else [])]
+    for n, ((name, p, opt, kk, vv), var) in enumerate(jobs):
         if n % nparts != part:
             continue
-        kern.configs = [c]
-        kern.cache.clear()
         if var:
             K.VARIANTS[var] = not K.VARIANTS[var]
         try:
             K.flash_attn(q, kk, vv, *opt, **p)
             if DEV.type == "cuda":
                 torch.cuda.synchronize()
-            print(f"warm {name} {var} {c}", flush=True)
+            print(f"warm {name} {var}", flush=True)
         except Exception as exc:  # noqa: BLE001
-            print(f"warm {name} {var} {c} failed: {exc!r}", flush=True)
+            print(f"warm {name} {var} failed: {exc!r}", flush=True)
         finally:
-            kern.configs = configs
-            kern.cache.clear()
             if var:
                 K.VARIANTS[var] = not K.VARIANTS[var]
 
