@@ -42,8 +42,7 @@ def source(case, m, n, variant):
              "SLOPES": "*fp32", "KLEN": "*i32"}
     sig = dict(types)
     sig.update({k: "i32" for k in INTS if k != "G"})
-    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32",
-               AHEAD="i32")
+    sig.update(QK_SCALE="fp32", CAP="fp32", WL="i32", WR="i32", TUNE_Q="i32", TUNE_K="i32")
     flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False,
                  DYN_KLEN=False, IEEE=False)
     flags.update(CASES[case])
@@ -56,8 +55,7 @@ def source(case, m, n, variant):
                 FMA=not flags["HAS_ALIBI"] and var["FMA_SCORES"],
                 EDGE1=flags["HAS_WL"] and var.get("EDGE_ONE_TEST", False),
                 ASM=var.get("MASK_ASM", False),
-                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False),
-                PREFETCH=var.get("PREFETCH_Q", False))
+                ONE_LOOP=var.get("ONE_LOOP_WINDOW" if flags["HAS_WL"] else "ONE_LOOP", False))
     known = set(A._fwd_kernel.fn.arg_names)
     cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     names = list(sig)
@@ -82,7 +80,7 @@ def ws_source(case, m, n, persist=False):
     cons = dict(BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
-                PERSIST=persist, GROUP=8, SPECIALIZE=A.VARIANTS["WS_LOOP"])
+                PERSIST=persist, GROUP=8)
     sig["BH"] = "i32"
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}

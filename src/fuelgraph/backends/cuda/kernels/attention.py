@@ -90,7 +90,7 @@ _PRUNE_FWD = _prune_for(lambda m, n: m, lambda m, n: 2 * n)       # q; k, v per 
 _PRUNE_KV = _prune_for(lambda m, n: 2 * n, lambda m, n: 2 * m)    # k, v; q, dO per stage
 _PRUNE_Q = _prune_for(lambda m, n: 2 * m, lambda m, n: 2 * n)     # q, dO; k, v per stage
 _TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP", "PREFETCH"]
+              "HAS_ALIBI", "DYN_KLEN", "IEEE", "ALIBI_COLS", "FMA", "EDGE1", "ASM", "ONE_LOOP"]
 
 
 def fwd_config(m, n, warps, stages):
@@ -145,16 +145,23 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 327 (not profiled; presumably the tile's two warpgroups already overlap one's softmax
 #: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory):
 #: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
-#: WARP_SPEC -- 16-bit inputs through the warp-specialized kernel (attention_ws.py: a TMA
-#: producer warpgroup and two 64-row consumer warpgroups, masks on every block).
+#: WARP_SPEC (default) -- causal 16-bit inputs through the warp-specialized kernel
+#: (attention_ws.py: a TMA producer warpgroup and two 64-row consumer warpgroups, 128 x 128
+#: tiles, masks on every block). H200, B4 H32 S4096, two interleaved repeats in one process
+#: against the Triton kernel above: plain causal 446.2 / 460.3 against 437.2 / 428.7 TFLOP/s,
+#: window 1024 370.0 / 370.0 against 366.2 / 359.0; with 128 x 64 tiles 417 / 407 and 342 /
+#: 340. Session 5's "same SASS on sm_90" try had pointer loads and 8 warps: the Hopper pass
+#: needs 4 warps and tensor-descriptor loads (and one loop without branches inside).
 #: WS_PERSIST -- the warp-specialized kernel persistent: one program a multiprocessor striding
-#: over the tiles, its producer loading the next tile while the consumers finish one.
-#: PREFETCH_Q -- each forward program first prefetches into L2 the q tile of the program one
-#: wave later (q is read once, from HBM: its latency and then the k/v pipeline ramp's were
-#: exposed one after the other at every program's start).
+#: over the tiles, its producer loading the next tile while the consumers finish one (128 x
+#: 64 tiles: plain causal 416 / 401, window 350 / 355).
+#: Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
+#: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
+#: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
+#: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
-            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": False,
-            "PREFETCH_Q": False, "WS_PERSIST": False, "WS_LOOP": True}
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
+            "WS_PERSIST": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -427,29 +434,6 @@ def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, far_end, di
     return acc, l_i, m_i
 
 
-@triton.jit
-def _prefetch_q(Q, sqb, sqh, sqm, H, SQ, AHEAD, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """L2 prefetch (no registers, no wait) of the q rows of the program AHEAD launch slots
-    after this one (launch order: program_id(0) fastest), so that it finds them in L2."""
-    num_m = tl.num_programs(0)
-    nxt = tl.minimum(tl.program_id(0) + num_m * tl.program_id(1) + AHEAD,
-                     num_m * tl.num_programs(1) - 1)      # the last programs: the last tile
-    pid_m = nxt % num_m
-    if CAUSAL:
-        pid_m = num_m - 1 - pid_m
-    bh = nxt // num_m
-    ELEMS: tl.constexpr = 128 * 8 // Q.dtype.element_ty.primitive_bitwidth   # a 128-B line
-    LINES: tl.constexpr = (BLOCK_D + ELEMS - 1) // ELEMS
-    rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), SQ - 1)
-    cols = tl.minimum(tl.arange(0, LINES) * ELEMS, HEAD_DIM - 1)
-    ptrs = (Q + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
-            + rows[:, None].to(tl.int64) * sqm + cols[None, :])
-    if _APPROX_TANH:     # inline PTX: not in the interpreter
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 @triton.autotune(configs=FWD_CONFIGS, key=_TUNE_KEYS, prune_configs_by=_PRUNE_FWD)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -459,10 +443,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                 HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, DYN_KLEN: tl.constexpr, IEEE: tl.constexpr,
                 ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EDGE1: tl.constexpr,
-                ASM: tl.constexpr, ONE_LOOP: tl.constexpr, AHEAD=0,
-                PREFETCH: tl.constexpr = False):
-    if PREFETCH:    # the q tile of the program AHEAD launches later into L2 (see VARIANTS)
-        _prefetch_q(Q, sqb, sqh, sqm, H, SQ, AHEAD, CAUSAL, BLOCK_M, BLOCK_D, HEAD_DIM)
+                ASM: tl.constexpr, ONE_LOOP: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the grid's end
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -601,7 +582,7 @@ class _Launch:
                  and (f["HAS_CAP"] or self.qk_scale > 0)),    # the multiplier must be > 0
             EDGE1=(VARIANTS["EDGE_ONE_TEST"] and f["CAUSAL"] and f["HAS_WL"] and not f["HAS_WR"]
                    and self.wl >= 2 * _widest_fwd_tile()),
-            ASM=VARIANTS["MASK_ASM"], PREFETCH=VARIANTS["PREFETCH_Q"],
+            ASM=VARIANTS["MASK_ASM"],
             ONE_LOOP=(f["CAUSAL"] and not f["HAS_WR"]
                       and (VARIANTS["ONE_LOOP"] if not f["HAS_WL"] else
                            VARIANTS["ONE_LOOP_WINDOW"] and self.wl >= 2 * _widest_fwd_tile())))
@@ -641,7 +622,7 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
-                      **a.fwd_flags, AHEAD=_resident_programs(q.device))
+                      **a.fwd_flags)
     return out, lse
 
 
@@ -665,11 +646,14 @@ def _tma_ready(x):
 
 
 def _warp_specialized(a, q, k, v):
-    """Whether the forward runs as the warp-specialized kernel: WARP_SPEC on, 16-bit inputs,
+    """Whether the forward runs as the warp-specialized kernel (measured faster for causal
+    masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
+    16-bit inputs,
     a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
     [B * H * Sq, D] one strided matrix."""
     f = a.flags
-    return (VARIANTS["WARP_SPEC"] and not f["IEEE"] and not f["DYN_KLEN"]
+    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+            and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
             and all(_tma_ready(x) for x in (q, k, v))
             and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2))
@@ -701,8 +685,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
-                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
-                         SPECIALIZE=VARIANTS["WS_LOOP"])
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -23,9 +23,10 @@ import triton.language as tl
 from .attention import _APPROX_TANH, _key_ranges, _online, _scores
 from .common import INTERPRET
 
-#: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages), best guess first; 128-row tiles (the
-#: pass splits them into two 64-row consumers), k and v blocks in `stages` buffers each
-WS_CHOICES = [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3)]
+#: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
+#: into two 64-row consumers), k and v blocks in 2 buffers each (128 x 64 tiles measured 5-12%
+#: slower on the H200; 128 x 128 in 3 stages needs 246 KiB of shared memory)
+WS_CHOICES = [(128, 128, 4, 2)]
 
 
 def _block_shapes(nargs):
@@ -43,7 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SPECIALIZE"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
 
 
 def _prune(configs, named_args, **kw):
@@ -59,8 +60,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
-                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
-                   SPECIALIZE: tl.constexpr = True):
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -93,7 +93,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, SPECIALIZE)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
 
 
 @triton.jit
