@@ -24,18 +24,20 @@ SDPA before it is timed (field max_err).
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
 
---warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
-(with --configs and --sweep) will use, on small tensors with the same specializations, into
-Triton's disk cache: N such processes in parallel take the cold compiles off the timed run.
---configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
-(each is a compile per flag set), --ws-configs the warp-specialized forward's (WARP_SPEC); --sweep records every tuned forward config's time (impl
-"config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
+--warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
+5 and 6 (with --configs and --sweep) will use, on small tensors with the same
+specializations, into Triton's disk cache: N such processes in parallel take the cold
+compiles off the timed run. --configs narrows the Triton forward's autotuning to these
+(BLOCK_M, BLOCK_N, warps, stages) choices (each is a compile per flag set), --ws-configs the
+warp-specialized forward's (causal 16-bit cases); --sweep records every tuned forward
+config's time (impl "config M,N,W,S"), the config each case chose, and row 5 again with each
+code variant of
 `attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
 --schedules times plain causal and window 1024 (row 5's shapes) under each setting of
 `attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
 forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized forward's
-(WARP_SPEC=1; W: one consumer's warps); impl "fuelgraph kernel <setting>") and prints causal
+(W: one consumer's warps); impl "fuelgraph kernel <setting>") and prints causal
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
 ("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).

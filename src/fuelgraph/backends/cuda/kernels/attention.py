@@ -17,7 +17,9 @@ one loop (one pipeline ramp for the two edges of a sliding window); a causal win
 twice the widest tile runs all three in one loop, the edges' masks behind a branch
 (_fwd_one_loop). Blocks wholly outside the band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
-them carries none of their code.
+them carries none of their code. A causal 16-bit forward (no right window, a static k_len)
+runs as a warp-specialized kernel instead (attention_ws.py: a TMA producer warpgroup feeding
+two consumer warpgroups).
 
 Numerics: products accumulate in float32 (`ieee` precision for float32 inputs, not TF32);
 probabilities are rounded to the input dtype before the P V / P^T dO products and dS before
