@@ -652,13 +652,15 @@ def _warp_specialized(a, q, k, v):
     masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
     16-bit inputs,
     a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
-    [B * H * Sq, D] one strided matrix."""
+    [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
+    the device in scratch memory allocated per launch, which a replay would not own)."""
     f = a.flags
     return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
             and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
             and all(_tma_ready(x) for x in (q, k, v))
-            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2))
+            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def _ensure_allocator():
