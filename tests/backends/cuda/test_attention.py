@@ -277,6 +277,7 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     monkeypatch.setitem(K.VARIANTS, "WS_PERSIST", persist)
+    monkeypatch.setitem(K.VARIANTS, "WS_PERSIST_WINDOW", persist)
     used = []
     launch = K._launch_ws
     monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))

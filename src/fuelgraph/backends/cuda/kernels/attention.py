@@ -154,16 +154,19 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: window 1024 370.0 / 370.0 against 366.2 / 359.0; with 128 x 64 tiles 417 / 407 and 342 /
 #: 340. Session 5's "same SASS on sm_90" try had pointer loads and 8 warps: the Hopper pass
 #: needs 4 warps and tensor-descriptor loads (and one loop without branches inside).
-#: WS_PERSIST -- the warp-specialized kernel persistent: one program a multiprocessor striding
-#: over the tiles, its producer loading the next tile while the consumers finish one (128 x
-#: 64 tiles: plain causal 416 / 401, window 350 / 355).
+#: WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
+#: the warp-specialized kernel persistent: one program a multiprocessor striding over the
+#: tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
+#: tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
+#: (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
+#: softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
 #: Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
 #: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
 #: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
-            "WS_PERSIST": False}
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -678,7 +681,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
     kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
     vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
     f = a.flags
-    persist = VARIANTS["WS_PERSIST"]
+    persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
     if persist:
         nprog = _resident_programs(q.device)
         grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
