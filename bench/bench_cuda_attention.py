@@ -21,20 +21,23 @@ expanded" (SDPA flash on k/v already repeated to 32 heads; the copy is not timed
 SDPA before it is timed (field max_err).
 
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
-        [--configs "128,64,8,3;128,128,8,3"] [--sweep]
+        [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
 
---warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1 and 5
-(with --configs and --sweep) will use, on small tensors with the same specializations, into
-Triton's disk cache: N such processes in parallel take the cold compiles off the timed run.
---configs narrows the forward's autotuning to these (BLOCK_M, BLOCK_N, warps, stages) choices
-(each is a compile per flag set); --sweep records every tuned forward config's time (impl
-"config M,N,W,S"), the config each case chose, and row 5 again with each code variant of
+--warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
+5 and 6 (with --configs and --sweep) will use, on small tensors with the same
+specializations, into Triton's disk cache: N such processes in parallel take the cold
+compiles off the timed run. --configs narrows the Triton forward's autotuning to these
+(BLOCK_M, BLOCK_N, warps, stages) choices (each is a compile per flag set), --ws-configs the
+warp-specialized forward's (causal 16-bit cases); --sweep records every tuned forward
+config's time (impl "config M,N,W,S"), the config each case chose, and row 5 again with each
+code variant of
 `attention.VARIANTS` flipped (impl "fuelgraph kernel <VARIANT>=<value>").
 
 --schedules times plain causal and window 1024 (row 5's shapes) under each setting of
 `attention.VARIANTS` (";"-separated, each "KEY=VALUE,..." or "base"; CONFIG=M.N.W.S pins the
-forward's launch config for that setting; impl "fuelgraph kernel <setting>") and prints causal
+forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized forward's
+(W: one consumer's warps); impl "fuelgraph kernel <setting>") and prints causal
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
 ("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
@@ -62,6 +65,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
 from fuelgraph.backends.cuda.kernels import attention as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels import attention_ws as W  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
 
@@ -103,8 +107,8 @@ def pairs(sq, sk, causal=False, wl=None):
 
 def fwd_tuning():
     """{"config": the config the forward's autotuner chose for its last key} and, with --sweep,
-    the time of every config it tried."""
-    kern = K._fwd_kernel
+    the time of every config it tried (the warp-specialized kernel's when WARP_SPEC is on)."""
+    kern = W._fwd_ws_kernel if K.VARIANTS["WARP_SPEC"] else K._fwd_kernel
     best = getattr(kern, "best_config", None)
     if best is None:
         return {}
@@ -257,25 +261,28 @@ def flipped(name):
 
 
 def warm(part, nparts):
-    """Compile every (case, variant, config) of rows 1 and 5 in this part, without timing."""
+    """Compile the forward kernels of rows 1, 2, 4, 5 and 6 (every flag set, each config the
+    kernel that runs it tunes over: narrow them with --configs / --ws-configs; with --sweep
+    each variant flipped) in this part, without timing."""
     B, H, S = 1, 16, 256      # the specializations of B4 H32 S4096: sizes divisible by 16
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    configs = list(K._fwd_kernel.configs)
-    jobs = [(case, var, c) for case in variant_cases(H)
-            for var in [None] + (flipped(case[0]) if SWEEP["on"] else []) for c in configs]
-    for n, ((name, p, opt, _), var, c) in enumerate(jobs):
+    kg, vg = rand(B, H // 4, S, D), rand(B, H // 4, S, D)
+    cases = [(name, p, opt, k, v) for name, p, opt, _ in variant_cases(H)] + \
+        [("non-causal", params(False), (), k, v), ("gqa causal", params(True), (), kg, vg)]
+    jobs = [(case, var) for case in cases
+            for var in [None] + (flipped(case[0]) if SWEEP["on"] else [])]
+    for n, ((name, p, opt, kk, vv), var) in enumerate(jobs):
         if n % nparts != part:
             continue
-        K._fwd_kernel.configs = [c]
         if var:
             K.VARIANTS[var] = not K.VARIANTS[var]
         try:
-            K.flash_attn(q, k, v, *opt, **p)
+            K.flash_attn(q, kk, vv, *opt, **p)
             if DEV.type == "cuda":
                 torch.cuda.synchronize()
-            print(f"warm {name} {var} {c}", flush=True)
+            print(f"warm {name} {var}", flush=True)
         except Exception as exc:  # noqa: BLE001
-            print(f"warm {name} {var} {c} failed: {exc!r}", flush=True)
+            print(f"warm {name} {var} failed: {exc!r}", flush=True)
         finally:
             if var:
                 K.VARIANTS[var] = not K.VARIANTS[var]
@@ -289,7 +296,7 @@ def parse_schedules(text):
         kv = {}
         for item in filter(None, spec.split(",")) if spec != "base" else ():
             key, val = item.split("=")
-            kv[key] = val if key == "CONFIG" else val not in ("0", "false")
+            kv[key] = val if key in ("CONFIG", "WSCONFIG") else val not in ("0", "false")
         out.append((spec, kv))
     return out
 
@@ -299,12 +306,17 @@ def with_variants(kv, fn):
     cleared before and after)."""
     kv = dict(kv)
     config = kv.pop("CONFIG", None)
+    ws_config = kv.pop("WSCONFIG", None)
     old = {k: K.VARIANTS[k] for k in kv}
     old_configs = K._fwd_kernel.configs
+    old_ws = W._fwd_ws_kernel.configs
     K.VARIANTS.update(kv)
     if config:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, config.split(".")))]
         K._fwd_kernel.cache.clear()
+    if ws_config:
+        W._fwd_ws_kernel.configs = [W.ws_config(*map(int, ws_config.split(".")))]
+        W._fwd_ws_kernel.cache.clear()
     try:
         return fn()
     finally:
@@ -312,6 +324,9 @@ def with_variants(kv, fn):
         if config:
             K._fwd_kernel.configs = old_configs
             K._fwd_kernel.cache.clear()
+        if ws_config:
+            W._fwd_ws_kernel.configs = old_ws
+            W._fwd_ws_kernel.cache.clear()
 
 
 SCHEDULE_CASES = ["plain causal", "window 1024"]
@@ -449,6 +464,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="1,2,3,4,5,6")
     ap.add_argument("--configs", default=None)
+    ap.add_argument("--ws-configs", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--warm", default=None)
     ap.add_argument("--schedules", default=None)
@@ -462,6 +478,9 @@ def main():
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
+    if args.ws_configs:
+        W._fwd_ws_kernel.configs = [W.ws_config(*map(int, c.split(",")))
+                                    for c in args.ws_configs.split(";")]
     specs = parse_schedules(args.schedules) if args.schedules else None
     if args.schedule_cases:
         SCHEDULE_CASES[:] = ["plain causal"] + [c.strip() for c in args.schedule_cases.split(",")

@@ -7,7 +7,11 @@ special-function MUFU ones, tensor-core HGMMA ones). Use it to check that a vari
 for Hopper and what it costs before a GPU session.
 
     python3 bench/sass_attention.py [--configs 128,64,8,3;128,128,8,3] [--cases plain,window]
-        [--variants base,MASK_ASM,MASK_ASM+EDGE_ONE_TEST]
+        [--variants base,MASK_ASM,MASK_ASM+EDGE_ONE_TEST] [--ws]
+
+--ws compiles the warp-specialized forward (attention_ws.py) instead, with configs of one
+consumer's warps ("128,64,4,2"): it reports whether the loop was specialized (the warps of
+the compiled kernel: 12 when it was) and the longest loop of the consumers.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from sass_common import TARGET, loop_stats  # noqa: E402
 PTRS = ["Q", "K", "V", "O", "LSE", "SLOPES", "KLEN"]
 INTS = ["sqb", "sqh", "sqm", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "som",
         "slb", "H", "G", "SQ", "SK", "KLEN_STATIC"]
-CASES = {"plain": dict(CAUSAL=True), "window": dict(CAUSAL=True, HAS_WL=True),
+CASES = {"full": dict(), "plain": dict(CAUSAL=True), "window": dict(CAUSAL=True, HAS_WL=True),
          "softcap": dict(CAUSAL=True, HAS_CAP=True), "alibi": dict(CAUSAL=True, HAS_ALIBI=True)}
 
 
@@ -62,6 +66,29 @@ def source(case, m, n, variant):
     return ASTSource(A._fwd_kernel.fn, sig, cons, attrs=aligned)
 
 
+def ws_source(case, m, n, persist=False):
+    """ASTSource of the warp-specialized forward for bfloat16, D = 128 (host descriptors)."""
+    from fuelgraph.backends.cuda.kernels import attention_ws as W
+    sig = {"Q": "*bf16", "KD": f"tensordesc<bf16[1,1,{n},128]>",
+           "VD": f"tensordesc<bf16[1,1,{n},128]>", "O": "*bf16", "LSE": "*fp32",
+           "SLOPES": "*fp32"}
+    sig.update({k: "i32" for k in ["sqm", "sob", "soh", "som", "slb", "ROWS", "H", "SQ", "L",
+                                   "WL", "WR", "TUNE_Q", "TUNE_K"]})
+    sig.update(QK_SCALE="fp32", CAP="fp32")
+    flags = dict(CAUSAL=False, HAS_WL=False, HAS_WR=False, HAS_CAP=False, HAS_ALIBI=False)
+    flags.update(CASES[case])
+    cons = dict(BLOCK_D=128, BLOCK_M=m, BLOCK_N=n, **flags,
+                ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
+                FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
+                PERSIST=persist, GROUP=8)
+    sig["BH"] = "i32"
+    names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
+    sig = {k: sig[k] for k in names}
+    aligned = {(names.index(k),): [["tt.divisibility", 16]]
+               for k in ["Q", "O", "LSE", "sqm", "sob", "soh", "som", "ROWS", "H", "SQ", "L"]}
+    return ASTSource(W._fwd_ws_kernel.fn, sig, cons, attrs=aligned)
+
+
 def report(name, src, warps, stages):
     try:
         k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
@@ -70,6 +97,7 @@ def report(name, src, warps, stages):
         return
     regs, stack, n, ops = loop_stats(k.asm["cubin"])
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(6))
+    name += f" ->{k.metadata.num_warps}w"
     print(f"{name:52s} regs {regs:3d} stack {stack:4d} smem {k.metadata.shared:6d}  loop {n:5d} "
           f"MUFU {ops.get('MUFU', 0):3d} HGMMA {ops.get('HGMMA', 0):3d}  {top}", flush=True)
 
@@ -79,7 +107,16 @@ def main():
     ap.add_argument("--configs", default="128,64,8,3;128,128,8,3")
     ap.add_argument("--cases", default="plain,window,softcap,alibi")
     ap.add_argument("--variants", default="base,ALIBI_COLS,FMA_SCORES")
+    ap.add_argument("--ws", action="store_true")
     args = ap.parse_args()
+    if args.ws:
+        for cfg in args.configs.split(";"):
+            m, n, w, st = (int(x) for x in cfg.split(","))
+            for case in args.cases.split(","):
+                for pers in (False, True) if "WS_PERSIST" in args.variants else (False,):
+                    report(f"ws {case:8s} {m}x{n} w{w} s{st}{' PERSIST' if pers else ''}",
+                           ws_source(case, m, n, pers), w, st)
+        return
     for cfg in args.configs.split(";"):
         m, n, w, st = (int(x) for x in cfg.split(","))
         for case in args.cases.split(","):

@@ -247,3 +247,72 @@ def test_written_attention_fuses_on_cuda():
     want = torch.nn.functional.scaled_dot_product_attention(q.to_torch(), k.to_torch(),
                                                            v.to_torch(), is_causal=True)
     torch.testing.assert_close(o.to_torch(), want, rtol=1e-4, atol=1e-4)
+
+
+# ---- the warp-specialized forward (attention_ws.py; VARIANTS["WARP_SPEC"]) ----------------------
+WS_OPTS = [dict(causal=True, window_size_left=_W), dict(causal=True),
+           dict(causal=True, softcap=1.3, alibi=True, k_len=61 if not HAS_CUDA else 690),
+           dict(causal=True, window_size_left=5), dict(causal=True, k_len=33)]
+
+
+def _ws_cases():
+    if not HAS_CUDA:
+        return [((1, 2, 1, 70, 90, 16), o, pers) for o in WS_OPTS for pers in (False, True)]
+    return [((2, 8, 2, 700, 1000, 128), WS_OPTS[0], False),
+            ((1, 4, 4, 1000, 600, 128), WS_OPTS[1], False),
+            ((2, 4, 2, 300, 700, 64), WS_OPTS[2], False),
+            ((2, 8, 2, 700, 1000, 128), WS_OPTS[0], True),
+            ((1, 4, 4, 1000, 600, 128), WS_OPTS[1], True)]
+
+
+@KERNEL_TESTS
+@pytest.mark.parametrize("shape,opts,persist", _ws_cases(),
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple)
+                         else ",".join(sorted(x)) if isinstance(x, dict)
+                         else ("persist" if x else "grid"))
+def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
+    """out and lse of the warp-specialized kernel (16-bit causal masks; a program per tile,
+    or persistent) against float64 references: causal and window bands, Sq > Sk, ALiBi +
+    softcap with a static k_len off the tile grid."""
+    dtype = "bfloat16" if HAS_CUDA else "float16"
+    monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
+    monkeypatch.setitem(K.VARIANTS, "WS_PERSIST", persist)
+    monkeypatch.setitem(K.VARIANTS, "WS_PERSIST_WINDOW", persist)
+    used = []
+    launch = K._launch_ws
+    monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))
+    q, k, v, go = _data(*shape, dtype)
+    o = _opts(opts, shape[0], shape[1], shape[4])
+    p = dict(PARAMS, **{n: x for n, x in o.items() if n != "alibi"})
+    extra = (o["alibi"],) if "alibi" in o else ()
+    out, lse = K.flash_attn(q, k, v, *extra, **dict(p, has_alibi=bool(extra)))
+    assert used and out.dtype == TD[dtype]
+    want = _ref(q, k, v, go, **o)[0]
+    same = _ref(q, k, v, go, dtype=TD[dtype], **o)[0]
+    assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
+    sq, sk = shape[3], o.get("k_len") or shape[4]
+    ref_lse = _ref_lse(q, k, sk, p, o.get("alibi"))
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse.cpu()), ~live)
+    torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
+
+
+def _ref_lse(q, k, L, p, alibi):
+    """Row log-sum-exp of the masked scores in float64 (the masks as the registry recipe's)."""
+    qd, kd = q.cpu().double(), k.cpu().double()[:, :, :L]
+    kd = kd.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = (qd @ kd.mT) * p["softmax_scale"]
+    if p.get("softcap"):
+        s = p["softcap"] * torch.tanh(s / p["softcap"])
+    a = torch.arange(q.shape[2])[:, None] + L - q.shape[2]
+    kn = torch.arange(L)[None, :]
+    if alibi is not None:
+        s = s - alibi.cpu().double()[:, None, None] * (a - kn).abs()
+    keep = torch.ones_like(kn - a, dtype=torch.bool)
+    if p.get("causal"):
+        keep &= kn <= a
+    if p.get("window_size_left") is not None:
+        keep &= kn >= a - p["window_size_left"]
+    if p.get("window_size_right") is not None:
+        keep &= kn <= a + p["window_size_right"]
+    return torch.logsumexp(s.masked_fill(~keep, -math.inf), -1)

@@ -17,7 +17,9 @@ one loop (one pipeline ramp for the two edges of a sliding window); a causal win
 twice the widest tile runs all three in one loop, the edges' masks behind a branch
 (_fwd_one_loop). Blocks wholly outside the band are never visited.
 Causal / windows / softcap / ALiBi / run-time k_len are compile-time flags: a kernel without
-them carries none of their code.
+them carries none of their code. A causal 16-bit forward (no right window, a static k_len)
+runs as a warp-specialized kernel instead (attention_ws.py: a TMA producer warpgroup feeding
+two consumer warpgroups).
 
 Numerics: products accumulate in float32 (`ieee` precision for float32 inputs, not TF32);
 probabilities are rounded to the input dtype before the P V / P^T dO products and dS before
@@ -145,8 +147,26 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 327 (not profiled; presumably the tile's two warpgroups already overlap one's softmax
 #: with the other's products); 128 x 128 tiles in 3 stages (224 KiB of shared memory):
 #: 421 / 327; 64 x 64 tiles on 4 warps, two programs an SM, lagged: 361 / 326.
+#: WARP_SPEC (default) -- causal 16-bit inputs through the warp-specialized kernel
+#: (attention_ws.py: a TMA producer warpgroup and two 64-row consumer warpgroups, 128 x 128
+#: tiles, masks on every block). H200, B4 H32 S4096, two interleaved repeats in one process
+#: against the Triton kernel above: plain causal 446.2 / 460.3 against 437.2 / 428.7 TFLOP/s,
+#: window 1024 370.0 / 370.0 against 366.2 / 359.0; with 128 x 64 tiles 417 / 407 and 342 /
+#: 340. Session 5's "same SASS on sm_90" try had pointer loads and 8 warps: the Hopper pass
+#: needs 4 warps and tensor-descriptor loads (and one loop without branches inside).
+#: WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
+#: the warp-specialized kernel persistent: one program a multiprocessor striding over the
+#: tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
+#: tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
+#: (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
+#: softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
+#: Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
+#: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
+#: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
+#: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
-            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True}
+            "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -490,6 +510,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
 
 # ---- backward (attention_bwd.py: it imports the helpers above) -----------------------------------
 from .attention_bwd import _bwd_kv_kernel, _bwd_q_kernel  # noqa: E402
+from .attention_ws import _fwd_ws_kernel  # noqa: E402
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -599,12 +620,79 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
         lse.fill_(float("inf"))
         return out.zero_(), lse
     grid = lambda meta: (triton.cdiv(a.SQ, meta["BLOCK_M"]), a.B * a.H)  # noqa: E731
+    if _warp_specialized(a, q, k, v):
+        _launch_ws(a, q, k, v, out, lse, grid)
+        return out, lse
     _fwd_kernel[grid](q, k, v, out, lse, a.slopes, a.klen, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
                       v.stride(2), out.stride(0), out.stride(1), out.stride(2), a.slb,
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
                       **a.fwd_flags)
     return out, lse
+
+
+_SM_COUNT = {}
+
+
+def _resident_programs(device):
+    """Forward programs resident at once (one a multiprocessor: the tiles' shared memory)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tma_ready(x):
+    """TMA can read x: 16-byte aligned base and strides (the last dim contiguous)."""
+    item = x.element_size()
+    return x.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in x.stride()[:-1])
+
+
+def _warp_specialized(a, q, k, v):
+    """Whether the forward runs as the warp-specialized kernel (measured faster for causal
+    masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
+    16-bit inputs,
+    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
+    [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
+    the device in scratch memory allocated per launch, which a replay would not own)."""
+    f = a.flags
+    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+            and not f["DYN_KLEN"]
+            and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
+            and all(_tma_ready(x) for x in (q, k, v))
+            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch from Triton's allocator: a torch
+    one, unless the process set its own."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device="cuda"))
+
+
+def _launch_ws(a, q, k, v, out, lse, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    L, D = a.klen_static, a.D
+    kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
+    vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
+    f = a.flags
+    persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
+    if persist:
+        nprog = _resident_programs(q.device)
+        grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
+    _ensure_allocator()
+    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
+                         out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
+                         a.cap, a.wl, a.wr,
+                         **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
+                         HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
+                         ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

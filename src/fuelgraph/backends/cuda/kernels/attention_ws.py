@@ -1,0 +1,164 @@
+"""FLASH_ATTN's forward as a warp-specialized Hopper kernel (attention.py launches it for
+16-bit inputs when VARIANTS["WARP_SPEC"] is on and the inputs suit TMA).
+
+Triton 3.6 warp-specializes a loop marked `tl.range(..., warp_specialize=True)` on sm_90
+only when the kernel is written for 4 warps and its loads are tensor descriptors (TMA): it
+then builds a producer warpgroup that issues the k/v TMA copies and splits the 128-row query
+tile over two consumer warpgroups of 64 rows (12 warps, registers moved to the consumers with
+setmaxnreg), synchronised through mbarriers only -- no CTA-wide barrier a block, so one
+consumer's softmax can run under the other's tensor-core products (FlashAttention-3's
+structure). The pass gives up (silently: a plain 4-warp kernel) on a branch inside the loop
+or a second loop, so every key block of a program runs in one loop and the masks are one or
+two compares a score against per-row bounds, on every block (a block inside the band passes
+them all).
+
+Descriptors: q, k and v as 4-D [B, H, S, D] views with the tensors' own strides; the key
+extent is the live length L, so TMA fills rows past it with zeros and never reads them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention import _APPROX_TANH, _key_ranges, _online, _scores
+from .common import INTERPRET
+
+#: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
+#: into two 64-row consumers), k and v blocks in 2 buffers each (128 x 64 tiles measured 5-12%
+#: slower on the H200; 128 x 128 in 3 stages needs 246 KiB of shared memory)
+WS_CHOICES = [(128, 128, 4, 2)]
+
+
+def _block_shapes(nargs):
+    """Autotune pre-hook: the descriptors' block shapes follow the config."""
+    m, n, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
+    nargs["KD"].block_shape = [1, 1, n, d]
+    nargs["VD"].block_shape = [1, 1, n, d]
+
+
+def ws_config(m, n, warps, stages):
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages,
+                         pre_hook=_block_shapes)
+
+
+#: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
+WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
+_WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
+
+
+def _prune(configs, named_args, **kw):
+    from .attention import TUNE
+    return configs if TUNE and not INTERPRET else configs[:1]
+
+
+@triton.autotune(configs=WS_CONFIGS, key=_WS_TUNE_KEYS,
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, G, SQ, L,
+                   QK_SCALE, CAP, WL, WR, TUNE_Q, TUNE_K, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_WL: tl.constexpr,
+                   HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
+    """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
+    (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
+    B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
+    the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
+    k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
+    next tile's q, k and v while the consumers finish this one."""
+    # q's descriptor is made here, 2-D over the [B * H * SQ, D] rows: the specialization
+    # splits the q tile between the two consumers, shrinking the copy's box (a host
+    # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
+    # the copy's first coordinate (the batch of a 4-D one)
+    QD = tl.make_tensor_descriptor(Q, [ROWS, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
+    if PERSIST:
+        num_m = tl.cdiv(SQ, BLOCK_M)
+        per_group = GROUP * num_m
+        for tile in tl.range(tl.program_id(0), num_m * BH, tl.num_programs(0),
+                             warp_specialize=True):
+            g0 = (tile // per_group) * GROUP
+            heads = tl.minimum(BH - g0, GROUP)
+            rank = (tile % per_group) // heads
+            pid_m = rank
+            if CAUSAL:
+                pid_m = num_m - 1 - rank
+            _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
+                     soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
+                     BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
+                     EVEN_L, False)
+    else:
+        pid_m = tl.program_id(0)
+        if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
+                 SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
+
+
+@triton.jit
+def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
+             CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+             HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
+             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr):
+    """One query tile; WS: its key loop is the specialized one."""
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    off = L - SQ
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = QD.load([bh * SQ + m0, 0])
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + b * slb + h)
+    a_pos = (offs_m + off)[:, None]
+    lo, _, _, _, hi = _key_ranges(m0 + off, m0 + BLOCK_M - 1 + off, L, WL, WR, BLOCK_N,
+                                  CAUSAL, HAS_WL, HAS_WR)
+    # admissible keys of a row: lo_key <= key <= hi_key (causal rows past SQ are never stored)
+    HI_MASK: tl.constexpr = CAUSAL or HAS_WR or not EVEN_L
+    hi_key = a_pos * 0 + (L - 1)
+    if CAUSAL:
+        hi_key = a_pos
+    if HAS_WR:
+        hi_key = tl.minimum(hi_key, a_pos + WR)
+    lo_key = a_pos - WL
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for j in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        k = KD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k))
+        kn = j + offs_n
+        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
+                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
+        if HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
+            s = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
+                "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
+                [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
+                pack=1)
+        else:
+            if HI_MASK:
+                s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
+            if HAS_WL:
+                s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
+        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                     HI_MASK or HAS_WL)
+        v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
+        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    rmask = offs_m < SQ
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+             + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=rmask[:, None])
+    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
