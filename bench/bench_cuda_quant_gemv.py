@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed import PackedConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
@@ -61,7 +62,11 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
                   PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
-         "awq": [PackedConfig(aff=1)]}
+         "awq": [PackedConfig(aff=1)],
+         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, prefetch,
+         # stages): indices 6.. for Q4_0
+         "Q4_0": [MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 4, 4, 1, 1), MmaConfig(1, 2, 4, 1, 1),
+                  MmaConfig(2, 2, 2, 1, 1), MmaConfig(1, 4, 2, 0, 3), MmaConfig(1, 8, 2, 1, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the

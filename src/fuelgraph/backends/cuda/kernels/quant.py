@@ -46,6 +46,7 @@ from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
+from .quant_mma import MmaConfig, mma_ok, run_mma_cached
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -265,8 +266,8 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | str |
-        None = None):
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | MmaConfig |
+        str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
@@ -290,6 +291,11 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, MmaConfig) or config == "mma":    # M <= 8 on tensor cores (quant_mma)
+        if rows_ok and mma_ok(fmt_id, x, i0, k, n, m_all):
+            return run_mma_cached(fmt_id, x, w0, w1, w2, i0, k, n,
+                                  config if isinstance(config, MmaConfig) else None)
+        config = "packed"
     if isinstance(config, PackedDotConfig):
         if rows_ok and fmt_id in DOT_FORMATS and packable(fmt_id, i0, k, n):
             return run_packed_dot(fmt_id, x, w0, w1, w2, i0, k, n, config=config)

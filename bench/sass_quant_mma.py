@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Compile the mma GEMV of `quant_mma` for sm_90 without a GPU and check what its inline PTX
+assumes: every load / inline-asm operand in the layout sizePerThread [1, 1, 4], threadsPerWarp
+[1, 32, 1], warpsPerCTA [1, warps, 1] (thread index = dim 1). Prints registers, spills and the
+loop's SASS instructions a weight.
+
+    python3 bench/sass_quant_mma.py [--configs t,k,u,pf,st;...] [--ttgir]
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+import triton
+from triton.compiler import ASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from sass_common import TARGET, loop_stats  # noqa: E402
+from fuelgraph.backends.cuda.kernels import quant_mma as Q  # noqa: E402
+
+ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+
+
+def source(fmt, cfg, kch=128):
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
+           "M": "i32", "stride_x": "i32", "stride_o": "i32", "kch": "i32"}
+    per_warp = kch // cfg.ksplit
+    units = min(cfg.units, per_warp)
+    cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
+                PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=Q._asm(fmt, units)[0],
+                CONS=Q._asm(fmt, units)[1])
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] != 5}
+    return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit
+
+
+def layouts_ok(ttgir: str, warps: int) -> tuple[bool, list[str]]:
+    """Whether every blocked layout on a 3-d tensor is the assumed one (and which there are)."""
+    found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
+    want = (f"sizePerThread = [1, 1, 4], threadsPerWarp = [1, 32, 1], "
+            f"warpsPerCTA = [1, {warps}, 1]")
+    used3 = [ln for ln in ttgir.splitlines() if "inline_asm" in ln or "tt.load" in ln]
+    bad = [ln for ln in used3 if "x4xi32" in ln or "x4xf" in ln]
+    ok = all(want in f for f in found if "[1, 1, 4]" in f or ", 1]" in f and "1, 32, 1" in f)
+    return ok, found + bad[:0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="1,4,2,1,1;1,4,4,1,1;1,4,1,1,1;1,4,2,0,3;2,2,2,1,1")
+    ap.add_argument("--ttgir", action="store_true")
+    args = ap.parse_args()
+    for spec in args.configs.split(";"):
+        t, k, u, pf, st = (int(v) for v in spec.split(","))
+        cfg = Q.MmaConfig(t, k, u, pf, st)
+        src, elems = source(Q.Q4_0, cfg)
+        try:
+            kern = triton.compile(src, target=TARGET, options=dict(
+                num_warps=t * k, num_stages=1))
+        except Exception as exc:  # noqa: BLE001
+            print(f"{cfg.tag():28s} FAILED {str(exc)[:600]}")
+            continue
+        regs, stack, n, ops = loop_stats(kern.asm["cubin"])
+        per = n * t * k * 32 / elems
+        ttgir = kern.asm["ttgir"]
+        found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
+        top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))
+        print(f"{cfg.tag():28s} regs {regs:3d} stack {stack:4d} smem {kern.metadata.shared:6d} "
+              f"{per:5.2f} instr/weight  {top}")
+        for f in found:
+            print("    ", f)
+        if args.ttgir:
+            print(ttgir)
+
+
+if __name__ == "__main__":
+    main()
