@@ -61,8 +61,8 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
          "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
-                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
-         "awq": [PackedConfig(aff=1)],
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig()],
+         "awq": [PackedConfig(aff=1), MmaConfig()],
          # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, prefetch,
          # stages): indices 6.. for Q4_0
          "Q4_0": [MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 4, 4, 1, 1), MmaConfig(1, 2, 4, 1, 1),
@@ -97,6 +97,10 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
+#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 too (two 8-row x tiles); index 5 / 4
+DOT_CANDIDATES["Q4_0"].append(MmaConfig())
+DOT_CANDIDATES["Q4_K"].append(MmaConfig())
+DOT_CANDIDATES["awq"].append(MmaConfig())
 
 
 def weights(op, n, k, g):
@@ -191,7 +195,7 @@ def main():
                 cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
                 cut = 4
             else:
-                cfgs = [None] + [v if isinstance(v, PackedDotConfig) else PackedDotConfig(*v)
+                cfgs = [None] + [PackedDotConfig(*v) if isinstance(v, tuple) else v
                                  for v in DOT_CANDIDATES.get(op, [])]
             if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq@16=0,2"
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \

@@ -23,18 +23,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 from sass_common import TARGET, loop_stats  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_mma as Q  # noqa: E402
 
-ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(11)}
 
 
-def source(fmt, cfg, kch=128):
-    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32",
-           "M": "i32", "stride_x": "i32", "stride_o": "i32", "kch": "i32"}
+def source(fmt, cfg, kch=128, nt=1):
+    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16"}[fmt]
+    sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": "*u8", "t_ptr": "*fp16",
+           "out_ptr": "*bf16", "N": "i32", "M": "i32", "stride_x": "i32", "stride_o": "i32",
+           "kch": "i32"}
     per_warp = kch // cfg.ksplit
     units = min(cfg.units, per_warp)
+    asm, cons = Q._asm(fmt, units, nt)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
-                PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=Q._asm(fmt, units)[0],
-                CONS=Q._asm(fmt, units)[1])
-    attrs = {k: v for k, v in ALIGNED.items() if k[0] != 5}
+                PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons, FMT=fmt,
+                NT=nt, GPC=2)
+    attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit
 
 
@@ -53,11 +56,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="1,4,2,1,1;1,4,4,1,1;1,4,1,1,1;1,4,2,0,3;2,2,2,1,1")
     ap.add_argument("--ttgir", action="store_true")
+    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ")
+    ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
     args = ap.parse_args()
     for spec in args.configs.split(";"):
         t, k, u, pf, st = (int(v) for v in spec.split(","))
         cfg = Q.MmaConfig(t, k, u, pf, st)
-        src, elems = source(Q.Q4_0, cfg)
+        src, elems = source({'Q4_0': Q.Q4_0, 'Q4_K': Q.Q4_K, 'AWQ': Q.AWQ}[args.fmt], cfg,
+                            nt=args.nt)
         try:
             kern = triton.compile(src, target=TARGET, options=dict(
                 num_warps=t * k, num_stages=1))

@@ -16,12 +16,30 @@ from quant_cases import gguf_bytes, gguf_edge_bytes  # noqa: E402
 GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (inline PTX mma)")
 
 
+def _entry_scales(mw, t, ch):
+    """(a, b) [8, 4] float64 of tile t, chunk ch as the kernel's `_scales` forms them."""
+    from fuelgraph.backends.cuda.kernels import quant_mma as Q
+    h = np.arange(4) % 2
+    if mw.fmt == Q.Q4_0:
+        d = mw.scales[t, ch].double().numpy()
+        return d, -8 * d
+    if mw.fmt == Q.Q4_K:
+        sc = mw.scales[t, ch, :, 0].double().numpy()
+        mn = mw.scales[t, ch, :, 1].double().numpy()
+        dd = mw.table[t, ch // 4].double().numpy()                      # [8, 4]
+        return dd[:, h] * sc, -(dd[:, 2 + h] * mn)
+    grp = ch // (mw.group // 64)
+    s_ = mw.scales[t, grp].double().numpy()[:, h]
+    z = mw.zeros[t, grp].double().numpy()[:, h]
+    return s_, -z * s_
+
+
 def _emulate(mw, x):
     """x [M <= 8, K] float64 -> [M, N]: each lane's registers as mma.sync m16n8k16's fragments
     (A row-major: a0 a1 row l / 4, k 2 (l % 4) + (0, 1); a2 a3 row + 8; a4..a7 k + 8; B column
-    l / 4 with k as A's; C c0 c1 row l / 4, columns 2 (l % 4) + (0, 1); c2 c3 row + 8)."""
+    l / 4 with k as A's; C c0 c1 row l / 4, columns 2 (l % 4) + (0, 1); c2 c3 row + 8), A the
+    codes q, the block sums scaled as the kernel does: a C + b C1 (C1: the all-ones A)."""
     words = mw.words.numpy().astype(np.int64) & 0xFFFFFFFF
-    sc = mw.scales.float().numpy()
     tiles, kch = words.shape[:2]
     m = x.shape[0]
     lane = np.arange(32)
@@ -30,24 +48,28 @@ def _emulate(mw, x):
     for t in range(tiles):
         acc = np.zeros((32, 4))
         for ch in range(kch):
+            sa, sb = _entry_scales(mw, t, ch)
             for g in range(2):
                 c = np.zeros((16, 8))
+                c1 = np.zeros((16, 8))
                 for s in range(2):
                     a = np.zeros((16, 16))
                     b = np.zeros((16, 8))
                     for e, rows in ((2 * g, r), (2 * g + 1, r + 8)):
                         for half, m_ in ((0, 2 * s), (8, 2 * s + 1)):
                             w = words[t, ch, :, e] >> (4 * m_)
-                            a[rows, 2 * p + half] = (w & 15) - 8
-                            a[rows, 2 * p + half + 1] = ((w >> 16) & 15) - 8
+                            a[rows, 2 * p + half] = w & 15
+                            a[rows, 2 * p + half + 1] = (w >> 16) & 15
                     xr = np.minimum(r, m - 1)
                     base = ch * 64 + g * 32 + 8 * p + 4 * s
                     for off, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
                         b[2 * p + slot, r] = x[xr, base + off]
                     c += a @ b
-                frag = np.stack([c[r, 2 * p], c[r, 2 * p + 1], c[r + 8, 2 * p],
-                                 c[r + 8, 2 * p + 1]], axis=1)
-                acc += frag * np.stack([sc[t, ch, r, 2 * g + j // 2] for j in range(4)], axis=1)
+                    c1 += np.ones((16, 16)) @ b
+                for j in range(4):
+                    e = 2 * g + j // 2
+                    row, col = r + 8 * (j // 2), 2 * p + j % 2
+                    acc[:, j] += sa[r, e] * c[row, col] + sb[r, e] * c1[row, col]
         for e in range(4):
             n_ = t * 16 + r + 8 * (e // 2)
             m_ = 2 * p + e % 2
@@ -56,16 +78,32 @@ def _emulate(mw, x):
     return out
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq"])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_register_order_as_mma_fragments(m):
+def test_register_order_as_mma_fragments(fmt, m):
     from fuelgraph.backends.cuda.kernels import quant_mma as Q
     rng = np.random.default_rng(m)
-    n, k = 32, 192
-    raw = gguf_bytes(rng, "Q4_0", n, k)
-    mw = Q.pack_mma(Q.Q4_0, torch.from_numpy(raw.reshape(-1)), None, None, 18 * k // 32, k, n)
+    n, k = 32, 512
+    if fmt == "awq":
+        from quant_cases import awq_reference
+        gs = 128
+        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
+        qz = qz.astype(np.int32)
+        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+        mw = Q.pack_mma(Q.AWQ, torch.from_numpy(qw), torch.from_numpy(qz),
+                        torch.from_numpy(sc), gs, k, n)
+        w = awq_reference(qw, qz, sc, gs).T
+    else:
+        raw = gguf_bytes(rng, fmt, n, k)
+        qk, tsize = {"Q4_0": (32, 18), "Q4_K": (256, 144)}[fmt]
+        mw = Q.pack_mma({"Q4_0": Q.Q4_0, "Q4_K": Q.Q4_K}[fmt], torch.from_numpy(raw.reshape(-1)),
+                        None, None, tsize * k // qk, k, n)
+        w = gguf_dequant_ref(raw, fmt)
     x = rng.standard_normal((m, k))
-    want = x @ gguf_dequant_ref(raw, "Q4_0").astype(np.float64).T
-    np.testing.assert_allclose(_emulate(mw, x), want, rtol=1e-12, atol=1e-12)
+    want = x @ w.astype(np.float64).T
+    # (Q4_K: gguf-py rounds each weight's (d sc) q - dmin m once in float32)
+    np.testing.assert_allclose(_emulate(mw, x), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 CFGS = {"default": None, "u1": (1, 4, 1, 1, 1), "u4": (1, 2, 4, 1, 1), "t2": (2, 2, 2, 1, 1),
@@ -78,17 +116,58 @@ def _cfg(name):
     return MmaConfig() if v is None else MmaConfig(*v)
 
 
+def _weight(fmt, rng, n, k):
+    """(matmul(x, cfg), W [N, K] float32 reference) of a random weight of the format."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    if fmt == "awq":
+        gs = 64
+        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
+        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+        from quant_cases import awq_reference
+        ref = awq_reference(qw, qz.astype(np.int32), sc, gs).T
+        args = [to_dev(qw), to_dev(qz.astype(np.int32)), to_dev(sc)]
+        return (lambda x, c: K.awq_matmul(x, *args, group_size=gs, config=c)), ref, args[0]
+    raw = gguf_bytes(rng, fmt, n, k)
+    w = to_dev(raw.reshape(-1))
+    return (lambda x, c: K.qmatmul(x, w, quant_type=fmt, n=n, k=k, config=c)), \
+        gguf_dequant_ref(raw, fmt), w
+
+
+def _ran_mma(w):
+    """Whether the mma copy of weight tensor w was made (the product took `quant_mma`)."""
+    from fuelgraph.backends.cuda.kernels import quant_packed as P
+    return any(key[0] == id(w) and "pack_mma" in key for key in P._CACHE)
+
+
 @GPU
 @pytest.mark.parametrize("name", list(CFGS))
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_mma_q4_0(name, m):
-    from fuelgraph.backends.cuda.kernels import quant as K
     rng = np.random.default_rng(m + len(name))
     n, k = 48, 512          # 3 tiles (t2: a partial last program), 8 chunks
-    raw = gguf_bytes(rng, "Q4_0", n, k)
+    fn, ref, w = _weight("Q4_0", rng, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).to(DEV)
-    out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type="Q4_0", n=n, k=k, config=_cfg(name))
-    check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)
+    check_product(fn(x, _cfg(name)), x, ref.T, torch.bfloat16)
+    assert _ran_mma(w)
+
+
+@GPU
+@pytest.mark.parametrize("name", ["default", "u1"])
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq"])
+def test_mma_formats_and_rows(fmt, m, name):
+    """Q4_K / AWQ (a q + b a block: the x sums by an all-ones mma) and 9..16 rows (two x
+    tiles), the rows in a 3-d x."""
+    rng = np.random.default_rng(m + 7 * len(fmt))
+    n, k = 48, 1024
+    fn, ref, w = _weight(fmt, rng, n, k)
+    x = torch.randn(1, m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x = x.to(DEV)
+    out = fn(x, _cfg(name))
+    assert out.shape == (1, m, n)
+    check_product(out[0], x[0], ref.T, torch.bfloat16)
+    assert _ran_mma(w)
 
 
 @GPU
@@ -105,8 +184,9 @@ def test_mma_q4_0_edge_bytes():
     n, k = rows, per_row * qk
     w = gguf_dequant_ref(raw, "Q4_0")
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
-    out = K.qmatmul(x, to_dev(raw.reshape(-1)), quant_type="Q4_0", n=n, k=k,
-                    config=_cfg("u1"))
+    wd = to_dev(raw.reshape(-1))
+    out = K.qmatmul(x, wd, quant_type="Q4_0", n=n, k=k, config=_cfg("u1"))
+    assert _ran_mma(wd)
     ref = x.double().cpu() @ torch.as_tensor(w.astype(np.float64).T)
     err = (out.double().cpu() - ref).abs().max().item()
     assert err <= 3e-2 * max(1.0, ref.abs().max().item()), err

@@ -36,27 +36,37 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_tiles import Q4_0
+from .quant_tiles import AWQ, Q4_0, Q4_K
 
-MMA_FORMATS = frozenset({Q4_0})
+MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K})
 CHUNK_K = 64        # elements of a row a chunk (two 32-element blocks)
 TILE_N = 16         # rows a tile (the mma's M)
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
-def _q4_0_ptx(units: int) -> str:
-    """PTX of `units` chunks for one thread: operands (P = 4 units) $0..P-1 the new sums,
-    then P each of: old sums, words, x of block 0, x of block 1 (bf16x2), scales (float32)."""
+def _ptx(affine: bool, units: int, nt: int) -> str:
+    """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
+    Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
+    sums (nt), the words, x of block 0 and block 1 per x tile (2 nt), the scales a (float32),
+    affine: the offsets b. Q4_0 (not affine): A = q - 8 and out += d C; affine (AWQ, Q4_K:
+    W = a q + b a block): A = q, an all-ones A gives the block's x sums C1, out += a C + b C1."""
     p = 4 * units
+    names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)] + ["w"]
+             + [f"x{t}{g}" for t in range(nt) for g in range(2)] + ["sa"]
+             + (["sb"] if affine else []))
+    base = {name: i * p for i, name in enumerate(names)}
 
-    def op(kind, u, j):
-        return f"${p * kind + 4 * u + j}"
-    lines = ["{", ".reg .b32 %fq<16>, %ft, %fone, %fneg;", ".reg .f32 %fc<4>, %fz;",
+    def op(name, u, j):
+        return f"${base[name] + 4 * u + j}"
+    lines = ["{", ".reg .b32 %fq<16>, %ft, %fone, %fneg;", ".reg .f32 %fc<8>, %fd<8>, %fz;",
              "mov.b32 %fone, 0x3F803F80;",       # bf16x2 (1, 1)
-             "mov.b32 %fneg, 0xC308C308;",       # bf16x2 (-136, -136): 128 + q - 136 = q - 8
+             # bf16x2 (-136, -136): 128 + q - 136 = q - 8, or (-128, -128): q
+             f"mov.b32 %fneg, {'0xC300C300' if affine else '0xC308C308'};",
              "mov.f32 %fz, 0f00000000;"]
+    ones = "{%fone, %fone, %fone, %fone}"
     for u in range(units):
         for e in range(4):
-            w = op(2, u, e)
+            w = op("w", u, e)
             lines.append(f"lop3.b32 %fq{4 * e}, {w}, 0x000F000F, 0x43004300, 0xEA;")
             for m in range(1, 4):
                 lines.append(f"shr.u32 %ft, {w}, {4 * m};")
@@ -64,40 +74,90 @@ def _q4_0_ptx(units: int) -> str:
         for i in range(16):
             lines.append(f"fma.rn.bf16x2 %fq{i}, %fq{i}, %fone, %fneg;")
         for g in range(2):
-            x = 3 + g
-            for s in range(2):
-                a = [f"%fq{4 * (2 * g) + 2 * s}", f"%fq{4 * (2 * g + 1) + 2 * s}",
-                     f"%fq{4 * (2 * g) + 2 * s + 1}", f"%fq{4 * (2 * g + 1) + 2 * s + 1}"]
-                b = [op(x, u, 2 * s), op(x, u, 2 * s + 1)]
-                c = "%fz, %fz, %fz, %fz" if s == 0 else "%fc0, %fc1, %fc2, %fc3"
-                lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                             f"{{%fc0, %fc1, %fc2, %fc3}}, {{{', '.join(a)}}}, "
-                             f"{{{', '.join(b)}}}, {{{c}}};")
-            for j in range(4):      # c0, c1: row r; c2, c3: row r + 8
-                src = op(1, u, j) if g == 0 else op(0, u, j)
-                lines.append(f"fma.rn.f32 {op(0, u, j)}, %fc{j}, {op(5, u, 2 * g + j // 2)}, "
-                             f"{src};")
+            for t in range(nt):
+                c = ", ".join(f"%fc{4 * t + j}" for j in range(4))
+                c1 = ", ".join(f"%fd{4 * t + j}" for j in range(4))
+                for s in range(2):
+                    a = [f"%fq{4 * (2 * g) + 2 * s}", f"%fq{4 * (2 * g + 1) + 2 * s}",
+                         f"%fq{4 * (2 * g) + 2 * s + 1}", f"%fq{4 * (2 * g + 1) + 2 * s + 1}"]
+                    b = f"{{{op(f'x{t}{g}', u, 2 * s)}, {op(f'x{t}{g}', u, 2 * s + 1)}}}"
+                    lines.append(f"{_MMA} {{{c}}}, {{{', '.join(a)}}}, {b}, "
+                                 f"{{{'%fz, %fz, %fz, %fz' if s == 0 else c}}};")
+                    if affine:
+                        lines.append(f"{_MMA} {{{c1}}}, {ones}, {b}, "
+                                     f"{{{'%fz, %fz, %fz, %fz' if s == 0 else c1}}};")
+                for j in range(4):      # c0, c1: row r; c2, c3: row r + 8
+                    e = 2 * g + j // 2
+                    prev = op(f"acc{t}", u, j) if g == 0 else op(f"out{t}", u, j)
+                    dst = op(f"out{t}", u, j)
+                    lines.append(f"fma.rn.f32 {dst}, %fc{4 * t + j}, {op('sa', u, e)}, {prev};")
+                    if affine:
+                        lines.append(f"fma.rn.f32 {dst}, %fd{4 * t + j}, {op('sb', u, e)}, "
+                                     f"{dst};")
     lines.append("}")
     return "\n".join(lines)
 
 
 @triton.jit
-def _q4_0_units(acc, words, xa, xb, sc, ASM: tl.constexpr, CONS: tl.constexpr,
-                P: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, CONS, [acc, words, xa, xb, sc], dtype=tl.float32,
-                                     is_pure=True, pack=P)
+def _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM: tl.constexpr,
+               CONS: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, AFFINE: tl.constexpr):
+    """(acc0, acc1) += the chunks' products (`_ptx`); acc1 / x1. / sb unused unless NT == 2 /
+    AFFINE."""
+    if NT == 1:
+        if AFFINE:
+            acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, x00, x01, sa, sb],
+                                             dtype=tl.float32, is_pure=True, pack=P)
+        else:
+            acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, x00, x01, sa],
+                                             dtype=tl.float32, is_pure=True, pack=P)
+    else:
+        if AFFINE:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                ASM, CONS, [acc0, acc1, words, x00, x01, x10, x11, sa, sb],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=P)
+        else:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                ASM, CONS, [acc0, acc1, words, x00, x01, x10, x11, sa],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=P)
+    return acc0, acc1
 
 
 @triton.jit
-def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, N, M, stride_x, stride_o, kch,
+def _scales(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC: tl.constexpr):
+    """The four entries' (a, b) float32 [NTH, U, 4] of chunks ch (entry e = 2 g + h: row
+    r + 8 h of block g): Q4_0 (d, -), AWQ (s, -z s), Q4_K (d sc, -dmin m) as gguf-py forms
+    them (layouts: `pack_mma`)."""
+    if FMT == 0:        # Q4_0: d f16 [tiles, chunks, 8, 4]
+        a = tl.load(s_ptr + (tile * kch + ch) * 32 + r * 4 + c).to(tl.float32)
+        b = a
+    elif FMT == 7:      # Q4_K: (sc, m) u8 [tiles, chunks, 8, 2, 4], (d, dmin) f16 [tiles,
+        #                 chunks / 4, 8, (d_r, d_r8, dmin_r, dmin_r8)]
+        sm = s_ptr + ((tile * kch + ch) * 8 + r) * 8 + c
+        sc = tl.load(sm).to(tl.float32)
+        mn = tl.load(sm + 4).to(tl.float32)
+        dd = t_ptr + ((tile * (kch // 4) + ch // 4) * 8 + r) * 4 + c % 2
+        a = tl.load(dd).to(tl.float32) * sc
+        b = -(tl.load(dd + 2).to(tl.float32) * mn)
+    else:               # AWQ: s f16 and z u8 [tiles, groups, 8, 2], GPC chunks a group
+        g = (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2
+        a = tl.load(s_ptr + g).to(tl.float32)
+        b = -(tl.load(z_ptr + g).to(tl.float32) * a)
+    return a, b
+
+
+@triton.jit
+def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      PREFETCH: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
-                     CONS: tl.constexpr):
+                     CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
+                     GPC: tl.constexpr = 1):
     """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
     over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
-    words (2 bf16), kch: chunks a row. Thread i = 32 warp + lane of the [32 T S, U, 4] tensors."""
+    words (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp +
+    lane of the [32 T S, U, 4] tensors."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = T * S * 32
+    AFFINE: tl.constexpr = FMT != 0
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
@@ -107,63 +167,89 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, out_ptr, N, M, stride_x, stride_o, kch
     r = lane // 4
     c = tl.arange(0, 4)[None, None, :]
     u = tl.arange(0, U)[None, :, None]
-    xrow = tl.minimum(r, M - 1)
     x_i32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    x_base = x_i32 + xrow * stride_x + (lane % 4) * 4 + c             # [NTH, 1, 4]
+    x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + (lane % 4) * 4 + c     # [NTH, 1, 4]
+    x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + (lane % 4) * 4 + c
     q_base = q_ptr + tile * kch * 128 + lane * 4 + c
-    s_base = s_ptr + tile * kch * 32 + r * 4 + c
     ch = part * (STEPS * U) + u                                        # [NTH, U, 1]
-    acc = tl.zeros((NTH, U, 4), tl.float32)
+    acc0 = tl.zeros((NTH, U, 4), tl.float32)
+    acc1 = tl.zeros((NTH, U, 4), tl.float32)
     if PREFETCH:
         words = tl.load(q_base + ch * 128)
-        sc = tl.load(s_base + ch * 32)
         for it in range(STEPS):
             if it + 1 < STEPS:
                 nw = tl.load(q_base + (ch + U) * 128)
-                ns = tl.load(s_base + (ch + U) * 32)
             else:
                 nw = words
-                ns = sc
-            xa = tl.load(x_base + ch * 32)
-            xb = tl.load(x_base + ch * 32 + 16)
-            acc = _q4_0_units(acc, words, xa, xb, sc.to(tl.float32), ASM, CONS, 4 * U)
+            sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+            x00 = tl.load(x_base + ch * 32)
+            x01 = tl.load(x_base + ch * 32 + 16)
+            if NT == 2:
+                x10 = tl.load(x_base1 + ch * 32)
+                x11 = tl.load(x_base1 + ch * 32 + 16)
+            else:
+                x10 = x00
+                x11 = x01
+            acc0, acc1 = _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM, CONS,
+                                    4 * U, NT, AFFINE)
             words = nw
-            sc = ns
             ch += U
     else:
         for it in tl.range(STEPS, num_stages=STAGES):
             cc = ch + it * U
             words = tl.load(q_base + cc * 128)
-            sc = tl.load(s_base + cc * 32)
-            xa = tl.load(x_base + cc * 32)
-            xb = tl.load(x_base + cc * 32 + 16)
-            acc = _q4_0_units(acc, words, xa, xb, sc.to(tl.float32), ASM, CONS, 4 * U)
-    tot = tl.sum(acc, axis=1)                                          # [NTH, 4]
-    if S > 1:
-        tot = tl.sum(tl.reshape(tot, (S, T * 32, 4)), axis=0)          # [32 T, 4]
+            sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
+            x00 = tl.load(x_base + cc * 32)
+            x01 = tl.load(x_base + cc * 32 + 16)
+            if NT == 2:
+                x10 = tl.load(x_base1 + cc * 32)
+                x11 = tl.load(x_base1 + cc * 32 + 16)
+            else:
+                x10 = x00
+                x11 = x01
+            acc0, acc1 = _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM, CONS,
+                                    4 * U, NT, AFFINE)
     j = tl.arange(0, T * 32)[:, None]
     e = tl.arange(0, 4)[None, :]
     lj = j % 32
     n = (pid * T + j // 32) * 16 + lj // 4 + 8 * (e // 2)
     m = 2 * (lj % 4) + e % 2
+    tot = tl.sum(acc0, axis=1)                                         # [NTH, 4]
+    if S > 1:
+        tot = tl.sum(tl.reshape(tot, (S, T * 32, 4)), axis=0)          # [32 T, 4]
     tl.store(out_ptr + m * stride_o + n, tot.to(out_ptr.dtype.element_ty),
              mask=(m < M) & (n < N))
+    if NT == 2:
+        tot = tl.sum(acc1, axis=1)
+        if S > 1:
+            tot = tl.sum(tl.reshape(tot, (S, T * 32, 4)), axis=0)
+        tl.store(out_ptr + (m + 8) * stride_o + n, tot.to(out_ptr.dtype.element_ty),
+                 mask=(m + 8 < M) & (n < N))
 
 
 # ---- the repacked weight --------------------------------------------------------------------
 @dataclass(frozen=True)
 class MmaWeight:
-    """words int32 [N / 16, K / 64, 32, 4] and scales f16 [N / 16, K / 64, 8, 4] (module
-    docstring); n, k of the weight."""
+    """words int32 [N / 16, K / 64, 32, 4] (module docstring) and the scales in the layouts
+    `_scales` reads: Q4_0 d f16 [N / 16, K / 64, 8, 4]; AWQ s f16 and z u8 [N / 16, K / group,
+    8, 2]; Q4_K (sc, m) u8 [N / 16, K / 64, 8, 2, 4] and (d, dmin) f16 [N / 16, K / 256, 8, 4].
+    group: elements a scale (AWQ)."""
     fmt: int
     words: torch.Tensor
     scales: torch.Tensor
+    zeros: torch.Tensor | None
+    table: torch.Tensor | None
+    group: int
     n: int
     k: int
 
 
 def mma_packable(fmt: int, i0: int, k: int, n: int) -> bool:
-    return fmt in MMA_FORMATS and k % CHUNK_K == 0 and n % TILE_N == 0 and n > 0
+    if fmt not in MMA_FORMATS or k % CHUNK_K or n % TILE_N or n <= 0:
+        return False
+    if fmt == AWQ:
+        return i0 % CHUNK_K == 0 and k % i0 == 0
+    return fmt != Q4_K or k % 256 == 0
 
 
 def _words_from_codes(q: torch.Tensor) -> torch.Tensor:
@@ -177,21 +263,45 @@ def _words_from_codes(q: torch.Tensor) -> torch.Tensor:
     return (w - ((w >> 31) << 32)).to(torch.int32)                      # wrap to int32
 
 
-def _scales_order(d: torch.Tensor) -> torch.Tensor:
-    """Block scales [N, K / 32] -> [N / 16, K / 64, 8, 4] (entry 2 g + h: row r + 8 h, block g)."""
-    n, nb = d.shape
-    return d.reshape(n // 16, 2, 8, nb // 2, 2).permute(0, 3, 2, 4, 1).reshape(
+def _entries(v: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N, K / 32] -> [N / 16, K / 64, 8, 4] (entry 2 g + h: row r + 8 h,
+    block g of the chunk)."""
+    n, nb = v.shape
+    return v.reshape(n // 16, 2, 8, nb // 2, 2).permute(0, 3, 2, 4, 1).reshape(
         n // 16, nb // 2, 8, 4).contiguous()
 
 
+def _row_pairs(v: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, G] -> [N / 16, G, 8, 2] (rows r, r + 8)."""
+    n, g = v.shape
+    return v.reshape(n // 16, 2, 8, g).permute(0, 3, 2, 1).contiguous()
+
+
 def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
-    """The mma register order of a weight given as `quant.run` takes it (Q4_0: bytes)."""
+    """The mma register order of a weight given as `quant.run` takes it (GGUF: bytes, -, -,
+    row bytes; AWQ: qweight, qzeros, scales, group)."""
+    from .quant_packed import _q4k_scale_min, _unpack_awq
     if fmt == Q4_0:
         raw = w0.reshape(n, k // 32, 18)
         d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
         qs = raw[..., 2:]
         q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
-        return MmaWeight(fmt, _words_from_codes(q).contiguous(), _scales_order(d), n, k)
+        return MmaWeight(fmt, _words_from_codes(q), _entries(d), None, None, 32, n, k)
+    if fmt == Q4_K:     # d, dmin, 12 bytes of 6-bit (scale, min) pairs, 4 x 32 nibble bytes
+        raw = w0.reshape(n, k // 256, 144)
+        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)
+        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))           # [N, K / 32]
+        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
+        scm = torch.stack([_entries(sc), _entries(mn)], dim=3)              # t c r 2 e
+        table = torch.cat([_row_pairs(dd[..., 0]), _row_pairs(dd[..., 1])], dim=-1)
+        return MmaWeight(fmt, _words_from_codes(q), scm.contiguous(), None,
+                         table.contiguous(), 32, n, k)
+    if fmt == AWQ:      # W [K, N] -> rows of W.T
+        q = _unpack_awq(w0).t().contiguous()                                # [N, K]
+        zeros = _unpack_awq(w1).t().contiguous()                            # [N, K / group]
+        return MmaWeight(fmt, _words_from_codes(q), _row_pairs(w2.t()), _row_pairs(zeros),
+                         None, i0, n, k)
     raise ValueError(f"no mma layout for format {fmt}")
 
 
@@ -216,16 +326,19 @@ DEFAULT_MMA = MmaConfig()
 
 
 @functools.lru_cache(maxsize=None)
-def _asm(fmt: int, units: int) -> tuple[str, str]:
-    """(PTX, operand constraints) of `units` chunks a thread."""
+def _asm(fmt: int, units: int, nt: int = 1) -> tuple[str, str]:
+    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
+    affine = fmt != Q4_0
     p = 4 * units
-    return _q4_0_ptx(units), ",".join(["=f"] * p + ["f"] * p + ["r"] * (3 * p) + ["f"] * p)
+    cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((1 + 2 * nt) * p) + \
+        ["f"] * ((2 if affine else 1) * p)
+    return _ptx(affine, units, nt), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
-    """Whether the mma GEMV takes this call: Q4_0, bf16 x of at most 8 rows, N % 16 == 0 and
-    K % 64 == 0."""
-    return x.dtype == torch.bfloat16 and 1 <= m <= 8 and mma_packable(fmt, i0, k, n)
+    """Whether the mma GEMV takes this call: its formats, bf16 x of at most 16 rows,
+    N % 16 == 0 and K % 64 == 0 (Q4_K: 256; AWQ: groups of 64k)."""
+    return x.dtype == torch.bfloat16 and 1 <= m <= 16 and mma_packable(fmt, i0, k, n)
 
 
 def run_mma_cached(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -236,7 +349,7 @@ def run_mma_cached(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
 
 
 def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
-    """x [..., K] (bf16 / f16, at most 8 rows in all) @ W.T -> [..., N] in x's dtype."""
+    """x [..., K] (bf16, at most 16 rows in all) @ W.T -> [..., N] in x's dtype."""
     cfg = config or DEFAULT_MMA
     n, k = mw.n, mw.k
     x2 = x.reshape(-1, k)
@@ -244,16 +357,22 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
         x2 = x2.contiguous()
     m = x2.shape[0]
     kch = k // CHUNK_K
-    per_warp = -(-kch // cfg.ksplit)
+    ksplit = cfg.ksplit
+    while kch % ksplit:
+        ksplit //= 2
+    per_warp = kch // ksplit
     units = min(cfg.units, per_warp)
-    steps = per_warp // units
-    if steps * units * cfg.ksplit != kch:
-        raise ValueError("chunks a row must split evenly over ksplit x units")
+    while per_warp % units:
+        units //= 2
+    nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units)
+    asm, cons = _asm(fmt, units, nt)
+    z = mw.zeros if mw.zeros is not None else mw.scales
+    t = mw.table if mw.table is not None else mw.scales
     grid = (-(-(n // TILE_N) // cfg.tiles),)
-    _mma_gemv_kernel[grid](x2, mw.words, mw.scales, out, n, m, x2.stride(0) // 2, out.stride(0),
-                           kch, STEPS=steps, T=cfg.tiles, S=cfg.ksplit, U=units,
-                           PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons,
-                           num_warps=cfg.tiles * cfg.ksplit, num_stages=1)
+    _mma_gemv_kernel[grid](x2, mw.words, mw.scales, z, t, out, n, m, x2.stride(0) // 2,
+                           out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
+                           U=units, PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm,
+                           CONS=cons, FMT=fmt, NT=nt, GPC=max(1, mw.group // CHUNK_K),
+                           num_warps=cfg.tiles * ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
