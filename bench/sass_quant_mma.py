@@ -27,7 +27,7 @@ ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(11)}
 
 
 def source(fmt, cfg, kch=128, nt=1):
-    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16"}[fmt]
+    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16", Q.Q8_0: "*fp16", Q.Q6_K: "*i8"}[fmt]
     sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": "*u8", "t_ptr": "*fp16",
            "out_ptr": "*bf16", "N": "i32", "M": "i32", "stride_x": "i32", "stride_o": "i32",
            "kch": "i32"}
@@ -56,13 +56,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="1,4,2,1,1;1,4,4,1,1;1,4,1,1,1;1,4,2,0,3;2,2,2,1,1")
     ap.add_argument("--ttgir", action="store_true")
-    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ")
+    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K")
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
     args = ap.parse_args()
     for spec in args.configs.split(";"):
         t, k, u, pf, st = (int(v) for v in spec.split(","))
         cfg = Q.MmaConfig(t, k, u, pf, st)
-        src, elems = source({'Q4_0': Q.Q4_0, 'Q4_K': Q.Q4_K, 'AWQ': Q.AWQ}[args.fmt], cfg,
+        src, elems = source(getattr(Q, args.fmt), cfg,
                             nt=args.nt)
         try:
             kern = triton.compile(src, target=TARGET, options=dict(

@@ -17,10 +17,11 @@ GPU = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (inline PTX mma)
 
 
 def _entry_scales(mw, t, ch):
-    """(a, b) [8, 4] float64 of tile t, chunk ch as the kernel's `_scales` forms them."""
+    """(a, b) [8, 4] float64 of tile t, chunk ch as the kernel's `_scales` forms them (Q6_K:
+    the two half blocks' d sc)."""
     from fuelgraph.backends.cuda.kernels import quant_mma as Q
     h = np.arange(4) % 2
-    if mw.fmt == Q.Q4_0:
+    if mw.fmt in (Q.Q4_0, Q.Q8_0):
         d = mw.scales[t, ch].double().numpy()
         return d, -8 * d
     if mw.fmt == Q.Q4_K:
@@ -28,6 +29,10 @@ def _entry_scales(mw, t, ch):
         mn = mw.scales[t, ch, :, 1].double().numpy()
         dd = mw.table[t, ch // 4].double().numpy()                      # [8, 4]
         return dd[:, h] * sc, -(dd[:, 2 + h] * mn)
+    if mw.fmt == Q.Q6_K:
+        d = mw.table[t, ch // 4].double().numpy()[:, h]
+        return d * mw.scales[t, ch, :, 0].double().numpy(), \
+            d * mw.scales[t, ch, :, 1].double().numpy()
     grp = ch // (mw.group // 64)
     s_ = mw.scales[t, grp].double().numpy()[:, h]
     z = mw.zeros[t, grp].double().numpy()[:, h]
@@ -38,38 +43,57 @@ def _emulate(mw, x):
     """x [M <= 8, K] float64 -> [M, N]: each lane's registers as mma.sync m16n8k16's fragments
     (A row-major: a0 a1 row l / 4, k 2 (l % 4) + (0, 1); a2 a3 row + 8; a4..a7 k + 8; B column
     l / 4 with k as A's; C c0 c1 row l / 4, columns 2 (l % 4) + (0, 1); c2 c3 row + 8), A the
-    codes q, the block sums scaled as the kernel does: a C + b C1 (C1: the all-ones A)."""
+    codes (two planes: lo + 16 hi - offset), the sums scaled as the kernel does: Q4_0 / Q8_0
+    d C a block (Q4_0: A = q, minus 8 d C1), Q4_K / AWQ a C + b C1 (C1: all-ones A), Q6_K
+    (d sc) C a half block (one mma step)."""
+    from fuelgraph.backends.cuda.kernels import quant_mma as Q
     words = mw.words.numpy().astype(np.int64) & 0xFFFFFFFF
+    if words.ndim == 4:
+        words = words[:, :, None]                                        # one plane
+    off = {Q.Q8_0: 128, Q.Q6_K: 32}.get(mw.fmt, 0)
+    halves = mw.fmt == Q.Q6_K
     tiles, kch = words.shape[:2]
     m = x.shape[0]
     lane = np.arange(32)
     r, p = lane // 4, lane % 4
+
+    def kk(j):                          # the block element of the lane's j-th code
+        return 4 * p + j % 4 + 16 * (j // 4) if halves else 8 * p + j
+
+    def code(t, ch, e, j):
+        v = 0
+        for pl in range(words.shape[2]):
+            w = words[t, ch, pl, :, e] >> (4 * (j // 2) + 16 * (j % 2))
+            v = v + (w & 15) * (16 ** pl)
+        return v - off
     out = np.zeros((m, mw.n))
+    xr = np.minimum(r, m - 1)
     for t in range(tiles):
         acc = np.zeros((32, 4))
         for ch in range(kch):
             sa, sb = _entry_scales(mw, t, ch)
             for g in range(2):
-                c = np.zeros((16, 8))
-                c1 = np.zeros((16, 8))
+                cs = []
                 for s in range(2):
                     a = np.zeros((16, 16))
                     b = np.zeros((16, 8))
                     for e, rows in ((2 * g, r), (2 * g + 1, r + 8)):
-                        for half, m_ in ((0, 2 * s), (8, 2 * s + 1)):
-                            w = words[t, ch, :, e] >> (4 * m_)
-                            a[rows, 2 * p + half] = w & 15
-                            a[rows, 2 * p + half + 1] = (w >> 16) & 15
-                    xr = np.minimum(r, m - 1)
-                    base = ch * 64 + g * 32 + 8 * p + 4 * s
-                    for off, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
-                        b[2 * p + slot, r] = x[xr, base + off]
-                    c += a @ b
-                    c1 += np.ones((16, 16)) @ b
+                        for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                            a[rows, 2 * p + slot] = code(t, ch, e, 4 * s + jj)
+                    for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                        b[2 * p + slot, r] = x[xr, ch * 64 + g * 32 + kk(4 * s + jj)]
+                    cs.append((a @ b, np.ones((16, 16)) @ b))
                 for j in range(4):
                     e = 2 * g + j // 2
                     row, col = r + 8 * (j // 2), 2 * p + j % 2
-                    acc[:, j] += sa[r, e] * c[row, col] + sb[r, e] * c1[row, col]
+                    c = cs[0][0] + cs[1][0]
+                    c1 = cs[0][1] + cs[1][1]
+                    if mw.fmt == Q.Q6_K:
+                        acc[:, j] += sa[r, e] * cs[0][0][row, col] + sb[r, e] * cs[1][0][row, col]
+                    elif mw.fmt == Q.Q8_0:
+                        acc[:, j] += sa[r, e] * c[row, col]
+                    else:
+                        acc[:, j] += sa[r, e] * c[row, col] + sb[r, e] * c1[row, col]
         for e in range(4):
             n_ = t * 16 + r + 8 * (e // 2)
             m_ = 2 * p + e % 2
@@ -78,7 +102,7 @@ def _emulate(mw, x):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_register_order_as_mma_fragments(fmt, m):
     from fuelgraph.backends.cuda.kernels import quant_mma as Q
@@ -96,14 +120,17 @@ def test_register_order_as_mma_fragments(fmt, m):
         w = awq_reference(qw, qz, sc, gs).T
     else:
         raw = gguf_bytes(rng, fmt, n, k)
-        qk, tsize = {"Q4_0": (32, 18), "Q4_K": (256, 144)}[fmt]
-        mw = Q.pack_mma({"Q4_0": Q.Q4_0, "Q4_K": Q.Q4_K}[fmt], torch.from_numpy(raw.reshape(-1)),
-                        None, None, tsize * k // qk, k, n)
+        qk, tsize = GGUF_SIZES[fmt]
+        mw = Q.pack_mma(getattr(Q, fmt), torch.from_numpy(raw.reshape(-1)), None, None,
+                        tsize * k // qk, k, n)
         w = gguf_dequant_ref(raw, fmt)
     x = rng.standard_normal((m, k))
     want = x @ w.astype(np.float64).T
     # (Q4_K: gguf-py rounds each weight's (d sc) q - dmin m once in float32)
     np.testing.assert_allclose(_emulate(mw, x), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (256, 210)}
 
 
 CFGS = {"default": None, "u1": (1, 4, 1, 1, 1), "u4": (1, 2, 4, 1, 1), "t2": (2, 2, 2, 1, 1),
@@ -155,10 +182,10 @@ def test_mma_q4_0(name, m):
 @GPU
 @pytest.mark.parametrize("name", ["default", "u1"])
 @pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K"])
 def test_mma_formats_and_rows(fmt, m, name):
-    """Q4_K / AWQ (a q + b a block: the x sums by an all-ones mma) and 9..16 rows (two x
-    tiles), the rows in a 3-d x."""
+    """Q4_K / AWQ (a q + b a block: the x sums by an all-ones mma), Q8_0 / Q6_K (two planes,
+    Q6_K scaled per half block) and 9..16 rows (two x tiles), the rows in a 3-d x."""
     rng = np.random.default_rng(m + 7 * len(fmt))
     n, k = 48, 1024
     fn, ref, w = _weight(fmt, rng, n, k)

@@ -36,62 +36,93 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_tiles import AWQ, Q4_0, Q4_K
+from .quant_tiles import AWQ, Q4_0, Q4_K, Q6_K, Q8_0
 
-MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K})
+MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K})
 CHUNK_K = 64        # elements of a row a chunk (two 32-element blocks)
 TILE_N = 16         # rows a tile (the mma's M)
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+#: PTX mode per format: "q4" A = q - 8, out += d C a block; "aff" A = q, out += a C + b C1 (C1:
+#: the x sums by an all-ones A); "q8" / "q6": two planes, A = lo and 16 hi - 128 (- 32), both
+#: into C, out += d C a block (Q8_0) or out += (d sc) C a half block (Q6_K: a mma step each)
+MODE = {Q4_0: "q4", AWQ: "aff", Q4_K: "aff", Q8_0: "q8", Q6_K: "q6"}
+#: bf16x2 constants: -136 (128 + q - 136 = q - 8), -128, 16, -2176 (16 (128 + h) - 2048 - 128),
+#: -2080 (- 2048 - 32)
+_NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC300C300"}
+_NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(affine: bool, units: int, nt: int) -> str:
+def _ptx(mode: str, units: int, nt: int) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
-    sums (nt), the words, x of block 0 and block 1 per x tile (2 nt), the scales a (float32),
-    affine: the offsets b. Q4_0 (not affine): A = q - 8 and out += d C; affine (AWQ, Q4_K:
-    W = a q + b a block): A = q, an all-ones A gives the block's x sums C1, out += a C + b C1."""
+    sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
+    1 per x tile (2 nt), the scales a (float32), then (aff: the offsets b; q6: the second half
+    blocks' scales). Modes: MODE."""
     p = 4 * units
-    names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)] + ["w"]
+    planes = 2 if mode in ("q8", "q6") else 1
+    names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)]
+             + [f"w{i}" for i in range(planes)]
              + [f"x{t}{g}" for t in range(nt) for g in range(2)] + ["sa"]
-             + (["sb"] if affine else []))
+             + (["sb"] if mode in ("aff", "q6") else []))
     base = {name: i * p for i, name in enumerate(names)}
 
     def op(name, u, j):
         return f"${base[name] + 4 * u + j}"
-    lines = ["{", ".reg .b32 %fq<16>, %ft, %fone, %fneg;", ".reg .f32 %fc<8>, %fd<8>, %fz;",
+    lines = ["{", ".reg .b32 %fq<32>, %ft, %fone, %fneg, %fsix, %fneh;",
+             ".reg .f32 %fc<8>, %fd<8>, %fz;",
              "mov.b32 %fone, 0x3F803F80;",       # bf16x2 (1, 1)
-             # bf16x2 (-136, -136): 128 + q - 136 = q - 8, or (-128, -128): q
-             f"mov.b32 %fneg, {'0xC300C300' if affine else '0xC308C308'};",
+             f"mov.b32 %fneg, {_NEG[mode]};",
              "mov.f32 %fz, 0f00000000;"]
+    if planes == 2:
+        lines += ["mov.b32 %fsix, 0x41804180;", f"mov.b32 %fneh, {_NEG_HI[mode]};"]
     ones = "{%fone, %fone, %fone, %fone}"
+    zero = "%fz, %fz, %fz, %fz"
     for u in range(units):
-        for e in range(4):
-            w = op("w", u, e)
-            lines.append(f"lop3.b32 %fq{4 * e}, {w}, 0x000F000F, 0x43004300, 0xEA;")
-            for m in range(1, 4):
-                lines.append(f"shr.u32 %ft, {w}, {4 * m};")
-                lines.append(f"lop3.b32 %fq{4 * e + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
-        for i in range(16):
-            lines.append(f"fma.rn.bf16x2 %fq{i}, %fq{i}, %fone, %fneg;")
+        for pl in range(planes):
+            for e in range(4):
+                w = op(f"w{pl}", u, e)
+                q0 = 16 * pl + 4 * e
+                lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
+                for m in range(1, 4):
+                    lines.append(f"shr.u32 %ft, {w}, {4 * m};")
+                    lines.append(f"lop3.b32 %fq{q0 + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
+            for i in range(16):
+                if pl == 0:
+                    lines.append(f"fma.rn.bf16x2 %fq{i}, %fq{i}, %fone, %fneg;")
+                else:
+                    lines.append(f"fma.rn.bf16x2 %fq{16 + i}, %fq{16 + i}, %fsix, %fneh;")
         for g in range(2):
             for t in range(nt):
                 c = ", ".join(f"%fc{4 * t + j}" for j in range(4))
                 c1 = ", ".join(f"%fd{4 * t + j}" for j in range(4))
                 for s in range(2):
-                    a = [f"%fq{4 * (2 * g) + 2 * s}", f"%fq{4 * (2 * g + 1) + 2 * s}",
-                         f"%fq{4 * (2 * g) + 2 * s + 1}", f"%fq{4 * (2 * g + 1) + 2 * s + 1}"]
                     b = f"{{{op(f'x{t}{g}', u, 2 * s)}, {op(f'x{t}{g}', u, 2 * s + 1)}}}"
-                    lines.append(f"{_MMA} {{{c}}}, {{{', '.join(a)}}}, {b}, "
-                                 f"{{{'%fz, %fz, %fz, %fz' if s == 0 else c}}};")
-                    if affine:
+                    first = s == 0 or mode == "q6"      # q6: each step scaled on its own
+                    for pl in range(planes):
+                        o = 16 * pl
+                        a = [f"%fq{o + 4 * (2 * g) + 2 * s}", f"%fq{o + 4 * (2 * g + 1) + 2 * s}",
+                             f"%fq{o + 4 * (2 * g) + 2 * s + 1}",
+                             f"%fq{o + 4 * (2 * g + 1) + 2 * s + 1}"]
+                        lines.append(f"{_MMA} {{{c}}}, {{{', '.join(a)}}}, {b}, "
+                                     f"{{{zero if first and pl == 0 else c}}};")
+                    if mode == "aff":
                         lines.append(f"{_MMA} {{{c1}}}, {ones}, {b}, "
-                                     f"{{{'%fz, %fz, %fz, %fz' if s == 0 else c1}}};")
+                                     f"{{{zero if s == 0 else c1}}};")
+                    if mode == "q6":    # scale of half block s: sa (s = 0) / sb (s = 1)
+                        for j in range(4):
+                            e = 2 * g + j // 2
+                            prev = op(f"acc{t}", u, j) if g == 0 and s == 0 else \
+                                op(f"out{t}", u, j)
+                            lines.append(f"fma.rn.f32 {op(f'out{t}', u, j)}, %fc{4 * t + j}, "
+                                         f"{op('sa' if s == 0 else 'sb', u, e)}, {prev};")
+                if mode == "q6":
+                    continue
                 for j in range(4):      # c0, c1: row r; c2, c3: row r + 8
                     e = 2 * g + j // 2
                     prev = op(f"acc{t}", u, j) if g == 0 else op(f"out{t}", u, j)
                     dst = op(f"out{t}", u, j)
                     lines.append(f"fma.rn.f32 {dst}, %fc{4 * t + j}, {op('sa', u, e)}, {prev};")
-                    if affine:
+                    if mode == "aff":
                         lines.append(f"fma.rn.f32 {dst}, %fd{4 * t + j}, {op('sb', u, e)}, "
                                      f"{dst};")
     lines.append("}")
@@ -99,19 +130,37 @@ def _ptx(affine: bool, units: int, nt: int) -> str:
 
 
 @triton.jit
-def _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM: tl.constexpr,
-               CONS: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, AFFINE: tl.constexpr):
-    """(acc0, acc1) += the chunks' products (`_ptx`); acc1 / x1. / sb unused unless NT == 2 /
-    AFFINE."""
+def _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM: tl.constexpr,
+               CONS: tl.constexpr, P: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
+               SB: tl.constexpr):
+    """(acc0, acc1) += the chunks' products (`_ptx`); acc1 / x1. unused unless NT == 2,
+    words2 unless PLANES == 2, sb unless SB."""
     if NT == 1:
-        if AFFINE:
+        if PLANES == 2:
+            if SB:
+                acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, words2, x00, x01, sa,
+                                                             sb], dtype=tl.float32,
+                                                 is_pure=True, pack=P)
+            else:
+                acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, words2, x00, x01, sa],
+                                                 dtype=tl.float32, is_pure=True, pack=P)
+        elif SB:
             acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, x00, x01, sa, sb],
                                              dtype=tl.float32, is_pure=True, pack=P)
         else:
             acc0 = tl.inline_asm_elementwise(ASM, CONS, [acc0, words, x00, x01, sa],
                                              dtype=tl.float32, is_pure=True, pack=P)
     else:
-        if AFFINE:
+        if PLANES == 2:
+            if SB:
+                acc0, acc1 = tl.inline_asm_elementwise(
+                    ASM, CONS, [acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=P)
+            else:
+                acc0, acc1 = tl.inline_asm_elementwise(
+                    ASM, CONS, [acc0, acc1, words, words2, x00, x01, x10, x11, sa],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=P)
+        elif SB:
             acc0, acc1 = tl.inline_asm_elementwise(
                 ASM, CONS, [acc0, acc1, words, x00, x01, x10, x11, sa, sb],
                 dtype=(tl.float32, tl.float32), is_pure=True, pack=P)
@@ -124,10 +173,10 @@ def _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM: tl.constexpr,
 
 @triton.jit
 def _scales(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC: tl.constexpr):
-    """The four entries' (a, b) float32 [NTH, U, 4] of chunks ch (entry e = 2 g + h: row
-    r + 8 h of block g): Q4_0 (d, -), AWQ (s, -z s), Q4_K (d sc, -dmin m) as gguf-py forms
-    them (layouts: `pack_mma`)."""
-    if FMT == 0:        # Q4_0: d f16 [tiles, chunks, 8, 4]
+    """The four entries' scale pairs, float32 [NTH, U, 4], of chunks ch (entry e = 2 g + h:
+    row r + 8 h of block g): Q4_0 / Q8_0 (d, -), AWQ (s, -z s), Q4_K (d sc, -dmin m) as gguf-py
+    forms them, Q6_K (d sc) of the two half blocks (layouts: `pack_mma`)."""
+    if FMT == 0 or FMT == 4:    # Q4_0 / Q8_0: d f16 [tiles, chunks, 8, 4]
         a = tl.load(s_ptr + (tile * kch + ch) * 32 + r * 4 + c).to(tl.float32)
         b = a
     elif FMT == 7:      # Q4_K: (sc, m) u8 [tiles, chunks, 8, 2, 4], (d, dmin) f16 [tiles,
@@ -138,6 +187,12 @@ def _scales(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC: tl
         dd = t_ptr + ((tile * (kch // 4) + ch // 4) * 8 + r) * 4 + c % 2
         a = tl.load(dd).to(tl.float32) * sc
         b = -(tl.load(dd + 2).to(tl.float32) * mn)
+    elif FMT == 9:      # Q6_K: sc i8 [tiles, chunks, 8, 2 (half), 4], d f16 [tiles,
+        #                 chunks / 4, 8, 2]
+        sm = s_ptr + ((tile * kch + ch) * 8 + r) * 8 + c
+        d = tl.load(t_ptr + (tile * (kch // 4) + ch // 4) * 16 + r * 2 + c % 2).to(tl.float32)
+        a = d * tl.load(sm).to(tl.float32)
+        b = d * tl.load(sm + 4).to(tl.float32)
     else:               # AWQ: s f16 and z u8 [tiles, groups, 8, 2], GPC chunks a group
         g = (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2
         a = tl.load(s_ptr + g).to(tl.float32)
@@ -157,7 +212,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     lane of the [32 T S, U, 4] tensors."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = T * S * 32
-    AFFINE: tl.constexpr = FMT != 0
+    PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
+    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11        # Q4_K, Q6_K, AWQ
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
@@ -167,20 +223,34 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     r = lane // 4
     c = tl.arange(0, 4)[None, None, :]
     u = tl.arange(0, U)[None, :, None]
+    if FMT == 9:    # Q6_K: x[4 p .. 4 p + 3] and x[16 + 4 p ..] of a block (a step each)
+        xo = (lane % 4) * 2 + c % 2 + 8 * (c // 2)
+    else:           # x[8 p .. 8 p + 7]
+        xo = (lane % 4) * 4 + c
     x_i32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + (lane % 4) * 4 + c     # [NTH, 1, 4]
-    x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + (lane % 4) * 4 + c
-    q_base = q_ptr + tile * kch * 128 + lane * 4 + c
+    x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + xo                 # [NTH, 1, 4]
+    x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + xo
+    WPC: tl.constexpr = 128 * PLANES            # int32 words a chunk of a tile
+    q_base = q_ptr + tile * kch * WPC + lane * 4 + c
     ch = part * (STEPS * U) + u                                        # [NTH, U, 1]
     acc0 = tl.zeros((NTH, U, 4), tl.float32)
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     if PREFETCH:
-        words = tl.load(q_base + ch * 128)
+        words = tl.load(q_base + ch * WPC)
+        if PLANES == 2:
+            words2 = tl.load(q_base + ch * WPC + 128)
+        else:
+            words2 = words
         for it in range(STEPS):
             if it + 1 < STEPS:
-                nw = tl.load(q_base + (ch + U) * 128)
+                nw = tl.load(q_base + (ch + U) * WPC)
+                if PLANES == 2:
+                    nw2 = tl.load(q_base + (ch + U) * WPC + 128)
+                else:
+                    nw2 = nw
             else:
                 nw = words
+                nw2 = words2
             sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
             x00 = tl.load(x_base + ch * 32)
             x01 = tl.load(x_base + ch * 32 + 16)
@@ -190,14 +260,19 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             else:
                 x10 = x00
                 x11 = x01
-            acc0, acc1 = _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM, CONS,
-                                    4 * U, NT, AFFINE)
+            acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
+                                    CONS, 4 * U, NT, PLANES, SB)
             words = nw
+            words2 = nw2
             ch += U
     else:
         for it in tl.range(STEPS, num_stages=STAGES):
             cc = ch + it * U
-            words = tl.load(q_base + cc * 128)
+            words = tl.load(q_base + cc * WPC)
+            if PLANES == 2:
+                words2 = tl.load(q_base + cc * WPC + 128)
+            else:
+                words2 = words
             sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
             x00 = tl.load(x_base + cc * 32)
             x01 = tl.load(x_base + cc * 32 + 16)
@@ -207,8 +282,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             else:
                 x10 = x00
                 x11 = x01
-            acc0, acc1 = _mma_units(acc0, acc1, words, x00, x01, x10, x11, sa, sb, ASM, CONS,
-                                    4 * U, NT, AFFINE)
+            acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
+                                    CONS, 4 * U, NT, PLANES, SB)
     j = tl.arange(0, T * 32)[:, None]
     e = tl.arange(0, 4)[None, :]
     lj = j % 32
@@ -249,18 +324,29 @@ def mma_packable(fmt: int, i0: int, k: int, n: int) -> bool:
         return False
     if fmt == AWQ:
         return i0 % CHUNK_K == 0 and k % i0 == 0
-    return fmt != Q4_K or k % 256 == 0
+    return fmt not in (Q4_K, Q6_K) or k % 256 == 0
 
 
-def _words_from_codes(q: torch.Tensor) -> torch.Tensor:
-    """Codes q [N, K] (0..15) -> int32 [N / 16, K / 64, 32 lanes, 4 entries] (module docstring)."""
+def _words_from_codes(q: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """Codes q [N, K] (0..15) -> int32 [N / 16, K / 64, 32 lanes, 4 entries] (module docstring);
+    halves (Q6_K): lane p's eight elements of a block are 4 p .. 4 p + 3 and 16 + 4 p .. (an
+    mma step covers one 16-element half block) instead of 8 p .. 8 p + 7."""
     n, k = q.shape
+    if halves:
+        q = q.reshape(n, k // 32, 2, 4, 4).transpose(2, 3).reshape(n, k)
     v = q.to(torch.int64).reshape(n // 16, 2, 8, k // 64, 2, 4, 4, 2)   # t h r c g p m odd
     sh = (4 * torch.arange(4, device=q.device)).view(4, 1) + \
         16 * torch.arange(2, device=q.device).view(1, 2)
     w = (v << sh).sum(dim=(-2, -1))                                     # t h r c g p
     w = w.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, k // 64, 32, 4)   # t c (r p) (g h)
     return (w - ((w >> 31) << 32)).to(torch.int32)                      # wrap to int32
+
+
+def _two_planes(lo: torch.Tensor, hi: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """Two 4-bit planes [N, K] -> int32 [N / 16, K / 64, 2 (plane), 32, 4]: a warp reads a
+    chunk's 1 KB at once (two 16-byte loads a lane)."""
+    return torch.stack([_words_from_codes(lo, halves), _words_from_codes(hi, halves)],
+                       dim=2).contiguous()
 
 
 def _entries(v: torch.Tensor) -> torch.Tensor:
@@ -297,6 +383,25 @@ def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
         table = torch.cat([_row_pairs(dd[..., 0]), _row_pairs(dd[..., 1])], dim=-1)
         return MmaWeight(fmt, _words_from_codes(q), scm.contiguous(), None,
                          table.contiguous(), 32, n, k)
+    if fmt == Q8_0:     # two planes: u = q + 128 = 16 hi + lo
+        raw = w0.reshape(n, k // 32, 34)
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
+        u = (raw[..., 2:].reshape(n, k) ^ 0x80)
+        return MmaWeight(fmt, _two_planes(u & 15, u >> 4), _entries(d), None, None, 32, n, k)
+    if fmt == Q6_K:     # two planes: u = q + 32 = 16 hi + lo (hi 2 bits); 16-element scales
+        raw = w0.reshape(n, k // 256, 210)
+        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
+        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
+        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
+        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
+        hi = hi.reshape(n, k)
+        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
+        sc = raw[..., 192:208].reshape(n, k // 16).contiguous().view(torch.int8)
+        # sc per (row, block, half): entries [tiles, chunks, 8, 2 (half), 4]
+        sc = sc.reshape(n, k // 32, 2)
+        scm = torch.stack([_entries(sc[..., 0]), _entries(sc[..., 1])], dim=3)
+        return MmaWeight(fmt, _two_planes(lo, hi, halves=True), scm.contiguous(), None,
+                         _row_pairs(d), 16, n, k)
     if fmt == AWQ:      # W [K, N] -> rows of W.T
         q = _unpack_awq(w0).t().contiguous()                                # [N, K]
         zeros = _unpack_awq(w1).t().contiguous()                            # [N, K / group]
@@ -328,11 +433,12 @@ DEFAULT_MMA = MmaConfig()
 @functools.lru_cache(maxsize=None)
 def _asm(fmt: int, units: int, nt: int = 1) -> tuple[str, str]:
     """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
-    affine = fmt != Q4_0
+    mode = MODE[fmt]
+    planes = 2 if mode in ("q8", "q6") else 1
     p = 4 * units
-    cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((1 + 2 * nt) * p) + \
-        ["f"] * ((2 if affine else 1) * p)
-    return _ptx(affine, units, nt), ",".join(cons)
+    cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((planes + 2 * nt) * p) + \
+        ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
+    return _ptx(mode, units, nt), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
