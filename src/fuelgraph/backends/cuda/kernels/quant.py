@@ -46,7 +46,7 @@ from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
-from .quant_mma import MmaConfig, mma_ok, run_mma_cached
+from .quant_mma import MmaConfig, mma_default, mma_ok, run_mma_cached
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -281,6 +281,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
         return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
+    if config is None and rows_ok and mma_default(fmt_id, x, i0, k, n, m_all):
+        config = "mma"                  # few rows on tensor cores (quant_mma.MMA_DEFAULT_ROWS)
     if config is None:
         if rows_ok and fmt_id in ROUTES:
             config = default_route(fmt_id, m_all)

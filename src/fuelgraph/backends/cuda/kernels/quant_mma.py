@@ -447,6 +447,15 @@ def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
     return x.dtype == torch.bfloat16 and 1 <= m <= 16 and mma_packable(fmt, i0, k, n)
 
 
+#: formats whose default route for 1..N rows of bf16 x is this kernel (`quant.run`), by N
+MMA_DEFAULT_ROWS: dict[int, int] = {}
+
+
+def mma_default(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
+    """Whether `quant.run`'s default route takes the mma GEMV for this call."""
+    return m <= MMA_DEFAULT_ROWS.get(fmt, 0) and mma_ok(fmt, x, i0, k, n, m)
+
+
 def run_mma_cached(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                    config: MmaConfig | None = None):
     """`run_mma` on the weight's mma copy, made once and cached with the weight tensors."""
