@@ -32,7 +32,7 @@ def source(fmt, cfg, kch=128, nt=1):
            "out_ptr": "*bf16", "N": "i32", "M": "i32", "stride_x": "i32", "stride_o": "i32",
            "kch": "i32"}
     per_warp = kch // cfg.ksplit
-    units = min(cfg.units, per_warp)
+    units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     asm, cons = Q._asm(fmt, units, nt)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
                 PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons, FMT=fmt,

@@ -52,7 +52,7 @@ def _emulate(mw, x):
         words = words[:, :, None]                                        # one plane
     off = {Q.Q8_0: 128, Q.Q6_K: 32}.get(mw.fmt, 0)
     halves = mw.fmt == Q.Q6_K
-    tiles, kch = words.shape[:2]
+    tiles, kch = words.shape[0], mw.k // 64
     m = x.shape[0]
     lane = np.arange(32)
     r, p = lane // 4, lane % 4
@@ -61,6 +61,10 @@ def _emulate(mw, x):
         return 4 * p + j % 4 + 16 * (j // 4) if halves else 8 * p + j
 
     def code(t, ch, e, j):
+        if halves:      # Q6_K: [pairs, (lo 0, lo 1, crumbs of both), 32, 4]
+            lo = (words[t, ch // 2, ch % 2, :, e] >> (4 * (j // 2) + 16 * (j % 2))) & 15
+            hi = (words[t, ch // 2, 2, :, e] >> (2 * (4 * (ch % 2) + j // 2) + 16 * (j % 2))) & 3
+            return lo + 16 * hi - off
         v = 0
         for pl in range(words.shape[2]):
             w = words[t, ch, pl, :, e] >> (4 * (j // 2) + 16 * (j % 2))

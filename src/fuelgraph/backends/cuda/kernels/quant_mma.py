@@ -82,6 +82,16 @@ def _ptx(mode: str, units: int, nt: int) -> str:
             for e in range(4):
                 w = op(f"w{pl}", u, e)
                 q0 = 16 * pl + 4 * e
+                if pl == 1 and mode == "q6":    # 2-bit crumbs of a chunk pair (unit u % 2)
+                    for m in range(4):
+                        sh = 2 * (4 * (u % 2) + m)
+                        src = w
+                        if sh:
+                            lines.append(f"shr.u32 %ft, {w}, {sh};")
+                            src = "%ft"
+                        lines.append(f"lop3.b32 %fq{q0 + m}, {src}, 0x00030003, 0x43004300, "
+                                     "0xEA;")
+                    continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
                     lines.append(f"shr.u32 %ft, {w}, {4 * m};")
@@ -201,6 +211,25 @@ def _scales(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC: tl
 
 
 @triton.jit
+def _lo_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr):
+    """Offset (int32 words) of the low / only plane of chunks ch within a tile's words."""
+    if FMT == 9:        # Q6_K: [chunk pairs, (lo 0, lo 1, crumbs), 32, 4]
+        return (ch // 2) * 384 + (ch % 2) * 128
+    else:
+        return ch * WPC
+
+
+@triton.jit
+def _hi_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr, first):
+    """Offset of the high plane: Q8_0 after the low plane; Q6_K the crumbs of the chunk pair
+    from `first` (even; [NTH, 1, 1]: one load serves both chunks of the pair)."""
+    if FMT == 9:
+        return (first // 2) * 384 + 256
+    else:
+        return ch * WPC + 128
+
+
+@triton.jit
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      PREFETCH: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
@@ -230,22 +259,24 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     x_i32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + xo                 # [NTH, 1, 4]
     x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + xo
-    WPC: tl.constexpr = 128 * PLANES            # int32 words a chunk of a tile
+    # int32 words a chunk of a tile (Q6_K: 384 a chunk pair, the high plane's crumbs last)
+    WPC: tl.constexpr = 192 if FMT == 9 else 128 * PLANES
     q_base = q_ptr + tile * kch * WPC + lane * 4 + c
     ch = part * (STEPS * U) + u                                        # [NTH, U, 1]
     acc0 = tl.zeros((NTH, U, 4), tl.float32)
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     if PREFETCH:
-        words = tl.load(q_base + ch * WPC)
+        words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
         if PLANES == 2:
-            words2 = tl.load(q_base + ch * WPC + 128)
+            words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
         else:
             words2 = words
         for it in range(STEPS):
             if it + 1 < STEPS:
-                nw = tl.load(q_base + (ch + U) * WPC)
+                nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
                 if PLANES == 2:
-                    nw2 = tl.load(q_base + (ch + U) * WPC + 128)
+                    nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
+                                                      part * (STEPS * U) + (it + 1) * U))
                 else:
                     nw2 = nw
             else:
@@ -268,9 +299,9 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     else:
         for it in tl.range(STEPS, num_stages=STAGES):
             cc = ch + it * U
-            words = tl.load(q_base + cc * WPC)
+            words = tl.load(q_base + _lo_offset(FMT, cc, WPC))
             if PLANES == 2:
-                words2 = tl.load(q_base + cc * WPC + 128)
+                words2 = tl.load(q_base + _hi_offset(FMT, cc, WPC, part * (STEPS * U) + it * U))
             else:
                 words2 = words
             sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
@@ -322,6 +353,8 @@ class MmaWeight:
 def mma_packable(fmt: int, i0: int, k: int, n: int) -> bool:
     if fmt not in MMA_FORMATS or k % CHUNK_K or n % TILE_N or n <= 0:
         return False
+    if fmt == Q6_K:     # whole super-blocks, chunk pairs a warp (ksplit 4 or less)
+        return k % 512 == 0
     if fmt == AWQ:
         return i0 % CHUNK_K == 0 and k % i0 == 0
     return fmt not in (Q4_K, Q6_K) or k % 256 == 0
@@ -347,6 +380,23 @@ def _two_planes(lo: torch.Tensor, hi: torch.Tensor, halves: bool = False) -> tor
     chunk's 1 KB at once (two 16-byte loads a lane)."""
     return torch.stack([_words_from_codes(lo, halves), _words_from_codes(hi, halves)],
                        dim=2).contiguous()
+
+
+def _q6_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Q6_K's planes (lo 4 bits, hi 2 bits [N, K], half-block order) -> int32 [N / 16, K / 128,
+    3, 32, 4]: per chunk pair the two chunks' low-plane words, then one word per lane and entry
+    holding both chunks' crumbs: code j = 2 m + o of chunk u at bit 2 (4 u + m) + 16 o."""
+    n, k = lo.shape
+    low = _words_from_codes(lo, halves=True).reshape(n // 16, k // 128, 2, 32, 4)
+    h = hi.reshape(n, k // 32, 2, 4, 4).transpose(2, 3).reshape(n, k).to(torch.int64)
+    v = h.reshape(n // 16, 2, 8, k // 128, 2, 2, 4, 4, 2)          # t h r c2 u g p m o
+    sh = 2 * (4 * torch.arange(2, device=lo.device).view(2, 1, 1, 1, 1)
+              + torch.arange(4, device=lo.device).view(1, 1, 1, 4, 1)) \
+        + 16 * torch.arange(2, device=lo.device).view(1, 1, 1, 1, 2)
+    w = (v << sh).sum(dim=(4, -2, -1))                              # t h r c2 g p
+    w = w.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, k // 128, 1, 32, 4)
+    w = (w - ((w >> 31) << 32)).to(torch.int32)
+    return torch.cat([low, w], dim=2).contiguous()
 
 
 def _entries(v: torch.Tensor) -> torch.Tensor:
@@ -400,8 +450,7 @@ def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
         # sc per (row, block, half): entries [tiles, chunks, 8, 2 (half), 4]
         sc = sc.reshape(n, k // 32, 2)
         scm = torch.stack([_entries(sc[..., 0]), _entries(sc[..., 1])], dim=3)
-        return MmaWeight(fmt, _two_planes(lo, hi, halves=True), scm.contiguous(), None,
-                         _row_pairs(d), 16, n, k)
+        return MmaWeight(fmt, _q6_words(lo, hi), scm.contiguous(), None, _row_pairs(d), 16, n, k)
     if fmt == AWQ:      # W [K, N] -> rows of W.T
         q = _unpack_awq(w0).t().contiguous()                                # [N, K]
         zeros = _unpack_awq(w1).t().contiguous()                            # [N, K / group]
@@ -479,6 +528,10 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     units = min(cfg.units, per_warp)
     while per_warp % units:
         units //= 2
+    if fmt == Q6_K:     # a chunk pair a step (its crumbs share words)
+        units = 2
+        if per_warp % 2:
+            raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     asm, cons = _asm(fmt, units, nt)
