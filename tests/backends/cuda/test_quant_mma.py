@@ -31,8 +31,8 @@ def _entry_scales(mw, t, ch):
         return dd[:, h] * sc, -(dd[:, 2 + h] * mn)
     if mw.fmt == Q.Q6_K:
         d = mw.table[t, ch // 4].double().numpy()[:, h]
-        return d * mw.scales[t, ch, :, 0].double().numpy(), \
-            d * mw.scales[t, ch, :, 1].double().numpy()
+        sc = mw.scales[t, ch].view(torch.int8).double().numpy()          # int8 bits
+        return d * sc[:, 0], d * sc[:, 1]
     grp = ch // (mw.group // 64)
     s_ = mw.scales[t, grp].double().numpy()[:, h]
     z = mw.zeros[t, grp].double().numpy()[:, h]
