@@ -59,13 +59,15 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: programmatic dependent of x's conversion kernel) gained nothing and was removed
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig()],
-         "Q8_0": [MmaConfig()],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(), MmaConfig(ahead=0)],
+         "Q8_0": [MmaConfig(), MmaConfig(units=4)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
-                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig()],
-         "awq": [PackedConfig(aff=1), MmaConfig()],
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(),
+                  MmaConfig(ahead=0), MmaConfig(units=4, ahead=0)],
+         "awq": [PackedConfig(aff=1), MmaConfig(), MmaConfig(ahead=0),
+                 MmaConfig(units=4, ahead=0)],
          # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, prefetch,
-         # stages): indices 6.. for Q4_0, 6 Q8_0, 7 AWQ / Q6_K, 8 Q4_K
+         # stages, ahead): indices 6.. Q4_0, 6.. Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K
          "Q4_0": [MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 4, 4, 1, 1), MmaConfig(1, 2, 4, 1, 1),
                   MmaConfig(2, 2, 2, 1, 1), MmaConfig(1, 4, 2, 0, 3), MmaConfig(1, 8, 2, 1, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
@@ -101,9 +103,9 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
 #: session 8: the tensor-core GEMV (quant_mma) at M <= 16 too (two 8-row x tiles); index 5
 #: (Q4_0), 4 (Q4_K, AWQ), 3 (Q6_K), 2 (Q8_0)
 DOT_CANDIDATES["Q4_0"].append(MmaConfig())
-DOT_CANDIDATES["Q4_K"].append(MmaConfig())
-DOT_CANDIDATES["awq"].append(MmaConfig())
-DOT_CANDIDATES["Q6_K"].append(MmaConfig())
+DOT_CANDIDATES["Q4_K"].append(MmaConfig(ahead=0))
+DOT_CANDIDATES["awq"].append(MmaConfig(ahead=0))
+DOT_CANDIDATES["Q6_K"].append(MmaConfig(ahead=0))
 DOT_CANDIDATES["Q8_0"].append(MmaConfig())
 
 

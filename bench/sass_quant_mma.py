@@ -36,7 +36,7 @@ def source(fmt, cfg, kch=128, nt=1):
     asm, cons = Q._asm(fmt, units, nt)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
                 PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons, FMT=fmt,
-                NT=nt, GPC=2)
+                NT=nt, GPC=2, AHEAD=bool(cfg.ahead))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit
 
@@ -60,18 +60,17 @@ def main():
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
     args = ap.parse_args()
     for spec in args.configs.split(";"):
-        t, k, u, pf, st = (int(v) for v in spec.split(","))
-        cfg = Q.MmaConfig(t, k, u, pf, st)
+        cfg = Q.MmaConfig(*(int(v) for v in spec.split(",")))
         src, elems = source(getattr(Q, args.fmt), cfg,
                             nt=args.nt)
         try:
             kern = triton.compile(src, target=TARGET, options=dict(
-                num_warps=t * k, num_stages=1))
+                num_warps=cfg.tiles * cfg.ksplit, num_stages=1))
         except Exception as exc:  # noqa: BLE001
             print(f"{cfg.tag():28s} FAILED {str(exc)[:600]}")
             continue
         regs, stack, n, ops = loop_stats(kern.asm["cubin"])
-        per = n * t * k * 32 / elems
+        per = n * cfg.tiles * cfg.ksplit * 32 / elems
         ttgir = kern.asm["ttgir"]
         found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
         top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))

@@ -143,6 +143,8 @@ CFGS = {"default": None, "u1": (1, 4, 1, 1, 1), "u4": (1, 2, 4, 1, 1), "t2": (2,
 
 def _cfg(name):
     from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig
+    if name == "mma":       # the format's default launch (DEFAULT_MMA)
+        return "mma"
     v = CFGS[name]
     return MmaConfig() if v is None else MmaConfig(*v)
 
@@ -184,7 +186,7 @@ def test_mma_q4_0(name, m):
 
 
 @GPU
-@pytest.mark.parametrize("name", ["default", "u1"])
+@pytest.mark.parametrize("name", ["mma", "u1"])
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K"])
 def test_mma_formats_and_rows(fmt, m, name):

@@ -185,31 +185,58 @@ def _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM: tl.co
 
 
 @triton.jit
-def _scales(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC: tl.constexpr):
-    """The four entries' scale pairs, float32 [NTH, U, 4], of chunks ch (entry e = 2 g + h:
-    row r + 8 h of block g): Q4_0 / Q8_0 (d, -), AWQ (s, -z s), Q4_K (d sc, -dmin m) as gguf-py
-    forms them, Q6_K (d sc) of the two half blocks (layouts: `pack_mma`)."""
+def _scale_loads(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c,
+                 GPC: tl.constexpr):
+    """The raw scale fields of chunks ch, [NTH, U, 4] each (entry e = 2 g + h: row r + 8 h of
+    block g; layouts: `pack_mma`), loaded a step ahead with the words: Q4_0 / Q8_0 d; Q4_K sc,
+    m, d, dmin; Q6_K the two half blocks' sc, d; AWQ s, z."""
     if FMT == 0 or FMT == 4:    # Q4_0 / Q8_0: d f16 [tiles, chunks, 8, 4]
-        a = tl.load(s_ptr + (tile * kch + ch) * 32 + r * 4 + c).to(tl.float32)
-        b = a
+        f0 = tl.load(s_ptr + (tile * kch + ch) * 32 + r * 4 + c)
+        f1 = f0
+        f2 = f0
+        f3 = f0
     elif FMT == 7:      # Q4_K: (sc, m) u8 [tiles, chunks, 8, 2, 4], (d, dmin) f16 [tiles,
         #                 chunks / 4, 8, (d_r, d_r8, dmin_r, dmin_r8)]
         sm = s_ptr + ((tile * kch + ch) * 8 + r) * 8 + c
-        sc = tl.load(sm).to(tl.float32)
-        mn = tl.load(sm + 4).to(tl.float32)
         dd = t_ptr + ((tile * (kch // 4) + ch // 4) * 8 + r) * 4 + c % 2
-        a = tl.load(dd).to(tl.float32) * sc
-        b = -(tl.load(dd + 2).to(tl.float32) * mn)
+        f0 = tl.load(sm)
+        f1 = tl.load(sm + 4)
+        f2 = tl.load(dd)
+        f3 = tl.load(dd + 2)
     elif FMT == 9:      # Q6_K: sc i8 [tiles, chunks, 8, 2 (half), 4], d f16 [tiles,
         #                 chunks / 4, 8, 2]
         sm = s_ptr + ((tile * kch + ch) * 8 + r) * 8 + c
-        d = tl.load(t_ptr + (tile * (kch // 4) + ch // 4) * 16 + r * 2 + c % 2).to(tl.float32)
-        a = d * tl.load(sm).to(tl.float32)
-        b = d * tl.load(sm + 4).to(tl.float32)
+        f0 = tl.load(sm)
+        f1 = tl.load(sm + 4)
+        f2 = tl.load(t_ptr + (tile * (kch // 4) + ch // 4) * 16 + r * 2 + c % 2)
+        f3 = f2
     else:               # AWQ: s f16 and z u8 [tiles, groups, 8, 2], GPC chunks a group
         g = (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2
-        a = tl.load(s_ptr + g).to(tl.float32)
-        b = -(_byte_float(tl.load(z_ptr + g)) * a)
+        f0 = tl.load(s_ptr + g)
+        f1 = tl.load(z_ptr + g)
+        f2 = f0
+        f3 = f0
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _scales(FMT: tl.constexpr, f0, f1, f2, f3):
+    """The entries' float32 scale pairs from `_scale_loads`: Q4_0 / Q8_0 (d, -); AWQ
+    (s, -z s - 128 s), Q4_K (d sc, -dmin m - 128 d sc) as gguf-py forms d sc and dmin m (the
+    128: `_ptx`'s aff mode); Q6_K (d sc) of the two half blocks."""
+    if FMT == 0 or FMT == 4:
+        a = f0.to(tl.float32)
+        b = a
+    elif FMT == 7:
+        a = f2.to(tl.float32) * f0.to(tl.float32)
+        b = -(f3.to(tl.float32) * f1.to(tl.float32)) - 128.0 * a
+    elif FMT == 9:
+        d = f2.to(tl.float32)
+        a = d * f0.to(tl.float32)
+        b = d * f1.to(tl.float32)
+    else:
+        a = f0.to(tl.float32)
+        b = -(_byte_float(f1) * a) - 128.0 * a
     return a, b
 
 
@@ -244,7 +271,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      PREFETCH: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
                      CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
-                     GPC: tl.constexpr = 1):
+                     GPC: tl.constexpr = 1, AHEAD: tl.constexpr = True):
     """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
     over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
     words (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp +
@@ -281,7 +308,10 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
         else:
             words2 = words
+        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
         for it in range(STEPS):
+            if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
+                f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
             if it + 1 < STEPS:
                 nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
                 if PLANES == 2:
@@ -289,10 +319,22 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                                                       part * (STEPS * U) + (it + 1) * U))
                 else:
                     nw2 = nw
+                if AHEAD:
+                    n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
+                                                  c, GPC)
+                else:
+                    n0 = f0
+                    n1 = f1
+                    n2 = f2
+                    n3 = f3
             else:
                 nw = words
                 nw2 = words2
-            sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+                n0 = f0
+                n1 = f1
+                n2 = f2
+                n3 = f3
+            sa, sb = _scales(FMT, f0, f1, f2, f3)
             x00 = tl.load(x_base + ch * 32)
             x01 = tl.load(x_base + ch * 32 + 16)
             if NT == 2:
@@ -301,12 +343,14 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             else:
                 x10 = x00
                 x11 = x01
-            if FMT == 7 or FMT == 11:   # A = 128 + q (`_ptx`)
-                sb = sb - 128.0 * sa
             acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
                                     CONS, 4 * U, NT, PLANES, SB)
             words = nw
             words2 = nw2
+            f0 = n0
+            f1 = n1
+            f2 = n2
+            f3 = n3
             ch += U
     else:
         for it in tl.range(STEPS, num_stages=STAGES):
@@ -316,7 +360,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                 words2 = tl.load(q_base + _hi_offset(FMT, cc, WPC, part * (STEPS * U) + it * U))
             else:
                 words2 = words
-            sa, sb = _scales(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
+            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
+            sa, sb = _scales(FMT, f0, f1, f2, f3)
             x00 = tl.load(x_base + cc * 32)
             x01 = tl.load(x_base + cc * 32 + 16)
             if NT == 2:
@@ -325,8 +370,6 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             else:
                 x10 = x00
                 x11 = x01
-            if FMT == 7 or FMT == 11:
-                sb = sb - 128.0 * sa
             acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
                                     CONS, 4 * U, NT, PLANES, SB)
     j = tl.arange(0, T * 32)[:, None]
@@ -484,13 +527,19 @@ class MmaConfig:
     units: int = 2
     prefetch: int = 1
     stages: int = 1
+    ahead: int = 1      # with prefetch: the scales too (0: loaded in their step)
 
     def tag(self) -> str:
         return (f"mma[t{self.tiles},k{self.ksplit},u{self.units}"
-                + (",pf" if self.prefetch else f",st{self.stages}") + "]")
+                + (",pf" if self.prefetch else f",st{self.stages}")
+                + ("" if self.ahead or not self.prefetch else ",sn") + "]")
 
 
-DEFAULT_MMA = MmaConfig()
+#: launch per format (None: the first for all): byte-sized scale fields (Q4_K, AWQ, Q6_K) are
+#: loaded in their step, as carrying them a step ahead costs their unpacking (sm_90 SASS of the
+#: loop: Q4_K 3.47 vs 4.42 instructions a weight, AWQ 3.12 vs 3.44, Q6_K 5.23 vs 5.84)
+DEFAULT_MMA = {None: MmaConfig(), Q4_K: MmaConfig(ahead=0), AWQ: MmaConfig(ahead=0),
+               Q6_K: MmaConfig(ahead=0)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -528,7 +577,7 @@ def run_mma_cached(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
 
 def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     """x [..., K] (bf16, at most 16 rows in all) @ W.T -> [..., N] in x's dtype."""
-    cfg = config or DEFAULT_MMA
+    cfg = config or DEFAULT_MMA.get(fmt, DEFAULT_MMA[None])
     n, k = mw.n, mw.k
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
@@ -556,5 +605,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
                            U=units, PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm,
                            CONS=cons, FMT=fmt, NT=nt, GPC=max(1, mw.group // CHUNK_K),
+                           AHEAD=bool(cfg.ahead),
                            num_warps=cfg.tiles * ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
