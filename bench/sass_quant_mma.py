@@ -35,7 +35,7 @@ def source(fmt, cfg, kch=128, nt=1):
            "kch": "i32"}
     per_warp = kch // cfg.ksplit
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
-    asm, cons = Q._asm(fmt, units, nt)
+    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
                 PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons, FMT=fmt,
                 NT=nt, GPC=2, AHEAD=bool(cfg.ahead))

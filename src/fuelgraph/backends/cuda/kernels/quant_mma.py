@@ -52,7 +52,7 @@ _NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC3
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(mode: str, units: int, nt: int) -> str:
+def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
     sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
@@ -77,6 +77,9 @@ def _ptx(mode: str, units: int, nt: int) -> str:
              "mov.f32 %fz, 0f00000000;"]
     if planes == 2:
         lines += ["mov.b32 %fsix, 0x41804180;", f"mov.b32 %fneh, {_NEG_HI[mode]};"]
+    # one row of x: columns 2 p + 1 repeat column 2 p (x rows clamp to the last), and only
+    # column 0 is stored, so c1 and c3 are left unscaled
+    js = (0, 2) if one_row else range(4)
     ones = "{%fone, %fone, %fone, %fone}"
     zero = "%fz, %fz, %fz, %fz"
     for u in range(units):
@@ -122,7 +125,7 @@ def _ptx(mode: str, units: int, nt: int) -> str:
                         lines.append(f"{_MMA} {{{c1}}}, {ones}, {b}, "
                                      f"{{{zero if s == 0 else c1}}};")
                     if mode == "q6":    # scale of half block s: sa (s = 0) / sb (s = 1)
-                        for j in range(4):
+                        for j in js:
                             e = 2 * g + j // 2
                             prev = op(f"acc{t}", u, j) if g == 0 and s == 0 else \
                                 op(f"out{t}", u, j)
@@ -130,7 +133,7 @@ def _ptx(mode: str, units: int, nt: int) -> str:
                                          f"{op('sa' if s == 0 else 'sb', u, e)}, {prev};")
                 if mode == "q6":
                     continue
-                for j in range(4):      # c0, c1: row r; c2, c3: row r + 8
+                for j in js:            # c0, c1: row r; c2, c3: row r + 8
                     e = 2 * g + j // 2
                     prev = op(f"acc{t}", u, j) if g == 0 else op(f"out{t}", u, j)
                     dst = op(f"out{t}", u, j)
@@ -543,14 +546,14 @@ DEFAULT_MMA = {None: MmaConfig(), Q4_K: MmaConfig(ahead=0), AWQ: MmaConfig(ahead
 
 
 @functools.lru_cache(maxsize=None)
-def _asm(fmt: int, units: int, nt: int = 1) -> tuple[str, str]:
+def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str, str]:
     """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
     mode = MODE[fmt]
     planes = 2 if mode in ("q8", "q6") else 1
     p = 4 * units
     cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((planes + 2 * nt) * p) + \
         ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
-    return _ptx(mode, units, nt), ",".join(cons)
+    return _ptx(mode, units, nt, one_row), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -597,7 +600,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt)
+    asm, cons = _asm(fmt, units, nt, m == 1)
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (-(-(n // TILE_N) // cfg.tiles),)
