@@ -59,17 +59,18 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: programmatic dependent of x's conversion kernel) gained nothing and was removed
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(), MmaConfig(ahead=0)],
-         "Q8_0": [MmaConfig(), MmaConfig(units=4)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(1, 8, 2, 0)],
+         "Q8_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 2, 0)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
-                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(),
-                  MmaConfig(ahead=0), MmaConfig(units=4, ahead=0)],
-         "awq": [PackedConfig(aff=1), MmaConfig(), MmaConfig(ahead=0),
-                 MmaConfig(units=4, ahead=0)],
-         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, prefetch,
-         # stages, ahead): indices 6.. Q4_0, 6.. Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K
-         "Q4_0": [MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 4, 4, 1, 1), MmaConfig(1, 2, 4, 1, 1),
-                  MmaConfig(2, 2, 2, 1, 1), MmaConfig(1, 4, 2, 0, 3), MmaConfig(1, 8, 2, 1, 1)]}
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(1, 8, 4, 0),
+                  MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 4, 1)],
+         "awq": [PackedConfig(aff=1), MmaConfig(1, 8, 4, 0), MmaConfig(1, 8, 2, 0),
+                 MmaConfig(1, 4, 4, 1)],
+         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, ahead;
+         # the default route at M = 1 since run 1): indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K,
+         # 8.. Q4_K. Run 1 (warm / cold ms): Q4_0 t1,k4,u2 0.0107 / 0.0147 (packed 0.0183 /
+         # 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134, t2,k2 0.0174, cp.async 3 stages 0.209
+         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
@@ -100,13 +101,14 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
-#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 too (two 8-row x tiles); index 5
-#: (Q4_0), 4 (Q4_K, AWQ), 3 (Q6_K), 2 (Q8_0)
-DOT_CANDIDATES["Q4_0"].append(MmaConfig())
-DOT_CANDIDATES["Q4_K"].append(MmaConfig(ahead=0))
-DOT_CANDIDATES["awq"].append(MmaConfig(ahead=0))
-DOT_CANDIDATES["Q6_K"].append(MmaConfig(ahead=0))
-DOT_CANDIDATES["Q8_0"].append(MmaConfig())
+#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles): Q4_0 indices
+#: 5.., Q4_K / AWQ 4.., Q6_K 3 (its default since run 1: 0.0485 / 0.0508 vs 0.0734 / 0.0737),
+#: Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 / 0.0373)
+DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1)]
+DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0)]
+DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0)]
+DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0)]
+DOT_CANDIDATES["Q8_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 8, 2, 1)]
 
 
 def weights(op, n, k, g):

@@ -5,7 +5,7 @@ threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1] (thread index = dim 0; prin
 flagged when another appears). Prints registers, spills and the loop's SASS instructions a
 weight.
 
-    python3 bench/sass_quant_mma.py [--fmt Q4_0] [--nt 1] [--configs t,k,u,pf,st,ahead;...]
+    python3 bench/sass_quant_mma.py [--fmt Q4_0] [--nt 1] [--configs t,k,u,ahead;...]
                                     [--ttgir]
 """
 from __future__ import annotations
@@ -37,16 +37,14 @@ def source(fmt, cfg, kch=128, nt=1):
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
-                PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm, CONS=cons, FMT=fmt,
-                NT=nt, GPC=2, AHEAD=bool(cfg.ahead))
+                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=bool(cfg.ahead))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="1,4,2,1,1;1,4,4,1,1;1,4,1,1,1;1,4,2,0,3;2,2,2,1,1;"
-                                         "1,4,2,1,1,0")
+    ap.add_argument("--configs", default="1,4,2,1;1,4,4,1;1,4,2,0;1,4,4,0;1,8,2,1")
     ap.add_argument("--ttgir", action="store_true")
     ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K")
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")

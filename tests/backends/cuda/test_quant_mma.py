@@ -137,8 +137,8 @@ def test_register_order_as_mma_fragments(fmt, m):
 GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (256, 210)}
 
 
-CFGS = {"default": None, "u1": (1, 4, 1, 1, 1), "u4": (1, 2, 4, 1, 1), "t2": (2, 2, 2, 1, 1),
-        "stages": (1, 4, 2, 0, 3), "k1": (1, 1, 2, 1, 1)}
+CFGS = {"default": None, "u1": (1, 4, 1, 1), "u4": (1, 2, 4, 1), "t2": (2, 2, 2, 1),
+        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1)}
 
 
 def _cfg(name):
@@ -246,3 +246,21 @@ def test_mma_in_a_cuda_graph():
     x.copy_(torch.randn(1, k, device=DEV, dtype=torch.bfloat16))
     graph.replay()
     check_product(out, x, gguf_dequant_ref(raw, "Q4_0").T, torch.bfloat16)
+
+
+@GPU
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_default_route(fmt):
+    """bf16 x takes the mma GEMV by default at one row (Q6_K: up to 16 rows), on the copy made
+    once; float32 x and 16-bit rows beyond MMA_DEFAULT_ROWS keep their previous routes."""
+    from fuelgraph.backends.cuda.kernels import quant_mma as Q
+    from fuelgraph.backends.cuda.kernels.quant_tiles import GGUF_IDS
+    rng = np.random.default_rng(31)
+    n, k = 32, 512
+    fn, ref, w = _weight(fmt, rng, n, k)
+    rows = Q.MMA_DEFAULT_ROWS[GGUF_IDS[fmt]]
+    for m, dt, mma in ((1, torch.float32, False), (rows + 1, torch.bfloat16, False),
+                       (1, torch.bfloat16, True), (rows, torch.bfloat16, True)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
+        check_product(fn(x, None), x, ref.T, dt)
+        assert _ran_mma(w) == mma, (m, dt)

@@ -272,8 +272,7 @@ def _hi_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr, first):
 @triton.jit
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
-                     PREFETCH: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
-                     CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
+                     ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = True):
     """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
     over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
@@ -305,76 +304,56 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     ch = part * (STEPS * U) + u                                        # [NTH, U, 1]
     acc0 = tl.zeros((NTH, U, 4), tl.float32)
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
-    if PREFETCH:
-        words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
-        if PLANES == 2:
-            words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
-        else:
-            words2 = words
-        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
-        for it in range(STEPS):
-            if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
-                f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
-            if it + 1 < STEPS:
-                nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
-                if PLANES == 2:
-                    nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
-                                                      part * (STEPS * U) + (it + 1) * U))
-                else:
-                    nw2 = nw
-                if AHEAD:
-                    n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                                  c, GPC)
-                else:
-                    n0 = f0
-                    n1 = f1
-                    n2 = f2
-                    n3 = f3
+    # the next step's words (and with AHEAD its scales) load before this step's math
+    words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
+    if PLANES == 2:
+        words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
+    else:
+        words2 = words
+    f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+    for it in range(STEPS):
+        if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
+            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+        if it + 1 < STEPS:
+            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
+            if PLANES == 2:
+                nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
+                                                  part * (STEPS * U) + (it + 1) * U))
             else:
-                nw = words
-                nw2 = words2
+                nw2 = nw
+            if AHEAD:
+                n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
+                                              c, GPC)
+            else:
                 n0 = f0
                 n1 = f1
                 n2 = f2
                 n3 = f3
-            sa, sb = _scales(FMT, f0, f1, f2, f3)
-            x00 = tl.load(x_base + ch * 32)
-            x01 = tl.load(x_base + ch * 32 + 16)
-            if NT == 2:
-                x10 = tl.load(x_base1 + ch * 32)
-                x11 = tl.load(x_base1 + ch * 32 + 16)
-            else:
-                x10 = x00
-                x11 = x01
-            acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
-                                    CONS, 4 * U, NT, PLANES, SB)
-            words = nw
-            words2 = nw2
-            f0 = n0
-            f1 = n1
-            f2 = n2
-            f3 = n3
-            ch += U
-    else:
-        for it in tl.range(STEPS, num_stages=STAGES):
-            cc = ch + it * U
-            words = tl.load(q_base + _lo_offset(FMT, cc, WPC))
-            if PLANES == 2:
-                words2 = tl.load(q_base + _hi_offset(FMT, cc, WPC, part * (STEPS * U) + it * U))
-            else:
-                words2 = words
-            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, cc, r, c, GPC)
-            sa, sb = _scales(FMT, f0, f1, f2, f3)
-            x00 = tl.load(x_base + cc * 32)
-            x01 = tl.load(x_base + cc * 32 + 16)
-            if NT == 2:
-                x10 = tl.load(x_base1 + cc * 32)
-                x11 = tl.load(x_base1 + cc * 32 + 16)
-            else:
-                x10 = x00
-                x11 = x01
-            acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
-                                    CONS, 4 * U, NT, PLANES, SB)
+        else:
+            nw = words
+            nw2 = words2
+            n0 = f0
+            n1 = f1
+            n2 = f2
+            n3 = f3
+        sa, sb = _scales(FMT, f0, f1, f2, f3)
+        x00 = tl.load(x_base + ch * 32)
+        x01 = tl.load(x_base + ch * 32 + 16)
+        if NT == 2:
+            x10 = tl.load(x_base1 + ch * 32)
+            x11 = tl.load(x_base1 + ch * 32 + 16)
+        else:
+            x10 = x00
+            x11 = x01
+        acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
+                                CONS, 4 * U, NT, PLANES, SB)
+        words = nw
+        words2 = nw2
+        f0 = n0
+        f1 = n1
+        f2 = n2
+        f3 = n3
+        ch += U
     j = tl.arange(0, T * 32)[:, None]
     e = tl.arange(0, 4)[None, :]
     lj = j % 32
@@ -523,26 +502,29 @@ def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
 @dataclass(frozen=True)
 class MmaConfig:
     """tiles: 16-row tiles a program (a warp group each); ksplit: warps sharing a tile's K
-    (summed in the program); units: chunks (64 K) a warp loads a step; prefetch: the next
-    step's words in registers (else `stages` > 1: Triton's cp.async pipeline)."""
+    (summed in the program); units: chunks (64 K) a warp loads a step (the next step's words
+    load before this step's math); ahead: the scales too (else loaded in their step)."""
     tiles: int = 1
     ksplit: int = 4
     units: int = 2
-    prefetch: int = 1
-    stages: int = 1
-    ahead: int = 1      # with prefetch: the scales too (0: loaded in their step)
+    ahead: int = 1
 
     def tag(self) -> str:
         return (f"mma[t{self.tiles},k{self.ksplit},u{self.units}"
-                + (",pf" if self.prefetch else f",st{self.stages}")
-                + ("" if self.ahead or not self.prefetch else ",sn") + "]")
+                + ("" if self.ahead else ",sn") + "]")
 
 
-#: launch per format (None: the first for all): byte-sized scale fields (Q4_K, AWQ, Q6_K) are
-#: loaded in their step, as carrying them a step ahead costs their unpacking (sm_90 SASS of the
-#: loop: Q4_K 3.47 vs 4.42 instructions a weight, AWQ 3.12 vs 3.44, Q6_K 5.23 vs 5.84)
-DEFAULT_MMA = {None: MmaConfig(), Q4_K: MmaConfig(ahead=0), AWQ: MmaConfig(ahead=0),
-               Q6_K: MmaConfig(ahead=0)}
+#: launch per format, H200 N = K = 8192 bf16 CUDA-graph times (bench_cuda_quant_gemv, session 8
+#: run 1, warm / cold ms; the packed GEMV's in brackets): Q4_0 0.0107 / 0.0147 (0.0183 /
+#: 0.0210; 4 chunks a step 0.0111 / 0.0142, 2 warps a tile 0.0134, 2 tiles a program 0.0174,
+#: Triton's cp.async pipeline instead of the register prefetch 0.209), Q8_0 0.0220 / 0.0218
+#: (0.0281; 4 chunks 0.0294), AWQ 4 chunks, scales in their step 0.0141 / 0.0184 (0.0207; 2
+#: chunks 0.0161), Q4_K the same 0.0168 / 0.0237 (0.0239; 2 chunks 0.0184), Q6_K scales in
+#: their step 0.0235 / 0.0237 (0.0344; ahead 0.0257); 16 rows of Q6_K 0.0485 / 0.0508 (the
+#: packed dot 0.0734). Byte-sized scale fields carried a step ahead cost their unpacking (sm_90
+#: SASS of the loop: Q4_K 3.47 vs 4.42 instructions a weight, AWQ 3.12 vs 3.44, Q6_K 5.23 vs 5.84)
+DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=0),
+               Q4_K: MmaConfig(units=4, ahead=0), Q6_K: MmaConfig(ahead=0)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -563,7 +545,7 @@ def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
 
 
 #: formats whose default route for 1..N rows of bf16 x is this kernel (`quant.run`), by N
-MMA_DEFAULT_ROWS: dict[int, int] = {}
+MMA_DEFAULT_ROWS: dict[int, int] = {Q4_0: 1, Q8_0: 1, AWQ: 1, Q4_K: 1, Q6_K: 16}
 
 
 def mma_default(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -580,7 +562,7 @@ def run_mma_cached(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
 
 def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     """x [..., K] (bf16, at most 16 rows in all) @ W.T -> [..., N] in x's dtype."""
-    cfg = config or DEFAULT_MMA.get(fmt, DEFAULT_MMA[None])
+    cfg = config or DEFAULT_MMA[fmt]
     n, k = mw.n, mw.k
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
@@ -606,8 +588,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     grid = (-(-(n // TILE_N) // cfg.tiles),)
     _mma_gemv_kernel[grid](x2, mw.words, mw.scales, z, t, out, n, m, x2.stride(0) // 2,
                            out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
-                           U=units, PREFETCH=bool(cfg.prefetch), STAGES=cfg.stages, ASM=asm,
-                           CONS=cons, FMT=fmt, NT=nt, GPC=max(1, mw.group // CHUNK_K),
-                           AHEAD=bool(cfg.ahead),
+                           U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
+                           GPC=max(1, mw.group // CHUNK_K), AHEAD=bool(cfg.ahead),
                            num_warps=cfg.tiles * ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
