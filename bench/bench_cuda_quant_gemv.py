@@ -104,7 +104,8 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
 #: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles): Q4_0 indices
 #: 5.., Q4_K / AWQ 4.., Q6_K 3 (its default since run 1: 0.0485 / 0.0508 vs 0.0734 / 0.0737),
 #: Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 / 0.0373)
-DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1)]
+DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1),
+                           MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 8, 2, 1, 1)]
 DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0)]
 DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0)]
 DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0)]

@@ -138,7 +138,7 @@ GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (2
 
 
 CFGS = {"default": None, "u1": (1, 4, 1, 1), "u4": (1, 2, 4, 1), "t2": (2, 2, 2, 1),
-        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1)}
+        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1), "xa": (1, 4, 2, 1, 1)}
 
 
 def _cfg(name):
@@ -175,7 +175,7 @@ def _ran_mma(w):
 
 @GPU
 @pytest.mark.parametrize("name", list(CFGS))
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
 def test_mma_q4_0(name, m):
     rng = np.random.default_rng(m + len(name))
     n, k = 48, 512          # 3 tiles (t2: a partial last program), 8 chunks

@@ -270,10 +270,26 @@ def _hi_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr, first):
 
 
 @triton.jit
+def _x_loads(x_base, x_base1, ch, NT: tl.constexpr):
+    """x of chunks ch as bf16 pairs [NTH, U, 4]: blocks 0 and 1 of x tile 0 (rows 0..7) and,
+    with NT == 2, of x tile 1 (rows 8..15)."""
+    x00 = tl.load(x_base + ch * 32)
+    x01 = tl.load(x_base + ch * 32 + 16)
+    if NT == 2:
+        x10 = tl.load(x_base1 + ch * 32)
+        x11 = tl.load(x_base1 + ch * 32 + 16)
+    else:
+        x10 = x00
+        x11 = x01
+    return x00, x01, x10, x11
+
+
+@triton.jit
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
-                     GPC: tl.constexpr = 1, AHEAD: tl.constexpr = True):
+                     GPC: tl.constexpr = 1, AHEAD: tl.constexpr = True,
+                     XAHEAD: tl.constexpr = False):
     """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
     over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
     words (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp +
@@ -311,6 +327,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     else:
         words2 = words
     f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+    x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
     for it in range(STEPS):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
@@ -337,16 +354,23 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             n2 = f2
             n3 = f3
         sa, sb = _scales(FMT, f0, f1, f2, f3)
-        x00 = tl.load(x_base + ch * 32)
-        x01 = tl.load(x_base + ch * 32 + 16)
-        if NT == 2:
-            x10 = tl.load(x_base1 + ch * 32)
-            x11 = tl.load(x_base1 + ch * 32 + 16)
+        if XAHEAD:      # x of this step was loaded in the previous one
+            if it + 1 < STEPS:
+                y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT)
+            else:
+                y00 = x00
+                y01 = x01
+                y10 = x10
+                y11 = x11
         else:
-            x10 = x00
-            x11 = x01
+            x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
         acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
                                 CONS, 4 * U, NT, PLANES, SB)
+        if XAHEAD:
+            x00 = y00
+            x01 = y01
+            x10 = y10
+            x11 = y11
         words = nw
         words2 = nw2
         f0 = n0
@@ -508,10 +532,11 @@ class MmaConfig:
     ksplit: int = 4
     units: int = 2
     ahead: int = 1
+    xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
 
     def tag(self) -> str:
         return (f"mma[t{self.tiles},k{self.ksplit},u{self.units}"
-                + ("" if self.ahead else ",sn") + "]")
+                + ("" if self.ahead else ",sn") + (",xa" if self.xahead else "") + "]")
 
 
 #: launch per format, H200 N = K = 8192 bf16 CUDA-graph times (bench_cuda_quant_gemv, session 8
@@ -590,5 +615,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=bool(cfg.ahead),
+                           XAHEAD=bool(cfg.xahead),
                            num_warps=cfg.tiles * ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
