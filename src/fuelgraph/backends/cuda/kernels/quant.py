@@ -1,7 +1,11 @@
 """Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
 respect to the activations).
 
-Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
+Dispatch (`run`), per format and number of activation rows by the table `ROUTES`, except:
+
+* bf16 x of Q4_0, Q8_0, Q4_K, Q6_K and AWQ at one row (Q6_K: up to 16 rows) takes the tensor-core
+  GEMV of `quant_mma` (inline PTX mma.sync on a cached copy of the weight in the mma's register
+  order; `quant_mma.MMA_DEFAULT_ROWS`), shapes it rejects the routes below.
 
 * One row of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and

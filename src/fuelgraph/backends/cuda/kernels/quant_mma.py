@@ -1,32 +1,43 @@
-"""Few-row quantized matmul (`out = x @ W.T`, x [M, K] 16-bit with M <= 8, W [N, K]) on the
-tensor cores through `mma.sync.m16n8k16` written as inline PTX, on a copy of the weight repacked
-once into the mma's own register order (Q4_0).
+"""Few-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 with M <= 16, W [N, K]; Q4_0,
+Q8_0, Q4_K, Q6_K, AWQ) on the tensor cores through `mma.sync.m16n8k16` written as inline PTX,
+on a copy of the weight repacked once into the mma's own register order (cached with the
+weight like `quant_packed`'s copy). The default route for one row of bf16 x of these formats
+and for 1..16 rows of Q6_K (`MMA_DEFAULT_ROWS`; H200 numbers at `DEFAULT_MMA`).
 
 Why: the CUDA-core GEMV of `quant_packed` spends ~4 SASS instructions a weight (unpack, scale,
 multiply-add; sm_90) and is issue-bound next to the weight stream. Here a 16 x 16 weight tile is
-the mma's A operand with x as B (its 8 columns are x's rows, clamped to the last one), so one
-instruction multiplies 256 weights and a weight costs its unpacking only: a nibble pair into a
-bf16x2 register by one LOP3 (the nibble ORed into the mantissa of 128.0), one bf16x2 FMA to
-q - 8 (exact small integers), about 1.4 instructions a weight. The products q x are exact and
-summed in float32 by the tensor core over each 32-element block; the block's scale d then
-multiplies the block's sum in float32 (one FFMA per output and block). x is read as bf16 where
-it lies (no conversion kernel), and the output is written by the program that owns the rows
-(no split-K atomics, no zeroed float32 buffer): one launch a call.
+the mma's A operand with x as B (its 8 columns are x's rows, clamped to the last one; a second
+mma for rows 8..15), so one instruction multiplies 256 weights and a weight costs its
+unpacking: a nibble pair into a bf16x2 register by one LOP3 (the nibble ORed into the mantissa
+of 128.0) and one bf16x2 FMA to an exact small integer (Q4_0 q - 8), about 1.4 instructions a
+weight. The products are exact and summed in float32 by the tensor core over a 32-element
+block; the block's scale then multiplies the block's sum in float32 (one FFMA an output and
+block). Per format (`_ptx`): Q4_0 d (q - 8); Q4_K and AWQ a q + b a block (A = 128 + q, the x
+sums of the block by one more mma with an all-ones A, out += a C + (b - 128 a) C1); Q8_0 and
+Q6_K as two 4-bit planes (q + offset = 16 hi + lo: A = lo and 16 hi - offset into one sum;
+Q6_K's high plane 2-bit crumbs, 0.82 bytes a weight as the format, its 16-element scales one
+mma step each). x is read as bf16 where it lies (no conversion kernel) and the output is
+written by the program that owns the rows (no split-K atomics, no zeroed float32 buffer): one
+launch a call. Results are the format's dequantized weights times x with float32 sums, not
+bit-identical to the CUDA-core kernels' (the dequantization itself stays tested bit-exact
+there).
 
-Register order (`pack_mma`): rows in tiles of 16, K in chunks of 64 (two Q4_0 blocks). Lane l of
-a warp (r = l // 4, p = l % 4) holds, per chunk, four int32 words (one 16-byte load, the warp's
-512 bytes contiguous): entry e = 2 g + h is row r + 8 h of block g, elements 8 p .. 8 p + 7 of the
-block, element 2 m in bits 4 m and 2 m + 1 in bits 16 + 4 m (so (word >> 4 m) & 0x000F000F is
-the bf16x2 pair the mma wants). In mma step s of block g the lane's A registers are pairs 2 s,
-2 s + 1 of entries (2 g, 2 g + 1) and its B registers x[8 p + 4 s .. + 3] of that block: the
-mma's k-slots (2 p, 2 p + 1, 2 p + 8, 2 p + 9) are the elements 8 p + 4 s + (0, 1, 2, 3), one
-16-byte x load a block. Scales [tiles, chunks, 8, 4] f16: lane (r, .) reads its four d at once.
+Register order (`pack_mma`): rows in tiles of 16, K in chunks of 64 (two 32-element blocks).
+Lane l of a warp (r = l // 4, p = l % 4) holds, per chunk and plane, four int32 words (one
+16-byte load, the warp's 512 bytes contiguous): entry e = 2 g + h is row r + 8 h of block g,
+elements 8 p .. 8 p + 7 of the block (Q6_K: 4 p .. 4 p + 3 and 16 + 4 p .., one half block an
+mma step), element 2 m in bits 4 m and 2 m + 1 in bits 16 + 4 m (so (word >> 4 m) & 0x000F000F
+is the bf16x2 pair the mma wants). In mma step s of block g the lane's A registers are pairs
+2 s, 2 s + 1 of entries (2 g, 2 g + 1) and its B registers x[8 p + 4 s .. + 3] of that block:
+the mma's k-slots (2 p, 2 p + 1, 2 p + 8, 2 p + 9) are the elements 8 p + 4 s + (0, 1, 2, 3),
+one 16-byte x load a block. Scale fields: `MmaWeight`, read by `_scale_loads`.
 
 The layout of every tensor here is [threads, U, 4] (the thread index i = 32 warp + lane, U
 chunks a step in a thread, 4 registers), loaded with 16-byte vectors: Triton lays that out as
 sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1], which is what the
-PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py). Runs on
-sm_80+ GPUs only (no interpreter: the PTX is warp-collective)."""
+PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py; the
+register order against the PTX ISA's fragment layout by the CPU emulation in the tests). Runs
+on sm_80+ GPUs only (no interpreter: the PTX is warp-collective)."""
 from __future__ import annotations
 
 import functools
