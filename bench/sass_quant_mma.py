@@ -37,7 +37,7 @@ def source(fmt, cfg, kch=128, nt=1):
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
     cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
-                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=bool(cfg.ahead),
+                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=cfg.ahead,
                 XAHEAD=bool(cfg.xahead))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit

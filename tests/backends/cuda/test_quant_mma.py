@@ -138,7 +138,8 @@ GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (2
 
 
 CFGS = {"default": None, "u1": (1, 4, 1, 1), "u4": (1, 2, 4, 1), "t2": (2, 2, 2, 1),
-        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1), "xa": (1, 4, 2, 1, 1)}
+        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1), "xa": (1, 4, 2, 1, 1), "sw": (1, 4, 2, 2),
+        "sw4": (1, 4, 4, 2)}
 
 
 def _cfg(name):
@@ -186,12 +187,14 @@ def test_mma_q4_0(name, m):
 
 
 @GPU
-@pytest.mark.parametrize("name", ["mma", "u1"])
 @pytest.mark.parametrize("m", [1, 16])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("fmt,name", [(f, c) for f in ("Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K")
+                                      for c in ("mma", "u1")]
+                         + [(f, c) for f in ("Q4_K", "awq", "Q6_K") for c in ("sw", "sw4")])
 def test_mma_formats_and_rows(fmt, m, name):
     """Q4_K / AWQ (a q + b a block: the x sums by an all-ones mma), Q8_0 / Q6_K (two planes,
-    Q6_K scaled per half block) and 9..16 rows (two x tiles), the rows in a 3-d x."""
+    Q6_K scaled per half block), their byte scale fields carried a step ahead as words (sw),
+    and 9..16 rows (two x tiles), the rows in a 3-d x."""
     rng = np.random.default_rng(m + 7 * len(fmt))
     n, k = 48, 1024
     fn, ref, w = _weight(fmt, rng, n, k)

@@ -255,6 +255,57 @@ def _scales(FMT: tl.constexpr, f0, f1, f2, f3):
 
 
 @triton.jit
+def _scale_words(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC: tl.constexpr):
+    """The byte-sized scale fields of Q4_K / Q6_K / AWQ as whole words [NTH, U, 1] (one
+    register each to carry a step ahead; `_scales_from_words` takes them apart)."""
+    if FMT == 7:        # Q4_K: the four sc, the four m; (d_r, d_r8), (dmin_r, dmin_r8)
+        sw = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((tile * kch + ch) * 8 + r) * 2
+        dw = t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + \
+            ((tile * (kch // 4) + ch // 4) * 8 + r) * 2
+        w0 = tl.load(sw)
+        w1 = tl.load(sw + 1)
+        w2 = tl.load(dw)
+        w3 = tl.load(dw + 1)
+    elif FMT == 9:      # Q6_K: the four sc of half 0, of half 1; (d_r, d_r8)
+        sw = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((tile * kch + ch) * 8 + r) * 2
+        w0 = tl.load(sw)
+        w1 = tl.load(sw + 1)
+        w2 = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                     + (tile * (kch // 4) + ch // 4) * 8 + r)
+        w3 = w2
+    else:               # AWQ: (s_r, s_r8), (z_r, z_r8)
+        g = (tile * (kch // GPC) + ch // GPC) * 8 + r
+        w0 = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + g)
+        w1 = tl.load(z_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + g).to(tl.int32)
+        w2 = w0
+        w3 = w0
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _half(w, h):
+    """The f16 in half h (0 / 1, any shape) of the words w, as float32."""
+    return ((w >> (16 * h)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scales_from_words(FMT: tl.constexpr, w0, w1, w2, w3, c):
+    """`_scales` of the words of `_scale_words` (entry c of [NTH, U, 4])."""
+    h = c % 2
+    if FMT == 7:
+        a = _half(w2, h) * ((w0 >> (8 * c)) & 255).to(tl.float32)
+        b = -(_half(w3, h) * ((w1 >> (8 * c)) & 255).to(tl.float32)) - 128.0 * a
+    elif FMT == 9:      # int8 fields: shifted to the top, arithmetic shift back
+        d = _half(w2, h)
+        a = d * ((w0 << (24 - 8 * c)) >> 24).to(tl.float32)
+        b = d * ((w1 << (24 - 8 * c)) >> 24).to(tl.float32)
+    else:
+        a = _half(w0, h)
+        b = -(((w1 >> (8 * h)) & 255).to(tl.float32) * a) - 128.0 * a
+    return a, b
+
+
+@triton.jit
 def _byte_float(v):
     """Bytes (uint8) as float32 through 2^23's mantissa (AWQ's zeros: fewer instructions than
     the conversion there; Q4_K's / Q6_K's scales convert with fewer the plain way)."""
@@ -299,7 +350,7 @@ def _x_loads(x_base, x_base1, ch, NT: tl.constexpr):
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
                      STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
-                     GPC: tl.constexpr = 1, AHEAD: tl.constexpr = True,
+                     GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False):
     """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
     over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
@@ -337,7 +388,11 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
         words2 = words
-    f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+    WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4    # byte fields as words
+    if WORDS:
+        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC)
+    else:
+        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
     x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
     for it in range(STEPS):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
@@ -349,7 +404,10 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                                                   part * (STEPS * U) + (it + 1) * U))
             else:
                 nw2 = nw
-            if AHEAD:
+            if WORDS:
+                n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
+                                              GPC)
+            elif AHEAD:
                 n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
                                               c, GPC)
             else:
@@ -364,7 +422,10 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             n1 = f1
             n2 = f2
             n3 = f3
-        sa, sb = _scales(FMT, f0, f1, f2, f3)
+        if WORDS:
+            sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, c)
+        else:
+            sa, sb = _scales(FMT, f0, f1, f2, f3)
         if XAHEAD:      # x of this step was loaded in the previous one
             if it + 1 < STEPS:
                 y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT)
@@ -542,12 +603,13 @@ class MmaConfig:
     tiles: int = 1
     ksplit: int = 4
     units: int = 2
-    ahead: int = 1
+    ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
 
     def tag(self) -> str:
         return (f"mma[t{self.tiles},k{self.ksplit},u{self.units}"
-                + ("" if self.ahead else ",sn") + (",xa" if self.xahead else "") + "]")
+                + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
+                + (",xa" if self.xahead else "") + "]")
 
 
 #: launch per format, H200 N = K = 8192 bf16 CUDA-graph times (bench_cuda_quant_gemv, session 8
@@ -625,7 +687,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     _mma_gemv_kernel[grid](x2, mw.words, mw.scales, z, t, out, n, m, x2.stride(0) // 2,
                            out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
-                           GPC=max(1, mw.group // CHUNK_K), AHEAD=bool(cfg.ahead),
+                           GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead),
                            num_warps=cfg.tiles * ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
