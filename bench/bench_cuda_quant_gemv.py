@@ -72,7 +72,7 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
          # ahead 2: byte scale fields a step ahead as words; the default route at M = 1 since
          # run 1): indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K. Run 1 (warm / cold ms): Q4_0 t1,k4,u2 0.0107 / 0.0147 (packed 0.0183 /
          # 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134, t2,k2 0.0174, cp.async 3 stages 0.209
-         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1)]}
+         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(2, 4, 2, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
@@ -107,7 +107,8 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
 #: 5.., Q4_K / AWQ 4.., Q6_K 3 (its default since run 1: 0.0485 / 0.0508 vs 0.0734 / 0.0737),
 #: Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 / 0.0373)
 DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1),
-                           MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 8, 2, 1, 1)]
+                           MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 8, 2, 1, 1),
+                           MmaConfig(2, 4, 2, 1)]     # 2 tiles a program share x through L1
 DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
 DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
 DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
