@@ -41,6 +41,7 @@ on sm_80+ GPUs only (no interpreter: the PTX is warp-collective)."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,8 @@ import triton.language as tl
 
 from .quant_tiles import AWQ, Q4_0, Q4_K, Q6_K, Q8_0
 
+#: Triton's CPU interpreter runs no inline PTX: the other routes serve there
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K})
 CHUNK_K = 64        # elements of a row a chunk (two 32-element blocks)
 TILE_N = 16         # rows a tile (the mma's M)
@@ -638,8 +641,9 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str,
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
     """Whether the mma GEMV takes this call: its formats, bf16 x of at most 16 rows,
-    N % 16 == 0 and K % 64 == 0 (Q4_K: 256; AWQ: groups of 64k)."""
-    return x.dtype == torch.bfloat16 and 1 <= m <= 16 and mma_packable(fmt, i0, k, n)
+    N % 16 == 0 and K % 64 == 0 (Q4_K: 256; Q6_K: 512; AWQ: groups of 64k), compiled kernels."""
+    return (x.dtype == torch.bfloat16 and 1 <= m <= 16 and not INTERPRET
+            and mma_packable(fmt, i0, k, n))
 
 
 #: formats whose default route for 1..N rows of bf16 x is this kernel (`quant.run`), by N
