@@ -258,13 +258,16 @@ def _scales(FMT: tl.constexpr, f0, f1, f2, f3):
 
 
 @triton.jit
-def _scale_words(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC: tl.constexpr):
+def _scale_words(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC: tl.constexpr,
+                 first):
     """The byte-sized scale fields of Q4_K / Q6_K / AWQ as whole words [NTH, U, 1] (one
-    register each to carry a step ahead; `_scales_from_words` takes them apart)."""
+    register each to carry a step ahead; `_scales_from_words` takes them apart). Q4_K / Q6_K's
+    super-block d (4 chunks) once a step from its first chunk `first` [NTH, 1, 1] (U <= 4,
+    steps start at multiples of U)."""
     if FMT == 7:        # Q4_K: the four sc, the four m; (d_r, d_r8), (dmin_r, dmin_r8)
         sw = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((tile * kch + ch) * 8 + r) * 2
         dw = t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + \
-            ((tile * (kch // 4) + ch // 4) * 8 + r) * 2
+            ((tile * (kch // 4) + first // 4) * 8 + r) * 2
         w0 = tl.load(sw)
         w1 = tl.load(sw + 1)
         w2 = tl.load(dw)
@@ -274,7 +277,7 @@ def _scale_words(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC: 
         w0 = tl.load(sw)
         w1 = tl.load(sw + 1)
         w2 = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-                     + (tile * (kch // 4) + ch // 4) * 8 + r)
+                     + (tile * (kch // 4) + first // 4) * 8 + r)
         w3 = w2
     else:               # AWQ: (s_r, s_r8), (z_r, z_r8)
         g = (tile * (kch // GPC) + ch // GPC) * 8 + r
@@ -393,7 +396,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         words2 = words
     WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4    # byte fields as words
     if WORDS:
-        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC)
+        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC,
+                                      part * (STEPS * U))
     else:
         f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
     x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
@@ -409,7 +413,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                 nw2 = nw
             if WORDS:
                 n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                              GPC)
+                                              GPC, part * (STEPS * U) + (it + 1) * U)
             elif AHEAD:
                 n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
                                               c, GPC)
@@ -678,6 +682,8 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     units = min(cfg.units, per_warp)
     while per_warp % units:
         units //= 2
+    if fmt == Q4_K and cfg.ahead == 2:      # a step within one super-block (`_scale_words`)
+        units = min(units, 4)
     if fmt == Q6_K:     # a chunk pair a step (its crumbs share words)
         units = 2
         if per_warp % 2:
