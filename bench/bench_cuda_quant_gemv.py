@@ -65,14 +65,15 @@ EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
                   PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(1, 8, 4, 0),
                   MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 4, 1), MmaConfig(1, 4, 2, 2),
-                  MmaConfig(1, 4, 4, 2), MmaConfig(1, 8, 2, 2)],
+                  MmaConfig(1, 4, 4, 2), MmaConfig(1, 8, 2, 2), MmaConfig(1, 8, 4, 0)],
          "awq": [PackedConfig(aff=1), MmaConfig(1, 8, 4, 0), MmaConfig(1, 8, 2, 0),
                  MmaConfig(1, 4, 4, 1), MmaConfig(1, 4, 4, 2), MmaConfig(1, 4, 2, 2)],
          # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, ahead;
          # ahead 2: byte scale fields a step ahead as words; the default route at M = 1 since
          # run 1): indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K. Run 1 (warm / cold ms): Q4_0 t1,k4,u2 0.0107 / 0.0147 (packed 0.0183 /
          # 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134, t2,k2 0.0174, cp.async 3 stages 0.209
-         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(2, 4, 2, 1)]}
+         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(2, 4, 2, 1),
+                  MmaConfig(1, 4, 2, 1, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
@@ -103,16 +104,19 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
-#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles): Q4_0 indices
-#: 5.., Q4_K / AWQ 4.., Q6_K 3 (its default since run 1: 0.0485 / 0.0508 vs 0.0734 / 0.0737),
-#: Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 / 0.0373)
+#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles; the default
+#: for 1..16 rows since run 2, quant_mma.DEFAULT_MMA_ROWS): Q4_0 indices 5.., Q4_K / AWQ 4..,
+#: Q6_K 3.., Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 /
+#: 0.0373), x a step ahead (xa) 0.0160 / 0.0178 in run 2
 DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1),
                            MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 8, 2, 1, 1),
                            MmaConfig(2, 4, 2, 1)]     # 2 tiles a program share x through L1
-DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
-DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
-DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2)]
-DOT_CANDIDATES["Q8_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 8, 2, 1)]
+DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2),
+                           MmaConfig(1, 4, 2, 2, 1)]
+DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2),
+                          MmaConfig(1, 4, 2, 2, 1)]
+DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2), MmaConfig(1, 4, 2, 2, 1)]
+DOT_CANDIDATES["Q8_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 2, 1, 1)]
 
 
 def weights(op, n, k, g):

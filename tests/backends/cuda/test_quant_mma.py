@@ -252,18 +252,19 @@ def test_mma_in_a_cuda_graph():
 
 
 @GPU
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "awq", "Q8_0", "Q6_K"])
 def test_default_route(fmt):
-    """bf16 x takes the mma GEMV by default at one row (Q6_K: up to 16 rows), on the copy made
-    once; float32 x and 16-bit rows beyond MMA_DEFAULT_ROWS keep their previous routes."""
+    """bf16 x of 1..16 rows takes the mma GEMV by default (the one-row and the few-row launch),
+    on the copy made once; float32 x and rows beyond MMA_DEFAULT_ROWS keep the other routes."""
     from fuelgraph.backends.cuda.kernels import quant_mma as Q
-    from fuelgraph.backends.cuda.kernels.quant_tiles import GGUF_IDS
+    from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS
     rng = np.random.default_rng(31)
     n, k = 32, 512
     fn, ref, w = _weight(fmt, rng, n, k)
-    rows = Q.MMA_DEFAULT_ROWS[GGUF_IDS[fmt]]
+    rows = Q.MMA_DEFAULT_ROWS[GGUF_IDS.get(fmt, AWQ)]
     for m, dt, mma in ((1, torch.float32, False), (rows + 1, torch.bfloat16, False),
-                       (1, torch.bfloat16, True), (rows, torch.bfloat16, True)):
+                       (1, torch.bfloat16, True), (5, torch.bfloat16, True),
+                       (rows, torch.bfloat16, True)):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dt).to(DEV)
         check_product(fn(x, None), x, ref.T, dt)
         assert _ran_mma(w) == mma, (m, dt)
