@@ -59,21 +59,21 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: programmatic dependent of x's conversion kernel) gained nothing and was removed
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(1, 8, 2, 0),
-                  MmaConfig(1, 4, 2, 2), MmaConfig(1, 8, 2, 2)],
-         "Q8_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 2, 0)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(8, 2, 0),
+                  MmaConfig(4, 2, 2), MmaConfig(8, 2, 2)],
+         "Q8_0": [MmaConfig(8, 2, 1), MmaConfig(4, 2, 0)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
-                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(1, 8, 4, 0),
-                  MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 4, 1), MmaConfig(1, 4, 2, 2),
-                  MmaConfig(1, 4, 4, 2), MmaConfig(1, 8, 2, 2), MmaConfig(1, 8, 4, 0)],
-         "awq": [PackedConfig(aff=1), MmaConfig(1, 8, 4, 0), MmaConfig(1, 8, 2, 0),
-                 MmaConfig(1, 4, 4, 1), MmaConfig(1, 4, 4, 2), MmaConfig(1, 4, 2, 2)],
-         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: tiles, ksplit, units, ahead;
-         # ahead 2: byte scale fields a step ahead as words; the default route at M = 1 since
-         # run 1): indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K. Run 1 (warm / cold ms): Q4_0 t1,k4,u2 0.0107 / 0.0147 (packed 0.0183 /
-         # 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134, t2,k2 0.0174, cp.async 3 stages 0.209
-         "Q4_0": [MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(2, 4, 2, 1),
-                  MmaConfig(1, 4, 2, 1, 1)]}
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(8, 4, 0),
+                  MmaConfig(8, 2, 0), MmaConfig(4, 4, 1), MmaConfig(4, 2, 2),
+                  MmaConfig(4, 4, 2), MmaConfig(8, 2, 2), MmaConfig(8, 4, 0)],
+         "awq": [PackedConfig(aff=1), MmaConfig(8, 4, 0), MmaConfig(8, 2, 0),
+                 MmaConfig(4, 4, 1), MmaConfig(4, 4, 2), MmaConfig(4, 2, 2)],
+         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: ksplit, units, ahead, xahead;
+         # ahead 2: byte scale fields a step ahead as words; the default route since run 1):
+         # indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K. Run 1 (warm / cold ms): Q4_0
+         # k4,u2 0.0107 / 0.0147 (packed 0.0183 / 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134;
+         # removed: two tiles a program 0.0174 on 4 warps (0.0123 on 8), cp.async 3 stages 0.209
+         "Q4_0": [MmaConfig(8, 2, 1), MmaConfig(4, 4, 1), MmaConfig(4, 2, 1, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
@@ -107,16 +107,16 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
 #: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles; the default
 #: for 1..16 rows since run 2, quant_mma.DEFAULT_MMA_ROWS): Q4_0 indices 5.., Q4_K / AWQ 4..,
 #: Q6_K 3.., Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 /
-#: 0.0373), x a step ahead (xa) 0.0160 / 0.0178 in run 2
-DOT_CANDIDATES["Q4_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 4, 4, 1), MmaConfig(1, 8, 2, 1),
-                           MmaConfig(1, 4, 2, 1, 1), MmaConfig(1, 8, 2, 1, 1),
-                           MmaConfig(2, 4, 2, 1)]     # 2 tiles a program share x through L1
-DOT_CANDIDATES["Q4_K"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2),
-                           MmaConfig(1, 4, 2, 2, 1)]
-DOT_CANDIDATES["awq"] += [MmaConfig(1, 4, 2, 0), MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2),
-                          MmaConfig(1, 4, 2, 2, 1)]
-DOT_CANDIDATES["Q6_K"] += [MmaConfig(1, 8, 2, 0), MmaConfig(1, 4, 2, 2), MmaConfig(1, 4, 2, 2, 1)]
-DOT_CANDIDATES["Q8_0"] += [MmaConfig(1, 4, 2, 1), MmaConfig(1, 8, 2, 1), MmaConfig(1, 4, 2, 1, 1)]
+#: 0.0373), x a step ahead (xa) 0.0160 / 0.0178 in run 2 (two tiles a program sharing x
+#: through L1, removed: 0.0192 / 0.0328)
+DOT_CANDIDATES["Q4_0"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1), MmaConfig(8, 2, 1),
+                           MmaConfig(4, 2, 1, 1), MmaConfig(8, 2, 1, 1)]
+DOT_CANDIDATES["Q4_K"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2, 2),
+                           MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["awq"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2, 2),
+                          MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["Q6_K"] += [MmaConfig(8, 2, 0), MmaConfig(4, 2, 2), MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["Q8_0"] += [MmaConfig(4, 2, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 1, 1)]
 
 
 def weights(op, n, k, g):

@@ -5,7 +5,7 @@ threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1] (thread index = dim 0; prin
 flagged when another appears). Prints registers, spills and the loop's SASS instructions a
 weight.
 
-    python3 bench/sass_quant_mma.py [--fmt Q4_0] [--nt 1] [--configs t,k,u,ahead;...]
+    python3 bench/sass_quant_mma.py [--fmt Q4_0] [--nt 1] [--configs k,u,ahead[,xahead];...]
                                     [--ttgir]
 """
 from __future__ import annotations
@@ -36,16 +36,16 @@ def source(fmt, cfg, kch=128, nt=1):
     per_warp = kch // cfg.ksplit
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
-    cons = dict(STEPS=per_warp // units, T=cfg.tiles, S=cfg.ksplit, U=units,
+    cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
                 ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=cfg.ahead,
                 XAHEAD=bool(cfg.xahead))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
-    return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.tiles * cfg.ksplit
+    return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.ksplit
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="1,4,2,1;1,4,4,1;1,4,2,0;1,4,4,0;1,8,2,1")
+    ap.add_argument("--configs", default="4,2,1;4,4,1;4,2,0;4,4,2;8,2,1;4,2,1,1")
     ap.add_argument("--ttgir", action="store_true")
     ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K")
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
@@ -56,12 +56,12 @@ def main():
                             nt=args.nt)
         try:
             kern = triton.compile(src, target=TARGET, options=dict(
-                num_warps=cfg.tiles * cfg.ksplit, num_stages=1))
+                num_warps=cfg.ksplit, num_stages=1))
         except Exception as exc:  # noqa: BLE001
             print(f"{cfg.tag():28s} FAILED {str(exc)[:600]}")
             continue
         regs, stack, n, ops = loop_stats(kern.asm["cubin"])
-        per = n * cfg.tiles * cfg.ksplit * 32 / elems
+        per = n * cfg.ksplit * 32 / elems
         ttgir = kern.asm["ttgir"]
         found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
         top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))

@@ -137,9 +137,8 @@ def test_register_order_as_mma_fragments(fmt, m):
 GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (256, 210)}
 
 
-CFGS = {"default": None, "u1": (1, 4, 1, 1), "u4": (1, 2, 4, 1), "t2": (2, 2, 2, 1),
-        "sn": (1, 4, 2, 0), "k1": (1, 1, 2, 1), "xa": (1, 4, 2, 1, 1), "sw": (1, 4, 2, 2),
-        "sw4": (1, 4, 4, 2)}
+CFGS = {"default": None, "u1": (4, 1, 1), "u4": (2, 4, 1), "k8": (8, 2, 1), "sn": (4, 2, 0),
+        "k1": (1, 2, 1), "xa": (4, 2, 1, 1), "sw": (4, 2, 2), "sw4": (4, 4, 2)}
 
 
 def _cfg(name):
@@ -179,7 +178,7 @@ def _ran_mma(w):
 @pytest.mark.parametrize("m", [1, 5, 8, 16])
 def test_mma_q4_0(name, m):
     rng = np.random.default_rng(m + len(name))
-    n, k = 48, 512          # 3 tiles (t2: a partial last program), 8 chunks
+    n, k = 48, 512          # 3 tiles, 8 chunks (k8: one a warp)
     fn, ref, w = _weight("Q4_0", rng, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).to(DEV)
     check_product(fn(x, _cfg(name)), x, ref.T, torch.bfloat16)

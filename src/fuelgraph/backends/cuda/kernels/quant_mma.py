@@ -354,24 +354,24 @@ def _x_loads(x_base, x_base1, ch, NT: tl.constexpr):
 
 @triton.jit
 def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x, stride_o, kch,
-                     STEPS: tl.constexpr, T: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
+                     STEPS: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False):
-    """out[:M, tiles] = x[:M] @ W.T for T 16-row tiles of this program, each tile's K split
-    over S warps (STEPS steps of U chunks each), summed in the program. stride_x in int32
-    words (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp +
-    lane of the [32 T S, U, 4] tensors."""
+    """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
+    warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
+    (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
+    of the [32 S, U, 4] tensors."""
     pid = tl.program_id(0)
-    NTH: tl.constexpr = T * S * 32
+    NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
     SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11        # Q4_K, Q6_K, AWQ
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
-    tile = tl.minimum(pid * T + warp % T, N // 16 - 1).to(tl.int64)     # (a partial last
-    #                                                       program repeats the last tile)
-    part = warp // T
+    # (as a tensor bounded by N: ptxas then keeps the loop in 62 registers, not 56 + a spill)
+    tile = tl.minimum(pid + 0 * warp, N // 16 - 1).to(tl.int64)        # [NTH, 1, 1]
+    part = warp
     r = lane // 4
     c = tl.arange(0, 4)[None, None, :]
     u = tl.arange(0, U)[None, :, None]
@@ -457,20 +457,19 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         f2 = n2
         f3 = n3
         ch += U
-    j = tl.arange(0, T * 32)[:, None]
+    lj = tl.arange(0, 32)[:, None]
     e = tl.arange(0, 4)[None, :]
-    lj = j % 32
-    n = (pid * T + j // 32) * 16 + lj // 4 + 8 * (e // 2)
+    n = pid * 16 + lj // 4 + 8 * (e // 2)
     m = 2 * (lj % 4) + e % 2
     tot = tl.sum(acc0, axis=1)                                         # [NTH, 4]
     if S > 1:
-        tot = tl.sum(tl.reshape(tot, (S, T * 32, 4)), axis=0)          # [32 T, 4]
+        tot = tl.sum(tl.reshape(tot, (S, 32, 4)), axis=0)              # [32, 4]
     tl.store(out_ptr + m * stride_o + n, tot.to(out_ptr.dtype.element_ty),
              mask=(m < M) & (n < N))
     if NT == 2:
         tot = tl.sum(acc1, axis=1)
         if S > 1:
-            tot = tl.sum(tl.reshape(tot, (S, T * 32, 4)), axis=0)
+            tot = tl.sum(tl.reshape(tot, (S, 32, 4)), axis=0)
         tl.store(out_ptr + (m + 8) * stride_o + n, tot.to(out_ptr.dtype.element_ty),
                  mask=(m + 8 < M) & (n < N))
 
@@ -604,17 +603,16 @@ def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
 # ---- launch ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MmaConfig:
-    """tiles: 16-row tiles a program (a warp group each); ksplit: warps sharing a tile's K
-    (summed in the program); units: chunks (64 K) a warp loads a step (the next step's words
-    load before this step's math); ahead: the scales too (else loaded in their step)."""
-    tiles: int = 1
+    """A program a 16-row tile: ksplit warps share its K (summed in the program); units: chunks
+    (64 K) a warp loads a step (the next step's words load before this step's math); ahead:
+    the scales too (else loaded in their step)."""
     ksplit: int = 4
     units: int = 2
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
 
     def tag(self) -> str:
-        return (f"mma[t{self.tiles},k{self.ksplit},u{self.units}"
+        return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
                 + (",xa" if self.xahead else "") + "]")
 
@@ -622,8 +620,8 @@ class MmaConfig:
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
 #: (bench_cuda_quant_gemv, warm / cold ms, the packed GEMV's in brackets; runs 1 and 2 of session
 #: 8 differ by up to ~6%): Q4_0 0.0105-0.0107 / 0.0147 (0.0183 / 0.0210; 4 chunks a step
-#: 0.0111 / 0.0142, 2 warps a tile 0.0134, 2 tiles on 4 warps 0.0174 and on 8 warps 0.0123,
-#: Triton's cp.async pipeline instead of the register prefetch 0.209); Q8_0 0.0219-0.0220 /
+#: 0.0111 / 0.0142, 2 warps a tile 0.0134; removed: 2 tiles a program on 4 warps 0.0174 and
+#: on 8 warps 0.0123, Triton's cp.async pipeline instead of the register prefetch 0.209); Q8_0 0.0219-0.0220 /
 #: 0.0216 (0.0281; 4 chunks 0.0294, 8 warps a tile 0.0311); AWQ 4 chunks, the byte scale
 #: fields a step ahead as words 0.0113 / 0.0145 (0.0207; loaded in their step 0.0140 / 0.0182,
 #: 2 chunks 0.0125); Q4_K 8 warps a tile, scales in their step 0.0171 / 0.0192 (0.0239; 4 warps
@@ -635,7 +633,7 @@ DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahe
                Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2)}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step
 #: ahead 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2;
-#: 8 warps 0.0249, 2 tiles a program 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311
+#: 8 warps 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311
 #: (0.0371 / 0.0377), AWQ 0.0222 / 0.0367 (0.0366 / 0.0376), Q8_0 0.0342 / 0.0338 (0.0403 /
 #: 0.0407), Q6_K 0.0326 / 0.0325 (0.0734 / 0.0737; scales in their step 0.0485-0.0510)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(), AWQ: MmaConfig(ahead=2),
@@ -703,11 +701,11 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     asm, cons = _asm(fmt, units, nt, m == 1)
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
-    grid = (-(-(n // TILE_N) // cfg.tiles),)
+    grid = (n // TILE_N,)
     _mma_gemv_kernel[grid](x2, mw.words, mw.scales, z, t, out, n, m, x2.stride(0) // 2,
-                           out.stride(0), kch, STEPS=per_warp // units, T=cfg.tiles, S=ksplit,
+                           out.stride(0), kch, STEPS=per_warp // units, S=ksplit,
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead),
-                           num_warps=cfg.tiles * ksplit, num_stages=1)
+                           num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
