@@ -626,8 +626,8 @@ class MmaConfig:
 #: the byte scale fields a step ahead as words 0.0113 / 0.0145 (0.0207; loaded in their step
 #: 0.0140 / 0.0182, 2 chunks 0.0125); Q4_K 8 warps a tile, scales in their step 0.0171 /
 #: 0.0192 (0.0239; 4 warps 4 chunks 0.0168-0.0178 / 0.0237-0.0240, words ahead 2 chunks 0.0178
-#: / 0.0221, 4 chunks 0.0202, 8 warps 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in their step 0.0235,
-#: carried as bytes 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking
+#: / 0.0221, 4 chunks 0.0202, 8 warps 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in
+#: their step 0.0235, carried as bytes 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking
 #: (sm_90 SASS of the loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
 DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
                Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2)}
