@@ -618,24 +618,24 @@ class MmaConfig:
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
-#: (bench_cuda_quant_gemv, warm / cold ms, the packed GEMV's in brackets; runs 1 and 2 of session
-#: 8 differ by up to ~6%): Q4_0 0.0105-0.0107 / 0.0147 (0.0183 / 0.0210; 4 chunks a step
-#: 0.0111 / 0.0142, 2 warps a tile 0.0134; removed: 2 tiles a program on 4 warps 0.0174 and
-#: on 8 warps 0.0123, Triton's cp.async pipeline instead of the register prefetch 0.209);
-#: Q8_0 0.0219-0.0220 / 0.0216 (0.0281; 4 chunks 0.0294, 8 warps a tile 0.0311); AWQ 4 chunks,
-#: the byte scale fields a step ahead as words 0.0113 / 0.0145 (0.0207; loaded in their step
-#: 0.0140 / 0.0182, 2 chunks 0.0125); Q4_K 8 warps a tile, scales in their step 0.0171 /
-#: 0.0192 (0.0239; 4 warps 4 chunks 0.0168-0.0178 / 0.0237-0.0240, words ahead 2 chunks 0.0178
-#: / 0.0221, 4 chunks 0.0202, 8 warps 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in
-#: their step 0.0235, carried as bytes 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking
-#: (sm_90 SASS of the loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
+#: (bench_cuda_quant_gemv, warm / cold ms, the packed GEMV's in brackets; runs 1 and 2 of session 8
+#: differ by up to ~6%): Q4_0 0.0105-0.0107 / 0.0147 (0.0183 / 0.0210; 4 chunks a step 0.0111 /
+#: 0.0142, 2 warps a tile 0.0134; removed: 2 tiles a program on 4 warps 0.0174 and on 8 warps
+#: 0.0123, Triton's cp.async pipeline instead of the register prefetch 0.209); Q8_0 0.0219-0.0220 /
+#: 0.0216 (0.0281; 4 chunks 0.0294, 8 warps a tile 0.0311); AWQ 4 chunks, the byte scale fields a
+#: step ahead as words 0.0113 / 0.0145 (0.0207; loaded in their step 0.0140 / 0.0182, 2 chunks
+#: 0.0125); Q4_K 8 warps a tile, scales in their step 0.0171 / 0.0192 (0.0239; 4 warps 4 chunks
+#: 0.0168-0.0178 / 0.0237-0.0240, words ahead 2 chunks 0.0178 / 0.0221, 4 chunks 0.0202, 8 warps
+#: 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in their step 0.0235, carried as bytes
+#: 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking (sm_90 SASS of the
+#: loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
 DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
                Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2)}
-#: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step
-#: ahead 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2;
-#: 8 warps 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 /
-#: 0.0311 (0.0371 / 0.0377), AWQ 0.0222 / 0.0367 (0.0366 / 0.0376), Q8_0 0.0342 / 0.0338 (0.0403 /
-#: 0.0407), Q6_K 0.0326 / 0.0325 (0.0734 / 0.0737; scales in their step 0.0485-0.0510)
+#: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
+#: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
+#: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
+#: 0.0377), AWQ 0.0222 / 0.0367 (0.0366 / 0.0376), Q8_0 0.0342 / 0.0338 (0.0403 / 0.0407), Q6_K
+#: 0.0326 / 0.0325 (0.0734 / 0.0737; scales in their step 0.0485-0.0510)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(), AWQ: MmaConfig(ahead=2),
                     Q4_K: MmaConfig(ahead=2), Q6_K: MmaConfig(ahead=2)}
 
