@@ -3,9 +3,9 @@ respect to the activations).
 
 Dispatch (`run`), per format and number of activation rows by the table `ROUTES`, except:
 
-* bf16 x of Q4_0, Q8_0, Q4_K, Q6_K and AWQ at one row (Q6_K: up to 16 rows) takes the tensor-core
-  GEMV of `quant_mma` (inline PTX mma.sync on a cached copy of the weight in the mma's register
-  order; `quant_mma.MMA_DEFAULT_ROWS`), shapes it rejects the routes below.
+* 1..16 rows of bf16 x of Q4_0, Q8_0, Q4_K, Q6_K and AWQ take the tensor-core GEMV of
+  `quant_mma` (inline PTX mma.sync on a cached copy of the weight in the mma's register order;
+  `quant_mma.MMA_DEFAULT_ROWS`); shapes it rejects take the routes below.
 
 * One row of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
@@ -298,7 +298,7 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
-    if isinstance(config, MmaConfig) or config == "mma":    # M <= 8 on tensor cores (quant_mma)
+    if isinstance(config, MmaConfig) or config == "mma":    # M <= 16 on tensor cores (quant_mma)
         if rows_ok and mma_ok(fmt_id, x, i0, k, n, m_all):
             return run_mma_cached(fmt_id, x, w0, w1, w2, i0, k, n,
                                   config if isinstance(config, MmaConfig) else None)
