@@ -636,8 +636,12 @@ DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahe
 #: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
 #: 0.0377), AWQ 0.0222 / 0.0367 (0.0366 / 0.0376), Q8_0 0.0342 / 0.0338 (0.0403 / 0.0407), Q6_K
 #: 0.0326 / 0.0325 (0.0734 / 0.0737; scales in their step 0.0485-0.0510)
-DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(), AWQ: MmaConfig(ahead=2),
-                    Q4_K: MmaConfig(ahead=2), Q6_K: MmaConfig(ahead=2)}
+#: Run 3: AWQ / Q4_K with x ahead too 0.0182 / 0.0202 and 0.0207 / 0.0222 (without 0.0223 /
+#: 0.0343 and 0.0204 / 0.0305); x ahead lost for Q8_0 (0.0369 vs 0.0334) and Q6_K (0.0470 vs
+#: 0.0327). 8 rows: Q4_0 0.0113, AWQ 0.0133, Q4_K 0.0177, Q8_0 0.0231, Q6_K 0.0256 (warm)
+DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
+                    AWQ: MmaConfig(ahead=2, xahead=1), Q4_K: MmaConfig(ahead=2, xahead=1),
+                    Q6_K: MmaConfig(ahead=2)}
 
 
 @functools.lru_cache(maxsize=None)
