@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed import PackedConfig  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
@@ -58,10 +59,21 @@ CANDIDATES = [(16, 4, 0, 2, 0, 2, 1, 0, 3), (16, 4, 0, 2, 0, 2, 1, 0, 2),
 #: programmatic dependent of x's conversion kernel) gained nothing and was removed
 EXTRA = {"nf4": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, pair=0),
                  PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, shfl=1)],
-         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3)],
+         "Q6_K": [PackedConfig(16, 4, 0, 2, 0, 2, 0, 0, 3), MmaConfig(8, 2, 0),
+                  MmaConfig(4, 2, 2), MmaConfig(8, 2, 2)],
+         "Q8_0": [MmaConfig(8, 2, 1), MmaConfig(4, 2, 0)],
          "Q4_K": [PackedConfig(16, 4, 0, 2, 0, 2, 1, 0, 3, aff=1),
-                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1)],
-         "awq": [PackedConfig(aff=1)]}
+                  PackedConfig(16, 4, 0, 4, 1, 2, 1, 1, 1, aff=1), MmaConfig(8, 4, 0),
+                  MmaConfig(8, 2, 0), MmaConfig(4, 4, 1), MmaConfig(4, 2, 2),
+                  MmaConfig(4, 4, 2), MmaConfig(8, 2, 2), MmaConfig(8, 4, 0)],
+         "awq": [PackedConfig(aff=1), MmaConfig(8, 4, 0), MmaConfig(8, 2, 0),
+                 MmaConfig(4, 4, 1), MmaConfig(4, 4, 2), MmaConfig(4, 2, 2)],
+         # session 8: the tensor-core GEMV (quant_mma.MmaConfig: ksplit, units, ahead, xahead;
+         # ahead 2: byte scale fields a step ahead as words; the default route since run 1):
+         # indices 6.. Q4_0 / Q8_0, 7.. AWQ / Q6_K, 8.. Q4_K. Run 1 (warm / cold ms): Q4_0
+         # k4,u2 0.0107 / 0.0147 (packed 0.0183 / 0.0210), u4 0.0111 / 0.0142, k2,u4 0.0134;
+         # removed: two tiles a program 0.0174 on 4 warps (0.0123 on 8), cp.async 3 stages 0.209
+         "Q4_0": [MmaConfig(8, 2, 1), MmaConfig(4, 4, 1), MmaConfig(4, 2, 1, 1)]}
 #: few rows: tensor-core dots on the packed copy (PackedDotConfig: block_n, block_m, chunks,
 #: split, warps, stages, fma, prefetch, join, nat, aff). 18:13 run (session 6): four
 #: planes a dot won for Q4_0 / Q8_0, lost for Q4_K; 3 stages and prefetch lost. Session 7: the
@@ -92,6 +104,19 @@ DOT_CANDIDATES = {"Q4_0": [(64, 16, 1, 3, 4, 1, 1, 1, 4), _AFF, _AFF_PF, _NAT],
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 0, 4, 1, shfl=1),
                           PackedDotConfig(64, 16, 1, 0, 4, 1, 1, 1, 4, 1, shfl=1)],
                   "Q6_K": [_NAT, (64, 16, 1, 0, 4, 1, 1, 1, 4)]}
+#: session 8: the tensor-core GEMV (quant_mma) at M <= 16 (two 8-row x tiles; the default
+#: for 1..16 rows since run 2, quant_mma.DEFAULT_MMA_ROWS): Q4_0 indices 5.., Q4_K / AWQ 4..,
+#: Q6_K 3.., Q8_0 2..; run 1: Q4_0 t1,k4,u2 0.0239 warm but 0.0431 cold (the dot 0.0366 /
+#: 0.0373), x a step ahead (xa) 0.0160 / 0.0178 in run 2 (two tiles a program sharing x
+#: through L1, removed: 0.0192 / 0.0328)
+DOT_CANDIDATES["Q4_0"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1), MmaConfig(8, 2, 1),
+                           MmaConfig(4, 2, 1, 1), MmaConfig(8, 2, 1, 1)]
+DOT_CANDIDATES["Q4_K"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2, 2),
+                           MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["awq"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2, 2),
+                          MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["Q6_K"] += [MmaConfig(8, 2, 0), MmaConfig(4, 2, 2), MmaConfig(4, 2, 2, 1)]
+DOT_CANDIDATES["Q8_0"] += [MmaConfig(4, 2, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 1, 1)]
 
 
 def weights(op, n, k, g):
@@ -186,7 +211,7 @@ def main():
                 cfgs = [None] + [PackedConfig(*v) for v in CANDIDATES] + EXTRA.get(op, [])
                 cut = 4
             else:
-                cfgs = [None] + [v if isinstance(v, PackedDotConfig) else PackedDotConfig(*v)
+                cfgs = [None] + [PackedDotConfig(*v) if isinstance(v, tuple) else v
                                  for v in DOT_CANDIDATES.get(op, [])]
             if args.pick is not None:   # "0,2" for every op, or "Q4_0=0,1/awq@16=0,2"
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \

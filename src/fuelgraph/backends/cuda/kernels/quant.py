@@ -1,7 +1,11 @@
 """Quantized matmuls on the GPU (QMATMUL, NF4_MATMUL, AWQ_MATMUL and their gradients with
 respect to the activations).
 
-Dispatch (`run`), per format and number of activation rows by the table `ROUTES`:
+Dispatch (`run`), per format and number of activation rows by the table `ROUTES`, except:
+
+* 1..16 rows of bf16 x of Q4_0, Q8_0, Q4_K, Q6_K and AWQ take the tensor-core GEMV of
+  `quant_mma` (inline PTX mma.sync on a cached copy of the weight in the mma's register order;
+  `quant_mma.MMA_DEFAULT_ROWS`); shapes it rejects take the routes below.
 
 * One row of Q4_0, Q8_0, Q4_K, Q6_K, NF4 and AWQ: the GEMV of `quant_packed` on a copy of the
   weight repacked once (cached with the weight tensor) into 16-byte-aligned code words and
@@ -48,6 +52,7 @@ from .common import HALF_AND_F32, num_sms
 from .quant_gemm import GEMM_FORMATS, GemmConfig, dequantize_natural, run_gemm
 from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
+from .quant_mma import MmaConfig, mma_default, mma_ok, run_mma_cached
 from .quant_packed_gemm import GEMM_PACKED_FORMATS, PackedGemmConfig, run_packed_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
@@ -230,7 +235,8 @@ PACKED_DOT_AFF = PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, aff=1)
 _GGUF_ROUTE = {1: "rows", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 _PACKED_GGUF_ROUTE = {1: "packed", DEQUANT_GEMM_MIN_M: "tiles", 1 << 62: "dequant_rows"}
 #: 2..16 rows of 16-bit x: the packed dot's launch per format (float32 x keeps the rows kernels
-#: of NF4 / AWQ and the tile kernels of the GGUF formats: the dots were measured for 16 bits)
+#: of NF4 / AWQ and the tile kernels of the GGUF formats: the dots were measured for 16 bits).
+#: Session 8: bf16 x of every format but NF4 takes quant_mma first (MMA_DEFAULT_ROWS)
 DOT_16 = {GGUF_IDS["Q4_0"]: PACKED_DOT_AFF, GGUF_IDS["Q8_0"]: PACKED_DOT_NAT,
           GGUF_IDS["Q4_K"]: PACKED_DOT_AFF, GGUF_IDS["Q6_K"]: PACKED_DOT_NAT,
           AWQ: PACKED_DOT_AFF, NF4: PackedDotConfig(64, 16, 1, 0, 4, 1, join=4, nat=1, shfl=1)}
@@ -303,7 +309,7 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
-        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig |
+        config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | MmaConfig |
         PackedGemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
@@ -319,6 +325,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
     m_all = x.numel() // max(x.shape[-1], 1)
     if m_all == 0:
         return torch.zeros(*x.shape[:-1], k if grad else n, dtype=x.dtype, device=x.device)
+    if config is None and rows_ok and mma_default(fmt_id, x, i0, k, n, m_all):
+        config = "mma"                  # few rows on tensor cores (quant_mma.MMA_DEFAULT_ROWS)
     if config is None:
         if rows_ok and fmt_id in ROUTES:
             config = default_route(fmt_id, m_all)
@@ -329,6 +337,11 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                 config = "rows" if fmt_id in (NF4, AWQ) else "tiles"
         else:
             config = "dequant" if m_all > DEQUANT_GEMM_MIN_M else "tiles"
+    if isinstance(config, MmaConfig) or config == "mma":    # M <= 16 on tensor cores (quant_mma)
+        if rows_ok and mma_ok(fmt_id, x, i0, k, n, m_all):
+            return run_mma_cached(fmt_id, x, w0, w1, w2, i0, k, n,
+                                  config if isinstance(config, MmaConfig) else None)
+        config = "packed"
     if isinstance(config, PackedGemmConfig):
         if rows_ok and fmt_id in GEMM_PACKED_FORMATS and packable(fmt_id, i0, k, n) and \
                 x.dtype in (torch.bfloat16, torch.float16):

@@ -585,20 +585,21 @@ def _anchor(t):
     return base, (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
-    """`pack`, cached with the weight tensors: reused while their memory is alive (held by the
-    same tensors or views of the same bases) and unchanged (same in-place versions); dropped
-    when the first one's base is freed."""
+def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int, build=None):
+    """`pack` (or `build`, another layout with pack's arguments), cached with the weight
+    tensors: reused while their memory is alive (held by the same tensors or views of the same
+    bases) and unchanged (same in-place versions); dropped when the first one's base is freed."""
+    build = build or pack
     tensors = (w0, w1, w2)
     anchors = [_anchor(t) for t in tensors]
-    key = (id(anchors[0][0]), fmt, i0, k, n) + tuple(g for _, g in anchors)
+    key = (id(anchors[0][0]), fmt, i0, k, n, build.__name__) + tuple(g for _, g in anchors)
     versions = tuple(t._version for t in tensors)
     hit = _CACHE.get(key)
     if hit is not None:
         refs, vers, packed = hit
         if vers == versions and all(r() is a for r, (a, _) in zip(refs, anchors)):
             return packed
-    packed = pack(fmt, w0, w1, w2, i0, k, n)
+    packed = build(fmt, w0, w1, w2, i0, k, n)
     refs = tuple(weakref.ref(a) for a, _ in anchors)
     _CACHE[key] = (refs, versions, packed)
     weakref.finalize(anchors[0][0], _drop, key, refs[0])
