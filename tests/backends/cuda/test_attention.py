@@ -297,6 +297,32 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
     torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
 
 
+@KERNEL_TESTS
+def test_graph_capture_takes_the_triton_forward(monkeypatch):
+    """Under fuelgraph's CUDA-graph warm-up and capture the forward takes the Triton kernel,
+    not the warp-specialized one, in both: a capture that loaded a kernel for the first time
+    was invalidated (the ~1B Llama step fell back to running without its graph)."""
+    from fuelgraph.backends.cuda.backend import _graph_capture
+    from fuelgraph.backends.cuda.kernels.common import GRAPH_CAPTURE
+    monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
+    used = []
+    launch = K._launch_ws
+    monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))
+    dtype = "bfloat16" if HAS_CUDA else "float16"
+    shape = (1, 2, 1, 70, 90, 16) if not HAS_CUDA else (1, 4, 4, 256, 256, 128)
+    q, k, v, go = _data(*shape, dtype)
+    p = dict(PARAMS, causal=True)
+    with _graph_capture():
+        assert GRAPH_CAPTURE[0]
+        out, _ = K.flash_attn(q, k, v, **p)
+    assert not GRAPH_CAPTURE[0] and not used
+    want = _ref(q, k, v, go, causal=True)[0]
+    same = _ref(q, k, v, go, dtype=TD[dtype], causal=True)[0]
+    assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
+    K.flash_attn(q, k, v, **p)          # outside the capture the same call takes the other
+    assert used
+
+
 def _ref_lse(q, k, L, p, alibi):
     """Row log-sum-exp of the masked scores in float64 (the masks as the registry recipe's)."""
     qd, kd = q.cpu().double(), k.cpu().double()[:, :, :L]

@@ -2,6 +2,8 @@
 kernels that the modules of `kernels/` declare (Triton, or cuBLAS/cuDNN through torch)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -70,6 +72,18 @@ class CudaBackend:
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+@contextlib.contextmanager
+def _graph_capture():
+    """Kernels choose as under capture (kernels.common.GRAPH_CAPTURE) for the warm-up and the
+    capture alike, so the capture records only kernels the warm-up already loaded."""
+    from .kernels.common import GRAPH_CAPTURE
+    before, GRAPH_CAPTURE[0] = GRAPH_CAPTURE[0], True
+    try:
+        yield
+    finally:
+        GRAPH_CAPTURE[0] = before
+
+
 class GraphedPlan:
     """A plan captured into a CUDA graph: inputs are copied into static buffers, the graph is
     replayed (one launch for the whole plan instead of one host round per node) and outputs
@@ -81,11 +95,11 @@ class GraphedPlan:
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up on a side stream, as capture requires
-            plan.run(self.static_in)
+        with _graph_capture(), torch.cuda.stream(side):  # warm-up on a side stream, as capture
+            plan.run(self.static_in)                     # requires, with its kernel choices
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with _graph_capture(), torch.cuda.graph(self.graph):
             self.static_out = plan.run(self.static_in)
 
     def run(self, inputs):
@@ -119,12 +133,12 @@ class GraphedStep:
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up on copies of what the step overwrites:
-            plan.run([b.clone() if k in own else b    # it must not run twice
+        with _graph_capture(), torch.cuda.stream(side):  # warm-up on copies of what the step
+            plan.run([b.clone() if k in own else b       # overwrites: it must not run twice
                       for k, b in enumerate(self.static_in)])
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with _graph_capture(), torch.cuda.graph(self.graph):
             self.static_out = plan.run(self.static_in)
             # states the plan computed elsewhere (no destructive op wrote them in place) are
             # copied back into their buffers by the graph itself: no host work per replay

@@ -39,7 +39,7 @@ from ....errors import fail
 from ....registry.attention import FLASH_ATTN_BACKWARD
 from ....registry.core import FusedOps
 from ...base import Cost, kernel
-from .common import HALF_AND_F32, INTERPRET, next_pow2
+from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2
 
 __all__ = ["flash_attn", "flash_attn_backward", "supports"]
 
@@ -656,13 +656,16 @@ def _warp_specialized(a, q, k, v):
     16-bit inputs,
     a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
     [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
-    the device in scratch memory allocated per launch, which a replay would not own)."""
+    the device in scratch memory allocated per launch, which a replay would not own). Under
+    fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
+    so the capture loads no new kernel."""
     f = a.flags
     return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
             and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
             and all(_tma_ready(x) for x in (q, k, v))
             and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
+            and not GRAPH_CAPTURE[0]
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 

@@ -21,6 +21,12 @@ from .... import dtype as _dt
 # --------------------------------------------------------------------------------------------
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: True while fuelgraph warms up for and captures a CUDA graph (backend.GraphedPlan and
+#: GraphedStep). A kernel choice that differs under capture reads this instead of the stream
+#: state, so the warm-up launches (and compiles) the very kernels the capture records: a
+#: kernel first loaded during a capture invalidates it.
+GRAPH_CAPTURE = [False]
 #: the fuelgraph dtypes the Triton kernels take (float64 lowers to the recipe)
 HALF_AND_F32 = (_dt.float32, _dt.bfloat16, _dt.float16)
 
