@@ -31,6 +31,8 @@ from bench_cuda_quant_gemv import close, weights  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  # noqa: E402
 
+from common import quant_record_names  # noqa: E402  (bench/, the script's folder)
+
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
 G = PackedGemmConfig
 #: per format: the previous default (the dense copy + cuBLAS; AWQ's storage-order fused GEMM),
@@ -107,7 +109,8 @@ def main():
               flush=True)
         if jsonl:
             with open(jsonl, "a") as fh:
-                fh.write(json.dumps({"op": op, "impl": impl, "device": name, "shape": [m, n, k],
+                fh.write(json.dumps({**quant_record_names(op, impl), "device": name,
+                                     "shape": [m, n, k],
                                      "dtype": "bfloat16", "ms": round(ms, 5),
                                      "TFLOP/s": round(tf, 1), "GB/s": round(gb, 1),
                                      "date": time.strftime("%Y-%m-%d", time.gmtime())}) + "\n")

@@ -39,6 +39,8 @@ from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # no
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 from fuelgraph.registry.quant_gguf import FORMATS  # noqa: E402
 
+from common import quant_record_names  # noqa: E402  (bench/, the script's folder)
+
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))   # cpu: interpreter dry run
 COPIES = 4
 #: one-row GEMV candidates next to the default: (block_n, chunks, split, warps, prefetch,
@@ -243,7 +245,8 @@ def main():
                           flush=True)
                     continue
                 best = cold if cold is not None else warm
-                r = {"op": op, "impl": f"fuelgraph[{tag}]", "device": name, "shape": [m, n, k],
+                r = {**quant_record_names(op, f"fuelgraph[{tag}]"), "device": name,
+                     "shape": [m, n, k],
                      "dtype": args.xdtype, "ms_graph": round(warm, 5),
                      "ms_cold": None if cold is None else round(cold, 5),
                      "gbps_cold": None if cold is None else round(nbytes / cold / 1e6, 1),

@@ -125,3 +125,16 @@ def run_cases(family: str, cases, quick=False, **timing):
     print_table(records)
     print(f"wrote {path}")
     return records
+
+
+#: the registry op of each quantized format's product (GGUF formats: qmatmul)
+QUANT_OPS = {"nf4": "nf4_matmul", "awq": "awq_matmul", "dense": "matmul"}
+
+
+def quant_record_names(fmt: str, impl: str) -> dict:
+    """The naming fields of a quantized-matmul record: `op` the registry name, `format` the
+    weight format, `impl` 'fuelgraph' for ours (its launch in `variant`) or the anchor's name."""
+    names = {"op": QUANT_OPS.get(fmt.lower(), "qmatmul"), "format": fmt}
+    if impl.startswith("fuelgraph[") and impl.endswith("]"):
+        return {**names, "impl": "fuelgraph", "variant": impl[len("fuelgraph["):-1]}
+    return {**names, "impl": impl}
