@@ -71,13 +71,11 @@ def fused_linear(a, b, bias):
 SILU_BLOCK = 1 << 16
 
 
-def _blocks(n, fn) -> None:
-    """fn(i0, i1) over [0, n) in blocks of SILU_BLOCK elements, spans of them on the pool."""
-    def work(r0, r1):
-        for a in range(r0, r1, SILU_BLOCK):
-            fn(a, min(r1, a + SILU_BLOCK))
+def _blocks(nrows, row, fn) -> None:
+    """fn(r0, r1) over `nrows` rows of `row` elements in spans of about SILU_BLOCK elements,
+    taken by the pool's threads from one queue."""
     with np.errstate(all="ignore"):
-        run_spans(work, row_spans(n, 1), n)
+        run_spans(fn, row_spans(nrows, row, SILU_BLOCK), nrows * row)
 
 
 def _one_plus_exp_neg(x, out, one):
@@ -129,19 +127,11 @@ def silu_mul(g, u):
     rows = None if g.flags.c_contiguous and u.flags.c_contiguous else _strided_rows(g, u)
     if rows is not None:                                 # blocks of whole (strided) rows
         (g2, u2), o2 = rows, out.reshape(rows[0].shape)
-        n, c = g2.shape
-        step = max(1, SILU_BLOCK // c)
-
-        def work(r0, r1):
-            for a in range(r0, r1, step):
-                b = min(r1, a + step)
-                block(g2[a:b], u2[a:b], o2[a:b])
-        with np.errstate(all="ignore"):
-            run_spans(work, row_spans(n, c), n * c)
+        _blocks(*g2.shape, lambda a, b: block(g2[a:b], u2[a:b], o2[a:b]))
         return out
     fg_, fu = np.ascontiguousarray(g).reshape(-1), np.ascontiguousarray(u).reshape(-1)
     fo = out.reshape(-1)
-    _blocks(fg_.size, lambda a, b: block(fg_[a:b], fu[a:b], fo[a:b]))
+    _blocks(fg_.size, 1, lambda a, b: block(fg_[a:b], fu[a:b], fo[a:b]))
     return out
 
 
@@ -173,5 +163,5 @@ def silu_mul_backward(g, u, grad):
         if dt != acc:
             store(fdu[a:b], odu)
             store(fdg[a:b], odg)
-    _blocks(ins[0].size, block)
+    _blocks(ins[0].size, 1, block)
     return dg, du
