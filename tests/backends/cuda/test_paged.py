@@ -310,6 +310,26 @@ def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
         pool[1] = used
 
 
+def test_graph_warm_up_sizes_the_launch_as_its_capture(monkeypatch):
+    """Under fuelgraph's CUDA-graph warm-up (GRAPH_CAPTURE) the launch is configured without
+    the length statistics, as the capture (which cannot sync) will be, so the capture loads no
+    kernel variant the warm-up did not run; invalid lengths still raise in the warm-up."""
+    from fuelgraph.backends.cuda.backend import _graph_capture
+    monkeypatch.setattr(K, "_LAUNCHES", {})
+    seen = []
+    configure = K._configure
+    monkeypatch.setattr(K, "_configure", lambda *a: (seen.append(a[5]), configure(*a))[1])
+    case = make_case(np.random.default_rng(41), B=2, hq=4, hkv=2, d=16, bs=4, lens=(70, 9),
+                     mb=20)
+    check(case, "float32")
+    with _graph_capture():
+        check(case, "float32")
+        bad = dict(case, context_lens=np.array([70, 99], case["context_lens"].dtype))
+        with pytest.raises(FuelGraphError, match="paged_attn: "):
+            run(to_dev(bad, "float32"))
+    assert seen[0] == (70, 79) and seen[1] is None
+
+
 @on_gpu
 def test_split_kernel_in_cuda_graphs():
     """Two graphs capturing split launches (counters from the pool, distinct ranges), replayed

@@ -48,7 +48,7 @@ import triton.language as tl
 from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
-from .common import HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2, num_sms
 from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
@@ -465,6 +465,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
         return out
     nb, bs = k_cache.shape[0], k_cache.shape[1]
     stats = _check_and_stats(context_lens, block_table, q.shape[2], nb, bs)
+    if GRAPH_CAPTURE[0]:      # fuelgraph's graph warm-up sizes the launch as its capture will
+        stats = None
     sl = alibi[0].float().contiguous() if alibi else q
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
