@@ -1,6 +1,7 @@
 """The fuse and lower passes and the optimizer pipeline:
 canonicalize -> fuse (patterns of ops the backend has a kernel for) -> lower (fused ops with
-no kernel, or all of them with lower_all) -> glue regions (the primitives left, grouped into
+no kernel, or all of them with lower_all; each recipe in canonical form, so it merges with the
+same idiom written by hand, and the loss rules run again on what it merged) -> glue regions (the primitives left, grouped into
 generated kernels; not with lower_all; see opt.regions) -> CSE/DCE (free: nodes are hash-consed and a graph
 is what its outputs reach). Ordering of destructive inputs and kernel selection happen when the
 runtime plans the optimized graph."""
@@ -201,7 +202,12 @@ def lower_pass(backend: str, lower_all: bool, counts: dict) -> Pass:
             return None
         e = default_registry().entry(n.op.id)
         counts[e.name] = counts.get(e.name, 0) + 1
-        return [t.value for t in e.lower([Tensor(s) for s in n.srcs], n.op.params)]
+        outs = [t.value for t in e.lower([Tensor(s) for s in n.srcs], n.op.params)]
+        # the recipe in canonical form, so it is the very node of the same idiom written by
+        # hand elsewhere in the graph (autograd's prefused copy of a forward lowers onto the
+        # forward itself instead of computing it twice); the sources are final already
+        done = {s.node: tuple(s.node.out(i) for i in range(s.node.nout)) for s in n.srcs}
+        return run_pass(outs, CANONICALIZE, None, done)
     return Pass("lower", [
         # gradients are built by now: a stop-gradient is the identity
         Rule("detach_is_identity", Pat(ops.Detach, src=(Pat.var("x"),)), lambda x: x),
@@ -218,6 +224,8 @@ def optimize(outputs, backend: str = "numpy", lower_all: bool = False) -> OptRes
     vals = run_pass(vals, lower_pass(backend, lower_all, lowered), log)
     glue, glue_map = {}, {}
     if not lower_all:       # the reference mode runs every primitive on its own
+        if lowered:         # lowering can make a loss and its helper read one x again
+            vals = loss_rewrites(vals, backend, log)
         vals = form_regions(vals, backend, log, glue, glue_map)
     return OptResult(vals, log, misses, lowered, glue, glue_map, canonical)
 
