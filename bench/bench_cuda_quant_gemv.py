@@ -119,6 +119,10 @@ DOT_CANDIDATES["awq"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2
                           MmaConfig(4, 2, 2, 1)]
 DOT_CANDIDATES["Q6_K"] += [MmaConfig(8, 2, 0), MmaConfig(4, 2, 2), MmaConfig(4, 2, 2, 1)]
 DOT_CANDIDATES["Q8_0"] += [MmaConfig(4, 2, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 1, 1)]
+#: session 9: NF4 on the tensor-core GEMV (bf16 codes by prmt lookups, quant_mma_nf4): M = 1
+#: indices 8.. (7: the session 7 default, shfl), M = 16 indices 5.. (3: the session 7 default)
+EXTRA["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 0)]
+DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 2, 1, 1), MmaConfig(8, 2, 1)]
 
 
 def weights(op, n, k, g):

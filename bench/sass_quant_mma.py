@@ -29,7 +29,8 @@ ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(11)}
 
 
 def source(fmt, cfg, kch=128, nt=1):
-    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16", Q.Q8_0: "*fp16", Q.Q6_K: "*i8"}[fmt]
+    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16", Q.Q8_0: "*fp16", Q.Q6_K: "*i8",
+           Q.NF4: "*fp32"}[fmt]
     sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": "*u8", "t_ptr": "*fp16",
            "out_ptr": "*bf16", "N": "i32", "M": "i32", "stride_x": "i32", "stride_o": "i32",
            "kch": "i32"}
@@ -37,7 +38,7 @@ def source(fmt, cfg, kch=128, nt=1):
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
     cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
-                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=cfg.ahead,
+                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=1 if fmt == Q.NF4 else 2, AHEAD=cfg.ahead,
                 XAHEAD=bool(cfg.xahead))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.ksplit
@@ -47,7 +48,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="4,2,1;4,4,1;4,2,0;4,4,2;8,2,1;4,2,1,1")
     ap.add_argument("--ttgir", action="store_true")
-    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K")
+    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K, NF4")
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
     args = ap.parse_args()
     for spec in args.configs.split(";"):

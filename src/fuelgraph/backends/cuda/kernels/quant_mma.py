@@ -48,21 +48,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_tiles import AWQ, Q4_0, Q4_K, Q6_K, Q8_0
+from . import quant_mma_nf4 as nf4
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: Triton's CPU interpreter runs no inline PTX: the other routes serve there
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K})
+MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K, NF4})
 CHUNK_K = 64        # elements of a row a chunk (two 32-element blocks)
 TILE_N = 16         # rows a tile (the mma's M)
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #: PTX mode per format: "q4" A = q - 8, out += d C a block; "aff" A = q, out += a C + b C1 (C1:
 #: the x sums by an all-ones A); "q8" / "q6": two planes, A = lo and 16 hi - 128 (- 32), both
-#: into C, out += d C a block (Q8_0) or out += (d sc) C a half block (Q6_K: a mma step each)
-MODE = {Q4_0: "q4", AWQ: "aff", Q4_K: "aff", Q8_0: "q8", Q6_K: "q6"}
+#: into C, out += d C a block (Q8_0) or out += (d sc) C a half block (Q6_K: a mma step each);
+#: "nf4": A = bf16(code) by table lookups (`quant_mma_nf4`), out += absmax C a chunk
+MODE = {Q4_0: "q4", AWQ: "aff", Q4_K: "aff", Q8_0: "q8", Q6_K: "q6", NF4: "nf4"}
 #: bf16x2 constants: -136 (128 + q - 136 = q - 8), -128, 16, -2176 (16 (128 + h) - 2048 - 128),
 #: -2080 (- 2048 - 32)
-_NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC300C300"}
+_NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC300C300",
+        "nf4": "0xC300C300"}
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
@@ -79,7 +82,7 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
     names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)]
              + [f"w{i}" for i in range(planes)]
              + [f"x{t}{g}" for t in range(nt) for g in range(2)] + ["sa"]
-             + (["sb"] if mode in ("aff", "q6") else []))
+             + (["sb"] if mode in ("aff", "q6", "nf4") else []))
     base = {name: i * p for i, name in enumerate(names)}
 
     def op(name, u, j):
@@ -91,6 +94,9 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
              "mov.f32 %fz, 0f00000000;"]
     if planes == 2:
         lines += ["mov.b32 %fsix, 0x41804180;", f"mov.b32 %fneh, {_NEG_HI[mode]};"]
+    if mode == "nf4":       # the lookup tables: operand sb's 8 registers (units >= 2)
+        lines.append(nf4.DECLARE)
+        tab = [op("sb", i // 4, i % 4) for i in range(8)]
     # one row of x: columns 2 p + 1 repeat column 2 p (x rows clamp to the last), and only
     # column 0 is stored, so c1 and c3 are left unscaled
     js = (0, 2) if one_row else range(4)
@@ -111,13 +117,16 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                         lines.append(f"lop3.b32 %fq{q0 + m}, {src}, 0x00030003, 0x43004300, "
                                      "0xEA;")
                     continue
+                if mode == "nf4":
+                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab)
+                    continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
                     lines.append(f"shr.u32 %ft, {w}, {4 * m};")
                     lines.append(f"lop3.b32 %fq{q0 + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
             for i in range(16):
                 if pl == 0:
-                    if mode != "aff":   # aff: A = 128 + q, the 128 leaves with b - 128 a
+                    if mode not in ("aff", "nf4"):  # aff: A = 128 + q (b - 128 a takes it)
                         lines.append(f"fma.rn.bf16x2 %fq{i}, %fq{i}, %fone, %fneg;")
                 else:
                     lines.append(f"fma.rn.bf16x2 %fq{16 + i}, %fq{16 + i}, %fsix, %fneh;")
@@ -128,6 +137,8 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                 for s in range(2):
                     b = f"{{{op(f'x{t}{g}', u, 2 * s)}, {op(f'x{t}{g}', u, 2 * s + 1)}}}"
                     first = s == 0 or mode == "q6"      # q6: each step scaled on its own
+                    if mode == "nf4":                   # the chunk's 64 elements in one C
+                        first = s == 0 and g == 0
                     for pl in range(planes):
                         o = 16 * pl
                         a = [f"%fq{o + 4 * (2 * g) + 2 * s}", f"%fq{o + 4 * (2 * g + 1) + 2 * s}",
@@ -145,9 +156,13 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                                 op(f"out{t}", u, j)
                             lines.append(f"fma.rn.f32 {op(f'out{t}', u, j)}, %fc{4 * t + j}, "
                                          f"{op('sa' if s == 0 else 'sb', u, e)}, {prev};")
-                if mode == "q6":
+                if mode == "q6" or (mode == "nf4" and g == 0):
                     continue
                 for j in js:            # c0, c1: row r; c2, c3: row r + 8
+                    if mode == "nf4":   # absmax of rows r, r + 8: entries 0, 1
+                        lines.append(f"fma.rn.f32 {op(f'out{t}', u, j)}, %fc{4 * t + j}, "
+                                     f"{op('sa', u, j // 2)}, {op(f'acc{t}', u, j)};")
+                        continue
                     e = 2 * g + j // 2
                     prev = op(f"acc{t}", u, j) if g == 0 else op(f"out{t}", u, j)
                     dst = op(f"out{t}", u, j)
@@ -227,6 +242,11 @@ def _scale_loads(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c,
         f1 = tl.load(sm + 4)
         f2 = tl.load(t_ptr + (tile * (kch // 4) + ch // 4) * 16 + r * 2 + c % 2)
         f3 = f2
+    elif FMT == 10:     # NF4: absmax f32 [tiles, blocks, 8, 2], GPC chunks a block
+        f0 = tl.load(s_ptr + (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2)
+        f1 = f0
+        f2 = f0
+        f3 = f0
     else:               # AWQ: s f16 and z u8 [tiles, groups, 8, 2], GPC chunks a group
         g = (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2
         f0 = tl.load(s_ptr + g)
@@ -241,7 +261,7 @@ def _scales(FMT: tl.constexpr, f0, f1, f2, f3):
     """The entries' float32 scale pairs from `_scale_loads`: Q4_0 / Q8_0 (d, -); AWQ
     (s, -z s - 128 s), Q4_K (d sc, -dmin m - 128 d sc) as gguf-py forms d sc and dmin m (the
     128: `_ptx`'s aff mode); Q6_K (d sc) of the two half blocks."""
-    if FMT == 0 or FMT == 4:
+    if FMT == 0 or FMT == 4 or FMT == 10:     # (NF4: absmax)
         a = f0.to(tl.float32)
         b = a
     elif FMT == 7:
@@ -365,7 +385,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
-    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11        # Q4_K, Q6_K, AWQ
+    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11 or FMT == 10  # (NF4: its tables)
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
@@ -394,13 +414,17 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
         words2 = words
-    WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4    # byte fields as words
+    WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4 and FMT != 10  # bytes as words
     if WORDS:
         f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC,
                                       part * (STEPS * U))
     else:
         f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
     x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
+    if FMT == 10:       # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
+        #                 a copy a lane: from uniform registers ptxas would copy them every prmt
+        tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
+                      + (u * 4 + c) % 8)
     for it in range(STEPS):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
@@ -433,6 +457,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, c)
         else:
             sa, sb = _scales(FMT, f0, f1, f2, f3)
+        if FMT == 10:
+            sb = tab
         if XAHEAD:      # x of this step was loaded in the previous one
             if it + 1 < STEPS:
                 y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT)
@@ -496,6 +522,8 @@ def mma_packable(fmt: int, i0: int, k: int, n: int) -> bool:
         return False
     if fmt == Q6_K:     # whole super-blocks, chunk pairs a warp (ksplit 4 or less)
         return k % 512 == 0
+    if fmt == NF4:      # (2 chunks a step at least: `run_mma`)
+        return i0 % CHUNK_K == 0 and k % i0 == 0 and k % (2 * CHUNK_K) == 0
     if fmt == AWQ:
         return i0 % CHUNK_K == 0 and k % i0 == 0
     return fmt not in (Q4_K, Q6_K) or k % 256 == 0
@@ -597,6 +625,9 @@ def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
         zeros = _unpack_awq(w1).t().contiguous()                            # [N, K / group]
         return MmaWeight(fmt, _words_from_codes(q), _row_pairs(w2.t()), _row_pairs(zeros),
                          None, i0, n, k)
+    if fmt == NF4:      # packed, absmax, code table, block size
+        words, absmax, tab = nf4.pack_nf4(w0, w1, w2, i0, k, n)
+        return MmaWeight(fmt, words, absmax, None, tab, i0, n, k)
     raise ValueError(f"no mma layout for format {fmt}")
 
 
@@ -630,7 +661,7 @@ class MmaConfig:
 #: 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking (sm_90 SASS of the
 #: loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
 DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
-               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2)}
+               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
 #: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
 #: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
@@ -641,7 +672,7 @@ DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahe
 #: 0.0327). 8 rows: Q4_0 0.0113, AWQ 0.0133, Q4_K 0.0177, Q8_0 0.0231, Q6_K 0.0256 (warm)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
                     AWQ: MmaConfig(ahead=2, xahead=1), Q4_K: MmaConfig(ahead=2, xahead=1),
-                    Q6_K: MmaConfig(ahead=2)}
+                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -652,6 +683,8 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str,
     p = 4 * units
     cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((planes + 2 * nt) * p) + \
         ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
+    if mode == "nf4":       # the lookup tables
+        cons += ["r"] * p
     return _ptx(mode, units, nt, one_row), ",".join(cons)
 
 
@@ -663,7 +696,7 @@ def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
 
 
 #: formats whose default route for 1..N rows of bf16 x is this kernel (`quant.run`), by N
-MMA_DEFAULT_ROWS: dict[int, int] = {Q4_0: 16, Q8_0: 16, AWQ: 16, Q4_K: 16, Q6_K: 16}
+MMA_DEFAULT_ROWS: dict[int, int] = {Q4_0: 16, Q8_0: 16, AWQ: 16, Q4_K: 16, Q6_K: 16, NF4: 16}
 
 
 def mma_default(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -691,7 +724,10 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     while kch % ksplit:
         ksplit //= 2
     per_warp = kch // ksplit
-    units = min(cfg.units, per_warp)
+    while fmt == NF4 and per_warp % 2:      # its tables ride in a 2-chunk operand
+        ksplit //= 2
+        per_warp = kch // ksplit
+    units = min(max(cfg.units, 2 if fmt == NF4 else 1), per_warp)
     while per_warp % units:
         units //= 2
     if fmt == Q4_K and cfg.ahead == 2:      # a step within one super-block (`_scale_words`)
