@@ -123,6 +123,12 @@ DOT_CANDIDATES["Q8_0"] += [MmaConfig(4, 2, 1), MmaConfig(8, 2, 1), MmaConfig(4, 
 #: indices 8.. (7: the session 7 default, shfl), M = 16 indices 5.. (3: the session 7 default)
 EXTRA["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 0)]
 DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 2, 1, 1), MmaConfig(8, 2, 1)]
+#: session 9: one row of Q4_K / AWQ with a lane scaling one block (quant_mma_diag; sm_90 SASS of
+#: the loop, instructions a weight: Q4_K k8,u2,sn 3.19 -> 2.17, k4,u4,sn 1.98; AWQ k4,u4,sw 1.88
+#: -> k4,u4,sn 1.73): Q4_K M = 1 indices 15.., AWQ 12..
+EXTRA["Q4_K"] += [MmaConfig(8, 2, 0, 0, 1), MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 2, 0, 0, 1),
+                  MmaConfig(4, 4, 2, 0, 1)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 4, 2, 0, 1)]
 
 
 def weights(op, n, k, g):

@@ -206,6 +206,25 @@ def test_mma_formats_and_rows(fmt, m, name):
 
 
 @GPU
+@pytest.mark.parametrize("fmt,cfg,k", [
+    ("Q4_K", (8, 2, 0, 0, 1), 1024), ("Q4_K", (4, 4, 0, 0, 1), 1024),
+    ("Q4_K", (4, 2, 2, 0, 1), 1024), ("Q4_K", (8, 2, 0, 0, 1), 768),
+    ("awq", (4, 4, 0, 0, 1), 1024), ("awq", (4, 2, 2, 0, 1), 512)])
+def test_mma_diag_one_row(fmt, cfg, k):
+    """One row with a lane scaling one block (quant_mma_diag): B's columns carry 4 blocks of a
+    chunk pair, the scales of block lane % 4, the row summed over its lanes; K of 3 super-blocks
+    (odd chunks a warp at 4 warps: the launch halves the warps); 2 rows ignore diag."""
+    from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig
+    rng = np.random.default_rng(k + cfg[0])
+    n = 48
+    fn, ref, w = _weight(fmt, rng, n, k)
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        check_product(fn(x.to(DEV), MmaConfig(*cfg)), x.to(DEV), ref.T, torch.bfloat16)
+    assert _ran_mma(w)
+
+
+@GPU
 def test_mma_q4_0_edge_bytes():
     """Every byte value and the edge scales (zero, extremes) of gguf_edge_bytes."""
     from fuelgraph.backends.cuda.kernels import quant as K

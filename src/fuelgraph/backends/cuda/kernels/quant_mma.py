@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from . import quant_mma_nf4 as nf4
+from .quant_mma_diag import ptx_diag
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: Triton's CPU interpreter runs no inline PTX: the other routes serve there
@@ -358,11 +359,14 @@ def _hi_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr, first):
 
 
 @triton.jit
-def _x_loads(x_base, x_base1, ch, NT: tl.constexpr):
+def _x_loads(x_base, x_base1, ch, NT: tl.constexpr, DIAG: tl.constexpr = False):
     """x of chunks ch as bf16 pairs [NTH, U, 4]: blocks 0 and 1 of x tile 0 (rows 0..7) and,
-    with NT == 2, of x tile 1 (rows 8..15)."""
+    with NT == 2, of x tile 1 (rows 8..15); DIAG: one load, the block of the chunk pair."""
     x00 = tl.load(x_base + ch * 32)
-    x01 = tl.load(x_base + ch * 32 + 16)
+    if DIAG:
+        x01 = x00
+    else:
+        x01 = tl.load(x_base + ch * 32 + 16)
     if NT == 2:
         x10 = tl.load(x_base1 + ch * 32)
         x11 = tl.load(x_base1 + ch * 32 + 16)
@@ -377,11 +381,12 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      STEPS: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
-                     XAHEAD: tl.constexpr = False):
+                     XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
-    of the [32 S, U, 4] tensors."""
+    of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
+    (`quant_mma_diag`)."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
@@ -402,6 +407,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     x_i32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + xo                 # [NTH, 1, 4]
     x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + xo
+    if DIAG:    # x of block r // 2 of the pair; the scales of block p: chunk and entry shifted
+        x_base = x_i32 + (r // 4) * 32 + ((r // 2) % 2) * 16 + xo - (u % 2) * 32
+        dsh = (lane % 4) // 2 - u % 2                                  # [NTH, U, 1]
+        sc_c = 2 * (lane % 2) + c % 2                                  # [NTH, 1, 4]
+    else:
+        dsh = 0
+        sc_c = c
     # int32 words a chunk of a tile (Q6_K: 384 a chunk pair, the high plane's crumbs last)
     WPC: tl.constexpr = 192 if FMT == 9 else 128 * PLANES
     q_base = q_ptr + tile * kch * WPC + lane * 4 + c
@@ -416,18 +428,20 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         words2 = words
     WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4 and FMT != 10  # bytes as words
     if WORDS:
-        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC,
+        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, GPC,
                                       part * (STEPS * U))
     else:
-        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
-    x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
+        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
+                                      GPC)
+    x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
     if FMT == 10:       # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
         #                 a copy a lane: from uniform registers ptxas would copy them every prmt
         tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
                       + (u * 4 + c) % 8)
     for it in range(STEPS):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
-            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
+                                          GPC)
         if it + 1 < STEPS:
             nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
             if PLANES == 2:
@@ -436,11 +450,11 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             else:
                 nw2 = nw
             if WORDS:
-                n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                              GPC, part * (STEPS * U) + (it + 1) * U)
+                n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U + dsh,
+                                              r, GPC, part * (STEPS * U) + (it + 1) * U)
             elif AHEAD:
-                n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                              c, GPC)
+                n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch,
+                                              ch + U + dsh, r, sc_c, GPC)
             else:
                 n0 = f0
                 n1 = f1
@@ -454,21 +468,21 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             n2 = f2
             n3 = f3
         if WORDS:
-            sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, c)
+            sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, sc_c)
         else:
             sa, sb = _scales(FMT, f0, f1, f2, f3)
         if FMT == 10:
             sb = tab
         if XAHEAD:      # x of this step was loaded in the previous one
             if it + 1 < STEPS:
-                y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT)
+                y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT, DIAG)
             else:
                 y00 = x00
                 y01 = x01
                 y10 = x10
                 y11 = x11
         else:
-            x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
+            x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
         acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
                                 CONS, 4 * U, NT, PLANES, SB)
         if XAHEAD:
@@ -485,6 +499,14 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         ch += U
     lj = tl.arange(0, 32)[:, None]
     e = tl.arange(0, 4)[None, :]
+    if DIAG:    # entries 0 / 2 of even units: rows r / r + 8, summed over the row group's lanes
+        tot = tl.sum(tl.where(u % 2 == 0, acc0, 0.0), axis=1)
+        if S > 1:
+            tot = tl.sum(tl.reshape(tot, (S, 32, 4)), axis=0)
+        tot = tl.sum(tl.reshape(tot, (8, 4, 4)), axis=1)               # [8 (r), 4]
+        n = pid * 16 + tl.arange(0, 8)[:, None] + 8 * (e // 2)
+        tl.store(out_ptr + n, tot.to(out_ptr.dtype.element_ty), mask=(e % 2 == 0) & (n < N))
+        return
     n = pid * 16 + lj // 4 + 8 * (e // 2)
     m = 2 * (lj % 4) + e % 2
     tot = tl.sum(acc0, axis=1)                                         # [NTH, 4]
@@ -641,11 +663,12 @@ class MmaConfig:
     units: int = 2
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
+    diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
-                + (",xa" if self.xahead else "") + "]")
+                + (",xa" if self.xahead else "") + (",dg" if self.diag else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -676,7 +699,8 @@ DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
 
 
 @functools.lru_cache(maxsize=None)
-def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str, str]:
+def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
+         diag: bool = False) -> tuple[str, str]:
     """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
     mode = MODE[fmt]
     planes = 2 if mode in ("q8", "q6") else 1
@@ -685,6 +709,8 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str,
         ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
     if mode == "nf4":       # the lookup tables
         cons += ["r"] * p
+    if diag:
+        return ptx_diag(units), ",".join(cons)
     return _ptx(mode, units, nt, one_row), ",".join(cons)
 
 
@@ -727,7 +753,11 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     while fmt == NF4 and per_warp % 2:      # its tables ride in a 2-chunk operand
         ksplit //= 2
         per_warp = kch // ksplit
-    units = min(max(cfg.units, 2 if fmt == NF4 else 1), per_warp)
+    diag = bool(cfg.diag) and m == 1 and MODE[fmt] == "aff"
+    while diag and per_warp % 2:            # chunk pairs (`quant_mma_diag`)
+        ksplit //= 2
+        per_warp = kch // ksplit
+    units = min(max(cfg.units, 2 if fmt == NF4 or diag else 1), per_warp)
     while per_warp % units:
         units //= 2
     if fmt == Q4_K and cfg.ahead == 2:      # a step within one super-block (`_scale_words`)
@@ -738,7 +768,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt, m == 1)
+    asm, cons = _asm(fmt, units, nt, m == 1, diag)
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (n // TILE_N,)
@@ -746,6 +776,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            out.stride(0), kch, STEPS=per_warp // units, S=ksplit,
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
-                           XAHEAD=bool(cfg.xahead),
+                           XAHEAD=bool(cfg.xahead), DIAG=diag,
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
