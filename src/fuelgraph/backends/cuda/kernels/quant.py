@@ -3,7 +3,7 @@ respect to the activations).
 
 Dispatch (`run`), per format and number of activation rows by the table `ROUTES`, except:
 
-* 1..16 rows of bf16 x of Q4_0, Q8_0, Q4_K, Q6_K and AWQ take the tensor-core GEMV of
+* 1..16 rows of bf16 x of Q4_0, Q8_0, Q4_K, Q6_K, AWQ and NF4 take the tensor-core GEMV of
   `quant_mma` (inline PTX mma.sync on a cached copy of the weight in the mma's register order;
   `quant_mma.MMA_DEFAULT_ROWS`); shapes it rejects take the routes below.
 

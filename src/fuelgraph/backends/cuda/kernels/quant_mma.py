@@ -1,5 +1,5 @@
 """Few-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 with M <= 16, W [N, K]; Q4_0,
-Q8_0, Q4_K, Q6_K, AWQ) on the tensor cores through `mma.sync.m16n8k16` written as inline PTX,
+Q8_0, Q4_K, Q6_K, AWQ, NF4) on the tensor cores through `mma.sync.m16n8k16` written as inline PTX,
 on a copy of the weight repacked once into the mma's own register order (cached with the
 weight like `quant_packed`'s copy). The default route for one row of bf16 x of these formats
 and for 1..16 rows of Q6_K (`MMA_DEFAULT_ROWS`; H200 numbers at `DEFAULT_MMA`).
@@ -37,7 +37,8 @@ chunks a step in a thread, 4 registers), loaded with 16-byte vectors: Triton lay
 sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1], which is what the
 PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py; the
 register order against the PTX ISA's fragment layout by the CPU emulation in the tests). Runs
-on sm_80+ GPUs only (no interpreter: the PTX is warp-collective)."""
+on sm_80+ GPUs only (no interpreter: the PTX is warp-collective). NF4's codes by register table
+lookups: `quant_mma_nf4`; one row of Q4_K / AWQ with a lane scaling one block: `quant_mma_diag`."""
 from __future__ import annotations
 
 import functools
