@@ -134,6 +134,55 @@ def test_register_order_as_mma_fragments(fmt, m):
     np.testing.assert_allclose(_emulate(mw, x), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
+def test_diag_order_as_mma_fragments():
+    """quant_mma_diag on Q4_K's words (one row): lane l's B column l // 4 holds x of block l // 8
+    of a chunk pair, block q's mma its own chain; lane p takes chain p's column 2 p (block p),
+    the scales of block p's rows r, r + 8; the rows summed over the 4 lanes p: x @ W.T."""
+    from fuelgraph.backends.cuda.kernels import quant_mma as Q
+    rng = np.random.default_rng(5)
+    n, k = 32, 512
+    raw = gguf_bytes(rng, "Q4_K", n, k)
+    mw = Q.pack_mma(Q.Q4_K, torch.from_numpy(raw.reshape(-1)), None, None, 144 * k // 256, k, n)
+    words = mw.words.numpy().astype(np.int64) & 0xFFFFFFFF              # [T, C, 32, 4]
+    x = rng.standard_normal(k)
+    lane = np.arange(32)
+    r, p = lane // 4, lane % 4
+    out = np.zeros(n)
+    for t in range(n // 16):
+        acc = np.zeros((32, 2))
+        for c0 in range(0, k // 64, 2):
+            blk = (c0 + r // 4) * 64 + ((r // 2) % 2) * 32 + 8 * p           # lane's x block
+            xl = x[blk[:, None] + np.arange(8)]                                 # [32, 8]
+            chains = np.zeros((4, 16, 8))
+            d = np.zeros((16, 8))
+            for q in range(4):
+                u, g = c0 + q // 2, q % 2
+                for s in range(2):
+                    a = np.zeros((16, 16))
+                    b = np.zeros((16, 8))
+                    for e, rows in ((2 * g, r), (2 * g + 1, r + 8)):
+                        for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                            j = 4 * s + jj
+                            a[rows, 2 * p + slot] = 128 + ((words[t, u, :, e] >> (
+                                4 * (j // 2) + 16 * (j % 2))) & 15)
+                    for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                        b[2 * p + slot, r] = xl[:, 4 * s + jj]
+                    chains[q] += a @ b
+                    if q == 0:
+                        d += np.ones((16, 16)) @ b
+            scales = [_entry_scales(mw, t, c0 + j) for j in range(2)]  # (a, b) [8, 4]
+            for h in range(2):
+                e = 2 * (p % 2) + h
+                a_ = np.choose(p // 2, [sc[0][r, e] for sc in scales])
+                b_ = np.choose(p // 2, [sc[1][r, e] for sc in scales])
+                acc[:, h] += (a_ * chains[p, r + 8 * h, 2 * p]
+                              + (b_ - 128 * a_) * d[r + 8 * h, 2 * p])
+        for h in range(2):
+            out[t * 16 + np.arange(8) + 8 * h] = acc[:, h].reshape(8, 4).sum(axis=1)
+    want = gguf_dequant_ref(raw, "Q4_K").astype(np.float64) @ x
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (256, 210)}
 
 
