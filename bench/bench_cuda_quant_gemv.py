@@ -129,6 +129,8 @@ DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 2, 1, 1), MmaConfig(8
 EXTRA["Q4_K"] += [MmaConfig(8, 2, 0, 0, 1), MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 2, 0, 0, 1),
                   MmaConfig(4, 4, 2, 0, 1)]
 EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 4, 2, 0, 1)]
+#: Q4_0 as a q + b in the diag launch (k4,u2 2.25 -> 1.78): M = 1 indices 9..
+EXTRA["Q4_0"] += [MmaConfig(4, 2, 1, 0, 1), MmaConfig(4, 4, 1, 0, 1)]
 
 
 def weights(op, n, k, g):

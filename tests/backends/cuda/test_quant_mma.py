@@ -134,15 +134,18 @@ def test_register_order_as_mma_fragments(fmt, m):
     np.testing.assert_allclose(_emulate(mw, x), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
-def test_diag_order_as_mma_fragments():
-    """quant_mma_diag on Q4_K's words (one row): lane l's B column l // 4 holds x of block l // 8
-    of a chunk pair, block q's mma its own chain; lane p takes chain p's column 2 p (block p),
-    the scales of block p's rows r, r + 8; the rows summed over the 4 lanes p: x @ W.T."""
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_0"])
+def test_diag_order_as_mma_fragments(fmt):
+    """quant_mma_diag (one row; Q4_0 as a q + b with b = -8 d): lane l's B column l // 4 holds x
+    of block l // 8 of a chunk pair, block q's mma its own chain; lane p takes chain p's column
+    2 p (block p), the scales of block p's rows r, r + 8; the rows summed over the 4 lanes p."""
     from fuelgraph.backends.cuda.kernels import quant_mma as Q
     rng = np.random.default_rng(5)
     n, k = 32, 512
-    raw = gguf_bytes(rng, "Q4_K", n, k)
-    mw = Q.pack_mma(Q.Q4_K, torch.from_numpy(raw.reshape(-1)), None, None, 144 * k // 256, k, n)
+    raw = gguf_bytes(rng, fmt, n, k)
+    qk, tsize = GGUF_SIZES[fmt]
+    mw = Q.pack_mma(getattr(Q, fmt), torch.from_numpy(raw.reshape(-1)), None, None,
+                    tsize * k // qk, k, n)
     words = mw.words.numpy().astype(np.int64) & 0xFFFFFFFF              # [T, C, 32, 4]
     x = rng.standard_normal(k)
     lane = np.arange(32)
@@ -179,7 +182,7 @@ def test_diag_order_as_mma_fragments():
                               + (b_ - 128 * a_) * d[r + 8 * h, 2 * p])
         for h in range(2):
             out[t * 16 + np.arange(8) + 8 * h] = acc[:, h].reshape(8, 4).sum(axis=1)
-    want = gguf_dequant_ref(raw, "Q4_K").astype(np.float64) @ x
+    want = gguf_dequant_ref(raw, fmt).astype(np.float64) @ x
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
@@ -258,7 +261,8 @@ def test_mma_formats_and_rows(fmt, m, name):
 @pytest.mark.parametrize("fmt,cfg,k", [
     ("Q4_K", (8, 2, 0, 0, 1), 1024), ("Q4_K", (4, 4, 0, 0, 1), 1024),
     ("Q4_K", (4, 2, 2, 0, 1), 1024), ("Q4_K", (8, 2, 0, 0, 1), 768),
-    ("awq", (4, 4, 0, 0, 1), 1024), ("awq", (4, 2, 2, 0, 1), 512)])
+    ("awq", (4, 4, 0, 0, 1), 1024), ("awq", (4, 2, 2, 0, 1), 512),
+    ("Q4_0", (4, 2, 1, 0, 1), 512), ("Q4_0", (4, 4, 1, 0, 1), 1024)])
 def test_mma_diag_one_row(fmt, cfg, k):
     """One row with a lane scaling one block (quant_mma_diag): B's columns carry 4 blocks of a
     chunk pair, the scales of block lane % 4, the row summed over its lanes; K of 3 super-blocks

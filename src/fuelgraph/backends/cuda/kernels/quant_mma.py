@@ -391,7 +391,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
-    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11 or FMT == 10  # (NF4: its tables)
+    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11 or FMT == 10 or DIAG  # (NF4: tables)
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
@@ -474,6 +474,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             sa, sb = _scales(FMT, f0, f1, f2, f3)
         if FMT == 10:
             sb = tab
+        if DIAG and FMT == 0:   # Q4_0 in the aff mode: d (128 + q) - 136 d
+            sb = -136.0 * sa
         if XAHEAD:      # x of this step was loaded in the previous one
             if it + 1 < STEPS:
                 y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT, DIAG)
@@ -710,7 +712,8 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
         ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
     if mode == "nf4":       # the lookup tables
         cons += ["r"] * p
-    if diag:
+    if diag:    # (Q4_0 too, in the aff mode: sa, sb)
+        cons = ["=f"] * p + ["f"] * p + ["r"] * 3 * p + ["f"] * 2 * p
         return ptx_diag(units), ",".join(cons)
     return _ptx(mode, units, nt, one_row), ",".join(cons)
 
@@ -754,7 +757,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     while fmt == NF4 and per_warp % 2:      # its tables ride in a 2-chunk operand
         ksplit //= 2
         per_warp = kch // ksplit
-    diag = bool(cfg.diag) and m == 1 and MODE[fmt] == "aff"
+    diag = bool(cfg.diag) and m == 1 and (MODE[fmt] == "aff" or fmt == Q4_0)
     while diag and per_warp % 2:            # chunk pairs (`quant_mma_diag`)
         ksplit //= 2
         per_warp = kch // ksplit
