@@ -687,7 +687,8 @@ class MmaConfig:
 #: 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking (sm_90 SASS of the
 #: loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
 DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
-               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
+               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2),
+               NF4: MmaConfig(units=4)}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
 #: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
 #: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
