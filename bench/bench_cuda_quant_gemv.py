@@ -131,7 +131,7 @@ DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1)]
 #: the loop, instructions a weight: Q4_K k8,u2,sn 3.19 -> 2.17, k4,u4,sn 1.98; AWQ k4,u4,sw 1.88
 #: -> k4,u4,sn 1.73): Q4_K M = 1 indices 15.., AWQ 12..
 EXTRA["Q4_K"] += [MmaConfig(8, 2, 0, 0, 1), MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 2, 0, 0, 1),
-                  MmaConfig(4, 4, 2, 0, 1)]
+                  MmaConfig(4, 4, 2, 0, 1), MmaConfig(8, 4, 0, 0, 1), MmaConfig(8, 2, 2, 0, 1)]
 EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 4, 2, 0, 1)]
 #: Q4_0 as a q + b in the diag launch (k4,u2 2.25 -> 1.78): M = 1 indices 9..
 EXTRA["Q4_0"] += [MmaConfig(4, 2, 1, 0, 1), MmaConfig(4, 4, 1, 0, 1)]
