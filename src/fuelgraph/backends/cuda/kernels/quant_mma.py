@@ -382,12 +382,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      STEPS: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
-                     XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False):
+                     XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
+                     DEPTH: tl.constexpr = 1):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
     of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
-    (`quant_mma_diag`)."""
+    (`quant_mma_diag`). DEPTH: steps of words in flight (2: one plane only)."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
@@ -423,6 +424,8 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     # the next step's words (and with AHEAD its scales) load before this step's math
     words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
+    if DEPTH == 2:      # the step after next's words too
+        words_n = tl.load(q_base + _lo_offset(FMT, ch + U * min(1, STEPS - 1), WPC))
     if PLANES == 2:
         words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
@@ -444,7 +447,12 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                           GPC)
         if it + 1 < STEPS:
-            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
+            if DEPTH == 2:
+                # (the last step reloads the next one's words: no mask, no zeroing)
+                nw = tl.load(q_base + _lo_offset(FMT, ch + U * tl.minimum(2, STEPS - 1 - it),
+                                                 WPC))
+            else:
+                nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
             if PLANES == 2:
                 nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
                                                   part * (STEPS * U) + (it + 1) * U))
@@ -493,7 +501,11 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             x01 = y01
             x10 = y10
             x11 = y11
-        words = nw
+        if DEPTH == 2:
+            words = words_n
+            words_n = nw
+        else:
+            words = nw
         words2 = nw2
         f0 = n0
         f1 = n1
@@ -667,11 +679,13 @@ class MmaConfig:
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
     diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
+    depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
-                + (",xa" if self.xahead else "") + (",dg" if self.diag else "") + "]")
+                + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
+                + (f",d{self.depth}" if self.depth != 1 else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -782,5 +796,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead), DIAG=diag,
+                           DEPTH=cfg.depth if MODE[fmt] not in ("q8", "q6") else 1,
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
