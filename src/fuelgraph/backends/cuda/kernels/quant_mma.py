@@ -383,7 +383,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
-                     DEPTH: tl.constexpr = 1):
+                     DEPTH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
@@ -442,7 +442,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         #                 a copy a lane: from uniform registers ptxas would copy them every prmt
         tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
                       + (u * 4 + c) % 8)
-    for it in range(STEPS):
+    for it in tl.range(STEPS, loop_unroll_factor=UNROLL):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                           GPC)
@@ -680,12 +680,14 @@ class MmaConfig:
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
     diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
     depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
+    unroll: int = 1     # steps a loop iteration (2: the prefetched registers need no moves)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
                 + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
-                + (f",d{self.depth}" if self.depth != 1 else "") + "]")
+                + (f",d{self.depth}" if self.depth != 1 else "")
+                + (f",x{self.unroll}" if self.unroll != 1 else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -797,5 +799,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead), DIAG=diag,
                            DEPTH=cfg.depth if MODE[fmt] not in ("q8", "q6") else 1,
+                           UNROLL=cfg.unroll,
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
