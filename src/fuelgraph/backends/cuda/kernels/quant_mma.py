@@ -702,8 +702,16 @@ class MmaConfig:
 #: 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in their step 0.0235, carried as bytes
 #: 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking (sm_90 SASS of the
 #: loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
-DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
-               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2),
+#: Session 9 run 2 (warm / cold): one lane a block (diag) on 4 warps, 4 chunks a step: Q4_K
+#: scales in their step 0.0113 / 0.0139 (the session 8 default above 0.0170 / 0.0191; diag on 8
+#: warps 2 chunks 0.0144, 4 warps 2 chunks 0.0120, words ahead 0.0117), AWQ scales in their step
+#: 0.0101 / 0.0137 (words ahead 0.0113 / 0.0142, as the old default), Q4_0 0.0101 / 0.0129 (0.0106
+#: / 0.0147; diag 2 chunks 0.0114). NF4 (bf16 codes by prmt lookups, `quant_mma_nf4`; the packed
+#: GEMV 0.0226 / 0.0235): 4 chunks 0.0163-0.0164 / 0.0185-0.0186, 2 chunks 0.0180, 8 chunks
+#: 0.0178, 8 warps 0.0184, scales in their step 0.0163 / 0.0185, with x ahead 0.0163 / 0.0176
+DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
+               AWQ: MmaConfig(units=4, ahead=0, diag=1),
+               Q4_K: MmaConfig(units=4, ahead=0, diag=1), Q6_K: MmaConfig(ahead=2),
                NF4: MmaConfig(units=4)}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
 #: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
