@@ -144,11 +144,12 @@ EXTRA["Q4_0"] += [MmaConfig(4, 2, 1, 0, 1), MmaConfig(4, 4, 1, 0, 1),
 #: NF4 k4,u4 2.93 -> 2.79, Q4_K diag k8,u4 1.97 -> 1.77, Q4_0 k4,u2 2.25 -> 2.02): nf4 M = 1
 #: 14.., M = 16 7; Q4_K 22..; Q4_0 11... Run 2 made diag on 4 warps, 4 chunks the one-row default
 #: of Q4_K, AWQ, Q4_0 (quant_mma.DEFAULT_MMA); its unroll-2 forms: Q4_K 24, AWQ 14, Q4_0 13, and
-#: NF4 with scales in their step 17, on 8 warps 18
+#: NF4 with scales in their step 17, on 8 warps 18, words two steps ahead 19, 20
 EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
 EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
 EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 2)]
-EXTRA["nf4"] += [MmaConfig(4, 4, 0, 0, 0, 1, 2), MmaConfig(8, 2, 1, 0, 0, 1, 2)]
+EXTRA["nf4"] += [MmaConfig(4, 4, 0, 0, 0, 1, 2), MmaConfig(8, 2, 1, 0, 0, 1, 2),
+                 MmaConfig(4, 2, 1, 0, 0, 2, 2), MmaConfig(4, 4, 0, 0, 0, 2, 2)]
 
 
 def weights(op, n, k, g):
