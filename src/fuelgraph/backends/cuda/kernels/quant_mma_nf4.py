@@ -119,7 +119,7 @@ def pack_nf4(w_packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, b
     """(words int32 [N / 16, K / 64, 32, 4], absmax [N / 16, K / block, 8, 2] float32 (rows r,
     r + 8), the lookup tables int32 [32 lanes * 8]) of a bitsandbytes NF4 weight; the code
     table must be NF4's (the lookup tables hold it)."""
-    from .quant_mma import _row_pairs, _words_from_codes
+    from .quant_mma_pack import _row_pairs, _words_from_codes
     if not torch.equal(code.detach().float().cpu(), torch.from_numpy(NF4_CODE)):
         raise ValueError("the mma GEMV holds bitsandbytes' NF4 code table only")
     w = w_packed.reshape(n, k // 2)
