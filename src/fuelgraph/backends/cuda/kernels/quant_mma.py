@@ -23,8 +23,9 @@ bit-identical to the CUDA-core kernels' (the dequantization itself stays tested 
 there).
 
 Register order (`quant_mma_pack.pack_mma`): rows in tiles of 16, K in chunks of 64 (two
-32-element blocks). Lane l of a warp (r = l // 4, p = l % 4) holds, per chunk and plane, four int32 words (one
-16-byte load, the warp's 512 bytes contiguous): entry e = 2 g + h is row r + 8 h of block g,
+32-element blocks). Lane l of a warp (r = l // 4, p = l % 4) holds, per chunk and plane, four
+int32 words (one 16-byte load, the warp's 512 bytes contiguous): entry e = 2 g + h is row r + 8 h
+of block g,
 elements 8 p .. 8 p + 7 of the block (Q6_K: 4 p .. 4 p + 3 and 16 + 4 p .., one half block an
 mma step), element 2 m in bits 4 m and 2 m + 1 in bits 16 + 4 m (so (word >> 4 m) & 0x000F000F
 is the bf16x2 pair the mma wants). In mma step s of block g the lane's A registers are pairs
