@@ -149,7 +149,13 @@ EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
 EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
 EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 2)]
 EXTRA["nf4"] += [MmaConfig(4, 4, 0, 0, 0, 1, 2), MmaConfig(8, 2, 1, 0, 0, 1, 2),
-                 MmaConfig(4, 2, 1, 0, 0, 2, 2), MmaConfig(4, 4, 0, 0, 0, 2, 2)]
+                 MmaConfig(4, 2, 1, 0, 0, 2, 2), MmaConfig(4, 4, 0, 0, 0, 2, 2),
+                 MmaConfig(4, 4, 1, 0, 0, 1, 2, 1), MmaConfig(4, 4, 1, 0, 0, 1, 1, 1)]
+#: the unpacking's shifts as IMAD.HI (mulhi: off the integer pipe, which Hopper runs at half the
+#: FMA rate and the LOP3 / PRMT fill): nf4 M = 1 21, 22; Q4_K 25, 26; Q4_0 14; AWQ 15
+EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1), MmaConfig(4, 4, 0, 0, 1, 1, 2, 1)]
+EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 1, 1)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1)]
 
 
 def weights(op, n, k, g):

@@ -37,7 +37,8 @@ def source(fmt, cfg, kch=128, nt=1):
     per_warp = kch // cfg.ksplit
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     diag = bool(getattr(cfg, "diag", 0)) and nt == 1
-    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag)
+    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag,
+                       mulhi=bool(getattr(cfg, "mulhi", 0)))
     cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
                 ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=1 if fmt == Q.NF4 else 2, AHEAD=cfg.ahead,
                 XAHEAD=bool(cfg.xahead), DIAG=diag, DEPTH=getattr(cfg, "depth", 1),

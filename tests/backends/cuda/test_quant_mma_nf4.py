@@ -121,7 +121,8 @@ def test_mma_nf4_rows(m):
 @GPU
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("cfg", [(4, 2, 1), (8, 2, 1), (4, 4, 0), (4, 2, 1, 1), (1, 1, 1),
-                                 (4, 2, 1, 0, 0, 2), (4, 4, 1, 0, 0, 1, 2)])
+                                 (4, 2, 1, 0, 0, 2), (4, 4, 1, 0, 0, 1, 2),
+                                 (4, 4, 1, 0, 0, 1, 2, 1)])
 def test_mma_nf4_launches(m, cfg):
     """The launch candidates (units 1 runs with 2: the tables' operand; words two steps ahead),
     block 128, a 3-d x."""

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from . import quant_mma_nf4 as nf4
-from .quant_mma_diag import ptx_diag
+from .quant_mma_diag import ptx_diag, shr_ptx
 from .quant_mma_pack import MmaWeight, pack_mma
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
@@ -73,7 +73,7 @@ _NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC3
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
+def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = False) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
     sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
@@ -116,17 +116,17 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                         sh = 2 * (4 * (u % 2) + m)
                         src = w
                         if sh:
-                            lines.append(f"shr.u32 %ft, {w}, {sh};")
+                            lines.append(shr_ptx("%ft", w, sh, mulhi))
                             src = "%ft"
                         lines.append(f"lop3.b32 %fq{q0 + m}, {src}, 0x00030003, 0x43004300, "
                                      "0xEA;")
                     continue
                 if mode == "nf4":
-                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab)
+                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab, mulhi)
                     continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
-                    lines.append(f"shr.u32 %ft, {w}, {4 * m};")
+                    lines.append(shr_ptx("%ft", w, 4 * m, mulhi))
                     lines.append(f"lop3.b32 %fq{q0 + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
             for i in range(16):
                 if pl == 0:
@@ -565,13 +565,15 @@ class MmaConfig:
     diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
     depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
     unroll: int = 1     # steps a loop iteration (2: the prefetched registers need no moves)
+    mulhi: int = 0      # the unpacking's shifts as IMAD.HI on the FMA pipe (`shr_ptx`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
                 + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
                 + (f",d{self.depth}" if self.depth != 1 else "")
-                + (f",x{self.unroll}" if self.unroll != 1 else "") + "]")
+                + (f",x{self.unroll}" if self.unroll != 1 else "")
+                + (",mh" if self.mulhi else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -612,8 +614,9 @@ DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
 
 @functools.lru_cache(maxsize=None)
 def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
-         diag: bool = False) -> tuple[str, str]:
-    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
+         diag: bool = False, mulhi: bool = False) -> tuple[str, str]:
+    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles; mulhi: the unpacking's
+    shifts as IMAD.HI (`shr_ptx`)."""
     mode = MODE[fmt]
     planes = 2 if mode in ("q8", "q6") else 1
     p = 4 * units
@@ -623,8 +626,8 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
         cons += ["r"] * p
     if diag:    # (Q4_0 too, in the aff mode: sa, sb)
         cons = ["=f"] * p + ["f"] * p + ["r"] * 3 * p + ["f"] * 2 * p
-        return ptx_diag(units), ",".join(cons)
-    return _ptx(mode, units, nt, one_row), ",".join(cons)
+        return ptx_diag(units, mulhi), ",".join(cons)
+    return _ptx(mode, units, nt, one_row, mulhi), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -681,7 +684,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt, m == 1, diag)
+    asm, cons = _asm(fmt, units, nt, m == 1, diag, bool(cfg.mulhi))
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (n // TILE_N,)

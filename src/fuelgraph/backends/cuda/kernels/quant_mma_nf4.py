@@ -91,15 +91,17 @@ def table_words() -> list[int]:
     return [v - (1 << 32) if v >> 31 else v for v in vals]
 
 
-def unpack_ptx(word: str, dests: list[str], tab: list[str]) -> list[str]:
+def unpack_ptx(word: str, dests: list[str], tab: list[str], mulhi: bool = False) -> list[str]:
     """PTX turning the 8 nibbles of `word` into 4 bf16x2 registers `dests` (elements 2 m,
     2 m + 1 in dests[m]); tab: the 8 table registers (`table_words`; operands, not immediates:
-    ptxas would materialize an immediate table at every prmt). Uses %fx, %fs, %fa, %fb, %fe."""
+    ptxas would materialize an immediate table at every prmt). Uses %fx, %fs, %fa, %fb, %fe.
+    mulhi: the shifts as IMAD.HI (`quant_mma_diag.shr_ptx`)."""
+    from .quant_mma_diag import shr_ptx
     t = {name: (tab[2 * i], tab[2 * i + 1]) for i, name in enumerate(TABLE_ORDER)}
     lines = [f"xor.b32 %fx, {word}, 0x88888888;"]
     for half, sel in enumerate((word, "%fs")):
         if half:
-            lines += [f"shr.u32 %fs, {word}, 16;", "shr.u32 %fx, %fx, 16;"]
+            lines += [shr_ptx("%fs", word, 16, mulhi), shr_ptx("%fx", "%fx", 16, mulhi)]
         lines += [f"prmt.b32 %fa, {t['lo0'][0]}, {t['lo0'][1]}, {sel};",
                   f"prmt.b32 %fb, {t['lo1'][0]}, {t['lo1'][1]}, %fx;",
                   "xor.b32 %fa, %fa, %fb;",
