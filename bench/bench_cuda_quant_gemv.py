@@ -119,6 +119,43 @@ DOT_CANDIDATES["awq"] += [MmaConfig(4, 2, 0), MmaConfig(8, 2, 0), MmaConfig(4, 2
                           MmaConfig(4, 2, 2, 1)]
 DOT_CANDIDATES["Q6_K"] += [MmaConfig(8, 2, 0), MmaConfig(4, 2, 2), MmaConfig(4, 2, 2, 1)]
 DOT_CANDIDATES["Q8_0"] += [MmaConfig(4, 2, 1), MmaConfig(8, 2, 1), MmaConfig(4, 2, 1, 1)]
+#: session 9: NF4 on the tensor-core GEMV (bf16 codes by prmt lookups, quant_mma_nf4): M = 1
+#: indices 8.. (7: the session 7 default, shfl), M = 16 indices 5.. (3: the session 7 default).
+#: Run 1 (warm / cold ms): M = 1 k4,u2 0.0180 / 0.0198, k4,u4 0.0163 / 0.0186 (now the default),
+#: k4,u2,sn 0.0169 / 0.0194, k8,u2 0.0184 / 0.0216 (shfl 0.0226 / 0.0235); M = 16 k4,u2 0.0215 /
+#: 0.0283, xa 0.0265 / 0.0287, k8 0.0294 / 0.0319 (dot 0.0415 / 0.0433)
+EXTRA["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 0), MmaConfig(4, 8, 1),
+                 MmaConfig(4, 4, 0, 1), MmaConfig(4, 4, 1, 0, 0, 2), MmaConfig(4, 2, 1, 0, 0, 2),
+                 MmaConfig(4, 4, 1, 0, 0, 1, 2), MmaConfig(4, 8, 1, 0, 0, 1, 2),
+                 MmaConfig(4, 2, 1, 0, 0, 1, 2)]
+DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1), MmaConfig(4, 4, 1), MmaConfig(4, 2, 1, 0, 0, 1, 2)]
+#: session 9: one row of Q4_K / AWQ with a lane scaling one block (quant_mma_diag; sm_90 SASS of
+#: the loop, instructions a weight: Q4_K k8,u2,sn 3.19 -> 2.17, k4,u4,sn 1.98; AWQ k4,u4,sw 1.88
+#: -> k4,u4,sn 1.73): Q4_K M = 1 indices 15.., AWQ 12..
+EXTRA["Q4_K"] += [MmaConfig(8, 2, 0, 0, 1), MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 2, 0, 0, 1),
+                  MmaConfig(4, 4, 2, 0, 1), MmaConfig(8, 4, 0, 0, 1), MmaConfig(8, 2, 2, 0, 1),
+                  MmaConfig(8, 2, 0, 0, 1, 2), MmaConfig(8, 2, 0, 0, 1, 1, 2),
+                  MmaConfig(8, 4, 0, 0, 1, 1, 2)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1), MmaConfig(4, 4, 2, 0, 1)]
+#: Q4_0 as a q + b in the diag launch (k4,u2 2.25 -> 1.78): M = 1 indices 9..
+EXTRA["Q4_0"] += [MmaConfig(4, 2, 1, 0, 1), MmaConfig(4, 4, 1, 0, 1),
+                  MmaConfig(4, 2, 1, 0, 1, 1, 2), MmaConfig(4, 2, 1, 0, 0, 1, 2)]
+#: session 9: two steps a loop iteration (unroll 2: the prefetched registers need no moves; SASS
+#: NF4 k4,u4 2.93 -> 2.79, Q4_K diag k8,u4 1.97 -> 1.77, Q4_0 k4,u2 2.25 -> 2.02): nf4 M = 1
+#: 14.., M = 16 7; Q4_K 22..; Q4_0 11... Run 2 made diag on 4 warps, 4 chunks the one-row default
+#: of Q4_K, AWQ, Q4_0 (quant_mma.DEFAULT_MMA); its unroll-2 forms: Q4_K 24, AWQ 14, Q4_0 13, and
+#: NF4 with scales in their step 17, on 8 warps 18, words two steps ahead 19, 20
+EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 2)]
+EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 2)]
+EXTRA["nf4"] += [MmaConfig(4, 4, 0, 0, 0, 1, 2), MmaConfig(8, 2, 1, 0, 0, 1, 2),
+                 MmaConfig(4, 2, 1, 0, 0, 2, 2), MmaConfig(4, 4, 0, 0, 0, 2, 2),
+                 MmaConfig(4, 4, 1, 0, 0, 1, 2, 1), MmaConfig(4, 4, 1, 0, 0, 1, 1, 1)]
+#: the unpacking's shifts as IMAD.HI (mulhi: off the integer pipe, which Hopper runs at half the
+#: FMA rate and the LOP3 / PRMT fill): nf4 M = 1 21, 22; Q4_K 25, 26; Q4_0 14; AWQ 15
+EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1), MmaConfig(4, 4, 0, 0, 1, 1, 2, 1)]
+EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 1, 1)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1)]
 
 
 def weights(op, n, k, g):

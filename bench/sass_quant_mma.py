@@ -29,16 +29,20 @@ ALIGNED = {(i,): [["tt.divisibility", 16]] for i in range(11)}
 
 
 def source(fmt, cfg, kch=128, nt=1):
-    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16", Q.Q8_0: "*fp16", Q.Q6_K: "*i8"}[fmt]
+    sdt = {Q.Q4_0: "*fp16", Q.Q4_K: "*u8", Q.AWQ: "*fp16", Q.Q8_0: "*fp16", Q.Q6_K: "*i8",
+           Q.NF4: "*fp32"}[fmt]
     sig = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": sdt, "z_ptr": "*u8", "t_ptr": "*fp16",
            "out_ptr": "*bf16", "N": "i32", "M": "i32", "stride_x": "i32", "stride_o": "i32",
            "kch": "i32"}
     per_warp = kch // cfg.ksplit
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
-    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1)
+    diag = bool(getattr(cfg, "diag", 0)) and nt == 1
+    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag,
+                       mulhi=bool(getattr(cfg, "mulhi", 0)))
     cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
-                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=2, AHEAD=cfg.ahead,
-                XAHEAD=bool(cfg.xahead))
+                ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=1 if fmt == Q.NF4 else 2, AHEAD=cfg.ahead,
+                XAHEAD=bool(cfg.xahead), DIAG=diag, DEPTH=getattr(cfg, "depth", 1),
+                UNROLL=getattr(cfg, "unroll", 1))
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.ksplit
 
@@ -47,7 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="4,2,1;4,4,1;4,2,0;4,4,2;8,2,1;4,2,1,1")
     ap.add_argument("--ttgir", action="store_true")
-    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K")
+    ap.add_argument("--fmt", default="Q4_0", help="Q4_0, Q4_K, AWQ, Q8_0, Q6_K, NF4")
     ap.add_argument("--nt", type=int, default=1, help="x tiles of 8 rows (2: M <= 16)")
     args = ap.parse_args()
     for spec in args.configs.split(";"):
@@ -61,7 +65,7 @@ def main():
             print(f"{cfg.tag():28s} FAILED {str(exc)[:600]}")
             continue
         regs, stack, n, ops = loop_stats(kern.asm["cubin"])
-        per = n * cfg.ksplit * 32 / elems
+        per = n * cfg.ksplit * 32 / elems / getattr(cfg, "unroll", 1)
         ttgir = kern.asm["ttgir"]
         found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
         top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))

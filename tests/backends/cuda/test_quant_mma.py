@@ -134,6 +134,58 @@ def test_register_order_as_mma_fragments(fmt, m):
     np.testing.assert_allclose(_emulate(mw, x), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_0"])
+def test_diag_order_as_mma_fragments(fmt):
+    """quant_mma_diag (one row; Q4_0 as a q + b with b = -8 d): lane l's B column l // 4 holds x
+    of block l // 8 of a chunk pair, block q's mma its own chain; lane p takes chain p's column
+    2 p (block p), the scales of block p's rows r, r + 8; the rows summed over the 4 lanes p."""
+    from fuelgraph.backends.cuda.kernels import quant_mma as Q
+    rng = np.random.default_rng(5)
+    n, k = 32, 512
+    raw = gguf_bytes(rng, fmt, n, k)
+    qk, tsize = GGUF_SIZES[fmt]
+    mw = Q.pack_mma(getattr(Q, fmt), torch.from_numpy(raw.reshape(-1)), None, None,
+                    tsize * k // qk, k, n)
+    words = mw.words.numpy().astype(np.int64) & 0xFFFFFFFF              # [T, C, 32, 4]
+    x = rng.standard_normal(k)
+    lane = np.arange(32)
+    r, p = lane // 4, lane % 4
+    out = np.zeros(n)
+    for t in range(n // 16):
+        acc = np.zeros((32, 2))
+        for c0 in range(0, k // 64, 2):
+            blk = (c0 + r // 4) * 64 + ((r // 2) % 2) * 32 + 8 * p           # lane's x block
+            xl = x[blk[:, None] + np.arange(8)]                                 # [32, 8]
+            chains = np.zeros((4, 16, 8))
+            d = np.zeros((16, 8))
+            for q in range(4):
+                u, g = c0 + q // 2, q % 2
+                for s in range(2):
+                    a = np.zeros((16, 16))
+                    b = np.zeros((16, 8))
+                    for e, rows in ((2 * g, r), (2 * g + 1, r + 8)):
+                        for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                            j = 4 * s + jj
+                            a[rows, 2 * p + slot] = 128 + ((words[t, u, :, e] >> (
+                                4 * (j // 2) + 16 * (j % 2))) & 15)
+                    for jj, slot in ((0, 0), (1, 1), (2, 8), (3, 9)):
+                        b[2 * p + slot, r] = xl[:, 4 * s + jj]
+                    chains[q] += a @ b
+                    if q == 0:
+                        d += np.ones((16, 16)) @ b
+            scales = [_entry_scales(mw, t, c0 + j) for j in range(2)]  # (a, b) [8, 4]
+            for h in range(2):
+                e = 2 * (p % 2) + h
+                a_ = np.choose(p // 2, [sc[0][r, e] for sc in scales])
+                b_ = np.choose(p // 2, [sc[1][r, e] for sc in scales])
+                acc[:, h] += (a_ * chains[p, r + 8 * h, 2 * p]
+                              + (b_ - 128 * a_) * d[r + 8 * h, 2 * p])
+        for h in range(2):
+            out[t * 16 + np.arange(8) + 8 * h] = acc[:, h].reshape(8, 4).sum(axis=1)
+    want = gguf_dequant_ref(raw, fmt).astype(np.float64) @ x
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
 GGUF_SIZES = {"Q4_0": (32, 18), "Q4_K": (256, 144), "Q8_0": (32, 34), "Q6_K": (256, 210)}
 
 
@@ -202,6 +254,31 @@ def test_mma_formats_and_rows(fmt, m, name):
     out = fn(x, _cfg(name))
     assert out.shape == (1, m, n)
     check_product(out[0], x[0], ref.T, torch.bfloat16)
+    assert _ran_mma(w)
+
+
+@GPU
+@pytest.mark.parametrize("fmt,cfg,k", [
+    ("Q4_K", (8, 2, 0, 0, 1), 1024), ("Q4_K", (4, 4, 0, 0, 1), 1024),
+    ("Q4_K", (4, 2, 2, 0, 1), 1024), ("Q4_K", (8, 2, 0, 0, 1), 768),
+    ("awq", (4, 4, 0, 0, 1), 1024), ("awq", (4, 2, 2, 0, 1), 512),
+    ("Q4_0", (4, 2, 1, 0, 1), 512), ("Q4_0", (4, 4, 1, 0, 1), 1024),
+    ("Q4_K", (8, 2, 0, 0, 1, 2), 1024), ("Q4_K", (8, 2, 0, 0, 1, 2), 512),
+    ("Q4_K", (8, 2, 0, 0, 1, 1, 2), 768), ("Q4_0", (4, 2, 1, 0, 0, 1, 2), 1024),
+    ("Q4_K", (4, 4, 0, 0, 1, 1, 2, 1), 1024), ("Q4_0", (4, 4, 1, 0, 1, 1, 1, 1), 1024)])
+def test_mma_diag_one_row(fmt, cfg, k):
+    """One row with a lane scaling one block (quant_mma_diag): B's columns carry 4 blocks of a
+    chunk pair, the scales of block lane % 4, the row summed over its lanes; K of 3 super-blocks
+    (odd chunks a warp at 4 warps: the launch halves the warps); 2 rows ignore diag; words two
+    steps ahead (depth 2, also with one step a warp); two steps a loop iteration (unroll 2, 3
+    steps); shifts as IMAD.HI (mulhi)."""
+    from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig
+    rng = np.random.default_rng(k + cfg[0])
+    n = 48
+    fn, ref, w = _weight(fmt, rng, n, k)
+    for m in (1, 2):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        check_product(fn(x.to(DEV), MmaConfig(*cfg)), x.to(DEV), ref.T, torch.bfloat16)
     assert _ran_mma(w)
 
 

@@ -1,5 +1,5 @@
 """Few-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 with M <= 16, W [N, K]; Q4_0,
-Q8_0, Q4_K, Q6_K, AWQ) on the tensor cores through `mma.sync.m16n8k16` written as inline PTX,
+Q8_0, Q4_K, Q6_K, AWQ, NF4) on the tensor cores through `mma.sync.m16n8k16` written as inline PTX,
 on a copy of the weight repacked once into the mma's own register order (cached with the
 weight like `quant_packed`'s copy). The default route for one row of bf16 x of these formats
 and for 1..16 rows of Q6_K (`MMA_DEFAULT_ROWS`; H200 numbers at `DEFAULT_MMA`).
@@ -22,9 +22,10 @@ launch a call. Results are the format's dequantized weights times x with float32
 bit-identical to the CUDA-core kernels' (the dequantization itself stays tested bit-exact
 there).
 
-Register order (`pack_mma`): rows in tiles of 16, K in chunks of 64 (two 32-element blocks).
-Lane l of a warp (r = l // 4, p = l % 4) holds, per chunk and plane, four int32 words (one
-16-byte load, the warp's 512 bytes contiguous): entry e = 2 g + h is row r + 8 h of block g,
+Register order (`quant_mma_pack.pack_mma`): rows in tiles of 16, K in chunks of 64 (two
+32-element blocks). Lane l of a warp (r = l // 4, p = l % 4) holds, per chunk and plane, four
+int32 words (one 16-byte load, the warp's 512 bytes contiguous): entry e = 2 g + h is row r + 8 h
+of block g,
 elements 8 p .. 8 p + 7 of the block (Q6_K: 4 p .. 4 p + 3 and 16 + 4 p .., one half block an
 mma step), element 2 m in bits 4 m and 2 m + 1 in bits 16 + 4 m (so (word >> 4 m) & 0x000F000F
 is the bf16x2 pair the mma wants). In mma step s of block g the lane's A registers are pairs
@@ -37,7 +38,8 @@ chunks a step in a thread, 4 registers), loaded with 16-byte vectors: Triton lay
 sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1], which is what the
 PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py; the
 register order against the PTX ISA's fragment layout by the CPU emulation in the tests). Runs
-on sm_80+ GPUs only (no interpreter: the PTX is warp-collective)."""
+on sm_80+ GPUs only (no interpreter: the PTX is warp-collective). NF4's codes by register table
+lookups: `quant_mma_nf4`; one row of Q4_K / AWQ with a lane scaling one block: `quant_mma_diag`."""
 from __future__ import annotations
 
 import functools
@@ -48,25 +50,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_tiles import AWQ, Q4_0, Q4_K, Q6_K, Q8_0
+from . import quant_mma_nf4 as nf4
+from .quant_mma_diag import ptx_diag, shr_ptx
+from .quant_mma_pack import MmaWeight, pack_mma
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: Triton's CPU interpreter runs no inline PTX: the other routes serve there
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K})
+MMA_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, Q6_K, NF4})
 CHUNK_K = 64        # elements of a row a chunk (two 32-element blocks)
 TILE_N = 16         # rows a tile (the mma's M)
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #: PTX mode per format: "q4" A = q - 8, out += d C a block; "aff" A = q, out += a C + b C1 (C1:
 #: the x sums by an all-ones A); "q8" / "q6": two planes, A = lo and 16 hi - 128 (- 32), both
-#: into C, out += d C a block (Q8_0) or out += (d sc) C a half block (Q6_K: a mma step each)
-MODE = {Q4_0: "q4", AWQ: "aff", Q4_K: "aff", Q8_0: "q8", Q6_K: "q6"}
+#: into C, out += d C a block (Q8_0) or out += (d sc) C a half block (Q6_K: a mma step each);
+#: "nf4": A = bf16(code) by table lookups (`quant_mma_nf4`), out += absmax C a chunk
+MODE = {Q4_0: "q4", AWQ: "aff", Q4_K: "aff", Q8_0: "q8", Q6_K: "q6", NF4: "nf4"}
 #: bf16x2 constants: -136 (128 + q - 136 = q - 8), -128, 16, -2176 (16 (128 + h) - 2048 - 128),
 #: -2080 (- 2048 - 32)
-_NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC300C300"}
+_NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC300C300",
+        "nf4": "0xC300C300"}
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
+def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = False) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
     sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
@@ -79,7 +86,7 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
     names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)]
              + [f"w{i}" for i in range(planes)]
              + [f"x{t}{g}" for t in range(nt) for g in range(2)] + ["sa"]
-             + (["sb"] if mode in ("aff", "q6") else []))
+             + (["sb"] if mode in ("aff", "q6", "nf4") else []))
     base = {name: i * p for i, name in enumerate(names)}
 
     def op(name, u, j):
@@ -91,6 +98,9 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
              "mov.f32 %fz, 0f00000000;"]
     if planes == 2:
         lines += ["mov.b32 %fsix, 0x41804180;", f"mov.b32 %fneh, {_NEG_HI[mode]};"]
+    if mode == "nf4":       # the lookup tables: operand sb's 8 registers (units >= 2)
+        lines.append(nf4.DECLARE)
+        tab = [op("sb", i // 4, i % 4) for i in range(8)]
     # one row of x: columns 2 p + 1 repeat column 2 p (x rows clamp to the last), and only
     # column 0 is stored, so c1 and c3 are left unscaled
     js = (0, 2) if one_row else range(4)
@@ -106,18 +116,21 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                         sh = 2 * (4 * (u % 2) + m)
                         src = w
                         if sh:
-                            lines.append(f"shr.u32 %ft, {w}, {sh};")
+                            lines.append(shr_ptx("%ft", w, sh, mulhi))
                             src = "%ft"
                         lines.append(f"lop3.b32 %fq{q0 + m}, {src}, 0x00030003, 0x43004300, "
                                      "0xEA;")
                     continue
+                if mode == "nf4":
+                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab, mulhi)
+                    continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
-                    lines.append(f"shr.u32 %ft, {w}, {4 * m};")
+                    lines.append(shr_ptx("%ft", w, 4 * m, mulhi))
                     lines.append(f"lop3.b32 %fq{q0 + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
             for i in range(16):
                 if pl == 0:
-                    if mode != "aff":   # aff: A = 128 + q, the 128 leaves with b - 128 a
+                    if mode not in ("aff", "nf4"):  # aff: A = 128 + q (b - 128 a takes it)
                         lines.append(f"fma.rn.bf16x2 %fq{i}, %fq{i}, %fone, %fneg;")
                 else:
                     lines.append(f"fma.rn.bf16x2 %fq{16 + i}, %fq{16 + i}, %fsix, %fneh;")
@@ -128,6 +141,8 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                 for s in range(2):
                     b = f"{{{op(f'x{t}{g}', u, 2 * s)}, {op(f'x{t}{g}', u, 2 * s + 1)}}}"
                     first = s == 0 or mode == "q6"      # q6: each step scaled on its own
+                    if mode == "nf4":                   # the chunk's 64 elements in one C
+                        first = s == 0 and g == 0
                     for pl in range(planes):
                         o = 16 * pl
                         a = [f"%fq{o + 4 * (2 * g) + 2 * s}", f"%fq{o + 4 * (2 * g + 1) + 2 * s}",
@@ -145,9 +160,13 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False) -> str:
                                 op(f"out{t}", u, j)
                             lines.append(f"fma.rn.f32 {op(f'out{t}', u, j)}, %fc{4 * t + j}, "
                                          f"{op('sa' if s == 0 else 'sb', u, e)}, {prev};")
-                if mode == "q6":
+                if mode == "q6" or (mode == "nf4" and g == 0):
                     continue
                 for j in js:            # c0, c1: row r; c2, c3: row r + 8
+                    if mode == "nf4":   # absmax of rows r, r + 8: entries 0, 1
+                        lines.append(f"fma.rn.f32 {op(f'out{t}', u, j)}, %fc{4 * t + j}, "
+                                     f"{op('sa', u, j // 2)}, {op(f'acc{t}', u, j)};")
+                        continue
                     e = 2 * g + j // 2
                     prev = op(f"acc{t}", u, j) if g == 0 else op(f"out{t}", u, j)
                     dst = op(f"out{t}", u, j)
@@ -227,6 +246,11 @@ def _scale_loads(FMT: tl.constexpr, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c,
         f1 = tl.load(sm + 4)
         f2 = tl.load(t_ptr + (tile * (kch // 4) + ch // 4) * 16 + r * 2 + c % 2)
         f3 = f2
+    elif FMT == 10:     # NF4: absmax f32 [tiles, blocks, 8, 2], GPC chunks a block
+        f0 = tl.load(s_ptr + (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2)
+        f1 = f0
+        f2 = f0
+        f3 = f0
     else:               # AWQ: s f16 and z u8 [tiles, groups, 8, 2], GPC chunks a group
         g = (tile * (kch // GPC) + ch // GPC) * 16 + r * 2 + c % 2
         f0 = tl.load(s_ptr + g)
@@ -241,7 +265,7 @@ def _scales(FMT: tl.constexpr, f0, f1, f2, f3):
     """The entries' float32 scale pairs from `_scale_loads`: Q4_0 / Q8_0 (d, -); AWQ
     (s, -z s - 128 s), Q4_K (d sc, -dmin m - 128 d sc) as gguf-py forms d sc and dmin m (the
     128: `_ptx`'s aff mode); Q6_K (d sc) of the two half blocks."""
-    if FMT == 0 or FMT == 4:
+    if FMT == 0 or FMT == 4 or FMT == 10:     # (NF4: absmax)
         a = f0.to(tl.float32)
         b = a
     elif FMT == 7:
@@ -338,11 +362,14 @@ def _hi_offset(FMT: tl.constexpr, ch, WPC: tl.constexpr, first):
 
 
 @triton.jit
-def _x_loads(x_base, x_base1, ch, NT: tl.constexpr):
+def _x_loads(x_base, x_base1, ch, NT: tl.constexpr, DIAG: tl.constexpr = False):
     """x of chunks ch as bf16 pairs [NTH, U, 4]: blocks 0 and 1 of x tile 0 (rows 0..7) and,
-    with NT == 2, of x tile 1 (rows 8..15)."""
+    with NT == 2, of x tile 1 (rows 8..15); DIAG: one load, the block of the chunk pair."""
     x00 = tl.load(x_base + ch * 32)
-    x01 = tl.load(x_base + ch * 32 + 16)
+    if DIAG:
+        x01 = x00
+    else:
+        x01 = tl.load(x_base + ch * 32 + 16)
     if NT == 2:
         x10 = tl.load(x_base1 + ch * 32)
         x11 = tl.load(x_base1 + ch * 32 + 16)
@@ -357,15 +384,17 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      STEPS: tl.constexpr, S: tl.constexpr, U: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
-                     XAHEAD: tl.constexpr = False):
+                     XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
+                     DEPTH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
-    of the [32 S, U, 4] tensors."""
+    of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
+    (`quant_mma_diag`). DEPTH: steps of words in flight (2: one plane only)."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
-    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11        # Q4_K, Q6_K, AWQ
+    SB: tl.constexpr = FMT == 7 or FMT == 9 or FMT == 11 or FMT == 10 or DIAG  # (NF4: tables)
     i = tl.arange(0, NTH)[:, None, None]
     lane = i % 32
     warp = i // 32
@@ -382,6 +411,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     x_i32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     x_base = x_i32 + tl.minimum(r, M - 1) * stride_x + xo                 # [NTH, 1, 4]
     x_base1 = x_i32 + tl.minimum(r + 8, M - 1) * stride_x + xo
+    if DIAG:    # x of block r // 2 of the pair; the scales of block p: chunk and entry shifted
+        x_base = x_i32 + (r // 4) * 32 + ((r // 2) % 2) * 16 + xo - (u % 2) * 32
+        dsh = (lane % 4) // 2 - u % 2                                  # [NTH, U, 1]
+        sc_c = 2 * (lane % 2) + c % 2                                  # [NTH, 1, 4]
+    else:
+        dsh = 0
+        sc_c = c
     # int32 words a chunk of a tile (Q6_K: 384 a chunk pair, the high plane's crumbs last)
     WPC: tl.constexpr = 192 if FMT == 9 else 128 * PLANES
     q_base = q_ptr + tile * kch * WPC + lane * 4 + c
@@ -390,33 +426,46 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     # the next step's words (and with AHEAD its scales) load before this step's math
     words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
+    if DEPTH == 2:      # the step after next's words too
+        words_n = tl.load(q_base + _lo_offset(FMT, ch + U * min(1, STEPS - 1), WPC))
     if PLANES == 2:
         words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
         words2 = words
-    WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4    # byte fields as words
+    WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4 and FMT != 10  # bytes as words
     if WORDS:
-        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, GPC,
+        f0, f1, f2, f3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, GPC,
                                       part * (STEPS * U))
     else:
-        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
-    x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
-    for it in range(STEPS):
+        f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
+                                      GPC)
+    x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
+    if FMT == 10:       # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
+        #                 a copy a lane: from uniform registers ptxas would copy them every prmt
+        tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
+                      + (u * 4 + c) % 8)
+    for it in tl.range(STEPS, loop_unroll_factor=UNROLL):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
-            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch, r, c, GPC)
+            f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
+                                          GPC)
         if it + 1 < STEPS:
-            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
+            if DEPTH == 2:
+                # (the last step reloads the next one's words: no mask, no zeroing)
+                nw = tl.load(q_base + _lo_offset(FMT, ch + U * tl.minimum(2, STEPS - 1 - it),
+                                                 WPC))
+            else:
+                nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
             if PLANES == 2:
                 nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
                                                   part * (STEPS * U) + (it + 1) * U))
             else:
                 nw2 = nw
             if WORDS:
-                n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                              GPC, part * (STEPS * U) + (it + 1) * U)
+                n0, n1, n2, n3 = _scale_words(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U + dsh,
+                                              r, GPC, part * (STEPS * U) + (it + 1) * U)
             elif AHEAD:
-                n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + U, r,
-                                              c, GPC)
+                n0, n1, n2, n3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch,
+                                              ch + U + dsh, r, sc_c, GPC)
             else:
                 n0 = f0
                 n1 = f1
@@ -430,19 +479,23 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             n2 = f2
             n3 = f3
         if WORDS:
-            sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, c)
+            sa, sb = _scales_from_words(FMT, f0, f1, f2, f3, sc_c)
         else:
             sa, sb = _scales(FMT, f0, f1, f2, f3)
+        if FMT == 10:
+            sb = tab
+        if DIAG and FMT == 0:   # Q4_0 in the aff mode: d (128 + q) - 136 d
+            sb = -136.0 * sa
         if XAHEAD:      # x of this step was loaded in the previous one
             if it + 1 < STEPS:
-                y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT)
+                y00, y01, y10, y11 = _x_loads(x_base, x_base1, ch + U, NT, DIAG)
             else:
                 y00 = x00
                 y01 = x01
                 y10 = x10
                 y11 = x11
         else:
-            x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT)
+            x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
         acc0, acc1 = _mma_units(acc0, acc1, words, words2, x00, x01, x10, x11, sa, sb, ASM,
                                 CONS, 4 * U, NT, PLANES, SB)
         if XAHEAD:
@@ -450,7 +503,11 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             x01 = y01
             x10 = y10
             x11 = y11
-        words = nw
+        if DEPTH == 2:
+            words = words_n
+            words_n = nw
+        else:
+            words = nw
         words2 = nw2
         f0 = n0
         f1 = n1
@@ -459,6 +516,14 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         ch += U
     lj = tl.arange(0, 32)[:, None]
     e = tl.arange(0, 4)[None, :]
+    if DIAG:    # entries 0 / 2 of even units: rows r / r + 8, summed over the row group's lanes
+        tot = tl.sum(tl.where(u % 2 == 0, acc0, 0.0), axis=1)
+        if S > 1:
+            tot = tl.sum(tl.reshape(tot, (S, 32, 4)), axis=0)
+        tot = tl.sum(tl.reshape(tot, (8, 4, 4)), axis=1)               # [8 (r), 4]
+        n = pid * 16 + tl.arange(0, 8)[:, None] + 8 * (e // 2)
+        tl.store(out_ptr + n, tot.to(out_ptr.dtype.element_ty), mask=(e % 2 == 0) & (n < N))
+        return
     n = pid * 16 + lj // 4 + 8 * (e // 2)
     m = 2 * (lj % 4) + e % 2
     tot = tl.sum(acc0, axis=1)                                         # [NTH, 4]
@@ -474,130 +539,17 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                  mask=(m + 8 < M) & (n < N))
 
 
-# ---- the repacked weight --------------------------------------------------------------------
-@dataclass(frozen=True)
-class MmaWeight:
-    """words int32 [N / 16, K / 64, 32, 4] (module docstring) and the scales in the layouts
-    `_scales` reads: Q4_0 d f16 [N / 16, K / 64, 8, 4]; AWQ s f16 and z u8 [N / 16, K / group,
-    8, 2]; Q4_K (sc, m) u8 [N / 16, K / 64, 8, 2, 4] and (d, dmin) f16 [N / 16, K / 256, 8, 4].
-    group: elements a scale (AWQ)."""
-    fmt: int
-    words: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-    table: torch.Tensor | None
-    group: int
-    n: int
-    k: int
-
-
+# ---- the repacked weight (`quant_mma_pack`) ------------------------------------------------
 def mma_packable(fmt: int, i0: int, k: int, n: int) -> bool:
     if fmt not in MMA_FORMATS or k % CHUNK_K or n % TILE_N or n <= 0:
         return False
     if fmt == Q6_K:     # whole super-blocks, chunk pairs a warp (ksplit 4 or less)
         return k % 512 == 0
+    if fmt == NF4:      # (2 chunks a step at least: `run_mma`)
+        return i0 % CHUNK_K == 0 and k % i0 == 0 and k % (2 * CHUNK_K) == 0
     if fmt == AWQ:
         return i0 % CHUNK_K == 0 and k % i0 == 0
     return fmt not in (Q4_K, Q6_K) or k % 256 == 0
-
-
-def _words_from_codes(q: torch.Tensor, halves: bool = False) -> torch.Tensor:
-    """Codes q [N, K] (0..15) -> int32 [N / 16, K / 64, 32 lanes, 4 entries] (module docstring);
-    halves (Q6_K): lane p's eight elements of a block are 4 p .. 4 p + 3 and 16 + 4 p .. (an
-    mma step covers one 16-element half block) instead of 8 p .. 8 p + 7."""
-    n, k = q.shape
-    if halves:
-        q = q.reshape(n, k // 32, 2, 4, 4).transpose(2, 3).reshape(n, k)
-    v = q.to(torch.int64).reshape(n // 16, 2, 8, k // 64, 2, 4, 4, 2)   # t h r c g p m odd
-    sh = (4 * torch.arange(4, device=q.device)).view(4, 1) + \
-        16 * torch.arange(2, device=q.device).view(1, 2)
-    w = (v << sh).sum(dim=(-2, -1))                                     # t h r c g p
-    w = w.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, k // 64, 32, 4)   # t c (r p) (g h)
-    return (w - ((w >> 31) << 32)).to(torch.int32)                      # wrap to int32
-
-
-def _two_planes(lo: torch.Tensor, hi: torch.Tensor, halves: bool = False) -> torch.Tensor:
-    """Two 4-bit planes [N, K] -> int32 [N / 16, K / 64, 2 (plane), 32, 4]: a warp reads a
-    chunk's 1 KB at once (two 16-byte loads a lane)."""
-    return torch.stack([_words_from_codes(lo, halves), _words_from_codes(hi, halves)],
-                       dim=2).contiguous()
-
-
-def _q6_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Q6_K's planes (lo 4 bits, hi 2 bits [N, K], half-block order) -> int32 [N / 16, K / 128,
-    3, 32, 4]: per chunk pair the two chunks' low-plane words, then one word per lane and entry
-    holding both chunks' crumbs: code j = 2 m + o of chunk u at bit 2 (4 u + m) + 16 o."""
-    n, k = lo.shape
-    low = _words_from_codes(lo, halves=True).reshape(n // 16, k // 128, 2, 32, 4)
-    h = hi.reshape(n, k // 32, 2, 4, 4).transpose(2, 3).reshape(n, k).to(torch.int64)
-    v = h.reshape(n // 16, 2, 8, k // 128, 2, 2, 4, 4, 2)          # t h r c2 u g p m o
-    sh = 2 * (4 * torch.arange(2, device=lo.device).view(2, 1, 1, 1, 1)
-              + torch.arange(4, device=lo.device).view(1, 1, 1, 4, 1)) \
-        + 16 * torch.arange(2, device=lo.device).view(1, 1, 1, 1, 2)
-    w = (v << sh).sum(dim=(4, -2, -1))                              # t h r c2 g p
-    w = w.permute(0, 3, 2, 5, 4, 1).reshape(n // 16, k // 128, 1, 32, 4)
-    w = (w - ((w >> 31) << 32)).to(torch.int32)
-    return torch.cat([low, w], dim=2).contiguous()
-
-
-def _entries(v: torch.Tensor) -> torch.Tensor:
-    """Per-block values [N, K / 32] -> [N / 16, K / 64, 8, 4] (entry 2 g + h: row r + 8 h,
-    block g of the chunk)."""
-    n, nb = v.shape
-    return v.reshape(n // 16, 2, 8, nb // 2, 2).permute(0, 3, 2, 4, 1).reshape(
-        n // 16, nb // 2, 8, 4).contiguous()
-
-
-def _row_pairs(v: torch.Tensor) -> torch.Tensor:
-    """Per-group values [N, G] -> [N / 16, G, 8, 2] (rows r, r + 8)."""
-    n, g = v.shape
-    return v.reshape(n // 16, 2, 8, g).permute(0, 3, 2, 1).contiguous()
-
-
-def pack_mma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> MmaWeight:
-    """The mma register order of a weight given as `quant.run` takes it (GGUF: bytes, -, -,
-    row bytes; AWQ: qweight, qzeros, scales, group)."""
-    from .quant_packed import _q4k_scale_min, _unpack_awq
-    if fmt == Q4_0:
-        raw = w0.reshape(n, k // 32, 18)
-        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        qs = raw[..., 2:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
-        return MmaWeight(fmt, _words_from_codes(q), _entries(d), None, None, 32, n, k)
-    if fmt == Q4_K:     # d, dmin, 12 bytes of 6-bit (scale, min) pairs, 4 x 32 nibble bytes
-        raw = w0.reshape(n, k // 256, 144)
-        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 256, 2)
-        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))           # [N, K / 32]
-        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
-        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
-        scm = torch.stack([_entries(sc), _entries(mn)], dim=3)              # t c r 2 e
-        table = torch.cat([_row_pairs(dd[..., 0]), _row_pairs(dd[..., 1])], dim=-1)
-        return MmaWeight(fmt, _words_from_codes(q), scm.contiguous(), None,
-                         table.contiguous(), 32, n, k)
-    if fmt == Q8_0:     # two planes: u = q + 128 = 16 hi + lo
-        raw = w0.reshape(n, k // 32, 34)
-        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32)
-        u = (raw[..., 2:].reshape(n, k) ^ 0x80)
-        return MmaWeight(fmt, _two_planes(u & 15, u >> 4), _entries(d), None, None, 32, n, k)
-    if fmt == Q6_K:     # two planes: u = q + 32 = 16 hi + lo (hi 2 bits); 16-element scales
-        raw = w0.reshape(n, k // 256, 210)
-        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
-        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
-        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
-        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
-        hi = hi.reshape(n, k)
-        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
-        sc = raw[..., 192:208].reshape(n, k // 16).contiguous().view(torch.int8)
-        # sc per (row, block, half): entries [tiles, chunks, 8, 2 (half), 4]
-        sc = sc.reshape(n, k // 32, 2)
-        scm = torch.stack([_entries(sc[..., 0]), _entries(sc[..., 1])], dim=3)
-        return MmaWeight(fmt, _q6_words(lo, hi), scm.contiguous(), None, _row_pairs(d), 16, n, k)
-    if fmt == AWQ:      # W [K, N] -> rows of W.T
-        q = _unpack_awq(w0).t().contiguous()                                # [N, K]
-        zeros = _unpack_awq(w1).t().contiguous()                            # [N, K / group]
-        return MmaWeight(fmt, _words_from_codes(q), _row_pairs(w2.t()), _row_pairs(zeros),
-                         None, i0, n, k)
-    raise ValueError(f"no mma layout for format {fmt}")
 
 
 # ---- launch ---------------------------------------------------------------------------------
@@ -610,11 +562,18 @@ class MmaConfig:
     units: int = 2
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
+    diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
+    depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
+    unroll: int = 1     # steps a loop iteration (2: the prefetched registers need no moves)
+    mulhi: int = 0      # the unpacking's shifts as IMAD.HI on the FMA pipe (`shr_ptx`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
-                + (",xa" if self.xahead else "") + "]")
+                + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
+                + (f",d{self.depth}" if self.depth != 1 else "")
+                + (f",x{self.unroll}" if self.unroll != 1 else "")
+                + (",mh" if self.mulhi else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -629,8 +588,17 @@ class MmaConfig:
 #: 0.0219); Q6_K words ahead 0.0228 / 0.0229 (0.0344; in their step 0.0235, carried as bytes
 #: 0.0257). Byte-sized scale fields carried ahead as bytes cost their unpacking (sm_90 SASS of the
 #: loop: Q4_K 4.42 instructions a weight, in their step 3.47, as words 2.81)
-DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahead=2),
-               Q4_K: MmaConfig(ksplit=8, ahead=0), Q6_K: MmaConfig(ahead=2)}
+#: Session 9 run 2 (warm / cold): one lane a block (diag) on 4 warps, 4 chunks a step: Q4_K
+#: scales in their step 0.0113 / 0.0139 (the session 8 default above 0.0170 / 0.0191; diag on 8
+#: warps 2 chunks 0.0144, 4 warps 2 chunks 0.0120, words ahead 0.0117), AWQ scales in their step
+#: 0.0101 / 0.0137 (words ahead 0.0113 / 0.0142, as the old default), Q4_0 0.0101 / 0.0129 (0.0106
+#: / 0.0147; diag 2 chunks 0.0114). NF4 (bf16 codes by prmt lookups, `quant_mma_nf4`; the packed
+#: GEMV 0.0226 / 0.0235): 4 chunks 0.0163-0.0164 / 0.0185-0.0186, 2 chunks 0.0180, 8 chunks
+#: 0.0178, 8 warps 0.0184, scales in their step 0.0163 / 0.0185, with x ahead 0.0163 / 0.0176
+DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
+               AWQ: MmaConfig(units=4, ahead=0, diag=1),
+               Q4_K: MmaConfig(units=4, ahead=0, diag=1), Q6_K: MmaConfig(ahead=2),
+               NF4: MmaConfig(units=4)}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
 #: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
 #: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
@@ -641,18 +609,25 @@ DEFAULT_MMA = {Q4_0: MmaConfig(), Q8_0: MmaConfig(), AWQ: MmaConfig(units=4, ahe
 #: 0.0327). 8 rows: Q4_0 0.0113, AWQ 0.0133, Q4_K 0.0177, Q8_0 0.0231, Q6_K 0.0256 (warm)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
                     AWQ: MmaConfig(ahead=2, xahead=1), Q4_K: MmaConfig(ahead=2, xahead=1),
-                    Q6_K: MmaConfig(ahead=2)}
+                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
 
 
 @functools.lru_cache(maxsize=None)
-def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False) -> tuple[str, str]:
-    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles."""
+def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
+         diag: bool = False, mulhi: bool = False) -> tuple[str, str]:
+    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles; mulhi: the unpacking's
+    shifts as IMAD.HI (`shr_ptx`)."""
     mode = MODE[fmt]
     planes = 2 if mode in ("q8", "q6") else 1
     p = 4 * units
     cons = ["=f"] * (nt * p) + ["f"] * (nt * p) + ["r"] * ((planes + 2 * nt) * p) + \
         ["f"] * ((2 if mode in ("aff", "q6") else 1) * p)
-    return _ptx(mode, units, nt, one_row), ",".join(cons)
+    if mode == "nf4":       # the lookup tables
+        cons += ["r"] * p
+    if diag:    # (Q4_0 too, in the aff mode: sa, sb)
+        cons = ["=f"] * p + ["f"] * p + ["r"] * 3 * p + ["f"] * 2 * p
+        return ptx_diag(units, mulhi), ",".join(cons)
+    return _ptx(mode, units, nt, one_row, mulhi), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -663,7 +638,7 @@ def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
 
 
 #: formats whose default route for 1..N rows of bf16 x is this kernel (`quant.run`), by N
-MMA_DEFAULT_ROWS: dict[int, int] = {Q4_0: 16, Q8_0: 16, AWQ: 16, Q4_K: 16, Q6_K: 16}
+MMA_DEFAULT_ROWS: dict[int, int] = {Q4_0: 16, Q8_0: 16, AWQ: 16, Q4_K: 16, Q6_K: 16, NF4: 16}
 
 
 def mma_default(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -691,7 +666,14 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
     while kch % ksplit:
         ksplit //= 2
     per_warp = kch // ksplit
-    units = min(cfg.units, per_warp)
+    while fmt == NF4 and per_warp % 2:      # its tables ride in a 2-chunk operand
+        ksplit //= 2
+        per_warp = kch // ksplit
+    diag = bool(cfg.diag) and m == 1 and (MODE[fmt] == "aff" or fmt == Q4_0)
+    while diag and per_warp % 2:            # chunk pairs (`quant_mma_diag`)
+        ksplit //= 2
+        per_warp = kch // ksplit
+    units = min(max(cfg.units, 2 if fmt == NF4 or diag else 1), per_warp)
     while per_warp % units:
         units //= 2
     if fmt == Q4_K and cfg.ahead == 2:      # a step within one super-block (`_scale_words`)
@@ -702,7 +684,7 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt, m == 1)
+    asm, cons = _asm(fmt, units, nt, m == 1, diag, bool(cfg.mulhi))
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (n // TILE_N,)
@@ -710,6 +692,8 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            out.stride(0), kch, STEPS=per_warp // units, S=ksplit,
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
-                           XAHEAD=bool(cfg.xahead),
+                           XAHEAD=bool(cfg.xahead), DIAG=diag,
+                           DEPTH=cfg.depth if MODE[fmt] not in ("q8", "q6") else 1,
+                           UNROLL=cfg.unroll,
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
