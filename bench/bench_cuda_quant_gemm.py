@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_cuda_quant_gemv import close, weights  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_gluon_gemm import GluonGemmConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  # noqa: E402
 
 from common import quant_record_names  # noqa: E402  (bench/, the script's folder)
@@ -54,8 +55,10 @@ G = PackedGemmConfig
 #: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88
 _T2 = G(128, 128, 1, 8, 3, tma=2)
 _OLD = "dequant_rows"
-CANDIDATES = {"Q4_0": [_OLD, _T2], "awq": [K.AWQ_GEMM], "Q4_K": [_OLD], "Q8_0": [_OLD],
-              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
+#: Gluon wgmma GEMM launches (num_warps, block_m, stages): quant_gluon_gemm
+GLUON = [GluonGemmConfig(4, 256, 4), GluonGemmConfig(8, 128, 4), GluonGemmConfig(4, 128, 3)]
+CANDIDATES = {"Q4_0": [_OLD, _T2, *GLUON], "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON],
+              "Q8_0": [_OLD, *GLUON], "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -99,7 +102,7 @@ def main():
 
     def record(op, impl, m, ms, nbytes):
         kind = "default" if impl.endswith("[default]") or op == "dense" else \
-            "fused" if "packed_gemm" in impl else "anchor"
+            "fused" if "packed_gemm" in impl or "gluon_gemm" in impl else "anchor"
         key = (op, m, kind)
         if key not in best or ms < best[key][0]:
             best[key] = (ms, impl)

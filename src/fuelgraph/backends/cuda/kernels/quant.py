@@ -54,6 +54,7 @@ from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
 from .quant_mma import MmaConfig, mma_default, mma_ok, run_mma_cached
 from .quant_packed_gemm import GEMM_PACKED_FORMATS, PackedGemmConfig, run_packed_gemm
+from .quant_gluon_gemm import GluonGemmConfig, gluon_ok, run_gluon_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -310,14 +311,16 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
         config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | MmaConfig |
-        PackedGemmConfig | str | None = None):
+        PackedGemmConfig | GluonGemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
     (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
     on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
     PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot), a
-    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm),
+    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm), a
+    GluonGemmConfig (many rows of 16-bit x on sm_90: the wgmma GEMM on the fragment-order
+    copy of quant_gluon_gemm; elsewhere the format's PACKED_GEMM launch),
     "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
     (the copy written in storage order). Configs a format / direction has no kernel for fall
     back to the tile kernels."""
@@ -342,6 +345,10 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             return run_mma_cached(fmt_id, x, w0, w1, w2, i0, k, n,
                                   config if isinstance(config, MmaConfig) else None)
         config = "packed"
+    if isinstance(config, GluonGemmConfig):
+        if rows_ok and gluon_ok(fmt_id, x, w0, w1, w2, i0, k, n, config):
+            return run_gluon_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+        config = PACKED_GEMM.get(fmt_id, MANY_ROWS_FALLBACK.get(fmt_id, "dequant_rows"))
     if isinstance(config, PackedGemmConfig):
         if rows_ok and fmt_id in GEMM_PACKED_FORMATS and packable(fmt_id, i0, k, n) and \
                 x.dtype in (torch.bfloat16, torch.float16):

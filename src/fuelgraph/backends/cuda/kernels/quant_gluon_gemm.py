@@ -1,0 +1,370 @@
+"""Many-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 / f16 with M in the hundreds,
+W [N, K]; Q4_0, AWQ, Q4_K, Q8_0) as a Gluon kernel for Hopper (sm_90) whose decoded weight
+tile never leaves the registers: each thread loads the packed words that hold exactly its
+elements of the wgmma A fragment, decodes them in registers and hands them to an async
+`warpgroup_mma` (weight as A from registers, the x tile as B from shared memory by TMA).
+
+Why: the Triton GEMM of `quant_packed_gemm` decodes the weight tile in a blocked layout and
+the compiler moves it through shared memory into the wgmma operand (layout conversion, CTA
+barriers every step), so decode and tensor cores hardly overlap (H200, N = K = 8192, M = 256:
+0.064 ms with a one-shift decode against dense cuBLAS's 0.055). Here step i's decode runs
+while the wgmma of step i - 1 is in flight (issue, then wait with one group outstanding).
+
+Layout (`pack_wgmma`, cached with the weight like `quant_packed`'s copy): rows in tiles of 16
+(one warp of the warpgroup), K in steps of 64. The wgmma A fragment of a [16, 64] tile gives
+lane l (r = l // 4, p = l % 4) rows r + 8 h and elements k = 32 u + 16 s + 8 c + 2 p + e of
+each (h, u, s, c, e in {0, 1}: 32 elements; `gl.to_linear_layout` of the DotOperandLayout).
+4-bit formats: the lane's 4 int32 words [h, u] are contiguous (one 16-byte load, a warp's 512
+bytes contiguous) and element (s, c, e) is nibble 4 e + 2 c + s of word (h, u). 8-bit (Q8_0):
+8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 16, K / 64, 32 lanes,
+4 or 8 words]. Each 32-element block of a row is one word (4-bit) or two (8-bit) of one
+thread: u is the block. Scales: per (row, 32-element block) the float32 pair (a, b) of
+W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a thread's four a's are one
+16-byte load, shared by the 4 lanes of a row group).
+
+Decode (bit for bit the format's dequantizer, then rounded once to x's dtype as the other
+GEMMs do): v = 2^23 + 2^SH q as float32 (the code moved to bit SH = 12 (4-bit) / 8 (Q8_0)
+and OR-ed into 2^23's mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH
+and b = o - s 2^(23 - SH) exact (see `wgmma_pairs`), so the fused result is the exact
+product s (q - z); Q4_K: W = fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, as gguf-py.
+
+Kernel: a program owns BLOCK_N = 16 warps weight rows and BLOCK_M rows of x (acc [BLOCK_N,
+BLOCK_M] float32 in the wgmma layout, one warpgroup per 64 rows); x tiles [BLOCK_M, 64] in a
+ring of STAGES shared-memory buffers filled by TMA (an mbarrier each); the packed words and
+pairs of step i + 2 are loaded into registers while step i decodes. The decoded
+[BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
+DotOperandLayout up to register order (`convert_layout` moves no data: checked by
+bench/sass_quant_gluon.py in the SASS, no shared-memory stores or barriers of it in the
+loop). Runs on sm_90 only (Gluon has no interpreter)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .quant_packed import _unpack_awq, _q4k_scale_min, packed_weight
+from .quant_tiles import AWQ, Q4_0, Q4_K, Q8_0
+
+#: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0
+GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0})
+_KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2}
+_BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8}
+#: bit position of the code in v = 2^23 + 2^SH q
+_SH = {4: 12, 8: 8}
+STEP_K = 64
+MAGIC = 0x4B000000
+
+
+# ---- the packed weight ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class WgmmaWeight:
+    """codes int32 [N / 16, K / 64, 32, 4 or 8] (module docstring), pairs' a and b float32
+    [N / 16, K / 64, 8, 2, 2], each flattened with two steps of padding (`_padded`)."""
+    fmt: int
+    codes: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    n: int
+    k: int
+
+
+def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes q uint8 [N, K] (< 2**bits) -> int32 [N / 16, K / 64, 32, 32 / bits * ...] in the
+    fragment order: row 16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e."""
+    n, k = q.shape
+    v = q.to(torch.int32).reshape(n // 16, 2, 8, k // 64, 2, 2, 2, 4, 2)
+    #                               t     h  r  kk      u  s  c  p  e
+    if bits == 4:   # word (h, u), nibble 4 e + 2 c + s
+        v = v.permute(0, 3, 2, 7, 1, 4, 8, 6, 5).reshape(n // 16, k // 64, 32, 4, 8)
+        shifts = 4 * torch.arange(8, dtype=torch.int32, device=q.device)
+    else:           # word (h, u, s), byte 2 e + c
+        v = v.permute(0, 3, 2, 7, 1, 4, 5, 8, 6).reshape(n // 16, k // 64, 32, 8, 4)
+        shifts = 8 * torch.arange(4, dtype=torch.int32, device=q.device)
+    w = (v.to(torch.int64) << shifts.to(torch.int64)).sum(-1)
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w)                       # two's complement
+    return w.to(torch.int32).contiguous()
+
+
+def _pair_tiles(t: torch.Tensor) -> torch.Tensor:
+    """Per-(row, 32-block) values [N, K / 32] float32 -> [N / 16, K / 64, 8 r, 2 h, 2 u]."""
+    n, g = t.shape
+    return t.reshape(n // 16, 2, 8, g // 2, 2).permute(0, 3, 2, 1, 4).contiguous()
+
+
+def wgmma_pairs(fmt: int, s: torch.Tensor, o: torch.Tensor):
+    """(a, b) float32 [N, K / 32] of W = fma(v, a, b) (v = 2^23 + 2^SH q) for the per-block
+    scale s and offset o (W = s q + o; Q4_0: o = -8 d, AWQ: -z s, Q8_0: o = -128 d for the
+    stored q + 128; Q4_K: v - 2^23 is used, so b = o). a = s 2^-SH exact (a power of two; no
+    f16 scale reaches float32's subnormals); b = o - s 2^(23 - SH) = -s (z + 2^(23 - SH)): the
+    integer has at most 12 (4-bit, SH = 12) / 9 (Q8_0, SH = 8) significant bits and s 11
+    (f16), so b is exact and so is the fused product."""
+    sh = _SH[_BITS[fmt]]
+    a = s * 2.0 ** -sh
+    if _KIND[fmt] == 1:
+        b = o
+    else:
+        b = (o.double() - s.double() * 2.0 ** (23 - sh)).float()
+    return a.float(), b.float()
+
+
+def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
+    """The fragment-order copy of a weight given as `quant.run` takes it (GGUF: bytes, -, -,
+    row bytes; AWQ: qweight, qzeros, scales, group)."""
+    if fmt == Q4_0:
+        raw = w0.reshape(n, k // 32, 18)
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
+        qs = raw[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+        s, o = d, -8.0 * d
+    elif fmt == Q8_0:
+        raw = w0.reshape(n, k // 32, 34)
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
+        q = raw[..., 2:].reshape(n, k) ^ 0x80                              # int8 q + 128
+        s, o = d, -128.0 * d
+    elif fmt == Q4_K:
+        raw = w0.reshape(n, k // 256, 144)
+        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 256, 2).float()
+        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))
+        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
+        d = dd[..., 0].repeat_interleave(8, dim=1)
+        dmin = dd[..., 1].repeat_interleave(8, dim=1)
+        s, o = d * sc.float(), -(dmin * mn.float())                # as gguf-py forms them
+    elif fmt == AWQ:
+        q = _unpack_awq(w0).t().contiguous()                               # [N, K]
+        rep = i0 // 32
+        z = _unpack_awq(w1).t().float().repeat_interleave(rep, dim=1)
+        s = w2.t().float().repeat_interleave(rep, dim=1)
+        o = -(z * s)
+    else:
+        raise ValueError(f"no wgmma layout for format {fmt}")
+    a, b = wgmma_pairs(fmt, s, o)
+    return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)),
+                       _padded(_pair_tiles(b)), n, k)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """t flattened with two (tile, step) blocks of zeros after it: the kernel loads two steps
+    ahead of the last one without a bound (the last tile's overrun lands here)."""
+    flat = t.reshape(-1)
+    block = flat.numel() // (t.shape[0] * t.shape[1])
+    return torch.cat([flat, flat.new_zeros(2 * block)])
+
+
+def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmConfig") -> bool:
+    """Whether this kernel takes the call: a format of GLUON_FORMATS, 16-bit x on an sm_90 GPU
+    (wgmma), N a multiple of the launch's block_n, K of 64, AWQ groups of 32k; not while a CUDA
+    graph is captured before the weight's copy exists (it would live in the graph's pool)."""
+    if fmt not in GLUON_FORMATS or n % cfg.block_n or k % STEP_K or \
+            x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or \
+            torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    if fmt == AWQ and not (i0 >= 32 and i0 % 32 == 0 and k % i0 == 0):
+        return False
+    return not torch.cuda.is_current_stream_capturing() or \
+        packed_weight(fmt, w0, w1, w2, i0, k, n, build=pack_wgmma, make=False) is not None
+
+
+# ---- kernel ---------------------------------------------------------------------------------
+@gluon.jit
+def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr):
+    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * 4] (flat, blocked: a thread's
+    WORDS words / 4 values contiguous)."""
+    w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
+    a = gl.load(a_ptr + (tile_s + kk * 32) + s_off)
+    b = gl.load(b_ptr + (tile_s + kk * 32) + s_off)
+    return w, a, b
+
+
+@gluon.jit
+def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
+    """Plane j of the words w (float32, w's shape). 4-bit: nibble j at bit SH = 12 (j even) or
+    16 (j odd) of a view of the word (one shift a nibble pair), masked and OR-ed into 2^23 by
+    one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
+    (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
+    SH = 8), then one FMA."""
+    if KIND == 2:
+        SEL: gl.constexpr = 0x7504 + 16 * j
+        f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+        return gl.fma(f.to(gl.float32, bitcast=True), a, b)
+    D: gl.constexpr = 8 * (j // 2) - 12
+    if D > 0:
+        v = w >> D
+    else:
+        v = w << -D
+    M: gl.constexpr = 0xF000 << (4 * (j % 2))
+    f = gl.inline_asm_elementwise(f"lop3.b32 $0, $1, {M}, $2, 0xEA;", "=r,r,r", [v, magic],
+                                  dtype=gl.int32, is_pure=True, pack=1)
+    f = f.to(gl.float32, bitcast=True)
+    if KIND == 1:
+        f = f - 8388608.0
+    return gl.fma(f, a, b)
+
+
+@gluon.jit
+def _pairs16(KIND: gl.constexpr, a, b):
+    """The pair of SH = 16 from the pair of SH = 12 (exact): a 2^-4; Q4_0 / AWQ:
+    b + s (2^11 - 2^7) = fma(a, 2^12 (2^11 - 2^7), b), the exact value o - s 2^7 (representable,
+    `wgmma_pairs`), so the single rounding is exact; Q4_K's b has no SH in it."""
+    a16 = a * 0.0625
+    if KIND == 1:
+        return a16, b
+    return a16, gl.fma(a, 8388608.0 - 524288.0, b)
+
+
+@gluon.jit
+def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
+            a_layout: gl.constexpr):
+    """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
+    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]): planes decoded in float32,
+    joined, permuted to K order and rounded to dtype in the fragment's registers."""
+    if KIND == 2:
+        w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
+        a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]), w6.type.layout)
+        b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]), w6.type.layout)
+        p0 = _plane(KIND, w6, 0, a6, b6, magic)
+        p1 = _plane(KIND, w6, 1, a6, b6, magic)
+        p2 = _plane(KIND, w6, 2, a6, b6, magic)
+        p3 = _plane(KIND, w6, 3, a6, b6, magic)
+        v = gl.join(gl.join(p0, p1), gl.join(p2, p3))     # t r p h u s c e (byte 2e + c)
+    else:
+        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
+        a5 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2]), w5.type.layout)
+        b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+        c5, d5 = _pairs16(KIND, a5, b5)
+        p0 = _plane(KIND, w5, 0, a5, b5, magic)
+        p1 = _plane(KIND, w5, 1, c5, d5, magic)
+        p2 = _plane(KIND, w5, 2, a5, b5, magic)
+        p3 = _plane(KIND, w5, 3, c5, d5, magic)
+        p4 = _plane(KIND, w5, 4, a5, b5, magic)
+        p5 = _plane(KIND, w5, 5, c5, d5, magic)
+        p6 = _plane(KIND, w5, 6, a5, b5, magic)
+        p7 = _plane(KIND, w5, 7, c5, d5, magic)
+        v = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)),
+                    gl.join(gl.join(p4, p5), gl.join(p6, p7)))  # t r p h u s c e (4e + 2c + s)
+    v = gl.permute(v, [0, 3, 1, 4, 5, 6, 2, 7])                # t h r | u s c p e
+    return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout).to(dtype)
+
+
+@gluon.jit
+def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, magic,
+                       KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
+    and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
+    q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
+    steps: the loads run two steps ahead unclamped); magic: 0x4B000000 (a register operand of
+    the decode's LOP3 / PRMT)."""
+    T: gl.constexpr = num_warps
+    BLOCK_N: gl.constexpr = 16 * T
+    WORDS: gl.constexpr = 8 if KIND == 2 else 4
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    steps = K // 64
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [num_warps], [0])
+    s_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
+    q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
+    i = gl.arange(0, T * 128, layout=s_layout)
+    s_off = (i // 128) * (steps * 32) + ((i // 16) % 8) * 4 + i % 4
+    s_off = gl.max_contiguous(gl.multiple_of(s_off, 4), 4)
+    q_off = (q_off // (32 * WORDS)) * (steps * 32 * WORDS) + q_off % (32 * WORDS)
+    q_off = gl.max_contiguous(gl.multiple_of(q_off, WORDS), WORDS)
+    tile = pid_n * T
+    tile_q = tile.to(gl.int64) * steps * (32 * WORDS)
+    tile_s = tile.to(gl.int64) * steps * 32
+
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    m0 = pid_m * BLOCK_M
+    for s in gl.static_range(STAGES - 1):
+        if s < steps:
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
+                                            x_smem.index(s))
+    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS)
+    w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+    for it in range(steps):
+        w2, a2, b2 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, it + 2, q_off, s_off,
+                                WORDS)
+        wt = _decode(KIND, w0, a0, b0, magic, dtype, T, a_layout)
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        acc = warpgroup_mma(wt, x_smem.index(st).permute((1, 0)), acc, is_async=True)
+        acc, wt = warpgroup_mma_wait(num_outstanding=1, deps=(acc, wt))
+        # step it - 1's wgmma is done in every warp: its buffer takes step it + STAGES - 1
+        gl.thread_barrier()
+        nxt = it + STAGES - 1
+        if nxt < steps:
+            sn = nxt % STAGES
+            mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, nxt * 64], ready.index(sn),
+                                            x_smem.index(sn))
+        w0, a0, b0 = w1, a1, b1
+        w1, a1, b1 = w2, a2, b2
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    # out[m, n] = acc[n, m]: a thread stores 8 consecutive n of one m (16 bytes)
+    o_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
+    res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), o_layout)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))
+    ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
+    gl.store(ptrs, res, mask=(offs_m < M)[None, :])
+
+
+# ---- launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GluonGemmConfig:
+    """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
+    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight."""
+    num_warps: int = 4
+    block_m: int = 256
+    stages: int = 4
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.num_warps
+
+    def tag(self) -> str:
+        return f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}]"
+
+
+def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
+    """Shared-memory layout of an x tile [block_m, 64] (128-byte swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, STEP_K], dtype)
+
+
+def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
+                   config: GluonGemmConfig | None = None):
+    """x [..., K] (bf16 / f16, CUDA, sm_90) @ W.T through the fragment-order copy of the
+    weight (arguments as `quant.run`). Returns [..., N] in x's dtype."""
+    cfg = config or GluonGemmConfig()
+    pw = packed_weight(fmt, w0, w1, w2, i0, k, n, build=pack_wgmma)
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
+    grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
+    _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, out, m, n, k, out.stride(0), MAGIC,
+                             KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                             num_warps=cfg.num_warps)
+    return out.reshape(*x.shape[:-1], n)

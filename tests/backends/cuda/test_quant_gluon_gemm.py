@@ -1,0 +1,138 @@
+"""The Gluon wgmma GEMM on the fragment-order weight copy (`quant_gluon_gemm`: Q4_0, AWQ, Q4_K,
+Q8_0). Without a GPU: the packed copy decoded by a torch re-implementation of the documented
+fragment order and pair formula equals gguf-py's / the AWQ reference's dequantized weight bit
+for bit. On an sm_90 GPU: x = the bf16 identity gives every weight rounded once to bf16 (edge
+bytes, every nibble / byte value), and products against float64 torch on the dequantized
+weight (a partial x tile, bf16 and f16 x, the launches of the sweep)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .cuda_oracle import DEV, HAS_CUDA, check_product, gguf_dequant_ref, torch
+
+gguf = pytest.importorskip("gguf")
+
+from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS  # noqa: E402
+
+from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes,  # noqa: E402
+                         same_bits)
+
+FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ"]
+SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+#: launches (num_warps, block_m, stages) the GPU tests run
+LAUNCHES = [(4, 256, 4), (8, 128, 4), (4, 128, 3)]
+
+
+def _weight(fmt, rng, n, edge=False, dev=DEV):
+    """((fmt id, w0, w1, w2, i0) as quant.run takes them, n, k, float64 reference W [N, K]):
+    random bytes (K = 512), or (edge) the 256 GGUF edge blocks as the first rows / random f16
+    bit patterns as AWQ scales with group 64."""
+    k = 512
+    if fmt in GGUF:
+        qk = GGUF[fmt][0]
+        raw = gguf_bytes(rng, fmt, n, k)
+        if edge:
+            blocks, _, _ = gguf_edge_bytes(fmt)
+            per = k // qk
+            idx = (np.arange(256)[:, None] + 37 * np.arange(per)[None, :]) % 256
+            raw = np.concatenate([blocks[idx].reshape(256, -1), raw])
+        w = torch.as_tensor(raw.reshape(-1)).to(dev)
+        return (GGUF_IDS[fmt], w, w, w, raw.shape[1]), raw.shape[0], k, gguf_dequant_ref(raw, fmt)
+    gs = 64 if edge else 128
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    if edge:
+        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
+        sc = bits.astype(np.uint16).view(np.float16)
+    else:
+        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    t = [torch.as_tensor(v).to(dev) for v in (qw, qz, sc)]
+    return (AWQ, *t, gs), n, k, awq_reference(qw, qz, sc, gs).T
+
+
+def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
+    """W [N, K] float32 from the packed copy, written from the module docstring: row
+    16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e; 4-bit: word (h, u) of lane 4 r + p,
+    nibble 4 e + 2 c + s; 8-bit: word (h, u, s), byte 2 e + c; W = v a + b with
+    v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23), rounded once to float32."""
+    n, k = pw.n, pw.k
+    bits = G._BITS[pw.fmt]
+    words = 4 if bits == 4 else 8
+    c = pw.codes.cpu()[: n // 16 * k // 64 * 32 * words].to(torch.int64) & 0xFFFFFFFF
+    per = 32 // bits
+    vals = torch.stack([(c >> (bits * j)) & (2 ** bits - 1) for j in range(per)], -1)
+    if bits == 4:   # (t, kk, r, p, h, u, e, c, s) -> (t, h, r, kk, u, s, c, p, e)
+        q = vals.reshape(n // 16, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 4, 2, 1, 5, 8, 7, 3, 6)
+        sh = 12
+    else:           # (t, kk, r, p, h, u, s, e, c) -> (t, h, r, kk, u, s, c, p, e)
+        q = vals.reshape(n // 16, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 4, 2, 1, 5, 6, 8, 3, 7)
+        sh = 8
+    q = q.reshape(n, k).double()
+
+    def pairs(t):
+        t = t.cpu()[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
+        return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
+
+    v = q * 2.0 ** sh + (0 if pw.fmt == GGUF_IDS["Q4_K"] else 2.0 ** 23)
+    return (v * pairs(pw.a) + pairs(pw.b)).float().numpy()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_wgmma_copy_decodes_bit_exact(fmt):
+    """The packed copy (built on the CPU) decoded by the documented formula equals the
+    format's dequantizer bit for bit on edge bytes (every nibble / byte value, zero and extreme
+    scales; rows of finite weights)."""
+    args, n, k, want = _weight(fmt, np.random.default_rng(41), 64, edge=True, dev="cpu")
+    pw = G.pack_wgmma(*args[:1], *args[1:4], args[4], k, n)
+    got = _emulate(pw)
+    fin = np.isfinite(want).all(axis=1)
+    assert fin.sum() >= 64
+    same_bits(got[fin] + 0.0, want[fin].astype(np.float32) + 0.0)
+
+
+def test_wgmma_copy_is_padded_and_sized():
+    """Two (tile, step) blocks of zeros after each array (the kernel's unbounded look-ahead)."""
+    args, n, k, _ = _weight("Q8_0", np.random.default_rng(3), 64, dev="cpu")
+    pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
+    assert pw.codes.numel() == (n // 16 * k // 64 + 2) * 32 * 8
+    assert pw.a.numel() == pw.b.numel() == (n // 16 * k // 64 + 2) * 32
+    assert not pw.codes[-2 * 256:].any()
+
+
+def _bf16(w: np.ndarray) -> np.ndarray:
+    return torch.as_tensor(np.asarray(w, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("launch", LAUNCHES[:2], ids=str)
+def test_gluon_gemm_decodes_bit_exact(fmt, launch):
+    """x = the bf16 identity [K, K]: out[m, n] = W[n, m] rounded once to bf16, for every
+    weight of the edge rows (finite ones)."""
+    args, n, k, want = _weight(fmt, np.random.default_rng(41), 128, edge=True)
+    assert n % (16 * launch[0]) == 0
+    x = torch.eye(k, dtype=torch.bfloat16, device=DEV)
+    got = G.run_gluon_gemm(*args[:4], args[4], k, n, config=G.GluonGemmConfig(*launch))
+    got = got.float().cpu().numpy().T
+    fin = np.isfinite(want).all(axis=1)
+    same_bits(got[fin] + 0.0, _bf16(want[fin]) + 0.0)
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("launch", LAUNCHES, ids=str)
+def test_gluon_gemm_product(fmt, launch):
+    """M = 200 rows (a partial x tile), N = 256, bf16 x (and f16 x for the first launch)
+    through quant.run, against float64 torch on the dequantized weight."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    args, n, k, want = _weight(fmt, np.random.default_rng(7), 256)
+    cfg = G.GluonGemmConfig(*launch)
+    for dt in (torch.bfloat16, torch.float16)[:2 if launch == LAUNCHES[0] else 1]:
+        x = torch.randn(200, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
+        assert G.gluon_ok(args[0], x, *args[1:4], args[4], k, n, cfg)
+        check_product(K.run(*args[:1], x, *args[1:4], args[4], k, n, config=cfg), x, want.T, dt)
