@@ -6,7 +6,7 @@ frequent opcodes, and whether the loop has shared-memory stores (STS) or CTA bar
 beyond the one a step that frees the x buffer: the decoded tile must stay in registers.
 
     python3 bench/sass_quant_gluon.py [--fmt Q4_0,AWQ,Q4_K,Q8_0] [--cfg "4,256,4;8,128,4"]
-        (warps,block_m,stages)  [--ttgir]
+        (warps,block_m,stages[,sub])  [--ttgir]
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     sig = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64],{lay!r}>", "q_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "stride_o": "i32", "magic": "i32"}
-    cons = dict(KIND=G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+    cons = dict(KIND=G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=cfg.sub,
                 num_warps=cfg.num_warps)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 7, 8)}
     src = GluonASTSource(G._gluon_gemm_kernel, sig, cons, attrs=attrs)
@@ -46,7 +46,9 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
 
 
 def mma_loop(cubin: bytes):
-    """(registers, the innermost loop with the HGMMAs: its instructions and opcode counts)."""
+    """(registers, the main loop: of the backward branches' spans, the one with the most
+    HGMMAs and then the fewest instructions (the mbarrier waits' retry branches span more):
+    its instructions and opcode counts)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         pathlib.Path(path).write_bytes(cubin)
@@ -59,13 +61,14 @@ def mma_loop(cubin: bytes):
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
         if m:
             rows.append((int(m.group(1), 16), m.group(2)))
-    loop = []
+    loop, best = [], None
     for a, ins in rows:
         b = re.search(r"BRA (0x[0-9a-f]+)", ins)
         if b and int(b.group(1), 16) < a:
             body = [i for x, i in rows if int(b.group(1), 16) <= x <= a]
-            if any("HGMMA" in i for i in body) and (not loop or len(body) < len(loop)):
-                loop = body
+            key = (sum("HGMMA" in i for i in body), -len(body))
+            if key[0] and (not loop or key > best):
+                loop, best = body, key
     ops = collections.Counter(
         (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
     regs = re.search(r"REG:(\d+)", res)
@@ -81,13 +84,12 @@ def main() -> None:
     fmts = {**FMTS, "AWQ": G.AWQ}
     for name in args.fmt.split(","):
         for c in args.cfg.split(";"):
-            w, bm, st = (int(v) for v in c.split(","))
-            cfg = G.GluonGemmConfig(num_warps=w, block_m=bm, stages=st)
+            cfg = G.GluonGemmConfig(*(int(v) for v in c.split(",")))
             k = compile_one(fmts[name], cfg)
             if args.ttgir:
                 print(k.asm["ttgir"])
             regs, n, ops = mma_loop(k.asm["cubin"])
-            per = n * 32 * w / (cfg.block_n * 64)     # a thread's loop instructions / weights
+            per = n * 32 * cfg.num_warps / (cfg.block_n * 64 * cfg.sub)  # a thread's, a weight
             top = ", ".join(f"{o} {c}" for o, c in ops.most_common(12))
             print(f"{name:5s} {cfg.tag():28s} regs {regs} smem "
                   f"{k.metadata.shared} loop {n} instr = {per:.2f}/weight (per x tile) "

@@ -255,12 +255,13 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 @gluon.jit
 def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       SUB: gl.constexpr, num_warps: gl.constexpr):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
-    steps: the loads run two steps ahead unclamped); magic: 0x4B000000 (a register operand of
-    the decode's LOP3 / PRMT)."""
+    steps: the loads run SUB steps ahead unclamped); magic: 0x4B000000 (a register operand of
+    the decode's LOP3 / PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration, one
+    wgmma wait, CTA barrier and x refill for them all."""
     T: gl.constexpr = num_warps
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 else 4
@@ -290,32 +291,44 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, 
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
     m0 = pid_m * BLOCK_M
-    for s in gl.static_range(STAGES - 1):
+    for s in gl.static_range(STAGES):
         if s < steps:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
                                             x_smem.index(s))
     w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS)
-    w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS)
+    if SUB == 2:
+        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
-    for it in range(steps):
-        w2, a2, b2 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, it + 2, q_off, s_off,
+    for it in range(steps // SUB):
+        # sub-step j: decode its words, reload them for the next iteration (the registers
+        # just freed: no moves), then the async wgmma on its x buffer
+        st = it * SUB
+        t0 = _decode(KIND, w0, a0, b0, magic, dtype, T, a_layout)
+        w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
                                 WORDS)
-        wt = _decode(KIND, w0, a0, b0, magic, dtype, T, a_layout)
-        st = it % STAGES
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-        acc = warpgroup_mma(wt, x_smem.index(st).permute((1, 0)), acc, is_async=True)
-        acc, wt = warpgroup_mma_wait(num_outstanding=1, deps=(acc, wt))
-        # step it - 1's wgmma is done in every warp: its buffer takes step it + STAGES - 1
+        mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
+        acc = warpgroup_mma(t0, x_smem.index(st % STAGES).permute((1, 0)), acc, is_async=True)
+        if SUB == 2:
+            t1 = _decode(KIND, w1, a1, b1, magic, dtype, T, a_layout)
+            w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
+                                    WORDS)
+            mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
+            acc = warpgroup_mma(t1, x_smem.index((st + 1) % STAGES).permute((1, 0)), acc,
+                                is_async=True)
+            acc, t0, t1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, t0, t1))
+        else:
+            acc, t0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t0))
+        # the previous iteration's wgmmas are done in every warp: their buffers take the
+        # sub-steps STAGES later
         gl.thread_barrier()
-        nxt = it + STAGES - 1
-        if nxt < steps:
-            sn = nxt % STAGES
-            mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, nxt * 64], ready.index(sn),
-                                            x_smem.index(sn))
-        w0, a0, b0 = w1, a1, b1
-        w1, a1, b1 = w2, a2, b2
+        for j in gl.static_range(SUB):
+            done = st - SUB + j
+            if (done >= 0) & (done + STAGES < steps):
+                sn = done % STAGES
+                mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [m0, (done + STAGES) * 64],
+                                                ready.index(sn), x_smem.index(sn))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -332,17 +345,20 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, 
 @dataclass(frozen=True)
 class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
-    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight."""
+    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight (>= 2 sub),
+    `sub` steps of 64 an iteration (one wgmma wait, barrier and refill for them)."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
+    sub: int = 1
 
     @property
     def block_n(self) -> int:
         return 16 * self.num_warps
 
     def tag(self) -> str:
-        return f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}]"
+        return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
+                + (f",sub{self.sub}" if self.sub > 1 else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -366,5 +382,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
     _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, out, m, n, k, out.stride(0), MAGIC,
                              KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                             SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
