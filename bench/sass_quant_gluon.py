@@ -29,18 +29,18 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import GGUF_IDS  # noqa: E402
 
-FMTS = {"Q4_0": GGUF_IDS["Q4_0"], "Q4_K": GGUF_IDS["Q4_K"], "Q8_0": GGUF_IDS["Q8_0"]}
+FMTS = {name: GGUF_IDS[name] for name in ("Q4_0", "Q4_K", "Q8_0", "Q6_K")}
 
 
 def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     """The compiled kernel (bf16 x and output) for this format and launch."""
     lay = G.x_layout(cfg.block_m, G.gl.bfloat16)
     sig = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64],{lay!r}>", "q_ptr": "*i32",
-           "a_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+           "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "stride_o": "i32", "magic": "i32"}
     cons = dict(KIND=G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=cfg.sub,
                 num_warps=cfg.num_warps)
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 7, 8)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 8, 9)}
     src = GluonASTSource(G._gluon_gemm_kernel, sig, cons, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps))
 
@@ -77,11 +77,11 @@ def mma_loop(cubin: bytes):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fmt", default="Q4_0,AWQ,Q4_K,Q8_0")
+    ap.add_argument("--fmt", default="Q4_0,Q4_K,Q8_0,NF4,Q6_K")
     ap.add_argument("--cfg", default="4,256,4;8,128,4")
     ap.add_argument("--ttgir", action="store_true")
     args = ap.parse_args()
-    fmts = {**FMTS, "AWQ": G.AWQ}
+    fmts = {**FMTS, "AWQ": G.AWQ, "NF4": G.NF4}
     for name in args.fmt.split(","):
         for c in args.cfg.split(";"):
             cfg = G.GluonGemmConfig(*(int(v) for v in c.split(",")))

@@ -14,12 +14,13 @@ from .cuda_oracle import DEV, HAS_CUDA, check_product, gguf_dequant_ref, torch
 gguf = pytest.importorskip("gguf")
 
 from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
-from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
+from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 
 from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes,  # noqa: E402
-                         same_bits)
+                         nf4_reference, same_bits)
 
-FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ"]
+FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 #: launches (num_warps, block_m, stages, sub) the GPU tests run
@@ -29,8 +30,16 @@ LAUNCHES = [(4, 256, 4, 2), (8, 128, 4, 2), (4, 128, 3, 1)]
 def _weight(fmt, rng, n, edge=False, dev=DEV):
     """((fmt id, w0, w1, w2, i0) as quant.run takes them, n, k, float64 reference W [N, K]):
     random bytes (K = 512), or (edge) the 256 GGUF edge blocks as the first rows / random f16
-    bit patterns as AWQ scales with group 64."""
+    bit patterns as AWQ scales with group 64 (NF4: every byte value, absmax blocks of 64)."""
     k = 512
+    if fmt == "NF4":
+        packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
+        if edge:
+            packed[:, :256] = np.arange(256, dtype=np.uint8)
+        absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
+        t = [torch.as_tensor(packed).to(dev), torch.as_tensor(absmax).to(dev),
+             torch.tensor(NF4_CODE, dtype=torch.float32, device=dev)]
+        return (NF4, *t, 64), n, k, nf4_reference(packed, absmax, 64)
     if fmt in GGUF:
         qk = GGUF[fmt][0]
         raw = gguf_bytes(rng, fmt, n, k)
@@ -57,7 +66,8 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
     """W [N, K] float32 from the packed copy, written from the module docstring: row
     16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e; 4-bit: word (h, u) of lane 4 r + p,
     nibble 4 e + 2 c + s; 8-bit: word (h, u, s), byte 2 e + c; W = v a + b with
-    v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23), rounded once to float32."""
+    v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23), rounded once to float32; NF4
+    code[q] absmax; Q6_K 2^8 q a - 8192 a with a per 16 elements."""
     n, k = pw.n, pw.k
     bits = G._BITS[pw.fmt]
     words = 4 if bits == 4 else 8
@@ -76,6 +86,12 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
         t = t.cpu()[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
         return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
 
+    if pw.fmt == NF4:       # code[q] * absmax
+        return (torch.tensor(NF4_CODE, dtype=torch.float64)[q.long()] * pairs(pw.a)).float().numpy()
+    if pw.fmt == GGUF_IDS["Q6_K"]:      # a per 16 elements (u, s): W = 2^8 q a - 32 2^8 a
+        a = pw.a.cpu()[: n // 16 * k // 64 * 64].reshape(n // 16, k // 64, 8, 2, 2, 2)
+        a = a.permute(0, 3, 2, 1, 4, 5).reshape(n, k // 16).double().repeat_interleave(16, 1)
+        return (q * 2.0 ** sh * a - 8192.0 * a).float().numpy()
     v = q * 2.0 ** sh + (0 if pw.fmt == GGUF_IDS["Q4_K"] else 2.0 ** 23)
     return (v * pairs(pw.a) + pairs(pw.b)).float().numpy()
 
@@ -106,10 +122,15 @@ def _bf16(w: np.ndarray) -> np.ndarray:
     return torch.as_tensor(np.asarray(w, np.float32)).to(torch.bfloat16).float().numpy()
 
 
+#: (format, launch): every format with the first launch, a 4-bit and the 8-bit layout with
+#: the others (the decode does not depend on the launch; the register layout on the warps)
+CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
+                                               for f in ("Q4_0", "Q8_0")]
+
+
 @pytest.mark.cuda
 @NEEDS_SM90
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("launch", LAUNCHES[:2], ids=str)
+@pytest.mark.parametrize("fmt, launch", CASES, ids=str)
 def test_gluon_gemm_decodes_bit_exact(fmt, launch):
     """x = the bf16 identity [K, K]: out[m, n] = W[n, m] rounded once to bf16, for every
     weight of the edge rows (finite ones)."""
@@ -124,8 +145,7 @@ def test_gluon_gemm_decodes_bit_exact(fmt, launch):
 
 @pytest.mark.cuda
 @NEEDS_SM90
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("launch", LAUNCHES, ids=str)
+@pytest.mark.parametrize("fmt, launch", CASES, ids=str)
 def test_gluon_gemm_product(fmt, launch):
     """M = 200 rows (a partial x tile), N = 256, bf16 x (and f16 x for the first launch)
     through quant.run, against float64 torch on the dequantized weight."""

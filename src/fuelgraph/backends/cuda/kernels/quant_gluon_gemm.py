@@ -48,12 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .quant_packed import _unpack_awq, _q4k_scale_min, packed_weight
-from .quant_tiles import AWQ, Q4_0, Q4_K, Q8_0
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
-#: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0
-GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0})
-_KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2}
-_BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8}
+#: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
+#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements)
+GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
+_KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
+_BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
+#: float32 scale values a thread loads a step (a per 32-element block, Q6_K per 16)
+_PAIRS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8}
 #: bit position of the code in v = 2^23 + 2^SH q
 _SH = {4: 12, 8: 8}
 STEP_K = 64
@@ -64,7 +67,9 @@ MAGIC = 0x4B000000
 @dataclass(frozen=True)
 class WgmmaWeight:
     """codes int32 [N / 16, K / 64, 32, 4 or 8] (module docstring), pairs' a and b float32
-    [N / 16, K / 64, 8, 2, 2], each flattened with two steps of padding (`_padded`)."""
+    [N / 16, K / 64, 8, 2, 2] (Q6_K: a [N / 16, K / 64, 8, 2, 2, 2], a per 16 elements (u, s),
+    b empty; NF4: a = absmax, b zeros), each flattened with two steps of padding
+    (`_padded`)."""
     fmt: int
     codes: torch.Tensor
     a: torch.Tensor
@@ -135,6 +140,23 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         d = dd[..., 0].repeat_interleave(8, dim=1)
         dmin = dd[..., 1].repeat_interleave(8, dim=1)
         s, o = d * sc.float(), -(dmin * mn.float())                # as gguf-py forms them
+    elif fmt == NF4:    # byte i: element 2i in the high nibble; a = absmax, no b
+        q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
+        a = w1.reshape(n, k // i0).float().repeat_interleave(i0 // 32, dim=1)
+        return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
+                           _padded(_pair_tiles(torch.zeros_like(a))), n, k)
+    elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
+        raw = w0.reshape(n, k // 256, 210)
+        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
+        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
+        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
+        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
+        q = lo | (hi.reshape(n, k) << 4)                                   # q + 32, 0..63
+        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256).float()
+        sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16).float()
+        a = d.repeat_interleave(16, dim=1) * sc * 2.0 ** -8                # exact
+        a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
+        return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
     elif fmt == AWQ:
         q = _unpack_awq(w0).t().contiguous()                               # [N, K]
         rep = i0 // 32
@@ -149,8 +171,9 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
-    """t flattened with two (tile, step) blocks of zeros after it: the kernel loads two steps
-    ahead of the last one without a bound (the last tile's overrun lands here)."""
+    """t [N / 16, K / 64, ...] flattened with two (tile, step) blocks of zeros after it: the
+    kernel loads two steps ahead of the last one without a bound (the last tile's overrun
+    lands here)."""
     flat = t.reshape(-1)
     block = flat.numel() // (t.shape[0] * t.shape[1])
     return torch.cat([flat, flat.new_zeros(2 * block)])
@@ -164,7 +187,9 @@ def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmCo
             x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or \
             torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
-    if fmt == AWQ and not (i0 >= 32 and i0 % 32 == 0 and k % i0 == 0):
+    if fmt in (AWQ, NF4) and not (i0 >= 32 and i0 % 32 == 0 and k % i0 == 0):
+        return False
+    if fmt == Q6_K and k % 256:
         return False
     return not torch.cuda.is_current_stream_capturing() or \
         packed_weight(fmt, w0, w1, w2, i0, k, n, build=pack_wgmma, make=False) is not None
@@ -172,12 +197,16 @@ def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmCo
 
 # ---- kernel ---------------------------------------------------------------------------------
 @gluon.jit
-def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr):
-    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * 4] (flat, blocked: a thread's
-    WORDS words / 4 values contiguous)."""
+def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
+               PAIRS: gl.constexpr, HAS_B: gl.constexpr):
+    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * PAIRS] (flat, blocked: a
+    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a."""
     w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
-    a = gl.load(a_ptr + (tile_s + kk * 32) + s_off)
-    b = gl.load(b_ptr + (tile_s + kk * 32) + s_off)
+    a = gl.load(a_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
+    if HAS_B:
+        b = gl.load(b_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
+    else:
+        b = a
     return w, a, b
 
 
@@ -188,11 +217,23 @@ def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
     one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
     (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
     SH = 8), then one FMA."""
-    if KIND == 2:
+    if KIND == 2 or KIND == 4:
         SEL: gl.constexpr = 0x7504 + 16 * j
         f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
                                       dtype=gl.int32, is_pure=True, pack=1)
-        return gl.fma(f.to(gl.float32, bitcast=True), a, b)
+        f = f.to(gl.float32, bitcast=True)
+        if KIND == 4:   # Q6_K: (2^8 q) (d sc 2^-8) - 32 d sc, rounded once as gguf-py
+            return gl.fma(f - 8388608.0, a, a * -8192.0)
+        return gl.fma(f, a, b)
+    if KIND == 3:       # NF4: code[q] from lane q's register (low 5 bits: lanes l, l + 16
+        #                 hold the same code), times absmax
+        if j == 0:
+            v = w
+        else:
+            v = w >> (4 * j)
+        c = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;",
+                                      "=r,r,r", [b, v], dtype=gl.int32, is_pure=True, pack=1)
+        return c.to(gl.float32, bitcast=True) * a
     D: gl.constexpr = 8 * (j // 2) - 12
     if D > 0:
         v = w >> D
@@ -224,10 +265,16 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
     """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
     (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]): planes decoded in float32,
     joined, permuted to K order and rounded to dtype in the fragment's registers."""
-    if KIND == 2:
+    if KIND == 2 or KIND == 4:
         w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
-        a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]), w6.type.layout)
-        b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]), w6.type.layout)
+        if KIND == 4:       # a scale per (u, s), no b
+            a6 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2, 2]), w6.type.layout)
+            b6 = a6
+        else:
+            a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
+                                   w6.type.layout)
+            b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
+                                   w6.type.layout)
         p0 = _plane(KIND, w6, 0, a6, b6, magic)
         p1 = _plane(KIND, w6, 1, a6, b6, magic)
         p2 = _plane(KIND, w6, 2, a6, b6, magic)
@@ -236,8 +283,13 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
     else:
         w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
         a5 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2]), w5.type.layout)
-        b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
-        c5, d5 = _pairs16(KIND, a5, b5)
+        if KIND == 3:       # NF4: b the lanes' codes (already in w's layout), no SH
+            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+            c5 = a5
+            d5 = b5
+        else:
+            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+            c5, d5 = _pairs16(KIND, a5, b5)
         p0 = _plane(KIND, w5, 0, a5, b5, magic)
         p1 = _plane(KIND, w5, 1, c5, d5, magic)
         p2 = _plane(KIND, w5, 2, a5, b5, magic)
@@ -253,7 +305,7 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 
 
 @gluon.jit
-def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, magic,
+def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
@@ -261,10 +313,13 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, 
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
     steps: the loads run SUB steps ahead unclamped); magic: 0x4B000000 (a register operand of
     the decode's LOP3 / PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration, one
-    wgmma wait, CTA barrier and x refill for them all."""
+    wgmma wait, CTA barrier and x refill for them all. c_ptr: NF4's code table (float32 [16]).
+    """
     T: gl.constexpr = num_warps
     BLOCK_N: gl.constexpr = 16 * T
-    WORDS: gl.constexpr = 8 if KIND == 2 else 4
+    WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
+    PAIRS: gl.constexpr = 8 if KIND == 4 else 4
+    HAS_B: gl.constexpr = KIND < 3
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -274,17 +329,24 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, 
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [num_warps], [0])
-    s_layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [num_warps], [0])
     # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
     q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
-    i = gl.arange(0, T * 128, layout=s_layout)
-    s_off = (i // 128) * (steps * 32) + ((i // 16) % 8) * 4 + i % 4
-    s_off = gl.max_contiguous(gl.multiple_of(s_off, 4), 4)
+    i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
+    s_off = (i // (32 * PAIRS)) * (steps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
+        + i % PAIRS
+    s_off = gl.max_contiguous(gl.multiple_of(s_off, PAIRS), PAIRS)
     q_off = (q_off // (32 * WORDS)) * (steps * 32 * WORDS) + q_off % (32 * WORDS)
     q_off = gl.max_contiguous(gl.multiple_of(q_off, WORDS), WORDS)
     tile = pid_n * T
     tile_q = tile.to(gl.int64) * steps * (32 * WORDS)
-    tile_s = tile.to(gl.int64) * steps * 32
+    tile_s = tile.to(gl.int64) * steps * (8 * PAIRS)
+    if KIND == 3:   # NF4: code[lane % 16] as int32 bits in the words' layout (shuffle source)
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [q_off],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        codes = gl.load(c_ptr + (lane & 15)).to(gl.int32, bitcast=True)
+    else:
+        codes = 0
 
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -296,23 +358,23 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, out_ptr, M, N, K, stride_o, 
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
                                             x_smem.index(s))
-    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS)
+    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS, PAIRS, HAS_B)
     if SUB == 2:
-        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS)
+        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS, PAIRS, HAS_B)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
     for it in range(steps // SUB):
         # sub-step j: decode its words, reload them for the next iteration (the registers
         # just freed: no moves), then the async wgmma on its x buffer
         st = it * SUB
-        t0 = _decode(KIND, w0, a0, b0, magic, dtype, T, a_layout)
+        t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
-                                WORDS)
+                                WORDS, PAIRS, HAS_B)
         mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
         acc = warpgroup_mma(t0, x_smem.index(st % STAGES).permute((1, 0)), acc, is_async=True)
         if SUB == 2:
-            t1 = _decode(KIND, w1, a1, b1, magic, dtype, T, a_layout)
+            t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T, a_layout)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
-                                    WORDS)
+                                    WORDS, PAIRS, HAS_B)
             mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
             acc = warpgroup_mma(t1, x_smem.index((st + 1) % STAGES).permute((1, 0)), acc,
                                 is_async=True)
@@ -380,7 +442,8 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
     grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
-    _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, out, m, n, k, out.stride(0), MAGIC,
+    table = w2 if fmt == NF4 else pw.a
+    _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, table, out, m, n, k, out.stride(0), MAGIC,
                              KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
                              num_warps=cfg.num_warps)
