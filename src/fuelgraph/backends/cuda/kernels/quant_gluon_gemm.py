@@ -305,15 +305,54 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 
 
 @gluon.jit
+def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr):
+    """x buffer of step `done` (retired) takes step done + STAGES, if both exist (predicated,
+    no branch: a branch between a wgmma and its wait makes ptxas serialize the wgmmas)."""
+    ok = (done >= 0) & (done + STAGES < steps)
+    sn = (done + STAGES) % STAGES
+    mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [m0, (done + STAGES) * 64], ready.index(sn),
+                                    x_smem.index(sn), pred=ok)
+
+
+@gluon.jit
+def _mma_step(acc, t, step, a_smem, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr,
+              ASMEM: gl.constexpr):
+    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
+    ASMEM: t is stored to the A buffer step % 2 first (no register operand in flight: ptxas
+    before CUDA 13.3 may reuse an in-flight wgmma's A registers) and the wgmma reads it from
+    shared memory; the CTA barrier that publishes it also frees the x buffer of step - 2.
+    Else t is the register operand (the caller refills the x buffers)."""
+    if ASMEM:
+        buf = a_smem.index(step % 2)
+        buf.store(t)
+        fence_async_shared()
+        gl.thread_barrier()
+        _refill(step - 2, x_smem, ready, x_desc, m0, steps, STAGES)
+        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
+        acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    else:
+        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
+        acc = warpgroup_mma(t, x_smem.index(step % STAGES).permute((1, 0)), acc,
+                            is_async=True)
+        acc, t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t))
+    return acc
+
+
+@gluon.jit
 def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       SUB: gl.constexpr, num_warps: gl.constexpr):
+                       SUB: gl.constexpr, ASMEM: gl.constexpr, num_warps: gl.constexpr):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
     steps: the loads run SUB steps ahead unclamped); magic: 0x4B000000 (a register operand of
     the decode's LOP3 / PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration, one
-    wgmma wait, CTA barrier and x refill for them all. c_ptr: NF4's code table (float32 [16]).
+    CTA barrier and x refill for them all. c_ptr: NF4's code table (float32 [16]). ASMEM: the
+    decoded tile reaches the wgmma through a shared-memory A buffer (two, alternating; see
+    `_mma_step`) rather than as its register operand.
     """
     T: gl.constexpr = num_warps
     BLOCK_N: gl.constexpr = 16 * T
@@ -362,35 +401,32 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     if SUB == 2:
         w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS, PAIRS, HAS_B)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+    if ASMEM:
+        a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64],
+                                                                                dtype))
+    else:
+        a_smem = x_smem
     for it in range(steps // SUB):
-        # sub-step j: decode its words, reload them for the next iteration (the registers
-        # just freed: no moves), then the async wgmma on its x buffer
         st = it * SUB
+        # decode the step's words, reload them for the next iteration (the registers just
+        # freed: no moves), then the async wgmma on its x buffer; the previous one retires
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
                                 WORDS, PAIRS, HAS_B)
-        mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
-        acc = warpgroup_mma(t0, x_smem.index(st % STAGES).permute((1, 0)), acc, is_async=True)
+        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, x_desc, m0, steps, STAGES, ASMEM)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T, a_layout)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
                                     WORDS, PAIRS, HAS_B)
-            mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
-            acc = warpgroup_mma(t1, x_smem.index((st + 1) % STAGES).permute((1, 0)), acc,
-                                is_async=True)
-            acc, t0, t1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, t0, t1))
-        else:
-            acc, t0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t0))
-        # the previous iteration's wgmmas are done in every warp: their buffers take the
-        # sub-steps STAGES later
-        gl.thread_barrier()
-        for j in gl.static_range(SUB):
-            done = st - SUB + j
-            if (done >= 0) & (done + STAGES < steps):
-                sn = done % STAGES
-                mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [m0, (done + STAGES) * 64],
-                                                ready.index(sn), x_smem.index(sn))
+            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, x_desc, m0, steps, STAGES,
+                            ASMEM)
+        if not ASMEM:
+            # steps up to st + SUB - 2 are retired in every warp: their x buffers take the
+            # steps STAGES later
+            gl.thread_barrier()
+            for j in gl.static_range(SUB):
+                _refill(st + j - 1, x_smem, ready, x_desc, m0, steps, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -408,11 +444,14 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
 class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight (>= 2 sub),
-    `sub` steps of 64 an iteration (one wgmma wait, barrier and refill for them)."""
+    `sub` steps of 64 an iteration (one CTA barrier and x refill for them without asmem),
+    asmem: the decoded tile through a shared-memory A buffer (else the wgmma's register
+    operand, which ptxas 12.8 may overwrite while in flight: `_mma_step`)."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
     sub: int = 1
+    asmem: int = 1
 
     @property
     def block_n(self) -> int:
@@ -420,7 +459,8 @@ class GluonGemmConfig:
 
     def tag(self) -> str:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
-                + (f",sub{self.sub}" if self.sub > 1 else "") + "]")
+                + (f",sub{self.sub}" if self.sub > 1 else "") + ("" if self.asmem else ",regA")
+                + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -446,5 +486,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, table, out, m, n, k, out.stride(0), MAGIC,
                              KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
+                             ASMEM=bool(cfg.asmem),
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
