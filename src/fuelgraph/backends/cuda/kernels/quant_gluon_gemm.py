@@ -430,11 +430,11 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
-    # out[m, n] = acc[n, m]: a thread stores 8 consecutive n of one m (16 bytes)
-    o_layout: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])
-    res = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), o_layout)
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))
+    # out[m, n] = acc[n, m], stored from the wgmma layout (8 lanes: 8 consecutive n). A
+    # layout conversion here (through shared memory) makes ptxas serialize the loop's wgmmas
+    res = acc.to(out_ptr.dtype.element_ty)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
     gl.store(ptrs, res, mask=(offs_m < M)[None, :])
 
