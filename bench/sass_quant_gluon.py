@@ -72,6 +72,7 @@ def mma_loop(cubin: bytes):
     ops = collections.Counter(
         (i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0] for i in loop)
     regs = re.search(r"REG:(\d+)", res)
+    ops["WAIT0"] = sass.count("DEPBAR.LE gsb0, 0x0")    # 1: only the final wait
     return int(regs.group(1)) if regs else -1, len(loop), ops
 
 
@@ -90,10 +91,11 @@ def main() -> None:
                 print(k.asm["ttgir"])
             regs, n, ops = mma_loop(k.asm["cubin"])
             per = n * 32 * cfg.num_warps / (cfg.block_n * 64 * cfg.sub)  # a thread's, a weight
-            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(12))
+            top = ", ".join(f"{o} {c}" for o, c in ops.most_common(13) if o != "WAIT0")
             print(f"{name:5s} {cfg.tag():28s} regs {regs} smem "
                   f"{k.metadata.shared} loop {n} instr = {per:.2f}/weight (per x tile) "
-                  f"STS {ops.get('STS', 0)} BAR {ops.get('BAR', 0)} | {top}")
+                  f"STS {ops.get('STS', 0)} BAR {ops.get('BAR', 0)} "
+                  f"{'SERIALIZED wgmma ' if ops['WAIT0'] > 1 else ''}| {top}")
 
 
 if __name__ == "__main__":

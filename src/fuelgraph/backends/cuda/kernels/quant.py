@@ -276,8 +276,17 @@ PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: _GEMM_TMA, AWQ: _GEMM_TMA, GGUF_IDS["Q4_K
 PACKED_GEMM_MAX_M = 256
 
 
+#: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
+#: on the fragment-order copy (`quant_gluon_gemm`) for the formats listed, a launch per row
+#: bound (elsewhere, and for shapes it rejects, the format's PACKED_GEMM launch or
+#: MANY_ROWS_FALLBACK). H200, N = K = 8192, bf16, CUDA-graph medians: GLUON_MEASURED
+GLUON_GEMM: dict = {}
+
+
 def _with_gemm(fmt, route):
-    """route with PACKED_GEMM's launch of the format up to PACKED_GEMM_MAX_M rows."""
+    """route with GLUON_GEMM's launches, else PACKED_GEMM's, up to PACKED_GEMM_MAX_M rows."""
+    if fmt in GLUON_GEMM:
+        return {**route, **GLUON_GEMM[fmt]}
     return route if fmt not in PACKED_GEMM else {**route, PACKED_GEMM_MAX_M: PACKED_GEMM[fmt]}
 
 
