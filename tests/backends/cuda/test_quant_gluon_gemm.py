@@ -157,3 +157,25 @@ def test_gluon_gemm_product(fmt, launch):
         x = torch.randn(200, k, generator=torch.Generator().manual_seed(3)).to(dt).to(DEV)
         assert G.gluon_ok(args[0], x, *args[1:4], args[4], k, n, cfg)
         check_product(K.run(*args[:1], x, *args[1:4], args[4], k, n, config=cfg), x, want.T, dt)
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_default_route_takes_gluon(monkeypatch):
+    """The formats of quant.GLUON_GEMM take it by default for 65..256 rows of bf16 x (calls
+    counted), with the right product; float32 x falls back."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    calls = []
+    real = K.run_gluon_gemm
+    monkeypatch.setattr(K, "run_gluon_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    names = {GGUF_IDS[f]: f for f in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")} | {AWQ: "AWQ", NF4: "NF4"}
+    for fid, launches in K.GLUON_GEMM.items():
+        args, n, k, want = _weight(names[fid], np.random.default_rng(5), 256)
+        for m in launches:
+            x = torch.randn(m - 3, k, generator=torch.Generator().manual_seed(m)).to(DEV)
+            before = len(calls)
+            got = K.run(args[0], x.bfloat16(), *args[1:4], args[4], k, n)
+            assert len(calls) == before + 1
+            check_product(got, x.bfloat16(), want.T, torch.bfloat16)
+            check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.float32)
+            assert len(calls) == before + 1
