@@ -38,7 +38,7 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     sig = {"x_desc": f"tensordesc<bf16[{cfg.block_m}, 64],{lay!r}>", "q_ptr": "*i32",
            "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "K": "i32", "stride_o": "i32", "magic": "i32"}
-    cons = dict(KIND=G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=cfg.sub, ASMEM=bool(cfg.asmem),
+    cons = dict(KIND=G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=cfg.sub, ASMEM=bool(cfg.asmem), BFA=fmt in G._BFA,
                 num_warps=cfg.num_warps)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 8, 9)}
     src = GluonASTSource(G._gluon_gemm_kernel, sig, cons, attrs=attrs)

@@ -66,7 +66,8 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
     """W [N, K] float32 from the packed copy, written from the module docstring: row
     16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e; 4-bit: word (h, u) of lane 4 r + p,
     nibble 4 e + 2 c + s; 8-bit: word (h, u, s), byte 2 e + c; W = v a + b with
-    v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23), rounded once to float32; NF4
+    v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23; Q4_0 / Q8_0 store no b: -(2^23 + 2^15) a),
+    rounded once to float32; NF4
     code[q] absmax; Q6_K 2^8 q a - 8192 a with a per 16 elements."""
     n, k = pw.n, pw.k
     bits = G._BITS[pw.fmt]
@@ -93,7 +94,9 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
         a = a.permute(0, 3, 2, 1, 4, 5).reshape(n, k // 16).double().repeat_interleave(16, 1)
         return (q * 2.0 ** sh * a - 8192.0 * a).float().numpy()
     v = q * 2.0 ** sh + (0 if pw.fmt == GGUF_IDS["Q4_K"] else 2.0 ** 23)
-    return (v * pairs(pw.a) + pairs(pw.b)).float().numpy()
+    a = pairs(pw.a)
+    b = a * -(2.0 ** 23 + 2.0 ** 15) if pw.b.numel() == 0 else pairs(pw.b)   # Q4_0, Q8_0
+    return (v * a + b).float().numpy()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -110,11 +113,12 @@ def test_wgmma_copy_decodes_bit_exact(fmt):
 
 
 def test_wgmma_copy_is_padded_and_sized():
-    """Two (tile, step) blocks of zeros after each array (the kernel's unbounded look-ahead)."""
+    """Two (tile, step) blocks of zeros after each array (the kernel's unbounded look-ahead);
+    Q8_0 stores no b (a fixed multiple of a)."""
     args, n, k, _ = _weight("Q8_0", np.random.default_rng(3), 64, dev="cpu")
     pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
     assert pw.codes.numel() == (n // 16 * k // 64 + 2) * 32 * 8
-    assert pw.a.numel() == pw.b.numel() == (n // 16 * k // 64 + 2) * 32
+    assert pw.a.numel() == (n // 16 * k // 64 + 2) * 32 and pw.b.numel() == 0
     assert not pw.codes[-2 * 256:].any()
 
 

@@ -55,6 +55,8 @@ from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
 _KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
 _BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
+#: formats whose b is a fixed multiple of a (B_OVER_A: not stored)
+_BFA = frozenset({Q4_0, Q8_0})
 #: float32 scale values a thread loads a step (a per 32-element block, Q6_K per 16)
 _PAIRS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8}
 #: bit position of the code in v = 2^23 + 2^SH q
@@ -166,8 +168,11 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
     else:
         raise ValueError(f"no wgmma layout for format {fmt}")
     a, b = wgmma_pairs(fmt, s, o)
-    return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)),
-                       _padded(_pair_tiles(b)), n, k)
+    b = _pair_tiles(b)
+    if fmt in _BFA:     # b = a B_OVER_A in the kernel
+        b = b[..., :0]
+    return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)), _padded(b),
+                       n, k)
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -259,12 +264,18 @@ def _pairs16(KIND: gl.constexpr, a, b):
     return a16, gl.fma(a, 8388608.0 - 524288.0, b)
 
 
+#: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
+#: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
+B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
+
+
 @gluon.jit
 def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
-            a_layout: gl.constexpr):
+            a_layout: gl.constexpr, BFA: gl.constexpr = False):
     """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
-    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]): planes decoded in float32,
-    joined, permuted to K order and rounded to dtype in the fragment's registers."""
+    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
+    decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
+    registers."""
     if KIND == 2 or KIND == 4:
         w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
         if KIND == 4:       # a scale per (u, s), no b
@@ -273,8 +284,11 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
         else:
             a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
                                    w6.type.layout)
-            b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
-                                   w6.type.layout)
+            if BFA:
+                b6 = a6 * -8421376.0
+            else:
+                b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
+                                       w6.type.layout)
         p0 = _plane(KIND, w6, 0, a6, b6, magic)
         p1 = _plane(KIND, w6, 1, a6, b6, magic)
         p2 = _plane(KIND, w6, 2, a6, b6, magic)
@@ -288,7 +302,10 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
             c5 = a5
             d5 = b5
         else:
-            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+            if BFA:
+                b5 = a5 * -8421376.0
+            else:
+                b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
             c5, d5 = _pairs16(KIND, a5, b5)
         p0 = _plane(KIND, w5, 0, a5, b5, magic)
         p1 = _plane(KIND, w5, 1, c5, d5, magic)
@@ -344,7 +361,8 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, x_desc, m0, steps, STAGES: gl
 @gluon.jit
 def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       SUB: gl.constexpr, ASMEM: gl.constexpr, num_warps: gl.constexpr):
+                       SUB: gl.constexpr, ASMEM: gl.constexpr, num_warps: gl.constexpr,
+                       BFA: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -358,7 +376,7 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
-    HAS_B: gl.constexpr = KIND < 3
+    HAS_B: gl.constexpr = KIND < 3 and not BFA
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -411,12 +429,14 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
         st = it * SUB
         # decode the step's words, reload them for the next iteration (the registers just
         # freed: no moves), then the async wgmma on its x buffer; the previous one retires
-        t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout)
+        t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
+                     BFA)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
                                 WORDS, PAIRS, HAS_B)
         acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, x_desc, m0, steps, STAGES, ASMEM)
         if SUB == 2:
-            t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T, a_layout)
+            t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
+                         a_layout, BFA)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
                                     WORDS, PAIRS, HAS_B)
             acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, x_desc, m0, steps, STAGES,
@@ -486,6 +506,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, table, out, m, n, k, out.stride(0), MAGIC,
                              KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             ASMEM=bool(cfg.asmem),
+                             ASMEM=bool(cfg.asmem), BFA=fmt in _BFA,
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
