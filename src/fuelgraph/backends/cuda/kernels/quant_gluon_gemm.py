@@ -334,18 +334,21 @@ def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr):
 
 @gluon.jit
 def _mma_step(acc, t, step, a_smem, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr,
-              ASMEM: gl.constexpr):
+              ASMEM: gl.constexpr, NREF: gl.constexpr = 1):
     """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
     ASMEM: t is stored to the A buffer step % 2 first (no register operand in flight: ptxas
     before CUDA 13.3 may reuse an in-flight wgmma's A registers) and the wgmma reads it from
-    shared memory; the CTA barrier that publishes it also frees the x buffer of step - 2.
+    shared memory; the CTA barrier that publishes it also frees the x buffers of the NREF
+    steps before step - 1 (refilled here: the TMA issue costs barriers of its own, so with
+    two steps an iteration they are refilled together).
     Else t is the register operand (the caller refills the x buffers)."""
     if ASMEM:
         buf = a_smem.index(step % 2)
         buf.store(t)
         fence_async_shared()
         gl.thread_barrier()
-        _refill(step - 2, x_smem, ready, x_desc, m0, steps, STAGES)
+        for r in gl.static_range(NREF):
+            _refill(step - 1 - NREF + r, x_smem, ready, x_desc, m0, steps, STAGES)
         mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
         acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc,
                             is_async=True)
@@ -433,14 +436,15 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
                      BFA)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
                                 WORDS, PAIRS, HAS_B)
-        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, x_desc, m0, steps, STAGES, ASMEM)
+        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, x_desc, m0, steps, STAGES, ASMEM,
+                        2 - SUB)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
                                     WORDS, PAIRS, HAS_B)
             acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, x_desc, m0, steps, STAGES,
-                            ASMEM)
+                            ASMEM, 2)
         if not ASMEM:
             # steps up to st + SUB - 2 are retired in every warp: their x buffers take the
             # steps STAGES later
