@@ -1,8 +1,8 @@
 """Many-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 / f16 with M in the hundreds,
-W [N, K]; Q4_0, AWQ, Q4_K, Q8_0) as a Gluon kernel for Hopper (sm_90) whose decoded weight
-tile never leaves the registers: each thread loads the packed words that hold exactly its
-elements of the wgmma A fragment, decodes them in registers and hands them to an async
-`warpgroup_mma` (weight as A from registers, the x tile as B from shared memory by TMA).
+W [N, K]; Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K) as a Gluon kernel for Hopper (sm_90): each thread
+loads the packed words that hold exactly its elements of the wgmma A fragment, decodes them
+in registers, and the tile feeds an async `warpgroup_mma` (weight as A, the x tile as B from
+shared memory by TMA) with no layout conversion.
 
 Why: the Triton GEMM of `quant_packed_gemm` decodes the weight tile in a blocked layout and
 the compiler moves it through shared memory into the wgmma operand (layout conversion, CTA
@@ -15,27 +15,36 @@ Layout (`pack_wgmma`, cached with the weight like `quant_packed`'s copy): rows i
 lane l (r = l // 4, p = l % 4) rows r + 8 h and elements k = 32 u + 16 s + 8 c + 2 p + e of
 each (h, u, s, c, e in {0, 1}: 32 elements; `gl.to_linear_layout` of the DotOperandLayout).
 4-bit formats: the lane's 4 int32 words [h, u] are contiguous (one 16-byte load, a warp's 512
-bytes contiguous) and element (s, c, e) is nibble 4 e + 2 c + s of word (h, u). 8-bit (Q8_0):
-8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 16, K / 64, 32 lanes,
-4 or 8 words]. Each 32-element block of a row is one word (4-bit) or two (8-bit) of one
-thread: u is the block. Scales: per (row, 32-element block) the float32 pair (a, b) of
-W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a thread's four a's are one
-16-byte load, shared by the 4 lanes of a row group).
+bytes contiguous) and element (s, c, e) is nibble 4 e + 2 c + s of word (h, u). 8-bit (Q8_0,
+Q6_K): 8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 16, K / 64,
+32 lanes, 4 or 8 words]. Each 32-element block of a row is one word (4-bit) or two (8-bit) of
+one thread: u is the block (Q6_K's 16-element blocks: (u, s)). Scales: per (row, block) the
+float32 pair (a, b) of W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a
+thread's four a's are one 16-byte load, shared by the 4 lanes of a row group); Q4_0 / Q8_0
+store no b (a fixed multiple of a), NF4 and Q6_K neither.
 
 Decode (bit for bit the format's dequantizer, then rounded once to x's dtype as the other
-GEMMs do): v = 2^23 + 2^SH q as float32 (the code moved to bit SH = 12 (4-bit) / 8 (Q8_0)
-and OR-ed into 2^23's mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH
-and b = o - s 2^(23 - SH) exact (see `wgmma_pairs`), so the fused result is the exact
-product s (q - z); Q4_K: W = fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, as gguf-py.
+GEMMs do): v = 2^23 + 2^SH q as float32 (the code moved to bit SH = 12 / 16 (4-bit: one
+shift a nibble pair, one LOP3 a weight) or 8 (bytes: one PRMT a weight) and OR-ed into 2^23's
+mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH and
+b = o - s 2^(23 - SH) exact (see `wgmma_pairs`), so the fused result is the exact product
+s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
+fma(v - 2^23, a, -8192 a) = (d sc) (q - 32) rounded once, as gguf-py; NF4: code[q] by a warp
+shuffle from the lanes' registers, times absmax.
 
 Kernel: a program owns BLOCK_N = 16 warps weight rows and BLOCK_M rows of x (acc [BLOCK_N,
 BLOCK_M] float32 in the wgmma layout, one warpgroup per 64 rows); x tiles [BLOCK_M, 64] in a
 ring of STAGES shared-memory buffers filled by TMA (an mbarrier each); the packed words and
-pairs of step i + 2 are loaded into registers while step i decodes. The decoded
+scales of the next iteration are loaded into the registers just decoded. The decoded
 [BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
-DotOperandLayout up to register order (`convert_layout` moves no data: checked by
-bench/sass_quant_gluon.py in the SASS, no shared-memory stores or barriers of it in the
-loop). Runs on sm_90 only (Gluon has no interpreter)."""
+DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
+bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
+two buffers alternating, one CTA barrier a step): as the register operand (asmem=0) the H200
+gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flight wgmma's A
+registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
+ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
+code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
+bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
