@@ -23,8 +23,8 @@ from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes,  # no
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, asmem) the GPU tests run
-LAUNCHES = [(8, 128, 4, 2, 1), (4, 256, 4, 2, 1), (4, 128, 4, 2, 1)]
+#: launches (num_warps, block_m, stages, sub, ws) the GPU tests run
+LAUNCHES = [(8, 128, 4, 2, 0), (4, 256, 4, 2, 0), (4, 128, 4, 2, 0)]
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):

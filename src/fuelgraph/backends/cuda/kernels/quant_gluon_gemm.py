@@ -39,7 +39,7 @@ scales of the next iteration are loaded into the registers just decoded. The dec
 [BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
 DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
 bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
-two buffers alternating, one CTA barrier a step): as the register operand (asmem=0) the H200
+two buffers alternating, one CTA barrier a step): as the register operand the H200
 gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flight wgmma's A
 registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
 ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
@@ -342,63 +342,58 @@ def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _mma_step(acc, t, step, a_smem, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr,
-              ASMEM: gl.constexpr, NREF: gl.constexpr = 1):
-    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
-    ASMEM: t is stored to the A buffer step % 2 first (no register operand in flight: ptxas
-    before CUDA 13.3 may reuse an in-flight wgmma's A registers) and the wgmma reads it from
-    shared memory; the CTA barrier that publishes it also frees the x buffers of the NREF
-    steps before step - 1 (refilled here: the TMA issue costs barriers of its own, so with
-    two steps an iteration they are refilled together).
-    Else t is the register operand (the caller refills the x buffers)."""
-    if ASMEM:
-        buf = a_smem.index(step % 2)
-        buf.store(t)
-        fence_async_shared()
-        gl.thread_barrier()
-        for r in gl.static_range(NREF):
-            _refill(step - 1 - NREF + r, x_smem, ready, x_desc, m0, steps, STAGES)
-        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
-        acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-    else:
-        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
-        acc = warpgroup_mma(t, x_smem.index(step % STAGES).permute((1, 0)), acc,
-                            is_async=True)
-        acc, t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t))
-    return acc
+def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr):
+    """The TMA warp (WS): x tiles of steps STAGES.. into the ring, each once its buffer's
+    `empty` barrier says the consumers retired the step that used it before."""
+    for i in range(STAGES, steps):
+        sn = i % STAGES
+        mbarrier.wait(empty.index(sn), ((i // STAGES) - 1) & 1)
+        mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m0, i * 64], ready.index(sn), x_smem.index(sn))
 
 
 @gluon.jit
-def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
-                       KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                       SUB: gl.constexpr, ASMEM: gl.constexpr, num_warps: gl.constexpr,
-                       BFA: gl.constexpr = False):
-    """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
-    and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
-    q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
-    steps: the loads run SUB steps ahead unclamped); magic: 0x4B000000 (a register operand of
-    the decode's LOP3 / PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration, one
-    CTA barrier and x refill for them all. c_ptr: NF4's code table (float32 [16]). ASMEM: the
-    decoded tile reaches the wgmma through a shared-memory A buffer (two, alternating; see
-    `_mma_step`) rather than as its register operand.
-    """
-    T: gl.constexpr = num_warps
+def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr):
+    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
+    t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
+    the wgmma reads it from shared memory (no register operand in flight: see the module
+    docstring). The barrier also tells that the steps before step - 1 are retired in every
+    warp: the x buffers of the NREF steps before step - 1 are refilled (the TMA issue costs
+    barriers of its own, so with two steps an iteration both at once) or, WS, handed to the
+    producer warp by their `empty` mbarrier."""
+    buf = a_smem.index(step % 2)
+    buf.store(t)
+    fence_async_shared()
+    gl.thread_barrier()
+    for r in gl.static_range(NREF):
+        done = step - 1 - NREF + r
+        if WS:
+            mbarrier.arrive(empty.index((done + STAGES) % STAGES),
+                            pred=(done >= 0) & (done + STAGES < steps))
+        else:
+            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES)
+    mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
+    acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+
+
+@gluon.jit
+def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
+              m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr):
+    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
+    decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
     HAS_B: gl.constexpr = KIND < 3 and not BFA
     dtype: gl.constexpr = x_desc.dtype
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    steps = K // 64
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                         warps_per_cta=[num_warps, 1],
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [num_warps], [0])
-    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [num_warps], [0])
+    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [T], [0])
+    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [T], [0])
     # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
     q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
     i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
@@ -416,27 +411,12 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
         codes = gl.load(c_ptr + (lane & 15)).to(gl.int32, bitcast=True)
     else:
         codes = 0
-
-    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    m0 = pid_m * BLOCK_M
-    for s in gl.static_range(STAGES):
-        if s < steps:
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
-                                            x_smem.index(s))
-    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS, PAIRS, HAS_B)
+    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS,
+                            PAIRS, HAS_B)
     if SUB == 2:
-        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS, PAIRS, HAS_B)
+        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS,
+                                PAIRS, HAS_B)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
-    if ASMEM:
-        a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64],
-                                                                                dtype))
-    else:
-        a_smem = x_smem
     for it in range(steps // SUB):
         st = it * SUB
         # decode the step's words, reload them for the next iteration (the registers just
@@ -445,26 +425,66 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
                      BFA)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
                                 WORDS, PAIRS, HAS_B)
-        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, x_desc, m0, steps, STAGES, ASMEM,
-                        2 - SUB)
+        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
+                        2 - SUB, WS)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
                                     WORDS, PAIRS, HAS_B)
-            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, x_desc, m0, steps, STAGES,
-                            ASMEM, 2)
-        if not ASMEM:
-            # steps up to st + SUB - 2 are retired in every warp: their x buffers take the
-            # steps STAGES later
-            gl.thread_barrier()
-            for j in gl.static_range(SUB):
-                _refill(st + j - 1, x_smem, ready, x_desc, m0, steps, STAGES)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                            STAGES, 2, WS)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+
+
+@gluon.jit
+def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
+                       KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
+                       WS: gl.constexpr = False):
+    """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
+    and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
+    q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
+    steps: the loads run SUB steps ahead unclamped; BFA: no b, b = a B_OVER_A); c_ptr: NF4's
+    code table (float32 [16]); magic: 0x4B000000 (a register operand of the decode's LOP3 /
+    PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
+    the x TMA copies (the main loop then has no TMA code and its barriers)."""
+    BLOCK_N: gl.constexpr = 16 * num_warps
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    steps = K // 64
+    m0 = pid_m * BLOCK_M
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
+    a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        if s < steps:
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
+                                            x_smem.index(s))
+    args = (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
+            steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps)
+    if WS:
+        acc = gl.warp_specialize([(_consumer, args),
+                                  (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
+                                                 STAGES))], [1], [40])[0]
+    else:
+        acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
+                        x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
     # out[m, n] = acc[n, m], stored from the wgmma layout (8 lanes: 8 consecutive n). A
     # layout conversion here (through shared memory) makes ptxas serialize the loop's wgmmas
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
     res = acc.to(out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
@@ -476,15 +496,14 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
 @dataclass(frozen=True)
 class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
-    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight (>= 2 sub),
-    `sub` steps of 64 an iteration (one CTA barrier and x refill for them without asmem),
-    asmem: the decoded tile through a shared-memory A buffer (else the wgmma's register
-    operand, which ptxas 12.8 may overwrite while in flight: `_mma_step`)."""
+    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
+    of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
+    wgmmas for some formats), ws: one more warp issues the x copies."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
-    sub: int = 1
-    asmem: int = 1
+    sub: int = 2
+    ws: int = 0
 
     @property
     def block_n(self) -> int:
@@ -492,8 +511,7 @@ class GluonGemmConfig:
 
     def tag(self) -> str:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
-                + (f",sub{self.sub}" if self.sub > 1 else "") + ("" if self.asmem else ",regA")
-                + "]")
+                + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -519,6 +537,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, table, out, m, n, k, out.stride(0), MAGIC,
                              KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             ASMEM=bool(cfg.asmem), BFA=fmt in _BFA,
+                             BFA=fmt in _BFA, WS=bool(cfg.ws),
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
