@@ -24,7 +24,7 @@ FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 #: launches (num_warps, block_m, stages, sub, ws) the GPU tests run
-LAUNCHES = [(8, 128, 4, 2, 0), (4, 256, 4, 2, 0), (4, 128, 4, 2, 0)]
+LAUNCHES = [(8, 128, 4, 2, 0), (8, 128, 6, 2, 1), (4, 128, 4, 2, 0)]
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):
@@ -127,7 +127,8 @@ def _bf16(w: np.ndarray) -> np.ndarray:
 
 
 #: (format, launch): every format with the first launch, a 4-bit and the 8-bit layout with
-#: the others (the decode does not depend on the launch; the register layout on the warps)
+#: the others (the decode does not depend on the launch; the register layout on the warps;
+#: the second runs a TMA producer warp)
 CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
                                                for f in ("Q4_0", "Q8_0")]
 

@@ -468,10 +468,10 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
                                             x_smem.index(s))
-    args = (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
-            steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps)
     if WS:
-        acc = gl.warp_specialize([(_consumer, args),
+        acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
+                                               x_smem, ready, empty, x_desc, m0, steps, KIND,
+                                               BLOCK_M, STAGES, SUB, BFA, WS, num_warps)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES))], [1], [40])[0]
     else:
