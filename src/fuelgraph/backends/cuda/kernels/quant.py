@@ -279,8 +279,11 @@ PACKED_GEMM_MAX_M = 256
 #: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
 #: on the fragment-order copy (`quant_gluon_gemm`) for the formats listed, a launch per row
 #: bound (elsewhere, and for shapes it rejects, the format's PACKED_GEMM launch or
-#: MANY_ROWS_FALLBACK). H200, N = K = 8192, bf16, CUDA-graph medians: GLUON_MEASURED
-GLUON_GEMM: dict = {}
+#: MANY_ROWS_FALLBACK). Tentative (session 9, measured next): 64 x 128 tiles up to 128 rows
+#: (128 programs), 128 x 128 with a TMA producer warp above
+_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(8, 128, 6, 2, 1)}
+GLUON_GEMM: dict = {fmt: _GLUON_ROUTE for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"],
+                                                 GGUF_IDS["Q8_0"], NF4, GGUF_IDS["Q6_K"])}
 
 
 def _with_gemm(fmt, route):
