@@ -35,6 +35,7 @@ PackedGemmConfig or a path name) lets benchmarks pick a path and sweep tile shap
 (`bench_cuda_quant.py --sweep`, `bench_cuda_quant_gemv.py`, `bench_cuda_quant_gemm.py`)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -358,6 +359,8 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
                                   config if isinstance(config, MmaConfig) else None)
         config = "packed"
     if isinstance(config, GluonGemmConfig):
+        if config.num_warps > 4 and n % config.block_n and n % 64 == 0:
+            config = dataclasses.replace(config, num_warps=4)     # 64-row tiles fit N
         if rows_ok and gluon_ok(fmt_id, x, w0, w1, w2, i0, k, n, config):
             return run_gluon_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
         config = PACKED_GEMM.get(fmt_id, MANY_ROWS_FALLBACK.get(fmt_id, "dequant_rows"))
