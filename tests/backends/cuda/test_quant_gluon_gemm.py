@@ -174,7 +174,7 @@ def test_gluon_gemm_product(fmt, launch):
 @NEEDS_SM90
 def test_default_route_takes_gluon(monkeypatch):
     """The formats of quant.GLUON_GEMM take it by default for 65..256 rows of bf16 x (calls
-    counted), with the right product; float32 x falls back."""
+    counted), with the right product; float32 x falls back; N = 192 runs 64-row tiles."""
     from fuelgraph.backends.cuda.kernels import quant as K
     calls = []
     real = K.run_gluon_gemm
@@ -190,3 +190,9 @@ def test_default_route_takes_gluon(monkeypatch):
             check_product(got, x.bfloat16(), want.T, torch.bfloat16)
             check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.float32)
             assert len(calls) == before + 1
+    # N = 192, a multiple of 64 only: the 128-row launches run 64-row tiles
+    args, n, k, want = _weight("Q4_0", np.random.default_rng(6), 192)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)
+    before = len(calls)
+    check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.bfloat16)
+    assert len(calls) == before + 1
