@@ -59,7 +59,7 @@ _OLD = "dequant_rows"
 GLUON = [GluonGemmConfig(8, 128, 4, 2), GluonGemmConfig(4, 256, 4, 2),
          GluonGemmConfig(8, 128, 6, 2), GluonGemmConfig(8, 128, 6, 2, 1),
          GluonGemmConfig(4, 128, 4, 2)]
-CANDIDATES = {"Q4_0": [_OLD, _T2, *GLUON], "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON],
+CANDIDATES = {"Q4_0": [_OLD, _T2, *GLUON, GluonGemmConfig(8, 128, 6, 2, 1, 1)], "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON],
               "Q8_0": [_OLD, *GLUON], "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON],
               "Q6_K": [*GLUON]}
 

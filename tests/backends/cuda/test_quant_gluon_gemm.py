@@ -112,6 +112,29 @@ def test_wgmma_copy_decodes_bit_exact(fmt):
     same_bits(got[fin] + 0.0, want[fin].astype(np.float32) + 0.0)
 
 
+def test_h2_scales_round_once_like_float32():
+    """Q4_0's h2 decode for bf16 x (`h2_scales`): fma(q - 8, dh, dl (q - 8)) rounded once to
+    bf16, emulated exactly (float64 sum, one rounding), equals the dequantized weight rounded
+    to bf16, on edge bytes; dh + dl = d with both halves bf16 numbers."""
+    args, n, k, want = _weight("Q4_0", np.random.default_rng(41), 64, edge=True, dev="cpu")
+    pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
+    hi, lo = G.h2_scales(pw)
+
+    def half(t):         # the low bf16 of each word, as float64 [N, K] (a's layout)
+        bits = (t.view(torch.int32) & 0xFFFF) << 16
+        t = bits.view(torch.float32)[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
+        return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
+
+    dh, dl = half(hi), half(lo)
+    assert torch.equal(hi.view(torch.int32) >> 16 & 0xFFFF, hi.view(torch.int32) & 0xFFFF)
+    raw = args[1].reshape(n, k // 32, 18)
+    qs = raw[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k).double() - 8
+    got = (q * dh + dl * q).float().bfloat16().float().numpy()
+    fin = np.isfinite(want).all(axis=1)
+    same_bits(got[fin] + 0.0, _bf16(want[fin]) + 0.0)
+
+
 def test_wgmma_copy_is_padded_and_sized():
     """Two (tile, step) blocks of zeros after each array (the kernel's unbounded look-ahead);
     Q8_0 stores no b (a fixed multiple of a)."""
@@ -130,7 +153,8 @@ def _bf16(w: np.ndarray) -> np.ndarray:
 #: the others (the decode does not depend on the launch; the register layout on the warps;
 #: the second runs a TMA producer warp)
 CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
-                                               for f in ("Q4_0", "Q8_0")]
+                                               for f in ("Q4_0", "Q8_0")] \
+    + [("Q4_0", (8, 128, 6, 2, 1, 1))]          # Q4_0's bf16x2 decode (h2)
 
 
 @pytest.mark.cuda

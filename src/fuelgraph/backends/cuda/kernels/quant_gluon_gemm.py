@@ -47,7 +47,7 @@ code shapes (a layout conversion in the epilogue, one step an iteration for some
 bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from triton.experimental import gluon
@@ -72,6 +72,8 @@ _PAIRS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8}
 _SH = {4: 12, 8: 8}
 STEP_K = 64
 MAGIC = 0x4B000000
+#: 128.0 in both halves of a bf16x2 word (the h2 decode's magic)
+H2_MAGIC = 0x43004300
 
 
 # ---- the packed weight ----------------------------------------------------------------------
@@ -87,6 +89,7 @@ class WgmmaWeight:
     b: torch.Tensor
     n: int
     k: int
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -193,6 +196,24 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(2 * block)])
 
 
+def h2_scales(pw: WgmmaWeight):
+    """Q4_0 for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2 words
+    (dh, dh) and (dl, dl) with d = dh + dl, dh = d truncated to bf16's 8 significant bits and
+    dl the rest (at most 3 bits: both exact in bf16), as float32-typed tensors; made once.
+    Then t = q - 8 (exact), dl t (at most 6 bits: exact) and fma(t, dh, dl t) =
+    RN_bf16(d (q - 8)): one rounding of the exact product, as the float32 path's."""
+    hit = pw.extra.get("h2")
+    if hit is None:
+        d = pw.a * 4096.0                                           # a = d 2^-12, exact
+        hi = d.view(torch.int32) & -65536                           # top 16 bits: bf16 dh
+        lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
+        fin = torch.isfinite(d)         # (an infinite d gives NaN, as the float32 path)
+        assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
+        word = lambda v: (((v >> 16) & 0xFFFF) * 65537).to(torch.int32)      # noqa: E731
+        hit = pw.extra["h2"] = (word(hi).view(torch.float32), word(lo).view(torch.float32))
+    return hit
+
+
 def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmConfig") -> bool:
     """Whether this kernel takes the call: a format of GLUON_FORMATS, 16-bit x on an sm_90 GPU
     (wgmma), N a multiple of the launch's block_n, K of 64, AWQ groups of 32k; not while a CUDA
@@ -273,6 +294,27 @@ def _pairs16(KIND: gl.constexpr, a, b):
     return a16, gl.fma(a, 8388608.0 - 524288.0, b)
 
 
+@gluon.constexpr_function
+def _h2_asm(m):
+    """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
+    128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
+    return ("{ .reg .b32 v, t, c, n; shr.b32 v, $1, %d; lop3.b32 v, v, 983055, $4, 0xEA; "
+            "mov.b32 n, 0xC308C308; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, $3; "
+            "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
+
+
+@gluon.jit
+def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
+    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
+    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v - 136 = q - 8, then
+    fma(t, dh, dl t); magic = 0x43004300."""
+    r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
+                                  is_pure=True, pack=1)
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    return gl.join(lo, hi)
+
+
 #: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
 #: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
 B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
@@ -285,6 +327,19 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
     (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
     decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
     registers."""
+    if KIND == 5:       # Q4_0, bf16 x: bf16x2 pairs (nibbles m, m + 4) straight from the word
+        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
+        dh = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+                               w5.type.layout)
+        dl = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+                               w5.type.layout)
+        q0 = _h2_pair(w5, 0, dh, dl, magic, dtype)
+        q1 = _h2_pair(w5, 1, dh, dl, magic, dtype)
+        q2 = _h2_pair(w5, 2, dh, dl, magic, dtype)
+        q3 = _h2_pair(w5, 3, dh, dl, magic, dtype)
+        v = gl.join(gl.join(q0, q1), gl.join(q2, q3))     # t r p h u e s c (pair m = 2c + s)
+        v = gl.permute(v, [0, 3, 1, 4, 6, 7, 2, 5])            # t h r | u s c p e
+        return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout)
     if KIND == 2 or KIND == 4:
         w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
         if KIND == 4:       # a scale per (u, s), no b
@@ -387,7 +442,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
-    HAS_B: gl.constexpr = KIND < 3 and not BFA
+    HAS_B: gl.constexpr = (KIND < 3 or KIND == 5) and not BFA
     dtype: gl.constexpr = x_desc.dtype
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
@@ -504,6 +559,7 @@ class GluonGemmConfig:
     stages: int = 4
     sub: int = 2
     ws: int = 0
+    h2: int = 0
 
     @property
     def block_n(self) -> int:
@@ -511,7 +567,8 @@ class GluonGemmConfig:
 
     def tag(self) -> str:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
-                + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "") + "]")
+                + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
+                + (",h2" if self.h2 else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -534,9 +591,12 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
     grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
     table = w2 if fmt == NF4 else pw.a
-    _gluon_gemm_kernel[grid](desc, pw.codes, pw.a, pw.b, table, out, m, n, k, out.stride(0), MAGIC,
-                             KIND=_KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+    h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
+    sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
+    _gluon_gemm_kernel[grid](desc, pw.codes, sa, sb, table, out, m, n, k, out.stride(0),
+                             H2_MAGIC if h2 else MAGIC, KIND=5 if h2 else _KIND[fmt],
+                             BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             BFA=fmt in _BFA, WS=bool(cfg.ws),
+                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
