@@ -278,11 +278,17 @@ PACKED_GEMM_MAX_M = 256
 
 
 #: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
-#: on the fragment-order copy (`quant_gluon_gemm`) for the formats listed, a launch per row
-#: bound (elsewhere, and for shapes it rejects, the format's PACKED_GEMM launch or
-#: MANY_ROWS_FALLBACK). Tentative (session 9, measured next): 64 x 128 tiles up to 128 rows
-#: (128 programs), 128 x 128 with a TMA producer warp above
-_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(8, 128, 6, 2, 1)}
+#: on the fragment-order copy (`quant_gluon_gemm`), a launch per row bound (elsewhere, and for
+#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). H200, N = K =
+#: 8192, M = 256, bf16, CUDA-graph medians (session 9, dense cuBLAS 0.0511 ms in that run):
+#: 64 x 256 tiles (4 warps) Q4_0 0.0769, AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821,
+#: Q6_K 0.0785 (previous defaults: 0.0875, 0.0840, 0.0919, 0.0867, 0.1057, 0.1298); lost:
+#: 128 x 128 (8 warps) 0.0842 / 0.0838 / 0.0888 / 0.0860 / 0.0908 / 0.0895, with 6 stages
+#: and a TMA producer warp 0.0804 / 0.0809 / 0.0853 / 0.0793 / 0.0893 / 0.0882, 64 x 128
+#: 0.0854 / 0.0786 / 0.0898 / 0.0865 / 0.0897 / 0.0924. 64 x 256 tiles read x 128 times
+#: (512 MB from L2 at ~6.6 TB/s: the bound they meet), 128 x 128 ones half as often but
+#: decode every weight twice. Up to 128 rows: 64 x 128 tiles (128 programs)
+_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(4, 256, 4, 2)}
 GLUON_GEMM: dict = {fmt: _GLUON_ROUTE for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"],
                                                  GGUF_IDS["Q8_0"], NF4, GGUF_IDS["Q6_K"])}
 
