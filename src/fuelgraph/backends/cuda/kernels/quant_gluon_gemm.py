@@ -233,9 +233,13 @@ def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmCo
 # ---- kernel ---------------------------------------------------------------------------------
 @gluon.jit
 def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
-               PAIRS: gl.constexpr, HAS_B: gl.constexpr):
+               PAIRS: gl.constexpr, HAS_B: gl.constexpr, rot=0, steps=1,
+               ROT: gl.constexpr = False):
     """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * PAIRS] (flat, blocked: a
-    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a."""
+    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a. ROT: step
+    kk of this program is step (kk + rot) % steps of K (look-ahead past the end wraps)."""
+    if ROT:
+        kk = (kk + rot) % steps
     w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
     a = gl.load(a_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
     if HAS_B:
@@ -386,30 +390,43 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 
 
 @gluon.jit
-def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr):
+def _xk(step, rot, steps, ROT: gl.constexpr):
+    """Column of x of the program's step (ROT: K walked from step rot on, wrapping)."""
+    if ROT:
+        return ((step + rot) % steps) * 64
+    return step * 64
+
+
+@gluon.jit
+def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot=0,
+            ROT: gl.constexpr = False):
     """x buffer of step `done` (retired) takes step done + STAGES, if both exist (predicated,
     no branch: a branch between a wgmma and its wait makes ptxas serialize the wgmmas)."""
     ok = (done >= 0) & (done + STAGES < steps)
     sn = (done + STAGES) % STAGES
     mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [m0, (done + STAGES) * 64], ready.index(sn),
+    tma.async_copy_global_to_shared(x_desc, [m0, _xk(done + STAGES, rot, steps, ROT)],
+                                    ready.index(sn),
                                     x_smem.index(sn), pred=ok)
 
 
 @gluon.jit
-def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr):
+def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, rot,
+                ROT: gl.constexpr):
     """The TMA warp (WS): x tiles of steps STAGES.. into the ring, each once its buffer's
     `empty` barrier says the consumers retired the step that used it before."""
     for i in range(STAGES, steps):
         sn = i % STAGES
         mbarrier.wait(empty.index(sn), ((i // STAGES) - 1) & 1)
         mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, i * 64], ready.index(sn), x_smem.index(sn))
+        tma.async_copy_global_to_shared(x_desc, [m0, _xk(i, rot, steps, ROT)], ready.index(sn),
+                                        x_smem.index(sn))
 
 
 @gluon.jit
 def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr):
+              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
+              ROT: gl.constexpr):
     """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
     t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
     the wgmma reads it from shared memory (no register operand in flight: see the module
@@ -427,7 +444,7 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             mbarrier.arrive(empty.index((done + STAGES) % STAGES),
                             pred=(done >= 0) & (done + STAGES < steps))
         else:
-            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES)
+            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT)
     mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
     acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -436,7 +453,8 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 @gluon.jit
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr):
+              SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
+              ROT: gl.constexpr):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
     decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -467,10 +485,10 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     else:
         codes = 0
     w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS,
-                            PAIRS, HAS_B)
+                            PAIRS, HAS_B, rot, steps, ROT)
     if SUB == 2:
         w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS,
-                                PAIRS, HAS_B)
+                                PAIRS, HAS_B, rot, steps, ROT)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
     for it in range(steps // SUB):
         st = it * SUB
@@ -479,16 +497,16 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
         w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
-                                WORDS, PAIRS, HAS_B)
+                                WORDS, PAIRS, HAS_B, rot, steps, ROT)
         acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                        2 - SUB, WS)
+                        2 - SUB, WS, rot, ROT)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
-                                    WORDS, PAIRS, HAS_B)
+                                    WORDS, PAIRS, HAS_B, rot, steps, ROT)
             acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                            STAGES, 2, WS)
+                            STAGES, 2, WS, rot, ROT)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
 
 
@@ -496,20 +514,23 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
-                       WS: gl.constexpr = False):
+                       WS: gl.constexpr = False, ROT: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
     steps: the loads run SUB steps ahead unclamped; BFA: no b, b = a B_OVER_A); c_ptr: NF4's
     code table (float32 [16]); magic: 0x4B000000 (a register operand of the decode's LOP3 /
     PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
-    the x TMA copies (the main loop then has no TMA code and its barriers)."""
+    the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program n
+    walks K from step n % (K / 64) on, wrapping, so that the programs do not all read the same
+    x tile (the same L2 lines) at once."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     steps = K // 64
     m0 = pid_m * BLOCK_M
+    rot = pid_n % steps
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
     a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
@@ -521,17 +542,19 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     for s in gl.static_range(STAGES):
         if s < steps:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, s * 64], ready.index(s),
-                                            x_smem.index(s))
+            tma.async_copy_global_to_shared(x_desc, [m0, _xk(s, rot, steps, ROT)],
+                                            ready.index(s), x_smem.index(s))
     if WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
-                                               BLOCK_M, STAGES, SUB, BFA, WS, num_warps)),
+                                               BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
+                                               ROT)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
-                                                 STAGES))], [1], [40])[0]
+                                                 STAGES, rot, ROT))], [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
-                        x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps)[0]
+                        x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
+                        ROT)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -553,13 +576,15 @@ class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
-    wgmmas for some formats), ws: one more warp issues the x copies."""
+    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
+    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads)."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
     sub: int = 2
     ws: int = 0
     h2: int = 0
+    rot: int = 0
 
     @property
     def block_n(self) -> int:
@@ -568,7 +593,7 @@ class GluonGemmConfig:
     def tag(self) -> str:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
                 + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
-                + (",h2" if self.h2 else "") + "]")
+                + (",h2" if self.h2 else "") + (",rot" if self.rot else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -597,6 +622,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                              H2_MAGIC if h2 else MAGIC, KIND=5 if h2 else _KIND[fmt],
                              BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
+                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
