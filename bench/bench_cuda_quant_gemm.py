@@ -61,9 +61,10 @@ _OLD = "dequant_rows"
 #: TMA producer warp 0.079-0.088, 64 x 128 0.079-0.092 (quant.GLUON_GEMM lists them)
 GLUON = [GluonGemmConfig(4, 256, 4, 2), GluonGemmConfig(4, 256, 4, 2, 1),
          GluonGemmConfig(4, 256, 4, 2, rot=1), GluonGemmConfig(4, 256, 4, 2, 1, rot=1),
-         GluonGemmConfig(8, 128, 6, 2, 1), GluonGemmConfig(4, 128, 4, 2)]
-#: Q4_0's bf16x2 decode (h2), with the producer warp, and also rotated K
-H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1)]
+         GluonGemmConfig(8, 128, 6, 2, 1), GluonGemmConfig(4, 128, 4, 2),
+         GluonGemmConfig(4, 256, 4, 2, late=1), GluonGemmConfig(4, 256, 4, 2, 1, late=1)]
+#: Q4_0's bf16x2 decode (h2) with the producer warp and late loads, and also rotated K
+H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1, 1)]
 CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2],
               "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON], "Q8_0": [_OLD, *GLUON],
               "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON], "Q6_K": [*GLUON]}

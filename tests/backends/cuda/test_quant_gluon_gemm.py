@@ -155,7 +155,8 @@ def _bf16(w: np.ndarray) -> np.ndarray:
 CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
                                                for f in ("Q4_0", "Q8_0")] \
     + [("Q4_0", (4, 256, 4, 2, 1, 1)),          # Q4_0's bf16x2 decode (h2)
-       ("Q4_0", (4, 256, 4, 2, 1, 0, 1)), ("Q8_0", (4, 256, 4, 2, 0, 0, 1))]   # rotated K
+       ("Q4_0", (4, 256, 4, 2, 1, 0, 1)), ("Q8_0", (4, 256, 4, 2, 0, 0, 1)),   # rotated K
+       ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1))]   # late
 
 
 @pytest.mark.cuda

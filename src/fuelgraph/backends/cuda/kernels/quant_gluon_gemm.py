@@ -454,7 +454,7 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr):
+              ROT: gl.constexpr, LATE: gl.constexpr):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
     decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -493,20 +493,31 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     for it in range(steps // SUB):
         st = it * SUB
         # decode the step's words, reload them for the next iteration (the registers just
-        # freed: no moves), then the async wgmma on its x buffer; the previous one retires
+        # freed: no moves), then the async wgmma on its x buffer; the previous one retires.
+        # LATE: the reloads after the iteration's last A fence: the proxy fence (MEMBAR)
+        # waits for the thread's loads in flight, so each load before a fence puts its
+        # latency on the loop's path; after the last one it overlaps the wgmma
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
-        w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off, s_off,
-                                WORDS, PAIRS, HAS_B, rot, steps, ROT)
+        if not LATE:
+            w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
+                                    s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
         acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
                         2 - SUB, WS, rot, ROT)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
-            w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off, s_off,
-                                    WORDS, PAIRS, HAS_B, rot, steps, ROT)
+            if not LATE:
+                w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
+                                        s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
             acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                             STAGES, 2, WS, rot, ROT)
+        if LATE:
+            w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
+                                    s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+            if SUB == 2:
+                w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
+                                        s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
 
 
@@ -514,7 +525,8 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
-                       WS: gl.constexpr = False, ROT: gl.constexpr = False):
+                       WS: gl.constexpr = False, ROT: gl.constexpr = False,
+                       LATE: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -523,7 +535,8 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
     the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program n
     walks K from step n % (K / 64) on, wrapping, so that the programs do not all read the same
-    x tile (the same L2 lines) at once."""
+    x tile (the same L2 lines) at once. LATE: the next iteration's words and scales loaded after
+    its last A fence (`_consumer`)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
@@ -548,13 +561,13 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT)),
+                                               ROT, LATE)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT))], [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT)[0]
+                        ROT, LATE)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -577,7 +590,8 @@ class GluonGemmConfig:
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
     wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
-    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads)."""
+    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
+    late: the next iteration's loads after the last A fence of the iteration."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -585,6 +599,7 @@ class GluonGemmConfig:
     ws: int = 0
     h2: int = 0
     rot: int = 0
+    late: int = 0
 
     @property
     def block_n(self) -> int:
@@ -593,7 +608,8 @@ class GluonGemmConfig:
     def tag(self) -> str:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
                 + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
-                + (",h2" if self.h2 else "") + (",rot" if self.rot else "") + "]")
+                + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
+                + (",late" if self.late else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -623,5 +639,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                              BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                              SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
                              BFA=fmt in _BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
+                             LATE=bool(cfg.late),
                              num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
