@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Many-row quantized matmuls (M = 256, N = K = 8192, bf16 x) on one CUDA GPU, against the dense
 bf16 cuBLAS matmul (`x @ W.T`, the same weight dequantized) in the same process, all timed with
-CUDA graphs (`do_bench_cudagraph`, median): the default route (before the packed GEMM: the
-dense copy + cuBLAS, AWQ's fused storage-order GEMM) and the packed-copy GEMM candidates (`quant_packed_gemm`,
-PackedGemmConfig) of CANDIDATES, each checked against the dense product first. TFLOP/s = 2 M N
-K / time; GB/s = weight bytes (the format's own) / time. Records go to
-DIR/cuda_quant_gemm.jsonl (--out).
+CUDA graphs (`do_bench_cudagraph`, median): the default route (on sm_90 the Gluon wgmma GEMM of
+`quant_gluon_gemm`; before it the Triton packed GEMM, the dense copy + cuBLAS, AWQ's fused
+storage-order GEMM) and the candidates of CANDIDATES (previous routes, `quant_packed_gemm`'s
+PackedGemmConfig, `quant_gluon_gemm`'s GluonGemmConfig launches), each checked against the
+dense product first. TFLOP/s = 2 M N K / time; GB/s = weight bytes (the format's own) / time.
+Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
