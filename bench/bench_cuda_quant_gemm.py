@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Many-row quantized matmuls (M = 256, N = K = 8192, bf16 x) on one CUDA GPU, against the dense
 bf16 cuBLAS matmul (`x @ W.T`, the same weight dequantized) in the same process, all timed with
-CUDA graphs (`do_bench_cudagraph`, median): the default route (before the packed GEMM: the
-dense copy + cuBLAS, AWQ's fused storage-order GEMM) and the packed-copy GEMM candidates (`quant_packed_gemm`,
-PackedGemmConfig) of CANDIDATES, each checked against the dense product first. TFLOP/s = 2 M N
-K / time; GB/s = weight bytes (the format's own) / time. Records go to
-DIR/cuda_quant_gemm.jsonl (--out).
+CUDA graphs (`do_bench_cudagraph`, median): the default route (on sm_90 the Gluon wgmma GEMM of
+`quant_gluon_gemm`; before it the Triton packed GEMM, the dense copy + cuBLAS, AWQ's fused
+storage-order GEMM) and the candidates of CANDIDATES (previous routes, `quant_packed_gemm`'s
+PackedGemmConfig, `quant_gluon_gemm`'s GluonGemmConfig launches), each checked against the
+dense product first. TFLOP/s = 2 M N K / time; GB/s = weight bytes (the format's own) / time.
+Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_cuda_quant_gemv import close, weights  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant as K  # noqa: E402
+from fuelgraph.backends.cuda.kernels.quant_gluon_gemm import GluonGemmConfig  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  # noqa: E402
 
 from common import quant_record_names  # noqa: E402  (bench/, the script's folder)
@@ -54,8 +56,19 @@ G = PackedGemmConfig
 #: sm_90 SASS of the loop a weight (bench/sass_quant_gemm.py): tma=2 7.50, vec 6.88
 _T2 = G(128, 128, 1, 8, 3, tma=2)
 _OLD = "dequant_rows"
-CANDIDATES = {"Q4_0": [_OLD, _T2], "awq": [K.AWQ_GEMM], "Q4_K": [_OLD], "Q8_0": [_OLD],
-              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1)], "Q6_K": []}
+#: Gluon wgmma GEMM launches (num_warps, block_m, stages, sub, ws[, h2]): quant_gluon_gemm.
+#: Session 9 round 2 (H200, M = 256, dense 0.0511): 64 x 256 (4, 256, 4, 2) Q4_0 0.0769, AWQ
+#: 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785; 128 x 128 0.084-0.091, with a
+#: TMA producer warp 0.079-0.088, 64 x 128 0.079-0.092 (quant.GLUON_GEMM lists them)
+GLUON = [GluonGemmConfig(4, 256, 4, 2), GluonGemmConfig(4, 256, 4, 2, 1),
+         GluonGemmConfig(4, 256, 4, 2, rot=1), GluonGemmConfig(4, 256, 4, 2, 1, rot=1),
+         GluonGemmConfig(8, 128, 6, 2, 1), GluonGemmConfig(4, 128, 4, 2),
+         GluonGemmConfig(4, 256, 4, 2, late=1), GluonGemmConfig(4, 256, 4, 2, 1, late=1)]
+#: Q4_0's bf16x2 decode (h2) with the producer warp and late loads, and also rotated K
+H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1, 1)]
+CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2],
+              "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON], "Q8_0": [_OLD, *GLUON],
+              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON], "Q6_K": [*GLUON]}
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -99,7 +112,7 @@ def main():
 
     def record(op, impl, m, ms, nbytes):
         kind = "default" if impl.endswith("[default]") or op == "dense" else \
-            "fused" if "packed_gemm" in impl else "anchor"
+            "fused" if "packed_gemm" in impl or "gluon_gemm" in impl else "anchor"
         key = (op, m, kind)
         if key not in best or ms < best[key][0]:
             best[key] = (ms, impl)

@@ -144,9 +144,10 @@ def test_packed_gemm_in_a_cuda_graph():
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "AWQ"])
 def test_many_rows_default_route(fmt):
-    """65..PACKED_GEMM_MAX_M rows of 16-bit x take the packed GEMM by default (M = 70: a
-    partial x tile, split K on the small grid); float32 x the dense copy (AWQ: its GEMM)."""
-    assert _fmt_route(fmt, 70).__class__ is PackedGemmConfig
+    """65..PACKED_GEMM_MAX_M rows of 16-bit x take the packed GEMM by default (or the Gluon
+    GEMM, whose shapes N = 24 is not one of: then the packed GEMM; M = 70: a partial x tile,
+    split K on the small grid); float32 x the dense copy (AWQ: its GEMM)."""
+    assert isinstance(_fmt_route(fmt, 70), (PackedGemmConfig, K.GluonGemmConfig))
     args, n, k, want = _weight(fmt, np.random.default_rng(17), 24)
     fid, w0, w1, w2, i0 = args
     for dt in (torch.float16 if INTERPRET else torch.bfloat16, torch.float32):

@@ -35,6 +35,7 @@ PackedGemmConfig or a path name) lets benchmarks pick a path and sweep tile shap
 (`bench_cuda_quant.py --sweep`, `bench_cuda_quant_gemv.py`, `bench_cuda_quant_gemm.py`)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from .quant_packed import PACKED_FORMATS, PackedConfig, packable, run_packed
 from .quant_packed_dot import DOT_FORMATS, PackedDotConfig, run_packed_dot
 from .quant_mma import MmaConfig, mma_default, mma_ok, run_mma_cached
 from .quant_packed_gemm import GEMM_PACKED_FORMATS, PackedGemmConfig, run_packed_gemm
+from .quant_gluon_gemm import GluonGemmConfig, gluon_ok, run_gluon_gemm
 from .quant_rows import FAST_FORMATS, RowConfig, dequantize_rows, run_rows
 from .quant_tiles import AWQ, GGUF_IDS, NF4, b_tile
 
@@ -276,8 +278,26 @@ PACKED_GEMM: dict = {GGUF_IDS["Q4_0"]: _GEMM_TMA, AWQ: _GEMM_TMA, GGUF_IDS["Q4_K
 PACKED_GEMM_MAX_M = 256
 
 
+#: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
+#: on the fragment-order copy (`quant_gluon_gemm`), a launch per row bound (elsewhere, and for
+#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). H200, N = K =
+#: 8192, M = 256, bf16, CUDA-graph medians (session 9, dense cuBLAS 0.0511 ms in that run):
+#: 64 x 256 tiles (4 warps) Q4_0 0.0769, AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821,
+#: Q6_K 0.0785 (previous defaults: 0.0875, 0.0840, 0.0919, 0.0867, 0.1057, 0.1298); lost:
+#: 128 x 128 (8 warps) 0.0842 / 0.0838 / 0.0888 / 0.0860 / 0.0908 / 0.0895, with 6 stages
+#: and a TMA producer warp 0.0804 / 0.0809 / 0.0853 / 0.0793 / 0.0893 / 0.0882, 64 x 128
+#: 0.0854 / 0.0786 / 0.0898 / 0.0865 / 0.0897 / 0.0924. 64 x 256 tiles read x 128 times
+#: (512 MB from L2 at ~6.6 TB/s: the bound they meet), 128 x 128 ones half as often but
+#: decode every weight twice. Up to 128 rows: 64 x 128 tiles (128 programs)
+_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(4, 256, 4, 2)}
+GLUON_GEMM: dict = {fmt: _GLUON_ROUTE for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"],
+                                                 GGUF_IDS["Q8_0"], NF4, GGUF_IDS["Q6_K"])}
+
+
 def _with_gemm(fmt, route):
-    """route with PACKED_GEMM's launch of the format up to PACKED_GEMM_MAX_M rows."""
+    """route with GLUON_GEMM's launches, else PACKED_GEMM's, up to PACKED_GEMM_MAX_M rows."""
+    if fmt in GLUON_GEMM:
+        return {**route, **GLUON_GEMM[fmt]}
     return route if fmt not in PACKED_GEMM else {**route, PACKED_GEMM_MAX_M: PACKED_GEMM[fmt]}
 
 
@@ -311,14 +331,16 @@ def _has_rows_kernel(fmt_id: int, i0: int) -> bool:
 
 def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = False,
         config: QConfig | RowConfig | GemmConfig | PackedConfig | PackedDotConfig | MmaConfig |
-        PackedGemmConfig | str | None = None):
+        PackedGemmConfig | GluonGemmConfig | str | None = None):
     """x [..., K] @ B [K, N] (or, with grad, x [..., N] @ B.T) for packed B of format fmt_id;
     returns [..., N] (or [..., K]) in x's dtype. config: None (defaults), a QConfig (the
     generic tile kernels), a RowConfig (the storage-order kernels of quant_rows), a GemmConfig
     (the fused dequantizing GEMM of quant_gemm), a PackedConfig or "packed" (one row: the GEMV
     on the cached chunk-layout copy of quant_packed; else, or for shapes it rejects, "rows"), a
     PackedDotConfig (any rows: tensor-core dots on that copy, quant_packed_dot), a
-    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm),
+    PackedGemmConfig (many rows of 16-bit x: the GEMM on that copy, quant_packed_gemm), a
+    GluonGemmConfig (many rows of 16-bit x on sm_90: the wgmma GEMM on the fragment-order
+    copy of quant_gluon_gemm; elsewhere the format's PACKED_GEMM launch),
     "tiles", "rows", "dequant" (dense K-order copy of the weight + cuBLAS) or "dequant_rows"
     (the copy written in storage order). Configs a format / direction has no kernel for fall
     back to the tile kernels."""
@@ -343,6 +365,12 @@ def run(fmt_id: int, x, w0, w1, w2, i0: int, k: int, n: int, *, grad: bool = Fal
             return run_mma_cached(fmt_id, x, w0, w1, w2, i0, k, n,
                                   config if isinstance(config, MmaConfig) else None)
         config = "packed"
+    if isinstance(config, GluonGemmConfig):
+        if config.num_warps > 4 and n % config.block_n and n % 64 == 0:
+            config = dataclasses.replace(config, num_warps=4)     # 64-row tiles fit N
+        if rows_ok and gluon_ok(fmt_id, x, w0, w1, w2, i0, k, n, config):
+            return run_gluon_gemm(fmt_id, x, w0, w1, w2, i0, k, n, config=config)
+        config = PACKED_GEMM.get(fmt_id, MANY_ROWS_FALLBACK.get(fmt_id, "dequant_rows"))
     if isinstance(config, PackedGemmConfig):
         if rows_ok and fmt_id in GEMM_PACKED_FORMATS and packable(fmt_id, i0, k, n) and \
                 x.dtype in (torch.bfloat16, torch.float16):

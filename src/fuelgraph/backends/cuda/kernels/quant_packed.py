@@ -585,10 +585,11 @@ def _anchor(t):
     return base, (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int, build=None):
+def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int, build=None, make=True):
     """`pack` (or `build`, another layout with pack's arguments), cached with the weight
     tensors: reused while their memory is alive (held by the same tensors or views of the same
-    bases) and unchanged (same in-place versions); dropped when the first one's base is freed."""
+    bases) and unchanged (same in-place versions); dropped when the first one's base is freed.
+    make=False: None where no valid copy is cached (nothing is built)."""
     build = build or pack
     tensors = (w0, w1, w2)
     anchors = [_anchor(t) for t in tensors]
@@ -599,6 +600,8 @@ def packed_weight(fmt: int, w0, w1, w2, i0: int, k: int, n: int, build=None):
         refs, vers, packed = hit
         if vers == versions and all(r() is a for r, (a, _) in zip(refs, anchors)):
             return packed
+    if not make:
+        return None
     packed = build(fmt, w0, w1, w2, i0, k, n)
     refs = tuple(weakref.ref(a) for a, _ in anchors)
     _CACHE[key] = (refs, versions, packed)

@@ -1,0 +1,644 @@
+"""Many-row quantized matmul (`out = x @ W.T`, x [M, K] bf16 / f16 with M in the hundreds,
+W [N, K]; Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K) as a Gluon kernel for Hopper (sm_90): each thread
+loads the packed words that hold exactly its elements of the wgmma A fragment, decodes them
+in registers, and the tile feeds an async `warpgroup_mma` (weight as A, the x tile as B from
+shared memory by TMA) with no layout conversion.
+
+Why: the Triton GEMM of `quant_packed_gemm` decodes the weight tile in a blocked layout and
+the compiler moves it through shared memory into the wgmma operand (layout conversion, CTA
+barriers every step), so decode and tensor cores hardly overlap (H200, N = K = 8192, M = 256:
+0.064 ms with a one-shift decode against dense cuBLAS's 0.055). Here step i's decode runs
+while the wgmma of step i - 1 is in flight (issue, then wait with one group outstanding).
+
+Layout (`pack_wgmma`, cached with the weight like `quant_packed`'s copy): rows in tiles of 16
+(one warp of the warpgroup), K in steps of 64. The wgmma A fragment of a [16, 64] tile gives
+lane l (r = l // 4, p = l % 4) rows r + 8 h and elements k = 32 u + 16 s + 8 c + 2 p + e of
+each (h, u, s, c, e in {0, 1}: 32 elements; `gl.to_linear_layout` of the DotOperandLayout).
+4-bit formats: the lane's 4 int32 words [h, u] are contiguous (one 16-byte load, a warp's 512
+bytes contiguous) and element (s, c, e) is nibble 4 e + 2 c + s of word (h, u). 8-bit (Q8_0,
+Q6_K): 8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 16, K / 64,
+32 lanes, 4 or 8 words]. Each 32-element block of a row is one word (4-bit) or two (8-bit) of
+one thread: u is the block (Q6_K's 16-element blocks: (u, s)). Scales: per (row, block) the
+float32 pair (a, b) of W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a
+thread's four a's are one 16-byte load, shared by the 4 lanes of a row group); Q4_0 / Q8_0
+store no b (a fixed multiple of a), NF4 and Q6_K neither.
+
+Decode (bit for bit the format's dequantizer, then rounded once to x's dtype as the other
+GEMMs do): v = 2^23 + 2^SH q as float32 (the code moved to bit SH = 12 / 16 (4-bit: one
+shift a nibble pair, one LOP3 a weight) or 8 (bytes: one PRMT a weight) and OR-ed into 2^23's
+mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH and
+b = o - s 2^(23 - SH) exact (see `wgmma_pairs`), so the fused result is the exact product
+s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
+fma(v - 2^23, a, -8192 a) = (d sc) (q - 32) rounded once, as gguf-py; NF4: code[q] by a warp
+shuffle from the lanes' registers, times absmax.
+
+Kernel: a program owns BLOCK_N = 16 warps weight rows and BLOCK_M rows of x (acc [BLOCK_N,
+BLOCK_M] float32 in the wgmma layout, one warpgroup per 64 rows); x tiles [BLOCK_M, 64] in a
+ring of STAGES shared-memory buffers filled by TMA (an mbarrier each); the packed words and
+scales of the next iteration are loaded into the registers just decoded. The decoded
+[BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
+DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
+bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
+two buffers alternating, one CTA barrier a step): as the register operand the H200
+gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flight wgmma's A
+registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
+ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
+code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
+bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .quant_packed import _unpack_awq, _q4k_scale_min, packed_weight
+from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
+
+#: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
+#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements)
+GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
+_KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
+_BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
+#: formats whose b is a fixed multiple of a (B_OVER_A: not stored)
+_BFA = frozenset({Q4_0, Q8_0})
+#: float32 scale values a thread loads a step (a per 32-element block, Q6_K per 16)
+_PAIRS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8}
+#: bit position of the code in v = 2^23 + 2^SH q
+_SH = {4: 12, 8: 8}
+STEP_K = 64
+MAGIC = 0x4B000000
+#: 128.0 in both halves of a bf16x2 word (the h2 decode's magic)
+H2_MAGIC = 0x43004300
+
+
+# ---- the packed weight ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class WgmmaWeight:
+    """codes int32 [N / 16, K / 64, 32, 4 or 8] (module docstring), pairs' a and b float32
+    [N / 16, K / 64, 8, 2, 2] (Q6_K: a [N / 16, K / 64, 8, 2, 2, 2], a per 16 elements (u, s),
+    b empty; NF4: a = absmax, b zeros), each flattened with two steps of padding
+    (`_padded`)."""
+    fmt: int
+    codes: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    n: int
+    k: int
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes q uint8 [N, K] (< 2**bits) -> int32 [N / 16, K / 64, 32, 32 / bits * ...] in the
+    fragment order: row 16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e."""
+    n, k = q.shape
+    v = q.to(torch.int32).reshape(n // 16, 2, 8, k // 64, 2, 2, 2, 4, 2)
+    #                               t     h  r  kk      u  s  c  p  e
+    if bits == 4:   # word (h, u), nibble 4 e + 2 c + s
+        v = v.permute(0, 3, 2, 7, 1, 4, 8, 6, 5).reshape(n // 16, k // 64, 32, 4, 8)
+        shifts = 4 * torch.arange(8, dtype=torch.int32, device=q.device)
+    else:           # word (h, u, s), byte 2 e + c
+        v = v.permute(0, 3, 2, 7, 1, 4, 5, 8, 6).reshape(n // 16, k // 64, 32, 8, 4)
+        shifts = 8 * torch.arange(4, dtype=torch.int32, device=q.device)
+    w = (v.to(torch.int64) << shifts.to(torch.int64)).sum(-1)
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w)                       # two's complement
+    return w.to(torch.int32).contiguous()
+
+
+def _pair_tiles(t: torch.Tensor) -> torch.Tensor:
+    """Per-(row, 32-block) values [N, K / 32] float32 -> [N / 16, K / 64, 8 r, 2 h, 2 u]."""
+    n, g = t.shape
+    return t.reshape(n // 16, 2, 8, g // 2, 2).permute(0, 3, 2, 1, 4).contiguous()
+
+
+def wgmma_pairs(fmt: int, s: torch.Tensor, o: torch.Tensor):
+    """(a, b) float32 [N, K / 32] of W = fma(v, a, b) (v = 2^23 + 2^SH q) for the per-block
+    scale s and offset o (W = s q + o; Q4_0: o = -8 d, AWQ: -z s, Q8_0: o = -128 d for the
+    stored q + 128; Q4_K: v - 2^23 is used, so b = o). a = s 2^-SH exact (a power of two; no
+    f16 scale reaches float32's subnormals); b = o - s 2^(23 - SH) = -s (z + 2^(23 - SH)): the
+    integer has at most 12 (4-bit, SH = 12) / 9 (Q8_0, SH = 8) significant bits and s 11
+    (f16), so b is exact and so is the fused product."""
+    sh = _SH[_BITS[fmt]]
+    a = s * 2.0 ** -sh
+    if _KIND[fmt] == 1:
+        b = o
+    else:
+        b = (o.double() - s.double() * 2.0 ** (23 - sh)).float()
+    return a.float(), b.float()
+
+
+def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
+    """The fragment-order copy of a weight given as `quant.run` takes it (GGUF: bytes, -, -,
+    row bytes; AWQ: qweight, qzeros, scales, group)."""
+    if fmt == Q4_0:
+        raw = w0.reshape(n, k // 32, 18)
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
+        qs = raw[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+        s, o = d, -8.0 * d
+    elif fmt == Q8_0:
+        raw = w0.reshape(n, k // 32, 34)
+        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
+        q = raw[..., 2:].reshape(n, k) ^ 0x80                              # int8 q + 128
+        s, o = d, -128.0 * d
+    elif fmt == Q4_K:
+        raw = w0.reshape(n, k // 256, 144)
+        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 256, 2).float()
+        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))
+        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
+        d = dd[..., 0].repeat_interleave(8, dim=1)
+        dmin = dd[..., 1].repeat_interleave(8, dim=1)
+        s, o = d * sc.float(), -(dmin * mn.float())                # as gguf-py forms them
+    elif fmt == NF4:    # byte i: element 2i in the high nibble; a = absmax, no b
+        q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
+        a = w1.reshape(n, k // i0).float().repeat_interleave(i0 // 32, dim=1)
+        return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
+                           _padded(_pair_tiles(torch.zeros_like(a))), n, k)
+    elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
+        raw = w0.reshape(n, k // 256, 210)
+        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
+        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
+        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
+        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
+        q = lo | (hi.reshape(n, k) << 4)                                   # q + 32, 0..63
+        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256).float()
+        sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16).float()
+        a = d.repeat_interleave(16, dim=1) * sc * 2.0 ** -8                # exact
+        a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
+        return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
+    elif fmt == AWQ:
+        q = _unpack_awq(w0).t().contiguous()                               # [N, K]
+        rep = i0 // 32
+        z = _unpack_awq(w1).t().float().repeat_interleave(rep, dim=1)
+        s = w2.t().float().repeat_interleave(rep, dim=1)
+        o = -(z * s)
+    else:
+        raise ValueError(f"no wgmma layout for format {fmt}")
+    a, b = wgmma_pairs(fmt, s, o)
+    b = _pair_tiles(b)
+    if fmt in _BFA:     # b = a B_OVER_A in the kernel
+        b = b[..., :0]
+    return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)), _padded(b),
+                       n, k)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """t [N / 16, K / 64, ...] flattened with two (tile, step) blocks of zeros after it: the
+    kernel loads two steps ahead of the last one without a bound (the last tile's overrun
+    lands here)."""
+    flat = t.reshape(-1)
+    block = flat.numel() // (t.shape[0] * t.shape[1])
+    return torch.cat([flat, flat.new_zeros(2 * block)])
+
+
+def h2_scales(pw: WgmmaWeight):
+    """Q4_0 for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2 words
+    (dh, dh) and (dl, dl) with d = dh + dl, dh = d truncated to bf16's 8 significant bits and
+    dl the rest (at most 3 bits: both exact in bf16), as float32-typed tensors; made once.
+    Then t = q - 8 (exact), dl t (at most 6 bits: exact) and fma(t, dh, dl t) =
+    RN_bf16(d (q - 8)): one rounding of the exact product, as the float32 path's."""
+    hit = pw.extra.get("h2")
+    if hit is None:
+        d = pw.a * 4096.0                                           # a = d 2^-12, exact
+        hi = d.view(torch.int32) & -65536                           # top 16 bits: bf16 dh
+        lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
+        fin = torch.isfinite(d)         # (an infinite d gives NaN, as the float32 path)
+        assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
+        word = lambda v: (((v >> 16) & 0xFFFF) * 65537).to(torch.int32)      # noqa: E731
+        hit = pw.extra["h2"] = (word(hi).view(torch.float32), word(lo).view(torch.float32))
+    return hit
+
+
+def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmConfig") -> bool:
+    """Whether this kernel takes the call: a format of GLUON_FORMATS, 16-bit x on an sm_90 GPU
+    (wgmma), N a multiple of the launch's block_n, K of 64, AWQ groups of 32k; not while a CUDA
+    graph is captured before the weight's copy exists (it would live in the graph's pool)."""
+    if fmt not in GLUON_FORMATS or n % cfg.block_n or k % STEP_K or \
+            x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda or \
+            torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    if fmt in (AWQ, NF4) and not (i0 >= 32 and i0 % 32 == 0 and k % i0 == 0):
+        return False
+    if fmt == Q6_K and k % 256:
+        return False
+    return not torch.cuda.is_current_stream_capturing() or \
+        packed_weight(fmt, w0, w1, w2, i0, k, n, build=pack_wgmma, make=False) is not None
+
+
+# ---- kernel ---------------------------------------------------------------------------------
+@gluon.jit
+def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
+               PAIRS: gl.constexpr, HAS_B: gl.constexpr, rot=0, steps=1,
+               ROT: gl.constexpr = False):
+    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * PAIRS] (flat, blocked: a
+    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a. ROT: step
+    kk of this program is step (kk + rot) % steps of K (look-ahead past the end wraps)."""
+    if ROT:
+        kk = (kk + rot) % steps
+    w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
+    a = gl.load(a_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
+    if HAS_B:
+        b = gl.load(b_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
+    else:
+        b = a
+    return w, a, b
+
+
+@gluon.jit
+def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
+    """Plane j of the words w (float32, w's shape). 4-bit: nibble j at bit SH = 12 (j even) or
+    16 (j odd) of a view of the word (one shift a nibble pair), masked and OR-ed into 2^23 by
+    one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
+    (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
+    SH = 8), then one FMA."""
+    if KIND == 2 or KIND == 4:
+        SEL: gl.constexpr = 0x7504 + 16 * j
+        f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
+                                      dtype=gl.int32, is_pure=True, pack=1)
+        f = f.to(gl.float32, bitcast=True)
+        if KIND == 4:   # Q6_K: (2^8 q) (d sc 2^-8) - 32 d sc, rounded once as gguf-py
+            return gl.fma(f - 8388608.0, a, a * -8192.0)
+        return gl.fma(f, a, b)
+    if KIND == 3:       # NF4: code[q] from lane q's register (low 5 bits: lanes l, l + 16
+        #                 hold the same code), times absmax
+        if j == 0:
+            v = w
+        else:
+            v = w >> (4 * j)
+        c = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;",
+                                      "=r,r,r", [b, v], dtype=gl.int32, is_pure=True, pack=1)
+        return c.to(gl.float32, bitcast=True) * a
+    D: gl.constexpr = 8 * (j // 2) - 12
+    if D > 0:
+        v = w >> D
+    else:
+        v = w << -D
+    M: gl.constexpr = 0xF000 << (4 * (j % 2))
+    f = gl.inline_asm_elementwise(f"lop3.b32 $0, $1, {M}, $2, 0xEA;", "=r,r,r", [v, magic],
+                                  dtype=gl.int32, is_pure=True, pack=1)
+    f = f.to(gl.float32, bitcast=True)
+    if KIND == 1:
+        f = f - 8388608.0
+    return gl.fma(f, a, b)
+
+
+@gluon.jit
+def _pairs16(KIND: gl.constexpr, a, b):
+    """The pair of SH = 16 from the pair of SH = 12 (exact): a 2^-4; Q4_0 / AWQ:
+    b + s (2^11 - 2^7) = fma(a, 2^12 (2^11 - 2^7), b), the exact value o - s 2^7 (representable,
+    `wgmma_pairs`), so the single rounding is exact; Q4_K's b has no SH in it."""
+    a16 = a * 0.0625
+    if KIND == 1:
+        return a16, b
+    return a16, gl.fma(a, 8388608.0 - 524288.0, b)
+
+
+@gluon.constexpr_function
+def _h2_asm(m):
+    """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
+    128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
+    return ("{ .reg .b32 v, t, c, n; shr.b32 v, $1, %d; lop3.b32 v, v, 983055, $4, 0xEA; "
+            "mov.b32 n, 0xC308C308; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, $3; "
+            "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
+
+
+@gluon.jit
+def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
+    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
+    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v - 136 = q - 8, then
+    fma(t, dh, dl t); magic = 0x43004300."""
+    r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
+                                  is_pure=True, pack=1)
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    return gl.join(lo, hi)
+
+
+#: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
+#: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
+B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
+
+
+@gluon.jit
+def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
+            a_layout: gl.constexpr, BFA: gl.constexpr = False):
+    """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
+    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
+    decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
+    registers."""
+    if KIND == 5:       # Q4_0, bf16 x: bf16x2 pairs (nibbles m, m + 4) straight from the word
+        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
+        dh = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+                               w5.type.layout)
+        dl = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+                               w5.type.layout)
+        q0 = _h2_pair(w5, 0, dh, dl, magic, dtype)
+        q1 = _h2_pair(w5, 1, dh, dl, magic, dtype)
+        q2 = _h2_pair(w5, 2, dh, dl, magic, dtype)
+        q3 = _h2_pair(w5, 3, dh, dl, magic, dtype)
+        v = gl.join(gl.join(q0, q1), gl.join(q2, q3))     # t r p h u e s c (pair m = 2c + s)
+        v = gl.permute(v, [0, 3, 1, 4, 6, 7, 2, 5])            # t h r | u s c p e
+        return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout)
+    if KIND == 2 or KIND == 4:
+        w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
+        if KIND == 4:       # a scale per (u, s), no b
+            a6 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2, 2]), w6.type.layout)
+            b6 = a6
+        else:
+            a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
+                                   w6.type.layout)
+            if BFA:
+                b6 = a6 * -8421376.0
+            else:
+                b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
+                                       w6.type.layout)
+        p0 = _plane(KIND, w6, 0, a6, b6, magic)
+        p1 = _plane(KIND, w6, 1, a6, b6, magic)
+        p2 = _plane(KIND, w6, 2, a6, b6, magic)
+        p3 = _plane(KIND, w6, 3, a6, b6, magic)
+        v = gl.join(gl.join(p0, p1), gl.join(p2, p3))     # t r p h u s c e (byte 2e + c)
+    else:
+        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
+        a5 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2]), w5.type.layout)
+        if KIND == 3:       # NF4: b the lanes' codes (already in w's layout), no SH
+            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+            c5 = a5
+            d5 = b5
+        else:
+            if BFA:
+                b5 = a5 * -8421376.0
+            else:
+                b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
+            c5, d5 = _pairs16(KIND, a5, b5)
+        p0 = _plane(KIND, w5, 0, a5, b5, magic)
+        p1 = _plane(KIND, w5, 1, c5, d5, magic)
+        p2 = _plane(KIND, w5, 2, a5, b5, magic)
+        p3 = _plane(KIND, w5, 3, c5, d5, magic)
+        p4 = _plane(KIND, w5, 4, a5, b5, magic)
+        p5 = _plane(KIND, w5, 5, c5, d5, magic)
+        p6 = _plane(KIND, w5, 6, a5, b5, magic)
+        p7 = _plane(KIND, w5, 7, c5, d5, magic)
+        v = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)),
+                    gl.join(gl.join(p4, p5), gl.join(p6, p7)))  # t r p h u s c e (4e + 2c + s)
+    v = gl.permute(v, [0, 3, 1, 4, 5, 6, 2, 7])                # t h r | u s c p e
+    return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout).to(dtype)
+
+
+@gluon.jit
+def _xk(step, rot, steps, ROT: gl.constexpr):
+    """Column of x of the program's step (ROT: K walked from step rot on, wrapping)."""
+    if ROT:
+        return ((step + rot) % steps) * 64
+    return step * 64
+
+
+@gluon.jit
+def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot=0,
+            ROT: gl.constexpr = False):
+    """x buffer of step `done` (retired) takes step done + STAGES, if both exist (predicated,
+    no branch: a branch between a wgmma and its wait makes ptxas serialize the wgmmas)."""
+    ok = (done >= 0) & (done + STAGES < steps)
+    sn = (done + STAGES) % STAGES
+    mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [m0, _xk(done + STAGES, rot, steps, ROT)],
+                                    ready.index(sn),
+                                    x_smem.index(sn), pred=ok)
+
+
+@gluon.jit
+def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, rot,
+                ROT: gl.constexpr):
+    """The TMA warp (WS): x tiles of steps STAGES.. into the ring, each once its buffer's
+    `empty` barrier says the consumers retired the step that used it before."""
+    for i in range(STAGES, steps):
+        sn = i % STAGES
+        mbarrier.wait(empty.index(sn), ((i // STAGES) - 1) & 1)
+        mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [m0, _xk(i, rot, steps, ROT)], ready.index(sn),
+                                        x_smem.index(sn))
+
+
+@gluon.jit
+def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
+              ROT: gl.constexpr):
+    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
+    t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
+    the wgmma reads it from shared memory (no register operand in flight: see the module
+    docstring). The barrier also tells that the steps before step - 1 are retired in every
+    warp: the x buffers of the NREF steps before step - 1 are refilled (the TMA issue costs
+    barriers of its own, so with two steps an iteration both at once) or, WS, handed to the
+    producer warp by their `empty` mbarrier."""
+    buf = a_smem.index(step % 2)
+    buf.store(t)
+    fence_async_shared()
+    gl.thread_barrier()
+    for r in gl.static_range(NREF):
+        done = step - 1 - NREF + r
+        if WS:
+            mbarrier.arrive(empty.index((done + STAGES) % STAGES),
+                            pred=(done >= 0) & (done + STAGES < steps))
+        else:
+            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT)
+    mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
+    acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+
+
+@gluon.jit
+def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
+              m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
+              ROT: gl.constexpr, LATE: gl.constexpr):
+    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
+    decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
+    BLOCK_N: gl.constexpr = 16 * T
+    WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
+    PAIRS: gl.constexpr = 8 if KIND == 4 else 4
+    HAS_B: gl.constexpr = (KIND < 3 or KIND == 5) and not BFA
+    dtype: gl.constexpr = x_desc.dtype
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [T], [0])
+    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [T], [0])
+    # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
+    q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
+    i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
+    s_off = (i // (32 * PAIRS)) * (steps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
+        + i % PAIRS
+    s_off = gl.max_contiguous(gl.multiple_of(s_off, PAIRS), PAIRS)
+    q_off = (q_off // (32 * WORDS)) * (steps * 32 * WORDS) + q_off % (32 * WORDS)
+    q_off = gl.max_contiguous(gl.multiple_of(q_off, WORDS), WORDS)
+    tile = pid_n * T
+    tile_q = tile.to(gl.int64) * steps * (32 * WORDS)
+    tile_s = tile.to(gl.int64) * steps * (8 * PAIRS)
+    if KIND == 3:   # NF4: code[lane % 16] as int32 bits in the words' layout (shuffle source)
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [q_off],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        codes = gl.load(c_ptr + (lane & 15)).to(gl.int32, bitcast=True)
+    else:
+        codes = 0
+    w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 0, q_off, s_off, WORDS,
+                            PAIRS, HAS_B, rot, steps, ROT)
+    if SUB == 2:
+        w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, 1, q_off, s_off, WORDS,
+                                PAIRS, HAS_B, rot, steps, ROT)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+    for it in range(steps // SUB):
+        st = it * SUB
+        # decode the step's words, reload them for the next iteration (the registers just
+        # freed: no moves), then the async wgmma on its x buffer; the previous one retires.
+        # LATE: the reloads after the iteration's last A fence: the proxy fence (MEMBAR)
+        # waits for the thread's loads in flight, so each load before a fence puts its
+        # latency on the loop's path; after the last one it overlaps the wgmma
+        t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
+                     BFA)
+        if not LATE:
+            w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
+                                    s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
+                        2 - SUB, WS, rot, ROT)
+        if SUB == 2:
+            t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
+                         a_layout, BFA)
+            if not LATE:
+                w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
+                                        s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                            STAGES, 2, WS, rot, ROT)
+        if LATE:
+            w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
+                                    s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+            if SUB == 2:
+                w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
+                                        s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+
+
+@gluon.jit
+def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
+                       KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                       SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
+                       WS: gl.constexpr = False, ROT: gl.constexpr = False,
+                       LATE: gl.constexpr = False):
+    """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
+    and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
+    q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
+    steps: the loads run SUB steps ahead unclamped; BFA: no b, b = a B_OVER_A); c_ptr: NF4's
+    code table (float32 [16]); magic: 0x4B000000 (a register operand of the decode's LOP3 /
+    PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
+    the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program n
+    walks K from step n % (K / 64) on, wrapping, so that the programs do not all read the same
+    x tile (the same L2 lines) at once. LATE: the next iteration's words and scales loaded after
+    its last A fence (`_consumer`)."""
+    BLOCK_N: gl.constexpr = 16 * num_warps
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    steps = K // 64
+    m0 = pid_m * BLOCK_M
+    rot = pid_n % steps
+    x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
+    a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        if s < steps:
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, _xk(s, rot, steps, ROT)],
+                                            ready.index(s), x_smem.index(s))
+    if WS:
+        acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
+                                               x_smem, ready, empty, x_desc, m0, steps, KIND,
+                                               BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
+                                               ROT, LATE)),
+                                  (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
+                                                 STAGES, rot, ROT))], [1], [40])[0]
+    else:
+        acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
+                        x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
+                        ROT, LATE)[0]
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    # out[m, n] = acc[n, m], stored from the wgmma layout (8 lanes: 8 consecutive n). A
+    # layout conversion here (through shared memory) makes ptxas serialize the loop's wgmmas
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    res = acc.to(out_ptr.dtype.element_ty)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
+    gl.store(ptrs, res, mask=(offs_m < M)[None, :])
+
+
+# ---- launch ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GluonGemmConfig:
+    """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
+    (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
+    of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
+    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
+    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
+    late: the next iteration's loads after the last A fence of the iteration."""
+    num_warps: int = 4
+    block_m: int = 256
+    stages: int = 4
+    sub: int = 2
+    ws: int = 0
+    h2: int = 0
+    rot: int = 0
+    late: int = 0
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.num_warps
+
+    def tag(self) -> str:
+        return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
+                + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
+                + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
+                + (",late" if self.late else "") + "]")
+
+
+def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
+    """Shared-memory layout of an x tile [block_m, 64] (128-byte swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, STEP_K], dtype)
+
+
+def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
+                   config: GluonGemmConfig | None = None):
+    """x [..., K] (bf16 / f16, CUDA, sm_90) @ W.T through the fragment-order copy of the
+    weight (arguments as `quant.run`). Returns [..., N] in x's dtype."""
+    cfg = config or GluonGemmConfig()
+    pw = packed_weight(fmt, w0, w1, w2, i0, k, n, build=pack_wgmma)
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
+    grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
+    table = w2 if fmt == NF4 else pw.a
+    h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
+    sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
+    _gluon_gemm_kernel[grid](desc, pw.codes, sa, sb, table, out, m, n, k, out.stride(0),
+                             H2_MAGIC if h2 else MAGIC, KIND=5 if h2 else _KIND[fmt],
+                             BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                             SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
+                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
+                             LATE=bool(cfg.late),
+                             num_warps=cfg.num_warps)
+    return out.reshape(*x.shape[:-1], n)
