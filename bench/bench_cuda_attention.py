@@ -383,6 +383,43 @@ def schedules_row(row, specs, B, H, S):
     return lines
 
 
+def ab_row(row, specs, rounds, B, H, S):
+    """Plain causal (row 1's case) under each setting, the settings interleaved over `rounds`
+    rounds (clocks and temperature drift over a run: a setting measured once, later than
+    another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
+    plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    case = {"op": "flash_attn", "name": "causal fwd", "shape": [B, H, H, S, S, D]}
+    flops = 4.0 * D * pairs(S, S, True) * B * H
+    p = params(True)
+    ref = sdpa("flash", q, k, v, True)
+    plan = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=True), [q, k, v])
+    fns = {}
+    for spec, kv in specs:
+        if spec == "plan":
+            fns[spec] = (plan, lambda fn: fn())
+        else:
+            fns[spec] = (lambda: K.flash_attn(q, k, v, **p)[0],
+                         lambda fn, kv=kv: with_variants(kv, fn))
+    got = {}
+    for spec, (fn, wrap) in fns.items():      # compile (and check) each setting first
+        try:
+            out = wrap(fn)
+            got[spec] = maxerr(out[0] if isinstance(out, list) else out, ref)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  row {row} [{spec}] failed: {exc!r}", flush=True)
+    tf = {spec: [] for spec in got}
+    for r in range(rounds):
+        for spec in got:
+            fn, wrap = fns[spec]
+            ms = wrap(lambda: t_ms(fn))
+            rec = record(row, case, "fuelgraph" if spec == "plan" else f"fuelgraph kernel {spec}",
+                         ms, flops, got[spec], round=r)
+            tf[spec].append(rec["tflops"])
+    return [f"  {spec:34s} median {sorted(t)[len(t) // 2]:6.1f} TFLOP/s  rounds "
+            + " ".join(f"{x:.1f}" for x in t) + f"  err {got[spec]:.1e}" for spec, t in tf.items()]
+
+
 def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
     causal, compared per unit of work (TFLOP/s)."""
@@ -471,6 +508,9 @@ def main():
     ap.add_argument("--schedule-cases", default=None,
                     help='row 5 cases for --schedules, e.g. "window 1024,softcap 50,alibi"')
     ap.add_argument("--tag", default="schedules", help="--schedules: the JSON's name suffix")
+    ap.add_argument("--ab", default=None,
+                    help='plain causal under each setting ("base;plan;KEY=VALUE"), interleaved')
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -485,6 +525,21 @@ def main():
     if args.schedule_cases:
         SCHEDULE_CASES[:] = ["plain causal"] + [c.strip() for c in args.schedule_cases.split(",")
                                                 if c.strip() != "plain causal"]
+    if args.ab:
+        ab_specs = parse_schedules(args.ab)
+        SCHEDULE_CASES[:] = ["plain causal"]
+        if args.warm:
+            warm_schedules([x for x in ab_specs if x[0] != "plan"], *map(int, args.warm.split("/")))
+            return
+        lines = ab_row(8, ab_specs, args.rounds, 4, 32, 4096)
+        print(f"\nA/B plain causal B4 H32 S4096, {args.rounds} interleaved rounds")
+        print("\n".join(lines), flush=True)
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
+        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"cuda_attention_{DATE}_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+        return
     if args.warm and specs:
         warm_schedules(specs, *map(int, args.warm.split("/")))
         return

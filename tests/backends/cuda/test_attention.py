@@ -298,6 +298,23 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
 
 
 @KERNEL_TESTS
+@pytest.mark.parametrize("shape", [(1, 4, 4, 1024, 1024, 128), (2, 2, 2, 768, 256, 64),
+                                   (1, 2, 2, 256, 640, 128)] if HAS_CUDA
+                         else [(1, 2, 1, 64, 96, 16)], ids=lambda x: "x".join(map(str, x)))
+def test_warp_specialized_skip_mask(shape, monkeypatch):
+    """WS_SKIP_MASK: the causal mask behind a branch (only the diagonal block runs it): out
+    against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk."""
+    dtype = "bfloat16" if HAS_CUDA else "float16"
+    monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
+    monkeypatch.setitem(K.VARIANTS, "WS_SKIP_MASK", True)
+    q, k, v, go = _data(*shape, dtype)
+    out, lse = K.flash_attn(q, k, v, **dict(PARAMS, causal=True))
+    want = _ref(q, k, v, go, causal=True)[0]
+    same = _ref(q, k, v, go, dtype=TD[dtype], causal=True)[0]
+    assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
+
+
+@KERNEL_TESTS
 def test_graph_capture_takes_the_triton_forward(monkeypatch):
     """Under fuelgraph's CUDA-graph warm-up and capture the forward takes the Triton kernel,
     not the warp-specialized one, in both: a capture that loaded a kernel for the first time

@@ -166,7 +166,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
-            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True}
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
@@ -695,7 +695,8 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
-                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist)
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
+                         SKIP_MASK=VARIANTS["WS_SKIP_MASK"] and not f["HAS_WL"] and L % 128 == 0)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -44,7 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK"]
 
 
 def _prune(configs, named_args, **kw):
@@ -61,7 +61,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
-                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
+                   SKIP_MASK: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -87,14 +88,37 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False)
+                     EVEN_L, False, SKIP_MASK)
     else:
         pid_m = tl.program_id(0)
         if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK)
+
+
+@triton.jit
+def _masked_if(s, col, bound, need):
+    """s where col <= bound, else -inf, behind a branch on the tile-wide `need` (only the
+    diagonal block of a causal tile has keys past a row): inline PTX, which the
+    warp-specializing pass sees as one elementwise op (it gives up on a branch in the loop);
+    8 scores an instance, each output tied to its score (nothing to move when skipped)."""
+    n = need.to(tl.int32) + (col * 0)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
+        " setp.le.s32 p, $16, $32; @!p mov.b32 $0, 0fFF800000;"
+        " setp.le.s32 p, $17, $33; @!p mov.b32 $1, 0fFF800000;"
+        " setp.le.s32 p, $18, $34; @!p mov.b32 $2, 0fFF800000;"
+        " setp.le.s32 p, $19, $35; @!p mov.b32 $3, 0fFF800000;"
+        " setp.le.s32 p, $20, $36; @!p mov.b32 $4, 0fFF800000;"
+        " setp.le.s32 p, $21, $37; @!p mov.b32 $5, 0fFF800000;"
+        " setp.le.s32 p, $22, $38; @!p mov.b32 $6, 0fFF800000;"
+        " setp.le.s32 p, $23, $39; @!p mov.b32 $7, 0fFF800000;"
+        " SKIP: }",
+        "=r,=r,=r,=r,=r,=r,=r,=r,0,1,2,3,4,5,6,7,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
+        "r,r,r,r,r,r,r,r",
+        [s, col, n, bound], dtype=tl.float32, is_pure=True, pack=8)
 
 
 @triton.jit
@@ -102,7 +126,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
-             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr):
+             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
+             SKIP_MASK: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -142,6 +167,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                 "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
                 [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
                 pack=1)
+        elif HI_MASK and SKIP_MASK and _APPROX_TANH and not HAS_WL:
+            s = _masked_if(s, offs_n[None, :], hi_key - j, j + BLOCK_N - 1 > m0 + off)
         else:
             if HI_MASK:
                 s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
