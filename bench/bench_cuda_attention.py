@@ -296,7 +296,8 @@ def parse_schedules(text):
         kv = {}
         for item in filter(None, spec.split(",")) if spec != "base" else ():
             key, val = item.split("=")
-            kv[key] = val if key in ("CONFIG", "WSCONFIG") else val not in ("0", "false")
+            kv[key] = (val if key in ("CONFIG", "WSCONFIG") else int(val)
+                       if val.isdigit() and int(val) > 1 else val not in ("0", "false"))
         out.append((spec, kv))
     return out
 

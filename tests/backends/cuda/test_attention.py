@@ -299,19 +299,34 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
 
 @KERNEL_TESTS
 @pytest.mark.parametrize("shape", [(1, 4, 4, 1024, 1024, 128), (2, 2, 2, 768, 256, 64),
-                                   (1, 2, 2, 256, 640, 128)] if HAS_CUDA
-                         else [(1, 2, 1, 64, 96, 16)], ids=lambda x: "x".join(map(str, x)))
-def test_warp_specialized_skip_mask(shape, monkeypatch):
-    """WS_SKIP_MASK: the causal mask behind a branch (only the diagonal block runs it): out
-    against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk."""
+                                   (1, 3, 3, 256, 640, 128)] if HAS_CUDA
+                         else [(1, 3, 1, 64, 96, 16)], ids=lambda x: "x".join(map(str, x)))
+@pytest.mark.parametrize("variant", [dict(WS_SKIP_MASK=True), dict(WS_HEADS=2),
+                                     dict(WS_PINGPONG=True),
+                                     dict(WS_PINGPONG=True, WS_SKIP_MASK=True, WS_HEADS=2)],
+                         ids=lambda v: "+".join(v))
+def test_warp_specialized_variants(shape, variant, monkeypatch):
+    """The warp-specialized forward's plain causal variants (the mask behind a branch, tiles
+    dealt a group of heads at a time, the consumers' ping-pong): out and lse against float64
+    references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
-    monkeypatch.setitem(K.VARIANTS, "WS_SKIP_MASK", True)
+    for name, value in variant.items():
+        monkeypatch.setitem(K.VARIANTS, name, value)
+    used = []
+    launch = K._launch_ws
+    monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))
     q, k, v, go = _data(*shape, dtype)
-    out, lse = K.flash_attn(q, k, v, **dict(PARAMS, causal=True))
+    p = dict(PARAMS, causal=True)
+    out, lse = K.flash_attn(q, k, v, **p)
+    assert used
     want = _ref(q, k, v, go, causal=True)[0]
     same = _ref(q, k, v, go, dtype=TD[dtype], causal=True)[0]
     assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
+    ref_lse = _ref_lse(q, k, shape[4], p, None)
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse.cpu()), ~live)
+    torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
 
 
 @KERNEL_TESTS

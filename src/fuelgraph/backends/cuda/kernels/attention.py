@@ -166,10 +166,13 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
-            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": False}
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": False,
+            "WS_HEADS": 1, "WS_PINGPONG": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
-    VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
+    VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
+                            and not isinstance(VARIANTS.get(_k.strip()), bool)
+                            else _v.strip() not in ("0", "false", "False"))
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -386,14 +389,21 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
             GUARD: tl.constexpr):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
+    return _online_max(s, tl.max(s, 1), l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, GUARD)
+
+
+@triton.jit
+def _online_max(s, s_max, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
+                GUARD: tl.constexpr):
+    """_online with the row max of s given (s_max = tl.max(s, 1))."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
-        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        m_new = tl.maximum(m_i, s_max * mult)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, s_max)
     m_use = m_new
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -696,7 +706,9 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
                          EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
-                         SKIP_MASK=VARIANTS["WS_SKIP_MASK"] and not f["HAS_WL"] and L % 128 == 0)
+                         SKIP_MASK=VARIANTS["WS_SKIP_MASK"] and not f["HAS_WL"] and L % 128 == 0,
+                         HEADS=int(VARIANTS["WS_HEADS"]),
+                         PINGPONG=VARIANTS["WS_PINGPONG"] and not persist and not INTERPRET)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, _key_ranges, _online, _scores
+from .attention import _APPROX_TANH, _key_ranges, _online, _online_max, _scores
 from .common import INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
@@ -44,7 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS", "PINGPONG"]
 
 
 def _prune(configs, named_args, **kw):
@@ -62,7 +62,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
-                   SKIP_MASK: tl.constexpr = False):
+                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
+                   PINGPONG: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -88,14 +89,24 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK)
+                     EVEN_L, False, SKIP_MASK, False)
     else:
         pid_m = tl.program_id(0)
-        if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
+        bh = tl.program_id(1)
+        if CAUSAL and HEADS > 1:   # tiles of HEADS heads at a time, longest rows first across
+            num_m = tl.num_programs(0)     # them (the k and v of those heads stay in L2)
+            pid = bh * num_m + pid_m
+            g0 = (pid // (HEADS * num_m)) * HEADS
+            heads = tl.minimum(tl.num_programs(1) - g0, HEADS)
+            rank = (pid - g0 * num_m) // heads
+            bh = g0 + (pid - g0 * num_m) % heads
+            pid_m = num_m - 1 - rank
+        elif CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
-        _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
+        _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
+                 PINGPONG)
 
 
 @triton.jit
@@ -121,13 +132,41 @@ def _masked_if(s, col, bound, need):
         [s, col, n, bound], dtype=tl.float32, is_pure=True, pack=8)
 
 
+#: PINGPONG's rendezvous, in PTX (the consumer warpgroups are warps 4-7 and 8-11: their
+#: parity, tid.x / 128 mod 2, tells them apart). A warpgroup meets the other at barrier
+#: 8 + parity ("S1", its q k^T read) and at barrier 9 - parity ("S2", before its P V); the
+#: odd one meets once more at barrier 8 in its first block, the even one once more after its
+#: last (only when it had a block), so that each S2 of the odd one meets the S1 of the even
+#: one's NEXT block: the two take turns on the tensor cores, one's softmax under the other's
+#: products (FlashAttention-3's ping-pong). bar.red, not bar.sync/arrive: its count feeds the
+#: value returned (exactly x), so ptxas cannot move the surrounding arithmetic across it.
+_TURN_HEAD = ("{ .reg .u32 w, c; .reg .pred t, u; mov.u32 w, %tid.x; shr.u32 w, w, 7; "
+              "and.b32 w, w, 1; setp.eq.u32 t, w, w; mov.u32 c, 256; ")
+_TURN_TAIL = " setp.eq.u32 t, c, 256; selp.b32 $0, $2, 0, t; selp.b32 $1, $3, 0, t; }"
+_TURN_S1 = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $4, 0; setp.eq.and.u32 u, w, 1, u; "
+                        "@u bar.red.popc.u32 c, 8, 256, t; add.u32 w, w, 8; "
+                        "bar.red.popc.u32 c, w, 256, t;" + _TURN_TAIL)
+_TURN_S2 = tl.constexpr(_TURN_HEAD + "sub.u32 w, 9, w; bar.red.popc.u32 c, w, 256, t;"
+                        + _TURN_TAIL)
+_TURN_LAST = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $4, 0; setp.eq.and.u32 u, w, 0, u; "
+                          "@u bar.red.popc.u32 c, 8, 256, t;" + _TURN_TAIL)
+
+
+@triton.jit
+def _turn(x, flag, ASM: tl.constexpr):
+    """x (a [BLOCK_M] row vector: one instance a thread) after the rendezvous ASM; flag (an
+    int, broadcast) the first block (_TURN_S1) or whether there was a block (_TURN_LAST)."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r", [x, flag + (x * 0).to(tl.int32)],
+                                     dtype=tl.float32, is_pure=False, pack=2)
+
+
 @triton.jit
 def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr):
+             SKIP_MASK: tl.constexpr, PINGPONG: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -174,10 +213,20 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                 s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
-        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL)
+        if PINGPONG:     # the turn goes to the other consumer once this q k^T is read
+            p, alpha, l_i, m_i = _online_max(s, _turn(tl.max(s, 1), (j == lo).to(tl.int32),
+                                                      _TURN_S1),
+                                             l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                             HI_MASK or HAS_WL)
+        else:
+            p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                         HI_MASK or HAS_WL)
+        if PINGPONG:
+            alpha = _turn(alpha, 0, _TURN_S2)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if PINGPONG:
+        l_i = _turn(l_i, (hi > lo).to(tl.int32), _TURN_LAST)
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
     live = l_i > 0.0
