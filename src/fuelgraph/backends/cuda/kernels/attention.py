@@ -708,7 +708,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
                          SKIP_MASK=VARIANTS["WS_SKIP_MASK"] and not f["HAS_WL"] and L % 128 == 0,
                          HEADS=int(VARIANTS["WS_HEADS"]),
-                         PINGPONG=VARIANTS["WS_PINGPONG"] and not persist and not INTERPRET)
+                         PINGPONG=VARIANTS["WS_PINGPONG"] and not INTERPRET)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -44,7 +44,8 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS", "PINGPONG"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
+                 "PINGPONG"]
 
 
 def _prune(configs, named_args, **kw):
@@ -89,7 +90,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, False)
+                     EVEN_L, False, SKIP_MASK, PINGPONG)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
