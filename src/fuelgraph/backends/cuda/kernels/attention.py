@@ -550,6 +550,22 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device, dtype):
+    """A one-element zero tensor for a pointer argument the kernel never reads (no slopes, a
+    static k_len), made once per device and dtype: a new one per call cost an allocation and
+    a fill kernel each."""
+    key = (device, dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(1, device=device, dtype=dtype)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[key] = t       # not memory of a graph's pool
+    return t
+
+
 class _Launch:
     """Strides, flags and scalars shared by the forward and backward launches."""
 
@@ -565,7 +581,7 @@ class _Launch:
             alibi = alibi.to(device=dev, dtype=torch.float32).contiguous()
             self.slopes, self.slb = alibi, (H if alibi.dim() == 2 else 0)
         else:
-            self.slopes, self.slb = torch.zeros(1, device=dev, dtype=torch.float32), 0
+            self.slopes, self.slb = _placeholder(dev, torch.float32), 0
         dyn = bool(p["k_len_input"])
         if dyn:
             klen = opt[-1].to(device=dev).reshape(1)
@@ -575,7 +591,7 @@ class _Launch:
                     raise fail(op, f"k_len = {val} is outside [0, Sk = {self.SK}]")
             self.klen, self.klen_static = klen, self.SK
         else:
-            self.klen = torch.zeros(1, device=dev, dtype=torch.int32)
+            self.klen = _placeholder(dev, torch.int32)
             self.klen_static = self.SK if p["k_len"] is None else int(p["k_len"])
         cap = p["softcap"]
         scale = float(p["softmax_scale"])
