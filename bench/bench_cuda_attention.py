@@ -294,7 +294,7 @@ def parse_schedules(text):
     out = []
     for spec in filter(None, (x.strip() for x in text.split(";"))):
         kv = {}
-        for item in filter(None, spec.split(",")) if spec != "base" else ():
+        for item in filter(None, spec.split(",")) if spec not in ("base", "plan") else ():
             key, val = item.split("=")
             kv[key] = (val if key in ("CONFIG", "WSCONFIG") else int(val)
                        if val.isdigit() and int(val) > 1 else val not in ("0", "false"))
