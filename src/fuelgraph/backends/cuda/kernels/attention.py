@@ -167,7 +167,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": False,
-            "WS_HEADS": 1, "WS_PINGPONG": False}
+            "WS_HEADS": 1, "WS_PINGPONG": False, "WS_NONCAUSAL": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -686,7 +686,8 @@ def _warp_specialized(a, q, k, v):
     fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
     so the capture loads no new kernel."""
     f = a.flags
-    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+    return (VARIANTS["WARP_SPEC"] and (f["CAUSAL"] or VARIANTS["WS_NONCAUSAL"] and not f["HAS_WL"])
+            and not f["HAS_WR"] and not f["IEEE"]
             and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
             and all(_tma_ready(x) for x in (q, k, v))
