@@ -417,6 +417,19 @@ def _online_max(s, s_max, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: t
 
 
 @triton.jit
+def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr):
+    """(out, lse) of a query tile from its online-softmax state (a_rows: the rows' key
+    positions); rows without an admissible key: out 0, lse +inf."""
+    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
+        m_i -= (slope * 1.4426950408889634) * a_rows.to(tl.float32)
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    return out, lse
+
+
+@triton.jit
 def _fwd_one_loop(acc, l_i, m_i, q, k_ptrs, v_ptrs, skn, svn, start, far_end, diag, end, a_pos,
                   offs_n, L, QK_SCALE, CAP, slope, WL, WR, CAUSAL: tl.constexpr,
                   HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr,
@@ -503,12 +516,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                                    a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                    HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
                                    BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
-    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
-        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
-                   float("inf"))
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     if DYN_KLEN:
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, _key_ranges, _online, _online_max, _scores
+from .attention import _APPROX_TANH, _finish, _key_ranges, _online, _online_max, _scores
 from .common import INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
@@ -228,12 +228,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     if PINGPONG:
         l_i = _turn(l_i, (hi > lo).to(tl.int32), _TURN_LAST)
-    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
-        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
-                   float("inf"))
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
