@@ -384,17 +384,18 @@ def schedules_row(row, specs, B, H, S):
     return lines
 
 
-def ab_row(row, specs, rounds, B, H, S):
-    """Plain causal (row 1's case) under each setting, the settings interleaved over `rounds`
+def ab_row(row, specs, rounds, B, H, S, causal=True):
+    """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings interleaved over `rounds`
     rounds (clocks and temperature drift over a run: a setting measured once, later than
     another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
     plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
-    case = {"op": "flash_attn", "name": "causal fwd", "shape": [B, H, H, S, S, D]}
-    flops = 4.0 * D * pairs(S, S, True) * B * H
-    p = params(True)
-    ref = sdpa("flash", q, k, v, True)
-    plan = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=True), [q, k, v])
+    case = {"op": "flash_attn", "name": "causal fwd" if causal else "non-causal fwd",
+            "shape": [B, H, H, S, S, D]}
+    flops = 4.0 * D * pairs(S, S, causal) * B * H
+    p = params(causal)
+    ref = sdpa("flash", q, k, v, causal)
+    plan = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=causal), [q, k, v])
     fns = {}
     for spec, kv in specs:
         if spec == "plan":
@@ -512,6 +513,7 @@ def main():
     ap.add_argument("--ab", default=None,
                     help='plain causal under each setting ("base;plan;KEY=VALUE"), interleaved')
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--non-causal", action="store_true", help="--ab: row 2's case instead")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -530,10 +532,18 @@ def main():
         ab_specs = parse_schedules(args.ab)
         SCHEDULE_CASES[:] = ["plain causal"]
         if args.warm:
-            warm_schedules([x for x in ab_specs if x[0] != "plan"], *map(int, args.warm.split("/")))
+            part, nparts = map(int, args.warm.split("/"))
+            q, k, v = (rand(1, 16, 256, D) for _ in "qkv")
+            for n, (spec, kv) in enumerate(x for x in ab_specs if x[0] != "plan"):
+                if n % nparts == part:
+                    with_variants(kv, lambda: K.flash_attn(q, k, v, **params(
+                        not args.non_causal)))
+                    torch.cuda.synchronize()
+                    print(f"warm [{spec}]", flush=True)
             return
-        lines = ab_row(8, ab_specs, args.rounds, 4, 32, 4096)
-        print(f"\nA/B plain causal B4 H32 S4096, {args.rounds} interleaved rounds")
+        lines = ab_row(8, ab_specs, args.rounds, 4, 32, 4096, not args.non_causal)
+        print(f"\nA/B {'non-causal' if args.non_causal else 'plain causal'} B4 H32 S4096, "
+              f"{args.rounds} interleaved rounds")
         print("\n".join(lines), flush=True)
         doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
