@@ -135,30 +135,35 @@ def _masked_if(s, col, bound, need):
 
 #: PINGPONG's rendezvous, in PTX (the consumer warpgroups are warps 4-7 and 8-11: their
 #: parity, tid.x / 128 mod 2, tells them apart). A warpgroup meets the other at barrier
-#: 8 + parity ("S1", its q k^T read) and at barrier 9 - parity ("S2", before its P V); the
-#: odd one meets once more at barrier 8 in its first block, the even one once more after its
-#: last (only when it had a block), so that each S2 of the odd one meets the S1 of the even
-#: one's NEXT block: the two take turns on the tensor cores, one's softmax under the other's
-#: products (FlashAttention-3's ping-pong). bar.red, not bar.sync/arrive: its count feeds the
-#: value returned (exactly x), so ptxas cannot move the surrounding arithmetic across it.
-_TURN_HEAD = ("{ .reg .u32 w, c; .reg .pred t, u; mov.u32 w, %tid.x; shr.u32 w, w, 7; "
-              "and.b32 w, w, 1; setp.eq.u32 t, w, w; mov.u32 c, 256; ")
-_TURN_TAIL = " setp.eq.u32 t, c, 256; selp.b32 $0, $2, 0, t; selp.b32 $1, $3, 0, t; }"
-_TURN_S1 = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $4, 0; setp.eq.and.u32 u, w, 1, u; "
-                        "@u bar.red.popc.u32 c, 8, 256, t; add.u32 w, w, 8; "
-                        "bar.red.popc.u32 c, w, 256, t;" + _TURN_TAIL)
-_TURN_S2 = tl.constexpr(_TURN_HEAD + "sub.u32 w, 9, w; bar.red.popc.u32 c, w, 256, t;"
+#: 8 + parity ("S1", its q k^T read) and at barrier 9 - parity ("S2", its exponentials done,
+#: before its P V); the odd one meets once more at barrier 8 in its first block, the even one
+#: once more after its last (only when it had a block), so that each S2 of the odd one meets
+#: the S1 of the even one's NEXT block: the two take turns on the tensor cores, one's softmax
+#: under the other's products (FlashAttention-3's ping-pong). ptxas moves arithmetic across a
+#: barrier that neither reads nor feeds it, so the barrier's predicate is computed from `g`
+#: (what must be done before it) and its result selects the value returned (x either way).
+_TURN_HEAD = ("{ .reg .u32 w; .reg .pred t, r, u; .reg .b32 y; mov.u32 w, %tid.x; "
+              "shr.u32 w, w, 7; and.b32 w, w, 1; setp.eq.f32 t, $4, $4; "
+              "setp.eq.and.f32 t, $5, $5, t; setp.eq.u32 r, w, w; ")
+_TURN_TAIL = (" add.f32 y, $2, 0f00000000; selp.b32 $0, $2, y, r; add.f32 y, $3, 0f00000000; "
+              "selp.b32 $1, $3, y, r; }")
+_TURN_S1 = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $6, 0; setp.eq.and.u32 u, w, 1, u; "
+                        "@u bar.red.and.pred r, 8, 256, t; add.u32 w, w, 8; "
+                        "bar.red.and.pred r, w, 256, t;" + _TURN_TAIL)
+_TURN_S2 = tl.constexpr(_TURN_HEAD + "sub.u32 w, 9, w; bar.red.and.pred r, w, 256, t;"
                         + _TURN_TAIL)
-_TURN_LAST = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $4, 0; setp.eq.and.u32 u, w, 0, u; "
-                          "@u bar.red.popc.u32 c, 8, 256, t;" + _TURN_TAIL)
+_TURN_LAST = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $6, 0; setp.eq.and.u32 u, w, 0, u; "
+                          "@u bar.red.and.pred r, 8, 256, t;" + _TURN_TAIL)
 
 
 @triton.jit
-def _turn(x, flag, ASM: tl.constexpr):
-    """x (a [BLOCK_M] row vector: one instance a thread) after the rendezvous ASM; flag (an
-    int, broadcast) the first block (_TURN_S1) or whether there was a block (_TURN_LAST)."""
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r", [x, flag + (x * 0).to(tl.int32)],
-                                     dtype=tl.float32, is_pure=False, pack=2)
+def _turn(x, g, flag, ASM: tl.constexpr):
+    """x (a [BLOCK_M] row vector: one instance a thread) after the rendezvous ASM, which
+    waits for g (a row vector); flag (an int, broadcast): the first block (_TURN_S1), whether
+    there was a block (_TURN_LAST)."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r,r",
+                                     [x, g, flag + (x * 0).to(tl.int32)], dtype=tl.float32,
+                                     is_pure=False, pack=2)
 
 
 @triton.jit
@@ -215,7 +220,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         if PINGPONG:     # the turn goes to the other consumer once this q k^T is read
-            p, alpha, l_i, m_i = _online_max(s, _turn(tl.max(s, 1), (j == lo).to(tl.int32),
+            s_max = tl.max(s, 1)
+            p, alpha, l_i, m_i = _online_max(s, _turn(s_max, s_max, (j == lo).to(tl.int32),
                                                       _TURN_S1),
                                              l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
                                              HI_MASK or HAS_WL)
@@ -223,11 +229,11 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
                                          HI_MASK or HAS_WL)
         if PINGPONG:
-            alpha = _turn(alpha, 0, _TURN_S2)
+            alpha = _turn(alpha, l_i, 0, _TURN_S2)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     if PINGPONG:
-        l_i = _turn(l_i, (hi > lo).to(tl.int32), _TURN_LAST)
+        l_i = _turn(l_i, l_i, (hi > lo).to(tl.int32), _TURN_LAST)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
