@@ -3,7 +3,7 @@
 given as KEY=VALUE arguments (attention.VARIANTS), checked against SDPA: a quick probe that
 a variant runs (and does not hang) before a benchmark times it.
 
-    python3 bench/ws_smoke.py WS_PINGPONG=1 [WS_SKIP_MASK=1 ...] [window=1024]
+    python3 bench/ws_smoke.py WS_SKIP_MASK_WINDOW=1 [WS_HEADS=4 ...] [window=1024]
 
 window=W: a causal sliding window of W keys to the left (the persistent kernel's case).
 """

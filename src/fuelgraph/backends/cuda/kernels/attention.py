@@ -166,8 +166,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
-            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": False,
-            "WS_HEADS": 1, "WS_PINGPONG": False, "WS_NONCAUSAL": False}
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
+            "WS_SKIP_MASK_WINDOW": False, "WS_HEADS": 1, "WS_NONCAUSAL": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -389,21 +389,14 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
             GUARD: tl.constexpr):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
-    return _online_max(s, tl.max(s, 1), l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, GUARD)
-
-
-@triton.jit
-def _online_max(s, s_max, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-                GUARD: tl.constexpr):
-    """_online with the row max of s given (s_max = tl.max(s, 1))."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
-        m_new = tl.maximum(m_i, s_max * mult)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
     else:
-        m_new = tl.maximum(m_i, s_max)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = m_new
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -731,9 +724,9 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
                          ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
                          EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
-                         SKIP_MASK=VARIANTS["WS_SKIP_MASK"] and not f["HAS_WL"] and L % 128 == 0,
-                         HEADS=int(VARIANTS["WS_HEADS"]),
-                         PINGPONG=VARIANTS["WS_PINGPONG"] and not INTERPRET)
+                         SKIP_MASK=VARIANTS["WS_SKIP_MASK_WINDOW" if f["HAS_WL"]
+                                            else "WS_SKIP_MASK"],
+                         HEADS=int(VARIANTS["WS_HEADS"]))
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

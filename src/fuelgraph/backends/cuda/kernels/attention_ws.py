@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, _finish, _key_ranges, _online, _online_max, _scores
+from .attention import _APPROX_TANH, _finish, _key_ranges, _online, _scores
 from .common import INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
@@ -44,8 +44,7 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "PINGPONG"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS"]
 
 
 def _prune(configs, named_args, **kw):
@@ -63,8 +62,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
-                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
-                   PINGPONG: tl.constexpr = False):
+                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -90,7 +88,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, PINGPONG)
+                     EVEN_L, False, SKIP_MASK)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -106,64 +104,38 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 PINGPONG)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK)
+
+
+_KEEP = "@!p mov.b32 ${}, 0fFF800000;"
+#: 8 scores an instance ($0-$7, tied to the inputs $8-$15), their columns $16-$23, the
+#: branch's flag $24 (of $24-$31), the upper bounds $32-$39 and (two-sided) lower $40-$47
+_MASK_HI = tl.constexpr(
+    "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
+    + "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; " + _KEEP.format(i) for i in range(8))
+    + " SKIP: }")
+_MASK_BAND = tl.constexpr(
+    "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
+    + "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; setp.ge.and.s32 p, ${16 + i}, ${40 + i}, p;"
+              " " + _KEEP.format(i) for i in range(8))
+    + " SKIP: }")
+_TIED = "=r," * 8 + ",".join(str(i) for i in range(8))
+_TIED_HI = tl.constexpr(_TIED + ",r" * 24)
+_TIED_BAND = tl.constexpr(_TIED + ",r" * 32)
 
 
 @triton.jit
-def _masked_if(s, col, bound, need):
-    """s where col <= bound, else -inf, behind a branch on the tile-wide `need` (only the
-    diagonal block of a causal tile has keys past a row): inline PTX, which the
+def _masked_if(s, col, bound, need, low, BAND: tl.constexpr):
+    """s where col <= bound (and, BAND, col >= low), else -inf, behind a branch on the tile-wide
+    `need` (only the edge blocks of a band have keys outside a row's): inline PTX, which the
     warp-specializing pass sees as one elementwise op (it gives up on a branch in the loop);
     8 scores an instance, each output tied to its score (nothing to move when skipped)."""
     n = need.to(tl.int32) + (col * 0)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
-        " setp.le.s32 p, $16, $32; @!p mov.b32 $0, 0fFF800000;"
-        " setp.le.s32 p, $17, $33; @!p mov.b32 $1, 0fFF800000;"
-        " setp.le.s32 p, $18, $34; @!p mov.b32 $2, 0fFF800000;"
-        " setp.le.s32 p, $19, $35; @!p mov.b32 $3, 0fFF800000;"
-        " setp.le.s32 p, $20, $36; @!p mov.b32 $4, 0fFF800000;"
-        " setp.le.s32 p, $21, $37; @!p mov.b32 $5, 0fFF800000;"
-        " setp.le.s32 p, $22, $38; @!p mov.b32 $6, 0fFF800000;"
-        " setp.le.s32 p, $23, $39; @!p mov.b32 $7, 0fFF800000;"
-        " SKIP: }",
-        "=r,=r,=r,=r,=r,=r,=r,=r,0,1,2,3,4,5,6,7,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
-        "r,r,r,r,r,r,r,r",
-        [s, col, n, bound], dtype=tl.float32, is_pure=True, pack=8)
-
-
-#: PINGPONG's rendezvous, in PTX (the consumer warpgroups are warps 4-7 and 8-11: their
-#: parity, tid.x / 128 mod 2, tells them apart). A warpgroup meets the other at barrier
-#: 8 + parity ("S1", its q k^T read) and at barrier 9 - parity ("S2", its exponentials done,
-#: before its P V); the odd one meets once more at barrier 8 in its first block, the even one
-#: once more after its last (only when it had a block), so that each S2 of the odd one meets
-#: the S1 of the even one's NEXT block: the two take turns on the tensor cores, one's softmax
-#: under the other's products (FlashAttention-3's ping-pong). ptxas moves arithmetic across a
-#: barrier that neither reads nor feeds it, so the barrier's predicate is computed from `g`
-#: (what must be done before it) and its result selects the value returned (x either way).
-_TURN_HEAD = ("{ .reg .u32 w; .reg .pred t, r, u; .reg .b32 y; mov.u32 w, %tid.x; "
-              "shr.u32 w, w, 7; and.b32 w, w, 1; setp.eq.f32 t, $4, $4; "
-              "setp.eq.and.f32 t, $5, $5, t; setp.eq.u32 r, w, w; ")
-_TURN_TAIL = (" add.f32 y, $2, 0f00000000; selp.b32 $0, $2, y, r; add.f32 y, $3, 0f00000000; "
-              "selp.b32 $1, $3, y, r; }")
-_TURN_S1 = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $6, 0; setp.eq.and.u32 u, w, 1, u; "
-                        "@u bar.red.and.pred r, 8, 256, t; add.u32 w, w, 8; "
-                        "bar.red.and.pred r, w, 256, t;" + _TURN_TAIL)
-_TURN_S2 = tl.constexpr(_TURN_HEAD + "sub.u32 w, 9, w; bar.red.and.pred r, w, 256, t;"
-                        + _TURN_TAIL)
-_TURN_LAST = tl.constexpr(_TURN_HEAD + "setp.ne.u32 u, $6, 0; setp.eq.and.u32 u, w, 0, u; "
-                          "@u bar.red.and.pred r, 8, 256, t;" + _TURN_TAIL)
-
-
-@triton.jit
-def _turn(x, g, flag, ASM: tl.constexpr):
-    """x (a [BLOCK_M] row vector: one instance a thread) after the rendezvous ASM, which
-    waits for g (a row vector); flag (an int, broadcast): the first block (_TURN_S1), whether
-    there was a block (_TURN_LAST)."""
-    return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r,r",
-                                     [x, g, flag + (x * 0).to(tl.int32)], dtype=tl.float32,
-                                     is_pure=False, pack=2)
+    if not BAND:
+        return tl.inline_asm_elementwise(_MASK_HI, _TIED_HI, [s, col, n, bound],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+    return tl.inline_asm_elementwise(_MASK_BAND, _TIED_BAND, [s, col, n, bound, low],
+                                     dtype=tl.float32, is_pure=True, pack=8)
 
 
 @triton.jit
@@ -172,7 +144,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr, PINGPONG: tl.constexpr):
+             SKIP_MASK: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -206,34 +178,29 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         kn = j + offs_n
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                        HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
-        if HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
+        if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
+            # the first row's upper bound is the tile's smallest (causal: its position)
+            past_hi = j + BLOCK_N - 1 > (m0 + off if CAUSAL else L - 1)
+            if HAS_WL:      # the diagonal block and the window's far edge
+                s = _masked_if(s, offs_n[None, :], hi_key - j,
+                               past_hi | (j < m0 + BLOCK_M - 1 + off - WL), lo_key - j, True)
+            else:           # the diagonal block (non-causal: the last block past L)
+                s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi, hi_key, False)
+        elif HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
             s = tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
                 "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
                 [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
                 pack=1)
-        elif HI_MASK and SKIP_MASK and _APPROX_TANH and not HAS_WL:
-            s = _masked_if(s, offs_n[None, :], hi_key - j, j + BLOCK_N - 1 > m0 + off)
         else:
             if HI_MASK:
                 s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
-        if PINGPONG:     # the turn goes to the other consumer once this q k^T is read
-            s_max = tl.max(s, 1)
-            p, alpha, l_i, m_i = _online_max(s, _turn(s_max, s_max, (j == lo).to(tl.int32),
-                                                      _TURN_S1),
-                                             l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                             HI_MASK or HAS_WL)
-        else:
-            p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                         HI_MASK or HAS_WL)
-        if PINGPONG:
-            alpha = _turn(alpha, l_i, 0, _TURN_S2)
+        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                     HI_MASK or HAS_WL)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    if PINGPONG:
-        l_i = _turn(l_i, l_i, (hi > lo).to(tl.int32), _TURN_LAST)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
