@@ -164,6 +164,23 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
 #: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
+#: WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
+#: inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
+#: the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
+#: B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
+#: WS_SKIP_MASK_WINDOW -- the same for a causal window's two edges. WS_HEADS -- tiles dealt
+#: WS_HEADS heads at a time, longest rows first across them (a shorter tail: a list schedule
+#: of the tile lengths on 132 SMs puts the makespan 3.2% over the mean with one head, 0.3%
+#: with 4): 443 / 442 / 436 against the 438 / 421 / 433 above. WS_NONCAUSAL -- non-causal
+#: 16-bit forwards through the warp-specialized kernel.
+#: Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
+#: taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
+#: each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
+#: (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+#: The plan gap measured last session (466 kernel vs 444 through a cached plan) was the order
+#: of the measurements: interleaved, 437.7 / 420.9 / 433.3 kernel against 437.2 / 429.2 /
+#: 433.4 plan (do_bench queues every call before it waits, so host work under ~1 ms a call
+#: never shows); the first timed case of a process runs on a cooler GPU.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
