@@ -304,13 +304,16 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
 @pytest.mark.parametrize("variant", [dict(WS_SKIP_MASK=False), dict(WS_HEADS=2),
                                      dict(WS_SKIP_MASK_WINDOW=True, window=300),
                                      dict(WS_SKIP_MASK_WINDOW=True, WS_PERSIST_WINDOW=False,
-                                          window=130)],
+                                          window=130),
+                                     dict(WS_LAZY_RESCALE=True),
+                                     dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
+                                          window=300)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
-    branch, tiles dealt a group of heads at a time; windows: masks behind a branch, persistent
-    or not): out and lse against float64 references, Sq = Sk, Sq > Sk (tiles with no key),
-    Sq < Sk, head counts off the group."""
+    branch, tiles dealt a group of heads at a time, the lazy rescale; windows: masks behind a
+    branch, persistent or not): out and lse against float64 references, Sq = Sk, Sq > Sk
+    (tiles with no key), Sq < Sk, head counts off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)
@@ -323,6 +326,9 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     launch = K._launch_ws
     monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))
     q, k, v, go = _data(*shape, dtype)
+    if variant.get("WS_LAZY_RESCALE"):      # scores growing along the keys: the lazy
+        ramp = torch.linspace(1.0, 6.0, k.shape[2], device=k.device)    # reference moves
+        k = (k.float() * ramp[:, None]).to(k.dtype)
     o = dict(causal=True) if window is None else dict(causal=True, window_size_left=window)
     p = dict(PARAMS, **o)
     out, lse = K.flash_attn(q, k, v, **p)

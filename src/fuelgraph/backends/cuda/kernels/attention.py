@@ -184,7 +184,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
-            "WS_SKIP_MASK_WINDOW": False, "WS_HEADS": 1, "WS_NONCAUSAL": False}
+            "WS_SKIP_MASK_WINDOW": False, "WS_HEADS": 1, "WS_NONCAUSAL": False,
+            "WS_LAZY_RESCALE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -403,9 +404,12 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
 
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
-    a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
+    a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
+    m_i, the reference the scores are shifted by, moves only when the row max passes it by
+    more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
+    alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped)."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
@@ -414,6 +418,8 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        m_new = tl.where(m_new > m_i + 8.0, m_new, m_i)
     m_use = m_new
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -743,7 +749,8 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
                          SKIP_MASK=VARIANTS["WS_SKIP_MASK_WINDOW" if f["HAS_WL"]
                                             else "WS_SKIP_MASK"],
-                         HEADS=int(VARIANTS["WS_HEADS"]))
+                         HEADS=int(VARIANTS["WS_HEADS"]),
+                         LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"])
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -44,7 +44,8 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
+                 "LAZY_RESCALE"]
 
 
 def _prune(configs, named_args, **kw):
@@ -62,7 +63,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
-                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1):
+                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
+                   LAZY_RESCALE: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -88,7 +90,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -104,7 +106,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
+                 LAZY_RESCALE)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -122,6 +125,27 @@ _MASK_BAND = tl.constexpr(
 _TIED = "=r," * 8 + ",".join(str(i) for i in range(8))
 _TIED_HI = tl.constexpr(_TIED + ",r" * 24)
 _TIED_BAND = tl.constexpr(_TIED + ",r" * 32)
+
+
+#: 8 accumulator entries an instance ($0-$7, tied to $8-$15), their rows' factors $16-$23
+_RESCALE = tl.constexpr(
+    "{ .reg .pred q; setp.neu.f32 q, $16, 0f3F800000;"
+    + "".join(f" setp.neu.or.f32 q, ${16 + i}, 0f3F800000, q;" for i in range(1, 8))
+    + " vote.sync.any.pred q, q, 0xffffffff; @!q bra.uni SKIP;"
+    + "".join(f" mul.f32 ${i}, ${i}, ${16 + i};" for i in range(8))
+    + " SKIP: }")
+_TIED_RESCALE = tl.constexpr(_TIED + ",r" * 8)
+
+
+@triton.jit
+def _rescale_if(acc, alpha):
+    """acc * alpha (alpha [BLOCK_M, 1]), the multiplies behind a branch taken only by warps
+    where a row's reference max moved (alpha != 1: _online LAZY, rarely), in inline PTX as
+    _masked_if (a warp-uniform branch: a divergent one is if-converted into predicated
+    multiplies, which issue all the same)."""
+    return tl.inline_asm_elementwise(_RESCALE, _TIED_RESCALE,
+                                     [acc, tl.broadcast_to(alpha, acc.shape)],
+                                     dtype=tl.float32, is_pure=True, pack=8)
 
 
 @triton.jit
@@ -144,7 +168,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr):
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -198,9 +222,12 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
+            acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
