@@ -307,17 +307,20 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                           window=130),
                                      dict(WS_LAZY_RESCALE=True),
                                      dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
-                                          window=300)],
+                                          window=300),
+                                     dict(WS_POLY_EXP=True, softcap=1.3)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
-    branch, tiles dealt a group of heads at a time, the lazy rescale; windows: masks behind a
-    branch, persistent or not): out and lse against float64 references, Sq = Sk, Sq > Sk
-    (tiles with no key), Sq < Sk, head counts off the group."""
+    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's exponentials
+    half on the FMA pipe; windows: masks behind a branch, persistent or not): out and lse
+    against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts
+    off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)
     window = variant.pop("window", None)
+    softcap = variant.pop("softcap", None)
     if window is not None and not HAS_CUDA:
         window //= 10
     for name, value in variant.items():
@@ -330,6 +333,8 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
         ramp = torch.linspace(1.0, 6.0, k.shape[2], device=k.device)    # reference moves
         k = (k.float() * ramp[:, None]).to(k.dtype)
     o = dict(causal=True) if window is None else dict(causal=True, window_size_left=window)
+    if softcap is not None:
+        o["softcap"] = softcap
     p = dict(PARAMS, **o)
     out, lse = K.flash_attn(q, k, v, **p)
     assert used

@@ -184,8 +184,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
-            "WS_SKIP_MASK_WINDOW": False, "WS_HEADS": 1, "WS_NONCAUSAL": False,
-            "WS_LAZY_RESCALE": False}
+            "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_NONCAUSAL": False,
+            "WS_LAZY_RESCALE": True, "WS_POLY_EXP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -402,14 +402,41 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
+#: 2^$2 by the special-function unit, 2^$3 as _exp2_fma does, in PTX
+_EXP2_PAIR = tl.constexpr(
+    "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; ex2.approx.ftz.f32 $0, $2; "
+    "max.f32 xc, $3, 0fC2FA0000; add.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
+    "sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
+    "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
+    "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; setp.gt.f32 p, $3, 0fC2FA0000; "
+    "selp.b32 $1, cb, 0, p; }")
+
+
+@triton.jit
+def _exp2_fma(x):
+    """2^x for x <= 8 or -inf without the special-function unit: 2^round(x) put into the
+    exponent of a cubic for 2^f, f in [-1/2, 1/2] (relative error 8e-5, below a 16-bit
+    ulp); -inf and x < -125 give 0. Softcap's loop issues two MUFU instructions a score
+    (tanh, exp2): this moves some of that load to the FMA pipe (FlashAttention-4's trick)."""
+    xc = tl.maximum(x, -125.0)
+    j = xc + 12582912.0                 # 1.5 * 2^23: round(xc) in the low mantissa bits
+    f = xc - (j - 12582912.0)
+    c = (0.05508868 * f + 0.24260405) * f + 0.69327624
+    c = c * f + 0.99992894
+    r = (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
+        tl.float32, bitcast=True)
+    return tl.where(x > -125.0, r, 0.0)
+
+
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr, LAZY: tl.constexpr = False):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = False):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
-    alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped)."""
+    alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
+    POLY: half the exponentials by _exp2_fma."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
@@ -424,9 +451,16 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FMA:    # one fused multiply-add a score
-        p = tl.exp2(s * mult - m_use[:, None])
+        x = s * mult - m_use[:, None]
     else:
-        p = tl.exp2(s - m_use[:, None])
+        x = s - m_use[:, None]
+    if POLY and _APPROX_TANH:   # of each pair of a thread's scores, one on the FMA pipe
+        p = tl.inline_asm_elementwise(_EXP2_PAIR, "=r,=r,r,r", [x], dtype=tl.float32,
+                                      is_pure=True, pack=2)
+    elif POLY:                   # the interpreter: the same arithmetic on every score
+        p = _exp2_fma(x)
+    else:
+        p = tl.exp2(x)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
@@ -750,7 +784,8 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          SKIP_MASK=VARIANTS["WS_SKIP_MASK_WINDOW" if f["HAS_WL"]
                                             else "WS_SKIP_MASK"],
                          HEADS=int(VARIANTS["WS_HEADS"]),
-                         LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"])
+                         LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
+                         POLY_EXP=VARIANTS["WS_POLY_EXP"] and f["HAS_CAP"])
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

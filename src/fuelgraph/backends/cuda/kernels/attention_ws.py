@@ -45,7 +45,7 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE"]
+                 "LAZY_RESCALE", "POLY_EXP"]
 
 
 def _prune(configs, named_args, **kw):
@@ -64,7 +64,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
-                   LAZY_RESCALE: tl.constexpr = False):
+                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -90,7 +90,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -107,7 +107,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE)
+                 LAZY_RESCALE, POLY_EXP)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -168,7 +168,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -222,7 +222,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
             acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
