@@ -168,11 +168,15 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
 #: the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
 #: B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
-#: WS_SKIP_MASK_WINDOW -- the same for a causal window's two edges. WS_HEADS -- tiles dealt
-#: WS_HEADS heads at a time, longest rows first across them (a shorter tail: a list schedule
-#: of the tile lengths on 132 SMs puts the makespan 3.2% over the mean with one head, 0.3%
-#: with 4): 443 / 442 / 436 against the 438 / 421 / 433 above. WS_NONCAUSAL -- non-causal
-#: 16-bit forwards through the warp-specialized kernel.
+#: WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
+#: 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
+#: not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
+#: longest rows first across them (a shorter tail: a list schedule of the tile lengths on
+#: 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
+#: (default) -- see _online's LAZY and attention_ws._rescale_if. Plain causal, 3 interleaved
+#: rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
+#: alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
+#: 443.0 / 417.3). WS_POLY_EXP -- softcap's exponentials half on the FMA pipe.
 #: Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
 #: taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
 #: each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
@@ -184,8 +188,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
-            "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_NONCAUSAL": False,
-            "WS_LAZY_RESCALE": True, "WS_POLY_EXP": False}
+            "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
+            "WS_POLY_EXP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -744,8 +748,7 @@ def _warp_specialized(a, q, k, v):
     fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
     so the capture loads no new kernel."""
     f = a.flags
-    return (VARIANTS["WARP_SPEC"] and (f["CAUSAL"] or VARIANTS["WS_NONCAUSAL"] and not f["HAS_WL"])
-            and not f["HAS_WR"] and not f["IEEE"]
+    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
             and not f["DYN_KLEN"]
             and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
             and all(_tma_ready(x) for x in (q, k, v))
