@@ -14,14 +14,16 @@ them all).
 
 Descriptors: q, k and v as 4-D [B, H, S, D] views with the tensors' own strides; the key
 extent is the live length L, so TMA fills rows past it with zeros and never reads them.
+The host side (which forwards take this kernel, its launch) is at the end of the file.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, _finish, _key_ranges, _online, _scores
-from .common import INTERPRET
+from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores
+from .common import GRAPH_CAPTURE, INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
 #: into two 64-row consumers), k and v blocks in 2 buffers each (128 x 64 tiles measured 5-12%
@@ -234,3 +236,76 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
+
+
+# ---- host side (attention.flash_attn calls these) ----------------------------------------------
+_SM_COUNT = {}
+
+
+def _resident_programs(device):
+    """Forward programs resident at once (one a multiprocessor: the tiles' shared memory)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tma_ready(x):
+    """TMA can read x: 16-byte aligned base and strides (the last dim contiguous)."""
+    item = x.element_size()
+    return x.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in x.stride()[:-1])
+
+
+def _warp_specialized(a, q, k, v):
+    """Whether the forward runs as the warp-specialized kernel (measured faster for causal
+    masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
+    16-bit inputs,
+    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
+    [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
+    the device in scratch memory allocated per launch, which a replay would not own). Under
+    fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
+    so the capture loads no new kernel."""
+    f = a.flags
+    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+            and not f["DYN_KLEN"]
+            and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
+            and all(_tma_ready(x) for x in (q, k, v))
+            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
+            and not GRAPH_CAPTURE[0]
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch from Triton's allocator: a torch
+    one, unless the process set its own."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device="cuda"))
+
+
+def _launch_ws(a, q, k, v, out, lse, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    L, D = a.klen_static, a.D
+    kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
+    vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
+    f = a.flags
+    persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
+    if persist:
+        nprog = _resident_programs(q.device)
+        grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
+    _ensure_allocator()
+    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
+                         out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
+                         a.cap, a.wl, a.wr,
+                         **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
+                         HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
+                         ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
+                         SKIP_MASK=VARIANTS["WS_SKIP_MASK_WINDOW" if f["HAS_WL"]
+                                            else "WS_SKIP_MASK"],
+                         HEADS=int(VARIANTS["WS_HEADS"]),
+                         LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
+                         POLY_EXP=VARIANTS["WS_POLY_EXP"] and f["HAS_CAP"])
