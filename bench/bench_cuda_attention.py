@@ -23,6 +23,7 @@ SDPA before it is timed (field max_err).
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
+        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
 5 and 6 (with --configs and --sweep) will use, on small tensors with the same
@@ -41,6 +42,11 @@ forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized 
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
 ("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
+
+--ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
+fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
+each setting's median: clocks drift over a run, so a setting timed once, after another, can
+lose ~5% to the drift alone (the first timed case of a process runs on the coolest GPU).
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -385,9 +391,9 @@ def schedules_row(row, specs, B, H, S):
 
 
 def ab_row(row, specs, rounds, B, H, S, causal=True):
-    """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings interleaved over `rounds`
-    rounds (clocks and temperature drift over a run: a setting measured once, later than
-    another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
+    """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
+    interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
+    measured once, later than another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
     plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     case = {"op": "flash_attn", "name": "causal fwd" if causal else "non-causal fwd",
