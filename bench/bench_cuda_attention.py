@@ -23,6 +23,7 @@ SDPA before it is timed (field max_err).
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
+        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
 5 and 6 (with --configs and --sweep) will use, on small tensors with the same
@@ -41,6 +42,11 @@ forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized 
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
 ("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
+
+--ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
+fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
+each setting's median: clocks drift over a run, so a setting timed once, after another, can
+lose ~5% to the drift alone (the first timed case of a process runs on the coolest GPU).
 
 Writes bench/results/cuda_attention_<date>.json (and DIR/cuda_attention_<date>.json), prints
 each record as it is measured, then the targets table.
@@ -294,9 +300,10 @@ def parse_schedules(text):
     out = []
     for spec in filter(None, (x.strip() for x in text.split(";"))):
         kv = {}
-        for item in filter(None, spec.split(",")) if spec != "base" else ():
+        for item in filter(None, spec.split(",")) if spec not in ("base", "plan") else ():
             key, val = item.split("=")
-            kv[key] = val if key in ("CONFIG", "WSCONFIG") else val not in ("0", "false")
+            kv[key] = (val if key in ("CONFIG", "WSCONFIG") else int(val)
+                       if val.isdigit() and int(val) > 1 else val not in ("0", "false"))
         out.append((spec, kv))
     return out
 
@@ -381,6 +388,44 @@ def schedules_row(row, specs, B, H, S):
             lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  {rest}  err "
                          f"vs first {max(errs):.1e}")
     return lines
+
+
+def ab_row(row, specs, rounds, B, H, S, causal=True):
+    """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
+    interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
+    measured once, later than another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
+    plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    case = {"op": "flash_attn", "name": "causal fwd" if causal else "non-causal fwd",
+            "shape": [B, H, H, S, S, D]}
+    flops = 4.0 * D * pairs(S, S, causal) * B * H
+    p = params(causal)
+    ref = sdpa("flash", q, k, v, causal)
+    plan = plan_of(lambda a, b, c: F.flash_attn(a, b, c, causal=causal), [q, k, v])
+    fns = {}
+    for spec, kv in specs:
+        if spec == "plan":
+            fns[spec] = (plan, lambda fn: fn())
+        else:
+            fns[spec] = (lambda: K.flash_attn(q, k, v, **p)[0],
+                         lambda fn, kv=kv: with_variants(kv, fn))
+    got = {}
+    for spec, (fn, wrap) in fns.items():      # compile (and check) each setting first
+        try:
+            out = wrap(fn)
+            got[spec] = maxerr(out[0] if isinstance(out, list) else out, ref)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  row {row} [{spec}] failed: {exc!r}", flush=True)
+    tf = {spec: [] for spec in got}
+    for r in range(rounds):
+        for spec in got:
+            fn, wrap = fns[spec]
+            ms = wrap(lambda: t_ms(fn))
+            rec = record(row, case, "fuelgraph" if spec == "plan" else f"fuelgraph kernel {spec}",
+                         ms, flops, got[spec], round=r)
+            tf[spec].append(rec["tflops"])
+    return [f"  {spec:34s} median {sorted(t)[len(t) // 2]:6.1f} TFLOP/s  rounds "
+            + " ".join(f"{x:.1f}" for x in t) + f"  err {got[spec]:.1e}" for spec, t in tf.items()]
 
 
 def variants_row(row, B, H, S):
@@ -471,6 +516,10 @@ def main():
     ap.add_argument("--schedule-cases", default=None,
                     help='row 5 cases for --schedules, e.g. "window 1024,softcap 50,alibi"')
     ap.add_argument("--tag", default="schedules", help="--schedules: the JSON's name suffix")
+    ap.add_argument("--ab", default=None,
+                    help='plain causal under each setting ("base;plan;KEY=VALUE"), interleaved')
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--non-causal", action="store_true", help="--ab: row 2's case instead")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
@@ -485,6 +534,29 @@ def main():
     if args.schedule_cases:
         SCHEDULE_CASES[:] = ["plain causal"] + [c.strip() for c in args.schedule_cases.split(",")
                                                 if c.strip() != "plain causal"]
+    if args.ab:
+        ab_specs = parse_schedules(args.ab)
+        SCHEDULE_CASES[:] = ["plain causal"]
+        if args.warm:
+            part, nparts = map(int, args.warm.split("/"))
+            q, k, v = (rand(1, 16, 256, D) for _ in "qkv")
+            for n, (spec, kv) in enumerate(x for x in ab_specs if x[0] != "plan"):
+                if n % nparts == part:
+                    with_variants(kv, lambda: K.flash_attn(q, k, v, **params(
+                        not args.non_causal)))
+                    torch.cuda.synchronize()
+                    print(f"warm [{spec}]", flush=True)
+            return
+        lines = ab_row(8, ab_specs, args.rounds, 4, 32, 4096, not args.non_causal)
+        print(f"\nA/B {'non-causal' if args.non_causal else 'plain causal'} B4 H32 S4096, "
+              f"{args.rounds} interleaved rounds")
+        print("\n".join(lines), flush=True)
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
+        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"cuda_attention_{DATE}_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+        return
     if args.warm and specs:
         warm_schedules(specs, *map(int, args.warm.split("/")))
         return

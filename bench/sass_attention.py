@@ -66,7 +66,7 @@ def source(case, m, n, variant):
     return ASTSource(A._fwd_kernel.fn, sig, cons, attrs=aligned)
 
 
-def ws_source(case, m, n, persist=False):
+def ws_source(case, m, n, persist=False, **extra):
     """ASTSource of the warp-specialized forward for bfloat16, D = 128 (host descriptors)."""
     from fuelgraph.backends.cuda.kernels import attention_ws as W
     sig = {"Q": "*bf16", "KD": f"tensordesc<bf16[1,1,{n},128]>",
@@ -81,6 +81,8 @@ def ws_source(case, m, n, persist=False):
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
+    cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, POLY_EXP=False)
+    cons.update(extra)
     sig["BH"] = "i32"
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}

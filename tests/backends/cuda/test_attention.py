@@ -298,6 +298,56 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
 
 
 @KERNEL_TESTS
+@pytest.mark.parametrize("shape", [(1, 4, 4, 1024, 1024, 128), (2, 2, 2, 768, 256, 64),
+                                   (1, 3, 3, 256, 640, 128)] if HAS_CUDA
+                         else [(1, 3, 1, 64, 96, 16)], ids=lambda x: "x".join(map(str, x)))
+@pytest.mark.parametrize("variant", [dict(WS_SKIP_MASK=False), dict(WS_HEADS=2),
+                                     dict(WS_SKIP_MASK_WINDOW=True, window=300),
+                                     dict(WS_SKIP_MASK_WINDOW=True, WS_PERSIST_WINDOW=False,
+                                          window=130),
+                                     dict(WS_LAZY_RESCALE=True),
+                                     dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
+                                          window=300),
+                                     dict(WS_POLY_EXP=True, softcap=1.3)],
+                         ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
+def test_warp_specialized_variants(shape, variant, monkeypatch):
+    """The warp-specialized forward's causal variants (the mask on every block or behind a
+    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's exponentials
+    half on the FMA pipe; windows: masks behind a branch, persistent or not): out and lse
+    against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts
+    off the group."""
+    dtype = "bfloat16" if HAS_CUDA else "float16"
+    monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
+    variant = dict(variant)
+    window = variant.pop("window", None)
+    softcap = variant.pop("softcap", None)
+    if window is not None and not HAS_CUDA:
+        window //= 10
+    for name, value in variant.items():
+        monkeypatch.setitem(K.VARIANTS, name, value)
+    used = []
+    launch = K._launch_ws
+    monkeypatch.setattr(K, "_launch_ws", lambda *a: (used.append(1), launch(*a)))
+    q, k, v, go = _data(*shape, dtype)
+    if variant.get("WS_LAZY_RESCALE"):      # scores growing along the keys: the lazy
+        ramp = torch.linspace(1.0, 6.0, k.shape[2], device=k.device)    # reference moves
+        k = (k.float() * ramp[:, None]).to(k.dtype)
+    o = dict(causal=True) if window is None else dict(causal=True, window_size_left=window)
+    if softcap is not None:
+        o["softcap"] = softcap
+    p = dict(PARAMS, **o)
+    out, lse = K.flash_attn(q, k, v, **p)
+    assert used
+    want = _ref(q, k, v, go, **o)[0]
+    same = _ref(q, k, v, go, dtype=TD[dtype], **o)[0]
+    assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
+    ref_lse = _ref_lse(q, k, shape[4], p, None)
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse.cpu()), ~live)
+    torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
+
+
+@KERNEL_TESTS
 def test_graph_capture_takes_the_triton_forward(monkeypatch):
     """Under fuelgraph's CUDA-graph warm-up and capture the forward takes the Triton kernel,
     not the warp-specialized one, in both: a capture that loaded a kernel for the first time

@@ -39,7 +39,7 @@ from ....errors import fail
 from ....registry.attention import FLASH_ATTN_BACKWARD
 from ....registry.core import FusedOps
 from ...base import Cost, kernel
-from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2
+from .common import HALF_AND_F32, INTERPRET, next_pow2
 
 __all__ = ["flash_attn", "flash_attn_backward", "supports"]
 
@@ -164,12 +164,37 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
 #: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
 #: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
+#: WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
+#: inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
+#: the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
+#: B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
+#: WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
+#: 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
+#: not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
+#: longest rows first across them (a shorter tail: a list schedule of the tile lengths on
+#: 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
+#: (default) -- see _online's LAZY and attention_ws._rescale_if. Plain causal, 3 interleaved
+#: rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
+#: alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
+#: 443.0 / 417.3). WS_POLY_EXP -- softcap's exponentials half on the FMA pipe.
+#: Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
+#: taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
+#: each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
+#: (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+#: The plan gap measured last session (466 kernel vs 444 through a cached plan) was the order
+#: of the measurements: interleaved, 437.7 / 420.9 / 433.3 kernel against 437.2 / 429.2 /
+#: 433.4 plan (do_bench queues every call before it waits, so host work under ~1 ms a call
+#: never shows); the first timed case of a process runs on a cooler GPU.
 VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MASK_ASM": False,
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
-            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True}
+            "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
+            "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
+            "WS_POLY_EXP": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
-    VARIANTS[_k.strip()] = _v.strip() not in ("0", "false", "False")
+    VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
+                            and not isinstance(VARIANTS.get(_k.strip()), bool)
+                            else _v.strip() not in ("0", "false", "False"))
 
 
 # ---- shared device helpers ----------------------------------------------------------------------
@@ -381,11 +406,41 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
+#: 2^$2 by the special-function unit, 2^$3 as _exp2_fma does, in PTX
+_EXP2_PAIR = tl.constexpr(
+    "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; ex2.approx.ftz.f32 $0, $2; "
+    "max.f32 xc, $3, 0fC2FA0000; add.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
+    "sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
+    "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
+    "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; setp.gt.f32 p, $3, 0fC2FA0000; "
+    "selp.b32 $1, cb, 0, p; }")
+
+
+@triton.jit
+def _exp2_fma(x):
+    """2^x for x <= 8 or -inf without the special-function unit: 2^round(x) put into the
+    exponent of a cubic for 2^f, f in [-1/2, 1/2] (relative error 8e-5, below a 16-bit
+    ulp); -inf and x < -125 give 0. Softcap's loop issues two MUFU instructions a score
+    (tanh, exp2): this moves some of that load to the FMA pipe (FlashAttention-4's trick)."""
+    xc = tl.maximum(x, -125.0)
+    j = xc + 12582912.0                 # 1.5 * 2^23: round(xc) in the low mantissa bits
+    f = xc - (j - 12582912.0)
+    c = (0.05508868 * f + 0.24260405) * f + 0.69327624
+    c = c * f + 0.99992894
+    r = (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
+        tl.float32, bitcast=True)
+    return tl.where(x > -125.0, r, 0.0)
+
+
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = False):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
-    a row may still have no admissible key (masked blocks): shift it by 0, not -inf."""
+    a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
+    m_i, the reference the scores are shifted by, moves only when the row max passes it by
+    more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
+    alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
+    POLY: half the exponentials by _exp2_fma."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
@@ -394,16 +449,38 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        m_new = tl.where(m_new > m_i + 8.0, m_new, m_i)
     m_use = m_new
     if GUARD:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FMA:    # one fused multiply-add a score
-        p = tl.exp2(s * mult - m_use[:, None])
+        x = s * mult - m_use[:, None]
     else:
-        p = tl.exp2(s - m_use[:, None])
+        x = s - m_use[:, None]
+    if POLY and _APPROX_TANH:   # of each pair of a thread's scores, one on the FMA pipe
+        p = tl.inline_asm_elementwise(_EXP2_PAIR, "=r,=r,r,r", [x], dtype=tl.float32,
+                                      is_pure=True, pack=2)
+    elif POLY:                   # the interpreter: the same arithmetic on every score
+        p = _exp2_fma(x)
+    else:
+        p = tl.exp2(x)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
+
+
+@triton.jit
+def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr):
+    """(out, lse) of a query tile from its online-softmax state (a_rows: the rows' key
+    positions); rows without an admissible key: out 0, lse +inf."""
+    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
+        m_i -= (slope * 1.4426950408889634) * a_rows.to(tl.float32)
+    live = l_i > 0.0
+    out = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
+                   float("inf"))
+    return out, lse
 
 
 @triton.jit
@@ -493,12 +570,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
                                    a_pos, offs_n, L, QK_SCALE, CAP, slope, WL, WR, True, CAUSAL,
                                    HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, IEEE, HEAD_DIM, BLOCK_D,
                                    BLOCK_N, ALIBI_COLS, FMA, EDGE1, ASM)
-    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
-        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
-                   float("inf"))
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     if DYN_KLEN:
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
@@ -510,7 +582,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SLOPES, KLEN, sqb, sqh, sqm, skb, skh, skn, svb
 
 # ---- backward (attention_bwd.py: it imports the helpers above) -----------------------------------
 from .attention_bwd import _bwd_kv_kernel, _bwd_q_kernel  # noqa: E402
-from .attention_ws import _fwd_ws_kernel  # noqa: E402
+from .attention_ws import _launch_ws, _warp_specialized  # noqa: E402
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -540,6 +612,22 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device, dtype):
+    """A one-element zero tensor for a pointer argument the kernel never reads (no slopes, a
+    static k_len), made once per device and dtype: a new one per call cost an allocation and
+    a fill kernel each."""
+    key = (device, dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(1, device=device, dtype=dtype)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[key] = t       # not memory of a graph's pool
+    return t
+
+
 class _Launch:
     """Strides, flags and scalars shared by the forward and backward launches."""
 
@@ -555,7 +643,7 @@ class _Launch:
             alibi = alibi.to(device=dev, dtype=torch.float32).contiguous()
             self.slopes, self.slb = alibi, (H if alibi.dim() == 2 else 0)
         else:
-            self.slopes, self.slb = torch.zeros(1, device=dev, dtype=torch.float32), 0
+            self.slopes, self.slb = _placeholder(dev, torch.float32), 0
         dyn = bool(p["k_len_input"])
         if dyn:
             klen = opt[-1].to(device=dev).reshape(1)
@@ -565,7 +653,7 @@ class _Launch:
                     raise fail(op, f"k_len = {val} is outside [0, Sk = {self.SK}]")
             self.klen, self.klen_static = klen, self.SK
         else:
-            self.klen = torch.zeros(1, device=dev, dtype=torch.int32)
+            self.klen = _placeholder(dev, torch.int32)
             self.klen_static = self.SK if p["k_len"] is None else int(p["k_len"])
         cap = p["softcap"]
         scale = float(p["softmax_scale"])
@@ -629,73 +717,6 @@ def flash_attn(q, k, v, *opt, softmax_scale, causal=False, window_size_left=None
                       *a.scalars(), a.qk_scale, a.cap, a.wl, a.wr, **a.tune, **a.flags,
                       **a.fwd_flags)
     return out, lse
-
-
-_SM_COUNT = {}
-
-
-def _resident_programs(device):
-    """Forward programs resident at once (one a multiprocessor: the tiles' shared memory)."""
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _tma_ready(x):
-    """TMA can read x: 16-byte aligned base and strides (the last dim contiguous)."""
-    item = x.element_size()
-    return x.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in x.stride()[:-1])
-
-
-def _warp_specialized(a, q, k, v):
-    """Whether the forward runs as the warp-specialized kernel (measured faster for causal
-    masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
-    16-bit inputs,
-    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
-    [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
-    the device in scratch memory allocated per launch, which a replay would not own). Under
-    fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
-    so the capture loads no new kernel."""
-    f = a.flags
-    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
-            and not f["DYN_KLEN"]
-            and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
-            and all(_tma_ready(x) for x in (q, k, v))
-            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
-            and not GRAPH_CAPTURE[0]
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
-def _ensure_allocator():
-    """Device-side tensor descriptors need global scratch from Triton's allocator: a torch
-    one, unless the process set its own."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
-                                                                     device="cuda"))
-
-
-def _launch_ws(a, q, k, v, out, lse, grid):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    L, D = a.klen_static, a.D
-    kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
-    vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
-    f = a.flags
-    persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
-    if persist:
-        nprog = _resident_programs(q.device)
-        grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
-    _ensure_allocator()
-    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
-                         out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
-                         a.cap, a.wl, a.wr,
-                         **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
-                         HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
-                         ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
-                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist)
 
 
 def _backward(q, k, v, grad_out, lse, delta, opt, p):

@@ -14,14 +14,16 @@ them all).
 
 Descriptors: q, k and v as 4-D [B, H, S, D] views with the tensors' own strides; the key
 extent is the live length L, so TMA fills rows past it with zeros and never reads them.
+The host side (which forwards take this kernel, its launch) is at the end of the file.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, _key_ranges, _online, _scores
-from .common import INTERPRET
+from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores
+from .common import GRAPH_CAPTURE, INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
 #: into two 64-row consumers), k and v blocks in 2 buffers each (128 x 64 tiles measured 5-12%
@@ -44,7 +46,8 @@ def ws_config(m, n, warps, stages):
 #: the CPU interpreter: one small tile (several blocks a row on tiny shapes), no tuning
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
-                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST"]
+                 "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
+                 "LAZY_RESCALE", "POLY_EXP"]
 
 
 def _prune(configs, named_args, **kw):
@@ -61,7 +64,9 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    HAS_WL: tl.constexpr,
                    HAS_WR: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
-                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8):
+                   BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
+                   SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
+                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -87,14 +92,76 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP)
     else:
         pid_m = tl.program_id(0)
-        if CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
+        bh = tl.program_id(1)
+        if CAUSAL and HEADS > 1:   # tiles of HEADS heads at a time, longest rows first across
+            num_m = tl.num_programs(0)     # them (the k and v of those heads stay in L2)
+            pid = bh * num_m + pid_m
+            g0 = (pid // (HEADS * num_m)) * HEADS
+            heads = tl.minimum(tl.num_programs(1) - g0, HEADS)
+            rank = (pid - g0 * num_m) // heads
+            bh = g0 + (pid - g0 * num_m) % heads
+            pid_m = num_m - 1 - rank
+        elif CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
-        _ws_tile(pid_m, tl.program_id(1), QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
+        _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
-                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True)
+                 HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
+                 LAZY_RESCALE, POLY_EXP)
+
+
+_KEEP = "@!p mov.b32 ${}, 0fFF800000;"
+#: 8 scores an instance ($0-$7, tied to the inputs $8-$15), their columns $16-$23, the
+#: branch's flag $24 (of $24-$31), the upper bounds $32-$39 and (two-sided) lower $40-$47
+_MASK_HI = tl.constexpr(
+    "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
+    + "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; " + _KEEP.format(i) for i in range(8))
+    + " SKIP: }")
+_MASK_BAND = tl.constexpr(
+    "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP;"
+    + "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; setp.ge.and.s32 p, ${16 + i}, ${40 + i}, p;"
+              " " + _KEEP.format(i) for i in range(8))
+    + " SKIP: }")
+_TIED = "=r," * 8 + ",".join(str(i) for i in range(8))
+_TIED_HI = tl.constexpr(_TIED + ",r" * 24)
+_TIED_BAND = tl.constexpr(_TIED + ",r" * 32)
+
+
+#: 8 accumulator entries an instance ($0-$7, tied to $8-$15), their rows' factors $16-$23
+_RESCALE = tl.constexpr(
+    "{ .reg .pred q; setp.neu.f32 q, $16, 0f3F800000;"
+    + "".join(f" setp.neu.or.f32 q, ${16 + i}, 0f3F800000, q;" for i in range(1, 8))
+    + " vote.sync.any.pred q, q, 0xffffffff; @!q bra.uni SKIP;"
+    + "".join(f" mul.f32 ${i}, ${i}, ${16 + i};" for i in range(8))
+    + " SKIP: }")
+_TIED_RESCALE = tl.constexpr(_TIED + ",r" * 8)
+
+
+@triton.jit
+def _rescale_if(acc, alpha):
+    """acc * alpha (alpha [BLOCK_M, 1]), the multiplies behind a branch taken only by warps
+    where a row's reference max moved (alpha != 1: _online LAZY, rarely), in inline PTX as
+    _masked_if (a warp-uniform branch: a divergent one is if-converted into predicated
+    multiplies, which issue all the same)."""
+    return tl.inline_asm_elementwise(_RESCALE, _TIED_RESCALE,
+                                     [acc, tl.broadcast_to(alpha, acc.shape)],
+                                     dtype=tl.float32, is_pure=True, pack=8)
+
+
+@triton.jit
+def _masked_if(s, col, bound, need, low, BAND: tl.constexpr):
+    """s where col <= bound (and, BAND, col >= low), else -inf, behind a branch on the tile-wide
+    `need` (only the edge blocks of a band have keys outside a row's): inline PTX, which the
+    warp-specializing pass sees as one elementwise op (it gives up on a branch in the loop);
+    8 scores an instance, each output tied to its score (nothing to move when skipped)."""
+    n = need.to(tl.int32) + (col * 0)
+    if not BAND:
+        return tl.inline_asm_elementwise(_MASK_HI, _TIED_HI, [s, col, n, bound],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+    return tl.inline_asm_elementwise(_MASK_BAND, _TIED_BAND, [s, col, n, bound, low],
+                                     dtype=tl.float32, is_pure=True, pack=8)
 
 
 @triton.jit
@@ -102,7 +169,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
-             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr):
+             FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one."""
     b = bh // H
     h = bh % H
@@ -136,7 +204,15 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         kn = j + offs_n
         s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
                        HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
-        if HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
+        if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
+            # the first row's upper bound is the tile's smallest (causal: its position)
+            past_hi = j + BLOCK_N - 1 > (m0 + off if CAUSAL else L - 1)
+            if HAS_WL:      # the diagonal block and the window's far edge
+                s = _masked_if(s, offs_n[None, :], hi_key - j,
+                               past_hi | (j < m0 + BLOCK_M - 1 + off - WL), lo_key - j, True)
+            else:           # the diagonal block (non-causal: the last block past L)
+                s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi, hi_key, False)
+        elif HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
             s = tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
                 "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
@@ -148,17 +224,88 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
-        m_i -= (slope * 1.4426950408889634) * (offs_m + off).to(tl.float32)
-    live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
-                   float("inf"))
+        if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
+            acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
+
+
+# ---- host side (attention.flash_attn calls these) ----------------------------------------------
+_SM_COUNT = {}
+
+
+def _resident_programs(device):
+    """Forward programs resident at once (one a multiprocessor: the tiles' shared memory)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tma_ready(x):
+    """TMA can read x: 16-byte aligned base and strides (the last dim contiguous)."""
+    item = x.element_size()
+    return x.data_ptr() % 16 == 0 and all(st * item % 16 == 0 for st in x.stride()[:-1])
+
+
+def _warp_specialized(a, q, k, v):
+    """Whether the forward runs as the warp-specialized kernel (measured faster for causal
+    masks; the others keep the Triton kernel): WARP_SPEC on, causal without a right window,
+    16-bit inputs,
+    a power-of-two head dim up to 128, a static key length > 0, TMA-ready tensors, q's rows
+    [B * H * Sq, D] one strided matrix, and no CUDA-graph capture (q's descriptor is built on
+    the device in scratch memory allocated per launch, which a replay would not own). Under
+    fuelgraph's own capture the warm-up before it takes the Triton kernel too (GRAPH_CAPTURE),
+    so the capture loads no new kernel."""
+    f = a.flags
+    return (VARIANTS["WARP_SPEC"] and f["CAUSAL"] and not f["HAS_WR"] and not f["IEEE"]
+            and not f["DYN_KLEN"]
+            and f["HEAD_DIM"] == f["BLOCK_D"] <= 128 and a.klen_static > 0 and a.SQ > 0
+            and all(_tma_ready(x) for x in (q, k, v))
+            and q.stride(0) == a.H * q.stride(1) and q.stride(1) == a.SQ * q.stride(2)
+            and not GRAPH_CAPTURE[0]
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need global scratch from Triton's allocator: a torch
+    one, unless the process set its own."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                     device="cuda"))
+
+
+def _launch_ws(a, q, k, v, out, lse, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    L, D = a.klen_static, a.D
+    kd = TensorDescriptor(k, [a.B, a.HK, L, D], list(k.stride()), [1, 1, 64, D])
+    vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
+    f = a.flags
+    persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
+    if persist:
+        nprog = _resident_programs(q.device)
+        grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
+    _ensure_allocator()
+    _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
+                         out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
+                         a.cap, a.wl, a.wr,
+                         **a.tune, BLOCK_D=f["BLOCK_D"], CAUSAL=f["CAUSAL"], HAS_WL=f["HAS_WL"],
+                         HAS_WR=f["HAS_WR"], HAS_CAP=f["HAS_CAP"], HAS_ALIBI=f["HAS_ALIBI"],
+                         ALIBI_COLS=a.fwd_flags["ALIBI_COLS"], FMA=a.fwd_flags["FMA"],
+                         EVEN_L=L % 128 == 0, BH=a.B * a.H, PERSIST=persist,
+                         SKIP_MASK=VARIANTS["WS_SKIP_MASK_WINDOW" if f["HAS_WL"]
+                                            else "WS_SKIP_MASK"],
+                         HEADS=int(VARIANTS["WS_HEADS"]),
+                         LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
+                         POLY_EXP=VARIANTS["WS_POLY_EXP"] and f["HAS_CAP"])
