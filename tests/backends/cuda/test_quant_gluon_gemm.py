@@ -199,8 +199,9 @@ def test_gluon_gemm_product(fmt, launch):
 @pytest.mark.cuda
 @NEEDS_SM90
 def test_default_route_takes_gluon(monkeypatch):
-    """The formats of quant.GLUON_GEMM take it by default for 65..256 rows of bf16 x (calls
-    counted), with the right product; float32 x falls back; N = 192 runs 64-row tiles."""
+    """The launches of quant.GLUON_GEMM that are Gluon ones (65..256 rows of bf16 x; the packed
+    formats keep their packed GEMM up to 128 rows) take it by default (calls counted), with
+    the right product; float32 x falls back; N = 192 runs 64-row tiles."""
     from fuelgraph.backends.cuda.kernels import quant as K
     calls = []
     real = K.run_gluon_gemm
@@ -208,14 +209,15 @@ def test_default_route_takes_gluon(monkeypatch):
     names = {GGUF_IDS[f]: f for f in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")} | {AWQ: "AWQ", NF4: "NF4"}
     for fid, launches in K.GLUON_GEMM.items():
         args, n, k, want = _weight(names[fid], np.random.default_rng(5), 256)
-        for m in launches:
+        for m, cfg in launches.items():
+            gluon = int(isinstance(cfg, G.GluonGemmConfig))
             x = torch.randn(m - 3, k, generator=torch.Generator().manual_seed(m)).to(DEV)
             before = len(calls)
             got = K.run(args[0], x.bfloat16(), *args[1:4], args[4], k, n)
-            assert len(calls) == before + 1
+            assert len(calls) == before + gluon
             check_product(got, x.bfloat16(), want.T, torch.bfloat16)
             check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.float32)
-            assert len(calls) == before + 1
+            assert len(calls) == before + gluon
     # N = 192, a multiple of 64 only: the 128-row launches run 64-row tiles
     args, n, k, want = _weight("Q4_0", np.random.default_rng(6), 192)
     x = torch.randn(200, k, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEV)

@@ -289,9 +289,14 @@ PACKED_GEMM_MAX_M = 256
 #: 0.0854 / 0.0786 / 0.0898 / 0.0865 / 0.0897 / 0.0924. 64 x 256 tiles read x 128 times
 #: (512 MB from L2 at ~6.6 TB/s: the bound they meet), 128 x 128 ones half as often but
 #: decode every weight twice. Up to 128 rows: 64 x 128 tiles (128 programs)
+#: (NF4, Q6_K: 128 rows 0.0692 / 0.0684, where they had only the dense copy). The merged tree
+#: at 128 rows: Q4_0 0.0628, AWQ 0.0658, Q4_K 0.0678, Q8_0 0.0674 against the packed GEMM's
+#: 0.0522 (Q4_0, split 2, session 8), so the packed formats keep PACKED_GEMM up to 128 rows.
 _GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(4, 256, 4, 2)}
-GLUON_GEMM: dict = {fmt: _GLUON_ROUTE for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"],
-                                                 GGUF_IDS["Q8_0"], NF4, GGUF_IDS["Q6_K"])}
+GLUON_GEMM: dict = {fmt: _GLUON_ROUTE if fmt not in PACKED_GEMM else
+                    {128: PACKED_GEMM[fmt], 256: _GLUON_ROUTE[256]}
+                    for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], GGUF_IDS["Q8_0"], NF4,
+                                GGUF_IDS["Q6_K"])}
 
 
 def _with_gemm(fmt, route):
