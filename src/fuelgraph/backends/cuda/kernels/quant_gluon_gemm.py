@@ -44,7 +44,16 @@ gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flig
 registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
 ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
 code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
-bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter)."""
+bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
+
+H200, N = K = 8192, M = 256 (session 9; dense cuBLAS 0.0511 ms): 64 x 256 tiles Q4_0 0.0769,
+AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms (quant.GLUON_GEMM). They read
+x 128 times from L2 (512 MB, ~6.6 TB/s); 128 x 128 tiles (half the x traffic, every weight
+decoded twice) 0.080-0.093. Each step's A fence (fence.proxy.async: MEMBAR.ALL.CTA in SASS)
+waits for the thread's global loads in flight, so the look-ahead loads of the words sit on the
+loop's path (`late` moves them behind the iteration's last fence). Options not measured on the
+H200 yet: late, rot, h2 and the producer warp (ws) on 64 x 256 tiles (ws gave 128 x 128 tiles
+4-5%)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
