@@ -92,3 +92,18 @@ def awq_reference(qweight, qzeros, scales, group_size):
     z = np.repeat(awq_unpack(qzeros), group_size, axis=0)
     s = np.repeat(scales.astype(np.float64), group_size, axis=0)
     return ((q - z) * s).astype(np.float32)
+
+
+def awq_case(rng, k, n, edge=False):
+    """(qweight, qzeros, scales, group_size, reference W [N, K]) of random AutoAWQ tensors:
+    group 128, or (edge) group 64 with random f16 bit patterns as scales (every finite
+    magnitude and both signs)."""
+    gs = 64 if edge else 128
+    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
+    if edge:
+        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
+        sc = bits.astype(np.uint16).view(np.float16)
+    else:
+        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    return qw, qz, sc, gs, awq_reference(qw, qz, sc, gs).T

@@ -17,7 +17,7 @@ from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 
-from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes,  # noqa: E402
+from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E402
                          nf4_reference, same_bits)
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
@@ -50,16 +50,9 @@ def _weight(fmt, rng, n, edge=False, dev=DEV):
             raw = np.concatenate([blocks[idx].reshape(256, -1), raw])
         w = torch.as_tensor(raw.reshape(-1)).to(dev)
         return (GGUF_IDS[fmt], w, w, w, raw.shape[1]), raw.shape[0], k, gguf_dequant_ref(raw, fmt)
-    gs = 64 if edge else 128
-    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
-    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
-    if edge:
-        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
-        sc = bits.astype(np.uint16).view(np.float16)
-    else:
-        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
+    qw, qz, sc, gs, ref = awq_case(rng, k, n, edge)
     t = [torch.as_tensor(v).to(dev) for v in (qw, qz, sc)]
-    return (AWQ, *t, gs), n, k, awq_reference(qw, qz, sc, gs).T
+    return (AWQ, *t, gs), n, k, ref
 
 
 def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:

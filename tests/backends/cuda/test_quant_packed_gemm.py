@@ -23,7 +23,7 @@ if HAS_CUDA or INTERPRET:
                                                                    run_packed_gemm)
     from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4
 
-from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
+from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes, nf4_reference,
                          same_bits)
 
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "NF4", "AWQ"]
@@ -58,16 +58,8 @@ def _weight(fmt, rng, n, edge=False):
         absmax = rng.uniform(0.1, 2, size=(n, k // 64)).astype(np.float32)
         return ((NF4, to_dev(packed), to_dev(absmax), torch.tensor(NF4_CODE, device=DEV), 64),
                 n, k, nf4_reference(packed, absmax, 64))
-    gs = 64 if edge else 128
-    qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
-    qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64).astype(np.int32)
-    if edge:
-        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
-        sc = bits.astype(np.uint16).view(np.float16)
-    else:
-        sc = rng.uniform(-0.05, 0.05, size=(k // gs, n)).astype(np.float16)
-    return ((AWQ, to_dev(qw), to_dev(qz), to_dev(sc), gs), n, k,
-            awq_reference(qw, qz, sc, gs).T)
+    qw, qz, sc, gs, ref = awq_case(rng, k, n, edge)
+    return (AWQ, to_dev(qw), to_dev(qz), to_dev(sc), gs), n, k, ref
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
