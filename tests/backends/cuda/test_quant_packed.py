@@ -24,8 +24,8 @@ if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4
     from fuelgraph.registry.quant import NF4_CODE
 
-from quant_cases import (GGUF, awq_reference, gguf_bytes, gguf_edge_bytes, nf4_reference,
-                         same_bits)
+from quant_cases import (GGUF, awq_case, awq_reference, gguf_bytes, gguf_edge_bytes,
+                         nf4_reference, same_bits)
 
 CONFIGS = [None, "split", "noprefetch", "chunk1", "h1_nofma", "h4_x16", "stages", "aff"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if HAS_CUDA else \
@@ -323,13 +323,8 @@ def test_packed_dot_affine_bit_exact(fmt):
     from fuelgraph.backends.cuda.kernels.quant_packed_dot import PackedDotConfig
     rng = np.random.default_rng(31)
     if fmt == "AWQ":
-        n, k, gs = 16, 512, 64
-        qw = rng.integers(-2 ** 31, 2 ** 31, size=(k, n // 8), dtype=np.int64).astype(np.int32)
-        qz = rng.integers(-2 ** 31, 2 ** 31, size=(k // gs, n // 8), dtype=np.int64)
-        qz = qz.astype(np.int32)
-        bits = rng.integers(0, 0x7C00, size=(k // gs, n)) | (rng.integers(0, 2, (k // gs, n)) << 15)
-        sc = bits.astype(np.uint16).view(np.float16)                  # every finite magnitude
-        want = awq_reference(qw, qz, sc, gs).T
+        n, k = 16, 512
+        qw, qz, sc, gs, want = awq_case(rng, k, n, edge=True)      # every finite f16 scale
         fn = lambda x, c: K.awq_matmul(x, to_dev(qw), to_dev(qz), to_dev(sc),  # noqa: E731
                                        group_size=gs, config=c)
     else:
