@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .quant_packed import _unpack_awq, _q4k_scale_min, packed_weight
+from .quant_packed import _q4k_scale_min, _unpack_awq, packed_weight, q6k_fields
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
@@ -169,15 +169,9 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
                            _padded(_pair_tiles(torch.zeros_like(a))), n, k)
     elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
-        raw = w0.reshape(n, k // 256, 210)
-        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
-        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
-        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
-        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
-        q = lo | (hi.reshape(n, k) << 4)                                   # q + 32, 0..63
-        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256).float()
-        sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(n, k // 16).float()
-        a = d.repeat_interleave(16, dim=1) * sc * 2.0 ** -8                # exact
+        q, d, sc = q6k_fields(w0, n, k)                                    # q + 32, 0..63
+        sc = sc.view(torch.int8).float()
+        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -8        # exact
         a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
         return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
     elif fmt == AWQ:

@@ -468,6 +468,19 @@ def _chunk_words(q: torch.Tensor, bits: int) -> torch.Tensor:
     return v.permute(0, 1, 3, 2).contiguous().view(torch.int32).reshape(n, k * bits // 32)
 
 
+def q6k_fields(w0, n: int, k: int):
+    """Q6_K bytes of an [N, K] weight (per 256 elements: 128 low-nibble bytes, 64 crumb bytes,
+    16 int8 scales, an f16 d) -> (q + 32 as uint8 [N, K] in 0..63, d float16 [N, K/256],
+    the scales' int8 bits as uint8 [N, K/16])."""
+    raw = w0.reshape(n, k // 256, 210)
+    shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
+    shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
+    lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
+    hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
+    d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
+    return lo | (hi.reshape(n, k) << 4), d, raw[..., 192:208].reshape(n, k // 16).contiguous()
+
+
 def _q4k_scale_min(b: torch.Tensor):
     """Q4_K's 12 scale bytes [..., 12] (int32) -> 6-bit scales and mins, uint8 [..., 8] each
     flattened to [N, K / 32]: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 from
@@ -506,15 +519,8 @@ def pack(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> PackedWeight:
         qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
         q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)     # sub-blocks 2c, 2c + 1
         return PackedWeight(fmt, _chunk_words(q, 4), sc, mn, 32, n, k, dd)
-    if fmt == Q6_K:     # 128 low-nibble bytes, 64 crumb bytes, 16 int8 scales, f16 d
-        raw = w0.reshape(n, k // 256, 210)
-        shift4 = torch.tensor([0, 4], dtype=torch.uint8, device=w0.device).view(1, 1, 1, 2, 1)
-        shift2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w0.device)
-        lo = ((raw[..., :128].reshape(n, -1, 2, 1, 64) >> shift4) & 15).reshape(n, k)
-        hi = ((raw[..., 128:192].reshape(n, -1, 2, 1, 32) >> shift2.view(1, 1, 1, 4, 1)) & 3)
-        q = lo | (hi.reshape(n, k) << 4)                                   # q + 32, 0..63
-        d = raw[..., 208:210].contiguous().view(torch.float16).reshape(n, k // 256)
-        sc = raw[..., 192:208].reshape(n, k // 16).contiguous()          # int8 bits
+    if fmt == Q6_K:
+        q, d, sc = q6k_fields(w0, n, k)
         return PackedWeight(fmt, _chunk_words(q, 8), sc, None, 16, n, k, d)
     if fmt == NF4:      # byte i: element 2i in the high nibble, 2i + 1 in the low one
         q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
