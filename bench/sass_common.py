@@ -17,16 +17,19 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def loop_stats(cubin: bytes):
-    """(registers, stack, instructions of the longest loop a thread, its opcode counts); SASS
-    addresses of any width (large kernels pass 0x10000)."""
+def dump(cubin: bytes) -> tuple[str, str]:
+    """(cuobjdump's resource usage, its SASS listing) of a cubin."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         pathlib.Path(path).write_bytes(cubin)
-        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True,
-                              text=True).stdout
+        return tuple(subprocess.run([str(BIN / "cuobjdump"), flag, path], capture_output=True,
+                                    text=True).stdout for flag in ("-res-usage", "-sass"))
+
+
+def loop_stats(cubin: bytes):
+    """(registers, stack, instructions of the longest loop a thread, its opcode counts); SASS
+    addresses of any width (large kernels pass 0x10000)."""
+    res, sass = dump(cubin)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in lines]
     loop = (0, max(addr, default=0))       # no loop: the whole kernel

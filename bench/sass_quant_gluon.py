@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import pathlib
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from sass_common import BIN, TARGET  # noqa: E402
+from sass_common import TARGET, dump  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import GGUF_IDS  # noqa: E402
@@ -51,13 +48,7 @@ def mma_loop(cubin: bytes):
     """(registers, the main loop: of the backward branches' spans, the one with the most
     HGMMAs and then the fewest instructions (the mbarrier waits' retry branches span more):
     its instructions and opcode counts)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        pathlib.Path(path).write_bytes(cubin)
-        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", path], capture_output=True,
-                             text=True).stdout
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", path], capture_output=True,
-                              text=True).stdout
+    res, sass = dump(cubin)
     rows = []
     for ln in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
