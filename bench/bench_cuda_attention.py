@@ -503,6 +503,15 @@ def targets(results):
     return out
 
 
+def save(out, name, **extra):
+    """The records so far (and `extra`) as bench/results/<name> and, with --out, out/<name>."""
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": " ".join(sys.argv), "records": RECORDS, **extra}
+    for d in [ROOT / "bench" / "results"] + ([pathlib.Path(out)] if out else []):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(json.dumps(doc, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -551,11 +560,7 @@ def main():
         print(f"\nA/B {'non-causal' if args.non_causal else 'plain causal'} B4 H32 S4096, "
               f"{args.rounds} interleaved rounds")
         print("\n".join(lines), flush=True)
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
-        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"cuda_attention_{DATE}_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
         return
     if args.warm and specs:
         warm_schedules(specs, *map(int, args.warm.split("/")))
@@ -579,11 +584,7 @@ def main():
         print("\nschedules (plain causal target >= 450 TFLOP/s; the others: TFLOP/s and "
               "time per unit of work / plain causal's, target <= 1.15x)")
         print("\n".join(lines), flush=True)
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "command": " ".join(sys.argv), "records": RECORDS, "summary": lines}
-        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"cuda_attention_{DATE}_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
         return
     for row in sorted(rows):
         print(f"row {row}", flush=True)
@@ -592,11 +593,7 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         torch.cuda.empty_cache()
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "command": " ".join(sys.argv), "records": RECORDS}
-        for d in [ROOT / "bench" / "results"] + ([pathlib.Path(args.out)] if args.out else []):
-            d.mkdir(parents=True, exist_ok=True)        # after every row: a timeout keeps them
-            (d / f"cuda_attention_{DATE}.json").write_text(json.dumps(doc, indent=1))
+        save(args.out, f"cuda_attention_{DATE}.json")   # after every row: a timeout keeps them
     print("\ntargets (issue 12)")
     for line in targets(results):
         print(line)
