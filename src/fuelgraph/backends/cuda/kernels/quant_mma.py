@@ -73,14 +73,16 @@ _NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC3
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = False) -> str:
+def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = False,
+         lut: bool = False) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
     sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
     1 per x tile (2 nt), the scales a (float32), then (aff: the offsets b; q6: the second half
     blocks' scales). Modes: MODE (aff: A = 128 + q as unpacked, the caller passes b - 128 a:
     the products stay exact, and the cancellation against 128 a C1 costs ~4 of float32's 24
-    bits, against one bf16x2 FMA a pair saved)."""
+    bits, against one bf16x2 FMA a pair saved). lut (nf4): the codes by loads from the shared
+    byte table (`quant_mma_nf4.lut_ptx`; sb's first register: the thread's table address)."""
     p = 4 * units
     planes = 2 if mode in ("q8", "q6") else 1
     names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)]
@@ -122,7 +124,9 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = Fa
                                      "0xEA;")
                     continue
                 if mode == "nf4":
-                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab, mulhi)
+                    dests = [f"%fq{q0 + m}" for m in range(4)]
+                    lines += (nf4.lut_ptx(w, dests, tab[0]) if lut
+                              else nf4.unpack_ptx(w, dests, tab, mulhi))
                     continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
@@ -385,12 +389,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
-                     DEPTH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
+                     DEPTH: tl.constexpr = 1, UNROLL: tl.constexpr = 1, FILL: tl.constexpr = ""):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
     of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
-    (`quant_mma_diag`). DEPTH: steps of words in flight (2: one plane only)."""
+    (`quant_mma_diag`). DEPTH: steps of words in flight (2: one plane only). FILL (NF4): the PTX
+    filling the shared byte table (`quant_mma_nf4.fill_ptx`), run after the first loads."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
@@ -440,7 +445,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                       GPC)
     x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
-    if FMT == 10:       # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
+    if FMT == 10 and FILL != "":    # the shared byte table's address (entry 0 of the operand):
+        #                             a scalar operand, one instance (one table) a thread
+        lut = tl.inline_asm_elementwise(
+            FILL, "=r,l", [t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 256],
+            dtype=tl.int32, is_pure=False, pack=1)
+        tab = tl.full((NTH, U, 4), 0, tl.int32) + lut
+    elif FMT == 10:     # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
         #                 a copy a lane: from uniform registers ptxas would copy them every prmt
         tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
                       + (u * 4 + c) % 8)
@@ -566,6 +577,7 @@ class MmaConfig:
     depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
     unroll: int = 1     # steps a loop iteration (2: the prefetched registers need no moves)
     mulhi: int = 0      # the unpacking's shifts as IMAD.HI on the FMA pipe (`shr_ptx`)
+    lut: int = 0        # NF4: codes by loads from a shared-memory byte table (`quant_mma_nf4`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
@@ -573,7 +585,7 @@ class MmaConfig:
                 + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
                 + (f",d{self.depth}" if self.depth != 1 else "")
                 + (f",x{self.unroll}" if self.unroll != 1 else "")
-                + (",mh" if self.mulhi else "") + "]")
+                + (",mh" if self.mulhi else "") + (",lut" if self.lut else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -614,7 +626,7 @@ DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
 
 @functools.lru_cache(maxsize=None)
 def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
-         diag: bool = False, mulhi: bool = False) -> tuple[str, str]:
+         diag: bool = False, mulhi: bool = False, lut: bool = False) -> tuple[str, str]:
     """(PTX, operand constraints) of `units` chunks a thread, nt x tiles; mulhi: the unpacking's
     shifts as IMAD.HI (`shr_ptx`)."""
     mode = MODE[fmt]
@@ -627,7 +639,7 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
     if diag:    # (Q4_0 too, in the aff mode: sa, sb)
         cons = ["=f"] * p + ["f"] * p + ["r"] * 3 * p + ["f"] * 2 * p
         return ptx_diag(units, mulhi), ",".join(cons)
-    return _ptx(mode, units, nt, one_row, mulhi), ",".join(cons)
+    return _ptx(mode, units, nt, one_row, mulhi, lut), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -684,7 +696,8 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt, m == 1, diag, bool(cfg.mulhi))
+    lut = bool(cfg.lut) and fmt == NF4
+    asm, cons = _asm(fmt, units, nt, m == 1, diag, bool(cfg.mulhi), lut)
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (n // TILE_N,)
@@ -694,6 +707,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead), DIAG=diag,
                            DEPTH=cfg.depth if MODE[fmt] not in ("q8", "q6") else 1,
-                           UNROLL=cfg.unroll,
+                           UNROLL=cfg.unroll, FILL=nf4.fill_ptx(ksplit) if lut else "",
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)
