@@ -157,6 +157,20 @@ EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1), MmaConfig(4, 4, 0, 0, 1, 1,
 EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 1, 1, 1)]
 EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1)]
 
+#: session 10: NF4's codes by loads from a shared-memory byte table (lut: 0.5 integer-pipe
+#: instructions a weight, not 2.4; sm_90 SASS of the loop k4,u4 2.93 -> 2.07 instructions a
+#: weight): nf4 M = 1 indices 23.. (k4,u4; k4,u2; k8,u2; k8,u4; k4,u4,x2; k4,u8; k4,u4,sn),
+#: M = 16 indices 8..
+EXTRA["nf4"] += [MmaConfig(4, 4, 1, lut=1), MmaConfig(4, 2, 1, lut=1), MmaConfig(8, 2, 1, lut=1),
+                 MmaConfig(8, 4, 1, lut=1), MmaConfig(4, 4, 1, unroll=2, lut=1),
+                 MmaConfig(4, 8, 1, lut=1), MmaConfig(4, 4, 0, lut=1)]
+DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1, lut=1), MmaConfig(4, 4, 1, lut=1),
+                          MmaConfig(8, 2, 1, lut=1)]
+#: words two steps ahead (depth 2) on the one-row defaults: Q4_K 27, Q4_0 15, AWQ 16
+EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, 2)]
+EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, 2)]
+EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 2)]
+
 
 def weights(op, n, k, g):
     """(matmul(x, cfg), dense W [N, K] bf16, packed-copy bytes) of one random weight."""

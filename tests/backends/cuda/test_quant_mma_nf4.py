@@ -150,11 +150,11 @@ def test_mma_nf4_rows(m):
 @pytest.mark.parametrize("cfg", [(4, 2, 1), (8, 2, 1), (4, 4, 0), (4, 2, 1, 1), (1, 1, 1),
                                  (4, 2, 1, 0, 0, 2), (4, 4, 1, 0, 0, 1, 2),
                                  (4, 4, 1, 0, 0, 1, 2, 1), (4, 4, 1, 0, 0, 1, 1, 0, 1),
-                                 (8, 2, 1, 0, 0, 1, 1, 0, 1), (4, 2, 0, 0, 0, 1, 2, 0, 1),
+                                 (8, 2, 1, 0, 0, 1, 1, 0, 1), (4, 2, 0, 0, 0, 1, 1, 0, 1),
                                  (1, 1, 1, 0, 0, 1, 1, 0, 1)])
 def test_mma_nf4_launches(m, cfg):
     """The launch candidates (units 1 runs with 2: the tables' operand; words two steps ahead;
-    lut: the shared byte table, also on 8 warps, 1 warp and with 2 steps an iteration), block
+    lut: the shared byte table, also on 8 warps, 1 warp and scales in their step), block
     128, a 3-d x."""
     from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig
     rng = np.random.default_rng(7 * m + cfg[0])
