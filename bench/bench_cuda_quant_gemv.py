@@ -159,11 +159,13 @@ EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, 1, 1, 1)]
 
 #: session 10: NF4's codes by loads from a shared-memory byte table (lut: 0.5 integer-pipe
 #: instructions a weight, not 2.4; sm_90 SASS of the loop k4,u4 2.93 -> 2.07 instructions a
-#: weight): nf4 M = 1 indices 23.. (k4,u4; k4,u2; k8,u2; k8,u4; k4,u4,x2; k4,u8; k4,u4,sn),
+#: weight): nf4 M = 1 indices 23.. (k4,u4; k4,u2; k8,u2; k8,u4; k4,u4,x2; k4,u8; k4,u4,sn;
+#: k4,u4,xa; k4,u4,sn,xa),
 #: M = 16 indices 8..
 EXTRA["nf4"] += [MmaConfig(4, 4, 1, lut=1), MmaConfig(4, 2, 1, lut=1), MmaConfig(8, 2, 1, lut=1),
                  MmaConfig(8, 4, 1, lut=1), MmaConfig(4, 4, 1, unroll=2, lut=1),
-                 MmaConfig(4, 8, 1, lut=1), MmaConfig(4, 4, 0, lut=1)]
+                 MmaConfig(4, 8, 1, lut=1), MmaConfig(4, 4, 0, lut=1),
+                 MmaConfig(4, 4, 1, 1, lut=1), MmaConfig(4, 4, 0, 1, lut=1)]
 DOT_CANDIDATES["nf4"] += [MmaConfig(4, 2, 1, lut=1), MmaConfig(4, 4, 1, lut=1),
                           MmaConfig(8, 2, 1, lut=1)]
 #: words two steps ahead (depth 2) on the one-row defaults: Q4_K 27, Q4_0 15, AWQ 16
