@@ -146,19 +146,14 @@ EXTRA["Q4_0"] += [MmaConfig(4, 2, 1, 0, 1), MmaConfig(4, 4, 1, 0, 1)]
 #: weight). Run 1 (warm / cold ms): M = 1 k4,u4 0.0130 / 0.0145, k4,u2 0.0130 / 0.0153 (prmt
 #: default 0.0164 / 0.0187); lost: k8,u2 0.0172, k8,u4 0.0179, k4,u8 0.0157, scales in their
 #: step 0.0142, x a step ahead 0.0164 (with sn 0.0167); M = 16 k4,u2 0.0224 / 0.0227 (prmt k4,u2
-#: 0.0215 / 0.0283), k4,u4 0.0337, k8,u2 0.0372. lut k4,u4 became the one-row default. Run 2:
-#: the entries decoded in registers when the table is filled (lut2: no global load before the
-#: loop), the words past L1 (cg): nf4 M = 1 indices 12.. (12: the prmt lookups k4,u4, the
-#: session 9 default; lut k4,u2; lut2 k4,u4; lut2 k4,u2; lut cg; lut2 cg), M = 16 5..; cg on
-#: the one-row defaults: Q4_K 21, Q4_0 11, AWQ 14
-EXTRA["nf4"] += [MmaConfig(4, 4, 1), MmaConfig(4, 2, 1, lut=1), MmaConfig(4, 4, 1, lut=2),
-                 MmaConfig(4, 2, 1, lut=2), MmaConfig(4, 4, 1, lut=1, cg=1),
-                 MmaConfig(4, 4, 1, lut=2, cg=1)]
-DOT_CANDIDATES["nf4"] = DOT_CANDIDATES["nf4"][:4] + [
-    MmaConfig(4, 2, 1, lut=1), MmaConfig(4, 2, 1, lut=2), MmaConfig(4, 2, 1, lut=2, cg=1)]
-EXTRA["Q4_K"] += [MmaConfig(4, 4, 0, 0, 1, cg=1)]
-EXTRA["Q4_0"] += [MmaConfig(4, 4, 1, 0, 1, cg=1)]
-EXTRA["awq"] += [MmaConfig(4, 4, 0, 0, 1, cg=1)]
+#: 0.0215 / 0.0283), k4,u4 0.0337, k8,u2 0.0372. lut became the default of both. Run 2: lut
+#: 0.0130 / 0.0144 (prmt 0.0166 / 0.0186), k4,u2 0.0130 / 0.0153; M = 16 0.0222 / 0.0225 (prmt
+#: 0.0221 / 0.0279); removed, tied: the table's entries decoded in registers instead of loaded
+#: (0.0131 / 0.0144; M = 16 0.0222 / 0.0224), the words past L1 (ld.global.cg: 0.0130 / 0.0144,
+#: Q4_0 0.0100 vs 0.0103, Q4_K 0.0112 vs 0.0113, AWQ 0.0101 vs 0.0102, cold equal). Indices: nf4
+#: M = 1 12 (the prmt lookups k4,u4, the session 9 default), 13 (lut k4,u2); M = 16 5 (prmt k4,u2)
+EXTRA["nf4"] += [MmaConfig(4, 4, 1), MmaConfig(4, 2, 1, lut=1)]
+DOT_CANDIDATES["nf4"] = DOT_CANDIDATES["nf4"][:4] + [MmaConfig(4, 2, 1)]
 
 def weights(op, n, k, g):
     """(matmul(x, cfg), dense W [N, K] bf16, packed-copy bytes) of one random weight."""

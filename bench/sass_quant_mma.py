@@ -41,8 +41,8 @@ def source(fmt, cfg, kch=128, nt=1):
     asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag, lut=lut)
     cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
                 ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=1 if fmt == Q.NF4 else 2, AHEAD=cfg.ahead,
-                XAHEAD=bool(cfg.xahead), DIAG=diag, WCACHE=".cg" if cfg.cg else "",
-                FILL=Q.nf4.fill_ptx(cfg.ksplit, cfg.lut == 2) if lut else "")
+                XAHEAD=bool(cfg.xahead), DIAG=diag,
+                FILL=Q.nf4.fill_ptx(cfg.ksplit) if lut else "")
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.ksplit
 

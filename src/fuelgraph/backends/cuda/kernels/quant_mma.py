@@ -39,7 +39,7 @@ sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1], w
 PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py; the
 register order against the PTX ISA's fragment layout by the CPU emulation in the tests). Runs
 on sm_80+ GPUs only (no interpreter: the PTX is warp-collective). NF4's codes by register table
-lookups or, by default for one row, by loads from a byte table in shared memory (`MmaConfig.lut`):
+lookups or, by default, by loads from a byte table in shared memory (`MmaConfig.lut`):
 `quant_mma_nf4`; one row of Q4_K / AWQ with a lane scaling one block: `quant_mma_diag`."""
 from __future__ import annotations
 
@@ -389,13 +389,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
-                     FILL: tl.constexpr = "", WCACHE: tl.constexpr = ""):
+                     FILL: tl.constexpr = ""):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
     of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
-    (`quant_mma_diag`). WCACHE: the words' cache modifier (".cg": past L1). FILL (NF4): the PTX
-    filling the shared byte table (`quant_mma_nf4.fill_ptx`), run after the first loads."""
+    (`quant_mma_diag`). FILL (NF4): the PTX filling the shared byte table
+    (`quant_mma_nf4.fill_ptx`), run after the first loads."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
@@ -430,10 +430,9 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     acc0 = tl.zeros((NTH, U, 4), tl.float32)
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     # the next step's words (and with AHEAD its scales) load before this step's math
-    words = tl.load(q_base + _lo_offset(FMT, ch, WPC), cache_modifier=WCACHE)
+    words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
     if PLANES == 2:
-        words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)),
-                         cache_modifier=WCACHE)
+        words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
         words2 = words
     WORDS: tl.constexpr = AHEAD == 2 and FMT != 0 and FMT != 4 and FMT != 10  # bytes as words
@@ -459,11 +458,10 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                           GPC)
         if it + 1 < STEPS:
-            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC), cache_modifier=WCACHE)
+            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
             if PLANES == 2:
                 nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
-                                                  part * (STEPS * U) + (it + 1) * U),
-                              cache_modifier=WCACHE)
+                                                  part * (STEPS * U) + (it + 1) * U))
             else:
                 nw2 = nw
             if WORDS:
@@ -565,16 +563,13 @@ class MmaConfig:
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
     diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
-    lut: int = 0        # NF4: codes by loads from a shared-memory byte table (`quant_mma_nf4`;
-    #                     2: the table's entries decoded in registers, not loaded)
-    cg: int = 0         # the words' loads skip L1 (ld.global.cg): x and the scales keep it
+    lut: int = 0        # NF4: codes by loads from a shared-memory byte table (`quant_mma_nf4`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
                 + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
-                + ("" if not self.lut else ",lut" if self.lut == 1 else f",lut{self.lut}")
-                + (",cg" if self.cg else "") + "]")
+                + (",lut" if self.lut else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -596,9 +591,12 @@ class MmaConfig:
 #: / 0.0147; diag 2 chunks 0.0114). NF4 (bf16 codes by prmt lookups, `quant_mma_nf4`; the packed
 #: GEMV 0.0226 / 0.0235): 4 chunks 0.0163-0.0164 / 0.0185-0.0186, 2 chunks 0.0180, 8 chunks
 #: 0.0178, 8 warps 0.0184, scales in their step 0.0163 / 0.0185, with x ahead 0.0163 / 0.0176.
-#: Session 10 run 1: NF4's codes from the shared byte table (lut) 0.0130 / 0.0145 (prmt 0.0164 /
-#: 0.0187; lut on 2 chunks 0.0130 / 0.0153, 8 warps 0.0172, 8 chunks 0.0157, scales in their
-#: step 0.0142, x ahead 0.0164)
+#: Session 10: NF4's codes from the shared byte table (lut), runs 1 / 2: 0.0130 / 0.0145 and
+#: 0.0130 / 0.0144 (prmt 0.0164 / 0.0187 and 0.0166 / 0.0186; lut on 2 chunks 0.0130 / 0.0153,
+#: 8 warps 0.0172, 8 chunks 0.0157, scales in their step 0.0142, x ahead 0.0164; removed after
+#: run 2, tied: the table's entries decoded in registers instead of loaded 0.0131 / 0.0144, the
+#: words past L1 (ld.global.cg) 0.0130 / 0.0144, and on the Q4_0 / Q4_K / AWQ defaults 0.0100 /
+#: 0.0112 / 0.0101 against 0.0103 / 0.0113 / 0.0102, cold equal)
 DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
                AWQ: MmaConfig(units=4, ahead=0, diag=1),
                Q4_K: MmaConfig(units=4, ahead=0, diag=1), Q6_K: MmaConfig(ahead=2),
@@ -611,9 +609,12 @@ DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
 #: Run 3: AWQ / Q4_K with x ahead too 0.0182 / 0.0202 and 0.0207 / 0.0222 (without 0.0223 /
 #: 0.0343 and 0.0204 / 0.0305); x ahead lost for Q8_0 (0.0369 vs 0.0334) and Q6_K (0.0470 vs
 #: 0.0327). 8 rows: Q4_0 0.0113, AWQ 0.0133, Q4_K 0.0177, Q8_0 0.0231, Q6_K 0.0256 (warm)
+#: Session 10, NF4 16 rows, runs 1 / 2: the shared byte table (lut) 0.0224 / 0.0227 and 0.0222 /
+#: 0.0225 against the prmt lookups 0.0215 / 0.0283 and 0.0221 / 0.0279 (warm within noise, cold
+#: 20% faster; lut on 4 chunks 0.0337, 8 warps 0.0372)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
                     AWQ: MmaConfig(ahead=2, xahead=1), Q4_K: MmaConfig(ahead=2, xahead=1),
-                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
+                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig(lut=1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -698,7 +699,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead), DIAG=diag,
-                           FILL=nf4.fill_ptx(ksplit, cfg.lut == 2) if lut else "",
-                           WCACHE=".cg" if cfg.cg else "",
+                           FILL=nf4.fill_ptx(ksplit) if lut else "",
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)

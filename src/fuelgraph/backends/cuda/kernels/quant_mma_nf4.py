@@ -14,9 +14,11 @@ plane (U0's entry is stored complemented where that bit is set: `_tables`). NF4'
 (zero as -0.0) fall into four groups of four by (sign, top bit of the low byte), so a
 permutation of the nibble values at pack time (`REMAP`) pairs them that way. Per 8 weights (one
 word): an XOR and two shifts for the selectors, 8 prmt, 4 XOR, 4 prmt interleaving the planes
-into bf16 pairs: 19 instructions, 2.4 a weight (Q4_0's integer unpack: 1.4). With one row of x
-that bound the kernel; there the codes come from a 256-entry byte table in shared memory instead
-(`fill_ptx` / `lut_ptx`: 0.5 integer instructions a weight, H200 0.0130 ms against 0.0164).
+into bf16 pairs: 19 instructions, 2.4 a weight (Q4_0's integer unpack: 1.4). That bound the
+kernel; by default (`MmaConfig.lut`) the codes come from a 256-entry byte table in shared memory
+instead (`fill_ptx` / `lut_ptx`: 0.5 integer instructions a weight; H200, one row of x, N = K =
+8192: 0.0130 ms against 0.0164). The prmt lookups stay as the reference the table is checked
+against (`emulate_unpack`) and as the lut=0 launch.
 
 Numerics: A = bf16(code) exactly as bitsandbytes' own bf16 kernels round the code table; the
 products with bf16 x are exact and summed in float32 by the tensor core over a 64-element
@@ -136,51 +138,29 @@ def pair_table() -> list[int]:
     return [v - (1 << 32) if v >> 31 else v for v in vals]
 
 
-def fill_ptx(warps: int, computed: bool = False) -> str:
+def fill_ptx(warps: int) -> str:
     """PTX run once a program before its loop (one instance a thread, not pure): declares the
     table in shared memory, fills it (thread t: rows e = t + 32 warps j, each row 32 copies of
-    entry e: loaded from operand $1, the global pair table, or with `computed` decoded from e
-    by the prmt lookups on immediate tables, no memory latency; 16-byte stores staggered by t
-    so a warp's stores spread over all banks), waits for the program's threads (bar.sync) and
+    entry e loaded from operand $1, the global pair table; 16-byte stores staggered by t so a
+    warp's stores spread over all banks), waits for the program's threads (bar.sync) and
     returns the thread's base address (table + 4 lane) in $0."""
     threads = 32 * warps
     lines = ["{", f".shared .align 16 .b8 fgnf4lut[{LUT_BYTES}];",
-             ".reg .b32 %lt, %ll, %lb, %lv, %la, %lc, %lk<8>, %ld<3>;", ".reg .b64 %lp;",
+             ".reg .b32 %lt, %ll, %lb, %lv, %la, %lc;", ".reg .b64 %lp;",
              "mov.u32 %lt, %tid.x;", "and.b32 %ll, %lt, 31;", "mov.u32 %lb, fgnf4lut;"]
-    if computed:
-        lines.append(DECLARE)
-        lines += [f"mov.b32 %lk{i}, {v & 0xFFFFFFFF:#010x};" for i, v in enumerate(table_words())]
     if threads > 256:           # (one row a thread: the others skip the stores)
         lines += [".reg .pred %lq;", "setp.lt.u32 %lq, %lt, 256;"]
     st = "@%lq st" if threads > 256 else "st"
     for e0 in range(0, 256, threads):
-        lines += [f"add.u32 %la, %lt, {e0};"]
-        if computed:    # byte 0 of the word = e: the pair of its two nibbles
-            lines += unpack_ptx("%la", ["%lv", "%ld0", "%ld1", "%ld2"],
-                                [f"%lk{i}" for i in range(8)])
-        else:
-            lines += ["mul.wide.u32 %lp, %lt, 4;", "add.s64 %lp, %lp, $1;",
-                      f"{'@%lq ' if threads > 256 else ''}ld.global.nc.b32 %lv, "
-                      f"[%lp+{4 * e0}];"]
-        lines += ["shl.b32 %la, %la, 7;", "add.u32 %la, %la, %lb;"]
+        lines += ["mul.wide.u32 %lp, %lt, 4;", "add.s64 %lp, %lp, $1;",
+                  f"{'@%lq ' if threads > 256 else ''}ld.global.nc.b32 %lv, [%lp+{4 * e0}];",
+                  f"add.u32 %la, %lt, {e0};", "shl.b32 %la, %la, 7;", "add.u32 %la, %la, %lb;"]
         for c in range(8):      # column chunk (c + t) % 8: 16 bytes = 4 lanes' copies
             lines += [f"add.u32 %lc, %lt, {c};", "and.b32 %lc, %lc, 7;", "shl.b32 %lc, %lc, 4;",
                       "add.u32 %lc, %lc, %la;",
                       f"{st}.shared.v4.b32 [%lc], {{%lv, %lv, %lv, %lv}};"]
     lines += ["bar.sync 0;", "shl.b32 %ll, %ll, 2;", "add.u32 $0, %lb, %ll;", "}"]
     return "\n".join(lines)
-
-
-def emulate_fill_values(warps: int) -> dict[int, int]:
-    """The values `fill_ptx(warps, computed=True)` stores a row (row e -> uint32), its prmt
-    decode of the word e replayed by `emulate_unpack`."""
-    threads = min(32 * warps, 256)
-    rows = [t + e0 for t in range(threads) for e0 in range(0, 256, 32 * warps)]
-    out = {}
-    for e in rows:
-        bits = emulate_unpack(np.asarray([e], np.int64))[0]
-        out[e] = int(bits[0]) | (int(bits[1]) << 16)
-    return out
 
 
 def lut_ptx(word: str, dests: list[str], base: str) -> list[str]:
