@@ -37,12 +37,12 @@ def source(fmt, cfg, kch=128, nt=1):
     per_warp = kch // cfg.ksplit
     units = 2 if fmt == Q.Q6_K else min(cfg.units, per_warp)
     diag = bool(getattr(cfg, "diag", 0)) and nt == 1
-    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag,
-                       mulhi=bool(getattr(cfg, "mulhi", 0)))
+    lut = bool(cfg.lut) and fmt == Q.NF4
+    asm, cons = Q._asm(fmt, units, nt, one_row=nt == 1, diag=diag, lut=lut)
     cons = dict(STEPS=per_warp // units, S=cfg.ksplit, U=units,
                 ASM=asm, CONS=cons, FMT=fmt, NT=nt, GPC=1 if fmt == Q.NF4 else 2, AHEAD=cfg.ahead,
-                XAHEAD=bool(cfg.xahead), DIAG=diag, DEPTH=getattr(cfg, "depth", 1),
-                UNROLL=getattr(cfg, "unroll", 1))
+                XAHEAD=bool(cfg.xahead), DIAG=diag,
+                FILL=Q.nf4.fill_ptx(cfg.ksplit) if lut else "")
     attrs = {k: v for k, v in ALIGNED.items() if k[0] not in (7,)}
     return ASTSource(Q._mma_gemv_kernel, sig, cons, attrs=attrs), 16 * 64 * units * cfg.ksplit
 
@@ -65,7 +65,7 @@ def main():
             print(f"{cfg.tag():28s} FAILED {str(exc)[:600]}")
             continue
         regs, stack, n, ops = loop_stats(kern.asm["cubin"])
-        per = n * cfg.ksplit * 32 / elems / getattr(cfg, "unroll", 1)
+        per = n * cfg.ksplit * 32 / elems
         ttgir = kern.asm["ttgir"]
         found = sorted(set(re.findall(r"#blocked\d* = #ttg\.blocked<\{[^}]*\}>", ttgir)))
         top = " ".join(f"{op}:{c}" for op, c in ops.most_common(8))

@@ -46,6 +46,33 @@ def test_lookup_gives_bf16_codes():
     np.testing.assert_array_equal(got, want[inv[nib]])
 
 
+def test_shared_table_gives_the_lookups_codes():
+    """The shared-memory byte table (`MmaConfig.lut`) decodes every byte value, in every byte
+    of a word, to the same bf16 bits as the prmt lookups (tested against the codes above)."""
+    from fuelgraph.backends.cuda.kernels import quant_mma_nf4 as F
+    rng = np.random.default_rng(1)
+    every = np.arange(256, dtype=np.int64)
+    words = np.concatenate([every * 0x01010101, every << 8, every << 24,
+                            rng.integers(0, 1 << 32, size=512, dtype=np.int64)])
+    np.testing.assert_array_equal(F.emulate_lut(words), F.emulate_unpack(words))
+
+
+def test_shared_table_fill_covers_every_entry():
+    """fill_ptx stores each row's 8 16-byte chunks once, rows 0..255 exactly, for 1..16 warps
+    (the addresses its PTX computes, replayed)."""
+    import re
+    from fuelgraph.backends.cuda.kernels import quant_mma_nf4 as F
+    for warps in (1, 2, 4, 8, 16):
+        ptx = F.fill_ptx(warps)
+        rows = [int(v) for v in re.findall(r"add.u32 %la, %lt, (\d+);", ptx)]
+        chunks = [int(v) for v in re.findall(r"add.u32 %lc, %lt, (\d+);", ptx)]
+        threads = min(32 * warps, 256)       # threads past 256 store nothing (predicated)
+        seen = sorted((t + e0, (t + c) % 8) for t in range(threads) for e0 in rows
+                      for c in chunks[:8])
+        assert seen == [(e, c) for e in range(256) for c in range(8)], warps
+        assert ptx.count(".shared .align 16 .b8") == 1 and "bar.sync 0;" in ptx
+
+
 @pytest.mark.parametrize("m,block", [(1, 64), (5, 128), (8, 64)])
 def test_register_order_as_mma_fragments(m, block):
     """The words and absmax of pack_mma read as the mma's A fragments (A row-major: a0 a1 row
@@ -121,11 +148,12 @@ def test_mma_nf4_rows(m):
 @GPU
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("cfg", [(4, 2, 1), (8, 2, 1), (4, 4, 0), (4, 2, 1, 1), (1, 1, 1),
-                                 (4, 2, 1, 0, 0, 2), (4, 4, 1, 0, 0, 1, 2),
-                                 (4, 4, 1, 0, 0, 1, 2, 1)])
+                                 (4, 4, 1, 0, 0, 1), (8, 2, 1, 0, 0, 1), (4, 2, 0, 0, 0, 1),
+                                 (1, 1, 1, 0, 0, 1), (4, 2, 1, 1, 0, 1), (4, 4, 1, 0, 0, 0)])
 def test_mma_nf4_launches(m, cfg):
-    """The launch candidates (units 1 runs with 2: the tables' operand; words two steps ahead),
-    block 128, a 3-d x."""
+    """The launch candidates (units 1 runs with 2: the tables' operand; lut: the shared byte
+    table, also on 8 warps, 1 warp, scales in their step, x a step ahead; lut 0: the prmt
+    lookups), block 128, a 3-d x."""
     from fuelgraph.backends.cuda.kernels.quant_mma import MmaConfig
     rng = np.random.default_rng(7 * m + cfg[0])
     n, k = 32, 1024

@@ -39,7 +39,8 @@ sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA [warps, 1, 1], w
 PTX assumes of its operands (checked in the compiled TTGIR by bench/sass_quant_mma.py; the
 register order against the PTX ISA's fragment layout by the CPU emulation in the tests). Runs
 on sm_80+ GPUs only (no interpreter: the PTX is warp-collective). NF4's codes by register table
-lookups: `quant_mma_nf4`; one row of Q4_K / AWQ with a lane scaling one block: `quant_mma_diag`."""
+lookups or, by default, by loads from a byte table in shared memory (`MmaConfig.lut`):
+`quant_mma_nf4`; one row of Q4_K / AWQ with a lane scaling one block: `quant_mma_diag`."""
 from __future__ import annotations
 
 import functools
@@ -51,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import quant_mma_nf4 as nf4
-from .quant_mma_diag import ptx_diag, shr_ptx
+from .quant_mma_diag import ptx_diag
 from .quant_mma_pack import MmaWeight, pack_mma
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
@@ -73,14 +74,15 @@ _NEG = {"q4": "0xC308C308", "aff": "0xC300C300", "q8": "0xC300C300", "q6": "0xC3
 _NEG_HI = {"q8": "0xC508C508", "q6": "0xC502C502"}
 
 
-def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = False) -> str:
+def _ptx(mode: str, units: int, nt: int, one_row: bool = False, lut: bool = False) -> str:
     """PTX of `units` chunks for one thread, for nt 8-column tiles of x (rows 0..7, 8..15).
     Operands, P = 4 units registers each, in this order: the new sums (nt outputs), the old
     sums (nt), the words (q8 / q6: the low plane, then the high plane), x of block 0 and block
     1 per x tile (2 nt), the scales a (float32), then (aff: the offsets b; q6: the second half
     blocks' scales). Modes: MODE (aff: A = 128 + q as unpacked, the caller passes b - 128 a:
     the products stay exact, and the cancellation against 128 a C1 costs ~4 of float32's 24
-    bits, against one bf16x2 FMA a pair saved)."""
+    bits, against one bf16x2 FMA a pair saved). lut (nf4): the codes by loads from the shared
+    byte table (`quant_mma_nf4.lut_ptx`; sb's first register: the thread's table address)."""
     p = 4 * units
     planes = 2 if mode in ("q8", "q6") else 1
     names = ([f"out{t}" for t in range(nt)] + [f"acc{t}" for t in range(nt)]
@@ -116,17 +118,19 @@ def _ptx(mode: str, units: int, nt: int, one_row: bool = False, mulhi: bool = Fa
                         sh = 2 * (4 * (u % 2) + m)
                         src = w
                         if sh:
-                            lines.append(shr_ptx("%ft", w, sh, mulhi))
+                            lines.append(f"shr.u32 %ft, {w}, {sh};")
                             src = "%ft"
                         lines.append(f"lop3.b32 %fq{q0 + m}, {src}, 0x00030003, 0x43004300, "
                                      "0xEA;")
                     continue
                 if mode == "nf4":
-                    lines += nf4.unpack_ptx(w, [f"%fq{q0 + m}" for m in range(4)], tab, mulhi)
+                    dests = [f"%fq{q0 + m}" for m in range(4)]
+                    lines += (nf4.lut_ptx(w, dests, tab[0]) if lut
+                              else nf4.unpack_ptx(w, dests, tab))
                     continue
                 lines.append(f"lop3.b32 %fq{q0}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
-                    lines.append(shr_ptx("%ft", w, 4 * m, mulhi))
+                    lines.append(f"shr.u32 %ft, {w}, {4 * m};")
                     lines.append(f"lop3.b32 %fq{q0 + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
             for i in range(16):
                 if pl == 0:
@@ -385,12 +389,13 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
                      ASM: tl.constexpr, CONS: tl.constexpr, FMT: tl.constexpr, NT: tl.constexpr,
                      GPC: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
                      XAHEAD: tl.constexpr = False, DIAG: tl.constexpr = False,
-                     DEPTH: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
+                     FILL: tl.constexpr = ""):
     """out[:M, tile] = x[:M] @ W.T for the 16-row tile of this program, its K split over S
     warps (STEPS steps of U chunks each), summed in the program. stride_x in int32 words
     (2 bf16), kch: chunks a row; NT: x tiles of 8 rows (M <= 8 NT). Thread i = 32 warp + lane
     of the [32 S, U, 4] tensors. DIAG: one row, lane p scales block p of a chunk pair
-    (`quant_mma_diag`). DEPTH: steps of words in flight (2: one plane only)."""
+    (`quant_mma_diag`). FILL (NF4): the PTX filling the shared byte table
+    (`quant_mma_nf4.fill_ptx`), run after the first loads."""
     pid = tl.program_id(0)
     NTH: tl.constexpr = S * 32
     PLANES: tl.constexpr = 2 if FMT == 4 or FMT == 9 else 1     # Q8_0, Q6_K
@@ -426,8 +431,6 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
     acc1 = tl.zeros((NTH, U, 4), tl.float32)
     # the next step's words (and with AHEAD its scales) load before this step's math
     words = tl.load(q_base + _lo_offset(FMT, ch, WPC))
-    if DEPTH == 2:      # the step after next's words too
-        words_n = tl.load(q_base + _lo_offset(FMT, ch + U * min(1, STEPS - 1), WPC))
     if PLANES == 2:
         words2 = tl.load(q_base + _hi_offset(FMT, ch, WPC, part * (STEPS * U)))
     else:
@@ -440,21 +443,22 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
         f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                       GPC)
     x00, x01, x10, x11 = _x_loads(x_base, x_base1, ch, NT, DIAG)
-    if FMT == 10:       # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
+    if FMT == 10 and FILL != "":    # the shared byte table's address (entry 0 of the operand):
+        #                             a scalar operand, one instance (one table) a thread
+        lut = tl.inline_asm_elementwise(
+            FILL, "=r,l", [t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + 256],
+            dtype=tl.int32, is_pure=False, pack=1)
+        tab = tl.full((NTH, U, 4), 0, tl.int32) + lut
+    elif FMT == 10:     # NF4's lookup tables, operand entries 0..7 (U >= 2; `quant_mma_nf4`),
         #                 a copy a lane: from uniform registers ptxas would copy them every prmt
         tab = tl.load(t_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + lane * 8
                       + (u * 4 + c) % 8)
-    for it in tl.range(STEPS, loop_unroll_factor=UNROLL):
+    for it in range(STEPS):
         if not AHEAD:   # the scales of this step now (bytes carried ahead cost unpacking)
             f0, f1, f2, f3 = _scale_loads(FMT, s_ptr, z_ptr, t_ptr, tile, kch, ch + dsh, r, sc_c,
                                           GPC)
         if it + 1 < STEPS:
-            if DEPTH == 2:
-                # (the last step reloads the next one's words: no mask, no zeroing)
-                nw = tl.load(q_base + _lo_offset(FMT, ch + U * tl.minimum(2, STEPS - 1 - it),
-                                                 WPC))
-            else:
-                nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
+            nw = tl.load(q_base + _lo_offset(FMT, ch + U, WPC))
             if PLANES == 2:
                 nw2 = tl.load(q_base + _hi_offset(FMT, ch + U, WPC,
                                                   part * (STEPS * U) + (it + 1) * U))
@@ -503,11 +507,7 @@ def _mma_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, t_ptr, out_ptr, N, M, stride_x,
             x01 = y01
             x10 = y10
             x11 = y11
-        if DEPTH == 2:
-            words = words_n
-            words_n = nw
-        else:
-            words = nw
+        words = nw
         words2 = nw2
         f0 = n0
         f1 = n1
@@ -563,17 +563,13 @@ class MmaConfig:
     ahead: int = 1      # scales a step ahead (2: Q4_K / Q6_K / AWQ's byte fields as words)
     xahead: int = 0     # x a step ahead too (16 rows: x comes from L2, not L1)
     diag: int = 0       # one row of Q4_K / AWQ: a lane scales one block (`quant_mma_diag`)
-    depth: int = 1      # steps of words in flight (2: the step after next too; one plane)
-    unroll: int = 1     # steps a loop iteration (2: the prefetched registers need no moves)
-    mulhi: int = 0      # the unpacking's shifts as IMAD.HI on the FMA pipe (`shr_ptx`)
+    lut: int = 0        # NF4: codes by loads from a shared-memory byte table (`quant_mma_nf4`)
 
     def tag(self) -> str:
         return (f"mma[k{self.ksplit},u{self.units}"
                 + ("" if self.ahead == 1 else ",sn" if not self.ahead else ",sw")
                 + (",xa" if self.xahead else "") + (",dg" if self.diag else "")
-                + (f",d{self.depth}" if self.depth != 1 else "")
-                + (f",x{self.unroll}" if self.unroll != 1 else "")
-                + (",mh" if self.mulhi else "") + "]")
+                + (",lut" if self.lut else "") + "]")
 
 
 #: launch per format for one row of x, H200 N = K = 8192 bf16 CUDA-graph times
@@ -594,11 +590,17 @@ class MmaConfig:
 #: 0.0101 / 0.0137 (words ahead 0.0113 / 0.0142, as the old default), Q4_0 0.0101 / 0.0129 (0.0106
 #: / 0.0147; diag 2 chunks 0.0114). NF4 (bf16 codes by prmt lookups, `quant_mma_nf4`; the packed
 #: GEMV 0.0226 / 0.0235): 4 chunks 0.0163-0.0164 / 0.0185-0.0186, 2 chunks 0.0180, 8 chunks
-#: 0.0178, 8 warps 0.0184, scales in their step 0.0163 / 0.0185, with x ahead 0.0163 / 0.0176
+#: 0.0178, 8 warps 0.0184, scales in their step 0.0163 / 0.0185, with x ahead 0.0163 / 0.0176.
+#: Session 10: NF4's codes from the shared byte table (lut), runs 1 / 2: 0.0130 / 0.0145 and
+#: 0.0130 / 0.0144 (prmt 0.0164 / 0.0187 and 0.0166 / 0.0186; lut on 2 chunks 0.0130 / 0.0153,
+#: 8 warps 0.0172, 8 chunks 0.0157, scales in their step 0.0142, x ahead 0.0164; removed after
+#: run 2, tied: the table's entries decoded in registers instead of loaded 0.0131 / 0.0144, the
+#: words past L1 (ld.global.cg) 0.0130 / 0.0144, and on the Q4_0 / Q4_K / AWQ defaults 0.0100 /
+#: 0.0112 / 0.0101 against 0.0103 / 0.0113 / 0.0102, cold equal)
 DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
                AWQ: MmaConfig(units=4, ahead=0, diag=1),
                Q4_K: MmaConfig(units=4, ahead=0, diag=1), Q6_K: MmaConfig(ahead=2),
-               NF4: MmaConfig(units=4)}
+               NF4: MmaConfig(units=4, lut=1)}
 #: 2..16 rows (16 measured, the packed dot's session 7 times in brackets): Q4_0 with x a step ahead
 #: 0.0160 / 0.0178 (0.0366 / 0.0373; without 0.0239 / 0.0431: 16 rows of x come from L2; 8 warps
 #: 0.0249, 2 tiles a program (removed) 0.0192 / 0.0328), Q4_K words ahead 0.0284 / 0.0311 (0.0371 /
@@ -607,16 +609,19 @@ DEFAULT_MMA = {Q4_0: MmaConfig(units=4, diag=1), Q8_0: MmaConfig(),
 #: Run 3: AWQ / Q4_K with x ahead too 0.0182 / 0.0202 and 0.0207 / 0.0222 (without 0.0223 /
 #: 0.0343 and 0.0204 / 0.0305); x ahead lost for Q8_0 (0.0369 vs 0.0334) and Q6_K (0.0470 vs
 #: 0.0327). 8 rows: Q4_0 0.0113, AWQ 0.0133, Q4_K 0.0177, Q8_0 0.0231, Q6_K 0.0256 (warm)
+#: Session 10, NF4 16 rows, runs 1 / 2: the shared byte table (lut) 0.0224 / 0.0227 and 0.0222 /
+#: 0.0225 against the prmt lookups 0.0215 / 0.0283 and 0.0221 / 0.0279 (warm within noise, cold
+#: 20% faster; lut on 4 chunks 0.0337, 8 warps 0.0372)
 DEFAULT_MMA_ROWS = {Q4_0: MmaConfig(xahead=1), Q8_0: MmaConfig(),
                     AWQ: MmaConfig(ahead=2, xahead=1), Q4_K: MmaConfig(ahead=2, xahead=1),
-                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig()}
+                    Q6_K: MmaConfig(ahead=2), NF4: MmaConfig(lut=1)}
 
 
 @functools.lru_cache(maxsize=None)
 def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
-         diag: bool = False, mulhi: bool = False) -> tuple[str, str]:
-    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles; mulhi: the unpacking's
-    shifts as IMAD.HI (`shr_ptx`)."""
+         diag: bool = False, lut: bool = False) -> tuple[str, str]:
+    """(PTX, operand constraints) of `units` chunks a thread, nt x tiles; lut: NF4's codes from
+    the shared byte table."""
     mode = MODE[fmt]
     planes = 2 if mode in ("q8", "q6") else 1
     p = 4 * units
@@ -626,8 +631,8 @@ def _asm(fmt: int, units: int, nt: int = 1, one_row: bool = False,
         cons += ["r"] * p
     if diag:    # (Q4_0 too, in the aff mode: sa, sb)
         cons = ["=f"] * p + ["f"] * p + ["r"] * 3 * p + ["f"] * 2 * p
-        return ptx_diag(units, mulhi), ",".join(cons)
-    return _ptx(mode, units, nt, one_row, mulhi), ",".join(cons)
+        return ptx_diag(units), ",".join(cons)
+    return _ptx(mode, units, nt, one_row, lut), ",".join(cons)
 
 
 def mma_ok(fmt: int, x, i0: int, k: int, n: int, m: int) -> bool:
@@ -684,7 +689,8 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
             raise ValueError("Q6_K: chunks a warp must be even (K / 64 / ksplit)")
     nt = 1 if m <= 8 else 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    asm, cons = _asm(fmt, units, nt, m == 1, diag, bool(cfg.mulhi))
+    lut = bool(cfg.lut) and fmt == NF4
+    asm, cons = _asm(fmt, units, nt, m == 1, diag, lut)
     z = mw.zeros if mw.zeros is not None else mw.scales
     t = mw.table if mw.table is not None else mw.scales
     grid = (n // TILE_N,)
@@ -693,7 +699,6 @@ def run_mma(fmt: int, x, mw: MmaWeight, config: MmaConfig | None = None):
                            U=units, ASM=asm, CONS=cons, FMT=fmt, NT=nt,
                            GPC=max(1, mw.group // CHUNK_K), AHEAD=cfg.ahead,
                            XAHEAD=bool(cfg.xahead), DIAG=diag,
-                           DEPTH=cfg.depth if MODE[fmt] not in ("q8", "q6") else 1,
-                           UNROLL=cfg.unroll,
+                           FILL=nf4.fill_ptx(ksplit) if lut else "",
                            num_warps=ksplit, num_stages=1)
     return out.reshape(*x.shape[:-1], n)

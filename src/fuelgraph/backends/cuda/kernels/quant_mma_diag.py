@@ -16,15 +16,7 @@ its row group, once after the loop."""
 from __future__ import annotations
 
 
-def shr_ptx(dst: str, src: str, s: int, mulhi: bool = False) -> str:
-    """dst = src >> s (logical) in PTX; mulhi: as the high word of src * 2^(32 - s) (IMAD.HI on
-    the FMA pipe, leaving the integer pipe that the unpacking's LOP3 / PRMT fill)."""
-    if mulhi:
-        return f"mul.hi.u32 {dst}, {src}, {1 << (32 - s)};"
-    return f"shr.u32 {dst}, {src}, {s};"
-
-
-def ptx_diag(units: int, mulhi: bool = False) -> str:
+def ptx_diag(units: int) -> str:
     """PTX of `units` (even) chunks, aff mode (A = 128 + q; out += a C + b C1), one row of x:
     operands as `quant_mma._ptx`'s (out, acc, words, x of block 0 and 1, sa, sb; P = 4 units
     registers each) but x: per chunk pair (units 2 v, 2 v + 1), x[0] words 0..3 of pair v's
@@ -56,7 +48,7 @@ def ptx_diag(units: int, mulhi: bool = False) -> str:
                 w = op("w0", u, e)
                 lines.append(f"lop3.b32 %fq{4 * e}, {w}, 0x000F000F, 0x43004300, 0xEA;")
                 for m in range(1, 4):
-                    lines.append(shr_ptx("%ft", w, 4 * m, mulhi))
+                    lines.append(f"shr.u32 %ft, {w}, {4 * m};")
                     lines.append(f"lop3.b32 %fq{4 * e + m}, %ft, 0x000F000F, 0x43004300, 0xEA;")
             for g in range(2):
                 q = 2 * uu + g

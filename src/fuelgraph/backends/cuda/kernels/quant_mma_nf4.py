@@ -14,7 +14,11 @@ plane (U0's entry is stored complemented where that bit is set: `_tables`). NF4'
 (zero as -0.0) fall into four groups of four by (sign, top bit of the low byte), so a
 permutation of the nibble values at pack time (`REMAP`) pairs them that way. Per 8 weights (one
 word): an XOR and two shifts for the selectors, 8 prmt, 4 XOR, 4 prmt interleaving the planes
-into bf16 pairs: 19 instructions, 2.4 a weight (Q4_0's integer unpack: 1.4).
+into bf16 pairs: 19 instructions, 2.4 a weight (Q4_0's integer unpack: 1.4). That bound the
+kernel; by default (`MmaConfig.lut`) the codes come from a 256-entry byte table in shared memory
+instead (`fill_ptx` / `lut_ptx`: 0.5 integer instructions a weight; H200, one row of x, N = K =
+8192: 0.0130 ms against 0.0164). The prmt lookups stay as the reference the table is checked
+against (`emulate_unpack`) and as the lut=0 launch.
 
 Numerics: A = bf16(code) exactly as bitsandbytes' own bf16 kernels round the code table; the
 products with bf16 x are exact and summed in float32 by the tensor core over a 64-element
@@ -91,17 +95,16 @@ def table_words() -> list[int]:
     return [v - (1 << 32) if v >> 31 else v for v in vals]
 
 
-def unpack_ptx(word: str, dests: list[str], tab: list[str], mulhi: bool = False) -> list[str]:
+def unpack_ptx(word: str, dests: list[str], tab: list[str]) -> list[str]:
     """PTX turning the 8 nibbles of `word` into 4 bf16x2 registers `dests` (elements 2 m,
     2 m + 1 in dests[m]); tab: the 8 table registers (`table_words`; operands, not immediates:
     ptxas would materialize an immediate table at every prmt). Uses %fx, %fs, %fa, %fb, %fe.
-    mulhi: the shifts as IMAD.HI (`quant_mma_diag.shr_ptx`)."""
-    from .quant_mma_diag import shr_ptx
+    """
     t = {name: (tab[2 * i], tab[2 * i + 1]) for i, name in enumerate(TABLE_ORDER)}
     lines = [f"xor.b32 %fx, {word}, 0x88888888;"]
     for half, sel in enumerate((word, "%fs")):
         if half:
-            lines += [shr_ptx("%fs", word, 16, mulhi), shr_ptx("%fx", "%fx", 16, mulhi)]
+            lines += [f"shr.u32 %fs, {word}, 16;", "shr.u32 %fx, %fx, 16;"]
         lines += [f"prmt.b32 %fa, {t['lo0'][0]}, {t['lo0'][1]}, {sel};",
                   f"prmt.b32 %fb, {t['lo1'][0]}, {t['lo1'][1]}, %fx;",
                   "xor.b32 %fa, %fa, %fb;",
@@ -116,11 +119,77 @@ def unpack_ptx(word: str, dests: list[str], tab: list[str], mulhi: bool = False)
 DECLARE = ".reg .b32 %fx, %fs, %fa, %fb, %fe;"
 
 
+# ---- the byte table in shared memory (`MmaConfig.lut`) --------------------------------------
+# Why: the prmt lookups cost 2.4 integer-pipe instructions a weight, which Hopper issues at half
+# rate. A 256-entry table of bf16x2 pairs (a byte = two nibbles = one of the mma's register
+# pairs) gives two weights by one shared-memory load, one byte extraction (integer pipe) and one
+# address IMAD (FMA pipe): 0.5 integer instructions a weight. The table is replicated once a
+# lane (entry e of lane l at e * 128 + 4 l) so the 32 lanes of a load hit 32 different banks
+# whatever bytes they hold: 32 KB of static shared memory a program, filled once by its threads.
+LUT_BYTES = 256 * 128
+
+
+def pair_table() -> list[int]:
+    """The 256 table words (int32 values): entry e = bf16 code of the stored nibble e & 15 in
+    the low half (element 2 m of byte m), of e >> 4 in the high half (element 2 m + 1)."""
+    inv = np.argsort(REMAP)                     # stored nibble -> code index
+    codes = _BF16[inv]
+    vals = [int(codes[e & 15]) | (int(codes[e >> 4]) << 16) for e in range(256)]
+    return [v - (1 << 32) if v >> 31 else v for v in vals]
+
+
+def fill_ptx(warps: int) -> str:
+    """PTX run once a program before its loop (one instance a thread, not pure): declares the
+    table in shared memory, fills it (thread t: rows e = t + 32 warps j, each row 32 copies of
+    entry e loaded from operand $1, the global pair table; 16-byte stores staggered by t so a
+    warp's stores spread over all banks), waits for the program's threads (bar.sync) and
+    returns the thread's base address (table + 4 lane) in $0."""
+    threads = 32 * warps
+    lines = ["{", f".shared .align 16 .b8 fgnf4lut[{LUT_BYTES}];",
+             ".reg .b32 %lt, %ll, %lb, %lv, %la, %lc;", ".reg .b64 %lp;",
+             "mov.u32 %lt, %tid.x;", "and.b32 %ll, %lt, 31;", "mov.u32 %lb, fgnf4lut;"]
+    if threads > 256:           # (one row a thread: the others skip the stores)
+        lines += [".reg .pred %lq;", "setp.lt.u32 %lq, %lt, 256;"]
+    st = "@%lq st" if threads > 256 else "st"
+    for e0 in range(0, 256, threads):
+        lines += ["mul.wide.u32 %lp, %lt, 4;", "add.s64 %lp, %lp, $1;",
+                  f"{'@%lq ' if threads > 256 else ''}ld.global.nc.b32 %lv, [%lp+{4 * e0}];",
+                  f"add.u32 %la, %lt, {e0};", "shl.b32 %la, %la, 7;", "add.u32 %la, %la, %lb;"]
+        for c in range(8):      # column chunk (c + t) % 8: 16 bytes = 4 lanes' copies
+            lines += [f"add.u32 %lc, %lt, {c};", "and.b32 %lc, %lc, 7;", "shl.b32 %lc, %lc, 4;",
+                      "add.u32 %lc, %lc, %la;",
+                      f"{st}.shared.v4.b32 [%lc], {{%lv, %lv, %lv, %lv}};"]
+    lines += ["bar.sync 0;", "shl.b32 %ll, %ll, 2;", "add.u32 $0, %lb, %ll;", "}"]
+    return "\n".join(lines)
+
+
+def lut_ptx(word: str, dests: list[str], base: str) -> list[str]:
+    """PTX turning the 4 bytes of `word` into 4 bf16x2 registers `dests` (byte m: elements 2 m,
+    2 m + 1) by loads from the shared table at `base` (`fill_ptx`'s address). Uses %fx."""
+    lines = []
+    for m in range(4):
+        lines += [f"prmt.b32 %fx, {word}, 0, {0x4440 + m:#x};",      # byte m, zero-extended
+                  f"mad.lo.u32 %fx, %fx, 128, {base};",
+                  f"ld.shared.b32 {dests[m]}, [%fx];"]
+    return lines
+
+
+def emulate_lut(words: np.ndarray) -> np.ndarray:
+    """`lut_ptx` in NumPy: words (uint32 values as int64) -> the 8 elements' bf16 bits [..., 8]."""
+    tab = np.asarray(pair_table(), np.int64) & 0xFFFFFFFF
+    out = []
+    for m in range(4):
+        v = tab[(words >> (8 * m)) & 255]
+        out += [v & 0xFFFF, v >> 16]
+    return np.stack(out, axis=-1)
+
+
 def pack_nf4(w_packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block: int,
              k: int, n: int):
     """(words int32 [N / 16, K / 64, 32, 4], absmax [N / 16, K / block, 8, 2] float32 (rows r,
-    r + 8), the lookup tables int32 [32 lanes * 8]) of a bitsandbytes NF4 weight; the code
-    table must be NF4's (the lookup tables hold it)."""
+    r + 8), the lookup tables int32 [32 lanes * 8 + 256]: the prmt tables a lane, then the
+    shared-memory pair table `pair_table`) of a bitsandbytes NF4 weight; the code table must be
+    NF4's (the lookup tables hold it)."""
     from .quant_mma_pack import _row_pairs, _words_from_codes
     if not torch.equal(code.detach().float().cpu(), torch.from_numpy(NF4_CODE)):
         raise ValueError("the mma GEMV holds bitsandbytes' NF4 code table only")
@@ -132,6 +201,7 @@ def pack_nf4(w_packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, b
     perm = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], device=q.device)
     j = j.reshape(n, k // 8, 8)[..., perm].reshape(n, k)
     tab = torch.tensor(table_words(), dtype=torch.int32, device=q.device).repeat(32)
+    tab = torch.cat([tab, torch.tensor(pair_table(), dtype=torch.int32, device=q.device)])
     return _words_from_codes(j), _row_pairs(absmax.reshape(n, k // block).float()), tab
 
 
