@@ -308,12 +308,20 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_LAZY_RESCALE=True),
                                      dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
                                           window=300),
-                                     dict(WS_POLY_EXP=True, softcap=1.3)],
+                                     dict(WS_POLY_EXP=1, softcap=1.3),
+                                     dict(WS_POLY_EXP=2, softcap=1.3),
+                                     dict(WS_POLY_EXP=3, softcap=1.3),
+                                     dict(WS_ALIBI_HOIST=True, alibi=True),
+                                     dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
+                                          window=300),
+                                     dict(WS_BALANCE=True, window=300),
+                                     dict(WS_BALANCE=True, WS_PERSIST=True)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
     branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's exponentials
-    half on the FMA pipe; windows: masks behind a branch, persistent or not): out and lse
+    partly on the FMA pipe, ALiBi's key bias hoisted, the persistent kernel's balanced tile
+    order; windows: masks behind a branch, persistent or not): out and lse
     against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts
     off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
@@ -321,6 +329,7 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     variant = dict(variant)
     window = variant.pop("window", None)
     softcap = variant.pop("softcap", None)
+    alibi = variant.pop("alibi", False)
     if window is not None and not HAS_CUDA:
         window //= 10
     for name, value in variant.items():
@@ -336,15 +345,37 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     if softcap is not None:
         o["softcap"] = softcap
     p = dict(PARAMS, **o)
-    out, lse = K.flash_attn(q, k, v, **p)
+    slopes = (torch.linspace(0.05, 0.4, shape[1], dtype=torch.float32, device=DEV)
+              if alibi else None)
+    out, lse = K.flash_attn(q, k, v, *([slopes] if alibi else []), **dict(p, has_alibi=alibi))
     assert used
-    want = _ref(q, k, v, go, **o)[0]
-    same = _ref(q, k, v, go, dtype=TD[dtype], **o)[0]
+    want = _ref(q, k, v, go, alibi=slopes, **o)[0]
+    same = _ref(q, k, v, go, alibi=slopes, dtype=TD[dtype], **o)[0]
     assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
-    ref_lse = _ref_lse(q, k, shape[4], p, None)
+    ref_lse = _ref_lse(q, k, shape[4], p, slopes)
     live = torch.isfinite(ref_lse)
     assert torch.equal(torch.isinf(lse.cpu()), ~live)
     torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
+
+
+@KERNEL_TESTS
+@pytest.mark.parametrize("sq,sk,wl,nprog", [(4096, 4096, 1024, 132), (1000, 1200, None, 7),
+                                            (300, 200, 64, 5)])
+def test_tile_order_is_a_balanced_permutation(sq, sk, wl, nprog):
+    """The persistent kernel's balanced tile order: every tile once, and each program's key
+    blocks (the schedule's cost) within one tile of the mean."""
+    from fuelgraph.backends.cuda.kernels.attention_ws import tile_order
+    heads, bm, bn = 12, 128, 128
+    num_m = -(-sq // bm)
+    order = tile_order(heads, sq, sk, wl or 0, wl is not None, bm, bn, nprog, "cpu").tolist()
+    assert sorted(order) == list(range(num_m * heads))
+
+    def blocks(m):
+        first = m * bm + sk - sq
+        lo = (max(first - wl, 0) // bn) * bn if wl is not None else 0
+        return max(-(-(max(min(sk, first + bm), 0) - lo) // bn), 0)
+    load = [sum(blocks(t % num_m) for t in order[p::nprog]) for p in range(nprog)]
+    assert max(load) <= sum(load) / nprog + max(blocks(m) for m in range(num_m))
 
 
 @KERNEL_TESTS

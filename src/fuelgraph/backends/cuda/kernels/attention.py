@@ -189,7 +189,7 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_POLY_EXP": False}
+            "WS_POLY_EXP": 0, "WS_ALIBI_HOIST": False, "WS_BALANCE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -406,14 +406,28 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
-#: 2^$2 by the special-function unit, 2^$3 as _exp2_fma does, in PTX
-_EXP2_PAIR = tl.constexpr(
-    "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; ex2.approx.ftz.f32 $0, $2; "
-    "max.f32 xc, $3, 0fC2FA0000; add.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
-    "sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
-    "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
-    "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; setp.gt.f32 p, $3, 0fC2FA0000; "
-    "selp.b32 $1, cb, 0, p; }")
+def _exp2_pack_asm(n_poly, pack=4):
+    """PTX for 2^x of `pack` scores ($pack.. in, $0.. out): the first n_poly by the FMA pipe
+    as _exp2_fma does, the rest by the special-function unit."""
+    parts = []
+    for i in range(pack):
+        out, x = f"${i}", f"${pack + i}"
+        if i >= n_poly:
+            parts.append(f"ex2.approx.ftz.f32 {out}, {x};")
+            continue
+        parts.append(
+            "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; "
+            f"max.f32 xc, {x}, 0fC2FA0000; add.f32 j, xc, 0f4B400000; "
+            "sub.f32 f, j, 0f4B400000; sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
+            "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
+            "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; "
+            f"setp.gt.f32 p, {x}, 0fC2FA0000; selp.b32 {out}, cb, 0, p; }}")
+    return tl.constexpr("{ " + " ".join(parts) + " }")
+
+
+#: 2^x of 4 scores, 1 / 2 / 3 of them on the FMA pipe (_online's POLY)
+_EXP2_POLY1, _EXP2_POLY2, _EXP2_POLY3 = (_exp2_pack_asm(n) for n in (1, 2, 3))
+_EXP2_TIED = tl.constexpr("=r," * 4 + "r,r,r,r")
 
 
 @triton.jit
@@ -434,19 +448,24 @@ def _exp2_fma(x):
 
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = False):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = 0,
+            SHIFTED: tl.constexpr = False, shift=0.0):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
     alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
-    POLY: half the exponentials by _exp2_fma."""
+    POLY (0-3): that many of every 4 exponentials by _exp2_fma. SHIFTED (not FMA): the true
+    scores are s + shift (a block-wide constant: attention_ws's hoisted ALiBi columns); m_i
+    stays in true units."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    elif SHIFTED:
+        m_new = tl.maximum(m_i, tl.max(s, 1) + shift)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
     if LAZY:
@@ -456,11 +475,20 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FMA:    # one fused multiply-add a score
         x = s * mult - m_use[:, None]
+    elif SHIFTED:
+        x = s - (m_use - shift)[:, None]
     else:
         x = s - m_use[:, None]
-    if POLY and _APPROX_TANH:   # of each pair of a thread's scores, one on the FMA pipe
-        p = tl.inline_asm_elementwise(_EXP2_PAIR, "=r,=r,r,r", [x], dtype=tl.float32,
-                                      is_pure=True, pack=2)
+    if POLY and _APPROX_TANH:   # of each 4 of a thread's scores, POLY on the FMA pipe
+        if POLY == 1:
+            p = tl.inline_asm_elementwise(_EXP2_POLY1, _EXP2_TIED, [x], dtype=tl.float32,
+                                          is_pure=True, pack=4)
+        elif POLY == 2:
+            p = tl.inline_asm_elementwise(_EXP2_POLY2, _EXP2_TIED, [x], dtype=tl.float32,
+                                          is_pure=True, pack=4)
+        else:
+            p = tl.inline_asm_elementwise(_EXP2_POLY3, _EXP2_TIED, [x], dtype=tl.float32,
+                                          is_pure=True, pack=4)
     elif POLY:                   # the interpreter: the same arithmetic on every score
         p = _exp2_fma(x)
     else:

@@ -47,7 +47,7 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE", "POLY_EXP"]
+                 "LAZY_RESCALE", "POLY_EXP", "ALIBI_HOIST", "BALANCED"]
 
 
 def _prune(configs, named_args, **kw):
@@ -66,13 +66,15 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
-                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = False):
+                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = 0,
+                   ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
     the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
     k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
-    next tile's q, k and v while the consumers finish this one."""
+    next tile's q, k and v while the consumers finish this one; BALANCED: the i-th tile taken
+    is ORDER[i] (bh * tiles a head + query tile: tile_order's schedule) instead."""
     # q's descriptor is made here, 2-D over the [B * H * SQ, D] rows: the specialization
     # splits the q tile between the two consumers, shrinking the copy's box (a host
     # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
@@ -83,16 +85,22 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         per_group = GROUP * num_m
         for tile in tl.range(tl.program_id(0), num_m * BH, tl.num_programs(0),
                              warp_specialize=True):
-            g0 = (tile // per_group) * GROUP
-            heads = tl.minimum(BH - g0, GROUP)
-            rank = (tile % per_group) // heads
-            pid_m = rank
-            if CAUSAL:
-                pid_m = num_m - 1 - rank
-            _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
+            if BALANCED:
+                t = tl.load(ORDER + tile)
+                pid_m = t % num_m
+                bh = t // num_m
+            else:
+                g0 = (tile // per_group) * GROUP
+                heads = tl.minimum(BH - g0, GROUP)
+                rank = (tile % per_group) // heads
+                pid_m = rank
+                if CAUSAL:
+                    pid_m = num_m - 1 - rank
+                bh = g0 + (tile % per_group) % heads
+            _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP, ALIBI_HOIST)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -109,7 +117,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, POLY_EXP)
+                 LAZY_RESCALE, POLY_EXP, ALIBI_HOIST)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -170,8 +178,12 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr):
-    """One query tile; WS: its key loop is the specialized one."""
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr,
+             ALIBI_HOIST: tl.constexpr):
+    """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
+    ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
+    the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
+    a score instead of a convert, a multiply and an add a column besides."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -195,6 +207,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     if HAS_WR:
         hi_key = tl.minimum(hi_key, a_pos + WR)
     lo_key = a_pos - WL
+    HOIST: tl.constexpr = HAS_ALIBI and ALIBI_COLS and ALIBI_HOIST
+    col_bias = (slope * 1.4426950408889634) * offs_n.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -202,8 +216,16 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         k = KD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         kn = j + offs_n
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
+        shift = 0.0
+        if HOIST:
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+                           CAUSAL, HAS_WL, HAS_WR, HAS_CAP, False, False, False, False, True)
+            s += col_bias[None, :]
+            shift = (slope * 1.4426950408889634) * j
+        else:
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+                           CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA,
+                           True)
         if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
             # the first row's upper bound is the tile's smallest (causal: its position)
             past_hi = j + BLOCK_N - 1 > (m0 + off if CAUSAL else L - 1)
@@ -224,7 +246,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             if HAS_WL:
                 s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP, HOIST, shift)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
             acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
@@ -286,6 +308,50 @@ def _ensure_allocator():
                                                                      device="cuda"))
 
 
+_ORDERS: dict = {}
+
+
+def tile_order(n_heads, sq, klen, wl, has_wl, block_m, block_n, nprog, device):
+    """The persistent kernel's tiles (bh * tiles a head + query tile) in the order it takes
+    them, position i by program i % nprog: longest first (key blocks visited, the lengths of
+    _key_ranges for a causal band), each round of nprog tiles dealt to the programs with the
+    least work so far (one static list schedule: program i's makespan within one tile of the
+    mean instead of ~3% over it for window 1024 with the striding order). An int32 tensor,
+    made once per shape."""
+    key = (n_heads, sq, klen, wl if has_wl else None, block_m, block_n, nprog, device)
+    order = _ORDERS.get(key)
+    if order is not None:
+        return order
+    num_m = triton.cdiv(sq, block_m)
+    lens = []
+    for m in range(num_m):
+        first = m * block_m + klen - sq
+        lo = (max(first - wl, 0) // block_n) * block_n if has_wl else 0
+        hi = max(min(klen, first + block_m), 0)
+        lens.append(max(triton.cdiv(hi - lo, block_n), 0))
+    tiles = sorted(range(num_m * n_heads), key=lambda t: (-lens[t % num_m], t // num_m,
+                                                          -(t % num_m)))
+    load = [0] * nprog
+    rounds = []
+    for r in range(0, len(tiles), nprog):
+        chunk = tiles[r:r + nprog]
+        progs = sorted(range(nprog), key=lambda p: load[p])[:len(chunk)]
+        for t, p in zip(chunk, progs):
+            load[p] += lens[t % num_m]
+        rounds.append(dict(zip(progs, chunk)))
+    # the last round is partial: the programs it deals to become programs 0.. (the kernel's
+    # program i takes positions i, i + nprog, ...)
+    last = rounds[-1]
+    label = {p: i for i, p in enumerate(sorted(range(nprog), key=lambda p: p not in last))}
+    flat = [0] * len(tiles)
+    for r, dealt in enumerate(rounds):
+        for p, t in dealt.items():
+            flat[r * nprog + label[p]] = t
+    order = torch.tensor(flat, dtype=torch.int32, device=device)
+    _ORDERS[key] = order
+    return order
+
+
 def _launch_ws(a, q, k, v, out, lse, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
     L, D = a.klen_static, a.D
@@ -293,9 +359,15 @@ def _launch_ws(a, q, k, v, out, lse, grid):
     vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
     f = a.flags
     persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
+    order = None
     if persist:
         nprog = _resident_programs(q.device)
         grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
+        tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in _fwd_ws_kernel.configs}
+        if VARIANTS["WS_BALANCE"] and len({m for m, _ in tiles}) == 1:   # the table's tiles
+            (bm, bn), = sorted(tiles)[:1]                                # are the config's
+            nprog = min(nprog, triton.cdiv(a.SQ, bm) * a.B * a.H)
+            order = tile_order(a.B * a.H, a.SQ, L, a.wl, f["HAS_WL"], bm, bn, nprog, q.device)
     _ensure_allocator()
     _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
                          out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
@@ -308,4 +380,6 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                                             else "WS_SKIP_MASK"],
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
-                         POLY_EXP=VARIANTS["WS_POLY_EXP"] and f["HAS_CAP"])
+                         POLY_EXP=int(VARIANTS["WS_POLY_EXP"]) if f["HAS_CAP"] else 0,
+                         ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
+                         ORDER=order, BALANCED=order is not None)
