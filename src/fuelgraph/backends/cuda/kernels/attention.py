@@ -409,7 +409,9 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
 
 def _exp2_pack_asm(n_poly, pack=4):
     """PTX for 2^x of `pack` scores ($pack.. in, $0.. out): the first n_poly by the FMA pipe
-    as _exp2_fma does, the rest by the special-function unit."""
+    as _exp2_fma does but without its zero for x < -125 (2^-125 instead: a row's true max
+    gives it a p of 1, so this is lost in any row with a key; a row without one is told by
+    its sum < 1/2, see _finish), the rest by the special-function unit."""
     parts = []
     for i in range(pack):
         out, x = f"${i}", f"${pack + i}"
@@ -417,12 +419,12 @@ def _exp2_pack_asm(n_poly, pack=4):
             parts.append(f"ex2.approx.ftz.f32 {out}, {x};")
             continue
         parts.append(
-            "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; "
+            "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; "
             f"max.f32 xc, {x}, 0fC2FA0000; add.f32 j, xc, 0f4B400000; "
             "sub.f32 f, j, 0f4B400000; sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
             "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
             "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; "
-            f"setp.gt.f32 p, {x}, 0fC2FA0000; selp.b32 {out}, cb, 0, p; }}")
+            f"mov.b32 {out}, cb; }}")
     return tl.constexpr("{ " + " ".join(parts) + " }")
 
 
@@ -435,16 +437,16 @@ _EXP2_TIED = tl.constexpr("=r," * 4 + "r,r,r,r")
 def _exp2_fma(x):
     """2^x for x <= 8 or -inf without the special-function unit: 2^round(x) put into the
     exponent of a cubic for 2^f, f in [-1/2, 1/2] (relative error 8e-5, below a 16-bit
-    ulp); -inf and x < -125 give 0. Softcap's loop issues two MUFU instructions a score
-    (tanh, exp2): this moves some of that load to the FMA pipe (FlashAttention-4's trick)."""
+    ulp); -inf and x < -125 give about 2^-125, not 0 (see _finish's LEAK). Softcap's loop
+    issues two MUFU instructions a score (tanh, exp2): this moves some of that load to the FMA
+    pipe (FlashAttention-4's trick)."""
     xc = tl.maximum(x, -125.0)
     j = xc + 12582912.0                 # 1.5 * 2^23: round(xc) in the low mantissa bits
     f = xc - (j - 12582912.0)
     c = (0.05508868 * f + 0.24260405) * f + 0.69327624
     c = c * f + 0.99992894
-    r = (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
+    return (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
         tl.float32, bitcast=True)
-    return tl.where(x > -125.0, r, 0.0)
 
 
 @triton.jit
@@ -505,12 +507,15 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr):
+def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr,
+            LEAK: tl.constexpr = False):
     """(out, lse) of a query tile from its online-softmax state (a_rows: the rows' key
-    positions); rows without an admissible key: out 0, lse +inf."""
+    positions); rows without an admissible key: out 0, lse +inf. A row with a key has
+    l_i >= 1 (its max scores 2^0); LEAK (POLY exponentials): a row without one may hold
+    2^-125 a masked key, so it is told by l_i < 1/2."""
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * a_rows.to(tl.float32)
-    live = l_i > 0.0
+    live = l_i >= 0.5 if LEAK else l_i > 0.0
     out = acc / tl.where(live, l_i, 1.0)[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
                    float("inf"))

@@ -273,7 +273,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
             acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS, POLY_EXP > 0)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
