@@ -189,8 +189,7 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_POLY_EXP": 0, "WS_ALIBI_HOIST": False, "WS_BALANCE": False,
-            "WS_CAP_RAW_MAX": False}
+            "WS_POLY_EXP": 0, "WS_ALIBI_HOIST": False, "WS_BALANCE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -407,7 +406,7 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
-def _exp2_pack_asm(n_poly, pack=4):
+def _exp2_pack_asm(n_poly, pack=8):
     """PTX for 2^x of `pack` scores ($pack.. in, $0.. out): the first n_poly by the FMA pipe
     as _exp2_fma does but without its zero for x < -125 (2^-125 instead: a row's true max
     gives it a p of 1, so this is lost in any row with a key; a row without one is told by
@@ -428,9 +427,9 @@ def _exp2_pack_asm(n_poly, pack=4):
     return tl.constexpr("{ " + " ".join(parts) + " }")
 
 
-#: 2^x of 4 scores, 1 / 2 / 3 of them on the FMA pipe (_online's POLY)
-_EXP2_POLY1, _EXP2_POLY2, _EXP2_POLY3 = (_exp2_pack_asm(n) for n in (1, 2, 3))
-_EXP2_TIED = tl.constexpr("=r," * 4 + "r,r,r,r")
+#: 2^x of 8 scores, _EXP2_POLY[n]: n of them on the FMA pipe (_online's POLY)
+_EXP2_POLY = tl.constexpr(tuple(_exp2_pack_asm(n).value for n in range(8)))
+_EXP2_TIED = tl.constexpr("=r," * 8 + ",".join(["r"] * 8))
 
 
 @triton.jit
@@ -452,26 +451,21 @@ def _exp2_fma(x):
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
             GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = 0,
-            SHIFTED: tl.constexpr = False, shift=0.0, BLK_MAX: tl.constexpr = False,
-            blk_max=0.0):
+            SHIFTED: tl.constexpr = False, shift=0.0):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
     alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
-    POLY (0-3): that many of every 4 exponentials by _exp2_fma. SHIFTED (not FMA): the true
+    POLY (0-7): that many of every 8 exponentials by _exp2_fma. SHIFTED (not FMA): the true
     scores are s + shift (a block-wide constant: attention_ws's hoisted ALiBi columns); m_i
-    stays in true units. BLK_MAX (FMA): the block's row max of the scores is blk_max (log2
-    units), computed by the caller."""
+    stays in true units."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
-        if BLK_MAX:
-            m_new = tl.maximum(m_i, blk_max)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
     elif SHIFTED:
         m_new = tl.maximum(m_i, tl.max(s, 1) + shift)
     else:
@@ -487,16 +481,9 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         x = s - (m_use - shift)[:, None]
     else:
         x = s - m_use[:, None]
-    if POLY and _APPROX_TANH:   # of each 4 of a thread's scores, POLY on the FMA pipe
-        if POLY == 1:
-            p = tl.inline_asm_elementwise(_EXP2_POLY1, _EXP2_TIED, [x], dtype=tl.float32,
-                                          is_pure=True, pack=4)
-        elif POLY == 2:
-            p = tl.inline_asm_elementwise(_EXP2_POLY2, _EXP2_TIED, [x], dtype=tl.float32,
-                                          is_pure=True, pack=4)
-        else:
-            p = tl.inline_asm_elementwise(_EXP2_POLY3, _EXP2_TIED, [x], dtype=tl.float32,
-                                          is_pure=True, pack=4)
+    if POLY and _APPROX_TANH:   # of each 8 of a thread's scores, POLY on the FMA pipe
+        p = tl.inline_asm_elementwise(_EXP2_POLY[POLY], _EXP2_TIED, [x], dtype=tl.float32,
+                                      is_pure=True, pack=8)
     elif POLY:                   # the interpreter: the same arithmetic on every score
         p = _exp2_fma(x)
     else:
