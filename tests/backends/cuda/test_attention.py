@@ -312,6 +312,7 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_POLY_EXP=1, softcap=1.3),
                                      dict(WS_POLY_EXP=4, softcap=1.3, window=300),
                                      dict(WS_POLY_EXP=7, softcap=1.3),
+                                     dict(WS_POLY_EXP_NOCAP=1, window=300),
                                      dict(WS_ALIBI_HOIST=True, alibi=True),
                                      dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
                                           window=300),

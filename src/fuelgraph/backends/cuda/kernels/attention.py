@@ -189,7 +189,8 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_POLY_EXP": 0, "WS_ALIBI_HOIST": False, "WS_BALANCE": False}
+            "WS_POLY_EXP": 0, "WS_POLY_EXP_NOCAP": 0, "WS_ALIBI_HOIST": False,
+            "WS_BALANCE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)

@@ -391,6 +391,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                                             else "WS_SKIP_MASK"],
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
-                         POLY_EXP=int(VARIANTS["WS_POLY_EXP"]) if f["HAS_CAP"] else 0,
+                         POLY_EXP=int(VARIANTS["WS_POLY_EXP" if f["HAS_CAP"] else
+                                               "WS_POLY_EXP_NOCAP"]),
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
                          ORDER=order, BALANCED=order is not None)
