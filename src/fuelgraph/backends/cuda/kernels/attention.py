@@ -154,33 +154,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: window 1024 370.0 / 370.0 against 366.2 / 359.0; with 128 x 64 tiles 417 / 407 and 342 /
 #: 340. Session 5's "same SASS on sm_90" try had pointer loads and 8 warps: the Hopper pass
 #: needs 4 warps and tensor-descriptor loads (and one loop without branches inside).
-#: WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
-#: the warp-specialized kernel persistent: one program a multiprocessor striding over the
-#: tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
-#: tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
-#: (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
-#: softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
-#: Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
-#: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
-#: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
-#: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
-#: WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
-#: inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
-#: the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
-#: B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
-#: WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
-#: 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
-#: not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
-#: longest rows first across them (a shorter tail: a list schedule of the tile lengths on
-#: 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
-#: (default) -- see _online's LAZY and attention_ws._rescale_if. Plain causal, 3 interleaved
-#: rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
-#: alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
-#: 443.0 / 417.3). WS_POLY_EXP -- softcap's exponentials half on the FMA pipe.
-#: Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
-#: taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
-#: each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
-#: (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+#: WS_* -- the warp-specialized kernel's variants: their measurements are in attention_ws.py.
 #: The plan gap measured last session (466 kernel vs 444 through a cached plan) was the order
 #: of the measurements: interleaved, 437.7 / 420.9 / 433.3 kernel against 437.2 / 429.2 /
 #: 433.4 plan (do_bench queues every call before it waits, so host work under ~1 ms a call

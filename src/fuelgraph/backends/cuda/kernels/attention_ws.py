@@ -271,6 +271,36 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
 
 
+# ---- variants (attention.VARIANTS["WS_*"]; H200, B4 H32 S4096 bf16 D128) --------------------
+# WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
+# the warp-specialized kernel persistent: one program a multiprocessor striding over the
+# tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
+# tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
+# (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
+# softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
+# Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
+# one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
+# 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
+# 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
+# WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
+# inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
+# the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
+# B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
+# WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
+# 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
+# not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
+# longest rows first across them (a shorter tail: a list schedule of the tile lengths on
+# 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
+# (default) -- see attention._online's LAZY and _rescale_if. Plain causal, 3 interleaved
+# rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
+# alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
+# 443.0 / 417.3).
+# Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
+# taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
+# each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
+# (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+
+
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
 _SM_COUNT = {}
 
