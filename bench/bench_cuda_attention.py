@@ -417,8 +417,9 @@ def schedules_row(row, specs, B, H, S, rounds=1):
 def ab_row(row, specs, rounds, B, H, S, causal=True):
     """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
     interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
-    measured once, later than another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
-    plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
+    measured once, later than another, can lose 5% to the drift alone); the setting "plan"
+    times the cached fuelgraph plan with the defaults. Returns (spec, median TFLOP/s, every
+    round's) lines."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     case = {"op": "flash_attn", "name": "causal fwd" if causal else "non-causal fwd",
             "shape": [B, H, H, S, S, D]}

@@ -81,8 +81,8 @@ def ws_source(case, m, n, persist=False, **extra):
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
-    cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, POLY_EXP=0, ALIBI_HOIST=False,
-                BALANCED=False)
+    cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, ALIBI_HOIST=False,
+                BALANCED=False, CAP_Q=False)
     cons.update(extra)
     sig["BH"] = "i32"
     if cons.get("BALANCED"):          # the persistent kernel's tile order table

@@ -309,10 +309,8 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_LAZY_RESCALE=True),
                                      dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
                                           window=300),
-                                     dict(WS_POLY_EXP=1, softcap=1.3),
-                                     dict(WS_POLY_EXP=4, softcap=1.3, window=300),
-                                     dict(WS_POLY_EXP=7, softcap=1.3),
-                                     dict(WS_POLY_EXP_NOCAP=1, window=300),
+                                     dict(WS_CAP_SCALED_Q=True, softcap=1.3),
+                                     dict(WS_CAP_SCALED_Q=True, softcap=1.3, window=300),
                                      dict(WS_ALIBI_HOIST=True, alibi=True),
                                      dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
                                           window=300),
@@ -321,11 +319,10 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
-    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's exponentials
-    partly on the FMA pipe, ALiBi's key bias hoisted, the
-    persistent kernel's balanced tile order; windows: masks behind a branch, persistent or
-    not): out and lse against float64 references, Sq = Sk, Sq > Sk (tiles with no key),
-    Sq < Sk, head counts off the group."""
+    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's q scaled once
+    a tile, ALiBi's key bias hoisted, the persistent kernel's balanced tile order; windows:
+    masks behind a branch, persistent or not): out and lse against float64 references,
+    Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)

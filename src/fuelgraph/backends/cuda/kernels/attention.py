@@ -163,8 +163,7 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_POLY_EXP": 0, "WS_POLY_EXP_NOCAP": 0, "WS_ALIBI_HOIST": False,
-            "WS_BALANCE": False}
+            "WS_ALIBI_HOIST": False, "WS_BALANCE": False, "WS_CAP_SCALED_Q": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -381,60 +380,17 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
-def _exp2_pack_asm(n_poly, pack=8):
-    """PTX for 2^x of `pack` scores ($pack.. in, $0.. out): the first n_poly by the FMA pipe
-    as _exp2_fma does but without its zero for x < -125 (2^-125 instead: a row's true max
-    gives it a p of 1, so this is lost in any row with a key; a row without one is told by
-    its sum < 1/2, see _finish), the rest by the special-function unit."""
-    parts = []
-    for i in range(pack):
-        out, x = f"${i}", f"${pack + i}"
-        if i >= n_poly:
-            parts.append(f"ex2.approx.ftz.f32 {out}, {x};")
-            continue
-        parts.append(
-            "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; "
-            f"max.f32 xc, {x}, 0fC2FA0000; add.f32 j, xc, 0f4B400000; "
-            "sub.f32 f, j, 0f4B400000; sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
-            "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
-            "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; "
-            f"mov.b32 {out}, cb; }}")
-    return tl.constexpr("{ " + " ".join(parts) + " }")
-
-
-#: 2^x of 8 scores, _EXP2_POLY[n]: n of them on the FMA pipe (_online's POLY)
-_EXP2_POLY = tl.constexpr(tuple(_exp2_pack_asm(n).value for n in range(8)))
-_EXP2_TIED = tl.constexpr("=r," * 8 + ",".join(["r"] * 8))
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x for x <= 8 or -inf without the special-function unit: 2^round(x) put into the
-    exponent of a cubic for 2^f, f in [-1/2, 1/2] (relative error 8e-5, below a 16-bit
-    ulp); -inf and x < -125 give about 2^-125, not 0 (see _finish's LEAK). Softcap's loop
-    issues two MUFU instructions a score (tanh, exp2): this moves some of that load to the FMA
-    pipe (FlashAttention-4's trick)."""
-    xc = tl.maximum(x, -125.0)
-    j = xc + 12582912.0                 # 1.5 * 2^23: round(xc) in the low mantissa bits
-    f = xc - (j - 12582912.0)
-    c = (0.05508868 * f + 0.24260405) * f + 0.69327624
-    c = c * f + 0.99992894
-    return (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
-        tl.float32, bitcast=True)
-
-
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = 0,
-            SHIFTED: tl.constexpr = False, shift=0.0):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False, SHIFTED: tl.constexpr = False,
+            shift=0.0):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
     alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
-    POLY (0-7): that many of every 8 exponentials by _exp2_fma. SHIFTED (not FMA): the true
-    scores are s + shift (a block-wide constant: attention_ws's hoisted ALiBi columns); m_i
-    stays in true units."""
+    SHIFTED (not FMA): the true scores are s + shift (a block-wide constant: attention_ws's
+    hoisted ALiBi columns); m_i stays in true units."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
@@ -456,28 +412,19 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         x = s - (m_use - shift)[:, None]
     else:
         x = s - m_use[:, None]
-    if POLY and _APPROX_TANH:   # of each 8 of a thread's scores, POLY on the FMA pipe
-        p = tl.inline_asm_elementwise(_EXP2_POLY[POLY], _EXP2_TIED, [x], dtype=tl.float32,
-                                      is_pure=True, pack=8)
-    elif POLY:                   # the interpreter: the same arithmetic on every score
-        p = _exp2_fma(x)
-    else:
-        p = tl.exp2(x)
+    p = tl.exp2(x)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr,
-            LEAK: tl.constexpr = False):
+def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr):
     """(out, lse) of a query tile from its online-softmax state (a_rows: the rows' key
-    positions); rows without an admissible key: out 0, lse +inf. A row with a key has
-    l_i >= 1 (its max scores 2^0); LEAK (POLY exponentials): a row without one may hold
-    2^-125 a masked key, so it is told by l_i < 1/2."""
+    positions); rows without an admissible key: out 0, lse +inf."""
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * a_rows.to(tl.float32)
-    live = l_i >= 0.5 if LEAK else l_i > 0.0
+    live = l_i > 0.0
     out = acc / tl.where(live, l_i, 1.0)[:, None]
     lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
                    float("inf"))

@@ -47,7 +47,8 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE", "POLY_EXP", "ALIBI_HOIST", "BALANCED"]
+                 "LAZY_RESCALE", "ALIBI_HOIST", "BALANCED",
+                 "CAP_Q"]
 
 
 def _prune(configs, named_args, **kw):
@@ -66,8 +67,9 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
-                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = 0,
-                   ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False):
+                   LAZY_RESCALE: tl.constexpr = False,
+                   ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False,
+                   CAP_Q: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -100,7 +102,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP, ALIBI_HOIST)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -117,7 +119,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, POLY_EXP, ALIBI_HOIST)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -206,12 +208,13 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr,
-             ALIBI_HOIST: tl.constexpr):
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
-    a score instead of a convert, a multiply and an add a column besides."""
+    a score instead of a convert, a multiply and an add a column besides. CAP_Q (softcap): q
+    scaled once a tile (rounded to its 16-bit dtype) instead of every score before tanh."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -221,6 +224,10 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = QD.load([bh * SQ + m0, 0])
+    tanh_scale = QK_SCALE
+    if HAS_CAP and CAP_Q:     # q * scale rounded to q's dtype: no multiply a score before tanh
+        q = (q.to(tl.float32) * QK_SCALE).to(q.dtype)
+        tanh_scale = 1.0
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + b * slb + h)
@@ -246,24 +253,24 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         kn = j + offs_n
         shift = 0.0
         if HOIST:
-            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+            s, t = _scores(qk, a_pos, kn[None, :], L, tanh_scale, CAP, slope, WL, WR, False,
                            CAUSAL, HAS_WL, HAS_WR, HAS_CAP, False, False, False, False, True)
             s += col_bias[None, :]
             shift = (slope * 1.4426950408889634) * j
         else:
-            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+            s, t = _scores(qk, a_pos, kn[None, :], L, tanh_scale, CAP, slope, WL, WR, False,
                            CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA,
                            True)
         s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
                      HAS_WL, HI_MASK, SKIP_MASK)
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP, HOIST, shift)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
             acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS, POLY_EXP > 0)
+    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -421,7 +428,6 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                                             else "WS_SKIP_MASK"],
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
-                         POLY_EXP=int(VARIANTS["WS_POLY_EXP" if f["HAS_CAP"] else
-                                               "WS_POLY_EXP_NOCAP"]),
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
-                         ORDER=order, BALANCED=order is not None)
+                         ORDER=order, BALANCED=order is not None,
+                         CAP_Q=VARIANTS["WS_CAP_SCALED_Q"] and f["HAS_CAP"])
