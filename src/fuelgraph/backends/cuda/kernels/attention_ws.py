@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores
+from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores, _tanh
 from .common import GRAPH_CAPTURE, INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
@@ -48,7 +48,7 @@ WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16,
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
                  "LAZY_RESCALE", "ALIBI_HOIST", "BALANCED",
-                 "CAP_Q"]
+                 "CAP_Q", "CAP_RAW_MAX"]
 
 
 def _prune(configs, named_args, **kw):
@@ -69,7 +69,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
                    LAZY_RESCALE: tl.constexpr = False,
                    ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False,
-                   CAP_Q: tl.constexpr = False):
+                   CAP_Q: tl.constexpr = False, CAP_RAW_MAX: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -102,7 +102,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q,
+                     CAP_RAW_MAX)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -119,7 +120,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -209,12 +210,14 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
              SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr):
+             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr, CAP_RAW_MAX: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
     a score instead of a convert, a multiply and an add a column besides. CAP_Q (softcap): q
-    scaled once a tile (rounded to its 16-bit dtype) instead of every score before tanh."""
+    scaled once a tile (rounded to its 16-bit dtype) instead of every score before tanh.
+    CAP_RAW_MAX (softcap): the row max from the masked products (tanh is increasing: one tanh
+    a row), so its chain of compares need not wait for the scores' tanh."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -243,6 +246,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         hi_key = tl.minimum(hi_key, a_pos + WR)
     lo_key = a_pos - WL
     HOIST: tl.constexpr = HAS_ALIBI and ALIBI_COLS and ALIBI_HOIST
+    RAW_MAX: tl.constexpr = HAS_CAP and FMA and CAP_RAW_MAX
     col_bias = (slope * 1.4426950408889634) * offs_n.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -263,8 +267,14 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                            True)
         s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
                      HAS_WL, HI_MASK, SKIP_MASK)
+        blk_max = 0.0
+        if RAW_MAX:     # max tanh = tanh max: the max of the masked products, not of s
+            x = _ws_mask(qk * tanh_scale, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M,
+                         BLOCK_N, CAUSAL, HAS_WL, HI_MASK, SKIP_MASK)
+            blk_max = _tanh(tl.max(x, 1), False) * (CAP * 1.4426950408889634)
         p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift)
+                                     HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift, RAW_MAX,
+                                     blk_max)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
             acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
@@ -430,4 +440,5 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
                          ORDER=order, BALANCED=order is not None,
-                         CAP_Q=VARIANTS["WS_CAP_SCALED_Q"] and f["HAS_CAP"])
+                         CAP_Q=VARIANTS["WS_CAP_SCALED_Q"] and f["HAS_CAP"],
+                         CAP_RAW_MAX=VARIANTS["WS_CAP_RAW_MAX"] and f["HAS_CAP"])
