@@ -311,6 +311,8 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                           window=300),
                                      dict(WS_CAP_SCALED_Q=True, softcap=1.3),
                                      dict(WS_CAP_RAW_MAX=True, softcap=1.3),
+                                     dict(WS_CAP_FIXED_REF=True, softcap=1.3),
+                                     dict(WS_CAP_FIXED_REF=True, softcap=50.0, window=300),
                                      dict(WS_CAP_RAW_MAX=True, WS_CAP_SCALED_Q=True,
                                           softcap=1.3, window=300),
                                      dict(WS_CAP_SCALED_Q=True, WS_ALIBI_HOIST=True,
@@ -324,10 +326,10 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
     branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's q scaled once
-    a tile or its row max from the products, ALiBi's key bias hoisted, the persistent
-    kernel's balanced tile order; windows: masks behind a branch, persistent or not): out and
-    lse against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head
-    counts off the group."""
+    a tile, its row max from the products or a fixed reference, ALiBi's key bias hoisted, the
+    persistent kernel's balanced tile order; windows: masks behind a branch, persistent or
+    not): out and lse against float64 references, Sq = Sk, Sq > Sk (tiles with no key),
+    Sq < Sk, head counts off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)

@@ -48,7 +48,7 @@ WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16,
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
                  "LAZY_RESCALE", "ALIBI_HOIST", "BALANCED",
-                 "CAP_Q", "CAP_RAW_MAX"]
+                 "CAP_Q", "CAP_RAW_MAX", "CAP_FIXED_REF"]
 
 
 def _prune(configs, named_args, **kw):
@@ -69,7 +69,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
                    LAZY_RESCALE: tl.constexpr = False,
                    ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False,
-                   CAP_Q: tl.constexpr = False, CAP_RAW_MAX: tl.constexpr = False):
+                   CAP_Q: tl.constexpr = False, CAP_RAW_MAX: tl.constexpr = False,
+                   CAP_FIXED_REF: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -103,7 +104,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
                      EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q,
-                     CAP_RAW_MAX)
+                     CAP_RAW_MAX, CAP_FIXED_REF)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -120,7 +121,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX, CAP_FIXED_REF)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -210,14 +211,20 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
              SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr, CAP_RAW_MAX: tl.constexpr):
+             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr, CAP_RAW_MAX: tl.constexpr,
+             CAP_FIXED_REF: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
     a score instead of a convert, a multiply and an add a column besides. CAP_Q (softcap): q
     scaled once a tile (rounded to its 16-bit dtype) instead of every score before tanh.
     CAP_RAW_MAX (softcap): the row max from the masked products (tanh is increasing: one tanh
-    a row), so its chain of compares need not wait for the scores' tanh."""
+    a row), so its chain of compares need not wait for the scores' tanh. CAP_FIXED_REF
+    (softcap without ALiBi): a softcapped score lies in [-c, c] (log2 units, c = cap *
+    log2(e)), so p = 2^score itself stays a normal number in [2^-c, 2^c] -- softmax is
+    shift-invariant: no row max, no online rescale, the same relative accuracy. The host
+    allows it for c <= 80 with bfloat16 P (sums of 2^80 p v stay far from float32's range),
+    c <= 14 with float16 P (its largest number is 2^16)."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -247,6 +254,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     lo_key = a_pos - WL
     HOIST: tl.constexpr = HAS_ALIBI and ALIBI_COLS and ALIBI_HOIST
     RAW_MAX: tl.constexpr = HAS_CAP and FMA and CAP_RAW_MAX
+    FIXED: tl.constexpr = HAS_CAP and FMA and not HAS_ALIBI and CAP_FIXED_REF
     col_bias = (slope * 1.4426950408889634) * offs_n.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -267,19 +275,26 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                            True)
         s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
                      HAS_WL, HI_MASK, SKIP_MASK)
-        blk_max = 0.0
-        if RAW_MAX:     # max tanh = tanh max: the max of the masked products, not of s
-            x = _ws_mask(qk * tanh_scale, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M,
-                         BLOCK_N, CAUSAL, HAS_WL, HI_MASK, SKIP_MASK)
-            blk_max = _tanh(tl.max(x, 1), False) * (CAP * 1.4426950408889634)
-        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift, RAW_MAX,
-                                     blk_max)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
-        if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
-            acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+        if FIXED:       # p = 2^score: no row max, no rescale
+            p = tl.exp2(s * (CAP * 1.4426950408889634))
+            l_i += tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            blk_max = 0.0
+            if RAW_MAX:     # max tanh = tanh max: the max of the masked products, not of s
+                x = _ws_mask(qk * tanh_scale, j, offs_n, hi_key, lo_key, m0 + off, L, WL,
+                             BLOCK_M, BLOCK_N, CAUSAL, HAS_WL, HI_MASK, SKIP_MASK)
+                blk_max = _tanh(tl.max(x, 1), False) * (CAP * 1.4426950408889634)
+            p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                         HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift,
+                                         RAW_MAX, blk_max)
+            if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
+                acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if FIXED:
+        m_i = tl.zeros([BLOCK_M], tl.float32)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
@@ -441,4 +456,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
                          ORDER=order, BALANCED=order is not None,
                          CAP_Q=VARIANTS["WS_CAP_SCALED_Q"] and f["HAS_CAP"],
-                         CAP_RAW_MAX=VARIANTS["WS_CAP_RAW_MAX"] and f["HAS_CAP"])
+                         CAP_RAW_MAX=VARIANTS["WS_CAP_RAW_MAX"] and f["HAS_CAP"],
+                         CAP_FIXED_REF=(VARIANTS["WS_CAP_FIXED_REF"] and f["HAS_CAP"]
+                                        and a.cap * 1.4426950408889634
+                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)))
