@@ -82,7 +82,8 @@ def ws_source(case, m, n, persist=False, **extra):
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
     cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, ALIBI_HOIST=False,
-                BALANCED=False, CAP_Q=False, CAP_RAW_MAX=False, CAP_FIXED_REF=False)
+                BALANCED=False, CAP_Q=False, CAP_RAW_MAX=False, CAP_FIXED_REF=False,
+                O_TMA=False)
     cons.update(extra)
     sig["BH"] = "i32"
     if cons.get("BALANCED"):          # the persistent kernel's tile order table

@@ -320,6 +320,8 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_ALIBI_HOIST=True, alibi=True),
                                      dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
                                           window=300),
+                                     dict(WS_TMA_STORE=True),
+                                     dict(WS_TMA_STORE=True, WS_BALANCE=True, window=300),
                                      dict(WS_BALANCE=True, window=300),
                                      dict(WS_BALANCE=True, WS_PERSIST=True)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
@@ -327,9 +329,9 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
     branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's q scaled once
     a tile, its row max from the products or a fixed reference, ALiBi's key bias hoisted, the
-    persistent kernel's balanced tile order; windows: masks behind a branch, persistent or
-    not): out and lse against float64 references, Sq = Sk, Sq > Sk (tiles with no key),
-    Sq < Sk, head counts off the group."""
+    persistent kernel's balanced tile order, the output by a TMA copy; windows: masks behind a
+    branch, persistent or not): out and lse against float64 references, Sq = Sk, Sq > Sk
+    (tiles with no key), Sq < Sk, head counts off the group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)

@@ -48,7 +48,7 @@ WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16,
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
                  "LAZY_RESCALE", "ALIBI_HOIST", "BALANCED",
-                 "CAP_Q", "CAP_RAW_MAX", "CAP_FIXED_REF"]
+                 "CAP_Q", "CAP_RAW_MAX", "CAP_FIXED_REF", "O_TMA"]
 
 
 def _prune(configs, named_args, **kw):
@@ -70,7 +70,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    LAZY_RESCALE: tl.constexpr = False,
                    ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False,
                    CAP_Q: tl.constexpr = False, CAP_RAW_MAX: tl.constexpr = False,
-                   CAP_FIXED_REF: tl.constexpr = False):
+                   CAP_FIXED_REF: tl.constexpr = False, O_TMA: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -83,6 +83,9 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
     # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
     # the copy's first coordinate (the batch of a 4-D one)
     QD = tl.make_tensor_descriptor(Q, [ROWS, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
+    OD = QD
+    if O_TMA:   # out as contiguous [B * H * SQ, D] rows, tiles never straddling two heads
+        OD = tl.make_tensor_descriptor(O, [ROWS, BLOCK_D], [som, 1], [BLOCK_M, BLOCK_D])
     if PERSIST:
         num_m = tl.cdiv(SQ, BLOCK_M)
         per_group = GROUP * num_m
@@ -100,11 +103,11 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                 if CAUSAL:
                     pid_m = num_m - 1 - rank
                 bh = g0 + (tile % per_group) % heads
-            _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob,
+            _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
                      EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q,
-                     CAP_RAW_MAX, CAP_FIXED_REF)
+                     CAP_RAW_MAX, CAP_FIXED_REF, O_TMA)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -118,10 +121,10 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             pid_m = num_m - 1 - rank
         elif CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
-        _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
+        _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX, CAP_FIXED_REF)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX, CAP_FIXED_REF, O_TMA)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -205,14 +208,14 @@ def _ws_mask(s, j, offs_n, hi_key, lo_key, a_first, L, WL, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
+def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
              SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
              ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr, CAP_RAW_MAX: tl.constexpr,
-             CAP_FIXED_REF: tl.constexpr):
+             CAP_FIXED_REF: tl.constexpr, O_TMA: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
@@ -297,9 +300,12 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         m_i = tl.zeros([BLOCK_M], tl.float32)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
-    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-             + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=rmask[:, None])
+    if O_TMA:       # one asynchronous copy of the tile
+        OD.store([bh * SQ + m0, 0], out.to(O.dtype.element_ty))
+    else:
+        tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+                 + offs_m[:, None].to(tl.int64) * som + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=rmask[:, None])
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
 
 
@@ -459,4 +465,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          CAP_RAW_MAX=VARIANTS["WS_CAP_RAW_MAX"] and f["HAS_CAP"],
                          CAP_FIXED_REF=(VARIANTS["WS_CAP_FIXED_REF"] and f["HAS_CAP"]
                                         and a.cap * 1.4426950408889634
-                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)))
+                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)),
+                         O_TMA=(VARIANTS["WS_TMA_STORE"] and out.is_contiguous()
+                                and all(a.SQ % c.kwargs["BLOCK_M"] == 0
+                                        for c in _fwd_ws_kernel.configs)))
