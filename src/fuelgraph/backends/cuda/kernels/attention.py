@@ -163,8 +163,8 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_ALIBI_HOIST": False, "WS_BALANCE": False, "WS_CAP_SCALED_Q": False,
-            "WS_CAP_RAW_MAX": False, "WS_CAP_FIXED_REF": False,
+            "WS_ALIBI_HOIST": True, "WS_BALANCE": False, "WS_CAP_SCALED_Q": False,
+            "WS_CAP_RAW_MAX": False, "WS_CAP_FIXED_REF": True,
             "WS_TMA_STORE": False}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
