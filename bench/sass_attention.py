@@ -82,14 +82,9 @@ def ws_source(case, m, n, persist=False, **extra):
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
     cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, ALIBI_HOIST=False,
-                BALANCED=False, CAP_Q=False, CAP_RAW_MAX=False, CAP_FIXED_REF=False,
-                O_TMA=False)
+                CAP_FIXED_REF=False)
     cons.update(extra)
     sig["BH"] = "i32"
-    if cons.get("BALANCED"):          # the persistent kernel's tile order table
-        sig["ORDER"] = "*i32"
-    else:
-        cons["ORDER"] = None
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}
     aligned = {(names.index(k),): [["tt.divisibility", 16]]

@@ -309,29 +309,20 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_LAZY_RESCALE=True),
                                      dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
                                           window=300),
-                                     dict(WS_CAP_SCALED_Q=True, softcap=1.3),
-                                     dict(WS_CAP_RAW_MAX=True, softcap=1.3),
                                      dict(WS_CAP_FIXED_REF=False, softcap=1.3),
                                      dict(softcap=50.0, window=300),
-                                     dict(WS_CAP_RAW_MAX=True, WS_CAP_SCALED_Q=True,
-                                          softcap=1.3, window=300),
-                                     dict(WS_CAP_SCALED_Q=True, WS_ALIBI_HOIST=True,
-                                          softcap=1.3, alibi=True, window=300),
                                      dict(WS_ALIBI_HOIST=False, alibi=True),
                                      dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
                                           window=300),
-                                     dict(WS_TMA_STORE=True),
-                                     dict(WS_TMA_STORE=True, WS_BALANCE=True, window=300),
-                                     dict(WS_BALANCE=True, window=300),
-                                     dict(WS_BALANCE=True, WS_PERSIST=True)],
+                                     dict(WS_PERSIST=True)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
-    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's q scaled once
-    a tile, its row max from the products or a fixed reference, ALiBi's key bias hoisted, the
-    persistent kernel's balanced tile order, the output by a TMA copy; windows: masks behind a
-    branch, persistent or not): out and lse against float64 references, Sq = Sk, Sq > Sk
-    (tiles with no key), Sq < Sk, head counts off the group."""
+    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap with the online
+    max or a fixed reference, ALiBi's key bias hoisted or per key, every causal case
+    persistent; windows: masks behind a branch, persistent or not): out and lse against
+    float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts off the
+    group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)
@@ -364,26 +355,6 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     live = torch.isfinite(ref_lse)
     assert torch.equal(lse.cpu() == math.inf, ~live)      # +inf: no key
     torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
-
-
-@KERNEL_TESTS
-@pytest.mark.parametrize("sq,sk,wl,nprog", [(4096, 4096, 1024, 132), (1000, 1200, None, 7),
-                                            (300, 200, 64, 5)])
-def test_tile_order_is_a_balanced_permutation(sq, sk, wl, nprog):
-    """The persistent kernel's balanced tile order: every tile once, and each program's key
-    blocks (the schedule's cost) within one tile of the mean."""
-    from fuelgraph.backends.cuda.kernels.attention_ws import tile_order
-    heads, bm, bn = 12, 128, 128
-    num_m = -(-sq // bm)
-    order = tile_order(heads, sq, sk, wl or 0, wl is not None, bm, bn, nprog, "cpu").tolist()
-    assert sorted(order) == list(range(num_m * heads))
-
-    def blocks(m):
-        first = m * bm + sk - sq
-        lo = (max(first - wl, 0) // bn) * bn if wl is not None else 0
-        return max(-(-(max(min(sk, first + bm), 0) - lo) // bn), 0)
-    load = [sum(blocks(t % num_m) for t in order[p::nprog]) for p in range(nprog)]
-    assert max(load) <= sum(load) / nprog + max(blocks(m) for m in range(num_m))
 
 
 @KERNEL_TESTS

@@ -163,9 +163,7 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_ALIBI_HOIST": True, "WS_BALANCE": False, "WS_CAP_SCALED_Q": False,
-            "WS_CAP_RAW_MAX": False, "WS_CAP_FIXED_REF": True,
-            "WS_TMA_STORE": False}
+            "WS_ALIBI_HOIST": True, "WS_CAP_FIXED_REF": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -385,24 +383,20 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
             GUARD: tl.constexpr, LAZY: tl.constexpr = False, SHIFTED: tl.constexpr = False,
-            shift=0.0, BLK_MAX: tl.constexpr = False, blk_max=0.0):
+            shift=0.0):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
     alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
     SHIFTED (not FMA): the true scores are s + shift (a block-wide constant: attention_ws's
-    hoisted ALiBi columns); m_i stays in true units. BLK_MAX (FMA): the block's row max of the
-    scores is blk_max (log2 units), computed by the caller."""
+    hoisted ALiBi columns); m_i stays in true units."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
-        if BLK_MAX:
-            m_new = tl.maximum(m_i, blk_max)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
     elif SHIFTED:
         m_new = tl.maximum(m_i, tl.max(s, 1) + shift)
     else:

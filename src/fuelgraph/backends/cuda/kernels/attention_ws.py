@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores, _tanh
+from .attention import _APPROX_TANH, VARIANTS, _finish, _key_ranges, _online, _scores
 from .common import GRAPH_CAPTURE, INTERPRET
 
 #: (BLOCK_M, BLOCK_N, warps of ONE consumer, stages): 128-row tiles (the pass splits them
@@ -47,8 +47,7 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE", "ALIBI_HOIST", "BALANCED",
-                 "CAP_Q", "CAP_RAW_MAX", "CAP_FIXED_REF", "O_TMA"]
+                 "LAZY_RESCALE", "ALIBI_HOIST", "CAP_FIXED_REF"]
 
 
 def _prune(configs, named_args, **kw):
@@ -68,46 +67,33 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
                    LAZY_RESCALE: tl.constexpr = False,
-                   ALIBI_HOIST: tl.constexpr = False, ORDER=None, BALANCED: tl.constexpr = False,
-                   CAP_Q: tl.constexpr = False, CAP_RAW_MAX: tl.constexpr = False,
-                   CAP_FIXED_REF: tl.constexpr = False, O_TMA: tl.constexpr = False):
+                   ALIBI_HOIST: tl.constexpr = False, CAP_FIXED_REF: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
     the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
     k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
-    next tile's q, k and v while the consumers finish this one; BALANCED: the i-th tile taken
-    is ORDER[i] (bh * tiles a head + query tile: tile_order's schedule) instead."""
+    next tile's q, k and v while the consumers finish this one."""
     # q's descriptor is made here, 2-D over the [B * H * SQ, D] rows: the specialization
     # splits the q tile between the two consumers, shrinking the copy's box (a host
     # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
     # the copy's first coordinate (the batch of a 4-D one)
     QD = tl.make_tensor_descriptor(Q, [ROWS, BLOCK_D], [sqm, 1], [BLOCK_M, BLOCK_D])
-    OD = QD
-    if O_TMA:   # out as contiguous [B * H * SQ, D] rows, tiles never straddling two heads
-        OD = tl.make_tensor_descriptor(O, [ROWS, BLOCK_D], [som, 1], [BLOCK_M, BLOCK_D])
     if PERSIST:
         num_m = tl.cdiv(SQ, BLOCK_M)
         per_group = GROUP * num_m
         for tile in tl.range(tl.program_id(0), num_m * BH, tl.num_programs(0),
                              warp_specialize=True):
-            if BALANCED:
-                t = tl.load(ORDER + tile)
-                pid_m = t % num_m
-                bh = t // num_m
-            else:
-                g0 = (tile // per_group) * GROUP
-                heads = tl.minimum(BH - g0, GROUP)
-                rank = (tile % per_group) // heads
-                pid_m = rank
-                if CAUSAL:
-                    pid_m = num_m - 1 - rank
-                bh = g0 + (tile % per_group) % heads
-            _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob,
+            g0 = (tile // per_group) * GROUP
+            heads = tl.minimum(BH - g0, GROUP)
+            rank = (tile % per_group) // heads
+            pid_m = rank
+            if CAUSAL:
+                pid_m = num_m - 1 - rank
+            _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_Q,
-                     CAP_RAW_MAX, CAP_FIXED_REF, O_TMA)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -121,10 +107,10 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             pid_m = num_m - 1 - rank
         elif CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
-        _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G,
+        _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, ALIBI_HOIST, CAP_Q, CAP_RAW_MAX, CAP_FIXED_REF, O_TMA)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -208,21 +194,17 @@ def _ws_mask(s, j, offs_n, hi_key, lo_key, a_first, L, WL, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
+def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
              SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-             ALIBI_HOIST: tl.constexpr, CAP_Q: tl.constexpr, CAP_RAW_MAX: tl.constexpr,
-             CAP_FIXED_REF: tl.constexpr, O_TMA: tl.constexpr):
+             ALIBI_HOIST: tl.constexpr, CAP_FIXED_REF: tl.constexpr):
     """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
-    a score instead of a convert, a multiply and an add a column besides. CAP_Q (softcap): q
-    scaled once a tile (rounded to its 16-bit dtype) instead of every score before tanh.
-    CAP_RAW_MAX (softcap): the row max from the masked products (tanh is increasing: one tanh
-    a row), so its chain of compares need not wait for the scores' tanh. CAP_FIXED_REF
+    a score instead of a convert, a multiply and an add a column besides. CAP_FIXED_REF
     (softcap without ALiBi): a softcapped score lies in [-c, c] (log2 units, c = cap *
     log2(e)), so p = 2^score itself stays a normal number in [2^-c, 2^c] -- softmax is
     shift-invariant: no row max, no online rescale, the same relative accuracy. The host
@@ -237,10 +219,6 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = QD.load([bh * SQ + m0, 0])
-    tanh_scale = QK_SCALE
-    if HAS_CAP and CAP_Q:     # q * scale rounded to q's dtype: no multiply a score before tanh
-        q = (q.to(tl.float32) * QK_SCALE).to(q.dtype)
-        tanh_scale = 1.0
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + b * slb + h)
@@ -256,7 +234,6 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G
         hi_key = tl.minimum(hi_key, a_pos + WR)
     lo_key = a_pos - WL
     HOIST: tl.constexpr = HAS_ALIBI and ALIBI_COLS and ALIBI_HOIST
-    RAW_MAX: tl.constexpr = HAS_CAP and FMA and CAP_RAW_MAX
     FIXED: tl.constexpr = HAS_CAP and FMA and not HAS_ALIBI and CAP_FIXED_REF
     col_bias = (slope * 1.4426950408889634) * offs_n.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -268,12 +245,12 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G
         kn = j + offs_n
         shift = 0.0
         if HOIST:
-            s, t = _scores(qk, a_pos, kn[None, :], L, tanh_scale, CAP, slope, WL, WR, False,
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
                            CAUSAL, HAS_WL, HAS_WR, HAS_CAP, False, False, False, False, True)
             s += col_bias[None, :]
             shift = (slope * 1.4426950408889634) * j
         else:
-            s, t = _scores(qk, a_pos, kn[None, :], L, tanh_scale, CAP, slope, WL, WR, False,
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
                            CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA,
                            True)
         s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
@@ -284,14 +261,8 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G
             l_i += tl.sum(p, 1)
             acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            blk_max = 0.0
-            if RAW_MAX:     # max tanh = tanh max: the max of the masked products, not of s
-                x = _ws_mask(qk * tanh_scale, j, offs_n, hi_key, lo_key, m0 + off, L, WL,
-                             BLOCK_M, BLOCK_N, CAUSAL, HAS_WL, HI_MASK, SKIP_MASK)
-                blk_max = _tanh(tl.max(x, 1), False) * (CAP * 1.4426950408889634)
             p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                         HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift,
-                                         RAW_MAX, blk_max)
+                                         HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift)
             if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
                 acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
             else:
@@ -300,12 +271,9 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, OD, LSE, SLOPES, sob, soh, som, slb, H, G
         m_i = tl.zeros([BLOCK_M], tl.float32)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
-    if O_TMA:       # one asynchronous copy of the tile
-        OD.store([bh * SQ + m0, 0], out.to(O.dtype.element_ty))
-    else:
-        tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-                 + offs_m[:, None].to(tl.int64) * som + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=rmask[:, None])
+    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+             + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=rmask[:, None])
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
 
 
@@ -387,50 +355,6 @@ def _ensure_allocator():
                                                                      device="cuda"))
 
 
-_ORDERS: dict = {}
-
-
-def tile_order(n_heads, sq, klen, wl, has_wl, block_m, block_n, nprog, device):
-    """The persistent kernel's tiles (bh * tiles a head + query tile) in the order it takes
-    them, position i by program i % nprog: longest first (key blocks visited, the lengths of
-    _key_ranges for a causal band), each round of nprog tiles dealt to the programs with the
-    least work so far (one static list schedule: program i's makespan within one tile of the
-    mean instead of ~3% over it for window 1024 with the striding order). An int32 tensor,
-    made once per shape."""
-    key = (n_heads, sq, klen, wl if has_wl else None, block_m, block_n, nprog, device)
-    order = _ORDERS.get(key)
-    if order is not None:
-        return order
-    num_m = triton.cdiv(sq, block_m)
-    lens = []
-    for m in range(num_m):
-        first = m * block_m + klen - sq
-        lo = (max(first - wl, 0) // block_n) * block_n if has_wl else 0
-        hi = max(min(klen, first + block_m), 0)
-        lens.append(max(triton.cdiv(hi - lo, block_n), 0))
-    tiles = sorted(range(num_m * n_heads), key=lambda t: (-lens[t % num_m], t // num_m,
-                                                          -(t % num_m)))
-    load = [0] * nprog
-    rounds = []
-    for r in range(0, len(tiles), nprog):
-        chunk = tiles[r:r + nprog]
-        progs = sorted(range(nprog), key=lambda p: load[p])[:len(chunk)]
-        for t, p in zip(chunk, progs):
-            load[p] += lens[t % num_m]
-        rounds.append(dict(zip(progs, chunk)))
-    # the last round is partial: the programs it deals to become programs 0.. (the kernel's
-    # program i takes positions i, i + nprog, ...)
-    last = rounds[-1]
-    label = {p: i for i, p in enumerate(sorted(range(nprog), key=lambda p: p not in last))}
-    flat = [0] * len(tiles)
-    for r, dealt in enumerate(rounds):
-        for p, t in dealt.items():
-            flat[r * nprog + label[p]] = t
-    order = torch.tensor(flat, dtype=torch.int32, device=device)
-    _ORDERS[key] = order
-    return order
-
-
 def _launch_ws(a, q, k, v, out, lse, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
     L, D = a.klen_static, a.D
@@ -438,15 +362,9 @@ def _launch_ws(a, q, k, v, out, lse, grid):
     vd = TensorDescriptor(v, [a.B, a.HK, L, D], list(v.stride()), [1, 1, 64, D])
     f = a.flags
     persist = VARIANTS["WS_PERSIST"] or (VARIANTS["WS_PERSIST_WINDOW"] and f["HAS_WL"])
-    order = None
     if persist:
         nprog = _resident_programs(q.device)
         grid = lambda meta: (min(nprog, triton.cdiv(a.SQ, meta["BLOCK_M"]) * a.B * a.H),)  # noqa
-        tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in _fwd_ws_kernel.configs}
-        if VARIANTS["WS_BALANCE"] and len({m for m, _ in tiles}) == 1:   # the table's tiles
-            (bm, bn), = sorted(tiles)[:1]                                # are the config's
-            nprog = min(nprog, triton.cdiv(a.SQ, bm) * a.B * a.H)
-            order = tile_order(a.B * a.H, a.SQ, L, a.wl, f["HAS_WL"], bm, bn, nprog, q.device)
     _ensure_allocator()
     _fwd_ws_kernel[grid](q, kd, vd, out, lse, a.slopes, q.stride(2), out.stride(0), out.stride(1),
                          out.stride(2), a.slb, a.B * a.H * a.SQ, a.H, a.G, a.SQ, L, a.qk_scale,
@@ -460,12 +378,6 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
-                         ORDER=order, BALANCED=order is not None,
-                         CAP_Q=VARIANTS["WS_CAP_SCALED_Q"] and f["HAS_CAP"],
-                         CAP_RAW_MAX=VARIANTS["WS_CAP_RAW_MAX"] and f["HAS_CAP"],
                          CAP_FIXED_REF=(VARIANTS["WS_CAP_FIXED_REF"] and f["HAS_CAP"]
                                         and a.cap * 1.4426950408889634
-                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)),
-                         O_TMA=(VARIANTS["WS_TMA_STORE"] and out.is_contiguous()
-                                and all(a.SQ % c.kwargs["BLOCK_M"] == 0
-                                        for c in _fwd_ws_kernel.configs)))
+                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)))
