@@ -305,6 +305,24 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
 # taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
 # each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
 # (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+# Session 10 (row 5: window 1024 / softcap 50 / ALiBi against plain causal; do_bench medians
+# of 3 rounds interleaved in one process unless said otherwise):
+# WS_CAP_FIXED_REF (default) -- softcap 448.8 against 404.1 TFLOP/s (1.057x plain causal's
+# time per unit of work instead of 1.178x); timed in 16 batches alternating with plain
+# causal: 432.6 against 389.9 (1.13x against 1.29x). SASS: 445 instructions a block and warp
+# against 559 (plain causal 431). WS_ALIBI_HOIST (default) -- ALiBi 439.6 against 427.2
+# (round 1: 437.6 against 427.6; SASS 502 against 593 instructions a block).
+# Tried and removed: softcap's exponentials partly on the FMA pipe (a cubic, FlashAttention-4's
+# trick), n of 8: softcap 395 / 401 / 387 / 377 for n = 2 / 3 / 4 / 5 against 413 (MUFU is not
+# what limits it: every added instruction costs), 1 of 8 on the other cases: plain causal 453
+# against 478; the row max from the products under the scores' tanh (WS_CAP_RAW_MAX): 359
+# against 390 (paired); the persistent window kernel's tiles in a balanced static order (a list
+# schedule: the program makespan within a tile of the mean instead of 3% over it): window
+# 405.9 / 408.9 against 409.2 / 404.4 in two runs, noise; the output tile by a TMA store:
+# plain causal 461.4 against 472.6. Not run: q scaled once a tile for softcap (saves the
+# multiply before tanh, but the rounding of q * scale to bf16 raised the error 2-15x in a CPU
+# model, still within the 16-bit rule); packed f16x2 / bf16x2 tanh and ex2 (sm_90 SASS runs
+# them as two MUFU instructions each, plus packing).
 
 
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
