@@ -23,6 +23,7 @@ SDPA before it is timed (field max_err).
     python3 bench/bench_cuda_attention.py [--out DIR] [--quick] [--rows 1,3]
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
+        [--schedule-cases "window 1024,softcap 50,alibi"] [--rounds 3] [--paired 20]
         [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
@@ -41,7 +42,10 @@ forward's launch config for that setting, WSCONFIG=M.N.W.S the warp-specialized 
 (W: one consumer's warps); impl "fuelgraph kernel <setting>") and prints causal
 TFLOP/s and the window's time per unit of work against plain causal's, setting by setting
 (with --warm, it compiles those kernels instead). --schedule-cases adds row 5's other cases
-("softcap 50,alibi"); --tag names its JSON (cuda_attention_<date>_<tag>.json).
+("softcap 50,alibi"); --rounds R repeats the settings R times interleaved and prints each
+setting's medians; --paired N times each case against plain causal in N alternating batches
+(paired_ms: the ratio is immune to drift between two timings); --tag names its JSON
+(cuda_attention_<date>_<tag>.json).
 
 --ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
 fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
@@ -362,39 +366,109 @@ def warm_schedules(specs, part, nparts):
             print(f"warm {name} [{spec}]", flush=True)
 
 
-def schedules_row(row, specs, B, H, S):
-    """Plain causal and window 1024 under each VARIANTS setting; (spec, causal TFLOP/s,
-    window TFLOP/s, window time per unit of work / plain causal's) lines."""
+def paired_ms(fa, fb, batches, iters=4):
+    """(ms of fa, ms of fb, median over batches of fb's time / fa's): `batches` batches of
+    `iters` calls of each, timed with CUDA events, the two alternating (which goes first flips
+    every batch), so clock and temperature drift hit both alike."""
+    fa(), fb()
+    ta, tb, ratio = [], [], []
+    for i in range(batches):
+        times = []
+        for fn in ((fa, fb) if i % 2 == 0 else (fb, fa)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        a, b = (x[0].elapsed_time(x[1]) / iters for x in (times if i % 2 == 0 else times[::-1]))
+        ta.append(a)
+        tb.append(b)
+        ratio.append(b / a)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return med(ta), med(tb), med(ratio)
+
+
+PAIRED = {"batches": 0}
+
+
+def schedules_row(row, specs, B, H, S, rounds=1):
+    """Plain causal and row 5's other cases (SCHEDULE_CASES) under each VARIANTS setting, the
+    settings interleaved over `rounds` rounds: (spec, causal TFLOP/s, each case's TFLOP/s and
+    time per unit of work / plain causal's) lines a round, then with rounds > 1 each
+    setting's medians. With --paired N each case's ratio comes from paired_ms against plain
+    causal (N alternating batches), not from two separate do_bench timings."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     refs, lines = {}, []
-    for spec, kv in specs:
-        tf, errs = {}, []
-        for name, p, opt, wl in schedule_cases(H):
-            case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
-            flops = 4.0 * D * pairs(S, S, True, wl) * B * H
-            try:
-                got = with_variants(kv, lambda: K.flash_attn(q, k, v, *opt, **p)[0])
-                refs.setdefault(name, got)
-                ms = with_variants(kv, lambda: t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)))
-                err = maxerr(got, refs[name])
-                record(row, case, f"fuelgraph kernel {spec}", ms, flops, err, **fwd_tuning())
-                tf[name] = flops / (ms * 1e-3) / 1e12
-                errs.append(err)
-            except Exception as exc:  # noqa: BLE001
-                print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
-        if "plain causal" in tf and len(tf) == len(SCHEDULE_CASES):
-            rest = "  ".join(f"{n.split()[0]} {tf[n]:5.1f} = {tf['plain causal'] / tf[n]:.3f}x"
-                             for n in SCHEDULE_CASES if n != "plain causal")
-            lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  {rest}  err "
-                         f"vs first {max(errs):.1e}")
+    ratios = {spec: {} for spec, _ in specs}
+    plain = schedule_cases(H)[0]
+    plain_flops = 4.0 * D * pairs(S, S, True, None) * B * H
+    for r in range(rounds):
+        for spec, kv in specs:
+            tf, rat, errs = {}, {}, []
+            for name, p, opt, wl in schedule_cases(H):
+                case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
+                flops = 4.0 * D * pairs(S, S, True, wl) * B * H
+                try:
+                    got = with_variants(kv, lambda: K.flash_attn(q, k, v, *opt, **p)[0])
+                    refs.setdefault(name, got)
+                    err = maxerr(got, refs[name])
+                    if PAIRED["batches"] and name != "plain causal":
+                        fp = lambda: K.flash_attn(q, k, v, *plain[2], **plain[1])  # noqa: E731
+                        fc = lambda: K.flash_attn(q, k, v, *opt, **p)  # noqa: E731
+                        ms_p, ms, x = with_variants(kv, lambda: paired_ms(
+                            fp, fc, PAIRED["batches"]))
+                        rat[name] = x * plain_flops / flops
+                        record(row, dict(case, name="plain causal"), f"fuelgraph kernel {spec}",
+                               ms_p, plain_flops, round=r, paired_with=name)
+                        record(row, case, f"fuelgraph kernel {spec}", ms, flops, err, round=r,
+                               paired=True, per_work_vs_plain=round(rat[name], 4))
+                    elif PAIRED["batches"]:
+                        continue          # timed alongside each other case
+                    else:
+                        ms = with_variants(kv, lambda: t_ms(lambda: K.flash_attn(q, k, v, *opt,
+                                                                                  **p)))
+                        record(row, case, f"fuelgraph kernel {spec}", ms, flops, err, round=r,
+                               **fwd_tuning())
+                    tf[name] = flops / (ms * 1e-3) / 1e12
+                    if PAIRED["batches"]:
+                        tf.setdefault("plain causal", plain_flops / (ms_p * 1e-3) / 1e12)
+                    errs.append(err)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
+            if "plain causal" in tf and len(tf) == len(SCHEDULE_CASES):
+                for n in SCHEDULE_CASES:
+                    rat.setdefault(n, tf["plain causal"] / tf[n])
+                    ratios[spec].setdefault(n, []).append(
+                        tf[n] if n == "plain causal" else rat[n])
+                rest = "  ".join(f"{n.split()[0]} {tf[n]:5.1f} = {rat[n]:.3f}x"
+                                 for n in SCHEDULE_CASES if n != "plain causal")
+                lines.append(f"  {spec:34s} causal {tf['plain causal']:6.1f} TFLOP/s  {rest}  "
+                             f"err vs first {max(errs):.1e}" + (f"  round {r}" if rounds > 1
+                                                                else ""))
+    if rounds > 1:
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        lines.append(f"medians over {rounds} interleaved rounds (each round's values after /)")
+        for spec, by_case in ratios.items():
+            if not by_case:
+                continue
+            parts = [f"causal {med(by_case['plain causal']):5.1f}"] + [
+                f"{n.split()[0]} {med(by_case[n]):.3f}x" for n in SCHEDULE_CASES
+                if n != "plain causal" and n in by_case]
+            each = " / ".join(",".join(f"{by_case[n][i]:.3g}" for n in SCHEDULE_CASES
+                                       if n in by_case) for i in range(len(by_case[
+                                           "plain causal"])))
+            lines.append(f"  {spec:34s} " + "  ".join(parts) + f"  [{each}]")
     return lines
 
 
 def ab_row(row, specs, rounds, B, H, S, causal=True):
     """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
     interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
-    measured once, later than another, can lose 5% to the drift alone); the setting "plan" times the cached fuelgraph
-    plan with the defaults. Returns (spec, median TFLOP/s, every round's) lines."""
+    measured once, later than another, can lose 5% to the drift alone); the setting "plan"
+    times the cached fuelgraph plan with the defaults. Returns (spec, median TFLOP/s, every
+    round's) lines."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     case = {"op": "flash_attn", "name": "causal fwd" if causal else "non-causal fwd",
             "shape": [B, H, H, S, S, D]}
@@ -525,14 +599,18 @@ def main():
     ap.add_argument("--schedule-cases", default=None,
                     help='row 5 cases for --schedules, e.g. "window 1024,softcap 50,alibi"')
     ap.add_argument("--tag", default="schedules", help="--schedules: the JSON's name suffix")
+    ap.add_argument("--paired", type=int, default=0,
+                    help="--schedules: each case's ratio from N batches alternating with plain")
     ap.add_argument("--ab", default=None,
                     help='plain causal under each setting ("base;plan;KEY=VALUE"), interleaved')
-    ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="--ab (default 3) / --schedules (default 1): interleaved rounds")
     ap.add_argument("--non-causal", action="store_true", help="--ab: row 2's case instead")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
     SWEEP["on"] = args.sweep
+    PAIRED["batches"] = args.paired
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
@@ -556,9 +634,10 @@ def main():
                     torch.cuda.synchronize()
                     print(f"warm [{spec}]", flush=True)
             return
-        lines = ab_row(8, ab_specs, args.rounds, 4, 32, 4096, not args.non_causal)
+        rounds = args.rounds or 3
+        lines = ab_row(8, ab_specs, rounds, 4, 32, 4096, not args.non_causal)
         print(f"\nA/B {'non-causal' if args.non_causal else 'plain causal'} B4 H32 S4096, "
-              f"{args.rounds} interleaved rounds")
+              f"{rounds} interleaved rounds")
         print("\n".join(lines), flush=True)
         save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
         return
@@ -580,7 +659,7 @@ def main():
     results = {}
     if specs:          # the schedule sweep instead of the rows
         rows = set()
-        lines = schedules_row(7, specs, B, H, S)
+        lines = schedules_row(7, specs, B, H, S, args.rounds or 1)
         print("\nschedules (plain causal target >= 450 TFLOP/s; the others: TFLOP/s and "
               "time per unit of work / plain causal's, target <= 1.15x)")
         print("\n".join(lines), flush=True)

@@ -81,7 +81,8 @@ def ws_source(case, m, n, persist=False, **extra):
                 ALIBI_COLS=flags["HAS_ALIBI"] and A.VARIANTS["ALIBI_COLS"],
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
-    cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, POLY_EXP=False)
+    cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, ALIBI_HOIST=False,
+                CAP_FIXED_REF=False)
     cons.update(extra)
     sig["BH"] = "i32"
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]

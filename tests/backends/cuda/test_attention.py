@@ -293,14 +293,15 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
     sq, sk = shape[3], o.get("k_len") or shape[4]
     ref_lse = _ref_lse(q, k, sk, p, o.get("alibi"))
     live = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isinf(lse.cpu()), ~live)
+    assert torch.equal(lse.cpu() == math.inf, ~live)      # +inf: no key
     torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
 
 
 @KERNEL_TESTS
 @pytest.mark.parametrize("shape", [(1, 4, 4, 1024, 1024, 128), (2, 2, 2, 768, 256, 64),
                                    (1, 3, 3, 256, 640, 128)] if HAS_CUDA
-                         else [(1, 3, 1, 64, 96, 16)], ids=lambda x: "x".join(map(str, x)))
+                         else [(1, 3, 1, 64, 96, 16), (1, 2, 1, 80, 40, 16)],
+                         ids=lambda x: "x".join(map(str, x)))
 @pytest.mark.parametrize("variant", [dict(WS_SKIP_MASK=False), dict(WS_HEADS=2),
                                      dict(WS_SKIP_MASK_WINDOW=True, window=300),
                                      dict(WS_SKIP_MASK_WINDOW=True, WS_PERSIST_WINDOW=False,
@@ -308,19 +309,26 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_LAZY_RESCALE=True),
                                      dict(WS_LAZY_RESCALE=True, WS_SKIP_MASK_WINDOW=True,
                                           window=300),
-                                     dict(WS_POLY_EXP=True, softcap=1.3)],
+                                     dict(WS_CAP_FIXED_REF=False, softcap=1.3),
+                                     dict(softcap=50.0, window=300),
+                                     dict(WS_ALIBI_HOIST=False, alibi=True),
+                                     dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
+                                          window=300),
+                                     dict(WS_PERSIST=True)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a
-    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap's exponentials
-    half on the FMA pipe; windows: masks behind a branch, persistent or not): out and lse
-    against float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts
-    off the group."""
+    branch, tiles dealt a group of heads at a time, the lazy rescale, softcap with the online
+    max or a fixed reference, ALiBi's key bias hoisted or per key, every causal case
+    persistent; windows: masks behind a branch, persistent or not): out and lse against
+    float64 references, Sq = Sk, Sq > Sk (tiles with no key), Sq < Sk, head counts off the
+    group."""
     dtype = "bfloat16" if HAS_CUDA else "float16"
     monkeypatch.setitem(K.VARIANTS, "WARP_SPEC", True)
     variant = dict(variant)
     window = variant.pop("window", None)
     softcap = variant.pop("softcap", None)
+    alibi = variant.pop("alibi", False)
     if window is not None and not HAS_CUDA:
         window //= 10
     for name, value in variant.items():
@@ -336,14 +344,16 @@ def test_warp_specialized_variants(shape, variant, monkeypatch):
     if softcap is not None:
         o["softcap"] = softcap
     p = dict(PARAMS, **o)
-    out, lse = K.flash_attn(q, k, v, **p)
+    slopes = (torch.linspace(0.05, 0.4, shape[1], dtype=torch.float32, device=DEV)
+              if alibi else None)
+    out, lse = K.flash_attn(q, k, v, *([slopes] if alibi else []), **dict(p, has_alibi=alibi))
     assert used
-    want = _ref(q, k, v, go, **o)[0]
-    same = _ref(q, k, v, go, dtype=TD[dtype], **o)[0]
+    want = _ref(q, k, v, go, alibi=slopes, **o)[0]
+    same = _ref(q, k, v, go, alibi=slopes, dtype=TD[dtype], **o)[0]
     assert_flash_rule(out.cpu().double().numpy(), want.numpy(), same.numpy(), slack=2e-3)
-    ref_lse = _ref_lse(q, k, shape[4], p, None)
+    ref_lse = _ref_lse(q, k, shape[4], p, slopes)
     live = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isinf(lse.cpu()), ~live)
+    assert torch.equal(lse.cpu() == math.inf, ~live)      # +inf: no key
     torch.testing.assert_close(lse.cpu().double()[live], ref_lse[live], rtol=2e-2, atol=2e-2)
 
 

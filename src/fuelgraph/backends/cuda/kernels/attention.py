@@ -154,33 +154,7 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)])
 #: window 1024 370.0 / 370.0 against 366.2 / 359.0; with 128 x 64 tiles 417 / 407 and 342 /
 #: 340. Session 5's "same SASS on sm_90" try had pointer loads and 8 warps: the Hopper pass
 #: needs 4 warps and tensor-descriptor loads (and one loop without branches inside).
-#: WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
-#: the warp-specialized kernel persistent: one program a multiprocessor striding over the
-#: tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
-#: tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
-#: (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
-#: softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
-#: Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
-#: one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
-#: 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
-#: 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
-#: WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
-#: inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
-#: the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
-#: B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
-#: WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
-#: 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
-#: not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
-#: longest rows first across them (a shorter tail: a list schedule of the tile lengths on
-#: 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
-#: (default) -- see _online's LAZY and attention_ws._rescale_if. Plain causal, 3 interleaved
-#: rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
-#: alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
-#: 443.0 / 417.3). WS_POLY_EXP -- softcap's exponentials half on the FMA pipe.
-#: Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
-#: taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
-#: each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
-#: (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+#: WS_* -- the warp-specialized kernel's variants: their measurements are in attention_ws.py.
 #: The plan gap measured last session (466 kernel vs 444 through a cached plan) was the order
 #: of the measurements: interleaved, 437.7 / 420.9 / 433.3 kernel against 437.2 / 429.2 /
 #: 433.4 plan (do_bench queues every call before it waits, so host work under ~1 ms a call
@@ -189,7 +163,7 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_POLY_EXP": False}
+            "WS_ALIBI_HOIST": True, "WS_CAP_FIXED_REF": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -406,47 +380,25 @@ def _fwd_softmax(qk, l_i, m_i, kn, a_pos, L, QK_SCALE, CAP, slope, WL, WR, MASK:
     return _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA, MASK)
 
 
-#: 2^$2 by the special-function unit, 2^$3 as _exp2_fma does, in PTX
-_EXP2_PAIR = tl.constexpr(
-    "{ .reg .f32 xc, j, f, c; .reg .b32 jb, cb; .reg .pred p; ex2.approx.ftz.f32 $0, $2; "
-    "max.f32 xc, $3, 0fC2FA0000; add.f32 j, xc, 0f4B400000; sub.f32 f, j, 0f4B400000; "
-    "sub.f32 f, xc, f; fma.rn.f32 c, f, 0f3D61A4AB, 0f3E786D32; "
-    "fma.rn.f32 c, c, f, 0f3F317A8D; fma.rn.f32 c, c, f, 0f3F7FFB58; mov.b32 jb, j; "
-    "shl.b32 jb, jb, 23; mov.b32 cb, c; add.s32 cb, cb, jb; setp.gt.f32 p, $3, 0fC2FA0000; "
-    "selp.b32 $1, cb, 0, p; }")
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x for x <= 8 or -inf without the special-function unit: 2^round(x) put into the
-    exponent of a cubic for 2^f, f in [-1/2, 1/2] (relative error 8e-5, below a 16-bit
-    ulp); -inf and x < -125 give 0. Softcap's loop issues two MUFU instructions a score
-    (tanh, exp2): this moves some of that load to the FMA pipe (FlashAttention-4's trick)."""
-    xc = tl.maximum(x, -125.0)
-    j = xc + 12582912.0                 # 1.5 * 2^23: round(xc) in the low mantissa bits
-    f = xc - (j - 12582912.0)
-    c = (0.05508868 * f + 0.24260405) * f + 0.69327624
-    c = c * f + 0.99992894
-    r = (c.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)).to(
-        tl.float32, bitcast=True)
-    return tl.where(x > -125.0, r, 0.0)
-
-
 @triton.jit
 def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr,
-            GUARD: tl.constexpr, LAZY: tl.constexpr = False, POLY: tl.constexpr = False):
+            GUARD: tl.constexpr, LAZY: tl.constexpr = False, SHIFTED: tl.constexpr = False,
+            shift=0.0):
     """The online-softmax update from scores s (raw with FMA): (p, alpha, l_i, m_i). GUARD:
     a row may still have no admissible key (masked blocks): shift it by 0, not -inf. LAZY:
     m_i, the reference the scores are shifted by, moves only when the row max passes it by
     more than 8 (log2 units): p stays <= 2^8 (exact in the 16-bit P V operand's range), and
     alpha is exactly 1 on the blocks that did not move it (their rescale can be skipped).
-    POLY: half the exponentials by _exp2_fma."""
+    SHIFTED (not FMA): the true scores are s + shift (a block-wide constant: attention_ws's
+    hoisted ALiBi columns); m_i stays in true units."""
     if FMA:    # s is raw: max(s) * mult is the max of the scores (mult > 0)
         if HAS_CAP:
             mult = CAP * 1.4426950408889634
         else:
             mult = QK_SCALE * 1.4426950408889634
         m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    elif SHIFTED:
+        m_new = tl.maximum(m_i, tl.max(s, 1) + shift)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
     if LAZY:
@@ -456,15 +408,11 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     if FMA:    # one fused multiply-add a score
         x = s * mult - m_use[:, None]
+    elif SHIFTED:
+        x = s - (m_use - shift)[:, None]
     else:
         x = s - m_use[:, None]
-    if POLY and _APPROX_TANH:   # of each pair of a thread's scores, one on the FMA pipe
-        p = tl.inline_asm_elementwise(_EXP2_PAIR, "=r,=r,r,r", [x], dtype=tl.float32,
-                                      is_pure=True, pack=2)
-    elif POLY:                   # the interpreter: the same arithmetic on every score
-        p = _exp2_fma(x)
-    else:
-        p = tl.exp2(x)
+    p = tl.exp2(x)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new

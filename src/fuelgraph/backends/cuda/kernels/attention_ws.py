@@ -47,7 +47,7 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE", "POLY_EXP"]
+                 "LAZY_RESCALE", "ALIBI_HOIST", "CAP_FIXED_REF"]
 
 
 def _prune(configs, named_args, **kw):
@@ -66,7 +66,8 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    ALIBI_COLS: tl.constexpr, FMA: tl.constexpr, EVEN_L: tl.constexpr,
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
-                   LAZY_RESCALE: tl.constexpr = False, POLY_EXP: tl.constexpr = False):
+                   LAZY_RESCALE: tl.constexpr = False,
+                   ALIBI_HOIST: tl.constexpr = False, CAP_FIXED_REF: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
@@ -92,7 +93,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
             _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, POLY_EXP)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -109,7 +110,7 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, POLY_EXP)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -165,13 +166,50 @@ def _masked_if(s, col, bound, need, low, BAND: tl.constexpr):
 
 
 @triton.jit
+def _ws_mask(s, j, offs_n, hi_key, lo_key, a_first, L, WL, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
+             HI_MASK: tl.constexpr, SKIP_MASK: tl.constexpr):
+    """s [BLOCK_M, BLOCK_N] (keys j + offs_n) at -inf outside each row's lo_key..hi_key
+    (a_first: the tile's first row's key position)."""
+    if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
+        # the first row's upper bound is the tile's smallest (causal: its position)
+        past_hi = j + BLOCK_N - 1 > (a_first if CAUSAL else L - 1)
+        if HAS_WL:      # the diagonal block and the window's far edge
+            s = _masked_if(s, offs_n[None, :], hi_key - j,
+                           past_hi | (j < a_first + BLOCK_M - 1 - WL), lo_key - j, True)
+        else:           # the diagonal block (non-causal: the last block past L)
+            s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi, hi_key, False)
+    elif HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
+        s = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
+            "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
+            [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
+            pack=1)
+    else:
+        if HI_MASK:
+            s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
+        if HAS_WL:
+            s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
+    return s
+
+
+@triton.jit
 def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ, L, QK_SCALE,
              CAP, WL, WR, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
-             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr, POLY_EXP: tl.constexpr):
-    """One query tile; WS: its key loop is the specialized one."""
+             SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+             ALIBI_HOIST: tl.constexpr, CAP_FIXED_REF: tl.constexpr):
+    """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
+    ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
+    the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
+    a score instead of a convert, a multiply and an add a column besides. CAP_FIXED_REF
+    (softcap without ALiBi): a softcapped score lies in [-c, c] (log2 units, c = cap *
+    log2(e)), so p = 2^score itself stays a normal number in [2^-c, 2^c] -- softmax is
+    shift-invariant: no row max, no online rescale, the same relative accuracy. The host
+    allows it for c <= 80 with bfloat16 P (sums of 2^80 p v stay far from float32's range),
+    c <= 14 with float16 P (its largest number is 2^16)."""
     b = bh // H
     h = bh % H
     hk = h // G
@@ -195,6 +233,9 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
     if HAS_WR:
         hi_key = tl.minimum(hi_key, a_pos + WR)
     lo_key = a_pos - WL
+    HOIST: tl.constexpr = HAS_ALIBI and ALIBI_COLS and ALIBI_HOIST
+    FIXED: tl.constexpr = HAS_CAP and FMA and not HAS_ALIBI and CAP_FIXED_REF
+    col_bias = (slope * 1.4426950408889634) * offs_n.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -202,40 +243,86 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
         k = KD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         kn = j + offs_n
-        s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False, CAUSAL,
-                       HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA, True)
-        if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
-            # the first row's upper bound is the tile's smallest (causal: its position)
-            past_hi = j + BLOCK_N - 1 > (m0 + off if CAUSAL else L - 1)
-            if HAS_WL:      # the diagonal block and the window's far edge
-                s = _masked_if(s, offs_n[None, :], hi_key - j,
-                               past_hi | (j < m0 + BLOCK_M - 1 + off - WL), lo_key - j, True)
-            else:           # the diagonal block (non-causal: the last block past L)
-                s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi, hi_key, False)
-        elif HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
-            s = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ge.s32 p, $2, $3; setp.le.and.s32 p, $2, $4, p; "
-                "selp.f32 $0, $1, 0fFF800000, p; }", "=r,r,r,r,r",
-                [s, offs_n[None, :], lo_key - j, hi_key - j], dtype=tl.float32, is_pure=True,
-                pack=1)
+        shift = 0.0
+        if HOIST:
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+                           CAUSAL, HAS_WL, HAS_WR, HAS_CAP, False, False, False, False, True)
+            s += col_bias[None, :]
+            shift = (slope * 1.4426950408889634) * j
         else:
-            if HI_MASK:
-                s = tl.where(offs_n[None, :] <= hi_key - j, s, float("-inf"))
-            if HAS_WL:
-                s = tl.where(offs_n[None, :] >= lo_key - j, s, float("-inf"))
-        p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
-                                     HI_MASK or HAS_WL, LAZY_RESCALE, POLY_EXP)
+            s, t = _scores(qk, a_pos, kn[None, :], L, QK_SCALE, CAP, slope, WL, WR, False,
+                           CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA,
+                           True)
+        s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
+                     HAS_WL, HI_MASK, SKIP_MASK)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
-        if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
-            acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+        if FIXED:       # p = 2^score: no row max, no rescale
+            p = tl.exp2(s * (CAP * 1.4426950408889634))
+            l_i += tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            p, alpha, l_i, m_i = _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP, FMA,
+                                         HI_MASK or HAS_WL, LAZY_RESCALE, HOIST, shift)
+            if LAZY_RESCALE and _APPROX_TANH:     # alpha is 1 unless the reference moved
+                acc = tl.dot(p.to(v.dtype), v, _rescale_if(acc, alpha[:, None]))
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if FIXED:
+        m_i = tl.zeros([BLOCK_M], tl.float32)
     out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
     tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
              + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=rmask[:, None])
     tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
+
+
+# ---- variants (attention.VARIANTS["WS_*"]; H200, B4 H32 S4096 bf16 D128) --------------------
+# WS_PERSIST (every causal case) / WS_PERSIST_WINDOW (causal left windows; the default) --
+# the warp-specialized kernel persistent: one program a multiprocessor striding over the
+# tiles, its producer loading the next tile while the consumers finish one. H200, 128 x 128
+# tiles, two interleaved repeats: window 1024 400.6 / 396.0 against 378.3 / 371.5 TFLOP/s
+# (1.13x / 1.12x the plain causal kernel's 453.6 / 441.7), but plain causal 422 / 430,
+# softcap 399 / 387 against 403 / 395, ALiBi 420 / 411 against 430 / 413: so windows only.
+# Tried in session 8 and dropped: each program prefetching into L2 the q tile of the program
+# one wave later (q is read once, from HBM, before the k/v prefetch starts): plain causal
+# 438.8 / 416.8 / 436.6 against 435.4 / 429.9 / 418.4, window 361.2 / 348.7 / 358.0 against
+# 369.4 / 360.6 / 355.3 (three interleaved repeats): noise.
+# WS_SKIP_MASK (default) -- the warp-specialized kernel's causal mask behind a branch in
+# inline PTX (the specialization pass sees one elementwise op; only the diagonal block runs
+# the compares): sm_90 SASS of a block 650 -> ~465 instructions executed. H200, plain causal
+# B4 H32 S4096, 3 interleaved rounds: 465 / 457 / 446 against 438 / 421 / 433 TFLOP/s.
+# WS_SKIP_MASK_WINDOW (default) -- the same for a causal window's two edges: window 1024
+# 432 against 402 TFLOP/s (1.08x plain causal's time per unit of work instead of 1.19x;
+# not persistent: 380). WS_HEADS (default 4) -- tiles dealt WS_HEADS heads at a time,
+# longest rows first across them (a shorter tail: a list schedule of the tile lengths on
+# 132 SMs puts the makespan 3.2% over the mean with one head, 0.3% with 4). WS_LAZY_RESCALE
+# (default) -- see attention._online's LAZY and _rescale_if. Plain causal, 3 interleaved
+# rounds: both 485.5 / 479.7 / 469.7, WS_HEADS=4 alone 479.8 / 469.6 / 463.7, lazy rescale
+# alone 472.6 / 471.6 / 469.4, neither 469.0 / 448.3 / 469.2 (mask every block: 451.6 /
+# 443.0 / 417.3).
+# Tried in session 9 and dropped: FlashAttention-3's ping-pong (the two consumer warpgroups
+# taking turns on the tensor cores, through named-barrier rendezvous in inline PTX around
+# each block's softmax): plain causal 347 against 433 TFLOP/s, window 1024 236 against 385
+# (one warpgroup's 64-row products alone use the tensor cores far less than both at once).
+# Session 10 (row 5: window 1024 / softcap 50 / ALiBi against plain causal; do_bench medians
+# of 3 rounds interleaved in one process unless said otherwise):
+# WS_CAP_FIXED_REF (default) -- softcap 448.8 against 404.1 TFLOP/s (1.057x plain causal's
+# time per unit of work instead of 1.178x); timed in 16 batches alternating with plain
+# causal: 432.6 against 389.9 (1.13x against 1.29x). SASS: 445 instructions a block and warp
+# against 559 (plain causal 431). WS_ALIBI_HOIST (default) -- ALiBi 439.6 against 427.2
+# (round 1: 437.6 against 427.6; SASS 502 against 593 instructions a block).
+# Tried and removed: softcap's exponentials partly on the FMA pipe (a cubic, FlashAttention-4's
+# trick), n of 8: softcap 395 / 401 / 387 / 377 for n = 2 / 3 / 4 / 5 against 413 (MUFU is not
+# what limits it: every added instruction costs), 1 of 8 on the other cases: plain causal 453
+# against 478; the row max from the products under the scores' tanh (WS_CAP_RAW_MAX): 359
+# against 390 (paired); the persistent window kernel's tiles in a balanced static order (a list
+# schedule: the program makespan within a tile of the mean instead of 3% over it): window
+# 405.9 / 408.9 against 409.2 / 404.4 in two runs, noise; the output tile by a TMA store:
+# plain causal 461.4 against 472.6. Not run: q scaled once a tile for softcap (saves the
+# multiply before tanh, but the rounding of q * scale to bf16 raised the error 2-15x in a CPU
+# model, still within the 16-bit rule); packed f16x2 / bf16x2 tanh and ex2 (sm_90 SASS runs
+# them as two MUFU instructions each, plus packing).
 
 
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
@@ -308,4 +395,7 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                                             else "WS_SKIP_MASK"],
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
-                         POLY_EXP=VARIANTS["WS_POLY_EXP"] and f["HAS_CAP"])
+                         ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
+                         CAP_FIXED_REF=(VARIANTS["WS_CAP_FIXED_REF"] and f["HAS_CAP"]
+                                        and a.cap * 1.4426950408889634
+                                        <= (80.0 if q.dtype == torch.bfloat16 else 14.0)))
