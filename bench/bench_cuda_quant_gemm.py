@@ -10,6 +10,7 @@ Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
+                                           [--dense-each]
 """
 from __future__ import annotations
 
@@ -66,9 +67,18 @@ GLUON = [GluonGemmConfig(4, 256, 4, 2), GluonGemmConfig(4, 256, 4, 2, 1),
          GluonGemmConfig(4, 256, 4, 2, late=1), GluonGemmConfig(4, 256, 4, 2, 1, late=1)]
 #: Q4_0's bf16x2 decode (h2) with the producer warp and late loads, and also rotated K
 H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1, 1)]
-CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2],
-              "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON], "Q8_0": [_OLD, *GLUON],
-              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON], "Q6_K": [*GLUON]}
+#: split K in two (session 10): 128 x 256 tiles (two warpgroups), 128 programs that read x
+#: half as often as 64 x 256 ones; then with the producer warp, 5 stages, late loads; 128 x 128
+#: tiles split in two for M = 128 (64 x 128 ones: 128 programs without a split)
+SPLIT = [GluonGemmConfig(8, 256, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, 1, split=2),
+         GluonGemmConfig(8, 256, 5, 2, split=2), GluonGemmConfig(8, 256, 4, 2, late=1, split=2),
+         GluonGemmConfig(8, 128, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, rot=1, split=2)]
+#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..18, awq / Q4_K / Q8_0
+#: / nf4: 10..15, Q6_K: 9..14)
+CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2, *SPLIT],
+              "awq": [K.AWQ_GEMM, *GLUON, *SPLIT], "Q4_K": [_OLD, *GLUON, *SPLIT],
+              "Q8_0": [_OLD, *GLUON, *SPLIT],
+              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON, *SPLIT], "Q6_K": [*GLUON, *SPLIT]}
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -99,6 +109,8 @@ def main():
                     help="indices into each op's configs: 0 = the default route, 1.. = "
                          "CANDIDATES (per op: Q4_0=0,2/awq=3)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
+    ap.add_argument("--dense-each", action="store_true",
+                    help="time the dense cuBLAS anchor before every format, not once a size")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -134,7 +146,8 @@ def main():
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
             want = TF.linear(x, w)
-            if not args.no_anchor and not args.compile_only and m not in anchored:
+            if not args.no_anchor and not args.compile_only and \
+                    (m not in anchored or args.dense_each):
                 anchored.add(m)
                 ms = do_bench_cudagraph(lambda: TF.linear(x, w), rep=args.rep,
                                         return_mode="median")

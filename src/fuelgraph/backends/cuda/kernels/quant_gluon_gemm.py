@@ -53,7 +53,14 @@ decoded twice) 0.080-0.093. Each step's A fence (fence.proxy.async: MEMBAR.ALL.C
 waits for the thread's global loads in flight, so the look-ahead loads of the words sit on the
 loop's path (`late` moves them behind the iteration's last fence). Options not measured on the
 H200 yet: late, rot, h2 and the producer warp (ws) on 64 x 256 tiles (ws gave 128 x 128 tiles
-4-5%)."""
+4-5%).
+
+Split K (`split=2`, session 10): 128 x 256 tiles (two warpgroups, 128 float32 acc registers a
+thread) over half of K each are again 128 programs, but each reads only its half of x: 256 MB
+from L2 instead of 512, and each weight is still decoded once. The two programs of a tile meet
+after their loops (`_split_epilogue`): the first to arrive writes its float32 partial, the
+second adds it to its own and stores; a + b is commutative, so the result does not depend on
+which came first. A tile counter a launch (zeroed again by the second program) orders them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -393,43 +400,44 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 
 
 @gluon.jit
-def _xk(step, rot, steps, ROT: gl.constexpr):
-    """Column of x of the program's step (ROT: K walked from step rot on, wrapping)."""
+def _xk(step, rot, steps, ROT: gl.constexpr, k0=0):
+    """Column of x of the program's step (ROT: K walked from step rot on, wrapping; k0: the
+    first step of the program's K range, split K)."""
     if ROT:
-        return ((step + rot) % steps) * 64
-    return step * 64
+        return ((step + rot) % steps + k0) * 64
+    return (step + k0) * 64
 
 
 @gluon.jit
 def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot=0,
-            ROT: gl.constexpr = False):
+            ROT: gl.constexpr = False, k0=0):
     """x buffer of step `done` (retired) takes step done + STAGES, if both exist (predicated,
     no branch: a branch between a wgmma and its wait makes ptxas serialize the wgmmas)."""
     ok = (done >= 0) & (done + STAGES < steps)
     sn = (done + STAGES) % STAGES
     mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [m0, _xk(done + STAGES, rot, steps, ROT)],
+    tma.async_copy_global_to_shared(x_desc, [m0, _xk(done + STAGES, rot, steps, ROT, k0)],
                                     ready.index(sn),
                                     x_smem.index(sn), pred=ok)
 
 
 @gluon.jit
 def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, rot,
-                ROT: gl.constexpr):
+                ROT: gl.constexpr, k0):
     """The TMA warp (WS): x tiles of steps STAGES.. into the ring, each once its buffer's
     `empty` barrier says the consumers retired the step that used it before."""
     for i in range(STAGES, steps):
         sn = i % STAGES
         mbarrier.wait(empty.index(sn), ((i // STAGES) - 1) & 1)
         mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, _xk(i, rot, steps, ROT)], ready.index(sn),
+        tma.async_copy_global_to_shared(x_desc, [m0, _xk(i, rot, steps, ROT, k0)], ready.index(sn),
                                         x_smem.index(sn))
 
 
 @gluon.jit
 def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
               STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
-              ROT: gl.constexpr):
+              ROT: gl.constexpr, k0):
     """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
     t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
     the wgmma reads it from shared memory (no register operand in flight: see the module
@@ -447,7 +455,7 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             mbarrier.arrive(empty.index((done + STAGES) % STAGES),
                             pred=(done >= 0) & (done + STAGES < steps))
         else:
-            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT)
+            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT, k0)
     mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
     acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -457,9 +465,10 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr):
-    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
-    decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
+    64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
+    [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
@@ -473,14 +482,14 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
     q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
     i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
-    s_off = (i // (32 * PAIRS)) * (steps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
+    s_off = (i // (32 * PAIRS)) * (ksteps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
         + i % PAIRS
     s_off = gl.max_contiguous(gl.multiple_of(s_off, PAIRS), PAIRS)
-    q_off = (q_off // (32 * WORDS)) * (steps * 32 * WORDS) + q_off % (32 * WORDS)
+    q_off = (q_off // (32 * WORDS)) * (ksteps * 32 * WORDS) + q_off % (32 * WORDS)
     q_off = gl.max_contiguous(gl.multiple_of(q_off, WORDS), WORDS)
     tile = pid_n * T
-    tile_q = tile.to(gl.int64) * steps * (32 * WORDS)
-    tile_s = tile.to(gl.int64) * steps * (8 * PAIRS)
+    tile_q = (tile.to(gl.int64) * ksteps + k0) * (32 * WORDS)
+    tile_s = (tile.to(gl.int64) * ksteps + k0) * (8 * PAIRS)
     if KIND == 3:   # NF4: code[lane % 16] as int32 bits in the words' layout (shuffle source)
         lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [q_off],
                                          dtype=gl.int32, is_pure=True, pack=1)
@@ -506,7 +515,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
         acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                        2 - SUB, WS, rot, ROT)
+                        2 - SUB, WS, rot, ROT, k0)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
@@ -514,7 +523,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
             acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                            STAGES, 2, WS, rot, ROT)
+                            STAGES, 2, WS, rot, ROT, k0)
         if LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -525,26 +534,90 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 
 
 @gluon.jit
-def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
+def _halves(t):
+    """t [R, C] -> its column halves [R, C / 2] (register moves only: in the wgmma layout the
+    top column bit is a register bit)."""
+    R: gl.constexpr = t.shape[0]
+    C: gl.constexpr = t.shape[1]
+    return gl.split(gl.permute(gl.reshape(t, [R, 2, C // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _add_chunk(acc, c0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, TOTAL_M: gl.constexpr):
+    """out[m0 + c0 + j, n0 + i] = acc[i, j] + the partial's (i, c0 + j) (the tile's float32
+    partial is [BLOCK_N, TOTAL_M] row-major), for a column chunk acc [BLOCK_N, C]."""
+    lay: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, lay))
+    pp = part_ptr + tile_id.to(gl.int64) * (acc.shape[0] * TOTAL_M) + rows[:, None] * TOTAL_M \
+        + (c0 + cols)[None, :]
+    part = gl.load(pp, cache_modifier=".cg")
+    offs_m = m0 + c0 + cols
+    ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + (n0 + rows)[:, None]
+    gl.store(ptrs, (acc + part).to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :])
+
+
+@gluon.jit
+def _split_epilogue(acc, out_ptr, n0, m0, M, stride_o, part_ptr, cnt_ptr, tile_id,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, mma_layout: gl.constexpr):
+    """Split K in two: the two programs of a tile meet here. The first to arrive (one atomic
+    on the tile's counter) writes its float32 acc to the workspace and releases the counter
+    (3 = both arrived and the partial written); the second waits for it (the first is past
+    its main loop, so the wait cannot block on a program not yet started), adds the partial
+    (a + b: the same bits whichever came first) in four column chunks (the whole partial
+    next to acc would not fit the registers), stores the result, then resets the counter for
+    the next launch."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    cnt = cnt_ptr + tile_id
+    if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == 0:
+        pp = part_ptr + tile_id.to(gl.int64) * (BLOCK_N * BLOCK_M) + rows[:, None] * BLOCK_M \
+            + cols[None, :]
+        gl.store(pp, acc, cache_modifier=".cg")
+        gl.thread_barrier()
+        gl.atomic_add(cnt, 2, sem="release", scope="gpu")
+    else:
+        while gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") != 3:
+            pass
+        gl.thread_barrier()
+        lo, hi = _halves(acc)
+        q0, q1 = _halves(lo)
+        q2, q3 = _halves(hi)
+        Q: gl.constexpr = BLOCK_M // 4
+        _add_chunk(q0, 0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q1, Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q2, 2 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q3, 3 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        gl.thread_barrier()
+        gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, cnt_ptr, M, N,
+                       K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
-                       LATE: gl.constexpr = False):
+                       LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
     steps: the loads run SUB steps ahead unclamped; BFA: no b, b = a B_OVER_A); c_ptr: NF4's
     code table (float32 [16]); magic: 0x4B000000 (a register operand of the decode's LOP3 /
-    PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
-    the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program n
-    walks K from step n % (K / 64) on, wrapping, so that the programs do not all read the same
-    x tile (the same L2 lines) at once. LATE: the next iteration's words and scales loaded after
-    its last A fence (`_consumer`)."""
+    PRMT). SUB (1 or 2, dividing K / 64 / SPLIT) steps of 64 an iteration. WS: one more warp
+    issues the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program
+    n walks its K range from step n % steps on, wrapping, so that the programs do not all read
+    the same x tile (the same L2 lines) at once. LATE: the next iteration's words and scales
+    loaded after its last A fence (`_consumer`). SPLIT (1 or 2, program_id(2)): each program
+    does K / SPLIT; the two meet in `_split_epilogue` (part_ptr: float32 workspace of
+    BLOCK_N x BLOCK_M a tile; cnt_ptr: int32 counter a tile, zero between launches)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
-    steps = K // 64
+    ksteps = K // 64
+    steps = ksteps // SPLIT
+    k0 = gl.program_id(2) * steps
     m0 = pid_m * BLOCK_M
     rot = pid_n % steps
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
@@ -558,19 +631,19 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     for s in gl.static_range(STAGES):
         if s < steps:
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, _xk(s, rot, steps, ROT)],
+            tma.async_copy_global_to_shared(x_desc, [m0, _xk(s, rot, steps, ROT, k0)],
                                             ready.index(s), x_smem.index(s))
     if WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE)),
+                                               ROT, LATE, ksteps, k0)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
-                                                 STAGES, rot, ROT))], [1], [40])[0]
+                                                 STAGES, rot, ROT, k0))], [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE)[0]
+                        ROT, LATE, ksteps, k0)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -579,11 +652,15 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                          warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
-    res = acc.to(out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
-    gl.store(ptrs, res, mask=(offs_m < M)[None, :])
+    mask = (offs_m < M)[None, :]
+    if SPLIT == 1:
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        _split_epilogue(acc, out_ptr, pid_n * BLOCK_N, m0, M, stride_o, part_ptr, cnt_ptr,
+                        pid_m * gl.num_programs(0) + pid_n, BLOCK_N, BLOCK_M, mma_layout)
 
 
 # ---- launch ---------------------------------------------------------------------------------
@@ -594,7 +671,9 @@ class GluonGemmConfig:
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
     wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
     decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
-    late: the next iteration's loads after the last A fence of the iteration."""
+    late: the next iteration's loads after the last A fence of the iteration, split: K in
+    that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
+    256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -603,6 +682,7 @@ class GluonGemmConfig:
     h2: int = 0
     rot: int = 0
     late: int = 0
+    split: int = 1
 
     @property
     def block_n(self) -> int:
@@ -612,12 +692,31 @@ class GluonGemmConfig:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
                 + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
-                + (",late" if self.late else "") + "]")
+                + (",late" if self.late else "")
+                + (f",split{self.split}" if self.split > 1 else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
     """Shared-memory layout of an x tile [block_m, 64] (128-byte swizzle)."""
     return gl.NVMMASharedLayout.get_default_for([block_m, STEP_K], dtype)
+
+
+#: per device: int32 counters of the split-K launches, a tile each, zero between launches (the
+#: second program of a tile resets its counter); launches on one device share them, so
+#: split-K launches on two streams at once would race (they run one at a time on one stream)
+_COUNTERS: dict = {}
+
+
+def _counters(device, tiles: int):
+    """The device's split-K counters (at least `tiles`), or None while a CUDA graph is
+    captured before they exist (they would live in the graph's pool)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTERS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                               device=device)
+    return have
 
 
 def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -637,11 +736,21 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     table = w2 if fmt == NF4 else pw.a
     h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
     sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
-    _gluon_gemm_kernel[grid](desc, pw.codes, sa, sb, table, out, m, n, k, out.stride(0),
-                             H2_MAGIC if h2 else MAGIC, KIND=5 if h2 else _KIND[fmt],
-                             BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                             SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
-                             LATE=bool(cfg.late),
-                             num_warps=cfg.num_warps)
+    split = cfg.split if cfg.split == 2 and (k // STEP_K) % 2 == 0 else 1
+    steps = k // STEP_K // split
+    cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 else None
+    if cnt is None:
+        split, steps = 1, k // STEP_K
+        cnt = part = out
+    else:
+        part = torch.empty(grid[0] * grid[1] * cfg.block_n * cfg.block_m, dtype=torch.float32,
+                           device=x.device)
+    _gluon_gemm_kernel[grid + (split, )](desc, pw.codes, sa, sb, table, out, part, cnt, m, n, k,
+                                         out.stride(0), H2_MAGIC if h2 else MAGIC,
+                                         KIND=5 if h2 else _KIND[fmt],
+                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                                         SUB=cfg.sub if steps % cfg.sub == 0 else 1,
+                                         BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
+                                         ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
+                                         num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
