@@ -561,8 +561,9 @@ def _add_chunk(acc, c0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, TOTAL_M
 def _split_epilogue(acc, out_ptr, n0, m0, M, stride_o, part_ptr, cnt_ptr, tile_id,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, mma_layout: gl.constexpr):
     """Split K in two: the two programs of a tile meet here. The first to arrive (one atomic
-    on the tile's counter) writes its float32 acc to the workspace and releases the counter
-    (3 = both arrived and the partial written); the second waits for it (the first is past
+    on the tile's counter, +1) writes its float32 acc to the workspace and releases the
+    counter (+2: 4 = both arrived and the partial written, in either order); the second (+1)
+    waits for it (the first is past
     its main loop, so the wait cannot block on a program not yet started), adds the partial
     (a + b: the same bits whichever came first) in four column chunks (the whole partial
     next to acc would not fit the registers), stores the result, then resets the counter for
@@ -577,7 +578,7 @@ def _split_epilogue(acc, out_ptr, n0, m0, M, stride_o, part_ptr, cnt_ptr, tile_i
         gl.thread_barrier()
         gl.atomic_add(cnt, 2, sem="release", scope="gpu")
     else:
-        while gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") != 3:
+        while gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") != 4:
             pass
         gl.thread_barrier()
         lo, hi = _halves(acc)
