@@ -435,19 +435,31 @@ def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, r
 
 
 @gluon.jit
-def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
-              ROT: gl.constexpr, k0):
-    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
-    t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
-    the wgmma reads it from shared memory (no register operand in flight: see the module
-    docstring). The barrier also tells that the steps before step - 1 are retired in every
-    warp: the x buffers of the NREF steps before step - 1 are refilled (the TMA issue costs
-    barriers of its own, so with two steps an iteration both at once) or, WS, handed to the
-    producer warp by their `empty` mbarrier."""
-    buf = a_smem.index(step % 2)
-    buf.store(t)
+def _publish(t, step, a_smem, HOLD: gl.constexpr = False):
+    """The decoded tile t [BLOCK_N, 64] of `step` into the A buffer step % 2 (stmatrix), then
+    the proxy fence for the wgmma's reads (`_launch`). The fence (MEMBAR.ALL.CTA) also waits
+    for the thread's global loads in flight: EARLY issues the look-ahead loads right after
+    it, so that they have a whole step before the next fence."""
+    a_smem.index(step % 2).store(t)
     fence_async_shared()
+    if HOLD:    # a CTA fence ptxas does not move the following loads above (it does the proxy
+        #         fence's), taking nothing: the proxy fence's MEMBAR has drained the loads
+        gl.inline_asm_elementwise("fence.acq_rel.cta; mov.b32 $0, $1;", "=r,r", [step],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+            STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
+            ROT: gl.constexpr, k0):
+    """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
+    returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
+    shared memory (no register operand in flight: see the module docstring). The barrier also
+    tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
+    steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
+    steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
+    mbarrier."""
+    buf = a_smem.index(step % 2)
     gl.thread_barrier()
     for r in gl.static_range(NREF):
         done = step - 1 - NREF + r
@@ -465,7 +477,7 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, EARLY: gl.constexpr):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
     64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
     [16 T, BLOCK_M] float32, all wgmmas retired,)."""
@@ -508,23 +520,36 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         # freed: no moves), then the async wgmma on its x buffer; the previous one retires.
         # LATE: the reloads after the iteration's last A fence: the proxy fence (MEMBAR)
         # waits for the thread's loads in flight, so each load before a fence puts its
-        # latency on the loop's path; after the last one it overlaps the wgmma
+        # latency on the loop's path; after the last one it overlaps the wgmma. EARLY: each
+        # reload right after the fence of the step it frees (a step before the next fence)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
-        if not LATE:
+        if EARLY:
+            _publish(t0, st, a_smem, True)
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                        2 - SUB, WS, rot, ROT, k0)
+        else:
+            if not LATE:
+                w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
+                                        s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+            _publish(t0, st, a_smem)
+        acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
+                      2 - SUB, WS, rot, ROT, k0)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
-            if not LATE:
+            if EARLY:
+                _publish(t1, st + 1, a_smem, True)
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                            STAGES, 2, WS, rot, ROT, k0)
-        if LATE:
+            else:
+                if not LATE:
+                    w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3,
+                                            q_off, s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
+                _publish(t1, st + 1, a_smem)
+            acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                          STAGES, 2, WS, rot, ROT, k0)
+        if LATE and not EARLY:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
             if SUB == 2:
@@ -599,7 +624,8 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, cn
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
-                       LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1):
+                       LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
+                       EARLY: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -609,7 +635,7 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, cn
     issues the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program
     n walks its K range from step n % steps on, wrapping, so that the programs do not all read
     the same x tile (the same L2 lines) at once. LATE: the next iteration's words and scales
-    loaded after its last A fence (`_consumer`). SPLIT (1 or 2, program_id(2)): each program
+    loaded after its last A fence, EARLY: each step's right after its A fence (`_consumer`). SPLIT (1 or 2, program_id(2)): each program
     does K / SPLIT; the two meet in `_split_epilogue` (part_ptr: float32 workspace of
     BLOCK_N x BLOCK_M a tile; cnt_ptr: int32 counter a tile, zero between launches)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
@@ -638,13 +664,13 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, cn
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE, ksteps, k0)),
+                                               ROT, LATE, ksteps, k0, EARLY)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT, k0))], [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE, ksteps, k0)[0]
+                        ROT, LATE, ksteps, k0, EARLY)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -674,7 +700,8 @@ class GluonGemmConfig:
     decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
     late: the next iteration's loads after the last A fence of the iteration, split: K in
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
-    256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones."""
+    256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
+    early: each step's look-ahead loads right after its A fence (a step before the next)."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -684,6 +711,7 @@ class GluonGemmConfig:
     rot: int = 0
     late: int = 0
     split: int = 1
+    early: int = 0
 
     @property
     def block_n(self) -> int:
@@ -694,7 +722,8 @@ class GluonGemmConfig:
                 + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
-                + (f",split{self.split}" if self.split > 1 else "") + "]")
+                + (f",split{self.split}" if self.split > 1 else "")
+                + (",early" if self.early else "") + "]")
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
@@ -753,5 +782,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                                          SUB=cfg.sub if steps % cfg.sub == 0 else 1,
                                          BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
+                                         EARLY=bool(cfg.early),
                                          num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
