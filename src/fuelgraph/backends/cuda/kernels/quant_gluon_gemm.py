@@ -635,8 +635,8 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, part_ptr, cn
     issues the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program
     n walks its K range from step n % steps on, wrapping, so that the programs do not all read
     the same x tile (the same L2 lines) at once. LATE: the next iteration's words and scales
-    loaded after its last A fence, EARLY: each step's right after its A fence (`_consumer`). SPLIT (1 or 2, program_id(2)): each program
-    does K / SPLIT; the two meet in `_split_epilogue` (part_ptr: float32 workspace of
+    loaded after its last A fence, EARLY: each step's right after its A fence (`_consumer`).
+    SPLIT (1 or 2, program_id(2)): each program does K / SPLIT; the two meet in `_split_epilogue` (part_ptr: float32 workspace of
     BLOCK_N x BLOCK_M a tile; cnt_ptr: int32 counter a tile, zero between launches)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
