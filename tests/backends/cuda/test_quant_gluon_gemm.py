@@ -25,9 +25,10 @@ SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 #: launches (num_warps, block_m, stages, sub, ws) the GPU tests run
 LAUNCHES = [(4, 256, 4, 2, 0), (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
-#: (num_warps, block_m, stages, sub, ws, h2, rot, late, split[, early]): 128 x 256 tiles, K split
-#: in two
+#: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
 SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
+#: (..., split, early, wtma): the same with the words and scales by TMA
+WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 0, 1)
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):
@@ -160,7 +161,9 @@ CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
        ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1)),   # late
        *[(f, SPLIT2) for f in FORMATS],         # split K in two, 128 x 256 tiles
        ("Q4_0", (8, 256, 4, 2, 1, 0, 0, 0, 2)), ("Q8_0", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
-       ("Q4_0", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1)), ("Q6_K", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1))]
+       ("Q4_0", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1)), ("Q6_K", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1)),
+       *[(f, WTMA) for f in FORMATS],           # words and scales by TMA
+       ("Q4_0", (8, 256, 4, 1, 1, 0, 0, 0, 2, 0, 1)), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 0, 1))]
 
 
 @pytest.mark.cuda
