@@ -71,15 +71,16 @@ H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2,
 #: half as often as 64 x 256 ones; then with the producer warp, 5 stages, late loads; 128 x 128
 #: tiles split in two for M = 128 (64 x 128 ones: 128 programs without a split); rotated K;
 #: the look-ahead loads right after each step's A fence (early); the words and scales by TMA
-#: (wtma), also with the producer warp
+#: (wtma), also with the producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128)
 SPLIT = [GluonGemmConfig(8, 256, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, 1, split=2),
          GluonGemmConfig(8, 256, 5, 2, split=2), GluonGemmConfig(8, 256, 4, 2, late=1, split=2),
          GluonGemmConfig(8, 128, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, rot=1, split=2),
          GluonGemmConfig(8, 256, 4, 2, split=2, early=1),
          GluonGemmConfig(8, 256, 4, 1, split=2, wtma=1),
-         GluonGemmConfig(8, 256, 4, 1, 1, split=2, wtma=1)]
-#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..21, awq / Q4_K / Q8_0
-#: / nf4: 10..18, Q6_K: 9..17)
+         GluonGemmConfig(8, 256, 4, 1, 1, split=2, wtma=1),
+         GluonGemmConfig(8, 128, 4, 1, split=2, wtma=1), GluonGemmConfig(4, 128, 4, 1, wtma=1)]
+#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..23, awq / Q4_K / Q8_0
+#: / nf4: 10..20, Q6_K: 9..19)
 CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2, *SPLIT],
               "awq": [K.AWQ_GEMM, *GLUON, *SPLIT], "Q4_K": [_OLD, *GLUON, *SPLIT],
               "Q8_0": [_OLD, *GLUON, *SPLIT],
