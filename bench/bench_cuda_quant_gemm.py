@@ -69,21 +69,29 @@ GLUON = [GluonGemmConfig(4, 256, 4, 2), GluonGemmConfig(4, 256, 4, 2, 1),
 H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1, 1)]
 #: split K in two (session 10): 128 x 256 tiles (two warpgroups), 128 programs that read x
 #: half as often as 64 x 256 ones; then with the producer warp, 5 stages, late loads; 128 x 128
-#: tiles split in two for M = 128 (64 x 128 ones: 128 programs without a split); rotated K;
-#: the look-ahead loads right after each step's A fence (early); the words and scales by TMA
-#: (wtma), also with the producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128)
+#: tiles split in two for M = 128; rotated K; the words and scales by TMA (wtma), also with the
+#: producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128); 128 x 128 split 2 with the
+#: producer warp, 128 x 256 split 2 with the producer warp and 5 stages.
+#: H200 round 1 (M = 256, dense 0.055-0.0575): split 2 Q4_0 0.0668, AWQ 0.0689, Q4_K 0.0713,
+#: Q8_0 0.0721, NF4 0.0748, Q6_K 0.0748; + producer warp 0.0670 / 0.0689 / 0.0717 / 0.0717 /
+#: 0.0714 / 0.0719; wtma 0.0678 / 0.0711 / 0.0740 / 0.0706 / 0.0731 / 0.0736, + producer warp
+#: Q4_0 0.0659, Q8_0 0.0715; late (Q4_0 / Q8_0) 0.0706 / 0.0761, rot Q4_0 0.0687; loads right
+#: after each A fence 0.0708 / 0.0747 (removed). M = 128 split 2: Q4_0 0.0513, Q8_0 0.0510,
+#: NF4 0.0550 (defaults then 0.0524 / 0.0595 / 0.0734)
 SPLIT = [GluonGemmConfig(8, 256, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, 1, split=2),
          GluonGemmConfig(8, 256, 5, 2, split=2), GluonGemmConfig(8, 256, 4, 2, late=1, split=2),
          GluonGemmConfig(8, 128, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, rot=1, split=2),
-         GluonGemmConfig(8, 256, 4, 2, split=2, early=1),
          GluonGemmConfig(8, 256, 4, 1, split=2, wtma=1),
          GluonGemmConfig(8, 256, 4, 1, 1, split=2, wtma=1),
-         GluonGemmConfig(8, 128, 4, 1, split=2, wtma=1), GluonGemmConfig(4, 128, 4, 1, wtma=1)]
-#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..23, awq / Q4_K / Q8_0
-#: / nf4: 10..20, Q6_K: 9..19)
+         GluonGemmConfig(8, 128, 4, 1, split=2, wtma=1), GluonGemmConfig(4, 128, 4, 1, wtma=1),
+         GluonGemmConfig(8, 128, 4, 2, 1, split=2), GluonGemmConfig(8, 256, 5, 2, 1, split=2)]
+#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..24, awq / Q4_K / Q8_0
+#: / nf4: 10..21, Q6_K: 9..20), then awq / Q4_K / Q8_0's packed GEMM (22: their M = 128 route
+#: before session 10)
 CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2, *SPLIT],
-              "awq": [K.AWQ_GEMM, *GLUON, *SPLIT], "Q4_K": [_OLD, *GLUON, *SPLIT],
-              "Q8_0": [_OLD, *GLUON, *SPLIT],
+              "awq": [K.AWQ_GEMM, *GLUON, *SPLIT, K.PACKED_GEMM[K.AWQ]],
+              "Q4_K": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q4_K"]]],
+              "Q8_0": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q8_0"]]],
               "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON, *SPLIT], "Q6_K": [*GLUON, *SPLIT]}
 
 

@@ -23,12 +23,14 @@ from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, ws) the GPU tests run
-LAUNCHES = [(4, 256, 4, 2, 0), (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
+#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
+#: default ones first (K split in two: 128 x 256 tiles with the producer warp, 128 x 128)
+LAUNCHES = [(8, 256, 4, 2, 1, 0, 0, 0, 2), (8, 128, 4, 2, 0, 0, 0, 0, 2), (4, 256, 4, 2, 0),
+            (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
 #: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
 SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
-#: (..., split, early, wtma): the same with the words and scales by TMA
-WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 0, 1)
+#: (..., split, wtma): the same with the words and scales by TMA
+WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):
@@ -151,19 +153,17 @@ def _case_id(v) -> str:
     return v if isinstance(v, str) else G.GluonGemmConfig(*v).tag()
 
 
-#: (format, launch): every format with the first launch, a 4-bit and the 8-bit layout with
-#: the others (the decode does not depend on the launch; the register layout on the warps;
-#: the second runs a TMA producer warp)
-CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
-                                               for f in ("Q4_0", "Q8_0")] \
+#: (format, launch): every format with the first two launches (the defaults), a 4-bit and
+#: the 8-bit layout with the others (the decode does not depend on the launch; the
+#: register layout on the warps; some run a TMA producer warp)
+CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNCHES[2:]
+                                                            for f in ("Q4_0", "Q8_0")] \
     + [("Q4_0", (4, 256, 4, 2, 1, 1)),          # Q4_0's bf16x2 decode (h2)
        ("Q4_0", (4, 256, 4, 2, 1, 0, 1)), ("Q8_0", (4, 256, 4, 2, 0, 0, 1)),   # rotated K
        ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1)),   # late
-       *[(f, SPLIT2) for f in FORMATS],         # split K in two, 128 x 256 tiles
-       ("Q4_0", (8, 256, 4, 2, 1, 0, 0, 0, 2)), ("Q8_0", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
-       ("Q4_0", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1)), ("Q6_K", (8, 256, 4, 2, 0, 0, 0, 0, 2, 1)),
+       ("Q4_0", SPLIT2), ("NF4", SPLIT2),       # split K in two without the producer warp
        *[(f, WTMA) for f in FORMATS],           # words and scales by TMA
-       ("Q4_0", (8, 256, 4, 1, 1, 0, 0, 0, 2, 0, 1)), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 0, 1))]
+       ("Q4_0", (8, 256, 4, 1, 1, 0, 0, 0, 2, 1)), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1))]
 
 
 @pytest.mark.cuda

@@ -281,20 +281,17 @@ PACKED_GEMM_MAX_M = 256
 #: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
 #: on the fragment-order copy (`quant_gluon_gemm`), a launch per row bound (elsewhere, and for
 #: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). H200, N = K =
-#: 8192, M = 256, bf16, CUDA-graph medians (session 9, dense cuBLAS 0.0511 ms in that run):
-#: 64 x 256 tiles (4 warps) Q4_0 0.0769, AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821,
-#: Q6_K 0.0785 (previous defaults: 0.0875, 0.0840, 0.0919, 0.0867, 0.1057, 0.1298); lost:
-#: 128 x 128 (8 warps) 0.0842 / 0.0838 / 0.0888 / 0.0860 / 0.0908 / 0.0895, with 6 stages
-#: and a TMA producer warp 0.0804 / 0.0809 / 0.0853 / 0.0793 / 0.0893 / 0.0882, 64 x 128
-#: 0.0854 / 0.0786 / 0.0898 / 0.0865 / 0.0897 / 0.0924. 64 x 256 tiles read x 128 times
-#: (512 MB from L2 at ~6.6 TB/s: the bound they meet), 128 x 128 ones half as often but
-#: decode every weight twice. Up to 128 rows: 64 x 128 tiles (128 programs)
-#: (NF4, Q6_K: 128 rows 0.0692 / 0.0684, where they had only the dense copy). The merged tree
-#: at 128 rows: Q4_0 0.0628, AWQ 0.0658, Q4_K 0.0678, Q8_0 0.0674 against the packed GEMM's
-#: 0.0522 (Q4_0, split 2, session 8), so the packed formats keep PACKED_GEMM up to 128 rows.
-_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(4, 256, 4, 2)}
-GLUON_GEMM: dict = {fmt: _GLUON_ROUTE if fmt not in PACKED_GEMM else
-                    {128: PACKED_GEMM[fmt], 256: _GLUON_ROUTE[256]}
+#: 8192, bf16, CUDA-graph medians. Session 10: K split in two, 128 x 256 tiles (two
+#: warpgroups, 128 programs reading x half as often as 64 x 256 ones) with the TMA producer
+#: warp, M = 256: Q4_0 0.0670, AWQ 0.0689, Q4_K 0.0717, Q8_0 0.0717, NF4 0.0714, Q6_K 0.0719
+#: (dense cuBLAS 0.055-0.0575 in that run) against session 9's 64 x 256 tiles 0.0757 /
+#: 0.0781 / 0.0840 / 0.0847 / 0.0857 / 0.0826 in the same run; M = 128, 128 x 128 tiles split
+#: in two: Q4_0 0.0513 (packed GEMM 0.0524), Q8_0 0.0510 (0.0595), NF4 0.0550 (64 x 128
+#: tiles 0.0734). Session 9 (64 x 256): 128 x 128 tiles 0.084-0.093 (every weight decoded
+#: twice), 64 x 128 0.079-0.092.
+_GLUON_ROUTE = {128: GluonGemmConfig(8, 128, 4, 2, split=2),
+                256: GluonGemmConfig(8, 256, 4, 2, 1, split=2)}
+GLUON_GEMM: dict = {fmt: _GLUON_ROUTE
                     for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], GGUF_IDS["Q8_0"], NF4,
                                 GGUF_IDS["Q6_K"])}
 
