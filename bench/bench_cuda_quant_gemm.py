@@ -72,6 +72,12 @@ H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2,
 #: tiles split in two for M = 128; rotated K; the words and scales by TMA (wtma), also with the
 #: producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128); 128 x 128 split 2 with the
 #: producer warp, 128 x 256 split 2 with the producer warp and 5 stages.
+#: H200 round 2 (dense 0.054-0.0566): producer warp (the default then) Q4_0 0.0667, AWQ 0.0687,
+#: Q4_K 0.0735, Q8_0 0.0740, NF4 0.0758, Q6_K 0.0826; wtma + producer warp 0.0655 / 0.0666 /
+#: 0.0678 / 0.0711 / 0.0696 / 0.0711; producer warp, 5 stages Q4_0 0.0663, Q8_0 0.0667. M = 128
+#: split 2: Q4_0 0.0503 (+ producer warp 0.0493; packed GEMM 0.0524), AWQ 0.0528 (0.0514),
+#: Q4_K 0.0564 (0.0534), Q8_0 0.0541 (0.0524), NF4 0.0602 (+ producer warp 0.0533), Q6_K 0.0567
+#: (64 x 128 tiles 0.0683).
 #: H200 round 1 (M = 256, dense 0.055-0.0575): split 2 Q4_0 0.0668, AWQ 0.0689, Q4_K 0.0713,
 #: Q8_0 0.0721, NF4 0.0748, Q6_K 0.0748; + producer warp 0.0670 / 0.0689 / 0.0717 / 0.0717 /
 #: 0.0714 / 0.0719; wtma 0.0678 / 0.0711 / 0.0740 / 0.0706 / 0.0731 / 0.0736, + producer warp
@@ -93,6 +99,10 @@ CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2, *SP
               "Q4_K": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q4_K"]]],
               "Q8_0": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q8_0"]]],
               "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON, *SPLIT], "Q6_K": [*GLUON, *SPLIT]}
+#: and last: wtma with the producer warp and 5 stages (Q4_0 25, awq / Q4_K / Q8_0 23, nf4 22,
+#: Q6_K 21; Q8_0 / Q6_K: too much shared memory, skipped by the bench as FAILED)
+for _op in CANDIDATES:
+    CANDIDATES[_op].append(GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1))
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
