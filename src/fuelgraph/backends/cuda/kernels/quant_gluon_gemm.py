@@ -36,20 +36,26 @@ code shapes (a layout conversion in the epilogue, one step an iteration for some
 bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
 
 H200, N = K = 8192, M = 256 (session 9; dense cuBLAS 0.0511 ms): 64 x 256 tiles Q4_0 0.0769,
-AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms (quant.GLUON_GEMM). They read
-x 128 times from L2 (512 MB, ~6.6 TB/s); 128 x 128 tiles (half the x traffic, every weight
-decoded twice) 0.080-0.093. Each step's A fence (fence.proxy.async: MEMBAR.ALL.CTA in SASS)
-waits for the thread's global loads in flight, so the look-ahead loads of the words sit on the
-loop's path (`late` moves them behind the iteration's last fence). Options not measured on the
-H200 yet: late, rot, h2 and the producer warp (ws) on 64 x 256 tiles (ws gave 128 x 128 tiles
-4-5%).
+AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms. They read x 128 times from
+L2 (512 MB); 128 x 128 tiles (half the x traffic, every weight decoded twice) 0.080-0.093.
 
 Split K (`split=2`, session 10): 128 x 256 tiles (two warpgroups, 128 float32 acc registers a
 thread) over half of K each are again 128 programs, but each reads only its half of x: 256 MB
 from L2 instead of 512, and each weight is still decoded once. The two programs of a tile meet
 after their loops (`_split_epilogue`): the first to arrive writes its float32 partial, the
 second adds it to its own and stores; a + b is commutative, so the result does not depend on
-which came first. A tile counter a launch (zeroed again by the second program) orders them."""
+which came first. A tile counter a launch (zeroed again by the second program) orders them;
+the first never waits, so the meeting cannot deadlock whatever runs at once. With the producer
+warp and the words and scales brought by TMA into the x ring (`wtma`: no global load, so the
+A fences wait for none) H200 M = 256: Q4_0 0.0655-0.0659, AWQ 0.0666, Q4_K 0.0678, NF4 0.0696,
+Q6_K 0.0711; Q8_0 0.0667 with 5 stages and the words loaded by the threads (quant.GLUON_GEMM;
+dense cuBLAS 0.054-0.057 in those runs). What is left is mostly shared-memory traffic: a step
+of a 128 x 256 tile moves 128 KB through shared memory (the two warpgroups' wgmma operand
+reads, the x tile by TMA, the decoded A tile by stmatrix) for 1024 cycles of tensor-core work,
+about the 128 bytes a cycle an SM has; the register-A wgmma would save the A tile's 32 KB.
+Lost on these tiles (session 10, round 1): late loads (Q4_0 0.0706 / Q8_0 0.0761 against
+0.0668 / 0.0721), rotated K (Q4_0 0.0687), the look-ahead loads right after each A fence
+(0.0708 / 0.0747; removed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
