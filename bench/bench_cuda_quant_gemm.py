@@ -72,6 +72,12 @@ H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2,
 #: tiles split in two for M = 128; rotated K; the words and scales by TMA (wtma), also with the
 #: producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128); 128 x 128 split 2 with the
 #: producer warp, 128 x 256 split 2 with the producer warp and 5 stages.
+#: H200 round 3 (dense 0.050-0.056; the launch timed first after the dense anchor, the default,
+#: came out up to 30% slower than in the round before, whatever the launch, so only later
+#: positions count): wtma + producer warp + 5 stages Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665, NF4
+#: 0.0698; Q8_0 producer warp 6 stages 0.0675, wtma 0.0699; Q6_K producer warp 5 / 6 stages
+#: 0.0710 / 0.0697. M = 128, 128 x 128 split 2 + producer warp: AWQ 0.0502, Q4_K 0.0515, Q8_0
+#: 0.0513 (packed GEMM round 2: 0.0514 / 0.0534 / 0.0524); Q6_K without it 0.0545.
 #: H200 round 2 (dense 0.054-0.0566): producer warp (the default then) Q4_0 0.0667, AWQ 0.0687,
 #: Q4_K 0.0735, Q8_0 0.0740, NF4 0.0758, Q6_K 0.0826; wtma + producer warp 0.0655 / 0.0666 /
 #: 0.0678 / 0.0711 / 0.0696 / 0.0711; producer warp, 5 stages Q4_0 0.0663, Q8_0 0.0667. M = 128

@@ -24,8 +24,8 @@ FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 #: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
-#: default ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
-#: 128 x 128 tiles)
+#: split-K ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
+#: 128 x 128 tiles); CASES adds each format's default (quant.GLUON_GEMM)
 LAUNCHES = [(8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
             (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
 #: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
@@ -164,7 +164,8 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1)),   # late
        ("Q4_0", SPLIT2), ("NF4", SPLIT2),       # split K in two without the producer warp
        ("Q8_0", (8, 256, 5, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 256, 5, 2, 1, 0, 0, 0, 2)),
-       ("AWQ", (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)),   # 5 stages (Q8_0's default), with wtma
+       *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
+       ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1))]   # wtma
 
 

@@ -280,24 +280,26 @@ PACKED_GEMM_MAX_M = 256
 
 #: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
 #: on the fragment-order copy (`quant_gluon_gemm`), a launch per row bound (elsewhere, and for
-#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). H200, N = K =
-#: 8192, bf16, CUDA-graph medians, session 10 (two runs; dense cuBLAS 0.054-0.0575 ms): K split
-#: in two on 128 x 256 tiles (two warpgroups, 128 programs reading x half as often as 64 x 256
-#: ones) with the TMA producer warp, the words and scales by TMA with the x tiles (wtma), M =
-#: 256: Q4_0 0.0659 / 0.0655, AWQ 0.0666, Q4_K 0.0678, NF4 0.0696, Q6_K 0.0711; Q8_0 with 5
-#: stages and the words loaded by the threads 0.0667 (wtma 0.0706 / 0.0711). Session 9's 64 x
-#: 256 tiles in the same runs: 0.0757 / 0.0781 / 0.0840 / 0.0857 / 0.0826 / 0.0847. M = 128,
-#: 128 x 128 tiles split in two with the producer warp: Q4_0 0.0493 (packed GEMM 0.0524), NF4
-#: 0.0533 (64 x 128 tiles 0.0675), Q6_K (without the producer warp) 0.0567 (0.0683); AWQ, Q4_K
-#: and Q8_0 keep the packed GEMM there (0.0514 / 0.0534 / 0.0524 against 0.0528 / 0.0564 /
-#: 0.0541 split in two without the producer warp).
-_WTMA_WS = GluonGemmConfig(8, 256, 4, 1, 1, split=2, wtma=1)
+#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). Session 10, H200,
+#: N = K = 8192, bf16, CUDA-graph medians (three runs; dense cuBLAS 0.050-0.0575 ms): K split
+#: in two (128 programs, each reading half of x) on 128 x 256 tiles (two warpgroups) with the
+#: TMA producer warp; the 4-bit formats with the words and scales by TMA (wtma) and 5 stages:
+#: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665, NF4 0.0698 (4 stages: 0.0655-0.0659 / 0.0666 / 0.0678
+#: / 0.0696); Q8_0 5 stages, words loaded by the threads, 0.0667 (6 stages 0.0675, wtma
+#: 0.0699-0.0711); Q6_K 6 stages 0.0697 (5: 0.0710, wtma 0.0711). Session 9's 64 x 256 tiles
+#: in the same runs: 0.0757 / 0.0781 / 0.0840 / 0.0857 / 0.0847 / 0.0826. M = 128, 128 x 128
+#: tiles split in two with the producer warp: Q4_0 0.0493-0.0498 (packed GEMM 0.0518-0.0524),
+#: AWQ 0.0502 (0.0514), Q4_K 0.0515 (0.0534), Q8_0 0.0513 (0.0524), NF4 0.0533 (64 x 128 tiles
+#: 0.0675); Q6_K without the producer warp 0.0545 (64 x 128 0.0683). The first launch timed
+#: after the dense anchor measured up to 30% slower in every run (whatever the launch): these
+#: are the later positions.
+_WTMA5 = GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)
 _WS_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
 GLUON_GEMM: dict = {
-    **{fmt: {128: _WS_128, 256: _WTMA_WS} for fmt in (GGUF_IDS["Q4_0"], NF4, GGUF_IDS["Q6_K"])},
-    **{fmt: {128: PACKED_GEMM[fmt], 256: _WTMA_WS} for fmt in (AWQ, GGUF_IDS["Q4_K"])},
-    GGUF_IDS["Q8_0"]: {128: PACKED_GEMM[GGUF_IDS["Q8_0"]],
-                       256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)}}
+    **{fmt: {128: _WS_128, 256: _WTMA5} for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], NF4)},
+    GGUF_IDS["Q8_0"]: {128: _WS_128, 256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)},
+    GGUF_IDS["Q6_K"]: {128: GluonGemmConfig(8, 128, 4, 2, split=2),
+                       256: GluonGemmConfig(8, 256, 6, 2, 1, split=2)}}
 
 
 def _with_gemm(fmt, route):
