@@ -47,9 +47,10 @@ second adds it to its own and stores; a + b is commutative, so the result does n
 which came first. A tile counter a launch (zeroed again by the second program) orders them;
 the first never waits, so the meeting cannot deadlock whatever runs at once. With the producer
 warp and the words and scales brought by TMA into the x ring (`wtma`: no global load, so the
-A fences wait for none) H200 M = 256: Q4_0 0.0655-0.0659, AWQ 0.0666, Q4_K 0.0678, NF4 0.0696,
-Q6_K 0.0711; Q8_0 0.0667 with 5 stages and the words loaded by the threads (quant.GLUON_GEMM;
-dense cuBLAS 0.054-0.057 in those runs). What is left is mostly shared-memory traffic: a step
+A fences wait for none) and 5 stages, H200 M = 256: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665,
+NF4 0.0698; the 8-bit formats (whose wtma rings do not fit 5 stages) with the words loaded by
+the threads, Q8_0 5 stages 0.0667, Q6_K 6 stages 0.0697 (quant.GLUON_GEMM; dense cuBLAS
+0.050-0.057 in those runs). What is left is mostly shared-memory traffic: a step
 of a 128 x 256 tile moves 128 KB through shared memory (the two warpgroups' wgmma operand
 reads, the x tile by TMA, the decoded A tile by stmatrix) for 1024 cycles of tensor-core work,
 about the 128 bytes a cycle an SM has; the register-A wgmma would save the A tile's 32 KB.
