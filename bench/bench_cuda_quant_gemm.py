@@ -10,6 +10,7 @@ Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
+                                           [--dense-each]
 """
 from __future__ import annotations
 
@@ -66,9 +67,50 @@ GLUON = [GluonGemmConfig(4, 256, 4, 2), GluonGemmConfig(4, 256, 4, 2, 1),
          GluonGemmConfig(4, 256, 4, 2, late=1), GluonGemmConfig(4, 256, 4, 2, 1, late=1)]
 #: Q4_0's bf16x2 decode (h2) with the producer warp and late loads, and also rotated K
 H2 = [GluonGemmConfig(4, 256, 4, 2, 1, 1, late=1), GluonGemmConfig(4, 256, 4, 2, 1, 1, 1, 1)]
-CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2],
-              "awq": [K.AWQ_GEMM, *GLUON], "Q4_K": [_OLD, *GLUON], "Q8_0": [_OLD, *GLUON],
-              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON], "Q6_K": [*GLUON]}
+#: split K in two (session 10): 128 x 256 tiles (two warpgroups), 128 programs that read x
+#: half as often as 64 x 256 ones; then with the producer warp, 5 stages, late loads; 128 x 128
+#: tiles split in two for M = 128; rotated K; the words and scales by TMA (wtma), also with the
+#: producer warp; wtma for M = 128 (128 x 128 split 2, 64 x 128); 128 x 128 split 2 with the
+#: producer warp, 128 x 256 split 2 with the producer warp and 5 stages.
+#: H200 round 3 (dense 0.050-0.056; the launch timed first after the dense anchor, the default,
+#: came out up to 30% slower than in the round before, whatever the launch, so only later
+#: positions count): wtma + producer warp + 5 stages Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665, NF4
+#: 0.0698; Q8_0 producer warp 6 stages 0.0675, wtma 0.0699; Q6_K producer warp 5 / 6 stages
+#: 0.0710 / 0.0697. M = 128, 128 x 128 split 2 + producer warp: AWQ 0.0502, Q4_K 0.0515, Q8_0
+#: 0.0513 (packed GEMM round 2: 0.0514 / 0.0534 / 0.0524); Q6_K without it 0.0545.
+#: H200 round 2 (dense 0.054-0.0566): producer warp (the default then) Q4_0 0.0667, AWQ 0.0687,
+#: Q4_K 0.0735, Q8_0 0.0740, NF4 0.0758, Q6_K 0.0826; wtma + producer warp 0.0655 / 0.0666 /
+#: 0.0678 / 0.0711 / 0.0696 / 0.0711; producer warp, 5 stages Q4_0 0.0663, Q8_0 0.0667. M = 128
+#: split 2: Q4_0 0.0503 (+ producer warp 0.0493; packed GEMM 0.0524), AWQ 0.0528 (0.0514),
+#: Q4_K 0.0564 (0.0534), Q8_0 0.0541 (0.0524), NF4 0.0602 (+ producer warp 0.0533), Q6_K 0.0567
+#: (64 x 128 tiles 0.0683).
+#: H200 round 1 (M = 256, dense 0.055-0.0575): split 2 Q4_0 0.0668, AWQ 0.0689, Q4_K 0.0713,
+#: Q8_0 0.0721, NF4 0.0748, Q6_K 0.0748; + producer warp 0.0670 / 0.0689 / 0.0717 / 0.0717 /
+#: 0.0714 / 0.0719; wtma 0.0678 / 0.0711 / 0.0740 / 0.0706 / 0.0731 / 0.0736, + producer warp
+#: Q4_0 0.0659, Q8_0 0.0715; late (Q4_0 / Q8_0) 0.0706 / 0.0761, rot Q4_0 0.0687; loads right
+#: after each A fence 0.0708 / 0.0747 (removed). M = 128 split 2: Q4_0 0.0513, Q8_0 0.0510,
+#: NF4 0.0550 (defaults then 0.0524 / 0.0595 / 0.0734)
+SPLIT = [GluonGemmConfig(8, 256, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, 1, split=2),
+         GluonGemmConfig(8, 256, 5, 2, split=2), GluonGemmConfig(8, 256, 4, 2, late=1, split=2),
+         GluonGemmConfig(8, 128, 4, 2, split=2), GluonGemmConfig(8, 256, 4, 2, rot=1, split=2),
+         GluonGemmConfig(8, 256, 4, 1, split=2, wtma=1),
+         GluonGemmConfig(8, 256, 4, 1, 1, split=2, wtma=1),
+         GluonGemmConfig(8, 128, 4, 1, split=2, wtma=1), GluonGemmConfig(4, 128, 4, 1, wtma=1),
+         GluonGemmConfig(8, 128, 4, 2, 1, split=2), GluonGemmConfig(8, 256, 5, 2, 1, split=2)]
+#: per op: index 1.. (0 is the default route); SPLIT at the end (Q4_0: 13..24, awq / Q4_K / Q8_0
+#: / nf4: 10..21, Q6_K: 9..20), then awq / Q4_K / Q8_0's packed GEMM (22: their M = 128 route
+#: before session 10)
+CANDIDATES = {"Q4_0": [_OLD, K.PACKED_GEMM[K.GGUF_IDS["Q4_0"]], *GLUON, *H2, *SPLIT],
+              "awq": [K.AWQ_GEMM, *GLUON, *SPLIT, K.PACKED_GEMM[K.AWQ]],
+              "Q4_K": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q4_K"]]],
+              "Q8_0": [_OLD, *GLUON, *SPLIT, K.PACKED_GEMM[K.GGUF_IDS["Q8_0"]]],
+              "nf4": [G(128, 128, 1, 8, 3, tma=1, vec=1), *GLUON, *SPLIT], "Q6_K": [*GLUON, *SPLIT]}
+#: and last: wtma with the producer warp and 5 stages (Q4_0 25, awq / Q4_K / Q8_0 23, nf4 22,
+#: Q6_K 21; Q8_0 / Q6_K: too much shared memory, skipped by the bench as FAILED), the producer
+#: warp with 6 stages (Q4_0 26, awq / Q4_K / Q8_0 24, nf4 23, Q6_K 22)
+for _op in CANDIDATES:
+    CANDIDATES[_op] += [GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1),
+                        GluonGemmConfig(8, 256, 6, 2, 1, split=2)]
 
 
 def _bnb_anchor(x, n, k, g, record, m, rep):
@@ -99,6 +141,8 @@ def main():
                     help="indices into each op's configs: 0 = the default route, 1.. = "
                          "CANDIDATES (per op: Q4_0=0,2/awq=3)")
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
+    ap.add_argument("--dense-each", action="store_true",
+                    help="time the dense cuBLAS anchor before every format, not once a size")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -134,7 +178,8 @@ def main():
         for m in (int(v) for v in args.ms.split(",")):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
             want = TF.linear(x, w)
-            if not args.no_anchor and not args.compile_only and m not in anchored:
+            if not args.no_anchor and not args.compile_only and \
+                    (m not in anchored or args.dense_each):
                 anchored.add(m)
                 ms = do_bench_cudagraph(lambda: TF.linear(x, w), rep=args.rep,
                                         return_mode="median")

@@ -23,8 +23,15 @@ from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, ws) the GPU tests run
-LAUNCHES = [(4, 256, 4, 2, 0), (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
+#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
+#: split-K ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
+#: 128 x 128 tiles); CASES adds each format's default (quant.GLUON_GEMM)
+LAUNCHES = [(8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
+            (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
+#: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
+SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
+#: (..., split, wtma): the same with the words and scales by TMA
+WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):
@@ -142,19 +149,29 @@ def _bf16(w: np.ndarray) -> np.ndarray:
     return torch.as_tensor(np.asarray(w, np.float32)).to(torch.bfloat16).float().numpy()
 
 
-#: (format, launch): every format with the first launch, a 4-bit and the 8-bit layout with
-#: the others (the decode does not depend on the launch; the register layout on the warps;
-#: the second runs a TMA producer warp)
-CASES = [(f, LAUNCHES[0]) for f in FORMATS] + [(f, c) for c in LAUNCHES[1:]
-                                               for f in ("Q4_0", "Q8_0")] \
+def _case_id(v) -> str:
+    """A format's name, or a launch's tag (-k "split2 and Q8_0" picks cases)."""
+    return v if isinstance(v, str) else G.GluonGemmConfig(*v).tag()
+
+
+#: (format, launch): every format with the first two launches (the defaults), a 4-bit and
+#: the 8-bit layout with the others (the decode does not depend on the launch; the
+#: register layout on the warps; some run a TMA producer warp)
+CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNCHES[2:]
+                                                            for f in ("Q4_0", "Q8_0")] \
     + [("Q4_0", (4, 256, 4, 2, 1, 1)),          # Q4_0's bf16x2 decode (h2)
        ("Q4_0", (4, 256, 4, 2, 1, 0, 1)), ("Q8_0", (4, 256, 4, 2, 0, 0, 1)),   # rotated K
-       ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1))]   # late
+       ("Q4_0", (4, 256, 4, 2, 1, 0, 0, 1)), ("Q6_K", (4, 256, 4, 2, 0, 0, 0, 1)),   # late
+       ("Q4_0", SPLIT2), ("NF4", SPLIT2),       # split K in two without the producer warp
+       ("Q8_0", (8, 256, 5, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 256, 5, 2, 1, 0, 0, 0, 2)),
+       *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
+       ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
+       ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1))]   # wtma
 
 
 @pytest.mark.cuda
 @NEEDS_SM90
-@pytest.mark.parametrize("fmt, launch", CASES, ids=str)
+@pytest.mark.parametrize("fmt, launch", CASES, ids=_case_id)
 def test_gluon_gemm_decodes_bit_exact(fmt, launch):
     """x = the bf16 identity [K, K]: out[m, n] = W[n, m] rounded once to bf16, for every
     weight of the edge rows (finite ones)."""
@@ -176,7 +193,7 @@ def test_gluon_gemm_decodes_bit_exact(fmt, launch):
 
 @pytest.mark.cuda
 @NEEDS_SM90
-@pytest.mark.parametrize("fmt, launch", CASES, ids=str)
+@pytest.mark.parametrize("fmt, launch", CASES, ids=_case_id)
 def test_gluon_gemm_product(fmt, launch):
     """M = 200 rows (a partial x tile), N = 256, bf16 x (and f16 x for the first launch)
     through quant.run, against float64 torch on the dequantized weight."""
@@ -217,3 +234,23 @@ def test_default_route_takes_gluon(monkeypatch):
     before = len(calls)
     check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.bfloat16)
     assert len(calls) == before + 1
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_split_k_is_deterministic_and_resets_its_counters():
+    """Split K (two programs a tile meet in the kernel): the same bits on every call whichever
+    program arrives first, the tile counters back at zero after each launch (the next one
+    relies on it), including after a launch with a partial x tile and one with other tiles."""
+    args, n, k, want = _weight("Q4_0", np.random.default_rng(8), 256)
+    cfg = G.GluonGemmConfig(*SPLIT2)
+    outs = []
+    xs = torch.randn(256, k, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
+    for m in (256, 200, 256, 256):
+        x = xs[:m].contiguous()
+        outs.append(G.run_gluon_gemm(args[0], x, *args[1:4], args[4], k, n, config=cfg))
+        torch.cuda.synchronize()
+        assert not G._COUNTERS[x.device].any()
+    check_product(outs[0], xs, want.T, torch.bfloat16)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[3])
+    assert torch.equal(outs[1], outs[0][:200])

@@ -280,23 +280,26 @@ PACKED_GEMM_MAX_M = 256
 
 #: sm_90 GPUs, 16-bit x, DEQUANT_GEMM_MIN_M + 1 .. PACKED_GEMM_MAX_M rows: the Gluon wgmma GEMM
 #: on the fragment-order copy (`quant_gluon_gemm`), a launch per row bound (elsewhere, and for
-#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). H200, N = K =
-#: 8192, M = 256, bf16, CUDA-graph medians (session 9, dense cuBLAS 0.0511 ms in that run):
-#: 64 x 256 tiles (4 warps) Q4_0 0.0769, AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821,
-#: Q6_K 0.0785 (previous defaults: 0.0875, 0.0840, 0.0919, 0.0867, 0.1057, 0.1298); lost:
-#: 128 x 128 (8 warps) 0.0842 / 0.0838 / 0.0888 / 0.0860 / 0.0908 / 0.0895, with 6 stages
-#: and a TMA producer warp 0.0804 / 0.0809 / 0.0853 / 0.0793 / 0.0893 / 0.0882, 64 x 128
-#: 0.0854 / 0.0786 / 0.0898 / 0.0865 / 0.0897 / 0.0924. 64 x 256 tiles read x 128 times
-#: (512 MB from L2 at ~6.6 TB/s: the bound they meet), 128 x 128 ones half as often but
-#: decode every weight twice. Up to 128 rows: 64 x 128 tiles (128 programs)
-#: (NF4, Q6_K: 128 rows 0.0692 / 0.0684, where they had only the dense copy). The merged tree
-#: at 128 rows: Q4_0 0.0628, AWQ 0.0658, Q4_K 0.0678, Q8_0 0.0674 against the packed GEMM's
-#: 0.0522 (Q4_0, split 2, session 8), so the packed formats keep PACKED_GEMM up to 128 rows.
-_GLUON_ROUTE = {128: GluonGemmConfig(4, 128, 4, 2), 256: GluonGemmConfig(4, 256, 4, 2)}
-GLUON_GEMM: dict = {fmt: _GLUON_ROUTE if fmt not in PACKED_GEMM else
-                    {128: PACKED_GEMM[fmt], 256: _GLUON_ROUTE[256]}
-                    for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], GGUF_IDS["Q8_0"], NF4,
-                                GGUF_IDS["Q6_K"])}
+#: shapes it rejects, the format's PACKED_GEMM launch or MANY_ROWS_FALLBACK). Session 10, H200,
+#: N = K = 8192, bf16, CUDA-graph medians (three runs; dense cuBLAS 0.050-0.0575 ms): K split
+#: in two (128 programs, each reading half of x) on 128 x 256 tiles (two warpgroups) with the
+#: TMA producer warp; the 4-bit formats with the words and scales by TMA (wtma) and 5 stages:
+#: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665, NF4 0.0698 (4 stages: 0.0655-0.0659 / 0.0666 / 0.0678
+#: / 0.0696); Q8_0 5 stages, words loaded by the threads, 0.0667 (6 stages 0.0675, wtma
+#: 0.0699-0.0711); Q6_K 6 stages 0.0697 (5: 0.0710, wtma 0.0711). Session 9's 64 x 256 tiles
+#: in the same runs: 0.0757 / 0.0781 / 0.0840 / 0.0857 / 0.0847 / 0.0826. M = 128, 128 x 128
+#: tiles split in two with the producer warp: Q4_0 0.0493-0.0498 (packed GEMM 0.0518-0.0524),
+#: AWQ 0.0502 (0.0514), Q4_K 0.0515 (0.0534), Q8_0 0.0513 (0.0524), NF4 0.0533 (64 x 128 tiles
+#: 0.0675); Q6_K without the producer warp 0.0545 (64 x 128 0.0683). The first launch timed
+#: after the dense anchor measured up to 30% slower in every run (whatever the launch): these
+#: are the later positions.
+_WTMA5 = GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)
+_WS_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
+GLUON_GEMM: dict = {
+    **{fmt: {128: _WS_128, 256: _WTMA5} for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], NF4)},
+    GGUF_IDS["Q8_0"]: {128: _WS_128, 256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)},
+    GGUF_IDS["Q6_K"]: {128: GluonGemmConfig(8, 128, 4, 2, split=2),
+                       256: GluonGemmConfig(8, 256, 6, 2, 1, split=2)}}
 
 
 def _with_gemm(fmt, route):

@@ -10,25 +10,14 @@ barriers every step), so decode and tensor cores hardly overlap (H200, N = K = 8
 0.064 ms with a one-shift decode against dense cuBLAS's 0.055). Here step i's decode runs
 while the wgmma of step i - 1 is in flight (issue, then wait with one group outstanding).
 
-Layout (`pack_wgmma`, cached with the weight like `quant_packed`'s copy): rows in tiles of 16
-(one warp of the warpgroup), K in steps of 64. The wgmma A fragment of a [16, 64] tile gives
-lane l (r = l // 4, p = l % 4) rows r + 8 h and elements k = 32 u + 16 s + 8 c + 2 p + e of
-each (h, u, s, c, e in {0, 1}: 32 elements; `gl.to_linear_layout` of the DotOperandLayout).
-4-bit formats: the lane's 4 int32 words [h, u] are contiguous (one 16-byte load, a warp's 512
-bytes contiguous) and element (s, c, e) is nibble 4 e + 2 c + s of word (h, u). 8-bit (Q8_0,
-Q6_K): 8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 16, K / 64,
-32 lanes, 4 or 8 words]. Each 32-element block of a row is one word (4-bit) or two (8-bit) of
-one thread: u is the block (Q6_K's 16-element blocks: (u, s)). Scales: per (row, block) the
-float32 pair (a, b) of W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a
-thread's four a's are one 16-byte load, shared by the 4 lanes of a row group); Q4_0 / Q8_0
-store no b (a fixed multiple of a), NF4 and Q6_K neither.
+Layout: `quant_gluon_pack`.
 
 Decode (bit for bit the format's dequantizer, then rounded once to x's dtype as the other
 GEMMs do): v = 2^23 + 2^SH q as float32 (the code moved to bit SH = 12 / 16 (4-bit: one
 shift a nibble pair, one LOP3 a weight) or 8 (bytes: one PRMT a weight) and OR-ed into 2^23's
 mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH and
-b = o - s 2^(23 - SH) exact (see `wgmma_pairs`), so the fused result is the exact product
-s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
+b = o - s 2^(23 - SH) exact (`quant_gluon_pack.wgmma_pairs`), so the fused result is the
+exact product s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
 fma(v - 2^23, a, -8192 a) = (d sc) (q - 32) rounded once, as gguf-py; NF4: code[q] by a warp
 shuffle from the lanes' registers, times absmax.
 
@@ -47,16 +36,30 @@ code shapes (a layout conversion in the epilogue, one step an iteration for some
 bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
 
 H200, N = K = 8192, M = 256 (session 9; dense cuBLAS 0.0511 ms): 64 x 256 tiles Q4_0 0.0769,
-AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms (quant.GLUON_GEMM). They read
-x 128 times from L2 (512 MB, ~6.6 TB/s); 128 x 128 tiles (half the x traffic, every weight
-decoded twice) 0.080-0.093. Each step's A fence (fence.proxy.async: MEMBAR.ALL.CTA in SASS)
-waits for the thread's global loads in flight, so the look-ahead loads of the words sit on the
-loop's path (`late` moves them behind the iteration's last fence). Options not measured on the
-H200 yet: late, rot, h2 and the producer warp (ws) on 64 x 256 tiles (ws gave 128 x 128 tiles
-4-5%)."""
+AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms. They read x 128 times from
+L2 (512 MB); 128 x 128 tiles (half the x traffic, every weight decoded twice) 0.080-0.093.
+
+Split K (`split=2`, session 10): 128 x 256 tiles (two warpgroups, 128 float32 acc registers a
+thread) over half of K each are again 128 programs, but each reads only its half of x: 256 MB
+from L2 instead of 512, and each weight is still decoded once. The two programs of a tile meet
+after their loops (`_split_epilogue`): the first to arrive writes its float32 partial, the
+second adds it to its own and stores; a + b is commutative, so the result does not depend on
+which came first. A tile counter a launch (zeroed again by the second program) orders them;
+the first never waits, so the meeting cannot deadlock whatever runs at once. With the producer
+warp and the words and scales brought by TMA into the x ring (`wtma`: no global load, so the
+A fences wait for none) and 5 stages, H200 M = 256: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665,
+NF4 0.0698; the 8-bit formats (whose wtma rings do not fit 5 stages) with the words loaded by
+the threads, Q8_0 5 stages 0.0667, Q6_K 6 stages 0.0697 (quant.GLUON_GEMM; dense cuBLAS
+0.050-0.057 in those runs). What is left is mostly shared-memory traffic: a step
+of a 128 x 256 tile moves 128 KB through shared memory (the two warpgroups' wgmma operand
+reads, the x tile by TMA, the decoded A tile by stmatrix) for 1024 cycles of tensor-core work,
+about the 128 bytes a cycle an SM has; the register-A wgmma would save the A tile's 32 KB.
+Lost on these tiles (session 10, round 1): late loads (Q4_0 0.0706 / Q8_0 0.0761 against
+0.0668 / 0.0721), rotated K (Q4_0 0.0687), the look-ahead loads right after each A fence
+(0.0708 / 0.0747; removed)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -65,156 +68,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .quant_packed import _q4k_scale_min, _unpack_awq, packed_weight, q6k_fields
-from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
-
-#: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
-#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements)
-GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
-_KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
-_BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
-#: formats whose b is a fixed multiple of a (B_OVER_A: not stored)
-_BFA = frozenset({Q4_0, Q8_0})
-#: float32 scale values a thread loads a step (a per 32-element block, Q6_K per 16)
-_PAIRS = {0: 4, 1: 4, 2: 4, 3: 4, 4: 8}
-#: bit position of the code in v = 2^23 + 2^SH q
-_SH = {4: 12, 8: 8}
-STEP_K = 64
-MAGIC = 0x4B000000
-#: 128.0 in both halves of a bf16x2 word (the h2 decode's magic)
-H2_MAGIC = 0x43004300
-
-
-# ---- the packed weight ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class WgmmaWeight:
-    """codes int32 [N / 16, K / 64, 32, 4 or 8] (module docstring), pairs' a and b float32
-    [N / 16, K / 64, 8, 2, 2] (Q6_K: a [N / 16, K / 64, 8, 2, 2, 2], a per 16 elements (u, s),
-    b empty; NF4: a = absmax, b zeros), each flattened with two steps of padding
-    (`_padded`)."""
-    fmt: int
-    codes: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    n: int
-    k: int
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-def _codes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes q uint8 [N, K] (< 2**bits) -> int32 [N / 16, K / 64, 32, 32 / bits * ...] in the
-    fragment order: row 16 t + 8 h + r, k = 64 kk + 32 u + 16 s + 8 c + 2 p + e."""
-    n, k = q.shape
-    v = q.to(torch.int32).reshape(n // 16, 2, 8, k // 64, 2, 2, 2, 4, 2)
-    #                               t     h  r  kk      u  s  c  p  e
-    if bits == 4:   # word (h, u), nibble 4 e + 2 c + s
-        v = v.permute(0, 3, 2, 7, 1, 4, 8, 6, 5).reshape(n // 16, k // 64, 32, 4, 8)
-        shifts = 4 * torch.arange(8, dtype=torch.int32, device=q.device)
-    else:           # word (h, u, s), byte 2 e + c
-        v = v.permute(0, 3, 2, 7, 1, 4, 5, 8, 6).reshape(n // 16, k // 64, 32, 8, 4)
-        shifts = 8 * torch.arange(4, dtype=torch.int32, device=q.device)
-    w = (v.to(torch.int64) << shifts.to(torch.int64)).sum(-1)
-    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w)                       # two's complement
-    return w.to(torch.int32).contiguous()
-
-
-def _pair_tiles(t: torch.Tensor) -> torch.Tensor:
-    """Per-(row, 32-block) values [N, K / 32] float32 -> [N / 16, K / 64, 8 r, 2 h, 2 u]."""
-    n, g = t.shape
-    return t.reshape(n // 16, 2, 8, g // 2, 2).permute(0, 3, 2, 1, 4).contiguous()
-
-
-def wgmma_pairs(fmt: int, s: torch.Tensor, o: torch.Tensor):
-    """(a, b) float32 [N, K / 32] of W = fma(v, a, b) (v = 2^23 + 2^SH q) for the per-block
-    scale s and offset o (W = s q + o; Q4_0: o = -8 d, AWQ: -z s, Q8_0: o = -128 d for the
-    stored q + 128; Q4_K: v - 2^23 is used, so b = o). a = s 2^-SH exact (a power of two; no
-    f16 scale reaches float32's subnormals); b = o - s 2^(23 - SH) = -s (z + 2^(23 - SH)): the
-    integer has at most 12 (4-bit, SH = 12) / 9 (Q8_0, SH = 8) significant bits and s 11
-    (f16), so b is exact and so is the fused product."""
-    sh = _SH[_BITS[fmt]]
-    a = s * 2.0 ** -sh
-    if _KIND[fmt] == 1:
-        b = o
-    else:
-        b = (o.double() - s.double() * 2.0 ** (23 - sh)).float()
-    return a.float(), b.float()
-
-
-def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
-    """The fragment-order copy of a weight given as `quant.run` takes it (GGUF: bytes, -, -,
-    row bytes; AWQ: qweight, qzeros, scales, group)."""
-    if fmt == Q4_0:
-        raw = w0.reshape(n, k // 32, 18)
-        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
-        qs = raw[..., 2:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
-        s, o = d, -8.0 * d
-    elif fmt == Q8_0:
-        raw = w0.reshape(n, k // 32, 34)
-        d = raw[..., :2].contiguous().view(torch.float16).reshape(n, k // 32).float()
-        q = raw[..., 2:].reshape(n, k) ^ 0x80                              # int8 q + 128
-        s, o = d, -128.0 * d
-    elif fmt == Q4_K:
-        raw = w0.reshape(n, k // 256, 144)
-        dd = raw[..., :4].contiguous().view(torch.float16).reshape(n, k // 256, 2).float()
-        sc, mn = _q4k_scale_min(raw[..., 4:16].to(torch.int32))
-        qs = raw[..., 16:].reshape(n, k // 256, 4, 1, 32)
-        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)
-        d = dd[..., 0].repeat_interleave(8, dim=1)
-        dmin = dd[..., 1].repeat_interleave(8, dim=1)
-        s, o = d * sc.float(), -(dmin * mn.float())                # as gguf-py forms them
-    elif fmt == NF4:    # byte i: element 2i in the high nibble; a = absmax, no b
-        q = torch.stack([w0 >> 4, w0 & 15], dim=-1).reshape(n, k)
-        a = w1.reshape(n, k // i0).float().repeat_interleave(i0 // 32, dim=1)
-        return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
-                           _padded(_pair_tiles(torch.zeros_like(a))), n, k)
-    elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
-        q, d, sc = q6k_fields(w0, n, k)                                    # q + 32, 0..63
-        sc = sc.view(torch.int8).float()
-        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -8        # exact
-        a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
-        return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
-    elif fmt == AWQ:
-        q = _unpack_awq(w0).t().contiguous()                               # [N, K]
-        rep = i0 // 32
-        z = _unpack_awq(w1).t().float().repeat_interleave(rep, dim=1)
-        s = w2.t().float().repeat_interleave(rep, dim=1)
-        o = -(z * s)
-    else:
-        raise ValueError(f"no wgmma layout for format {fmt}")
-    a, b = wgmma_pairs(fmt, s, o)
-    b = _pair_tiles(b)
-    if fmt in _BFA:     # b = a B_OVER_A in the kernel
-        b = b[..., :0]
-    return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)), _padded(b),
-                       n, k)
-
-
-def _padded(t: torch.Tensor) -> torch.Tensor:
-    """t [N / 16, K / 64, ...] flattened with two (tile, step) blocks of zeros after it: the
-    kernel loads two steps ahead of the last one without a bound (the last tile's overrun
-    lands here)."""
-    flat = t.reshape(-1)
-    block = flat.numel() // (t.shape[0] * t.shape[1])
-    return torch.cat([flat, flat.new_zeros(2 * block)])
-
-
-def h2_scales(pw: WgmmaWeight):
-    """Q4_0 for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2 words
-    (dh, dh) and (dl, dl) with d = dh + dl, dh = d truncated to bf16's 8 significant bits and
-    dl the rest (at most 3 bits: both exact in bf16), as float32-typed tensors; made once.
-    Then t = q - 8 (exact), dl t (at most 6 bits: exact) and fma(t, dh, dl t) =
-    RN_bf16(d (q - 8)): one rounding of the exact product, as the float32 path's."""
-    hit = pw.extra.get("h2")
-    if hit is None:
-        d = pw.a * 4096.0                                           # a = d 2^-12, exact
-        hi = d.view(torch.int32) & -65536                           # top 16 bits: bf16 dh
-        lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
-        fin = torch.isfinite(d)         # (an infinite d gives NaN, as the float32 path)
-        assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
-        word = lambda v: (((v >> 16) & 0xFFFF) * 65537).to(torch.int32)      # noqa: E731
-        hit = pw.extra["h2"] = (word(hi).view(torch.float32), word(lo).view(torch.float32))
-    return hit
+# (the copy's names re-exported: tests and bench/sass_quant_gluon.py read them here)
+from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
+                               STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
+from .quant_packed import packed_weight
+from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
 
 
 def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmConfig") -> bool:
@@ -393,53 +251,83 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
 
 
 @gluon.jit
-def _xk(step, rot, steps, ROT: gl.constexpr):
-    """Column of x of the program's step (ROT: K walked from step rot on, wrapping)."""
+def _xk(step, rot, steps, ROT: gl.constexpr, k0=0):
+    """Column of x of the program's step (ROT: K walked from step rot on, wrapping; k0: the
+    first step of the program's K range, split K)."""
     if ROT:
-        return ((step + rot) % steps) * 64
-    return step * 64
+        return ((step + rot) % steps + k0) * 64
+    return (step + k0) * 64
 
 
 @gluon.jit
-def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot=0,
-            ROT: gl.constexpr = False):
-    """x buffer of step `done` (retired) takes step done + STAGES, if both exist (predicated,
-    no branch: a branch between a wgmma and its wait makes ptxas serialize the wgmmas)."""
-    ok = (done >= 0) & (done + STAGES < steps)
-    sn = (done + STAGES) % STAGES
-    mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(x_desc, [m0, _xk(done + STAGES, rot, steps, ROT)],
-                                    ready.index(sn),
-                                    x_smem.index(sn), pred=ok)
+def _issue(i, ok, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot,
+           ROT: gl.constexpr, k0, wt, tile, WTMA: gl.constexpr):
+    """The TMA copies of step i into ring buffer i % STAGES (predicated on ok), completing on
+    its `ready` barrier: the x tile and, WTMA (1; 2: with b), the weight tile's words and
+    scales (wt: their descriptors and rings; tile: the program's first 16-row tile)."""
+    sn = i % STAGES
+    col = _xk(i, rot, steps, ROT, k0)
+    if WTMA:
+        q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring = wt
+        HAS_B: gl.constexpr = WTMA == 2
+        nb: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes + \
+            a_desc.block_type.nbytes + (b_desc.block_type.nbytes if HAS_B else 0)
+        mbarrier.expect(ready.index(sn), nb, pred=ok)
+        ks = col // 64
+        tma.async_copy_global_to_shared(q_desc, [tile, ks * q_desc.block_type.shape[1]],
+                                        ready.index(sn), q_ring.index(sn), pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [tile, ks * a_desc.block_type.shape[1]],
+                                        ready.index(sn), sa_ring.index(sn), pred=ok)
+        if HAS_B:
+            tma.async_copy_global_to_shared(b_desc, [tile, ks * b_desc.block_type.shape[1]],
+                                            ready.index(sn), sb_ring.index(sn), pred=ok)
+    else:
+        mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(x_desc, [m0, col], ready.index(sn), x_smem.index(sn),
+                                    pred=ok)
+
+
+@gluon.jit
+def _refill(done, x_smem, ready, x_desc, m0, steps, STAGES: gl.constexpr, rot, ROT: gl.constexpr,
+            k0, wt, tile, WTMA: gl.constexpr):
+    """Ring buffer of step `done` (retired) takes step done + STAGES, if both exist
+    (predicated, no branch: a branch between a wgmma and its wait makes ptxas serialize the
+    wgmmas)."""
+    _issue(done + STAGES, (done >= 0) & (done + STAGES < steps), x_smem, ready, x_desc, m0,
+           steps, STAGES, rot, ROT, k0, wt, tile, WTMA)
 
 
 @gluon.jit
 def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, rot,
-                ROT: gl.constexpr):
-    """The TMA warp (WS): x tiles of steps STAGES.. into the ring, each once its buffer's
+                ROT: gl.constexpr, k0, wt, tile, WTMA: gl.constexpr):
+    """The TMA warp (WS): the ring's steps STAGES.. (`_issue`), each once its buffer's
     `empty` barrier says the consumers retired the step that used it before."""
     for i in range(STAGES, steps):
-        sn = i % STAGES
-        mbarrier.wait(empty.index(sn), ((i // STAGES) - 1) & 1)
-        mbarrier.expect(ready.index(sn), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, _xk(i, rot, steps, ROT)], ready.index(sn),
-                                        x_smem.index(sn))
+        mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) - 1) & 1)
+        _issue(i, True, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT, k0, wt, tile, WTMA)
 
 
 @gluon.jit
-def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-              STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
-              ROT: gl.constexpr):
-    """acc += t [BLOCK_N, 64] @ x tile of `step` (async; returns with one wgmma in flight).
-    t goes to the A buffer step % 2 (stmatrix), is published by a fence and a CTA barrier, and
-    the wgmma reads it from shared memory (no register operand in flight: see the module
-    docstring). The barrier also tells that the steps before step - 1 are retired in every
-    warp: the x buffers of the NREF steps before step - 1 are refilled (the TMA issue costs
-    barriers of its own, so with two steps an iteration both at once) or, WS, handed to the
-    producer warp by their `empty` mbarrier."""
-    buf = a_smem.index(step % 2)
-    buf.store(t)
+def _publish(t, step, a_smem):
+    """The decoded tile t [BLOCK_N, 64] of `step` into the A buffer step % 2 (stmatrix), then
+    the proxy fence for the wgmma's reads (`_launch`). The fence (MEMBAR.ALL.CTA) also waits
+    for the thread's global loads in flight."""
+    a_smem.index(step % 2).store(t)
     fence_async_shared()
+
+
+@gluon.jit
+def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+            STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
+            ROT: gl.constexpr, k0, wt=0, tile=0, WTMA: gl.constexpr = False):
+    """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
+    returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
+    shared memory (no register operand in flight: see the module docstring). The barrier also
+    tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
+    steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
+    steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
+    mbarrier."""
+    buf = a_smem.index(step % 2)
     gl.thread_barrier()
     for r in gl.static_range(NREF):
         done = step - 1 - NREF + r
@@ -447,8 +335,10 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             mbarrier.arrive(empty.index((done + STAGES) % STAGES),
                             pred=(done >= 0) & (done + STAGES < steps))
         else:
-            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT)
-    mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
+            _refill(done, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT, k0, wt, tile,
+                    WTMA)
+    if not WTMA:    # (WTMA: waited for before the decode)
+        mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
     acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
 
@@ -457,9 +347,10 @@ def _mma_step(acc, t, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr):
-    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over all steps: loads,
-    decode, A buffer, wgmma. Returns (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+    """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
+    64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
+    [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
@@ -473,14 +364,14 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
     q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
     i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
-    s_off = (i // (32 * PAIRS)) * (steps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
+    s_off = (i // (32 * PAIRS)) * (ksteps * 8 * PAIRS) + ((i // (4 * PAIRS)) % 8) * PAIRS \
         + i % PAIRS
     s_off = gl.max_contiguous(gl.multiple_of(s_off, PAIRS), PAIRS)
-    q_off = (q_off // (32 * WORDS)) * (steps * 32 * WORDS) + q_off % (32 * WORDS)
+    q_off = (q_off // (32 * WORDS)) * (ksteps * 32 * WORDS) + q_off % (32 * WORDS)
     q_off = gl.max_contiguous(gl.multiple_of(q_off, WORDS), WORDS)
     tile = pid_n * T
-    tile_q = tile.to(gl.int64) * steps * (32 * WORDS)
-    tile_s = tile.to(gl.int64) * steps * (8 * PAIRS)
+    tile_q = (tile.to(gl.int64) * ksteps + k0) * (32 * WORDS)
+    tile_s = (tile.to(gl.int64) * ksteps + k0) * (8 * PAIRS)
     if KIND == 3:   # NF4: code[lane % 16] as int32 bits in the words' layout (shuffle source)
         lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [q_off],
                                          dtype=gl.int32, is_pure=True, pack=1)
@@ -499,22 +390,26 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         # freed: no moves), then the async wgmma on its x buffer; the previous one retires.
         # LATE: the reloads after the iteration's last A fence: the proxy fence (MEMBAR)
         # waits for the thread's loads in flight, so each load before a fence puts its
-        # latency on the loop's path; after the last one it overlaps the wgmma
+        # latency on the loop's path; after the last one it overlaps the wgmma (H200, 128 x 256
+        # split 2: Q4_0 0.0706 ms against 0.0668; loads right after each fence, held there by
+        # a CTA fence, 0.0708)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
         if not LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-        acc = _mma_step(acc, t0, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                        2 - SUB, WS, rot, ROT)
+        _publish(t0, st, a_smem)
+        acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
+                      2 - SUB, WS, rot, ROT, k0)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             if not LATE:
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-            acc = _mma_step(acc, t1, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                            STAGES, 2, WS, rot, ROT)
+            _publish(t1, st + 1, a_smem)
+            acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                          STAGES, 2, WS, rot, ROT, k0)
         if LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -525,26 +420,180 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 
 
 @gluon.jit
-def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, stride_o, magic,
+def _smem_pairs(buf, src, T: gl.constexpr, PAIRS: gl.constexpr, s_layout: gl.constexpr):
+    """A step's scales [T, 8 PAIRS] (shared memory, WTMA) -> flat [T * 32 * PAIRS] in
+    s_layout (lane l: its row group's PAIRS values, shared by the 4 lanes of the group): each
+    lane reads PAIRS / 4 of them, then a shuffle a value (src: the lane holding it)."""
+    Q: gl.constexpr = PAIRS // 4
+    v = buf.load(gl.BlockedLayout([1, Q], [1, 32], [T, 1], [1, 0])).to(gl.int32, bitcast=True)
+    v = gl.reshape(v, [T, 32, Q])
+    v = gl.join(v, v)
+    v = gl.permute(gl.join(v, v), [0, 1, 3, 4, 2])            # t l | c c q: each value 4 times
+    v = gl.convert_layout(gl.reshape(v, [T * 32 * PAIRS]), s_layout)
+    r = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
+                                  [v, src], dtype=gl.int32, is_pure=True, pack=1)
+    return r.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _smem_step(wt, sn, src, T: gl.constexpr, WORDS: gl.constexpr, PAIRS: gl.constexpr,
+               w_layout: gl.constexpr, s_layout: gl.constexpr, WTMA: gl.constexpr):
+    """Step's words (flat, w_layout) and pairs a, b (s_layout; WTMA 1, no b: b = a) from ring
+    buffer sn, in the registers `_load_step` gives."""
+    q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring = wt
+    HAS_B: gl.constexpr = WTMA == 2
+    w = q_ring.index(sn).load(gl.BlockedLayout([1, WORDS], [1, 32], [T, 1], [1, 0]))
+    w = gl.convert_layout(gl.reshape(w, [T * 32 * WORDS]), w_layout)
+    a = _smem_pairs(sa_ring.index(sn), src, T, PAIRS, s_layout)
+    if HAS_B:
+        b = _smem_pairs(sb_ring.index(sn), src, T, PAIRS, s_layout)
+    else:
+        b = a
+    return w, a, b
+
+
+@gluon.jit
+def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                  KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
+                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr):
+    """`_consumer` with the weight tile's words and scales brought by TMA into the x ring's
+    buffers (WTMA): no global load in the loop, so the A fences wait for none."""
+    BLOCK_N: gl.constexpr = 16 * T
+    WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
+    PAIRS: gl.constexpr = 8 if KIND == 4 else 4
+    dtype: gl.constexpr = x_desc.dtype
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
+                                                         instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [T], [0])
+    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [T], [0])
+    i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
+    src = 4 * (((i // PAIRS) % 32) // 4) + (i % PAIRS) // (PAIRS // 4)
+    tile = pid_n * T
+    if KIND == 3:   # NF4: code[lane % 16] as int32 bits in the words' layout (shuffle source)
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r",
+                                         [gl.arange(0, T * 32 * WORDS, layout=w_layout)],
+                                         dtype=gl.int32, is_pure=True, pack=1)
+        codes = gl.load(c_ptr + (lane & 15)).to(gl.int32, bitcast=True)
+    else:
+        codes = 0
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+    # (at least one iteration: else the zero-trip path's acc, placed after the loop, makes
+    # ptxas serialize the wgmmas)
+    gl.assume(steps >= SUB)
+    for it in range(steps // SUB):
+        st = it * SUB
+        mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
+        w0, a0, b0 = _smem_step(wt, st % STAGES, src, T, WORDS, PAIRS, w_layout, s_layout,
+                                WTMA)
+        t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
+                     BFA)
+        _publish(t0, st, a_smem)
+        acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
+                      2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA)
+        if SUB == 2:
+            mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
+            w1, a1, b1 = _smem_step(wt, (st + 1) % STAGES, src, T, WORDS, PAIRS, w_layout,
+                                    s_layout, WTMA)
+            t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
+                         a_layout, BFA)
+            _publish(t1, st + 1, a_smem)
+            acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
+                          STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA)
+    return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
+
+
+@gluon.jit
+def _halves(t):
+    """t [R, C] -> its column halves [R, C / 2] (register moves only: in the wgmma layout the
+    top column bit is a register bit)."""
+    R: gl.constexpr = t.shape[0]
+    C: gl.constexpr = t.shape[1]
+    return gl.split(gl.permute(gl.reshape(t, [R, 2, C // 2]), [0, 2, 1]))
+
+
+@gluon.jit
+def _add_chunk(acc, c0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, TOTAL_M: gl.constexpr):
+    """out[m0 + c0 + j, n0 + i] = acc[i, j] + the partial's (i, c0 + j) (the tile's float32
+    partial is [BLOCK_N, TOTAL_M] row-major), for a column chunk acc [BLOCK_N, C]."""
+    lay: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, lay))
+    pp = part_ptr + tile_id.to(gl.int64) * (acc.shape[0] * TOTAL_M) + rows[:, None] * TOTAL_M \
+        + (c0 + cols)[None, :]
+    part = gl.load(pp, cache_modifier=".cg")
+    offs_m = m0 + c0 + cols
+    ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + (n0 + rows)[:, None]
+    gl.store(ptrs, (acc + part).to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :])
+
+
+@gluon.jit
+def _split_epilogue(acc, out_ptr, n0, m0, M, stride_o, part_ptr, cnt_ptr, tile_id,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, mma_layout: gl.constexpr):
+    """Split K in two: the two programs of a tile meet here. The first to arrive (one atomic
+    on the tile's counter, +1) writes its float32 acc to the workspace and releases the
+    counter (+2: 4 = both arrived and the partial written, in either order); the second (+1)
+    waits for it (the first is past
+    its main loop, so the wait cannot block on a program not yet started), adds the partial
+    (a + b: the same bits whichever came first) in four column chunks (the whole partial
+    next to acc would not fit the registers), stores the result, then resets the counter for
+    the next launch."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    cnt = cnt_ptr + tile_id
+    if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == 0:
+        pp = part_ptr + tile_id.to(gl.int64) * (BLOCK_N * BLOCK_M) + rows[:, None] * BLOCK_M \
+            + cols[None, :]
+        gl.store(pp, acc, cache_modifier=".cg")
+        gl.thread_barrier()
+        gl.atomic_add(cnt, 2, sem="release", scope="gpu")
+    else:
+        while gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") != 4:
+            pass
+        gl.thread_barrier()
+        lo, hi = _halves(acc)
+        q0, q1 = _halves(lo)
+        q2, q3 = _halves(hi)
+        Q: gl.constexpr = BLOCK_M // 4
+        _add_chunk(q0, 0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q1, Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q2, 2 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        _add_chunk(q3, 3 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
+        gl.thread_barrier()
+        gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr,
+                       part_ptr, cnt_ptr, M, N, K, stride_o, magic,
                        KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
-                       LATE: gl.constexpr = False):
+                       LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
+                       WTMA: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
     steps: the loads run SUB steps ahead unclamped; BFA: no b, b = a B_OVER_A); c_ptr: NF4's
     code table (float32 [16]); magic: 0x4B000000 (a register operand of the decode's LOP3 /
-    PRMT). SUB (1 or 2, dividing K / 64) steps of 64 an iteration. WS: one more warp issues
-    the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program n
-    walks K from step n % (K / 64) on, wrapping, so that the programs do not all read the same
-    x tile (the same L2 lines) at once. LATE: the next iteration's words and scales loaded after
-    its last A fence (`_consumer`)."""
+    PRMT). SUB (1 or 2, dividing K / 64 / SPLIT) steps of 64 an iteration. WS: one more warp
+    issues the x TMA copies (the main loop then has no TMA code and its barriers). ROT: program
+    n walks its K range from step n % steps on, wrapping, so that the programs do not all read
+    the same x tile (the same L2 lines) at once. LATE: the next iteration's words and scales
+    loaded after its last A fence (`_consumer`).
+    SPLIT (1 or 2, program_id(2)): each program does K / SPLIT; the two meet in
+    `_split_epilogue` (part_ptr: float32 workspace of BLOCK_N x BLOCK_M a tile; cnt_ptr: int32
+    counter a tile, zero between launches). WTMA: the words and scales come by TMA with the x
+    tiles (q_desc / a_desc / b_desc: the copies as [N / 16, K / 64 * 32 * WORDS] /
+    [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks; b_desc = a_desc without b)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
-    steps = K // 64
+    ksteps = K // 64
+    steps = ksteps // SPLIT
+    k0 = gl.program_id(2) * steps
     m0 = pid_m * BLOCK_M
     rot = pid_n % steps
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
@@ -555,22 +604,52 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    tile = pid_n * num_warps
+    HAS_B: gl.constexpr = KIND < 3 and not BFA
+    WT: gl.constexpr = (2 if HAS_B else 1) if WTMA else 0      # (1: no b, 2: with b)
+    if WTMA:
+        q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, num_warps,
+                                                      q_desc.block_type.shape[1]], q_desc.layout)
+        sa_ring = gl.allocate_shared_memory(gl.float32, [STAGES, num_warps,
+                                                         a_desc.block_type.shape[1]],
+                                            a_desc.layout)
+        if HAS_B:
+            sb_ring = gl.allocate_shared_memory(gl.float32, [STAGES, num_warps,
+                                                             b_desc.block_type.shape[1]],
+                                                b_desc.layout)
+        else:
+            sb_ring = sa_ring
+        wt = (q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring)
+    else:
+        wt = 0
     for s in gl.static_range(STAGES):
         if s < steps:
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, _xk(s, rot, steps, ROT)],
-                                            ready.index(s), x_smem.index(s))
-    if WS:
+            _issue(s, True, x_smem, ready, x_desc, m0, steps, STAGES, rot, ROT, k0, wt, tile, WT)
+    if WTMA:
+        if WS:
+            acc = gl.warp_specialize([(_consumer_tma, (c_ptr, pid_n, magic, a_smem, x_smem,
+                                                       ready, empty, x_desc, m0, steps, KIND,
+                                                       BLOCK_M, STAGES, SUB, BFA, WS,
+                                                       num_warps, rot, ROT, k0, wt, WT)),
+                                      (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
+                                                     STAGES, rot, ROT, k0, wt, tile, WT))],
+                                     [1], [40])[0]
+        else:
+            acc = _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
+                                steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot, ROT,
+                                k0, wt, WT)[0]
+    elif WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE)),
+                                               ROT, LATE, ksteps, k0)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
-                                                 STAGES, rot, ROT))], [1], [40])[0]
+                                                 STAGES, rot, ROT, k0, wt, tile, WT))],
+                                 [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE)[0]
+                        ROT, LATE, ksteps, k0)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -579,11 +658,15 @@ def _gluon_gemm_kernel(x_desc, q_ptr, a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, str
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                          warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BLOCK_M, 16])
-    res = acc.to(out_ptr.dtype.element_ty)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
-    gl.store(ptrs, res, mask=(offs_m < M)[None, :])
+    mask = (offs_m < M)[None, :]
+    if SPLIT == 1:
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        _split_epilogue(acc, out_ptr, pid_n * BLOCK_N, m0, M, stride_o, part_ptr, cnt_ptr,
+                        pid_m * gl.num_programs(0) + pid_n, BLOCK_N, BLOCK_M, mma_layout)
 
 
 # ---- launch ---------------------------------------------------------------------------------
@@ -594,7 +677,11 @@ class GluonGemmConfig:
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
     wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
     decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
-    late: the next iteration's loads after the last A fence of the iteration."""
+    late: the next iteration's loads after the last A fence of the iteration, split: K in
+    that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
+    256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
+    wtma: the words and scales by TMA with the x tiles (no global load in the loop; one step
+    an iteration: with two, ptxas serializes the wgmmas)."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -603,6 +690,8 @@ class GluonGemmConfig:
     h2: int = 0
     rot: int = 0
     late: int = 0
+    split: int = 1
+    wtma: int = 0
 
     @property
     def block_n(self) -> int:
@@ -612,12 +701,53 @@ class GluonGemmConfig:
         return (f"gluon_gemm[n{self.block_n},m{self.block_m},st{self.stages}"
                 + (f",sub{self.sub}" if self.sub > 1 else "") + (",ws" if self.ws else "")
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
-                + (",late" if self.late else "") + "]")
+                + (",late" if self.late else "")
+                + (f",split{self.split}" if self.split > 1 else "")
+                + (",wtma" if self.wtma else "") + "]")
+
+
+#: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
+#: own 16 or 32 contiguous bytes)
+PLAIN32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def weight_descs(fmt: int, pw: WgmmaWeight, sa, sb, num_warps: int):
+    """TMA descriptors of the words, a and b (WTMA; b: a's without b) as [N / 16, K / 64 * 32
+    * WORDS] / [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks (the copies without
+    their padding)."""
+    words = 32 * (8 if _BITS[fmt] == 8 else 4)
+    pairs = 8 * _PAIRS[_KIND[fmt]]
+    tiles, steps = pw.n // 16, pw.k // STEP_K
+
+    def desc(t, per):
+        return TensorDescriptor.from_tensor(t[: tiles * steps * per].view(tiles, steps * per),
+                                            [num_warps, per], PLAIN32)
+
+    a = desc(sa, pairs)
+    return desc(pw.codes, words), a, desc(sb, pairs) if sb.numel() else a
 
 
 def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
     """Shared-memory layout of an x tile [block_m, 64] (128-byte swizzle)."""
     return gl.NVMMASharedLayout.get_default_for([block_m, STEP_K], dtype)
+
+
+#: per device: int32 counters of the split-K launches, a tile each, zero between launches (the
+#: second program of a tile resets its counter); launches on one device share them, so
+#: split-K launches on two streams at once would race (they run one at a time on one stream)
+_COUNTERS: dict = {}
+
+
+def _counters(device, tiles: int):
+    """The device's split-K counters (at least `tiles`), or None while a CUDA graph is
+    captured before they exist (they would live in the graph's pool)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTERS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                               device=device)
+    return have
 
 
 def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
@@ -637,11 +767,25 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     table = w2 if fmt == NF4 else pw.a
     h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
     sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
-    _gluon_gemm_kernel[grid](desc, pw.codes, sa, sb, table, out, m, n, k, out.stride(0),
-                             H2_MAGIC if h2 else MAGIC, KIND=5 if h2 else _KIND[fmt],
-                             BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                             SUB=cfg.sub if (k // STEP_K) % cfg.sub == 0 else 1,
-                             BFA=fmt in _BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
-                             LATE=bool(cfg.late),
-                             num_warps=cfg.num_warps)
+    wtma = bool(cfg.wtma) and not h2
+    wd = weight_descs(fmt, pw, sa, sb, cfg.num_warps) if wtma else (desc, desc, desc)
+    split = cfg.split if cfg.split == 2 and (k // STEP_K) % 2 == 0 else 1
+    steps = k // STEP_K // split
+    cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 else None
+    if cnt is None:
+        split, steps = 1, k // STEP_K
+        cnt = part = out
+    else:
+        part = torch.empty(grid[0] * grid[1] * cfg.block_n * cfg.block_m, dtype=torch.float32,
+                           device=x.device)
+    _gluon_gemm_kernel[grid + (split, )](desc, *wd, pw.codes, sa, sb, table, out, part, cnt, m,
+                                         n, k,
+                                         out.stride(0), H2_MAGIC if h2 else MAGIC,
+                                         KIND=5 if h2 else _KIND[fmt],
+                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages,
+                                         SUB=cfg.sub if steps % cfg.sub == 0 and not wtma else 1,
+                                         BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
+                                         ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
+                                         WTMA=wtma,
+                                         num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
