@@ -29,7 +29,7 @@ PTRS = ["Q", "K", "V", "BT", "CL", "SL", "O", "PO", "PM", "PL", "CNT"]
 INTS = ["hq", "hkv", "mb", "nb", "keys_per_split", "n_split", "sl_stride_b"]
 
 
-def source(kn, block_n=64, kv_ahead=True, kv_evict="evict_first", merge_chunk=8):
+def source(kn, block_n=64, kv_ahead=1, kv_evict="evict_first", merge_chunk=8):
     """ASTSource of the grouped kernel for B1 ctx 32768 with these knobs (the JIT's view:
     sq = n_qt = 1 specialized, sizes divisible by 16 marked)."""
     fn = kn                                 # the JITFunction
@@ -67,7 +67,7 @@ def main():
     args = ap.parse_args()
     for spec in args.cands.split(";"):
         kw = parse(spec)
-        ahead = kw.get("ahead", "1") == "1"
+        ahead = int(kw.get("ahead", "1"))          # key tiles in flight in registers (0: none)
         src = source(K._paged_attn_kernel, int(kw.get("bn", 64)), ahead,
                      kw.get("evict", "evict_first"), int(kw.get("mc", 8)))
         opts = dict(num_warps=int(kw.get("w", 4)), num_stages=int(kw.get("st", 1 if ahead else 3)))

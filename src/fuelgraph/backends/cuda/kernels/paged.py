@@ -49,7 +49,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_loads import _kv_tile
+from .paged_loads import _kv_tile, _online_softmax, _ring_loop, _scores
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -120,12 +120,6 @@ INT32_OFFSETS_BELOW = 2 ** 31
 
 
 @triton.jit
-def _tanh(x):
-    e = tl.exp(2.0 * x)                     # inf for large x: 1 - 0 = 1; 0 for very negative: -1
-    return 1.0 - 2.0 / (e + 1.0)
-
-
-@triton.jit
 def _paged_attn_kernel(
         Q, K, V, BT, CL, SL, O, PO, PM, PL,
         CNT, sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
@@ -148,10 +142,16 @@ def _paged_attn_kernel(
     lo = pid_s * keys_per_split
     tab = BT + b * mb
     offs_n = tl.arange(0, BLOCK_N)
+    ids_ring = ()
     if EARLY_IDS:        # the first tile's block ids requested with the length, not after it
         j = lo + offs_n                          # (one round trip less before the first k/v)
         ids_first = tl.load(tab + j // BS, mask=j < tl.minimum(lo + keys_per_split, cap),
                             other=0)
+        ids_ring = (ids_first,)
+        for t in tl.static_range(1, KV_AHEAD):   # a ring's further tiles: theirs too
+            j = lo + t * BLOCK_N + offs_n
+            ids_ring = ids_ring + (tl.load(tab + j // BS, mask=j < tl.minimum(
+                lo + keys_per_split, cap), other=0),)
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -172,6 +172,8 @@ def _paged_attn_kernel(
     a = n - sq + i                           # absolute position: row sees keys j <= a
     if HAS_ALIBI:
         slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        slope = tl.zeros([BLOCK_M], tl.float32)
     i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
     hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
 
@@ -188,68 +190,53 @@ def _paged_attn_kernel(
         else:
             j = lo + offs_n
             phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
-        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
-            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
-            BLOCK_N, OFF32, KV_EVICT)
-        j = lo + BLOCK_N + offs_n
-        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        j = start + offs_n
-        j_ok = j < hi
-        if KV_AHEAD:
-            k = k_next
-            v = v_next
-            k_next, v_next, n_bad = _kv_tile(
-                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
-                D, BLOCK_N, OFF32, KV_EVICT)
-            j_next = j + 2 * BLOCK_N
-            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-        elif PREFETCH_IDX:
-            phys = phys_next
-            j_next = j + BLOCK_N
-            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-        else:
-            phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-        if not KV_AHEAD:
-            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
-            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-            phys = tl.where(p_ok, phys, 0)
-            if BLOCK_N % BS != 0:
-                in_page = ((j % BS) * hkv + hk) * D
-            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
-                kv_row = phys * (BS * hkv * D) + in_page
+    if KV_AHEAD > 1:     # a ring of KV_AHEAD key tiles in flight in registers
+        m_i, l_i, acc, n_bad = _ring_loop(
+            K, V, tab, q, a, slope, scale, softcap, lo, hi, phys_next, ids_ring, in_page, d,
+            d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS, D, BLOCK_N, OFF32, KV_EVICT,
+            KV_AHEAD, EARLY_IDS, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC, DOT_F32)
+    else:
+        if KV_AHEAD == 1:    # the k/v tiles themselves one tile ahead, in registers (plain
+            k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
+                K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
+                BLOCK_N, OFF32, KV_EVICT)
+            j = lo + BLOCK_N + offs_n
+            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + offs_n
+            j_ok = j < hi
+            if KV_AHEAD:
+                k = k_next
+                v = v_next
+                k_next, v_next, n_bad = _kv_tile(
+                    K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                    D, BLOCK_N, OFF32, KV_EVICT)
+                j_next = j + 2 * BLOCK_N
+                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+            elif PREFETCH_IDX:
+                phys = phys_next
+                j_next = j + BLOCK_N
+                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
             else:
-                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-            kv_off = kv_row[:, None] + d[None, :]
-            kv_mask = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if HAS_SOFTCAP or HAS_ALIBI:
-            s = s * scale
-            if HAS_SOFTCAP:
-                s = softcap * _tanh(s / softcap)
-            rel = a[:, None] - j[None, :]
-            if HAS_ALIBI:
-                s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
-            s = s * 1.4426950408889634
-        else:
-            rel = a[:, None] - j[None, :]
-            s = s * (scale * 1.4426950408889634)
-        s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not KV_AHEAD:
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+                phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+            if not KV_AHEAD:
+                p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id
+                n_bad += (j_ok & (p_ok == 0)).to(tl.int32)                        # < nb
+                phys = tl.where(p_ok, phys, 0)
+                if BLOCK_N % BS != 0:
+                    in_page = ((j % BS) * hkv + hk) * D
+                if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                    kv_row = phys * (BS * hkv * D) + in_page
+                else:
+                    kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+                kv_off = kv_row[:, None] + d[None, :]
+                kv_mask = j_ok[:, None] & d_ok[None, :]
+                k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+            s = _scores(q, k, j, j_ok, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC,
+                        DOT_F32)
+            if not KV_AHEAD:
+                v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32)
 
     poison = tl.sum(n_bad, 0) > 0
     if SPLIT:
@@ -531,9 +518,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
+    ahead = int(KV_AHEAD if kv_ahead is None else kv_ahead) if pf else 0   # tiles in flight
     if kv_ahead:
-        pf = ahead = True
+        pf, ahead = True, int(kv_ahead)
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:

@@ -1,6 +1,9 @@
-"""The k/v loads of the paged decode kernel (`paged`) when it reads a key tile ahead into
-registers (launch knob kv_ahead): plain loads, which keep their L2 eviction policy (Triton's
-pipelined copies into shared memory drop it)."""
+"""The k/v loads of the paged decode kernel (`paged`) when it reads key tiles ahead into
+registers (launch knob kv_ahead: one tile, or a ring of several), and the attention step of a
+key tile both loops share. Plain loads, which keep their L2 eviction policy: Triton 3.6's
+asynchronous copies into shared memory drop it (cp.async, and TMA loads alike: the PTX carries
+no L2 cache hint), and after a flush that leaves dirty lines in the L2, evict_first reads
+spare most of their write-back."""
 from __future__ import annotations
 
 import triton
@@ -28,3 +31,92 @@ def _kv_tile(K, V, phys, j, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS: tl.con
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
     v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=EVICT)
     return k, v, n_bad
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(2.0 * x)                     # inf for large x: 1 - 0 = 1; 0 for very negative: -1
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _scores(q, k, j, j_ok, a, slope, scale, softcap, HAS_ALIBI: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Scores [BLOCK_M, BLOCK_N] of the rows against key tile k (keys j, live where j_ok),
+    in base 2, -inf where masked (causal: key j > the row's absolute position a)."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    rel = a[:, None] - j[None, :]
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s = s * scale
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        if HAS_ALIBI:
+            s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+        s = s * 1.4426950408889634
+    else:
+        s = s * (scale * 1.4426950408889634)
+    return tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step: (max, sum, accumulator) after the key tile of scores s and
+    values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, in_page, d,
+               d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr, OFF32: tl.constexpr, EVICT: tl.constexpr,
+               RING: tl.constexpr, EARLY: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """The keys lo .. hi - 1 of a split with RING key tiles in flight in registers: the loop
+    steps RING tiles, unrolled; each step consumes the oldest tile of the ring and requests the
+    one RING tiles ahead in its slot (the ring's rotation is register renaming, no moves), so a
+    program keeps RING tiles of k/v loads outstanding while one tile is in use. Ids one tile
+    ahead of the requests (ids0: the first tile's; ids_early: the first RING tiles' when
+    requested with the length). Tiles past hi compute on masked keys (no loads, no change).
+    -> (max, sum, accumulator, bad-id counts)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    ring_k = ()
+    ring_v = ()
+    for t in tl.static_range(RING):
+        jt = lo + t * BLOCK_N + offs_n
+        if EARLY:
+            ids_t = ids_early[t]
+        elif t == 0:
+            ids_t = ids0
+        else:
+            ids_t = tl.load(tab + jt // BS, mask=jt < hi, other=0)
+        k_t, v_t, n_bad = _kv_tile(K, V, ids_t, jt, hi, in_page, d, d_ok, nb, n_bad, hk, hkv,
+                                   BS, D, BLOCK_N, OFF32, EVICT)
+        ring_k = ring_k + (k_t,)
+        ring_v = ring_v + (v_t,)
+    j = lo + RING * BLOCK_N + offs_n
+    ids_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    for start in range(lo, hi, RING * BLOCK_N):
+        for t in tl.static_range(RING):
+            j = start + t * BLOCK_N + offs_n
+            k = ring_k[t]
+            v = ring_v[t]
+            k_new, v_new, n_bad = _kv_tile(K, V, ids_next, j + RING * BLOCK_N, hi, in_page, d,
+                                           d_ok, nb, n_bad, hk, hkv, BS, D, BLOCK_N, OFF32,
+                                           EVICT)
+            ring_k = ring_k[:t] + (k_new,) + ring_k[t + 1:]
+            ring_v = ring_v[:t] + (v_new,) + ring_v[t + 1:]
+            j_ids = j + (RING + 1) * BLOCK_N
+            ids_next = tl.load(tab + j_ids // BS, mask=j_ids < hi, other=0)
+            s = _scores(q, k, j, j < hi, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP,
+                        DOT_PREC, DOT_F32)
+            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32)
+    return m_i, l_i, acc, n_bad
