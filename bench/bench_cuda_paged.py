@@ -505,11 +505,13 @@ SWEEPS = {
     # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
     # (session 10: a ring of kv_ahead > 1 tiles in registers -- in flight the same bytes per
     # program as one 64-key tile (the registers cap it: 228-255 per thread, 2 programs per SM)
-    # but refilled a smaller tile at a time; 8-warp programs, one per SM, with 64 KB in flight)
+    # but refilled a smaller tile at a time; 3 x 32 keys: 48 KB, 255 registers and a few spills;
+    # 8-warp programs, one per SM, with 64 KB in flight)
     "decode_B1_ctx32768": [
         dict(),
         dict(kv_ahead=2, block_n=32),
         dict(kv_ahead=4, block_n=16),
+        dict(kv_ahead=3, block_n=32),
         dict(kv_ahead=2, block_n=64, num_warps=8, programs_per_sm=1),
         dict(kv_ahead=1, block_n=128, num_warps=8, programs_per_sm=1)],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
