@@ -503,17 +503,19 @@ SWEEPS = {
     # merging from its registers when all others arrived before its last tile 0.0467; dynamic
     # chunks of 4 tiles taken by ticket 0.0473, 33 programs per kv head 0.0472; keys two tiles
     # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
-    # (session 10: a ring of kv_ahead > 1 tiles in registers -- in flight the same bytes per
-    # program as one 64-key tile (the registers cap it: 228-255 per thread, 2 programs per SM)
-    # but refilled a smaller tile at a time; 3 x 32 keys: 48 KB, 255 registers and a few spills;
-    # 8-warp programs, one per SM, with 64 KB in flight)
+    # (session 10, round 1, default 0.0458 ms: a ring of kv_ahead > 1 tiles whose 16-bit loads
+    # were re-packed at the end of each iteration -- so every iteration waited for all its
+    # requests -- 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16 0.0623; 8-warp programs one per SM
+    # with 128-key tiles 0.0515, a ring of 2 x 64 0.0610. Round 2: the ring's tiles travel as
+    # the int32 words loaded and each refill is requested after its slot's use, so they stay in
+    # flight across iterations (bench/sass_paged.py: carried 24/24 for 3 x 32, 255 registers,
+    # 2 programs an SM, 48 KB in flight each; 2 x 64: 64 KB, a few spills)
     "decode_B1_ctx32768": [
         dict(),
+        dict(kv_ahead=3, block_n=32),
         dict(kv_ahead=2, block_n=32),
         dict(kv_ahead=4, block_n=16),
-        dict(kv_ahead=3, block_n=32),
-        dict(kv_ahead=2, block_n=64, num_warps=8, programs_per_sm=1),
-        dict(kv_ahead=1, block_n=128, num_warps=8, programs_per_sm=1)],
+        dict(kv_ahead=2, block_n=64)],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],

@@ -423,7 +423,7 @@ def test_kv_ahead_on_gpu(kw):
 
 @on_gpu
 @pytest.mark.parametrize("kw", [dict(kv_ahead=2, block_n=32), dict(kv_ahead=4, block_n=16),
-                                dict(kv_ahead=3, block_n=32)])
+                                dict(kv_ahead=3, block_n=32), dict(kv_ahead=2, block_n=64)])
 def test_kv_ring_on_gpu(kw):
     """The ring of key tiles (kv_ahead > 1) on a GPU-sized B1 long context and uneven lengths."""
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))

@@ -101,6 +101,15 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: ahead and the values one 0.0505; two adjacent kv heads per program (512-byte rows) 0.0518;
 #: dynamic chunks taken by ticket 0.0473; the last split merging from its registers 0.0467;
 #: the first two tiles' ids early 0.0462-0.0465; code in commits e452cd6 / e6ea34c)
+#: Knob kv_ahead > 1: a ring of that many key tiles in flight (`paged_loads._ring_loop`: the
+#: tiles stay in flight across iterations only as the int32 words loaded and with each refill
+#: requested after its slot's use; with kv_ahead 1 the 16-bit tile ahead is re-packed, or
+#: moved into the loop's registers, at the end of the iteration that requested it, which waits
+#: there for it: the SASS shows it). (Session 10, round 1, H200 B1 under do_bench,
+#: default 0.0458 ms: the ring without packing -- each iteration waiting for all its requests
+#: -- 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16 0.0623; 8-warp programs one an SM, 128-key
+#: tiles 0.0515, a ring of 2 x 64 0.0610. The paged read of the same bytes with no math: 32
+#: splits 0.0416, 64 splits (4 programs an SM, twice the bytes in flight) 0.0394.)
 KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
@@ -445,8 +454,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
-    more programs fit an SM)."""
+    registers, or a ring of kv_ahead tiles; implies prefetch_index), maxnreg (grouped kernel:
+    register cap per thread, so more programs fit an SM)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out

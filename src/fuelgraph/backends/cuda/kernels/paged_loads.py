@@ -75,6 +75,45 @@ def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, DOT_F32: tl.con
 
 
 @triton.jit
+def _kv_one(X, phys, j, hi, in_page, d, nb, n_bad, hk, hkv, BS: tl.constexpr, D: tl.constexpr,
+            BLOCK_N: tl.constexpr, OFF32: tl.constexpr, EVICT: tl.constexpr,
+            COUNT: tl.constexpr, PACK: tl.constexpr):
+    """One of the k / v tiles of `_kv_tile` (n_bad counted when COUNT). PACK (16-bit caches):
+    read as int32 words, each two adjacent elements, [BLOCK_N, D // 2]: the words stay as
+    loaded until `_unpack` at their use (loaded 16-bit elements are split and re-packed right
+    at the load, which waits for it there)."""
+    j_ok = j < hi
+    p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
+    if COUNT:
+        n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+    phys = tl.where(p_ok, phys, 0)
+    if BLOCK_N % BS != 0:
+        in_page = ((j % BS) * hkv + hk) * D
+    if OFF32:
+        kv_row = phys * (BS * hkv * D) + in_page
+    else:
+        kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+    if PACK:
+        w = tl.arange(0, D // 2)
+        x = tl.load(X.to(tl.pointer_type(tl.int32)) + (kv_row // 2)[:, None] + w[None, :],
+                    mask=j_ok[:, None], other=0, eviction_policy=EVICT)
+    else:
+        x = tl.load(X + kv_row[:, None] + d[None, :], mask=j_ok[:, None] & (d < D)[None, :],
+                    other=0.0, eviction_policy=EVICT)
+    return x, n_bad
+
+
+@triton.jit
+def _unpack(x, DT: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PACK: tl.constexpr):
+    """A tile of `_kv_one` as [BLOCK_N, D] elements of type DT."""
+    if PACK:
+        lo = (x & 0xFFFF).to(tl.int16).to(DT, bitcast=True)
+        hi = (x >> 16).to(tl.int16).to(DT, bitcast=True)
+        return tl.reshape(tl.join(lo, hi), [BLOCK_N, D])
+    else:
+        return x
+
+@triton.jit
 def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, in_page, d,
                d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS: tl.constexpr, D: tl.constexpr,
                BLOCK_N: tl.constexpr, OFF32: tl.constexpr, EVICT: tl.constexpr,
@@ -82,12 +121,18 @@ def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, 
                HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """The keys lo .. hi - 1 of a split with RING key tiles in flight in registers: the loop
     steps RING tiles, unrolled; each step consumes the oldest tile of the ring and requests the
-    one RING tiles ahead in its slot (the ring's rotation is register renaming, no moves), so a
-    program keeps RING tiles of k/v loads outstanding while one tile is in use. Ids one tile
-    ahead of the requests (ids0: the first tile's; ids_early: the first RING tiles' when
-    requested with the length). Tiles past hi compute on masked keys (no loads, no change).
+    one RING tiles ahead in its slot once the slot's keys (after the scores) and values (after
+    the accumulator's update) are used. 16-bit tiles travel as the int32 words loaded
+    (`_kv_one`'s PACK), unpacked only at their use: so no instruction reads a request before
+    the step that uses it, and the RING tiles stay in flight across the loop's back-edge (the
+    16-bit loads of `_kv_tile` are re-packed right after the load, which makes every iteration
+    wait for all its requests: the SASS of the key loop shows it). Ids one tile ahead of the
+    requests (ids0: the first tile's; ids_early: the first RING tiles' when requested with the
+    length). Tiles past hi compute on masked keys (no loads, no change).
     -> (max, sum, accumulator, bad-id counts)."""
     offs_n = tl.arange(0, BLOCK_N)
+    DT: tl.constexpr = K.dtype.element_ty
+    PACK: tl.constexpr = (DT.primitive_bitwidth == 16) & (D % 2 == 0)
     ring_k = ()
     ring_v = ()
     for t in tl.static_range(RING):
@@ -98,8 +143,10 @@ def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, 
             ids_t = ids0
         else:
             ids_t = tl.load(tab + jt // BS, mask=jt < hi, other=0)
-        k_t, v_t, n_bad = _kv_tile(K, V, ids_t, jt, hi, in_page, d, d_ok, nb, n_bad, hk, hkv,
-                                   BS, D, BLOCK_N, OFF32, EVICT)
+        k_t, n_bad = _kv_one(K, ids_t, jt, hi, in_page, d, nb, n_bad, hk, hkv, BS, D, BLOCK_N,
+                             OFF32, EVICT, True, PACK)
+        v_t, n_bad = _kv_one(V, ids_t, jt, hi, in_page, d, nb, n_bad, hk, hkv, BS, D, BLOCK_N,
+                             OFF32, EVICT, False, PACK)
         ring_k = ring_k + (k_t,)
         ring_v = ring_v + (v_t,)
     j = lo + RING * BLOCK_N + offs_n
@@ -107,16 +154,17 @@ def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, 
     for start in range(lo, hi, RING * BLOCK_N):
         for t in tl.static_range(RING):
             j = start + t * BLOCK_N + offs_n
-            k = ring_k[t]
-            v = ring_v[t]
-            k_new, v_new, n_bad = _kv_tile(K, V, ids_next, j + RING * BLOCK_N, hi, in_page, d,
-                                           d_ok, nb, n_bad, hk, hkv, BS, D, BLOCK_N, OFF32,
-                                           EVICT)
+            s = _scores(q, _unpack(ring_k[t], DT, BLOCK_N, D, PACK), j, j < hi, a, slope, scale,
+                        softcap, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC, DOT_F32)
+            jr = j + RING * BLOCK_N
+            k_new, n_bad = _kv_one(K, ids_next, jr, hi, in_page, d, nb, n_bad, hk, hkv, BS, D,
+                                   BLOCK_N, OFF32, EVICT, True, PACK)
             ring_k = ring_k[:t] + (k_new,) + ring_k[t + 1:]
+            m_i, l_i, acc = _online_softmax(s, _unpack(ring_v[t], DT, BLOCK_N, D, PACK), m_i,
+                                            l_i, acc, DOT_PREC, DOT_F32)
+            v_new, n_bad = _kv_one(V, ids_next, jr, hi, in_page, d, nb, n_bad, hk, hkv, BS, D,
+                                   BLOCK_N, OFF32, EVICT, False, PACK)
             ring_v = ring_v[:t] + (v_new,) + ring_v[t + 1:]
             j_ids = j + (RING + 1) * BLOCK_N
             ids_next = tl.load(tab + j_ids // BS, mask=j_ids < hi, other=0)
-            s = _scores(q, k, j, j < hi, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP,
-                        DOT_PREC, DOT_F32)
-            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32)
     return m_i, l_i, acc, n_bad
