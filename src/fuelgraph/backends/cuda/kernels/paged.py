@@ -203,7 +203,8 @@ def _paged_attn_kernel(
         m_i, l_i, acc, n_bad = _ring_loop(
             K, V, tab, q, a, slope, scale, softcap, lo, hi, phys_next, ids_ring, in_page, d,
             d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS, D, BLOCK_N, OFF32, KV_EVICT,
-            KV_AHEAD, EARLY_IDS, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC, DOT_F32)
+            KV_AHEAD, EARLY_IDS, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC, DOT_F32,
+            (K.dtype.element_ty.primitive_bitwidth == 16) & (D == BLOCK_D) & (D % 2 == 0))
     else:
         if KV_AHEAD == 1:    # the k/v tiles themselves one tile ahead, in registers (plain
             k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
