@@ -143,9 +143,9 @@ def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, 
     dot products and the accumulator run over the two halves apart): so no instruction reads a
     request before the step that uses it, and the RING tiles stay in flight across the loop's
     back-edge (the 16-bit loads of `_kv_tile` are re-packed right after the load, which makes
-    every iteration wait for all its requests: bench/sass_paged.py shows it). Ids one tile ahead of the
-    requests (ids0: the first tile's; ids_early: the first RING tiles' when requested with the
-    length). Tiles past hi compute on masked keys (no loads, no change).
+    every iteration wait for all its requests: bench/sass_paged.py shows it). Ids one tile
+    ahead of the requests (ids0: the first tile's; ids_early: the first RING tiles' when
+    requested with the length). Tiles past hi compute on masked keys (no loads, no change).
     -> (max, sum, accumulator, bad-id counts)."""
     offs_n = tl.arange(0, BLOCK_N)
     DT: tl.constexpr = K.dtype.element_ty
