@@ -503,19 +503,14 @@ SWEEPS = {
     # merging from its registers when all others arrived before its last tile 0.0467; dynamic
     # chunks of 4 tiles taken by ticket 0.0473, 33 programs per kv head 0.0472; keys two tiles
     # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
-    # (session 10, round 1, default 0.0458 ms: a ring of kv_ahead > 1 tiles whose 16-bit loads
-    # were re-packed at the end of each iteration -- so every iteration waited for all its
-    # requests -- 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16 0.0623; 8-warp programs one per SM
-    # with 128-key tiles 0.0515, a ring of 2 x 64 0.0610. Round 2: the ring's tiles travel as
-    # the int32 words loaded and each refill is requested after its slot's use, so they stay in
-    # flight across iterations (bench/sass_paged.py: carried 24/24 for 3 x 32, 255 registers,
-    # 2 programs an SM, 48 KB in flight each; 2 x 64: 64 KB, a few spills)
+    # (session 10, default 0.0458-0.0461 ms: a ring of kv_ahead key tiles in flight --
+    # round 1, re-packed and so drained every iteration: 2 x 32 keys 0.0506, 3 x 32 0.0550,
+    # 4 x 16 0.0623; round 2, kept in flight across iterations: 3 x 32 0.0535, 2 x 32 0.0540,
+    # 4 x 16 0.0626, 2 x 64 0.0638; 8-warp programs one per SM, 128-key tiles 0.0515, a ring
+    # of 2 x 64 0.0610. Round 3: the softmax sum reduced after the loop, lazy_sum)
     "decode_B1_ctx32768": [
         dict(),
-        dict(kv_ahead=3, block_n=32),
-        dict(kv_ahead=2, block_n=32),
-        dict(kv_ahead=4, block_n=16),
-        dict(kv_ahead=2, block_n=64)],
+        dict(lazy_sum=True)],
     # (session 7: kv_ahead with evict_first and L2 prefetches 0.3272 ms against 0.2872)
     "decode_B64_mixed": [],
     "decode_B32_ctx4096": [dict(merge_group=True)],

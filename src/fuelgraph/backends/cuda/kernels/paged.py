@@ -49,7 +49,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_loads import _kv_tile, _online_softmax, _ring_loop, _scores
+from .paged_loads import _kv_tile, _online_softmax, _scores
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -101,15 +101,19 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: ahead and the values one 0.0505; two adjacent kv heads per program (512-byte rows) 0.0518;
 #: dynamic chunks taken by ticket 0.0473; the last split merging from its registers 0.0467;
 #: the first two tiles' ids early 0.0462-0.0465; code in commits e452cd6 / e6ea34c)
-#: Knob kv_ahead > 1: a ring of that many key tiles in flight (`paged_loads._ring_loop`: the
-#: tiles stay in flight across iterations only as the int32 words loaded and with each refill
-#: requested after its slot's use; with kv_ahead 1 the 16-bit tile ahead is re-packed, or
-#: moved into the loop's registers, at the end of the iteration that requested it, which waits
-#: there for it: the SASS shows it). (Session 10, round 1, H200 B1 under do_bench,
-#: default 0.0458 ms: the ring without packing -- each iteration waiting for all its requests
-#: -- 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16 0.0623; 8-warp programs one an SM, 128-key
-#: tiles 0.0515, a ring of 2 x 64 0.0610. The paged read of the same bytes with no math: 32
-#: splits 0.0416, 64 splits (4 programs an SM, twice the bytes in flight) 0.0394.)
+#: (Session 10, H200 B1 under do_bench, default 0.0458-0.0461 ms; removed: a ring of kv_ahead
+#: key tiles in flight in registers -- round 1, its 16-bit loads re-packed at the end of each
+#: iteration, which waits there for all its requests: 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16
+#: 0.0623; round 2, the tiles kept in flight across iterations as the int32 words loaded, split
+#: into even and odd columns at their use, each refill requested after its slot's use: 3 x 32
+#: 0.0535, 2 x 32 0.0540, 4 x 16 0.0626, 2 x 64 0.0638 -- so more bytes in flight do not help:
+#: each key tile's attention step is the limit; 8-warp programs one an SM, 128-key tiles
+#: 0.0515, a ring of 2 x 64 0.0610. For scale, the kernel's gather with no math: 32 splits
+#: 0.0416, 64 splits (4 programs an SM) 0.0394. Code in commit c74fe45.)
+#: LAZY_SUM (knob lazy_sum): the softmax sum kept per (row, key slot) and summed over the slots
+#: after the loop: one cross-warp reduction less a key tile (SASS: 9 barriers a tile instead
+#: of 12, 596 loop instructions instead of 617, 237 registers)
+LAZY_SUM = False
 KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
@@ -138,7 +142,7 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, LAZY_SUM: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -151,16 +155,10 @@ def _paged_attn_kernel(
     lo = pid_s * keys_per_split
     tab = BT + b * mb
     offs_n = tl.arange(0, BLOCK_N)
-    ids_ring = ()
     if EARLY_IDS:        # the first tile's block ids requested with the length, not after it
         j = lo + offs_n                          # (one round trip less before the first k/v)
         ids_first = tl.load(tab + j // BS, mask=j < tl.minimum(lo + keys_per_split, cap),
                             other=0)
-        ids_ring = (ids_first,)
-        for t in tl.static_range(1, KV_AHEAD):   # a ring's further tiles: theirs too
-            j = lo + t * BLOCK_N + offs_n
-            ids_ring = ids_ring + (tl.load(tab + j // BS, mask=j < tl.minimum(
-                lo + keys_per_split, cap), other=0),)
     ctx64 = tl.load(CL + b).to(tl.int64)     # uint32 lengths may exceed the int32 range
     n = tl.minimum(tl.maximum(ctx64, 0), cap).to(tl.int32)   # positions in int32 from here on
     if (lo >= n) & (lo > 0):
@@ -199,54 +197,51 @@ def _paged_attn_kernel(
         else:
             j = lo + offs_n
             phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    if KV_AHEAD > 1:     # a ring of KV_AHEAD key tiles in flight in registers
-        m_i, l_i, acc, n_bad = _ring_loop(
-            K, V, tab, q, a, slope, scale, softcap, lo, hi, phys_next, ids_ring, in_page, d,
-            d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS, D, BLOCK_N, OFF32, KV_EVICT,
-            KV_AHEAD, EARLY_IDS, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC, DOT_F32,
-            (K.dtype.element_ty.primitive_bitwidth == 16) & (D == BLOCK_D) & (D % 2 == 0))
-    else:
-        if KV_AHEAD == 1:    # the k/v tiles themselves one tile ahead, in registers (plain
-            k_next, v_next, n_bad = _kv_tile(    # loads, which keep their eviction policy)
-                K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
-                BLOCK_N, OFF32, KV_EVICT)
-            j = lo + BLOCK_N + offs_n
-            phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-        for start in range(lo, hi, BLOCK_N):
-            j = start + offs_n
-            j_ok = j < hi
-            if KV_AHEAD:
-                k = k_next
-                v = v_next
-                k_next, v_next, n_bad = _kv_tile(
-                    K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
-                    D, BLOCK_N, OFF32, KV_EVICT)
-                j_next = j + 2 * BLOCK_N
-                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
-            elif PREFETCH_IDX:
-                phys = phys_next
-                j_next = j + BLOCK_N
-                phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+    if LAZY_SUM:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
+        k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
+            K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
+            BLOCK_N, OFF32, KV_EVICT)
+        j = lo + BLOCK_N + offs_n
+        phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        j_ok = j < hi
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+            k_next, v_next, n_bad = _kv_tile(
+                K, V, phys_next, j + BLOCK_N, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS,
+                D, BLOCK_N, OFF32, KV_EVICT)
+            j_next = j + 2 * BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        elif PREFETCH_IDX:
+            phys = phys_next
+            j_next = j + BLOCK_N
+            phys_next = tl.load(tab + j_next // BS, mask=j_next < hi, other=0)
+        else:
+            phys = tl.load(tab + j // BS, mask=j_ok, other=0)
+        if not KV_AHEAD:
+            p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id < nb
+            n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
+            phys = tl.where(p_ok, phys, 0)
+            if BLOCK_N % BS != 0:
+                in_page = ((j % BS) * hkv + hk) * D
+            if OFF32:            # the pool's element offsets fit int32: cheaper addresses
+                kv_row = phys * (BS * hkv * D) + in_page
             else:
-                phys = tl.load(tab + j // BS, mask=j_ok, other=0)
-            if not KV_AHEAD:
-                p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)   # 0 <= id
-                n_bad += (j_ok & (p_ok == 0)).to(tl.int32)                        # < nb
-                phys = tl.where(p_ok, phys, 0)
-                if BLOCK_N % BS != 0:
-                    in_page = ((j % BS) * hkv + hk) * D
-                if OFF32:            # the pool's element offsets fit int32: cheaper addresses
-                    kv_row = phys * (BS * hkv * D) + in_page
-                else:
-                    kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-                kv_off = kv_row[:, None] + d[None, :]
-                kv_mask = j_ok[:, None] & d_ok[None, :]
-                k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            s = _scores(q, k, j, j_ok, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC,
-                        DOT_F32)
-            if not KV_AHEAD:
-                v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32)
+                kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
+            kv_off = kv_row[:, None] + d[None, :]
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        s = _scores(q, k, j, j_ok, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC,
+                    DOT_F32)
+        if not KV_AHEAD:
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32, LAZY_SUM)
+    if LAZY_SUM:
+        l_i = tl.sum(l_i, 1)
 
     poison = tl.sum(n_bad, 0) > 0
     if SPLIT:
@@ -441,7 +436,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None):
+               maxnreg=None, lazy_sum=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -455,8 +450,9 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     decode step: a tile's rows together), programs_per_sm (resident programs per SM assumed
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
-    registers, or a ring of kv_ahead tiles; implies prefetch_index), maxnreg (grouped kernel:
-    register cap per thread, so more programs fit an SM)."""
+    registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
+    more programs fit an SM), lazy_sum (grouped kernel: the softmax sum reduced after the key
+    loop)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -468,7 +464,8 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
+           lazy_sum)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -476,7 +473,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg, lazy_sum)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -495,7 +492,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None):
+               kv_ahead=None, maxnreg=None, lazy_sum=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -528,9 +525,9 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
     cap = mb * bs
     pf = _use_prefetch(B, hkv, n_gt * n_qt, stats, q.device) if prefetch_index is None \
         else bool(prefetch_index)
-    ahead = int(KV_AHEAD if kv_ahead is None else kv_ahead) if pf else 0   # tiles in flight
+    ahead = pf and (KV_AHEAD if kv_ahead is None else bool(kv_ahead))
     if kv_ahead:
-        pf, ahead = True, int(kv_ahead)
+        pf = ahead = True
     kps, ns = _splits(B, hkv, n_gt * n_qt, cap, stats, bn, q.device, programs_per_sm or
                       (PROGRAMS_PER_SM_PREFETCH if pf else PROGRAMS_PER_SM))
     if n_split is not None:
@@ -552,7 +549,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead,
+              KV_AHEAD=ahead, LAZY_SUM=LAZY_SUM if lazy_sum is None else bool(lazy_sum),
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))

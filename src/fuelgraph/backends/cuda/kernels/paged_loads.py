@@ -1,9 +1,8 @@
-"""The k/v loads of the paged decode kernel (`paged`) when it reads key tiles ahead into
-registers (launch knob kv_ahead: one tile, or a ring of several), and the attention step of a
-key tile both loops share. Plain loads, which keep their L2 eviction policy: Triton 3.6's
-asynchronous copies into shared memory drop it (cp.async, and TMA loads alike: the PTX carries
-no L2 cache hint), and after a flush that leaves dirty lines in the L2, evict_first reads
-spare most of their write-back."""
+"""The k/v loads of the paged decode kernel (`paged`) when it reads a key tile ahead into
+registers (launch knob kv_ahead), and the attention step of a key tile. Plain loads, which
+keep their L2 eviction policy: Triton 3.6's asynchronous copies into shared memory drop it
+(cp.async and TMA loads alike, Gluon's too: the PTX carries no L2 cache hint), and after a
+flush that leaves dirty lines in the L2, evict_first reads spare most of their write-back."""
 from __future__ import annotations
 
 import triton
@@ -67,10 +66,19 @@ def _finish_scores(s, j, j_ok, a, slope, scale, softcap, HAS_ALIBI: tl.constexpr
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+def _online_softmax(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                    LAZY_SUM: tl.constexpr = False):
     """One online-softmax step: (max, sum, accumulator) after the key tile of scores s and
-    values v."""
-    m_new, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+    values v. LAZY_SUM: the sum is kept per (row, key slot), l_i [BLOCK_M, BLOCK_N], and summed
+    over the slots after the loop (no cross-warp sum each step)."""
+    if LAZY_SUM:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha[:, None] + p
+    else:
+        m_new, l_i, alpha, p = _softmax_step(s, m_i, l_i)
     if DOT_F32:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -85,122 +93,3 @@ def _softmax_step(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
-
-
-@triton.jit
-def _kv_one(X, phys, j, hi, in_page, d, nb, n_bad, hk, hkv, BS: tl.constexpr, D: tl.constexpr,
-            BLOCK_N: tl.constexpr, OFF32: tl.constexpr, EVICT: tl.constexpr,
-            COUNT: tl.constexpr, PACK: tl.constexpr):
-    """One of the k / v tiles of `_kv_tile` (n_bad counted when COUNT). PACK (16-bit caches):
-    read as int32 words, each two adjacent elements, [BLOCK_N, D // 2]: the words stay as
-    loaded until `_halves` at their use (loaded 16-bit elements are split and re-packed right
-    at the load, which waits for it there)."""
-    j_ok = j < hi
-    p_ok = phys.to(tl.uint32, bitcast=True) < tl.cast(nb, tl.uint32)     # 0 <= id < nb
-    if COUNT:
-        n_bad += (j_ok & (p_ok == 0)).to(tl.int32)
-    phys = tl.where(p_ok, phys, 0)
-    if BLOCK_N % BS != 0:
-        in_page = ((j % BS) * hkv + hk) * D
-    if OFF32:
-        kv_row = phys * (BS * hkv * D) + in_page
-    else:
-        kv_row = phys.to(tl.int64) * (BS * hkv * D) + in_page
-    if PACK:
-        w = tl.arange(0, D // 2)
-        x = tl.load(X.to(tl.pointer_type(tl.int32)) + (kv_row // 2)[:, None] + w[None, :],
-                    mask=j_ok[:, None], other=0, eviction_policy=EVICT)
-    else:
-        x = tl.load(X + kv_row[:, None] + d[None, :], mask=j_ok[:, None] & (d < D)[None, :],
-                    other=0.0, eviction_policy=EVICT)
-    return x, n_bad
-
-
-@triton.jit
-def _halves(x, DT: tl.constexpr, DOT_F32: tl.constexpr):
-    """The even and odd elements (columns) of a tile of `_kv_one`'s int32 words, as DT (the
-    dot's operand type: float32 when DOT_F32)."""
-    lo = (x & 0xFFFF).to(tl.int16).to(DT, bitcast=True)
-    hi = (x >> 16).to(tl.int16).to(DT, bitcast=True)
-    if DOT_F32:
-        lo = lo.to(tl.float32)
-        hi = hi.to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _ring_loop(K, V, tab, q, a, slope, scale, softcap, lo, hi, ids0, ids_early, in_page, d,
-               d_ok, nb, hk, hkv, m_i, l_i, acc, n_bad, BS: tl.constexpr, D: tl.constexpr,
-               BLOCK_N: tl.constexpr, OFF32: tl.constexpr, EVICT: tl.constexpr,
-               RING: tl.constexpr, EARLY: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-               PACK: tl.constexpr):
-    """The keys lo .. hi - 1 of a split with RING key tiles in flight in registers: the loop
-    steps RING tiles, unrolled; each step consumes the oldest tile of the ring and requests the
-    one RING tiles ahead in its slot once the slot's keys (after the scores) and values (after
-    the accumulator's update) are used. PACK (16-bit tiles, D == BLOCK_D): they travel as the
-    int32 words loaded (`_kv_one`), split into even and odd columns only at their use (the
-    dot products and the accumulator run over the two halves apart): so no instruction reads a
-    request before the step that uses it, and the RING tiles stay in flight across the loop's
-    back-edge (the 16-bit loads of `_kv_tile` are re-packed right after the load, which makes
-    every iteration wait for all its requests: bench/sass_paged.py shows it). Ids one tile
-    ahead of the requests (ids0: the first tile's; ids_early: the first RING tiles' when
-    requested with the length). Tiles past hi compute on masked keys (no loads, no change).
-    -> (max, sum, accumulator, bad-id counts)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    DT: tl.constexpr = K.dtype.element_ty
-    BLOCK_M: tl.constexpr = acc.shape[0]
-    if PACK:     # dot products and accumulator over the even and the odd columns apart
-        q_e, q_o = tl.split(tl.reshape(q, [BLOCK_M, D // 2, 2]))
-        acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, D // 2, 2]))
-    ring_k = ()
-    ring_v = ()
-    for t in tl.static_range(RING):
-        jt = lo + t * BLOCK_N + offs_n
-        if EARLY:
-            ids_t = ids_early[t]
-        elif t == 0:
-            ids_t = ids0
-        else:
-            ids_t = tl.load(tab + jt // BS, mask=jt < hi, other=0)
-        k_t, n_bad = _kv_one(K, ids_t, jt, hi, in_page, d, nb, n_bad, hk, hkv, BS, D, BLOCK_N,
-                             OFF32, EVICT, True, PACK)
-        v_t, n_bad = _kv_one(V, ids_t, jt, hi, in_page, d, nb, n_bad, hk, hkv, BS, D, BLOCK_N,
-                             OFF32, EVICT, False, PACK)
-        ring_k = ring_k + (k_t,)
-        ring_v = ring_v + (v_t,)
-    j = lo + RING * BLOCK_N + offs_n
-    ids_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    for start in range(lo, hi, RING * BLOCK_N):
-        for t in tl.static_range(RING):
-            j = start + t * BLOCK_N + offs_n
-            if PACK:
-                k_e, k_o = _halves(ring_k[t], DT, DOT_F32)
-                s = tl.dot(q_e, tl.trans(k_e), input_precision=DOT_PREC)
-                s = tl.dot(q_o, tl.trans(k_o), s, input_precision=DOT_PREC)
-                s = _finish_scores(s, j, j < hi, a, slope, scale, softcap, HAS_ALIBI,
-                                   HAS_SOFTCAP)
-            else:
-                s = _scores(q, ring_k[t], j, j < hi, a, slope, scale, softcap, HAS_ALIBI,
-                            HAS_SOFTCAP, DOT_PREC, DOT_F32)
-            jr = j + RING * BLOCK_N
-            k_new, n_bad = _kv_one(K, ids_next, jr, hi, in_page, d, nb, n_bad, hk, hkv, BS, D,
-                                   BLOCK_N, OFF32, EVICT, True, PACK)
-            ring_k = ring_k[:t] + (k_new,) + ring_k[t + 1:]
-            if PACK:
-                m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
-                v_e, v_o = _halves(ring_v[t], DT, DOT_F32)
-                acc_e = acc_e * alpha[:, None] + tl.dot(p.to(v_e.dtype), v_e,
-                                                        input_precision=DOT_PREC)
-                acc_o = acc_o * alpha[:, None] + tl.dot(p.to(v_o.dtype), v_o,
-                                                        input_precision=DOT_PREC)
-            else:
-                m_i, l_i, acc = _online_softmax(s, ring_v[t], m_i, l_i, acc, DOT_PREC, DOT_F32)
-            v_new, n_bad = _kv_one(V, ids_next, jr, hi, in_page, d, nb, n_bad, hk, hkv, BS, D,
-                                   BLOCK_N, OFF32, EVICT, False, PACK)
-            ring_v = ring_v[:t] + (v_new,) + ring_v[t + 1:]
-            j_ids = j + (RING + 1) * BLOCK_N
-            ids_next = tl.load(tab + j_ids // BS, mask=j_ids < hi, other=0)
-    if PACK:
-        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, D])
-    return m_i, l_i, acc, n_bad
