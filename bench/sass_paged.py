@@ -32,7 +32,7 @@ PTRS = ["Q", "K", "V", "BT", "CL", "SL", "O", "PO", "PM", "PL", "CNT"]
 INTS = ["hq", "hkv", "mb", "nb", "keys_per_split", "n_split", "sl_stride_b"]
 
 
-def source(kn, block_n=64, kv_ahead=1, kv_evict="evict_first", merge_chunk=8, lazy_sum=False):
+def source(kn, block_n=64, kv_ahead=1, kv_evict="evict_first", merge_chunk=8):
     """ASTSource of the grouped kernel for B1 ctx 32768 with these knobs (the JIT's view:
     sq = n_qt = 1 specialized, sizes divisible by 16 marked)."""
     fn = kn                                 # the JITFunction
@@ -44,7 +44,7 @@ def source(kn, block_n=64, kv_ahead=1, kv_evict="evict_first", merge_chunk=8, la
                 HAS_ALIBI=False, HAS_SOFTCAP=False, SPLIT=True, FUSED_MERGE=True,
                 MERGE_CHUNK=merge_chunk, DOT_PREC="tf32", DOT_F32=False, PREFETCH_IDX=True,
                 OFF32=True, EARLY_IDS=True, MERGE_GROUP=True, KV_EVICT=kv_evict,
-                KV_AHEAD=kv_ahead, LAZY_SUM=lazy_sum, S_P2=32)
+                KV_AHEAD=kv_ahead, S_P2=32)
     cons = {k: v for k, v in cons.items() if k in fn.arg_names}
     sig = {k: v for k, v in sig.items() if k in fn.arg_names and k not in cons}
     names = [a for a in fn.arg_names if a in sig]
@@ -106,8 +106,7 @@ def main():
         kw = parse(spec)
         ahead = int(kw.get("ahead", "1"))          # key tiles in flight in registers (0: none)
         src = source(K._paged_attn_kernel, int(kw.get("bn", 64)), ahead,
-                     kw.get("evict", "evict_first"), int(kw.get("mc", 8)),
-                     kw.get("lazy", "0") == "1")
+                     kw.get("evict", "evict_first"), int(kw.get("mc", 8)))
         opts = dict(num_warps=int(kw.get("w", 4)), num_stages=int(kw.get("st", 1 if ahead else 3)))
         if "reg" in kw:
             opts["maxnreg"] = int(kw["reg"])

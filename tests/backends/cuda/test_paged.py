@@ -263,17 +263,6 @@ def test_decode_kv_ahead_and_eviction_policy(kv_evict):
     check(case, "float32", n_split=2, block_n=16, **kw)      # tiles narrower than a page
 
 
-@pytest.mark.parametrize("kv_ahead", [False, True])
-def test_decode_lazy_sum(kv_ahead):
-    """The softmax sum kept per (row, key slot) and reduced after the key loop (lazy_sum):
-    split and unsplit, uneven lengths, a length-0 sequence, ALiBi, softcap."""
-    kw = dict(lazy_sum=True, kv_ahead=kv_ahead, kv_evict="evict_first")
-    case = make_case(np.random.default_rng(41), B=3, hq=8, hkv=2, d=16, bs=4, lens=(75, 0, 9),
-                     mb=20, alibi=True)
-    check(case, "float32", n_split=1, **kw)
-    check(case, "bfloat16", n_split=3, softcap=20.0, **kw)
-
-
 def test_few_programs_launch_defaults(monkeypatch):
     """Launches with fewer (sequence, kv head, tile) triples than SMs take FEW_PROGRAMS_LAUNCH's
     defaults (kv_ahead and its policy among them); explicit knobs still win."""
@@ -404,16 +393,6 @@ def test_kv_ahead_on_gpu(kw):
     the float64 reference (one case per test: they spread over test workers)."""
     case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
     check(case, "bfloat16", **dict(dict(kv_ahead=True, kv_evict="evict_first"), **kw))
-
-
-@on_gpu
-def test_lazy_sum_on_gpu():
-    """lazy_sum on a GPU-sized B1 long context (the few-programs defaults) and uneven lengths."""
-    case = make_case(np.random.default_rng(37), B=1, hq=32, hkv=8, d=128, bs=16, lens=(20000,))
-    check(case, "bfloat16", lazy_sum=True)
-    case = make_case(np.random.default_rng(38), B=4, hq=32, hkv=8, d=128, bs=16,
-                     lens=(3000, 17, 0, 700))
-    check(case, "bfloat16", lazy_sum=True)
 
 
 @on_gpu

@@ -49,7 +49,7 @@ from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
 from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2, num_sms
-from .paged_loads import _kv_tile, _online_softmax, _scores
+from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
 
@@ -108,12 +108,12 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: into even and odd columns at their use, each refill requested after its slot's use: 3 x 32
 #: 0.0535, 2 x 32 0.0540, 4 x 16 0.0626, 2 x 64 0.0638 -- so more bytes in flight do not help:
 #: each key tile's attention step is the limit; 8-warp programs one an SM, 128-key tiles
-#: 0.0515, a ring of 2 x 64 0.0610. For scale, the kernel's gather with no math: 32 splits
-#: 0.0416, 64 splits (4 programs an SM) 0.0394. Code in commit c74fe45.)
-#: LAZY_SUM (knob lazy_sum): the softmax sum kept per (row, key slot) and summed over the slots
-#: after the loop: one cross-warp reduction less a key tile (SASS: 9 barriers a tile instead
-#: of 12, 596 loop instructions instead of 617, 237 registers)
-LAZY_SUM = False
+#: 0.0515, a ring of 2 x 64 0.0610. Round 3: the softmax sum kept per (row, key slot) and
+#: reduced after the loop (one cross-warp reduction less a key tile: 9 CTA barriers a tile
+#: instead of 12, 596 loop instructions instead of 617) 0.04603 ms against 0.04598 (4
+#: interleaved rounds; in CUDA graphs 0.04668 against 0.04645). For scale, the kernel's gather
+#: with no math: 32 splits 0.0416, 64 splits (4 programs an SM) 0.0394. Code in commits c74fe45
+#: (ring) and 9ae48d6 (lazy sum).)
 KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query
@@ -133,6 +133,12 @@ INT32_OFFSETS_BELOW = 2 ** 31
 
 
 @triton.jit
+def _tanh(x):
+    e = tl.exp(2.0 * x)                     # inf for large x: 1 - 0 = 1; 0 for very negative: -1
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
 def _paged_attn_kernel(
         Q, K, V, BT, CL, SL, O, PO, PM, PL,
         CNT, sq, hq, hkv, mb, nb, keys_per_split, n_split, n_qt, scale, softcap, sl_stride_b,
@@ -142,7 +148,7 @@ def _paged_attn_kernel(
         FUSED_MERGE: tl.constexpr, S_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
         DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH_IDX: tl.constexpr,
         OFF32: tl.constexpr, EARLY_IDS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr, LAZY_SUM: tl.constexpr):
+        KV_EVICT: tl.constexpr, KV_AHEAD: tl.constexpr):
     BLOCK_M: tl.constexpr = G_T * SQ_T
     pid_bh = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -179,8 +185,6 @@ def _paged_attn_kernel(
     a = n - sq + i                           # absolute position: row sees keys j <= a
     if HAS_ALIBI:
         slope = tl.load(SL + b * sl_stride_b + h, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        slope = tl.zeros([BLOCK_M], tl.float32)
     i_last = tl.minimum(qt * SQ_T + SQ_T - 1, sq - 1)
     hi = tl.minimum(n - sq + i_last + 1, lo + keys_per_split)
 
@@ -197,8 +201,6 @@ def _paged_attn_kernel(
         else:
             j = lo + offs_n
             phys_next = tl.load(tab + j // BS, mask=j < hi, other=0)
-    if LAZY_SUM:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if KV_AHEAD:         # the k/v tiles themselves one tile ahead, in registers (plain loads,
         k_next, v_next, n_bad = _kv_tile(        # which keep their eviction policy)
             K, V, phys_next, lo + offs_n, hi, in_page, d, d_ok, nb, n_bad, hk, hkv, BS, D,
@@ -235,13 +237,32 @@ def _paged_attn_kernel(
             kv_off = kv_row[:, None] + d[None, :]
             kv_mask = j_ok[:, None] & d_ok[None, :]
             k = tl.load(K + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        s = _scores(q, k, j, j_ok, a, slope, scale, softcap, HAS_ALIBI, HAS_SOFTCAP, DOT_PREC,
-                    DOT_F32)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if HAS_SOFTCAP or HAS_ALIBI:
+            s = s * scale
+            if HAS_SOFTCAP:
+                s = softcap * _tanh(s / softcap)
+            rel = a[:, None] - j[None, :]
+            if HAS_ALIBI:
+                s = s - slope[:, None] * tl.abs(rel).to(tl.float32)
+            s = s * 1.4426950408889634
+        else:
+            rel = a[:, None] - j[None, :]
+            s = s * (scale * 1.4426950408889634)
+        s = tl.where((rel >= 0) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         if not KV_AHEAD:
             v = tl.load(V + kv_off, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, DOT_PREC, DOT_F32, LAZY_SUM)
-    if LAZY_SUM:
-        l_i = tl.sum(l_i, 1)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
 
     poison = tl.sum(n_bad, 0) > 0
     if SPLIT:
@@ -436,7 +457,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                n_split=None, fused_merge=True, prefill=None, merge_chunk=None,
                prefetch_index=None, group_heads=None, page_tiles=None, early_ids=None,
                merge_group=None, programs_per_sm=None, kv_evict=None, kv_ahead=None,
-               maxnreg=None, lazy_sum=None):
+               maxnreg=None):
     """q [B, Hq, Sq, D]; caches [NB, BS, Hkv, D]; block_table [B, MB], context_lens [B]
     (int32/uint32); alibi [Hq] or [B, Hq] -> [B, Hq, Sq, D] in q's dtype. The keyword-only
     launch knobs are for tests and benchmarks: block_m, block_n, num_warps, num_stages (tiles;
@@ -451,8 +472,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     when sizing the splits), kv_evict (grouped kernel: the k/v loads' L2 eviction policy,
     "" or "evict_first"), kv_ahead (grouped kernel: k/v tiles loaded a tile ahead into
     registers; implies prefetch_index), maxnreg (grouped kernel: register cap per thread, so
-    more programs fit an SM), lazy_sum (grouped kernel: the softmax sum reduced after the key
-    loop)."""
+    more programs fit an SM)."""
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
@@ -464,8 +484,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
     key = (q.shape, k_cache.shape, block_table.shape[1], q.dtype, q.device,
            sl.dim() if alibi else 0, softmax_scale, softcap, stats, block_m, block_n, num_warps,
            num_stages, n_split, fused_merge, prefill, merge_chunk, prefetch_index, group_heads,
-           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg,
-           lazy_sum)
+           page_tiles, early_ids, merge_group, programs_per_sm, kv_evict, kv_ahead, maxnreg)
     capturing = _capturing()          # a graph being captured gets its own scratch: no cache
     launch = None if capturing else _LAUNCHES.get(key)
     if launch is None:
@@ -473,7 +492,7 @@ def paged_attn(q, k_cache, v_cache, block_table, context_lens, *alibi, softmax_s
                             softmax_scale, softcap, block_m, block_n, num_warps, num_stages,
                             n_split, fused_merge, prefill, merge_chunk, prefetch_index,
                             group_heads, page_tiles, early_ids, merge_group,
-                            programs_per_sm, kv_evict, kv_ahead, maxnreg, lazy_sum)
+                            programs_per_sm, kv_evict, kv_ahead, maxnreg)
         if not capturing:
             if len(_LAUNCHES) >= 256:
                 _LAUNCHES.clear()
@@ -492,7 +511,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
                block_m, block_n, num_warps, num_stages, n_split, fused_merge, prefill,
                merge_chunk=None, prefetch_index=None, group_heads=None, page_tiles=None,
                early_ids=None, merge_group=None, programs_per_sm=None, kv_evict=None,
-               kv_ahead=None, maxnreg=None, lazy_sum=None):
+               kv_ahead=None, maxnreg=None):
     """A function (q, k_cache, v_cache, block_table, context_lens, slopes, out) -> None that
     launches the kernel(s) for this configuration."""
     B, hq, sq, d = q.shape
@@ -549,7 +568,7 @@ def _configure(q, k_cache, block_table, has_alibi, sl_dim, stats, softmax_scale,
               DOT_F32=dot_f32, S_P2=s_p2, MERGE_CHUNK=chunk, MERGE_GROUP=group,
               EARLY_IDS=pf and (EARLY_IDS if early_ids is None else bool(early_ids)),
               PREFETCH_IDX=pf, KV_EVICT=KV_EVICT if kv_evict is None else str(kv_evict),
-              KV_AHEAD=ahead, LAZY_SUM=LAZY_SUM if lazy_sum is None else bool(lazy_sum),
+              KV_AHEAD=ahead,
               OFF32=k_cache.numel() < INT32_OFFSETS_BELOW,
               num_warps=num_warps or (4 if decode or d <= 64 else 8),
               num_stages=num_stages or (1 if ahead else 3 if decode else 2))
