@@ -73,10 +73,10 @@ def carried_loads(cubin: bytes):
     body = [ins for _, ins in rows[loop[0]:loop[1] + 1]]
     loads = carried = 0
     for i, ins in enumerate(body):
-        if "LDG" not in ins or ".128" not in ins:
+        if not re.search(r"\bLDG\.E\S*\.128\b", ins):       # register loads (not LDGSTS)
             continue
         loads += 1
-        r0 = int(re.search(r"\bR(\d+),", ins.split("LDG", 1)[1]).group(1))
+        r0 = int(re.search(r"\bR(\d+),", ins.split("LDG.E", 1)[1]).group(1))
         dst = {f"R{r0 + q}" for q in range(4)}
         for later in body[i + 1:]:
             regs = re.findall(r"R\d+", later)
