@@ -285,6 +285,52 @@ def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
     tl.store(OUT + pid, tl.xor_sum(acc, 0))
 
 
+@triton.jit
+def _paged_read_kernel(K, V, BT, OUT, n_keys, keys_per_split, hkv, BS: tl.constexpr,
+                       HALF_D: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """XORs the k and v rows (HALF_D int32 words each) of one kv head (program axis 0) over
+    one key range (axis 1) of sequence 0, gathered through the block table exactly as the
+    decode kernel reads them (block ids one tile ahead, one k/v tile in flight): the floor of
+    that access pattern with no attention math."""
+    hk = tl.program_id(0)
+    lo = tl.program_id(1) * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, n_keys)
+    offs = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HALF_D)
+    in_page = ((offs % BS) * hkv + hk) * HALF_D
+    acc = tl.zeros([BLOCK_N, HALF_D], tl.int32)
+    j = lo + offs
+    ids = tl.load(BT + j // BS, mask=j < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs
+        off = (ids * (BS * hkv * HALF_D) + in_page)[:, None] + d[None, :]
+        m = (j < hi)[:, None]
+        a = tl.load(K + off, mask=m, other=0, eviction_policy=EVICT)
+        b = tl.load(V + off, mask=m, other=0, eviction_policy=EVICT)
+        jn = j + BLOCK_N
+        ids = tl.load(BT + jn // BS, mask=jn < hi, other=0)
+        acc ^= a ^ b
+    tl.store(OUT + (hk * tl.num_programs(1) + tl.program_id(1)) * BLOCK_N + offs,
+             tl.xor_sum(acc, 1))
+
+
+def paged_read_bounds(case, inp, nbytes):
+    """B1 only: the decode kernel's gather pattern with no math (_paged_read_kernel), as impl
+    "paged read of live k/v (S splits)": 32 splits (2 programs of 4 warps an SM, one 32 KB
+    tile in flight each, as the decode kernel) and 64 (4 an SM)."""
+    n = int(inp["lens"][0])
+    kw_, vw = (inp[k].view(torch.int32) for k in ("k_cache", "v_cache"))
+    bt = inp["block_table"][0].contiguous()
+    for splits in (32, 64):
+        kps = -(-n // (splits * 64)) * 64           # tiles start at page boundaries
+        part = torch.empty(HKV * splits * 64, dtype=torch.int32, device=DEV)
+        fn = (lambda kps=kps, part=part, splits=splits: _paged_read_kernel[(HKV, splits)](
+            kw_, vw, bt, part, n, kps, HKV, BS=BS, HALF_D=D // 2, BLOCK_N=64,
+            EVICT="evict_first", num_warps=4))
+        run("paged_attn", f"paged read of live k/v ({splits} splits)", case, fn, nbytes=nbytes,
+            note="the decode kernel's gather (block ids a tile ahead), XOR only, evict_first")
+
+
 def read_bounds(case, nbytes):
     """Floors for this case's live k/v bytes under the same timing: a streaming read of exactly
     nbytes (a Triton sum over a contiguous buffer, a few grid sizes; the fastest is recorded as
@@ -346,6 +392,8 @@ def bench_decode(name, lens, args, pad_to_longest=False):
         sweep(case, inp, err, nbytes=nbytes, decode=True)
     if args.bounds and REP["part"][0] == REP["part"][1] - 1:     # (--warm: compiles them)
         read_bounds(case, nbytes)
+        if len(lens) == 1:
+            paged_read_bounds(case, inp, nbytes)
     if args.no_anchors or args.warm or REP["part"][0] != 0:
         return case
     # anchor: SDPA over a dense cache (padded to the longest sequence when lengths differ, with
@@ -455,6 +503,12 @@ SWEEPS = {
     # merging from its registers when all others arrived before its last tile 0.0467; dynamic
     # chunks of 4 tiles taken by ticket 0.0473, 33 programs per kv head 0.0472; keys two tiles
     # ahead and values one 0.0505; two kv heads per program (512-byte rows) 0.0518)
+    # (session 10, default 0.0458-0.0461 ms: a ring of kv_ahead key tiles in flight --
+    # round 1, re-packed and so drained every iteration: 2 x 32 keys 0.0506, 3 x 32 0.0550,
+    # 4 x 16 0.0623; round 2, kept in flight across iterations: 3 x 32 0.0535, 2 x 32 0.0540,
+    # 4 x 16 0.0626, 2 x 64 0.0638; 8-warp programs one per SM, 128-key tiles 0.0515, a ring
+    # of 2 x 64 0.0610. Round 3: the softmax sum reduced after the loop 0.04603 against
+    # 0.04598, in CUDA graphs 0.04668 against 0.04645; all removed, see paged.py)
     "decode_B1_ctx32768": [
         dict(kv_ahead=False, kv_evict=""),
         dict()],

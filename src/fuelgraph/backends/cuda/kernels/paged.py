@@ -101,6 +101,19 @@ MERGE_GROUP, MERGE_GROUP_TILE, MERGE_GROUP_STEPS = True, 4096, 8
 #: ahead and the values one 0.0505; two adjacent kv heads per program (512-byte rows) 0.0518;
 #: dynamic chunks taken by ticket 0.0473; the last split merging from its registers 0.0467;
 #: the first two tiles' ids early 0.0462-0.0465; code in commits e452cd6 / e6ea34c)
+#: (Session 10, H200 B1 under do_bench, default 0.0458-0.0461 ms; removed: a ring of kv_ahead
+#: key tiles in flight in registers -- round 1, its 16-bit loads re-packed at the end of each
+#: iteration, which waits there for all its requests: 2 x 32 keys 0.0506, 3 x 32 0.0550, 4 x 16
+#: 0.0623; round 2, the tiles kept in flight across iterations as the int32 words loaded, split
+#: into even and odd columns at their use, each refill requested after its slot's use: 3 x 32
+#: 0.0535, 2 x 32 0.0540, 4 x 16 0.0626, 2 x 64 0.0638 -- so more bytes in flight do not help:
+#: each key tile's attention step is the limit; 8-warp programs one an SM, 128-key tiles
+#: 0.0515, a ring of 2 x 64 0.0610. Round 3: the softmax sum kept per (row, key slot) and
+#: reduced after the loop (one cross-warp reduction less a key tile: 9 CTA barriers a tile
+#: instead of 12, 596 loop instructions instead of 617) 0.04603 ms against 0.04598 (4
+#: interleaved rounds; in CUDA graphs 0.04668 against 0.04645). For scale, the kernel's gather
+#: with no math: 32 splits 0.0416, 64 splits (4 programs an SM) 0.0394. Code in commits c74fe45
+#: (ring) and 9ae48d6 (lazy sum).)
 KV_EVICT, KV_AHEAD = "", False
 #: chunks of at least this many new tokens (Sq) run the FlashAttention-style prefill kernel (one
 #: query head per program, tensor-core tiles); shorter ones the grouped decode kernel (the query

@@ -1,6 +1,8 @@
 """The k/v loads of the paged decode kernel (`paged`) when it reads a key tile ahead into
-registers (launch knob kv_ahead): plain loads, which keep their L2 eviction policy (Triton's
-pipelined copies into shared memory drop it)."""
+registers (launch knob kv_ahead): plain loads, which keep their L2 eviction policy. Triton 3.6's
+asynchronous copies into shared memory drop it (cp.async and TMA loads alike, Gluon's
+async_copy too: their PTX carries no L2 cache hint), and after a flush that leaves dirty lines
+in the L2, evict_first reads spare most of their write-back."""
 from __future__ import annotations
 
 import triton
