@@ -160,6 +160,21 @@ def _pairs16(KIND: gl.constexpr, a, b):
 
 
 @gluon.constexpr_function
+def _mma_layout(T, block_m):
+    """The wgmma accumulator layout of a [16 T, block_m] tile over T warps (one warpgroup's
+    16-row slab a warp)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
+                                     instr_shape=[16, block_m, 16])
+
+
+@gluon.constexpr_function
+def _thread_run_layout(run, T):
+    """A flat layout over T warps in which each thread holds `run` contiguous elements (its
+    words or its scale pairs of a step)."""
+    return gl.BlockedLayout([run], [32], [T], [0])
+
+
+@gluon.constexpr_function
 def _h2_asm(m):
     """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
     128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
@@ -356,11 +371,10 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
     HAS_B: gl.constexpr = (KIND < 3 or KIND == 5) and not BFA
     dtype: gl.constexpr = x_desc.dtype
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+    mma_layout: gl.constexpr = _mma_layout(T, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [T], [0])
-    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [T], [0])
+    w_layout: gl.constexpr = _thread_run_layout(WORDS, T)
+    s_layout: gl.constexpr = _thread_run_layout(PAIRS, T)
     # flat offsets of a thread's words (contiguous) and pairs (lanes 4 r .. 4 r + 3 share)
     q_off = gl.arange(0, T * 32 * WORDS, layout=w_layout)
     i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
@@ -463,11 +477,10 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
     dtype: gl.constexpr = x_desc.dtype
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+    mma_layout: gl.constexpr = _mma_layout(T, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([WORDS], [32], [T], [0])
-    s_layout: gl.constexpr = gl.BlockedLayout([PAIRS], [32], [T], [0])
+    w_layout: gl.constexpr = _thread_run_layout(WORDS, T)
+    s_layout: gl.constexpr = _thread_run_layout(PAIRS, T)
     i = gl.arange(0, T * 32 * PAIRS, layout=s_layout)
     src = 4 * (((i // PAIRS) % 32) // 4) + (i % PAIRS) // (PAIRS // 4)
     tile = pid_n * T
@@ -655,9 +668,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
         mbarrier.invalidate(empty.index(s))
     # out[m, n] = acc[n, m], stored from the wgmma layout (8 lanes: 8 consecutive n). A
     # layout conversion here (through shared memory) makes ptxas serialize the loop's wgmmas
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                         warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+    mma_layout: gl.constexpr = _mma_layout(num_warps, BLOCK_M)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + offs_n[:, None]
