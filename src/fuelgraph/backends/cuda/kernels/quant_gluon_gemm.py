@@ -161,16 +161,14 @@ def _pairs16(KIND: gl.constexpr, a, b):
 
 @gluon.constexpr_function
 def _mma_layout(T, block_m):
-    """The wgmma accumulator layout of a [16 T, block_m] tile over T warps (one warpgroup's
-    16-row slab a warp)."""
+    """The wgmma accumulator layout of a [16 T, block_m] tile, 16 rows a warp."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[T, 1],
                                      instr_shape=[16, block_m, 16])
 
 
 @gluon.constexpr_function
 def _thread_run_layout(run, T):
-    """A flat layout over T warps in which each thread holds `run` contiguous elements (its
-    words or its scale pairs of a step)."""
+    """A flat layout over T warps, `run` contiguous elements a thread (its words or pairs)."""
     return gl.BlockedLayout([run], [32], [T], [0])
 
 
