@@ -21,6 +21,7 @@ pytestmark = KERNEL_TESTS
 
 if HAS_CUDA or INTERPRET:
     from fuelgraph.backends.cuda.kernels import paged as K
+    from fuelgraph.backends.cuda.kernels.common import _GRAPH_COUNTERS
     from fuelgraph.backends.cuda.kernels import paged_cache as KC
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -296,7 +297,7 @@ def test_captured_launches_take_counters_from_the_graph_pool(monkeypatch):
     kw = dict(n_split=3, block_n=16)                  # 3 splits of 32 keys, here and on a GPU
     check(case, "float32", **kw)                      # eager: creates the pool
     dev = torch.empty(0, device=DEV).device
-    pool = K._GRAPH_COUNTERS[(dev.type, dev.index)]
+    pool = _GRAPH_COUNTERS[(dev.type, dev.index)]
     monkeypatch.setattr(K, "_capturing", lambda: True)
     start = pool[1]
     for _ in range(2):

@@ -14,6 +14,7 @@ from .cuda_oracle import DEV, HAS_CUDA, check_product, gguf_dequant_ref, torch
 gguf = pytest.importorskip("gguf")
 
 from fuelgraph.backends.cuda.kernels import quant_gluon_gemm as G  # noqa: E402
+from fuelgraph.backends.cuda.kernels.common import _EAGER_COUNTERS, stream_key  # noqa: E402
 from fuelgraph.backends.cuda.kernels.quant_tiles import AWQ, GGUF_IDS, NF4  # noqa: E402
 from fuelgraph.registry.quant import NF4_CODE  # noqa: E402
 
@@ -250,7 +251,33 @@ def test_split_k_is_deterministic_and_resets_its_counters():
         x = xs[:m].contiguous()
         outs.append(G.run_gluon_gemm(args[0], x, *args[1:4], args[4], k, n, config=cfg))
         torch.cuda.synchronize()
-        assert not G._COUNTERS[x.device].any()
+        assert not _EAGER_COUNTERS[stream_key(x.device)].any()
     check_product(outs[0], xs, want.T, torch.bfloat16)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[3])
     assert torch.equal(outs[1], outs[0][:200])
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_split_k_launches_on_two_streams_at_once_keep_apart():
+    """Split-K launches queued on two streams at once (each stream its own tile counters): the
+    same bits as the launches one at a time, and each stream's counters back at zero."""
+    args, n, k, want = _weight("Q4_0", np.random.default_rng(9), 256)
+    cfg = G.GluonGemmConfig(*SPLIT2)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(256, k, generator=gen).bfloat16().to(DEV) for _ in range(2)]
+    alone = [G.run_gluon_gemm(args[0], x, *args[1:4], args[4], k, n, config=cfg) for x in xs]
+    streams = [torch.cuda.Stream() for _ in xs]
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(8):
+        for s, x, o in zip(streams, xs, outs):
+            with torch.cuda.stream(s):
+                o.append(G.run_gluon_gemm(args[0], x, *args[1:4], args[4], k, n, config=cfg))
+    torch.cuda.synchronize()
+    for s in streams:
+        with torch.cuda.stream(s):
+            assert not _EAGER_COUNTERS[stream_key(xs[0].device)].any()
+    for a, o in zip(alone, outs):
+        assert all(torch.equal(a, got) for got in o)
+    check_product(alone[0], xs[0], want.T, torch.bfloat16)

@@ -1,5 +1,5 @@
 """Launch plumbing shared by the Triton kernel modules: row tiling (`row_config`, `row_tile`,
-`launch_rows`), `flat_rows`, `next_pow2`, `num_sms`. Conventions of every module of this
+`launch_rows`), `flat_rows`, `next_pow2`, `num_sms`, `arrival_counters`. Conventions of every module of this
 package: inputs arrive contiguous (the planner makes them so), compute is float32, results are
 stored in the input dtype. Kernels declare the dtypes they take (float64 is never one: those
 calls lower to the op's recipe) and need CUDA tensors, or CPU tensors under the Triton CPU
@@ -57,6 +57,44 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+#: arrival counters of split launches (the programs of a tile meet in the kernel; the last to
+#: arrive resets the counter to zero, so the next launch finds zeros). Eager launches share one
+#: buffer per device and stream: stream order keeps back-to-back launches apart, and launches
+#: on two streams at once get two buffers. Launches captured in CUDA graphs (which may replay
+#: on any stream, next to eager work) get a distinct range each from the device's graph pool.
+_EAGER_COUNTERS: dict = {}
+_GRAPH_COUNTERS: dict = {}
+GRAPH_COUNTERS = 1 << 16
+
+
+def arrival_counters(device: torch.device, n: int, capturing: bool) -> torch.Tensor:
+    """int32 zeros (at least n) for a split launch's tile counters. capturing (a CUDA graph is
+    being captured): a 16-byte aligned range of the graph pool that an eager launch zeroed and
+    every replay leaves at zero (no memset in the graph); with the pool used up or not made
+    yet, fresh zeros the graph sets before each replay."""
+    key = (device.type, device.index)
+    if capturing:
+        pool = _GRAPH_COUNTERS.get(key)
+        take = -(-n // 4) * 4
+        if pool is not None and pool[1] + take <= pool[0].numel():
+            pool[1] += take
+            return pool[0][pool[1] - take:pool[1]]
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if key not in _GRAPH_COUNTERS:
+        _GRAPH_COUNTERS[key] = [torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
+    have = _EAGER_COUNTERS.get(stream_key(device))
+    if have is None or have.numel() < n:
+        have = _EAGER_COUNTERS[stream_key(device)] = torch.zeros(max(n, 1 << 12),
+                                                                 dtype=torch.int32, device=device)
+    return have
+
+
+def stream_key(device: torch.device) -> tuple:
+    """(device type, index, current stream): the key of scratch that eager launches reuse."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return device.type, device.index, stream
 
 
 def row_config(n: int, *, target: int = 4096, max_rows: int = 64) -> tuple[int, int, int]:

@@ -48,7 +48,8 @@ import triton.language as tl
 from ....registry.core import FusedOps
 from ....registry.paged import check_lengths, paged_attn_work
 from ...base import Cost, kernel
-from .common import GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, next_pow2, num_sms
+from .common import (GRAPH_CAPTURE, HALF_AND_F32, INTERPRET, arrival_counters, next_pow2,
+                     num_sms, stream_key)
 from .paged_loads import _kv_tile
 from .paged_merge import _merge_group, _merge_row, _paged_merge_kernel
 from .paged_prefill import _configure_prefill
@@ -405,39 +406,23 @@ def _splits(B, hkv, n_tiles, cap, stats, block_n, device, per_sm=PROGRAMS_PER_SM
     return kps, -(-cap // kps)
 
 
-#: per-device scratch reused by every split launch (stream-ordered, so back-to-back launches on
-#: one stream may share it): float32 partials, and the arrival counters of the fused merge,
-#: which the last arriving program resets to zero
+#: float32 partials reused by the eager split launches of one device and stream (stream order
+#: keeps them apart, as the arrival counters of `common.arrival_counters`)
 _SCRATCH: dict = {}
-#: arrival counters for launches captured in CUDA graphs: zeroed once by an eager launch, never
-#: freed, a distinct 16-byte aligned range per captured launch (graphs may replay on any
-#: stream), left at zero by every replay; used up (or before any eager launch), a capture
-#: zeroes fresh counters in the graph instead (a memset node before each replay)
-_GRAPH_COUNTERS: dict = {}
-GRAPH_COUNTERS = 1 << 16
 
 
 def _scratch(device, n_float, n_count):
     """(float32 buffer of >= n_float, int32 zeros of >= n_count). While a CUDA graph is
-    captured: a fresh float buffer (the graph owns it) and counters of _GRAPH_COUNTERS."""
-    key = (device.type, device.index)
-    if _capturing():
-        pool = _GRAPH_COUNTERS.get(key)
-        n = -(-n_count // 4) * 4
-        if pool is not None and pool[1] + n <= pool[0].numel():
-            c = pool[0][pool[1]:pool[1] + n]
-            pool[1] += n
-        else:
-            c = torch.zeros(n_count, dtype=torch.int32, device=device)
+    captured: a fresh float buffer (the graph owns it) and counters of its own."""
+    capturing = _capturing()
+    c = arrival_counters(device, n_count, capturing)
+    if capturing:
         return torch.empty(n_float, dtype=torch.float32, device=device), c
-    if key not in _GRAPH_COUNTERS:
-        _GRAPH_COUNTERS[key] = [torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
-    f, c = _SCRATCH.get(key, (None, None))
+    key = stream_key(device)
+    f = _SCRATCH.get(key)
     if f is None or f.numel() < n_float:
-        f = torch.empty(max(n_float, 1 << 16), dtype=torch.float32, device=device)
-    if c is None or c.numel() < n_count:
-        c = torch.zeros(max(n_count, 1 << 12), dtype=torch.int32, device=device)
-    _SCRATCH[key] = (f, c)
+        f = _SCRATCH[key] = torch.empty(max(n_float, 1 << 16), dtype=torch.float32,
+                                        device=device)
     return f, c
 
 

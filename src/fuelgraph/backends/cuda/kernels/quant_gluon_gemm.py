@@ -71,6 +71,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # (the copy's names re-exported: tests and bench/sass_quant_gluon.py read them here)
 from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
                                STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
+from .common import arrival_counters
 from .quant_packed import packed_weight
 from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
 
@@ -741,24 +742,6 @@ def x_layout(block_m: int, dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([block_m, STEP_K], dtype)
 
 
-#: per device: int32 counters of the split-K launches, a tile each, zero between launches (the
-#: second program of a tile resets its counter); launches on one device share them, so
-#: split-K launches on two streams at once would race (they run one at a time on one stream)
-_COUNTERS: dict = {}
-
-
-def _counters(device, tiles: int):
-    """The device's split-K counters (at least `tiles`), or None while a CUDA graph is
-    captured before they exist (they would live in the graph's pool)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < tiles:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        have = _COUNTERS[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
-                                               device=device)
-    return have
-
-
 def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                    config: GluonGemmConfig | None = None):
     """x [..., K] (bf16 / f16, CUDA, sm_90) @ W.T through the fragment-order copy of the
@@ -780,7 +763,8 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     wd = weight_descs(fmt, pw, sa, sb, cfg.num_warps) if wtma else (desc, desc, desc)
     split = cfg.split if cfg.split == 2 and (k // STEP_K) % 2 == 0 else 1
     steps = k // STEP_K // split
-    cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 else None
+    cnt = (arrival_counters(x.device, grid[0] * grid[1],
+                            torch.cuda.is_current_stream_capturing()) if split > 1 else None)
     if cnt is None:
         split, steps = 1, k // STEP_K
         cnt = part = out
