@@ -24,7 +24,8 @@ SDPA before it is timed (field max_err).
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
         [--schedule-cases "window 1024,softcap 50,alibi"] [--rounds 3] [--paired 20]
-        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]]
+        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]] [--interleaved]
+        [--row5-rounds 60] [--methods]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
 5 and 6 (with --configs and --sweep) will use, on small tensors with the same
@@ -46,6 +47,14 @@ TFLOP/s and the window's time per unit of work against plain causal's, setting b
 setting's medians; --paired N times each case against plain causal in N alternating batches
 (paired_ms: the ratio is immune to drift between two timings); --tag names its JSON
 (cuda_attention_<date>_<tag>.json).
+
+Row 5 times its four cases call by call, interleaved over 60 rounds in one process
+(gpu_timing.interleaved_ms: an L2 flush before each call, as do_bench), and reports the
+median of the rounds' time ratios to plain causal per unit of work; --row5-rounds N sets the
+rounds (0: one do_bench timing a case, in turn, as before session 11). --schedules ...
+--interleaved times every (setting, case) in the same interleaved rounds (--rounds, default
+40; no CONFIG / WSCONFIG settings). --methods times window 1024 and softcap 50 against plain
+causal four ways (do_bench in turn, paired_ms, interleaved with and without the flush).
 
 --ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
 fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
@@ -71,6 +80,7 @@ from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
@@ -78,6 +88,7 @@ from fuelgraph.backends.cuda.kernels import attention as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels import attention_ws as W  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
+from gpu_timing import interleaved_ms, median, paired_ms, ratio_stats  # noqa: E402
 
 try:
     from flash_attn import flash_attn_func
@@ -366,31 +377,9 @@ def warm_schedules(specs, part, nparts):
             print(f"warm {name} [{spec}]", flush=True)
 
 
-def paired_ms(fa, fb, batches, iters=4):
-    """(ms of fa, ms of fb, median over batches of fb's time / fa's): `batches` batches of
-    `iters` calls of each, timed with CUDA events, the two alternating (which goes first flips
-    every batch), so clock and temperature drift hit both alike."""
-    fa(), fb()
-    ta, tb, ratio = [], [], []
-    for i in range(batches):
-        times = []
-        for fn in ((fa, fb) if i % 2 == 0 else (fb, fa)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize()
-        a, b = (x[0].elapsed_time(x[1]) / iters for x in (times if i % 2 == 0 else times[::-1]))
-        ta.append(a)
-        tb.append(b)
-        ratio.append(b / a)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return med(ta), med(tb), med(ratio)
-
-
 PAIRED = {"batches": 0}
+#: row 5's interleaved rounds (--row5-rounds; 0: one do_bench timing a case, in turn)
+ROW5 = {"rounds": 60}
 
 
 def schedules_row(row, specs, B, H, S, rounds=1):
@@ -463,6 +452,78 @@ def schedules_row(row, specs, B, H, S, rounds=1):
     return lines
 
 
+def interleaved_row(row, specs, B, H, S, rounds):
+    """Plain causal and row 5's other cases (SCHEDULE_CASES) under every setting, all timed
+    call by call in the same interleaved rounds (gpu_timing.interleaved_ms): each setting's
+    causal TFLOP/s, each case's time per unit of work / plain causal's under the same setting,
+    and each (setting, case)'s time / the first setting's (medians of the rounds' ratios)."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    cases = schedule_cases(H)
+    work = {name: 4.0 * D * pairs(S, S, True, wl) * B * H for name, _, _, wl in cases}
+    fns, errs, refs = {}, {}, {}
+    for spec, kv in specs:
+        for name, p, opt, _ in cases:
+            fn = (lambda kv=kv, p=p, opt=opt: with_variants(
+                kv, lambda: K.flash_attn(q, k, v, *opt, **p)))
+            try:
+                got = fn()[0]
+                refs.setdefault(name, got)
+                errs[(spec, name)] = maxerr(got, refs[name])
+                fns[(spec, name)] = fn
+            except Exception as exc:  # noqa: BLE001
+                print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
+    times = interleaved_ms(fns, rounds)
+    lines, first = [], specs[0][0]
+    for spec, _ in specs:
+        if (spec, "plain causal") not in times:
+            continue
+        parts = []
+        for name, _, _, _ in cases:
+            if (spec, name) not in times:
+                continue
+            ms = median(times[(spec, name)])
+            x = ratio_stats(times, (spec, "plain causal"), (spec, name))[0] * \
+                work["plain causal"] / work[name]
+            vs = ratio_stats(times, (first, name), (spec, name))[0] \
+                if (first, name) in times else float("nan")
+            rec = record(row, {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]},
+                         f"fuelgraph kernel {spec}", ms, work[name], errs[(spec, name)],
+                         rounds=rounds, timing="interleaved", per_work_vs_plain=round(x, 4),
+                         time_vs_first=round(vs, 4))
+            parts.append(f"{name.split()[0]} {rec['tflops']:5.1f}" + (
+                f" = {x:.3f}x" if name != "plain causal" else "") + f" (t {vs:.3f})")
+        lines.append(f"  {spec:34s} " + "  ".join(parts))
+    return [f"interleaved, {rounds} rounds: TFLOP/s = time per unit of work / plain causal's "
+            f"(t: time / the first setting's, median of the rounds' ratios)"] + lines
+
+
+def methods_row(B, H, S, names=("window 1024", "softcap 50")):
+    """Each case against plain causal timed four ways (time per unit of work / plain
+    causal's): do_bench each in turn (3 repeats), paired_ms (16 batches of 4 back-to-back
+    calls; also the medians of the batches where plain / the case went first), interleaved
+    call by call with an L2 flush and without."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    cases = {c[0]: c for c in variant_cases(H)}
+    fns = {n: (lambda p=cases[n][1], opt=cases[n][2]: K.flash_attn(q, k, v, *opt, **p))
+           for n in ("plain causal",) + tuple(names)}
+    work = {n: pairs(S, S, True, cases[n][3]) for n in fns}
+    lines = []
+    for n in names:
+        w = work["plain causal"] / work[n]
+        seq = [t_ms(fns[n]) / t_ms(fns["plain causal"]) * w for _ in range(3)]
+        _, _, pr, first_plain, first_case = paired_ms(fns["plain causal"], fns[n], 16,
+                                                      detail=True)
+        both = {"plain causal": fns["plain causal"], n: fns[n]}
+        il = ratio_stats(interleaved_ms(both, 60), "plain causal", n)
+        nf = ratio_stats(interleaved_ms(both, 60, flush=False), "plain causal", n)
+        lines.append(f"  {n:12s} do_bench in turn {' '.join(f'{x:.3f}' for x in seq)}  "
+                     f"paired {pr * w:.3f} (plain first {median(first_plain) * w:.3f}, "
+                     f"case first {median(first_case) * w:.3f})  interleaved flush "
+                     f"{il[0] * w:.3f} (of medians {il[1] * w:.3f})  no flush {nf[0] * w:.3f} "
+                     f"({nf[1] * w:.3f})")
+    return lines
+
+
 def ab_row(row, specs, rounds, B, H, S, causal=True):
     """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
     interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
@@ -504,16 +565,29 @@ def ab_row(row, specs, rounds, B, H, S, causal=True):
 
 def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
-    causal, compared per unit of work (TFLOP/s)."""
+    causal, compared per unit of work: the four cases timed call by call, interleaved over
+    ROW5["rounds"] rounds (gpu_timing.interleaved_ms); each case's ms is its median, its
+    per_work_vs_plain the median of the rounds' time ratios to plain causal times plain
+    causal's work / the case's. ROW5["rounds"] = 0: one do_bench timing a case, in turn."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     res, refs = {}, {}
     cases = variant_cases(H)
+    work = {name: 4.0 * D * pairs(S, S, True, wl) * B * H for name, _, _, wl in cases}
+    fns = {name: (lambda p=p, opt=opt: K.flash_attn(q, k, v, *opt, **p)) for name, p, opt, _
+           in cases}
+    for name, fn in fns.items():
+        refs[name] = fn()[0] if SWEEP["on"] else None
+    times = interleaved_ms(fns, ROW5["rounds"]) if ROW5["rounds"] else None
     for name, p, opt, wl in cases:
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
-        flops = 4.0 * D * pairs(S, S, True, wl) * B * H
-        refs[name] = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
-        res[name] = record(row, case, "fuelgraph kernel",
-                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+        if times is None:
+            res[name] = record(row, case, "fuelgraph kernel", t_ms(fns[name]), work[name],
+                               **fwd_tuning())
+            continue
+        x, _ = ratio_stats(times, "plain causal", name)
+        res[name] = record(row, case, "fuelgraph kernel", median(times[name]), work[name],
+                           rounds=ROW5["rounds"], timing="interleaved",
+                           per_work_vs_plain=round(x * work["plain causal"] / work[name], 4),
                            **fwd_tuning())
     for name, p, opt, wl in cases if SWEEP["on"] else ():   # then each code variant flipped
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
@@ -560,7 +634,7 @@ def targets(results):
     if 5 in r:
         base = r[5]["plain causal"]["tflops"]
         for n in ("window 1024", "softcap 50", "alibi"):
-            x = base / r[5][n]["tflops"]
+            x = r[5][n].get("per_work_vs_plain", base / r[5][n]["tflops"])
             line(5, n, x, "<= 1.15x plain (work)", x <= 1.15, f"{x:.2f}x plain causal")
         for n in r[5]:                  # --sweep: variants against plain causal, same variant
             var = n.split(" ")[-1]
@@ -606,11 +680,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=None,
                     help="--ab (default 3) / --schedules (default 1): interleaved rounds")
     ap.add_argument("--non-causal", action="store_true", help="--ab: row 2's case instead")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="--schedules: every (setting, case) interleaved call by call")
+    ap.add_argument("--row5-rounds", type=int, default=None,
+                    help="row 5's interleaved rounds (default 60; 0: do_bench a case in turn)")
+    ap.add_argument("--methods", action="store_true",
+                    help="window / softcap against plain causal timed four ways")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
     SWEEP["on"] = args.sweep
     PAIRED["batches"] = args.paired
+    if args.row5_rounds is not None:
+        ROW5["rounds"] = args.row5_rounds
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
@@ -657,6 +739,17 @@ def main():
             6: lambda: forward_row(6, "long context causal fwd", 1, H, H, 32768, True,
                                    anchors=("flash",))}
     results = {}
+    if args.methods:
+        lines = methods_row(B, H, S)
+        print("\ntiming methods (time per unit of work / plain causal's)")
+        print("\n".join(lines), flush=True)
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
+        return
+    if specs and args.interleaved:
+        lines = interleaved_row(7, specs, B, H, S, args.rounds or 40)
+        print("\n".join(lines), flush=True)
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
+        return
     if specs:          # the schedule sweep instead of the rows
         rows = set()
         lines = schedules_row(7, specs, B, H, S, args.rounds or 1)

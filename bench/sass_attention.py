@@ -82,8 +82,10 @@ def ws_source(case, m, n, persist=False, **extra):
                 FMA=not flags["HAS_ALIBI"] and A.VARIANTS["FMA_SCORES"], EVEN_L=True, G=1,
                 PERSIST=persist, GROUP=8)
     cons.update(SKIP_MASK=False, HEADS=1, LAZY_RESCALE=False, ALIBI_HOIST=False,
-                CAP_FIXED_REF=False)
+                CAP_FIXED_REF=False, EDGE_BOUND=False, LEAN_TILE=False, EVEN_HEADS=True)
     cons.update(extra)
+    known = set(W._fwd_ws_kernel.fn.arg_names)
+    cons = {k: v for k, v in cons.items() if k in known}     # older kernels lack variants
     sig["BH"] = "i32"
     names = [a for a in W._fwd_ws_kernel.fn.arg_names if a not in cons]
     sig = {k: sig[k] for k in names}

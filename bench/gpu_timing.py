@@ -1,0 +1,85 @@
+"""GPU timing for ratios between kernels (bench_cuda_attention.py's row 5 and --methods).
+
+A ratio of two separate timings carries the clock and temperature drift between them (a
+setting timed later in a run can lose ~5% to drift alone). `interleaved_ms` times every
+function once a round, call by call, the order reversed every other round, each call timed
+by its own CUDA events after an L2 flush (as triton's do_bench: cold L2, the flush outside
+the timed window), with the CPU left to run ahead of the GPU (no synchronisation between
+calls, so no launch gap inside a timed window): the per-round ratios compare calls made
+microseconds apart.
+
+`paired_ms` (batches of back-to-back calls, alternating) is kept for comparison: its first
+call after each batch pair's synchronisation starts on an idle GPU, so that batch's timed
+window also holds the host's launch time of the call (the Python of a flash_attn call); the
+batches alternate which function pays it, and the upper median of the ratios then picks a
+batch where the second function paid it (--methods measures this)."""
+from __future__ import annotations
+
+import torch
+
+#: bytes zeroed between timed calls: more than the H200's 50 MB L2 (do_bench's 256 MB)
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def interleaved_ms(fns, rounds=60, warmup=3, flush=True):
+    """{name: [ms of each round]} for the functions of the dict `fns`, timed call by call, one
+    call each a round (order reversed every other round), with an L2 flush before each call
+    (flush=False: back to back) outside its events."""
+    cache = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    torch.cuda.synchronize()
+    events = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            if flush:
+                cache.zero_()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            events[n].append((start, end))
+    torch.cuda.synchronize()
+    return {n: [s.elapsed_time(e) for s, e in ev] for n, ev in events.items()}
+
+
+def ratio_stats(times, base, name):
+    """(median of the per-round time ratios name / base, ratio of the medians)."""
+    per_round = [b / a for a, b in zip(times[base], times[name])]
+    return median(per_round), median(times[name]) / median(times[base])
+
+
+def paired_ms(fa, fb, batches, iters=4, detail=False):
+    """(ms of fa, ms of fb, upper median over batches of fb's time / fa's): `batches` batches
+    of `iters` back-to-back calls of each, timed with CUDA events, the two alternating (which
+    goes first flips every batch). detail: also the ratios of the batches where fa went
+    first and where fb did."""
+    fa(), fb()
+    ta, tb, ratio = [], [], []
+    for i in range(batches):
+        times = []
+        for fn in ((fa, fb) if i % 2 == 0 else (fb, fa)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        a, b = (x[0].elapsed_time(x[1]) / iters for x in (times if i % 2 == 0 else times[::-1]))
+        ta.append(a)
+        tb.append(b)
+        ratio.append(b / a)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    if detail:
+        return med(ta), med(tb), med(ratio), ratio[0::2], ratio[1::2]
+    return med(ta), med(tb), med(ratio)
