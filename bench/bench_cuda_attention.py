@@ -634,7 +634,7 @@ def targets(results):
     if 5 in r:
         base = r[5]["plain causal"]["tflops"]
         for n in ("window 1024", "softcap 50", "alibi"):
-            x = r[5][n].get("per_work_vs_plain", base / r[5][n]["tflops"])
+            x = r[5][n].get("per_work_vs_plain") or base / r[5][n]["tflops"]
             line(5, n, x, "<= 1.15x plain (work)", x <= 1.15, f"{x:.2f}x plain causal")
         for n in r[5]:                  # --sweep: variants against plain causal, same variant
             var = n.split(" ")[-1]
