@@ -53,8 +53,8 @@ Row 5 times its four cases call by call, interleaved over 60 rounds in one proce
 median of the rounds' time ratios to plain causal per unit of work; --row5-rounds N sets the
 rounds (0: one do_bench timing a case, in turn, as before session 11). --schedules ...
 --interleaved times every (setting, case) in the same interleaved rounds (--rounds, default
-40; no CONFIG / WSCONFIG settings). --methods times window 1024 and softcap 50 against plain
-causal four ways (do_bench in turn, paired_ms, interleaved with and without the flush).
+40; no CONFIG / WSCONFIG settings). --methods times row 5's cases several ways (methods_row:
+host time a call, do_bench in turn, do_bench with the host ahead, interleaved, paired_ms).
 
 --ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
 fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
@@ -88,7 +88,8 @@ from fuelgraph.backends.cuda.kernels import attention as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels import attention_ws as W  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
-from gpu_timing import interleaved_ms, median, paired_ms, ratio_stats  # noqa: E402
+from gpu_timing import (ahead_ms, host_ms, interleaved_ms, median, paired_ms,  # noqa: E402
+                        ratio_stats)
 
 try:
     from flash_attn import flash_attn_func
@@ -497,30 +498,37 @@ def interleaved_row(row, specs, B, H, S, rounds):
             f"(t: time / the first setting's, median of the rounds' ratios)"] + lines
 
 
-def methods_row(B, H, S, names=("window 1024", "softcap 50")):
-    """Each case against plain causal timed four ways (time per unit of work / plain
-    causal's): do_bench each in turn (3 repeats), paired_ms (16 batches of 4 back-to-back
-    calls; also the medians of the batches where plain / the case went first), interleaved
-    call by call with an L2 flush and without."""
+def methods_row(B, H, S, names=("window 1024", "softcap 50", "alibi")):
+    """Row 5's cases timed several ways, each case's ms and time per unit of work / plain
+    causal's: the host's time a call (host_ms); do_bench, one case after another; do_bench
+    with every launch queued behind a GPU spin (ahead_ms: GPU time only); the four cases
+    interleaved call by call (as row 5), each case interleaved with plain causal alone, and
+    paired_ms (16 batches of 4 back-to-back calls: the upper median, and the medians of the
+    batches where plain / the case went first)."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     cases = {c[0]: c for c in variant_cases(H)}
     fns = {n: (lambda p=cases[n][1], opt=cases[n][2]: K.flash_attn(q, k, v, *opt, **p))
            for n in ("plain causal",) + tuple(names)}
     work = {n: pairs(S, S, True, cases[n][3]) for n in fns}
-    lines = []
-    for n in names:
-        w = work["plain causal"] / work[n]
-        seq = [t_ms(fns[n]) / t_ms(fns["plain causal"]) * w for _ in range(3)]
-        _, _, pr, first_plain, first_case = paired_ms(fns["plain causal"], fns[n], 16,
-                                                      detail=True)
-        both = {"plain causal": fns["plain causal"], n: fns[n]}
-        il = ratio_stats(interleaved_ms(both, 60), "plain causal", n)
-        nf = ratio_stats(interleaved_ms(both, 60, flush=False), "plain causal", n)
-        lines.append(f"  {n:12s} do_bench in turn {' '.join(f'{x:.3f}' for x in seq)}  "
-                     f"paired {pr * w:.3f} (plain first {median(first_plain) * w:.3f}, "
-                     f"case first {median(first_case) * w:.3f})  interleaved flush "
-                     f"{il[0] * w:.3f} (of medians {il[1] * w:.3f})  no flush {nf[0] * w:.3f} "
-                     f"({nf[1] * w:.3f})")
+    per = lambda n, ms: ms[n] / ms["plain causal"] * work["plain causal"] / work[n]  # noqa
+    host = {n: host_ms(fn) for n, fn in fns.items()}
+    seq = {n: t_ms(fn) for n, fn in fns.items()}
+    ahead = {n: ahead_ms(fn) for n, fn in fns.items()}
+    four = interleaved_ms(fns, 60)
+    lines = ["  case          host ms  do_bench ms (per work)  ahead ms (per work)  "
+             "interleaved 4 ms (per work)  with plain alone  paired (plain first, case first)"]
+    for n in fns:
+        two = pair = "-"
+        if n != "plain causal":
+            w = work["plain causal"] / work[n]
+            alone = interleaved_ms({"plain causal": fns["plain causal"], n: fns[n]}, 60)
+            two = f"{ratio_stats(alone, 'plain causal', n)[0] * w:.3f}"
+            _, _, pr, pf, cf = paired_ms(fns["plain causal"], fns[n], 16, detail=True)
+            pair = f"{pr * w:.3f} ({median(pf) * w:.3f}, {median(cf) * w:.3f})"
+        x4 = ratio_stats(four, "plain causal", n)[0] * work["plain causal"] / work[n]
+        lines.append(f"  {n:12s} {host[n]:7.3f}  {seq[n]:7.4f} ({per(n, seq):.3f})        "
+                     f"{ahead[n]:7.4f} ({per(n, ahead):.3f})     {median(four[n]):7.4f} "
+                     f"({x4:.3f})               {two:16s}  {pair}")
     return lines
 
 

@@ -12,13 +12,20 @@ microseconds apart.
 call after each batch pair's synchronisation starts on an idle GPU, so that batch's timed
 window also holds the host's launch time of the call (the Python of a flash_attn call); the
 batches alternate which function pays it, and the upper median of the ratios then picks a
-batch where the second function paid it (--methods measures this)."""
+batch where the second function paid it (--methods measures this). `ahead_ms` is do_bench
+with every launch queued behind a GPU spin: do_bench's timed windows hold any time the GPU
+waits for the host, which a kernel shorter than the host's time a call pays in every
+window; `host_ms` measures that time."""
 from __future__ import annotations
+
+import time
 
 import torch
 
 #: bytes zeroed between timed calls: more than the H200's 50 MB L2 (do_bench's 256 MB)
 FLUSH_BYTES = 256 * 1024 * 1024
+#: spin cycles a second (the H200's top SM clock, 1980 MHz: a spin lasts at least as asked)
+SPIN_HZ = 2.0e9
 
 
 def median(xs):
@@ -27,16 +34,62 @@ def median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def interleaved_ms(fns, rounds=60, warmup=3, flush=True):
+def gpu_sleep(ms):
+    """Keep the GPU busy for about `ms` (a spin kernel), so that the host's launches queue up
+    behind it and the GPU never waits for them inside a timed window."""
+    torch.cuda._sleep(int(ms * 1e-3 * SPIN_HZ))
+
+
+def host_ms(fn, calls=20):
+    """The host's time a call of fn (its launches queued behind a GPU spin, so none waits)."""
+    fn()
+    torch.cuda.synchronize()
+    gpu_sleep(calls * 5.0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return ms
+
+
+def ahead_ms(fn, reps=100, flush=True):
+    """do_bench's median (an L2 flush, then one call timed by its own events, `reps` times)
+    with every launch queued behind a GPU spin first: the timed windows hold GPU time only,
+    however long the host takes a call."""
+    cache = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    gpu_sleep(reps * 2.0 * max(host_ms(fn, 5), 0.05))
+    events = []
+    for _ in range(reps):
+        if flush:
+            cache.zero_()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return median([s.elapsed_time(e) for s, e in events])
+
+
+def interleaved_ms(fns, rounds=60, warmup=3, flush=True, head_start_ms=30.0):
     """{name: [ms of each round]} for the functions of the dict `fns`, timed call by call, one
     call each a round (order reversed every other round), with an L2 flush before each call
-    (flush=False: back to back) outside its events."""
+    (flush=False: back to back) outside its events; the launches start queued behind a GPU
+    spin of head_start_ms (the host then stays ahead while a round's GPU time exceeds its
+    host time)."""
     cache = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
     names = list(fns)
     for _ in range(warmup):
         for n in names:
             fns[n]()
     torch.cuda.synchronize()
+    if head_start_ms:
+        gpu_sleep(head_start_ms)
     events = {n: [] for n in names}
     for r in range(rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
