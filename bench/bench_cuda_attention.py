@@ -72,6 +72,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 import traceback
 
 import torch
@@ -511,10 +512,20 @@ def methods_row(B, H, S, names=("window 1024", "softcap 50", "alibi")):
            for n in ("plain causal",) + tuple(names)}
     work = {n: pairs(S, S, True, cases[n][3]) for n in fns}
     per = lambda n, ms: ms[n] / ms["plain causal"] * work["plain causal"] / work[n]  # noqa
+    stamp = lambda what: print(f"[methods] {time.time():.3f} {what}", flush=True)  # noqa
+    stamp("host")
     host = {n: host_ms(fn) for n, fn in fns.items()}
-    seq = {n: t_ms(fn) for n, fn in fns.items()}
-    ahead = {n: ahead_ms(fn) for n, fn in fns.items()}
+    seq = {}
+    for n, fn in fns.items():          # (the stamps line up with a clock / power trace)
+        stamp(f"do_bench {n}")
+        seq[n] = t_ms(fn)
+    ahead = {}
+    for n, fn in fns.items():
+        stamp(f"ahead {n}")
+        ahead[n] = ahead_ms(fn)
+    stamp("interleaved four")
     four = interleaved_ms(fns, 60)
+    stamp("pairs")
     lines = ["  case          host ms  do_bench ms (per work)  ahead ms (per work)  "
              "interleaved 4 ms (per work)  with plain alone  paired (plain first, case first)"]
     for n in fns:
@@ -526,6 +537,7 @@ def methods_row(B, H, S, names=("window 1024", "softcap 50", "alibi")):
             _, _, pr, pf, cf = paired_ms(fns["plain causal"], fns[n], 16, detail=True)
             pair = f"{pr * w:.3f} ({median(pf) * w:.3f}, {median(cf) * w:.3f})"
         x4 = ratio_stats(four, "plain causal", n)[0] * work["plain causal"] / work[n]
+        stamp(f"done {n}")
         lines.append(f"  {n:12s} {host[n]:7.3f}  {seq[n]:7.4f} ({per(n, seq):.3f})        "
                      f"{ahead[n]:7.4f} ({per(n, ahead):.3f})     {median(four[n]):7.4f} "
                      f"({x4:.3f})               {two:16s}  {pair}")
