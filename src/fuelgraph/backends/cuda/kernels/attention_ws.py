@@ -372,6 +372,18 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
 # multiply before tanh, but the rounding of q * scale to bf16 raised the error 2-15x in a CPU
 # model, still within the 16-bit rule); packed f16x2 / bf16x2 tanh and ex2 (sm_90 SASS runs
 # them as two MUFU instructions each, plus packing).
+# Session 11 (row 5 now timed call by call, interleaved, median of the rounds' ratios; SASS:
+# instructions a consumer warp executes, bench/sass_attention.py --ws --ws-flips):
+# WS_LEAN_TILE (default) -- the tile's epilogue with a reciprocal a row and a multiply an
+# output instead of a full-range division each, lg2.approx, 32-bit offsets from the tile's
+# base pointers; a tile's place from one division instead of three (EVEN_HEADS). Outside the
+# key loop a tile 761 -> 450 instructions (persistent window), 739 -> 474 (plain causal).
+# WS_EDGE_BOUND (default; windows >= BLOCK_M + BLOCK_N - 2) -- _MASK_EDGE: the diagonal block
+# 635 -> 595, the far edge 635 -> 587 instructions, an unmasked block unchanged (443).
+# H200, window 1024 and plain causal interleaved, 40 rounds: window 1.077x plain causal's time
+# per unit of work with both, 1.101x without WS_EDGE_BOUND, 1.135x with neither (window time
+# 1.000 / 1.021 / 1.064); plain causal 485.2 / 486.2 / 478.7 TFLOP/s (time 1.000 / 1.000 /
+# 1.015).
 
 
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
