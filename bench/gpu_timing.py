@@ -111,14 +111,17 @@ def ratio_stats(times, base, name):
     return median(per_round), median(times[name]) / median(times[base])
 
 
-def paired_ms(fa, fb, batches, iters=4, detail=False):
+def paired_ms(fa, fb, batches, iters=4, detail=False, head_start_ms=0.0):
     """(ms of fa, ms of fb, upper median over batches of fb's time / fa's): `batches` batches
     of `iters` back-to-back calls of each, timed with CUDA events, the two alternating (which
     goes first flips every batch). detail: also the ratios of the batches where fa went
-    first and where fb did."""
+    first and where fb did. head_start_ms: each batch pair's launches queued behind a GPU
+    spin that long (0: the first call's host time lands in its batch, as before session 11)."""
     fa(), fb()
     ta, tb, ratio = [], [], []
     for i in range(batches):
+        if head_start_ms:
+            gpu_sleep(head_start_ms)
         times = []
         for fn in ((fa, fb) if i % 2 == 0 else (fb, fa)):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
