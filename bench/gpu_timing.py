@@ -1,5 +1,15 @@
 """GPU timing for ratios between kernels (bench_cuda_attention.py's row 5 and --methods).
 
+Why row 5 is timed interleaved (H200, session 11, bench --methods with a clock trace): under
+load the H200 sits at its software power cap (nvidia-smi reason 0x4) and its SM clock moves
+between 1710 and 1980 MHz from one 100 ms sample to the next, so two kernels timed one after
+the other (do_bench in turn) see different clocks: window 1024 / plain causal measured 1.126,
+1.124, 1.133 and 1.143 that way, softcap 50 0.999 to 1.096, while interleaved call by call
+it measured 1.081, 1.077, 1.089, 1.094, 1.091 and softcap 1.125, 1.124, 1.125, 1.125 in four
+runs. A kernel timed alone also settles at its own clock: softcap 50 (fewer tensor-core
+cycles a second) ran 1.198 ms alone and 1.260 ms interleaved with the others, plain causal
+1.123 and 1.120; interleaving compares the kernels at one clock.
+
 A ratio of two separate timings carries the clock and temperature drift between them (a
 setting timed later in a run can lose ~5% to drift alone). `interleaved_ms` times every
 function once a round, call by call, the order reversed every other round, each call timed
@@ -8,14 +18,14 @@ the timed window), with the CPU left to run ahead of the GPU (no synchronisation
 calls, so no launch gap inside a timed window): the per-round ratios compare calls made
 microseconds apart.
 
-`paired_ms` (batches of back-to-back calls, alternating) is kept for comparison: its first
-call after each batch pair's synchronisation starts on an idle GPU, so that batch's timed
-window also holds the host's launch time of the call (the Python of a flash_attn call); the
-batches alternate which function pays it, and the upper median of the ratios then picks a
-batch where the second function paid it (--methods measures this). `ahead_ms` is do_bench
-with every launch queued behind a GPU spin: do_bench's timed windows hold any time the GPU
-waits for the host, which a kernel shorter than the host's time a call pays in every
-window; `host_ms` measures that time."""
+`paired_ms` (batches of back-to-back calls, alternating) is kept for comparison. Before
+session 11 its first call after each batch pair's synchronisation started on an idle GPU, so
+that batch's timed window also held the host's time for the call (0.12-0.22 ms for a
+flash_attn call); the batches alternate which function pays it and the upper median of the
+ratios picked a batch where the second function had: window 1.140 against 1.09 interleaved.
+Each batch pair now starts queued behind a GPU spin (head_start_ms). `ahead_ms` is do_bench
+with every launch queued behind a GPU spin and `host_ms` the host's time a call: with the
+host at 0.12-0.22 ms a call, do_bench's own windows held no waits; its spread is the clock's."""
 from __future__ import annotations
 
 import time
@@ -111,12 +121,14 @@ def ratio_stats(times, base, name):
     return median(per_round), median(times[name]) / median(times[base])
 
 
-def paired_ms(fa, fb, batches, iters=4, detail=False, head_start_ms=0.0):
+def paired_ms(fa, fb, batches, iters=4, detail=False, head_start_ms=2.0):
     """(ms of fa, ms of fb, upper median over batches of fb's time / fa's): `batches` batches
     of `iters` back-to-back calls of each, timed with CUDA events, the two alternating (which
     goes first flips every batch). detail: also the ratios of the batches where fa went
     first and where fb did. head_start_ms: each batch pair's launches queued behind a GPU
-    spin that long (0: the first call's host time lands in its batch, as before session 11)."""
+    spin that long (0: the first call's host time lands in its batch, as before session 11:
+    window 1024 / plain causal 1.055 in the batches where plain went first, 1.150 where the
+    window did; with the spin 1.092 / 1.107)."""
     fa(), fb()
     ta, tb, ratio = [], [], []
     for i in range(batches):

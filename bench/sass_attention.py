@@ -136,9 +136,9 @@ def ws_defaults(case, flips=()):
 
 def _sass_lines(cubin):
     """[(address, instruction)] of a cubin's SASS."""
+    lines = dump(cubin)[1].splitlines()
     return [(int(m.group(1), 16), m.group(2).strip()) for m in
-            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in dump(cubin)[1].splitlines())
-            if m]
+            (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in lines) if m]
 
 
 def _walk(ins, at, key, mask_region, policy):

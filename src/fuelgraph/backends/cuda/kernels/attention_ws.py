@@ -383,7 +383,10 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
 # H200, window 1024 and plain causal interleaved, 40 rounds: window 1.077x plain causal's time
 # per unit of work with both, 1.101x without WS_EDGE_BOUND, 1.135x with neither (window time
 # 1.000 / 1.021 / 1.064); plain causal 485.2 / 486.2 / 478.7 TFLOP/s (time 1.000 / 1.000 /
-# 1.015).
+# 1.015). Round 2, the four cases interleaved, 30 rounds, both against neither: plain causal
+# 491.9 / 484.6, window 450.9 / 425.7 (1.094x / 1.142x), softcap 436.7 / 438.5 and ALiBi
+# 430.9 / 430.0 TFLOP/s (their times 1.004 / 0.997 of neither's: noise) -- so softcap's ratio
+# 1.104x -> 1.125x and ALiBi's 1.127x -> 1.141x from plain causal's gain alone.
 
 
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
