@@ -24,7 +24,8 @@ SDPA before it is timed (field max_err).
         [--configs "128,64,8,3;128,128,8,3"] [--ws-configs "128,64,4,2"] [--sweep]
         [--schedules "base;FMA_SCORES=0;CONFIG=64.64.4.3"]
         [--schedule-cases "window 1024,softcap 50,alibi"] [--rounds 3] [--paired 20]
-        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]]
+        [--ab "base;plan;WS_HEADS=1" --rounds 3 [--non-causal]] [--interleaved]
+        [--row5-rounds 60] [--methods]
 
 --warm I/N compiles (no timing) the I-th of N parts of the forward kernels that rows 1, 2, 4,
 5 and 6 (with --configs and --sweep) will use, on small tensors with the same
@@ -47,6 +48,14 @@ setting's medians; --paired N times each case against plain causal in N alternat
 (paired_ms: the ratio is immune to drift between two timings); --tag names its JSON
 (cuda_attention_<date>_<tag>.json).
 
+Row 5 times its four cases call by call, interleaved over 60 rounds in one process
+(gpu_timing.interleaved_ms: an L2 flush before each call, as do_bench), and reports the
+median of the rounds' time ratios to plain causal per unit of work; --row5-rounds N sets the
+rounds (0: one do_bench timing a case, in turn, as before session 11). --schedules ...
+--interleaved times every (setting, case) in the same interleaved rounds (--rounds, default
+40; no CONFIG / WSCONFIG settings). --methods times row 5's cases several ways (methods_row:
+host time a call, do_bench in turn, do_bench with the host ahead, interleaved, paired_ms).
+
 --ab times row 1's case (row 2's with --non-causal) under each setting ("plan": the cached
 fuelgraph plan with the defaults), the settings interleaved over --rounds rounds, and prints
 each setting's median: clocks drift over a run, so a setting timed once, after another, can
@@ -63,6 +72,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 import traceback
 
 import torch
@@ -71,6 +81,7 @@ from triton.testing import do_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import fuelgraph as fg  # noqa: E402
 import fuelgraph.functional as F  # noqa: E402
@@ -78,6 +89,8 @@ from fuelgraph.backends.cuda.kernels import attention as K  # noqa: E402
 from fuelgraph.backends.cuda.kernels import attention_ws as W  # noqa: E402
 from fuelgraph.ir.tensor import bound_data  # noqa: E402
 from fuelgraph.runtime.executor import compile_plan  # noqa: E402
+from gpu_timing import (ahead_ms, host_ms, interleaved_ms, median, paired_ms,  # noqa: E402
+                        ratio_stats)
 
 try:
     from flash_attn import flash_attn_func
@@ -366,31 +379,9 @@ def warm_schedules(specs, part, nparts):
             print(f"warm {name} [{spec}]", flush=True)
 
 
-def paired_ms(fa, fb, batches, iters=4):
-    """(ms of fa, ms of fb, median over batches of fb's time / fa's): `batches` batches of
-    `iters` calls of each, timed with CUDA events, the two alternating (which goes first flips
-    every batch), so clock and temperature drift hit both alike."""
-    fa(), fb()
-    ta, tb, ratio = [], [], []
-    for i in range(batches):
-        times = []
-        for fn in ((fa, fb) if i % 2 == 0 else (fb, fa)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize()
-        a, b = (x[0].elapsed_time(x[1]) / iters for x in (times if i % 2 == 0 else times[::-1]))
-        ta.append(a)
-        tb.append(b)
-        ratio.append(b / a)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return med(ta), med(tb), med(ratio)
-
-
 PAIRED = {"batches": 0}
+#: row 5's interleaved rounds (--row5-rounds; 0: one do_bench timing a case, in turn)
+ROW5 = {"rounds": 60}
 
 
 def schedules_row(row, specs, B, H, S, rounds=1):
@@ -463,6 +454,100 @@ def schedules_row(row, specs, B, H, S, rounds=1):
     return lines
 
 
+def interleaved_row(row, specs, B, H, S, rounds):
+    """Plain causal and row 5's other cases (SCHEDULE_CASES) under every setting, all timed
+    call by call in the same interleaved rounds (gpu_timing.interleaved_ms): each setting's
+    causal TFLOP/s, each case's time per unit of work / plain causal's under the same setting,
+    and each (setting, case)'s time / the first setting's (medians of the rounds' ratios)."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    cases = schedule_cases(H)
+    work = {name: 4.0 * D * pairs(S, S, True, wl) * B * H for name, _, _, wl in cases}
+    fns, errs, refs = {}, {}, {}
+    for spec, kv in specs:
+        for name, p, opt, _ in cases:
+            fn = (lambda kv=kv, p=p, opt=opt: with_variants(
+                kv, lambda: K.flash_attn(q, k, v, *opt, **p)))
+            try:
+                got = fn()[0]
+                refs.setdefault(name, got)
+                errs[(spec, name)] = maxerr(got, refs[name])
+                fns[(spec, name)] = fn
+            except Exception as exc:  # noqa: BLE001
+                print(f"  row {row} {name} [{spec}] failed: {exc!r}", flush=True)
+    times = interleaved_ms(fns, rounds)
+    lines, first = [], specs[0][0]
+    for spec, _ in specs:
+        if (spec, "plain causal") not in times:
+            continue
+        parts = []
+        for name, _, _, _ in cases:
+            if (spec, name) not in times:
+                continue
+            ms = median(times[(spec, name)])
+            x = ratio_stats(times, (spec, "plain causal"), (spec, name))[0] * \
+                work["plain causal"] / work[name]
+            vs = ratio_stats(times, (first, name), (spec, name))[0] \
+                if (first, name) in times else float("nan")
+            rec = record(row, {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]},
+                         f"fuelgraph kernel {spec}", ms, work[name], errs[(spec, name)],
+                         rounds=rounds, timing="interleaved", per_work_vs_plain=round(x, 4),
+                         time_vs_first=round(vs, 4))
+            parts.append(f"{name.split()[0]} {rec['tflops']:5.1f}" + (
+                f" = {x:.3f}x" if name != "plain causal" else "") + f" (t {vs:.3f})")
+        lines.append(f"  {spec:34s} " + "  ".join(parts))
+    return [f"interleaved, {rounds} rounds: TFLOP/s = time per unit of work / plain causal's "
+            f"(t: time / the first setting's, median of the rounds' ratios)"] + lines
+
+
+def methods_row(B, H, S, names=("window 1024", "softcap 50", "alibi")):
+    """Row 5's cases timed several ways, each case's ms and time per unit of work / plain
+    causal's: the host's time a call (host_ms); do_bench, one case after another; do_bench
+    with every launch queued behind a GPU spin (ahead_ms: GPU time only); the four cases
+    interleaved call by call (as row 5), each case interleaved with plain causal alone, and
+    paired_ms (16 batches of 4 back-to-back calls: the upper median, and the medians of the
+    batches where plain / the case went first)."""
+    q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
+    cases = {c[0]: c for c in variant_cases(H)}
+    fns = {n: (lambda p=cases[n][1], opt=cases[n][2]: K.flash_attn(q, k, v, *opt, **p))
+           for n in ("plain causal",) + tuple(names)}
+    work = {n: pairs(S, S, True, cases[n][3]) for n in fns}
+    per = lambda n, ms: ms[n] / ms["plain causal"] * work["plain causal"] / work[n]  # noqa
+    stamp = lambda what: print(f"[methods] {time.time():.3f} {what}", flush=True)  # noqa
+    stamp("host")
+    host = {n: host_ms(fn) for n, fn in fns.items()}
+    seq = {}
+    for n, fn in fns.items():          # (the stamps line up with a clock / power trace)
+        stamp(f"do_bench {n}")
+        seq[n] = t_ms(fn)
+    ahead = {}
+    for n, fn in fns.items():
+        stamp(f"ahead {n}")
+        ahead[n] = ahead_ms(fn)
+    stamp("interleaved four")
+    four = interleaved_ms(fns, 60)
+    stamp("pairs")
+    lines = ["  case          host ms  do_bench ms (per work)  ahead ms (per work)  "
+             "interleaved 4 ms (per work)  with plain alone  paired (plain first, case first), "
+             "the same with the host ahead"]
+    for n in fns:
+        two = pair = "-"
+        if n != "plain causal":
+            w = work["plain causal"] / work[n]
+            alone = interleaved_ms({"plain causal": fns["plain causal"], n: fns[n]}, 60)
+            two = f"{ratio_stats(alone, 'plain causal', n)[0] * w:.3f}"
+            _, _, pr, pf, cf = paired_ms(fns["plain causal"], fns[n], 16, detail=True,
+                                         head_start_ms=0.0)
+            pair = f"{pr * w:.3f} ({median(pf) * w:.3f}, {median(cf) * w:.3f})"
+            _, _, pr, pf, cf = paired_ms(fns["plain causal"], fns[n], 16, detail=True)
+            pair += f" ahead {pr * w:.3f} ({median(pf) * w:.3f}, {median(cf) * w:.3f})"
+        x4 = ratio_stats(four, "plain causal", n)[0] * work["plain causal"] / work[n]
+        stamp(f"done {n}")
+        lines.append(f"  {n:12s} {host[n]:7.3f}  {seq[n]:7.4f} ({per(n, seq):.3f})        "
+                     f"{ahead[n]:7.4f} ({per(n, ahead):.3f})     {median(four[n]):7.4f} "
+                     f"({x4:.3f})               {two:16s}  {pair}")
+    return lines
+
+
 def ab_row(row, specs, rounds, B, H, S, causal=True):
     """Plain causal (row 1's case; non-causal: row 2's) under each setting, the settings
     interleaved over `rounds` rounds (clocks and temperature drift over a run: a setting
@@ -504,16 +589,29 @@ def ab_row(row, specs, rounds, B, H, S, causal=True):
 
 def variants_row(row, B, H, S):
     """Our kernel with sliding window 1024, softcap 50, ALiBi (each with causal) vs our plain
-    causal, compared per unit of work (TFLOP/s)."""
+    causal, compared per unit of work: the four cases timed call by call, interleaved over
+    ROW5["rounds"] rounds (gpu_timing.interleaved_ms); each case's ms is its median, its
+    per_work_vs_plain the median of the rounds' time ratios to plain causal times plain
+    causal's work / the case's. ROW5["rounds"] = 0: one do_bench timing a case, in turn."""
     q, k, v = rand(B, H, S, D), rand(B, H, S, D), rand(B, H, S, D)
     res, refs = {}, {}
     cases = variant_cases(H)
+    work = {name: 4.0 * D * pairs(S, S, True, wl) * B * H for name, _, _, wl in cases}
+    fns = {name: (lambda p=p, opt=opt: K.flash_attn(q, k, v, *opt, **p)) for name, p, opt, _
+           in cases}
+    for name, fn in fns.items():
+        refs[name] = fn()[0] if SWEEP["on"] else None
+    times = interleaved_ms(fns, ROW5["rounds"]) if ROW5["rounds"] else None
     for name, p, opt, wl in cases:
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
-        flops = 4.0 * D * pairs(S, S, True, wl) * B * H
-        refs[name] = K.flash_attn(q, k, v, *opt, **p)[0] if SWEEP["on"] else None
-        res[name] = record(row, case, "fuelgraph kernel",
-                           t_ms(lambda: K.flash_attn(q, k, v, *opt, **p)), flops,
+        if times is None:
+            res[name] = record(row, case, "fuelgraph kernel", t_ms(fns[name]), work[name],
+                               **fwd_tuning())
+            continue
+        x, _ = ratio_stats(times, "plain causal", name)
+        res[name] = record(row, case, "fuelgraph kernel", median(times[name]), work[name],
+                           rounds=ROW5["rounds"], timing="interleaved",
+                           per_work_vs_plain=round(x * work["plain causal"] / work[name], 4),
                            **fwd_tuning())
     for name, p, opt, wl in cases if SWEEP["on"] else ():   # then each code variant flipped
         case = {"op": "flash_attn", "name": name, "shape": [B, H, H, S, S, D]}
@@ -560,7 +658,7 @@ def targets(results):
     if 5 in r:
         base = r[5]["plain causal"]["tflops"]
         for n in ("window 1024", "softcap 50", "alibi"):
-            x = base / r[5][n]["tflops"]
+            x = r[5][n].get("per_work_vs_plain") or base / r[5][n]["tflops"]
             line(5, n, x, "<= 1.15x plain (work)", x <= 1.15, f"{x:.2f}x plain causal")
         for n in r[5]:                  # --sweep: variants against plain causal, same variant
             var = n.split(" ")[-1]
@@ -606,11 +704,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=None,
                     help="--ab (default 3) / --schedules (default 1): interleaved rounds")
     ap.add_argument("--non-causal", action="store_true", help="--ab: row 2's case instead")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="--schedules: every (setting, case) interleaved call by call")
+    ap.add_argument("--row5-rounds", type=int, default=None,
+                    help="row 5's interleaved rounds (default 60; 0: do_bench a case in turn)")
+    ap.add_argument("--methods", action="store_true",
+                    help="window / softcap against plain causal timed four ways")
     args = ap.parse_args()
     if args.quick:
         REP.update(warmup=5, rep=20)
     SWEEP["on"] = args.sweep
     PAIRED["batches"] = args.paired
+    if args.row5_rounds is not None:
+        ROW5["rounds"] = args.row5_rounds
     if args.configs:
         K._fwd_kernel.configs = [K.fwd_config(*map(int, c.split(",")))
                                  for c in args.configs.split(";")]
@@ -657,6 +763,17 @@ def main():
             6: lambda: forward_row(6, "long context causal fwd", 1, H, H, 32768, True,
                                    anchors=("flash",))}
     results = {}
+    if args.methods:
+        lines = methods_row(B, H, S)
+        print("\ntiming methods (time per unit of work / plain causal's)")
+        print("\n".join(lines), flush=True)
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
+        return
+    if specs and args.interleaved:
+        lines = interleaved_row(7, specs, B, H, S, args.rounds or 40)
+        print("\n".join(lines), flush=True)
+        save(args.out, f"cuda_attention_{DATE}_{args.tag}.json", summary=lines)
+        return
     if specs:          # the schedule sweep instead of the rows
         rows = set()
         lines = schedules_row(7, specs, B, H, S, args.rounds or 1)

@@ -256,8 +256,10 @@ WS_OPTS = [dict(causal=True, window_size_left=_W), dict(causal=True),
 
 
 def _ws_cases():
-    if not HAS_CUDA:
-        return [((1, 2, 1, 70, 90, 16), o, pers) for o in WS_OPTS for pers in (False, True)]
+    if not HAS_CUDA:     # + 8 heads: B * H a multiple of both tile orders' groups
+        return [((1, 2, 1, 70, 90, 16), o, pers) for o in WS_OPTS for pers in (False, True)] \
+            + [((1, 8, 4, 140, 150, 16), WS_OPTS[0], True),
+               ((1, 8, 4, 140, 150, 16), WS_OPTS[1], False)]
     return [((2, 8, 2, 700, 1000, 128), WS_OPTS[0], False),
             ((1, 4, 4, 1000, 600, 128), WS_OPTS[1], False),
             ((2, 4, 2, 300, 700, 64), WS_OPTS[2], False),
@@ -314,7 +316,10 @@ def test_warp_specialized_forward(shape, opts, persist, monkeypatch):
                                      dict(WS_ALIBI_HOIST=False, alibi=True),
                                      dict(WS_ALIBI_HOIST=True, alibi=True, softcap=1.3,
                                           window=300),
-                                     dict(WS_PERSIST=True)],
+                                     dict(WS_PERSIST=True),
+                                     dict(WS_EDGE_BOUND=False, window=300),
+                                     dict(WS_EDGE_BOUND=True, window=254),
+                                     dict(WS_LEAN_TILE=False, window=300)],
                          ids=lambda v: "+".join(f"{k}={x}" for k, x in v.items()))
 def test_warp_specialized_variants(shape, variant, monkeypatch):
     """The warp-specialized forward's causal variants (the mask on every block or behind a

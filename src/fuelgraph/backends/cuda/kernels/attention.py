@@ -163,7 +163,8 @@ VARIANTS = {"ALIBI_COLS": True, "FMA_SCORES": True, "EDGE_ONE_TEST": False, "MAS
             "ONE_LOOP": False, "ONE_LOOP_WINDOW": True, "WARP_SPEC": True,
             "WS_PERSIST": False, "WS_PERSIST_WINDOW": True, "WS_SKIP_MASK": True,
             "WS_SKIP_MASK_WINDOW": True, "WS_HEADS": 4, "WS_LAZY_RESCALE": True,
-            "WS_ALIBI_HOIST": True, "WS_CAP_FIXED_REF": True}
+            "WS_ALIBI_HOIST": True, "WS_CAP_FIXED_REF": True, "WS_EDGE_BOUND": True,
+            "WS_LEAN_TILE": True}
 for _kv in filter(None, os.environ.get("FUELGRAPH_ATTN_VARIANTS", "").split(",")):
     _k, _v = _kv.split("=")
     VARIANTS[_k.strip()] = (int(_v) if isinstance(VARIANTS.get(_k.strip()), int)
@@ -419,15 +420,24 @@ def _online(s, l_i, m_i, QK_SCALE, CAP, HAS_CAP: tl.constexpr, FMA: tl.constexpr
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr):
+def _finish(acc, l_i, m_i, slope, a_rows, ALIBI_COLS: tl.constexpr,
+            LEAN: tl.constexpr = False):
     """(out, lse) of a query tile from its online-softmax state (a_rows: the rows' key
-    positions); rows without an admissible key: out 0, lse +inf."""
+    positions); rows without an admissible key: out 0, lse +inf. LEAN (not interpreted): a
+    reciprocal a row and a multiply an output (not a full-range division each), the
+    hardware's log2 (relative error ~2^-22)."""
     if ALIBI_COLS:    # the scores were off by +slope * row: so were m_i and the lse
         m_i -= (slope * 1.4426950408889634) * a_rows.to(tl.float32)
     live = l_i > 0.0
-    out = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, (m_i + tl.log2(tl.where(live, l_i, 1.0))) * 0.6931471805599453,
-                   float("inf"))
+    l_safe = tl.where(live, l_i, 1.0)
+    if LEAN:
+        out = acc * (1.0 / l_safe)[:, None]
+        lg = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [l_safe],
+                                       dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        out = acc / l_safe[:, None]
+        lg = tl.log2(l_safe)
+    lse = tl.where(live, (m_i + lg) * 0.6931471805599453, float("inf"))
     return out, lse
 
 

@@ -47,7 +47,8 @@ def ws_config(m, n, warps, stages):
 WS_CONFIGS = [ws_config(*c) for c in (WS_CHOICES if not INTERPRET else [(32, 16, 4, 1)])]
 _WS_TUNE_KEYS = ["TUNE_Q", "TUNE_K", "BLOCK_D", "CAUSAL", "HAS_WL", "HAS_WR", "HAS_CAP",
                  "HAS_ALIBI", "ALIBI_COLS", "FMA", "EVEN_L", "PERSIST", "SKIP_MASK", "HEADS",
-                 "LAZY_RESCALE", "ALIBI_HOIST", "CAP_FIXED_REF"]
+                 "LAZY_RESCALE", "ALIBI_HOIST", "CAP_FIXED_REF", "EDGE_BOUND", "LEAN_TILE",
+                 "EVEN_HEADS"]
 
 
 def _prune(configs, named_args, **kw):
@@ -67,13 +68,17 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
                    BH=1, PERSIST: tl.constexpr = False, GROUP: tl.constexpr = 8,
                    SKIP_MASK: tl.constexpr = False, HEADS: tl.constexpr = 1,
                    LAZY_RESCALE: tl.constexpr = False,
-                   ALIBI_HOIST: tl.constexpr = False, CAP_FIXED_REF: tl.constexpr = False):
+                   ALIBI_HOIST: tl.constexpr = False, CAP_FIXED_REF: tl.constexpr = False,
+                   EDGE_BOUND: tl.constexpr = False, LEAN_TILE: tl.constexpr = False,
+                   EVEN_HEADS: tl.constexpr = False):
     """Forward of 128-row query tiles (outputs as attention._fwd_kernel); L the live key count
     (static), EVEN_L: L is a multiple of every BLOCK_N (no key-count mask). Grid (query tiles,
     B * H), longest causal rows first; PERSIST: grid (programs,), each program striding over
     the tiles (dealt GROUP heads at a time, longest rows first within the group: the group's
     k and v stay in L2) with the specialized loop around the tiles, so the producer loads the
-    next tile's q, k and v while the consumers finish this one."""
+    next tile's q, k and v while the consumers finish this one. LEAN_TILE with EVEN_HEADS
+    (B * H a multiple of the group, GROUP or HEADS): a tile's place from one division by the
+    tile count of a head, not three (the same order)."""
     # q's descriptor is made here, 2-D over the [B * H * SQ, D] rows: the specialization
     # splits the q tile between the two consumers, shrinking the copy's box (a host
     # descriptor's encoding, taken from the unsplit tile, would not follow) and offsetting
@@ -84,33 +89,45 @@ def _fwd_ws_kernel(Q, KD, VD, O, LSE, SLOPES, sqm, sob, soh, som, slb, ROWS, H, 
         per_group = GROUP * num_m
         for tile in tl.range(tl.program_id(0), num_m * BH, tl.num_programs(0),
                              warp_specialize=True):
-            g0 = (tile // per_group) * GROUP
-            heads = tl.minimum(BH - g0, GROUP)
-            rank = (tile % per_group) // heads
+            if LEAN_TILE and EVEN_HEADS:
+                t = tile // GROUP
+                rank = t % num_m
+                bh = (t // num_m) * GROUP + tile % GROUP
+            else:
+                g0 = (tile // per_group) * GROUP
+                heads = tl.minimum(BH - g0, GROUP)
+                rank = (tile % per_group) // heads
+                bh = g0 + (tile % per_group) % heads
             pid_m = rank
             if CAUSAL:
                 pid_m = num_m - 1 - rank
-            _ws_tile(pid_m, g0 + (tile % per_group) % heads, QD, KD, VD, O, LSE, SLOPES, sob,
+            _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob,
                      soh, som, slb, H, G, SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M,
                      BLOCK_N, CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA,
-                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
+                     EVEN_L, False, SKIP_MASK, LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF,
+                     EDGE_BOUND, LEAN_TILE)
     else:
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         if CAUSAL and HEADS > 1:   # tiles of HEADS heads at a time, longest rows first across
             num_m = tl.num_programs(0)     # them (the k and v of those heads stay in L2)
             pid = bh * num_m + pid_m
-            g0 = (pid // (HEADS * num_m)) * HEADS
-            heads = tl.minimum(tl.num_programs(1) - g0, HEADS)
-            rank = (pid - g0 * num_m) // heads
-            bh = g0 + (pid - g0 * num_m) % heads
+            if LEAN_TILE and EVEN_HEADS:
+                t = pid // HEADS
+                rank = t % num_m
+                bh = (t // num_m) * HEADS + pid % HEADS
+            else:
+                g0 = (pid // (HEADS * num_m)) * HEADS
+                heads = tl.minimum(tl.num_programs(1) - g0, HEADS)
+                rank = (pid - g0 * num_m) // heads
+                bh = g0 + (pid - g0 * num_m) % heads
             pid_m = num_m - 1 - rank
         elif CAUSAL:     # the longest rows of a causal mask first: a shorter tail at the end
             pid_m = tl.num_programs(0) - 1 - pid_m
         _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G,
                  SQ, L, QK_SCALE, CAP, WL, WR, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, HAS_WL,
                  HAS_WR, HAS_CAP, HAS_ALIBI, ALIBI_COLS, FMA, EVEN_L, True, SKIP_MASK,
-                 LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF)
+                 LAZY_RESCALE, ALIBI_HOIST, CAP_FIXED_REF, EDGE_BOUND, LEAN_TILE)
 
 
 _KEEP = "@!p mov.b32 ${}, 0fFF800000;"
@@ -125,9 +142,18 @@ _MASK_BAND = tl.constexpr(
     + "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; setp.ge.and.s32 p, ${16 + i}, ${40 + i}, p;"
               " " + _KEEP.format(i) for i in range(8))
     + " SKIP: }")
+#: WS_EDGE_BOUND: $24 as in _MASK_BAND (a block needs a mask), $48 (of $48-$55) which bound:
+#: 0 the upper one only (the diagonal block), else the lower one only (the window's far
+#: edge); never both (the host takes it only for windows BLOCK_M + BLOCK_N - 2 wide or more)
+_HI8 = "".join(f" setp.le.s32 p, ${16 + i}, ${32 + i}; " + _KEEP.format(i) for i in range(8))
+_LO8 = "".join(f" setp.ge.s32 p, ${16 + i}, ${40 + i}; " + _KEEP.format(i) for i in range(8))
+_MASK_EDGE = tl.constexpr(
+    "{ .reg .pred p, q; setp.eq.s32 q, $24, 0; @q bra.uni SKIP; setp.ne.s32 q, $48, 0;"
+    " @q bra.uni LO;" + _HI8 + " bra.uni SKIP; LO:" + _LO8 + " SKIP: }")
 _TIED = "=r," * 8 + ",".join(str(i) for i in range(8))
 _TIED_HI = tl.constexpr(_TIED + ",r" * 24)
 _TIED_BAND = tl.constexpr(_TIED + ",r" * 32)
+_TIED_EDGE = tl.constexpr(_TIED + ",r" * 40)
 
 
 #: 8 accumulator entries an instance ($0-$7, tied to $8-$15), their rows' factors $16-$23
@@ -152,14 +178,21 @@ def _rescale_if(acc, alpha):
 
 
 @triton.jit
-def _masked_if(s, col, bound, need, low, BAND: tl.constexpr):
+def _masked_if(s, col, bound, need, low, BAND: tl.constexpr, EDGE: tl.constexpr = False,
+               lower=0):
     """s where col <= bound (and, BAND, col >= low), else -inf, behind a branch on the tile-wide
     `need` (only the edge blocks of a band have keys outside a row's): inline PTX, which the
     warp-specializing pass sees as one elementwise op (it gives up on a branch in the loop);
-    8 scores an instance, each output tied to its score (nothing to move when skipped)."""
+    8 scores an instance, each output tied to its score (nothing to move when skipped).
+    EDGE (with BAND): `lower` picks the one bound a block needs (_MASK_EDGE: one compare a
+    score on a wide window's two edge blocks instead of two)."""
     n = need.to(tl.int32) + (col * 0)
     if not BAND:
         return tl.inline_asm_elementwise(_MASK_HI, _TIED_HI, [s, col, n, bound],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+    if EDGE:
+        return tl.inline_asm_elementwise(_MASK_EDGE, _TIED_EDGE,
+                                         [s, col, n, bound, low, lower.to(tl.int32) + col * 0],
                                          dtype=tl.float32, is_pure=True, pack=8)
     return tl.inline_asm_elementwise(_MASK_BAND, _TIED_BAND, [s, col, n, bound, low],
                                      dtype=tl.float32, is_pure=True, pack=8)
@@ -168,15 +201,18 @@ def _masked_if(s, col, bound, need, low, BAND: tl.constexpr):
 @triton.jit
 def _ws_mask(s, j, offs_n, hi_key, lo_key, a_first, L, WL, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WL: tl.constexpr,
-             HI_MASK: tl.constexpr, SKIP_MASK: tl.constexpr):
+             HI_MASK: tl.constexpr, SKIP_MASK: tl.constexpr, EDGE: tl.constexpr = False):
     """s [BLOCK_M, BLOCK_N] (keys j + offs_n) at -inf outside each row's lo_key..hi_key
     (a_first: the tile's first row's key position)."""
     if HI_MASK and SKIP_MASK and _APPROX_TANH:    # masks behind a branch: edge blocks
         # the first row's upper bound is the tile's smallest (causal: its position)
         past_hi = j + BLOCK_N - 1 > (a_first if CAUSAL else L - 1)
-        if HAS_WL:      # the diagonal block and the window's far edge
-            s = _masked_if(s, offs_n[None, :], hi_key - j,
-                           past_hi | (j < a_first + BLOCK_M - 1 - WL), lo_key - j, True)
+        past_lo = j < a_first + BLOCK_M - 1 - WL    # the last row's lower bound is the largest
+        if HAS_WL and EDGE:     # each edge block its own bound (a wide window: never both)
+            s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi | past_lo, lo_key - j,
+                           True, True, past_lo)
+        elif HAS_WL:      # the diagonal block and the window's far edge
+            s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi | past_lo, lo_key - j, True)
         else:           # the diagonal block (non-causal: the last block past L)
             s = _masked_if(s, offs_n[None, :], hi_key - j, past_hi, hi_key, False)
     elif HI_MASK and HAS_WL and _APPROX_TANH:     # both bounds: 2 compares + 1 select a score
@@ -200,8 +236,13 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
              HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ALIBI_COLS: tl.constexpr,
              FMA: tl.constexpr, EVEN_L: tl.constexpr, WS: tl.constexpr,
              SKIP_MASK: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-             ALIBI_HOIST: tl.constexpr, CAP_FIXED_REF: tl.constexpr):
-    """One query tile; WS: its key loop is the specialized one. ALIBI_HOIST (with
+             ALIBI_HOIST: tl.constexpr, CAP_FIXED_REF: tl.constexpr,
+             EDGE_BOUND: tl.constexpr = False, LEAN_TILE: tl.constexpr = False):
+    """One query tile; WS: its key loop is the specialized one. EDGE_BOUND: see _masked_if's
+    EDGE. LEAN_TILE: the epilogue (consumers' time with the tensor cores idle, paid once a
+    tile: a 9-block window tile pays it over half the blocks of an average causal one) with
+    a reciprocal a row and one multiply an output instead of a division each, the hardware's
+    log2 and 32-bit offsets from the tile's base pointers. ALIBI_HOIST (with
     ALIBI_COLS): the per-key bias slope * (j + n) as a loop-invariant slope * n a column plus
     the block's slope * j, which moves into the row max (_online SHIFTED): a fused multiply-add
     a score instead of a convert, a multiply and an add a column besides. CAP_FIXED_REF
@@ -254,7 +295,7 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                            CAUSAL, HAS_WL, HAS_WR, HAS_CAP, HAS_ALIBI, False, ALIBI_COLS, FMA,
                            True)
         s = _ws_mask(s, j, offs_n, hi_key, lo_key, m0 + off, L, WL, BLOCK_M, BLOCK_N, CAUSAL,
-                     HAS_WL, HI_MASK, SKIP_MASK)
+                     HAS_WL, HI_MASK, SKIP_MASK, EDGE_BOUND)
         v = VD.load([b, hk, j, 0]).reshape(BLOCK_N, BLOCK_D)
         if FIXED:       # p = 2^score: no row max, no rescale
             p = tl.exp2(s * (CAP * 1.4426950408889634))
@@ -269,12 +310,20 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
                 acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     if FIXED:
         m_i = tl.zeros([BLOCK_M], tl.float32)
-    out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
     rmask = offs_m < SQ
-    tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-             + offs_m[:, None].to(tl.int64) * som + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=rmask[:, None])
-    tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
+    if LEAN_TILE and _APPROX_TANH:
+        out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS, True)
+        rows = tl.arange(0, BLOCK_M)
+        o_tile = O + (b.to(tl.int64) * sob + h.to(tl.int64) * soh + m0.to(tl.int64) * som)
+        tl.store(o_tile + (rows[:, None] * som + offs_d[None, :]), out.to(O.dtype.element_ty),
+                 mask=rmask[:, None])
+        tl.store(LSE + (bh.to(tl.int64) * SQ + m0) + rows, lse, mask=rmask)
+    else:
+        out, lse = _finish(acc, l_i, m_i, slope, offs_m + off, ALIBI_COLS)
+        tl.store(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+                 + offs_m[:, None].to(tl.int64) * som + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=rmask[:, None])
+        tl.store(LSE + bh.to(tl.int64) * SQ + offs_m, lse, mask=rmask)
 
 
 # ---- variants (attention.VARIANTS["WS_*"]; H200, B4 H32 S4096 bf16 D128) --------------------
@@ -323,6 +372,21 @@ def _ws_tile(pid_m, bh, QD, KD, VD, O, LSE, SLOPES, sob, soh, som, slb, H, G, SQ
 # multiply before tanh, but the rounding of q * scale to bf16 raised the error 2-15x in a CPU
 # model, still within the 16-bit rule); packed f16x2 / bf16x2 tanh and ex2 (sm_90 SASS runs
 # them as two MUFU instructions each, plus packing).
+# Session 11 (row 5 now timed call by call, interleaved, median of the rounds' ratios; SASS:
+# instructions a consumer warp executes, bench/sass_attention.py --ws --ws-flips):
+# WS_LEAN_TILE (default) -- the tile's epilogue with a reciprocal a row and a multiply an
+# output instead of a full-range division each, lg2.approx, 32-bit offsets from the tile's
+# base pointers; a tile's place from one division instead of three (EVEN_HEADS). Outside the
+# key loop a tile 761 -> 450 instructions (persistent window), 739 -> 474 (plain causal).
+# WS_EDGE_BOUND (default; windows >= BLOCK_M + BLOCK_N - 2) -- _MASK_EDGE: the diagonal block
+# 635 -> 595, the far edge 635 -> 587 instructions, an unmasked block unchanged (443).
+# H200, window 1024 and plain causal interleaved, 40 rounds: window 1.077x plain causal's time
+# per unit of work with both, 1.101x without WS_EDGE_BOUND, 1.135x with neither (window time
+# 1.000 / 1.021 / 1.064); plain causal 485.2 / 486.2 / 478.7 TFLOP/s (time 1.000 / 1.000 /
+# 1.015). Round 2, the four cases interleaved, 30 rounds, both against neither: plain causal
+# 491.9 / 484.6, window 450.9 / 425.7 (1.094x / 1.142x), softcap 436.7 / 438.5 and ALiBi
+# 430.9 / 430.0 TFLOP/s (their times 1.004 / 0.997 of neither's: noise) -- so softcap's ratio
+# 1.104x -> 1.125x and ALiBi's 1.127x -> 1.141x from plain causal's gain alone.
 
 
 # ---- host side (attention.flash_attn calls these) ----------------------------------------------
@@ -396,6 +460,12 @@ def _launch_ws(a, q, k, v, out, lse, grid):
                          HEADS=int(VARIANTS["WS_HEADS"]),
                          LAZY_RESCALE=VARIANTS["WS_LAZY_RESCALE"],
                          ALIBI_HOIST=VARIANTS["WS_ALIBI_HOIST"] and f["HAS_ALIBI"],
+                         EDGE_BOUND=(VARIANTS["WS_EDGE_BOUND"] and f["HAS_WL"]
+                                     and a.wl >= max(c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]
+                                                     for c in _fwd_ws_kernel.configs) - 2),
+                         LEAN_TILE=VARIANTS["WS_LEAN_TILE"],
+                         EVEN_HEADS=a.B * a.H % (8 if persist else int(VARIANTS["WS_HEADS"]))
+                         == 0,
                          CAP_FIXED_REF=(VARIANTS["WS_CAP_FIXED_REF"] and f["HAS_CAP"]
                                         and a.cap * 1.4426950408889634
                                         <= (80.0 if q.dtype == torch.bfloat16 else 14.0)))
