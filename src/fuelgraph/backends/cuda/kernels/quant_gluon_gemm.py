@@ -71,6 +71,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # (the copy's names re-exported: tests and bench/sass_quant_gluon.py read them here)
 from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
                                STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
+from .quant_gluon_decode import B_OVER_A, _decode, _load_step, _smem_step  # noqa: F401
 from .quant_packed import packed_weight
 from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
 
@@ -92,73 +93,6 @@ def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmCo
 
 
 # ---- kernel ---------------------------------------------------------------------------------
-@gluon.jit
-def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
-               PAIRS: gl.constexpr, HAS_B: gl.constexpr, rot=0, steps=1,
-               ROT: gl.constexpr = False):
-    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * PAIRS] (flat, blocked: a
-    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a. ROT: step
-    kk of this program is step (kk + rot) % steps of K (look-ahead past the end wraps)."""
-    if ROT:
-        kk = (kk + rot) % steps
-    w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
-    a = gl.load(a_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
-    if HAS_B:
-        b = gl.load(b_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
-    else:
-        b = a
-    return w, a, b
-
-
-@gluon.jit
-def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
-    """Plane j of the words w (float32, w's shape). 4-bit: nibble j at bit SH = 12 (j even) or
-    16 (j odd) of a view of the word (one shift a nibble pair), masked and OR-ed into 2^23 by
-    one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
-    (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
-    SH = 8), then one FMA."""
-    if KIND == 2 or KIND == 4:
-        SEL: gl.constexpr = 0x7504 + 16 * j
-        f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
-                                      dtype=gl.int32, is_pure=True, pack=1)
-        f = f.to(gl.float32, bitcast=True)
-        if KIND == 4:   # Q6_K: (2^8 q) (d sc 2^-8) - 32 d sc, rounded once as gguf-py
-            return gl.fma(f - 8388608.0, a, a * -8192.0)
-        return gl.fma(f, a, b)
-    if KIND == 3:       # NF4: code[q] from lane q's register (low 5 bits: lanes l, l + 16
-        #                 hold the same code), times absmax
-        if j == 0:
-            v = w
-        else:
-            v = w >> (4 * j)
-        c = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;",
-                                      "=r,r,r", [b, v], dtype=gl.int32, is_pure=True, pack=1)
-        return c.to(gl.float32, bitcast=True) * a
-    D: gl.constexpr = 8 * (j // 2) - 12
-    if D > 0:
-        v = w >> D
-    else:
-        v = w << -D
-    M: gl.constexpr = 0xF000 << (4 * (j % 2))
-    f = gl.inline_asm_elementwise(f"lop3.b32 $0, $1, {M}, $2, 0xEA;", "=r,r,r", [v, magic],
-                                  dtype=gl.int32, is_pure=True, pack=1)
-    f = f.to(gl.float32, bitcast=True)
-    if KIND == 1:
-        f = f - 8388608.0
-    return gl.fma(f, a, b)
-
-
-@gluon.jit
-def _pairs16(KIND: gl.constexpr, a, b):
-    """The pair of SH = 16 from the pair of SH = 12 (exact): a 2^-4; Q4_0 / AWQ:
-    b + s (2^11 - 2^7) = fma(a, 2^12 (2^11 - 2^7), b), the exact value o - s 2^7 (representable,
-    `wgmma_pairs`), so the single rounding is exact; Q4_K's b has no SH in it."""
-    a16 = a * 0.0625
-    if KIND == 1:
-        return a16, b
-    return a16, gl.fma(a, 8388608.0 - 524288.0, b)
-
-
 @gluon.constexpr_function
 def _mma_layout(T, block_m):
     """The wgmma accumulator layout of a [16 T, block_m] tile, 16 rows a warp."""
@@ -170,97 +104,6 @@ def _mma_layout(T, block_m):
 def _thread_run_layout(run, T):
     """A flat layout over T warps, `run` contiguous elements a thread (its words or pairs)."""
     return gl.BlockedLayout([run], [32], [T], [0])
-
-
-@gluon.constexpr_function
-def _h2_asm(m):
-    """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
-    128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
-    return ("{ .reg .b32 v, t, c, n; shr.b32 v, $1, %d; lop3.b32 v, v, 983055, $4, 0xEA; "
-            "mov.b32 n, 0xC308C308; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, $3; "
-            "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
-
-
-@gluon.jit
-def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
-    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
-    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v - 136 = q - 8, then
-    fma(t, dh, dl t); magic = 0x43004300."""
-    r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
-                                  is_pure=True, pack=1)
-    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    return gl.join(lo, hi)
-
-
-#: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
-#: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
-B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
-
-
-@gluon.jit
-def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
-            a_layout: gl.constexpr, BFA: gl.constexpr = False):
-    """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
-    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
-    decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
-    registers."""
-    if KIND == 5:       # Q4_0, bf16 x: bf16x2 pairs (nibbles m, m + 4) straight from the word
-        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
-        dh = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
-                               w5.type.layout)
-        dl = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
-                               w5.type.layout)
-        q0 = _h2_pair(w5, 0, dh, dl, magic, dtype)
-        q1 = _h2_pair(w5, 1, dh, dl, magic, dtype)
-        q2 = _h2_pair(w5, 2, dh, dl, magic, dtype)
-        q3 = _h2_pair(w5, 3, dh, dl, magic, dtype)
-        v = gl.join(gl.join(q0, q1), gl.join(q2, q3))     # t r p h u e s c (pair m = 2c + s)
-        v = gl.permute(v, [0, 3, 1, 4, 6, 7, 2, 5])            # t h r | u s c p e
-        return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout)
-    if KIND == 2 or KIND == 4:
-        w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
-        if KIND == 4:       # a scale per (u, s), no b
-            a6 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2, 2]), w6.type.layout)
-            b6 = a6
-        else:
-            a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
-                                   w6.type.layout)
-            if BFA:
-                b6 = a6 * -8421376.0
-            else:
-                b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
-                                       w6.type.layout)
-        p0 = _plane(KIND, w6, 0, a6, b6, magic)
-        p1 = _plane(KIND, w6, 1, a6, b6, magic)
-        p2 = _plane(KIND, w6, 2, a6, b6, magic)
-        p3 = _plane(KIND, w6, 3, a6, b6, magic)
-        v = gl.join(gl.join(p0, p1), gl.join(p2, p3))     # t r p h u s c e (byte 2e + c)
-    else:
-        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
-        a5 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2]), w5.type.layout)
-        if KIND == 3:       # NF4: b the lanes' codes (already in w's layout), no SH
-            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
-            c5 = a5
-            d5 = b5
-        else:
-            if BFA:
-                b5 = a5 * -8421376.0
-            else:
-                b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
-            c5, d5 = _pairs16(KIND, a5, b5)
-        p0 = _plane(KIND, w5, 0, a5, b5, magic)
-        p1 = _plane(KIND, w5, 1, c5, d5, magic)
-        p2 = _plane(KIND, w5, 2, a5, b5, magic)
-        p3 = _plane(KIND, w5, 3, c5, d5, magic)
-        p4 = _plane(KIND, w5, 4, a5, b5, magic)
-        p5 = _plane(KIND, w5, 5, c5, d5, magic)
-        p6 = _plane(KIND, w5, 6, a5, b5, magic)
-        p7 = _plane(KIND, w5, 7, c5, d5, magic)
-        v = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)),
-                    gl.join(gl.join(p4, p5), gl.join(p6, p7)))  # t r p h u s c e (4e + 2c + s)
-    v = gl.permute(v, [0, 3, 1, 4, 5, 6, 2, 7])                # t h r | u s c p e
-    return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout).to(dtype)
 
 
 @gluon.jit
@@ -429,39 +272,6 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
-
-
-@gluon.jit
-def _smem_pairs(buf, src, T: gl.constexpr, PAIRS: gl.constexpr, s_layout: gl.constexpr):
-    """A step's scales [T, 8 PAIRS] (shared memory, WTMA) -> flat [T * 32 * PAIRS] in
-    s_layout (lane l: its row group's PAIRS values, shared by the 4 lanes of the group): each
-    lane reads PAIRS / 4 of them, then a shuffle a value (src: the lane holding it)."""
-    Q: gl.constexpr = PAIRS // 4
-    v = buf.load(gl.BlockedLayout([1, Q], [1, 32], [T, 1], [1, 0])).to(gl.int32, bitcast=True)
-    v = gl.reshape(v, [T, 32, Q])
-    v = gl.join(v, v)
-    v = gl.permute(gl.join(v, v), [0, 1, 3, 4, 2])            # t l | c c q: each value 4 times
-    v = gl.convert_layout(gl.reshape(v, [T * 32 * PAIRS]), s_layout)
-    r = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
-                                  [v, src], dtype=gl.int32, is_pure=True, pack=1)
-    return r.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _smem_step(wt, sn, src, T: gl.constexpr, WORDS: gl.constexpr, PAIRS: gl.constexpr,
-               w_layout: gl.constexpr, s_layout: gl.constexpr, WTMA: gl.constexpr):
-    """Step's words (flat, w_layout) and pairs a, b (s_layout; WTMA 1, no b: b = a) from ring
-    buffer sn, in the registers `_load_step` gives."""
-    q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring = wt
-    HAS_B: gl.constexpr = WTMA == 2
-    w = q_ring.index(sn).load(gl.BlockedLayout([1, WORDS], [1, 32], [T, 1], [1, 0]))
-    w = gl.convert_layout(gl.reshape(w, [T * 32 * WORDS]), w_layout)
-    a = _smem_pairs(sa_ring.index(sn), src, T, PAIRS, s_layout)
-    if HAS_B:
-        b = _smem_pairs(sb_ring.index(sn), src, T, PAIRS, s_layout)
-    else:
-        b = a
-    return w, a, b
 
 
 @gluon.jit
