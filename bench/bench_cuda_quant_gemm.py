@@ -10,11 +10,13 @@ Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
-                                           [--dense-each]
+                                           [--dense-each] [--dec nf4=0,1,9/Q6_K=0,2]
+                                           [--rounds 3]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -37,6 +39,9 @@ from fuelgraph.backends.cuda.kernels.quant_packed_gemm import PackedGemmConfig  
 from common import quant_record_names  # noqa: E402  (bench/, the script's folder)
 
 DEV = torch.device(os.environ.get("BENCH_DEVICE", "cuda"))
+#: the ops' format ids (K.GLUON_GEMM's keys)
+OP_IDS = {"nf4": K.NF4, "awq": K.AWQ,
+          **{f: K.GGUF_IDS[f] for f in ("Q4_0", "Q4_K", "Q8_0", "Q6_K")}}
 G = PackedGemmConfig
 #: per format: the previous default (the dense copy + cuBLAS; AWQ's storage-order fused GEMM),
 #: then packed-copy GEMM candidates (block_n, block_m, split, warps, stages[, tma, vec]).
@@ -143,6 +148,13 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
     ap.add_argument("--dense-each", action="store_true",
                     help="time the dense cuBLAS anchor before every format, not once a size")
+    ap.add_argument("--dec", default=None,
+                    help="per op the decode variants (GluonGemmConfig.dec; 0: the default "
+                         "itself) of its default Gluon launch to time instead of the "
+                         "candidates, e.g. nf4=0,1,9/Q6_K=0,2")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the configs that many times, interleaved (the first timing "
+                         "after the dense anchor runs slow)")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -190,16 +202,30 @@ def main():
                     else {op: args.pick}
                 cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
                         if i and int(i) < len(cfgs)]
-            for cfg in cfgs:
+            if args.dec is not None:
+                base = K.GLUON_GEMM.get(OP_IDS[op], {}).get(m)
+                decs = dict(v.split("=") for v in args.dec.split("/")).get(op, "")
+                cfgs = [dataclasses.replace(base, dec=int(d))
+                        for d in decs.split(",") if d and base is not None]
+            checked, bad = set(), set()
+            for cfg in cfgs * args.rounds:
                 tag = "default" if cfg is None else cfg if isinstance(cfg, str) else cfg.tag()
-                try:
-                    ok, err = close(fn(x, cfg), want)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"{op:5s} M={m:<4d} {tag:52s} FAILED {str(exc)[:300]!r}", flush=True)
+                if tag in bad:
                     continue
-                if not ok:
-                    print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
-                    continue
+                if tag not in checked:      # (checked against the dense product once)
+                    try:
+                        ok, err = close(fn(x, cfg), want)
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"{op:5s} M={m:<4d} {tag:52s} FAILED {str(exc)[:300]!r}",
+                              flush=True)
+                        bad.add(tag)
+                        continue
+                    if not ok:
+                        print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}",
+                              flush=True)
+                        bad.add(tag)
+                        continue
+                    checked.add(tag)
                 if args.compile_only:
                     continue
                 try:

@@ -203,7 +203,7 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, DEC: gl.constexpr = 0):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
     64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
     [16 T, BLOCK_M] float32, all wgmmas retired,)."""
@@ -249,7 +249,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         # split 2: Q4_0 0.0706 ms against 0.0668; loads right after each fence, held there by
         # a CTA fence, 0.0708)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
-                     BFA)
+                     BFA, DEC)
         if not LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -258,7 +258,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
                       2 - SUB, WS, rot, ROT, k0)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
-                         a_layout, BFA)
+                         a_layout, BFA, DEC)
             if not LATE:
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -278,7 +278,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                   KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr):
+                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr, DEC: gl.constexpr = 0):
     """`_consumer` with the weight tile's words and scales brought by TMA into the x ring's
     buffers (WTMA): no global load in the loop, so the A fences wait for none."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -307,18 +307,18 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
         st = it * SUB
         mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
         w0, a0, b0 = _smem_step(wt, st % STAGES, src, T, WORDS, PAIRS, w_layout, s_layout,
-                                WTMA)
+                                WTMA, DEC)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
-                     BFA)
+                     BFA, DEC)
         _publish(t0, st, a_smem)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
                       2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA)
         if SUB == 2:
             mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
             w1, a1, b1 = _smem_step(wt, (st + 1) % STAGES, src, T, WORDS, PAIRS, w_layout,
-                                    s_layout, WTMA)
+                                    s_layout, WTMA, DEC)
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
-                         a_layout, BFA)
+                         a_layout, BFA, DEC)
             _publish(t1, st + 1, a_smem)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                           STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA)
@@ -392,7 +392,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
                        LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
-                       WTMA: gl.constexpr = False):
+                       WTMA: gl.constexpr = False, DEC: gl.constexpr = 0):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -451,26 +451,26 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
             acc = gl.warp_specialize([(_consumer_tma, (c_ptr, pid_n, magic, a_smem, x_smem,
                                                        ready, empty, x_desc, m0, steps, KIND,
                                                        BLOCK_M, STAGES, SUB, BFA, WS,
-                                                       num_warps, rot, ROT, k0, wt, WT)),
+                                                       num_warps, rot, ROT, k0, wt, WT, DEC)),
                                       (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                      STAGES, rot, ROT, k0, wt, tile, WT))],
                                      [1], [40])[0]
         else:
             acc = _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
                                 steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot, ROT,
-                                k0, wt, WT)[0]
+                                k0, wt, WT, DEC)[0]
     elif WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE, ksteps, k0)),
+                                               ROT, LATE, ksteps, k0, DEC)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT, k0, wt, tile, WT))],
                                  [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE, ksteps, k0)[0]
+                        ROT, LATE, ksteps, k0, DEC)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -511,6 +511,7 @@ class GluonGemmConfig:
     late: int = 0
     split: int = 1
     wtma: int = 0
+    dec: int = 0
 
     @property
     def block_n(self) -> int:
@@ -522,7 +523,7 @@ class GluonGemmConfig:
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
-                + (",wtma" if self.wtma else "") + "]")
+                + (",wtma" if self.wtma else "") + (f",dec{self.dec}" if self.dec else "") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
@@ -605,6 +606,6 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                                          SUB=cfg.sub if steps % cfg.sub == 0 and not wtma else 1,
                                          BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
-                                         WTMA=wtma,
+                                         WTMA=wtma, DEC=cfg.dec,
                                          num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
