@@ -118,6 +118,14 @@ for _op in CANDIDATES:
                         GluonGemmConfig(8, 256, 6, 2, 1, split=2)]
 
 
+def _variant(base: GluonGemmConfig, spec: str) -> GluonGemmConfig:
+    """base with dec = spec (an int), or with the fields of spec ("h2:1+dec:1")."""
+    if spec.isdigit():
+        return dataclasses.replace(base, dec=int(spec))
+    return dataclasses.replace(base, **{k: int(v) for k, v in
+                                        (kv.split(":") for kv in spec.split("+"))})
+
+
 def _bnb_anchor(x, n, k, g, record, m, rep):
     """bitsandbytes' NF4 matmul (its own quantization of a random dense weight, blocks of 64)
     timed as the others: the issue's NF4 anchor. Skipped where bitsandbytes is missing."""
@@ -151,7 +159,7 @@ def main():
     ap.add_argument("--dec", default=None,
                     help="per op the decode variants (GluonGemmConfig.dec; 0: the default "
                          "itself) of its default Gluon launch to time instead of the "
-                         "candidates, e.g. nf4=0,1,9/Q6_K=0,2")
+                         "candidates, e.g. nf4=0,1,9/Q6_K=0,2; other fields: Q4_0=h2:1+dec:1")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the configs that many times, interleaved (the first timing "
                          "after the dense anchor runs slow)")
@@ -205,8 +213,7 @@ def main():
             if args.dec is not None:
                 base = K.GLUON_GEMM.get(OP_IDS[op], {}).get(m)
                 decs = dict(v.split("=") for v in args.dec.split("/")).get(op, "")
-                cfgs = [dataclasses.replace(base, dec=int(d))
-                        for d in decs.split(",") if d and base is not None]
+                cfgs = [_variant(base, d) for d in decs.split(",") if d and base is not None]
             checked, bad = set(), set()
             for cfg in cfgs * args.rounds:
                 tag = "default" if cfg is None else cfg if isinstance(cfg, str) else cfg.tag()

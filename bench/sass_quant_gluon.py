@@ -33,7 +33,7 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     """The compiled kernel (bf16 x and output) for this format and launch."""
     lay = G.x_layout(cfg.block_m, G.gl.bfloat16)
     xd = f"tensordesc<bf16[{cfg.block_m}, 64],{lay!r}>"
-    wtma = bool(cfg.wtma) and not (cfg.h2 and fmt == G.Q4_0)
+    wtma = bool(cfg.wtma)
     words, pairs = 32 * (8 if G._BITS[fmt] == 8 else 4), 8 * G._PAIRS[G._KIND[fmt]]
     qd, ad = ((f"tensordesc<i32[{cfg.num_warps}, {words}],{G.PLAIN32!r}>",
                f"tensordesc<fp32[{cfg.num_warps}, {pairs}],{G.PLAIN32!r}>") if wtma else (xd, xd))

@@ -254,10 +254,11 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
        # decode variants (dec): the scales by broadcast loads (1), Q6_K's code at bit 16 (2),
-       # NF4's codes by PRMT (4: every word, 8: half of them)
+       # NF4's codes by PRMT (4: every word, 8: half of them); Q4_0's h2 decode with wtma
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K")],
        *[("NF4", (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, d)) for d in (1, 5, 9)],
-       ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 2))]
+       ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 2)),
+       ("Q4_0", (8, 256, 5, 1, 1, 1, 0, 0, 2, 1)), ("Q4_0", (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, 1))]
 
 
 @pytest.mark.cuda

@@ -426,7 +426,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     tile = pid_n * num_warps
-    HAS_B: gl.constexpr = KIND < 3 and not BFA
+    HAS_B: gl.constexpr = (KIND < 3 or KIND == 5) and not BFA
     WT: gl.constexpr = (2 if HAS_B else 1) if WTMA else 0      # (1: no b, 2: with b)
     if WTMA:
         q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, num_warps,
@@ -587,7 +587,7 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     table = w2 if fmt == NF4 else pw.a
     h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
     sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
-    wtma = bool(cfg.wtma) and not h2
+    wtma = bool(cfg.wtma)
     wd = weight_descs(fmt, pw, sa, sb, cfg.num_warps) if wtma else (desc, desc, desc)
     split = cfg.split if cfg.split == 2 and (k // STEP_K) % 2 == 0 else 1
     steps = k // STEP_K // split
