@@ -41,7 +41,7 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
            "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16",
            "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
            "stride_o": "i32", "magic": "i32"}
-    h2 = bool(cfg.h2) and fmt == G.Q4_0
+    h2 = bool(cfg.h2) and fmt in (G.Q4_0, G.AWQ)
     cons = dict(KIND=5 if h2 else G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                 SUB=cfg.sub, BFA=fmt in G._BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
                 LATE=bool(cfg.late), SPLIT=cfg.split, WTMA=wtma, DEC=cfg.dec,

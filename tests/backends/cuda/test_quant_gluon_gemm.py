@@ -112,25 +112,36 @@ def test_wgmma_copy_decodes_bit_exact(fmt):
     same_bits(got[fin] + 0.0, want[fin].astype(np.float32) + 0.0)
 
 
-def test_h2_scales_round_once_like_float32():
-    """Q4_0's h2 decode for bf16 x (`h2_scales`): fma(q - 8, dh, dl (q - 8)) rounded once to
-    bf16, emulated exactly (float64 sum, one rounding), equals the dequantized weight rounded
-    to bf16, on edge bytes; dh + dl = d with both halves bf16 numbers."""
-    args, n, k, want = _weight("Q4_0", np.random.default_rng(41), 64, edge=True, dev="cpu")
+def _codes_nk(pw: "G.WgmmaWeight") -> torch.Tensor:
+    """The 4-bit codes q [N, K] (int64) of a packed copy, by the documented fragment order."""
+    n, k = pw.n, pw.k
+    c = pw.codes.cpu()[: n // 16 * k // 64 * 32 * 4].to(torch.int64) & 0xFFFFFFFF
+    vals = torch.stack([(c >> (4 * j)) & 15 for j in range(8)], -1)
+    q = vals.reshape(n // 16, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 4, 2, 1, 5, 8, 7, 3, 6)
+    return q.reshape(n, k)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])
+def test_h2_scales_round_once_like_float32(fmt):
+    """The h2 decode for bf16 x (`h2_scales`): t = (128 + q) + o = q - z exactly in bf16, then
+    fma(t, dh, dl t) rounded once to bf16, emulated exactly (float64 sum, one rounding),
+    equals the dequantized weight rounded to bf16, on edge bytes / scales; dh + dl = s with
+    both halves bf16 numbers, o = -(128 + z) a bf16 number."""
+    args, n, k, want = _weight(fmt, np.random.default_rng(41), 64, edge=True, dev="cpu")
     pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
     hi, lo = G.h2_scales(pw)
 
-    def half(t):         # the low bf16 of each word, as float64 [N, K] (a's layout)
-        bits = (t.view(torch.int32) & 0xFFFF) << 16
+    def half(t, top):   # bf16 half of each word, as float64 [N, K] (a's layout)
+        bits = t.view(torch.int32)
+        bits = bits & -65536 if top else (bits & 0xFFFF) << 16
         t = bits.view(torch.float32)[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
         return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
 
-    dh, dl = half(hi), half(lo)
+    dh, dl, o = half(hi, False), half(lo, False), half(lo, True)
     assert torch.equal(hi.view(torch.int32) >> 16 & 0xFFFF, hi.view(torch.int32) & 0xFFFF)
-    raw = args[1].reshape(n, k // 32, 18)
-    qs = raw[..., 2:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k).double() - 8
-    got = (q * dh + dl * q).float().bfloat16().float().numpy()
+    t = (128 + _codes_nk(pw)).double() + o
+    assert torch.equal(t, t.float().bfloat16().double())            # q - z exact in bf16
+    got = (t * dh + dl * t).float().bfloat16().float().numpy()
     fin = np.isfinite(want).all(axis=1)
     same_bits(got[fin] + 0.0, _bf16(want[fin]) + 0.0)
 
@@ -254,11 +265,12 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
        # decode variants (dec): the scales by broadcast loads (1), Q6_K's code at bit 16 (2),
-       # NF4's codes by PRMT (4: every word, 8: half of them); Q4_0's h2 decode with wtma
+       # NF4's codes by PRMT (4: every word, 8: half of them); Q4_0's / AWQ's h2 decode
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K")],
        *[("NF4", (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, d)) for d in (1, 5, 9)],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 2)),
-       ("Q4_0", (8, 256, 5, 1, 1, 1, 0, 0, 2, 1)), ("Q4_0", (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, 1))]
+       *[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, d)) for f in ("Q4_0", "AWQ") for d in (0, 1)],
+       ("AWQ", (4, 256, 4, 2, 1, 1))]
 
 
 @pytest.mark.cuda

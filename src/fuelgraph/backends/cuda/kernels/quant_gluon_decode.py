@@ -87,17 +87,18 @@ def _pairs16(KIND: gl.constexpr, a, b):
 @gluon.constexpr_function
 def _h2_asm(m):
     """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
-    128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
-    return ("{ .reg .b32 v, t, c, n; shr.b32 v, $1, %d; lop3.b32 v, v, 983055, $4, 0xEA; "
-            "mov.b32 n, 0xC308C308; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, $3; "
+    128.0 x 2) + o (operands: $1 words, $2 dh x 2, $3 (dl, o) as bf16 halves, $4 magic)."""
+    return ("{ .reg .b32 v, t, c, d, n; .reg .b16 l, h; shr.b32 v, $1, %d; "
+            "lop3.b32 v, v, 983055, $4, 0xEA; mov.b32 {l, h}, $3; mov.b32 n, {h, h}; "
+            "mov.b32 d, {l, l}; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, d; "
             "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
 
 
 @gluon.jit
 def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
     """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
-    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v - 136 = q - 8, then
-    fma(t, dh, dl t); magic = 0x43004300."""
+    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v + o = q - z (o = -(128 + z)),
+    then fma(t, dh, dl t); magic = 0x43004300."""
     r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
                                   is_pure=True, pack=1)
     lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],

@@ -494,8 +494,8 @@ class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
-    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
-    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
+    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's / AWQ's
+    bf16x2 decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
     late: the next iteration's loads after the last A fence of the iteration, split: K in
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
@@ -585,7 +585,7 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
     grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
     table = w2 if fmt == NF4 else pw.a
-    h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
+    h2 = bool(cfg.h2) and fmt in (Q4_0, AWQ) and x.dtype == torch.bfloat16
     sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
     wtma = bool(cfg.wtma)
     wd = weight_descs(fmt, pw, sa, sb, cfg.num_warps) if wtma else (desc, desc, desc)

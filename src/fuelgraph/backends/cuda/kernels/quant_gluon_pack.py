@@ -134,6 +134,7 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         z = _unpack_awq(w1).t().float().repeat_interleave(rep, dim=1)
         s = w2.t().float().repeat_interleave(rep, dim=1)
         o = -(z * s)
+        extra = {"z": _padded(_pair_tiles(z))}    # (the h2 decode's offsets, `h2_scales`)
     else:
         raise ValueError(f"no wgmma layout for format {fmt}")
     a, b = wgmma_pairs(fmt, s, o)
@@ -141,7 +142,7 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
     if fmt in _BFA:     # b = a B_OVER_A in the kernel
         b = b[..., :0]
     return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)), _padded(b),
-                       n, k)
+                       n, k, extra if fmt == AWQ else {})
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -154,18 +155,24 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def h2_scales(pw: WgmmaWeight):
-    """Q4_0 for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2 words
-    (dh, dh) and (dl, dl) with d = dh + dl, dh = d truncated to bf16's 8 significant bits and
-    dl the rest (at most 3 bits: both exact in bf16), as float32-typed tensors; made once.
-    Then t = q - 8 (exact), dl t (at most 6 bits: exact) and fma(t, dh, dl t) =
-    RN_bf16(d (q - 8)): one rounding of the exact product, as the float32 path's."""
+    """Q4_0 / AWQ for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2
+    words (dh, dh) and (dl, o) with s = dh + dl (the block's scale: Q4_0 d, AWQ s), dh = s
+    truncated to bf16's 8 significant bits and dl the rest (at most 3 bits: both exact in
+    bf16) and o = -(128 + z) (Q4_0 z = 8), as float32-typed tensors; made once. Then
+    t = (128 + q) + o = q - z (exact), dl t (at most 7 bits: exact) and fma(t, dh, dl t) =
+    RN_bf16(s (q - z)): one rounding of the exact product, as the float32 path's."""
     hit = pw.extra.get("h2")
     if hit is None:
-        d = pw.a * 4096.0                                           # a = d 2^-12, exact
+        d = pw.a * 4096.0                                           # a = s 2^-12, exact
         hi = d.view(torch.int32) & -65536                           # top 16 bits: bf16 dh
         lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
-        fin = torch.isfinite(d)         # (an infinite d gives NaN, as the float32 path)
+        fin = torch.isfinite(d)         # (an infinite s gives NaN, as the float32 path)
         assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
-        word = lambda v: (((v >> 16) & 0xFFFF) * 65537).to(torch.int32)      # noqa: E731
-        hit = pw.extra["h2"] = (word(hi).view(torch.float32), word(lo).view(torch.float32))
+        z = pw.extra.get("z", 8.0)
+        o = (-(128.0 + torch.as_tensor(z, dtype=torch.float32, device=d.device))
+             .expand_as(d).contiguous()).view(torch.int32)           # exact in bf16
+        half = lambda v: (v >> 16) & 0xFFFF                           # noqa: E731
+        hit = pw.extra["h2"] = (((half(hi) * 65537).to(torch.int32)).view(torch.float32),
+                                ((half(lo) | (half(o) << 16)).to(torch.int32))
+                                .view(torch.float32))
     return hit
