@@ -142,9 +142,18 @@ _NF4_PRMT = gl.constexpr(nf4_prmt_asm())
 
 
 @gluon.jit
-def _nf4_prmt_planes(w, a, magic):
-    """The 8 planes code[nibble j] absmax of the words w (`nf4_prmt_asm`)."""
+def _nf4_prmt_planes(w, a, magic, OPAQUE: gl.constexpr = False):
+    """The 8 planes code[nibble j] absmax of the words w (`nf4_prmt_asm`). OPAQUE: the
+    tables made from magic ^ (laneid >> 8), a zero ptxas cannot see through: from the uniform
+    magic alone ptxas keeps them in uniform registers and, with all words by PRMT, copies them
+    into vector registers in the loop (an IMAD a use); opaque, it keeps them in vector
+    registers but recomputes some XORs (half the words by PRMT: 266 instructions a step
+    against 249, all: 328 against 375)."""
     X: gl.constexpr = _NF4_TABLES
+    if OPAQUE:
+        z = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %laneid; shr.u32 $0, t, 8; }",
+                                      "=r,r", [w], dtype=gl.int32, is_pure=True, pack=1)
+        magic = magic ^ z
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
         _NF4_PRMT, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 17,
         [w, magic ^ X[0], magic ^ X[1], magic ^ X[2], magic ^ X[3], magic ^ X[4],
@@ -172,7 +181,7 @@ def _nf4_prmt_tile(w5, a5, b5, magic, MODE: gl.constexpr, dtype: gl.constexpr, T
     """`_decode`'s NF4 tile with the codes by PRMT (MODE 1) or, MODE 2, PRMT for the words of
     u = 1 and shuffles for u = 0 (the integer pipe and the shuffle unit share the work)."""
     if MODE == 1:
-        p = _nf4_prmt_planes(w5, a5, magic)
+        p = _nf4_prmt_planes(w5, a5, magic, True)
     else:
         w0, w1 = gl.split(w5)
         a0, a1 = gl.split(a5)
