@@ -146,67 +146,6 @@ def test_h2_scales_round_once_like_float32(fmt):
     same_bits(got[fin] + 0.0, _bf16(want[fin]) + 0.0)
 
 
-def _ptx_run(asm: str, args: list) -> dict:
-    """Runs the straight-line PTX of an inline-asm block (and, shr, lop3, prmt on b32) on
-    uint32 numpy arrays: args are $n's inputs by position after the outputs, returns the
-    registers ($n and named) as uint32 arrays."""
-    regs: dict = {}
-    n_out = 8
-    for i, a in enumerate(args):
-        regs[f"${n_out + i}"] = np.asarray(a, np.uint64) & 0xFFFFFFFF
-
-    def val(t):
-        return regs[t] if t in regs else np.uint64(int(t, 0) & 0xFFFFFFFF)
-
-    for ins in asm.strip("{} ").split(";"):
-        ins = ins.strip()
-        if not ins or ins.startswith(".reg"):
-            continue
-        op, rest = ins.split(None, 1)
-        d, *src = [t.strip() for t in rest.split(",")]
-        x = [val(t) for t in src]
-        if op == "and.b32":
-            r = x[0] & x[1]
-        elif op == "shr.b32":
-            r = x[0] >> x[1]
-        elif op == "lop3.b32":      # one LUT bit per (a, b, c) bit triple
-            lut, r = int(src[3], 0), np.uint64(0)
-            for i in range(8):
-                if lut >> i & 1:
-                    a, b, c = [(x[j] if i >> (2 - j) & 1 else ~x[j] & 0xFFFFFFFF)
-                               for j in range(3)]
-                    r = r | (a & b & c)
-        elif op == "prmt.b32":      # byte i of d: byte (c >> 4 i) & 7 of {b, a} (no sign mode)
-            sel = x[2]
-            assert not np.any(sel & 0x8888), "sign mode"
-            both = x[0] | (x[1] << np.uint64(32))
-            r = np.uint64(0)
-            for i in range(4):
-                k = (sel >> np.uint64(4 * i)) & np.uint64(7)
-                r = r | (((both >> (k * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * i))
-        else:
-            raise AssertionError(op)
-        regs[d] = np.asarray(r, np.uint64) & 0xFFFFFFFF
-    return regs
-
-
-def test_nf4_prmt_lookup_is_the_codebook():
-    """The NF4 PRMT decode (`nf4_prmt_asm`, tables `nf4_tables` in registers) run by a PTX
-    emulator: output j of a word is the float32 code of nibble j, for every nibble value in
-    every position (words of random and all-equal nibbles)."""
-    from fuelgraph.backends.cuda.kernels import quant_gluon_decode as D
-    rng = np.random.default_rng(5)
-    words = np.concatenate([rng.integers(0, 2 ** 32, 4096, dtype=np.uint64),
-                            np.arange(16, dtype=np.uint64) * 0x11111111])
-    regs = _ptx_run(D.nf4_prmt_asm(), [words, *D.nf4_tables()])
-    code = np.asarray(NF4_CODE, np.float32).view(np.uint32)
-    for j in range(8):
-        q = (words >> np.uint64(4 * j)) & np.uint64(15)
-        assert np.array_equal(regs[f"${j}"], code[q.astype(np.int64)].astype(np.uint64))
-    tables = [(t ^ 0x4B000000) & 0xFFFFFFFF for t in D.nf4_tables()]
-    assert [v & 0xFFFFFFFF for v in D._NF4_TABLES.value] == tables
-
-
 def test_q6k_sh16_decode_rounds_once():
     """Q6_K with the code at bit 16 (GluonGemmConfig.dec & 2): v = 0x4B000000 | (q + 32) << 16,
     fma(v, a 2^-8, -40960 a) with the stored a = d sc 2^-8, emulated exactly (float64 sum of
@@ -264,10 +203,9 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
-       # decode variants (dec): the scales by broadcast loads (1), Q6_K's code at bit 16 (2),
-       # NF4's codes by PRMT (4: every word, 8: half of them); Q4_0's / AWQ's h2 decode
-       *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K")],
-       *[("NF4", (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, d)) for d in (1, 5, 9)],
+       # decode variants (dec): the scales by broadcast loads (1), Q6_K's code at bit 16 (2);
+       # Q4_0's / AWQ's h2 decode
+       *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 2)),
        *[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, d)) for f in ("Q4_0", "AWQ") for d in (0, 1)],
        ("AWQ", (4, 256, 4, 2, 1, 1))]

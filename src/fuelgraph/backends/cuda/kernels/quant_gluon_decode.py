@@ -5,11 +5,8 @@ once to x's dtype (bit for bit the format's dequantizer, then rounded as the oth
 the formulas: `quant_gluon_gemm`'s docstring)."""
 from __future__ import annotations
 
-import numpy as np
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-
-from ....registry.quant import NF4_CODE
 
 @gluon.jit
 def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
@@ -106,97 +103,6 @@ def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
     return gl.join(lo, hi)
 
 
-def nf4_tables() -> list[int]:
-    """The NF4 codes' bytes as PRMT tables: word 4 b + i holds byte b of codes 4 i .. 4 i + 3."""
-    code = [int(v) for v in np.asarray(NF4_CODE, np.float32).view(np.uint32)]
-    return [sum(((code[4 * i + e] >> (8 * b)) & 0xFF) << (8 * e) for e in range(4))
-            for b in range(4) for i in range(4)]
-
-
-def nf4_prmt_asm() -> str:
-    """PTX: the NF4 codes (float32 bits) of the 8 nibbles of word $8 into $0..$7, the tables
-    (`nf4_tables`) in registers $9..$24. Per half of the word (4 nibbles: PRMT reads a
-    selector's low 16 bits): per byte b, two PRMTs look the low 3 bits of each nibble up in
-    codes 0..7 and 8..15 (4 lookups each), a third picks per nibble by its bit 3 (selector
-    0x3210 + 4 bit3); then 8 PRMTs transpose the 4 x 4 bytes into words: 46 instructions."""
-    ins = ["and.b32 s0, $8, 0x77777777;", "shr.b32 s1, s0, 16;",
-           "shr.b32 t, $8, 1;", "lop3.b32 g0, t, 0x4444, 0x3210, 0xEA;",
-           "shr.b32 t, $8, 17;", "lop3.b32 g1, t, 0x4444, 0x3210, 0xEA;"]
-    for h in range(2):
-        for b in range(4):
-            ins += [f"prmt.b32 l, ${9 + 4 * b}, ${10 + 4 * b}, s{h};",
-                    f"prmt.b32 u, ${11 + 4 * b}, ${12 + 4 * b}, s{h};",
-                    f"prmt.b32 r{b}, l, u, g{h};"]
-        for i, sel in enumerate((0x5140, 0x7362)):
-            ins += [f"prmt.b32 l, r0, r1, {sel:#x};", f"prmt.b32 u, r2, r3, {sel:#x};",
-                    f"prmt.b32 ${4 * h + 2 * i}, l, u, 0x5410;",
-                    f"prmt.b32 ${4 * h + 2 * i + 1}, l, u, 0x7632;"]
-    return "{ .reg .b32 s0, s1, t, g0, g1, l, u, r0, r1, r2, r3; " + " ".join(ins) + " }"
-
-
-#: the tables XOR 0x4B000000 (`magic`), as int32: made from the kernel's magic argument they are
-#: loop-invariant registers (as immediates, ptxas moves them into registers in the loop)
-_NF4_TABLES = gl.constexpr(tuple((t ^ 0x4B000000) - ((t ^ 0x4B000000) >> 31 << 32)
-                                 for t in nf4_tables()))
-_NF4_PRMT = gl.constexpr(nf4_prmt_asm())
-
-
-@gluon.jit
-def _nf4_prmt_planes(w, a, magic, OPAQUE: gl.constexpr = False):
-    """The 8 planes code[nibble j] absmax of the words w (`nf4_prmt_asm`). OPAQUE: the
-    tables made from magic ^ (laneid >> 8), a zero ptxas cannot see through: from the uniform
-    magic alone ptxas keeps them in uniform registers and, with all words by PRMT, copies them
-    into vector registers in the loop (an IMAD a use); opaque, it keeps them in vector
-    registers but recomputes some XORs (half the words by PRMT: 266 instructions a step
-    against 249, all: 328 against 375)."""
-    X: gl.constexpr = _NF4_TABLES
-    if OPAQUE:
-        z = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %laneid; shr.u32 $0, t, 8; }",
-                                      "=r,r", [w], dtype=gl.int32, is_pure=True, pack=1)
-        magic = magic ^ z
-    c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
-        _NF4_PRMT, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 17,
-        [w, magic ^ X[0], magic ^ X[1], magic ^ X[2], magic ^ X[3], magic ^ X[4],
-         magic ^ X[5], magic ^ X[6], magic ^ X[7], magic ^ X[8], magic ^ X[9], magic ^ X[10],
-         magic ^ X[11], magic ^ X[12], magic ^ X[13], magic ^ X[14], magic ^ X[15]],
-        dtype=(gl.int32, ) * 8, is_pure=True, pack=1)
-    return (c0.to(gl.float32, bitcast=True) * a, c1.to(gl.float32, bitcast=True) * a,
-            c2.to(gl.float32, bitcast=True) * a, c3.to(gl.float32, bitcast=True) * a,
-            c4.to(gl.float32, bitcast=True) * a, c5.to(gl.float32, bitcast=True) * a,
-            c6.to(gl.float32, bitcast=True) * a, c7.to(gl.float32, bitcast=True) * a)
-
-
-@gluon.jit
-def _nf4_shfl_planes(w, a, codes):
-    """The 8 planes of NF4 words by warp shuffle (`_plane`)."""
-    return (_plane(3, w, 0, a, codes, 0), _plane(3, w, 1, a, codes, 0),
-            _plane(3, w, 2, a, codes, 0), _plane(3, w, 3, a, codes, 0),
-            _plane(3, w, 4, a, codes, 0), _plane(3, w, 5, a, codes, 0),
-            _plane(3, w, 6, a, codes, 0), _plane(3, w, 7, a, codes, 0))
-
-
-@gluon.jit
-def _nf4_prmt_tile(w5, a5, b5, magic, MODE: gl.constexpr, dtype: gl.constexpr, T: gl.constexpr,
-                   a_layout: gl.constexpr):
-    """`_decode`'s NF4 tile with the codes by PRMT (MODE 1) or, MODE 2, PRMT for the words of
-    u = 1 and shuffles for u = 0 (the integer pipe and the shuffle unit share the work)."""
-    if MODE == 1:
-        p = _nf4_prmt_planes(w5, a5, magic, True)
-    else:
-        w0, w1 = gl.split(w5)
-        a0, a1 = gl.split(a5)
-        b0, b1 = gl.split(b5)
-        x = _nf4_shfl_planes(w0, a0, b0)
-        y = _nf4_prmt_planes(w1, a1, magic)
-        p = (gl.join(x[0], y[0]), gl.join(x[1], y[1]), gl.join(x[2], y[2]),
-             gl.join(x[3], y[3]), gl.join(x[4], y[4]), gl.join(x[5], y[5]),
-             gl.join(x[6], y[6]), gl.join(x[7], y[7]))
-    v = gl.join(gl.join(gl.join(p[0], p[1]), gl.join(p[2], p[3])),
-                gl.join(gl.join(p[4], p[5]), gl.join(p[6], p[7])))  # t r p h u s c e
-    v = gl.permute(v, [0, 3, 1, 4, 5, 6, 2, 7])                # t h r | u s c p e
-    return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout).to(dtype)
-
-
 #: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
 #: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
 B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
@@ -251,8 +157,6 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
             b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
             c5 = a5
             d5 = b5
-            if DEC // 4 % 4:    # codes by PRMT (DEC & 4: all words; DEC & 8: the u = 1 ones)
-                return _nf4_prmt_tile(w5, a5, b5, magic, DEC // 4 % 4, dtype, T, a_layout)
         else:
             if BFA:
                 b5 = a5 * -8421376.0
