@@ -10,7 +10,8 @@ Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
-                                           [--dense-each]
+                                           [--dense-each] [--gluon "8,256,6,2,1,0,0,0,2,0,1;..."]
+                                           [--rounds 2] [--skip-default]
 """
 from __future__ import annotations
 
@@ -143,6 +144,13 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
     ap.add_argument("--dense-each", action="store_true",
                     help="time the dense cuBLAS anchor before every format, not once a size")
+    ap.add_argument("--gluon", default=None,
+                    help="GluonGemmConfig tuples (';'-separated) timed after the default "
+                         "instead of CANDIDATES, each at the M equal to its block_m")
+    ap.add_argument("--skip-default", action="store_true", help="with --gluon: only those")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the default and the candidates this many times, interleaved "
+                         "(the first launch timed after the dense anchor runs slow)")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -185,11 +193,16 @@ def main():
                                         return_mode="median")
                 record("dense", "cublas_bf16", m, ms, 2 * n * k)
             cfgs = [None] + CANDIDATES.get(op, [])
-            if args.pick is not None:
+            if args.gluon:
+                cfgs = [None] * (not args.skip_default) + [
+                    c for c in (GluonGemmConfig(*(int(v) for v in t.split(",")))
+                                for t in args.gluon.split(";")) if c.block_m == m]
+            elif args.pick is not None:
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
                     else {op: args.pick}
                 cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
                         if i and int(i) < len(cfgs)]
+            usable = []
             for cfg in cfgs:
                 tag = "default" if cfg is None else cfg if isinstance(cfg, str) else cfg.tag()
                 try:
@@ -200,8 +213,8 @@ def main():
                 if not ok:
                     print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
                     continue
-                if args.compile_only:
-                    continue
+                usable.append((cfg, tag))
+            for cfg, tag in (usable * args.rounds if not args.compile_only else []):
                 try:
                     ms = do_bench_cudagraph(lambda: fn(x, cfg), rep=args.rep,
                                             return_mode="median")

@@ -28,10 +28,12 @@ scales of the next iteration are loaded into the registers just decoded. The dec
 [BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
 DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
 bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
-two buffers alternating, one CTA barrier a step): as the register operand the H200
-gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flight wgmma's A
-registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
-ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
+two buffers alternating, one CTA barrier a step), or (`rega`) as its register operand: then
+the two steps of an iteration are two distinct tiles, because with one step an iteration the
+PTX itself rewrites the tile's registers (the next iteration's decode) while its wgmma is in
+flight (`wait_group 1` retires only the one before): wrong results on the H200 (session 9),
+the same SASS with the ptxas of CUDA 12.8 and 13.0 (bench/sass_wgmma_regs.py checks every
+HGMMA's A registers up to the DEPBAR that retires it; `quant_gluon_rega`). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
 code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
 bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
 
@@ -71,6 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # (the copy's names re-exported: tests and bench/sass_quant_gluon.py read them here)
 from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
                                STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
+from .quant_gluon_rega import operand_path
 from .quant_packed import packed_weight
 from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
 
@@ -321,26 +324,28 @@ def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, r
 
 
 @gluon.jit
-def _publish(t, step, a_smem):
+def _publish(t, step, a_smem, REGA: gl.constexpr = False):
     """The decoded tile t [BLOCK_N, 64] of `step` into the A buffer step % 2 (stmatrix), then
     the proxy fence for the wgmma's reads (`_launch`). The fence (MEMBAR.ALL.CTA) also waits
-    for the thread's global loads in flight."""
-    a_smem.index(step % 2).store(t)
-    fence_async_shared()
+    for the thread's global loads in flight. REGA: nothing (t is the wgmma's register A)."""
+    if not REGA:
+        a_smem.index(step % 2).store(t)
+        fence_async_shared()
 
 
 @gluon.jit
 def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
-            ROT: gl.constexpr, k0, wt=0, tile=0, WTMA: gl.constexpr = False):
+            ROT: gl.constexpr, k0, wt=0, tile=0, WTMA: gl.constexpr = False, t=0,
+            REGA: gl.constexpr = False):
     """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
     returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
-    shared memory (no register operand in flight: see the module docstring). The barrier also
+    shared memory; REGA: the decoded tile t itself is the register operand (ptxas must keep
+    its registers until the next wait: see the module docstring). The barrier also
     tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
     steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
     steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
     mbarrier."""
-    buf = a_smem.index(step % 2)
     gl.thread_barrier()
     for r in gl.static_range(NREF):
         done = step - 1 - NREF + r
@@ -352,18 +357,24 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                     WTMA)
     if not WTMA:    # (WTMA: waited for before the decode)
         mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
-    acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    if REGA:
+        acc = warpgroup_mma(t, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t))[0]
+    else:
+        acc = warpgroup_mma(a_smem.index(step % 2), x_smem.index(step % STAGES).permute((1, 0)),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return acc
 
 
 @gluon.jit
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, REGA: gl.constexpr = False):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
-    64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
-    [16 T, BLOCK_M] float32, all wgmmas retired,)."""
+    64, from step k0 of the ksteps of K: loads, decode, A buffer (REGA: none), wgmma. Returns
+    (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
@@ -410,18 +421,18 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         if not LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-        _publish(t0, st, a_smem)
+        _publish(t0, st, a_smem, REGA)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                      2 - SUB, WS, rot, ROT, k0)
+                      2 - SUB, WS, rot, ROT, k0, t=t0, REGA=REGA)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             if not LATE:
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-            _publish(t1, st + 1, a_smem)
+            _publish(t1, st + 1, a_smem, REGA)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                          STAGES, 2, WS, rot, ROT, k0)
+                          STAGES, 2, WS, rot, ROT, k0, t=t1, REGA=REGA)
         if LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -468,7 +479,7 @@ def _smem_step(wt, sn, src, T: gl.constexpr, WORDS: gl.constexpr, PAIRS: gl.cons
 def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                   KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr):
+                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr, REGA: gl.constexpr = False):
     """`_consumer` with the weight tile's words and scales brought by TMA into the x ring's
     buffers (WTMA): no global load in the loop, so the A fences wait for none."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -500,18 +511,18 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
                                 WTMA)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
-        _publish(t0, st, a_smem)
+        _publish(t0, st, a_smem, REGA)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                      2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA)
+                      2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA, t0, REGA)
         if SUB == 2:
             mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
             w1, a1, b1 = _smem_step(wt, (st + 1) % STAGES, src, T, WORDS, PAIRS, w_layout,
                                     s_layout, WTMA)
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
-            _publish(t1, st + 1, a_smem)
+            _publish(t1, st + 1, a_smem, REGA)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                          STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA)
+                          STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA, t1, REGA)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
 
 
@@ -582,7 +593,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
                        LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
-                       WTMA: gl.constexpr = False):
+                       WTMA: gl.constexpr = False, REGA: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -597,7 +608,8 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
     `_split_epilogue` (part_ptr: float32 workspace of BLOCK_N x BLOCK_M a tile; cnt_ptr: int32
     counter a tile, zero between launches). WTMA: the words and scales come by TMA with the x
     tiles (q_desc / a_desc / b_desc: the copies as [N / 16, K / 64 * 32 * WORDS] /
-    [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks; b_desc = a_desc without b)."""
+    [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks; b_desc = a_desc without b).
+    REGA: the decoded tile is the wgmma's register operand (no A buffer; `quant_gluon_rega`)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
@@ -608,8 +620,11 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
     m0 = pid_m * BLOCK_M
     rot = pid_n % steps
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
-    a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
+    if REGA:
+        a_smem = x_smem     # (unused)
+    else:
+        a_smem = gl.allocate_shared_memory(
+            dtype, [2, BLOCK_N, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -641,26 +656,26 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
             acc = gl.warp_specialize([(_consumer_tma, (c_ptr, pid_n, magic, a_smem, x_smem,
                                                        ready, empty, x_desc, m0, steps, KIND,
                                                        BLOCK_M, STAGES, SUB, BFA, WS,
-                                                       num_warps, rot, ROT, k0, wt, WT)),
+                                                       num_warps, rot, ROT, k0, wt, WT, REGA)),
                                       (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                      STAGES, rot, ROT, k0, wt, tile, WT))],
                                      [1], [40])[0]
         else:
             acc = _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
                                 steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot, ROT,
-                                k0, wt, WT)[0]
+                                k0, wt, WT, REGA)[0]
     elif WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE, ksteps, k0)),
+                                               ROT, LATE, ksteps, k0, REGA)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT, k0, wt, tile, WT))],
                                  [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE, ksteps, k0)[0]
+                        ROT, LATE, ksteps, k0, REGA)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -690,7 +705,9 @@ class GluonGemmConfig:
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
     wtma: the words and scales by TMA with the x tiles (no global load in the loop; one step
-    an iteration: with two, ptxas serializes the wgmmas)."""
+    an iteration: with two, ptxas serializes the wgmmas); rega: the decoded tile as the
+    wgmma's register operand where the ptxas Triton uses keeps it (`quant_gluon_rega`), else
+    through the shared A buffer."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -701,6 +718,7 @@ class GluonGemmConfig:
     late: int = 0
     split: int = 1
     wtma: int = 0
+    rega: int = 0
 
     @property
     def block_n(self) -> int:
@@ -712,7 +730,7 @@ class GluonGemmConfig:
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
-                + (",wtma" if self.wtma else "") + "]")
+                + (",wtma" if self.wtma else "") + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
@@ -787,14 +805,12 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     else:
         part = torch.empty(grid[0] * grid[1] * cfg.block_n * cfg.block_m, dtype=torch.float32,
                            device=x.device)
+    sub, rega = operand_path(cfg, steps, wtma)
     _gluon_gemm_kernel[grid + (split, )](desc, *wd, pw.codes, sa, sb, table, out, part, cnt, m,
-                                         n, k,
-                                         out.stride(0), H2_MAGIC if h2 else MAGIC,
+                                         n, k, out.stride(0), H2_MAGIC if h2 else MAGIC,
                                          KIND=5 if h2 else _KIND[fmt],
-                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                         SUB=cfg.sub if steps % cfg.sub == 0 and not wtma else 1,
+                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=sub,
                                          BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
-                                         WTMA=wtma,
-                                         num_warps=cfg.num_warps)
+                                         WTMA=wtma, REGA=rega, num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)
