@@ -214,6 +214,8 @@ def main():
                     print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
                     continue
                 usable.append((cfg, tag))
+                if args.compile_only:
+                    print(f"{op:5s} M={m:<4d} {tag:52s} checked, max err {err:.3g}", flush=True)
             for cfg, tag in (usable * args.rounds if not args.compile_only else []):
                 try:
                     ms = do_bench_cudagraph(lambda: fn(x, cfg), rep=args.rep,
