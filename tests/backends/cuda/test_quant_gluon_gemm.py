@@ -33,8 +33,10 @@ SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
 #: (..., split, wtma): the same with the words and scales by TMA
 WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
 #: (..., wtma, rega): the decoded tiles as the wgmmas' register operands (two steps an
-#: iteration, `quant_gluon_rega.operand_path`), 128 x 256 and 128 x 128 tiles
-REGA = [(8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1)]
+#: iteration, `quant_gluon_rega.operand_path`): 128 x 256 tiles with the words by TMA or loaded
+#: by the threads, 128 x 128 tiles
+REGA = [(8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1), (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1),
+        (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1)]
 
 
 def _weight(fmt, rng, n, edge=False, dev=DEV):
@@ -170,7 +172,8 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
-       *[(f, REGA[0]) for f in FORMATS], ("Q4_0", REGA[1]), ("NF4", REGA[1])]    # register A
+       *[(f, REGA[0]) for f in FORMATS], *[(f, REGA[1]) for f in ("Q4_0", "Q8_0", "Q6_K")],
+       ("Q4_0", REGA[2])]                                                       # register A
 
 
 @pytest.mark.cuda

@@ -17,7 +17,8 @@ from fuelgraph.backends.cuda.kernels.quant_gluon_gemm import GluonGemmConfig
     (GluonGemmConfig(8, 256, 6, 2, 1, split=2, rega=1), 64, False, (2, True)),
     (GluonGemmConfig(8, 256, 6, 2, 1, split=2), 64, False, (2, False)),
     (GluonGemmConfig(8, 256, 6, 2, 1, split=2, rega=1), 63, False, (1, False)),   # odd steps
-    (GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1), 64, True, (1, False)),
+    (GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1), 64, True, (2, True)),
+    (GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1), 64, True, (1, False)),
     (GluonGemmConfig(8, 256, 5, 1, 1, split=2, rega=1), 64, False, (1, False)),
     (GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1, rega=2), 64, True, (1, True)),
 ])

@@ -503,9 +503,12 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
         codes = 0
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
     # (at least one iteration: else the zero-trip path's acc, placed after the loop, makes
-    # ptxas serialize the wgmmas)
+    # ptxas serialize the wgmmas; LLVM does not infer steps // 2 >= 1 from the assume)
     gl.assume(steps >= SUB)
-    for it in range(steps // SUB):
+    iters = steps
+    if SUB == 2:
+        iters = gl.maximum(steps // 2, 1)
+    for it in range(iters):
         st = it * SUB
         mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
         w0, a0, b0 = _smem_step(wt, st % STAGES, src, T, WORDS, PAIRS, w_layout, s_layout,

@@ -53,9 +53,10 @@ def rega_safe(version: tuple[int, int] | None = None) -> bool:
 
 def operand_path(cfg, steps: int, wtma: bool) -> tuple[int, bool]:
     """(SUB, REGA) of a launch (`GluonGemmConfig` cfg, `steps` steps of 64 a program): two
-    steps an iteration where they divide the steps (not with wtma: ptxas then serializes the
-    wgmmas); register A (rega 1) only with two, so that the two steps' tiles are distinct
-    registers; rega 2: register A whatever SUB (one tile's registers rewritten each iteration
-    while its wgmma is in flight: wrong; kept to check that diagnosis on the GPU)."""
-    sub = cfg.sub if steps % cfg.sub == 0 and not wtma else 1
+    steps an iteration where asked and they divide the steps (wtma: only with rega, as before
+    session 11 wtma launches ran one); register A (rega 1) only with two, so that the two
+    steps' tiles are distinct registers; rega 2: register A whatever SUB (one tile's
+    registers rewritten each iteration while its wgmma is in flight: wrong; kept to check that
+    diagnosis on the GPU)."""
+    sub = cfg.sub if steps % cfg.sub == 0 and (not wtma or cfg.rega) else 1
     return sub, cfg.rega == 2 or (cfg.rega == 1 and sub == 2)
