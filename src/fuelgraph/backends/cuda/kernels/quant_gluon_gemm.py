@@ -28,14 +28,16 @@ scales of the next iteration are loaded into the registers just decoded. The dec
 [BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
 DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
 bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
-two buffers alternating, one CTA barrier a step), or (`rega`) as its register operand: then
-the two steps of an iteration are two distinct tiles, because with one step an iteration the
-PTX itself rewrites the tile's registers (the next iteration's decode) while its wgmma is in
-flight (`wait_group 1` retires only the one before): wrong results on the H200 (session 9),
-the same SASS with the ptxas of CUDA 12.8 and 13.0 (bench/sass_wgmma_regs.py checks every
-HGMMA's A registers up to the DEPBAR that retires it; `quant_gluon_rega`). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
-code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
-bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
+two buffers alternating, one CTA barrier a step), or (`rega`) as its register operand. Then
+an iteration has two steps, two distinct tiles: with one, the PTX itself rewrites the tile's
+registers (the next iteration's decode) while its wgmma is still in flight (`wait_group 1`
+retires only the one before), which no ptxas can keep apart (session 9's wrong register-A
+results on the H200, one step an iteration; CUDA 12.8's and 13.0's ptxas give the same SASS:
+bench/sass_wgmma_regs.py checks that no instruction writes an HGMMA's A registers before
+the DEPBAR that retires it; `quant_gluon_rega`). ptxas serializes the wgmmas (`DEPBAR.LE
+gsb0, 0x0` after each) for some code shapes (a layout conversion in the epilogue, a zero-trip
+path that defines the accumulator): bench/sass_quant_gluon.py flags it. Runs on sm_90 only
+(Gluon has no interpreter).
 
 H200, N = K = 8192, M = 256 (session 9; dense cuBLAS 0.0511 ms): 64 x 256 tiles Q4_0 0.0769,
 AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms. They read x 128 times from
