@@ -114,6 +114,15 @@ for _op in CANDIDATES:
                         GluonGemmConfig(8, 256, 6, 2, 1, split=2)]
 
 
+#: session 10's defaults (the shared A buffer), the token "old" of --gluon
+_OLD10_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
+OLD10 = {**{op: {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)}
+            for op in ("Q4_0", "awq", "Q4_K", "nf4")},
+         "Q8_0": {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)},
+         "Q6_K": {128: GluonGemmConfig(8, 128, 4, 2, split=2),
+                  256: GluonGemmConfig(8, 256, 6, 2, 1, split=2)}}
+
+
 def _bnb_anchor(x, n, k, g, record, m, rep):
     """bitsandbytes' NF4 matmul (its own quantization of a random dense weight, blocks of 64)
     timed as the others: the issue's NF4 anchor. Skipped where bitsandbytes is missing."""
@@ -145,8 +154,9 @@ def main():
     ap.add_argument("--dense-each", action="store_true",
                     help="time the dense cuBLAS anchor before every format, not once a size")
     ap.add_argument("--gluon", default=None,
-                    help="GluonGemmConfig tuples (';'-separated) timed after the default "
-                         "instead of CANDIDATES, each at the M equal to its block_m")
+                    help="GluonGemmConfig tuples (';'-separated; old: session 10's default) "
+                         "timed after the default instead of CANDIDATES, each at the M equal "
+                         "to its block_m")
     ap.add_argument("--skip-default", action="store_true", help="with --gluon: only those")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the default and the candidates this many times, interleaved "
@@ -195,7 +205,8 @@ def main():
             cfgs = [None] + CANDIDATES.get(op, [])
             if args.gluon:
                 cfgs = [None] * (not args.skip_default) + [
-                    c for c in (GluonGemmConfig(*(int(v) for v in t.split(",")))
+                    c for c in (OLD10[op][m] if t == "old" else
+                                GluonGemmConfig(*(int(v) for v in t.split(",")))
                                 for t in args.gluon.split(";")) if c.block_m == m]
             elif args.pick is not None:
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \

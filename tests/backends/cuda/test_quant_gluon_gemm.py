@@ -23,27 +23,26 @@ from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
-#: split-K ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
-#: 128 x 128 tiles); CASES adds each format's default (quant.GLUON_GEMM)
-LAUNCHES = [(8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
+#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split, wtma, rega]) the GPU
+#: tests run: the defaults' first (K split in two, the producer warp, the decoded tiles as the
+#: wgmmas' register operands: 128 x 256 tiles with the words by TMA, 128 x 128 tiles), then
+#: session 10's (the shared A buffer) and others
+LAUNCHES = [(8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1),
+            (8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
             (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
 #: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
 SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
 #: (..., split, wtma): the same with the words and scales by TMA
 WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
-#: (..., wtma, rega): the decoded tiles as the wgmmas' register operands (two steps an
-#: iteration, `quant_gluon_rega.operand_path`): 128 x 256 tiles with the words by TMA or loaded
-#: by the threads, 128 x 128 tiles
-REGA = [(8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1), (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1),
-        (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1)]
+#: (..., wtma, rega): register A with 6 stages, the words by TMA (Q4_0's default) or loaded by
+#: the threads (Q8_0's, Q6_K's)
+REGA = [(8, 256, 6, 2, 1, 0, 0, 0, 2, 1, 1), (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1)]
 
 
-def _weight(fmt, rng, n, edge=False, dev=DEV):
+def _weight(fmt, rng, n, edge=False, dev=DEV, k=512):
     """((fmt id, w0, w1, w2, i0) as quant.run takes them, n, k, float64 reference W [N, K]):
     random bytes (K = 512), or (edge) the 256 GGUF edge blocks as the first rows / random f16
     bit patterns as AWQ scales with group 64 (NF4: every byte value, absmax blocks of 64)."""
-    k = 512
     if fmt == "NF4":
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         if edge:
@@ -172,8 +171,8 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
-       *[(f, REGA[0]) for f in FORMATS], *[(f, REGA[1]) for f in ("Q4_0", "Q8_0", "Q6_K")],
-       ("Q4_0", REGA[2])]                                                       # register A
+       ("Q4_0", REGA[0]), ("NF4", REGA[0]),                                     # register A
+       *[(f, REGA[1]) for f in ("Q4_0", "Q8_0", "Q6_K")]]
 
 
 @pytest.mark.cuda
@@ -261,3 +260,17 @@ def test_split_k_is_deterministic_and_resets_its_counters():
     check_product(outs[0], xs, want.T, torch.bfloat16)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[3])
     assert torch.equal(outs[1], outs[0][:200])
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_register_a_launch_with_odd_steps_takes_the_shared_a_buffer():
+    """K = 384 split in two: 3 steps a program, so the register-A launches take one step an
+    iteration and the shared A buffer (`quant_gluon_rega.operand_path`), with fewer stages
+    where the ring and the A buffers would not fit (`fit_stages`): the product is right."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    for fmt in ("Q4_0", "Q8_0"):
+        args, n, k, want = _weight(fmt, np.random.default_rng(4), 256, k=384)
+        x = torch.randn(256, k, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+        check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.bfloat16)
+

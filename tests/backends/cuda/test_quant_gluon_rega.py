@@ -47,3 +47,14 @@ def test_triton_ptxas_version_follows_triton_ptxas_path(tmp_path, monkeypatch, r
     assert R.rega_safe() is safe
     assert R.rega_safe((12, 8)) is False and R.rega_safe((13, 0)) is True and \
         R.rega_safe(None) is safe and os.environ["TRITON_PTXAS_PATH"] == str(fake)
+
+
+def test_fit_stages_keeps_the_ring_in_shared_memory():
+    """128 x 256 tiles, Q4_0 with the words by TMA (a stage: the 32 KB x tile and 5 KB of words
+    and pairs): 6 stages fit alone (register A) but not with the two 16 KB A buffers (the
+    fallback for odd steps): 5 then; 7 bare x tiles fit alone, 6 with the A buffers."""
+    x_tile, a_bufs = 2 * 256 * 64, 2 * 2 * 128 * 64
+    assert R.fit_stages(6, x_tile + 5120, 0) == 6
+    assert R.fit_stages(6, x_tile + 5120, a_bufs) == 5
+    assert R.fit_stages(7, x_tile, 0) == 7 and R.fit_stages(7, x_tile, a_bufs) == 6
+    assert R.fit_stages(4, x_tile, a_bufs) == 4

@@ -75,7 +75,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # (the copy's names re-exported: tests and bench/sass_quant_gluon.py read them here)
 from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
                                STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
-from .quant_gluon_rega import operand_path
+from .quant_gluon_rega import fit_stages, operand_path
 from .quant_gluon_split import _split_epilogue
 from .quant_packed import packed_weight
 from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
@@ -752,10 +752,16 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
         part = torch.empty(grid[0] * grid[1] * cfg.block_n * cfg.block_m, dtype=torch.float32,
                            device=x.device)
     sub, rega = operand_path(cfg, steps, wtma)
+    # (a stage: the x tile, wtma: the words and pairs; without rega: the two A buffers)
+    words, pairs = 32 * (8 if _BITS[fmt] == 8 else 4), 8 * _PAIRS[_KIND[fmt]]
+    has_b = _KIND[fmt] < 3 and fmt not in _BFA
+    ring = 2 * cfg.block_m * STEP_K + (4 * cfg.num_warps * (words + pairs * (1 + has_b))
+                                       if wtma else 0)
+    stages = fit_stages(cfg.stages, ring, 0 if rega else 4 * cfg.block_n * STEP_K)
     _gluon_gemm_kernel[grid + (split, )](desc, *wd, pw.codes, sa, sb, table, out, part, cnt, m,
                                          n, k, out.stride(0), H2_MAGIC if h2 else MAGIC,
                                          KIND=5 if h2 else _KIND[fmt],
-                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages, SUB=sub,
+                                         BLOCK_M=cfg.block_m, STAGES=stages, SUB=sub,
                                          BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
                                          WTMA=wtma, REGA=rega, num_warps=cfg.num_warps)

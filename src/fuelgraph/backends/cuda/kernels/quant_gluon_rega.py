@@ -60,3 +60,16 @@ def operand_path(cfg, steps: int, wtma: bool) -> tuple[int, bool]:
     diagnosis on the GPU)."""
     sub = cfg.sub if steps % cfg.sub == 0 and (not wtma or cfg.rega) else 1
     return sub, cfg.rega == 2 or (cfg.rega == 1 and sub == 2)
+
+
+#: dynamic shared memory an sm_90 block may have (227 KB)
+SMEM_LIMIT = 232448
+
+
+def fit_stages(stages: int, per_stage: int, fixed: int) -> int:
+    """The most stages, at most `stages` (and at least 2), whose ring (per_stage bytes each)
+    fits next to `fixed` bytes: a register-A launch (no A buffer) that falls back to the
+    shared A buffer (odd steps) keeps fitting."""
+    while stages > 2 and fixed + 256 + stages * (per_stage + 16) > SMEM_LIMIT:
+        stages -= 1
+    return stages
