@@ -7,8 +7,9 @@ WARPGROUP.DEPBAR that retires its group, no instruction may write those register
 rule for `wgmma.mma_async`). Also reports ptxas's warnings (serialized wgmmas), registers and
 whether every wgmma is waited for at once (`DEPBAR.LE gsb0, 0x0` in the loop).
 
-    python3 bench/sass_wgmma_regs.py [--fmt Q4_0,...] [--cfg "8,256,5,1,1,0,0,0,2,1,1;..."]
-        [--ptxas PATH,PATH]   (default: Triton's bundled ptxas and /usr/local/cuda-13.0's)
+    python3 bench/sass_wgmma_regs.py [--fmt Q4_0,...] [--cfg "8,256,5,1,1,0,0,0,2,1,1;..." |
+        --defaults] [--ptxas PATH,PATH]   (default: Triton's bundled ptxas and CUDA 13.0's;
+        --defaults: each format's launches of quant.GLUON_GEMM)
 
 The check is a data-flow over the SASS control-flow graph (branches, the loop's back edge): a
 state is the set of (register, groups committed after its wgmma); an HGMMA with `gsb0` commits
@@ -32,8 +33,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from sass_common import BIN, dump  # noqa: E402
 
 CUDA13 = "/usr/local/cuda-13.0/bin/ptxas"
-#: the launches the defaults use (quant.GLUON_GEMM at M = 256 and 128) with register A
-DEFAULT_CFGS = "8,256,5,1,1,0,0,0,2,1,1;8,256,5,2,1,0,0,0,2,0,1;8,128,4,2,1,0,0,0,2,0,1"
+#: register-A launches: with one step an iteration (rega 2: the PTX rewrites an in-flight
+#: operand, the hazard this finds), two with the words by TMA, two loaded by the threads
+OTHER_CFGS = "8,256,5,1,1,0,0,0,2,1,2;8,256,5,2,1,0,0,0,2,1,1;8,256,6,2,1,0,0,0,2,0,1"
 
 
 def assemble(ptx: str, ptxas: str, version: str | None = None) -> tuple[bytes, str]:
@@ -160,25 +162,27 @@ def serialized(log: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fmt", default="Q4_0,AWQ,Q4_K,NF4,Q8_0,Q6_K")
-    ap.add_argument("--cfg", default=DEFAULT_CFGS)
+    ap.add_argument("--cfg", default=OTHER_CFGS)
+    ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--ptxas", default=f"{BIN / 'ptxas'},{CUDA13}")
     ap.add_argument("--show", action="store_true", help="print the hazards, not only counts")
     args = ap.parse_args()
     import sass_quant_gluon as S
     from triton.backends.nvidia.compiler import ptx_get_version
-    from fuelgraph.backends.cuda.kernels.quant_gluon_rega import parse_ptxas_version
     fmts = {**S.FMTS, "AWQ": S.G.AWQ, "NF4": S.G.NF4}
     tools = []
     for path in args.ptxas.split(","):
-        v = parse_ptxas_version(subprocess.run([path, "--version"], capture_output=True,
-                                               text=True).stdout)
+        out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+        v = tuple(int(x) for x in re.search(r"release (\d+)\.(\d+)", out).groups())
         isa = ptx_get_version(f"{v[0]}.{v[1]}")     # Triton's PTX ISA for that ptxas
         isa = f"{isa // 10}.{isa % 10}"
         tools.append((path, v, isa))
     bad = 0
+    from fuelgraph.backends.cuda.kernels.quant import GLUON_GEMM
     for name in args.fmt.split(","):
-        for c in args.cfg.split(";"):
-            cfg = S.G.GluonGemmConfig(*(int(v) for v in c.split(",")))
+        cfgs = list(GLUON_GEMM[fmts[name]].values()) if args.defaults else [
+            S.G.GluonGemmConfig(*(int(v) for v in c.split(","))) for c in args.cfg.split(";")]
+        for cfg in cfgs:
             ptx = S.compile_one(fmts[name], cfg).asm["ptx"]
             seen = []
             for path, v, isa in tools:

@@ -1,11 +1,7 @@
 """Which operand path a Gluon GEMM launch takes (`quant_gluon_rega`, no GPU needed): register A
-only with two steps an iteration (rega 1), never with the words by TMA (one step an
-iteration); the ptxas version read from `--version` output, and through Triton's setting
-(TRITON_PTXAS_PATH: a stand-in ptxas script that prints a version)."""
+only with two steps an iteration (rega 1; rega 2 forces it), the words by TMA with two steps
+only with register A; how many ring stages fit in shared memory."""
 from __future__ import annotations
-
-import os
-import stat
 
 import pytest
 
@@ -24,29 +20,6 @@ from fuelgraph.backends.cuda.kernels.quant_gluon_gemm import GluonGemmConfig
 ])
 def test_operand_path(cfg, steps, wtma, want):
     assert R.operand_path(cfg, steps, wtma) == want
-
-
-def test_parse_ptxas_version():
-    assert R.parse_ptxas_version("ptxas: NVIDIA (R) Ptx optimizing assembler\n"
-                                 "Cuda compilation tools, release 13.0, V13.0.88\n") == (13, 0)
-    assert R.parse_ptxas_version("Cuda compilation tools, release 12.8, V12.8.93") == (12, 8)
-    assert R.parse_ptxas_version("12.10") == (12, 10)
-    assert R.parse_ptxas_version("no version here") is None
-
-
-@pytest.mark.parametrize("release, safe", [("12.8", False), ("13.0", True), ("13.2", True)])
-def test_triton_ptxas_version_follows_triton_ptxas_path(tmp_path, monkeypatch, release, safe):
-    """A stand-in ptxas named by TRITON_PTXAS_PATH is the one read (Triton's own choice)."""
-    pytest.importorskip("triton")
-    fake = tmp_path / f"ptxas{release}"
-    fake.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("TRITON_PTXAS_PATH", str(fake))
-    major, minor = (int(v) for v in release.split("."))
-    assert R.triton_ptxas_version() == (major, minor)
-    assert R.rega_safe() is safe
-    assert R.rega_safe((12, 8)) is False and R.rega_safe((13, 0)) is True and \
-        R.rega_safe(None) is safe and os.environ["TRITON_PTXAS_PATH"] == str(fake)
 
 
 def test_fit_stages_keeps_the_ring_in_shared_memory():

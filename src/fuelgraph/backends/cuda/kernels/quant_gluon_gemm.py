@@ -54,13 +54,18 @@ warp and the words and scales brought by TMA into the x ring (`wtma`: no global 
 A fences wait for none) and 5 stages, H200 M = 256: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665,
 NF4 0.0698; the 8-bit formats (whose wtma rings do not fit 5 stages) with the words loaded by
 the threads, Q8_0 5 stages 0.0667, Q6_K 6 stages 0.0697 (quant.GLUON_GEMM; dense cuBLAS
-0.050-0.057 in those runs). What is left is mostly shared-memory traffic: a step
-of a 128 x 256 tile moves 128 KB through shared memory (the two warpgroups' wgmma operand
-reads, the x tile by TMA, the decoded A tile by stmatrix) for 1024 cycles of tensor-core work,
-about the 128 bytes a cycle an SM has; the register-A wgmma would save the A tile's 32 KB.
-Lost on these tiles (session 10, round 1): late loads (Q4_0 0.0706 / Q8_0 0.0761 against
-0.0668 / 0.0721), rotated K (Q4_0 0.0687), the look-ahead loads right after each A fence
-(0.0708 / 0.0747; removed)."""
+0.050-0.057 in those runs). That left mostly shared-memory traffic: a step of a 128 x 256
+tile moved 128 KB through shared memory (the two warpgroups' wgmma operand reads, the x tile
+by TMA, the decoded A tile by stmatrix and its wgmma read) for 1024 cycles of tensor-core
+work, about the 128 bytes a cycle an SM has. Lost on these tiles (session 10, round 1): late
+loads (Q4_0 0.0706 / Q8_0 0.0761 against 0.0668 / 0.0721), rotated K (Q4_0 0.0687), the
+look-ahead loads right after each A fence (0.0708 / 0.0747; removed).
+
+Register A (`rega`, session 11, the defaults): no A tile in shared memory (96 KB a step),
+no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (dense cuBLAS
+0.053-0.057): Q4_0 0.057, AWQ 0.060, Q4_K 0.062, NF4 0.063, Q8_0 0.061, Q6_K 0.064 (session
+10's 0.064-0.072 in the same runs); M = 128 Q4_0 0.043 (0.049). It needs no particular ptxas:
+the PTX no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
