@@ -114,7 +114,16 @@ for _op in CANDIDATES:
                         GluonGemmConfig(8, 256, 6, 2, 1, split=2)]
 
 
-#: session 10's defaults (the shared A buffer), the token "old" of --gluon
+#: session 10's defaults (the shared A buffer), the token "old" of --gluon. Session 11 round 1
+#: (H200, M = 256, each launch timed twice interleaved; dense 0.0526-0.0565), register A
+#: (rega: --gluon 8,256,S,2,1,0,0,0,2,W,1): Q4_0 words loaded 6 stages 0.0576 / 0.0575, wtma 5
+#: stages 0.0591 / 0.0590, wtma 6 stages 0.0576 / 0.0572 (these 0.0635 / 0.0636); Q8_0 6 stages
+#: 0.0605 / 0.0608, 7 0.0617 / 0.0611, wtma 5 0.0621 / 0.0629 (0.0665 / 0.0681); Q6_K 6 stages
+#: 0.0643 / 0.0638, 7 0.0644 / 0.0642, wtma 5 0.0638 / 0.0662 (0.0715 / 0.0715); NF4 wtma 5
+#: 0.0631 / 0.0633, 6 0.0638 / 0.0633 (0.0698 / 0.0707); AWQ wtma 5 0.0603 / 0.0595 (0.0638 /
+#: 0.0637); Q4_K wtma 5 0.0624 / 0.0617 (0.0851 / 0.0672). M = 128 Q4_0 (8,128,4,2,1,...,0,1)
+#: 0.0430 / 0.0430 (0.0493 / 0.0490; dense 0.0354). Register A with one step an iteration
+#: (rega 2): NaN.
 _OLD10_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
 OLD10 = {**{op: {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)}
             for op in ("Q4_0", "awq", "Q4_K", "nf4")},
