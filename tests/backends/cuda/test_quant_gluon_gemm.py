@@ -23,22 +23,26 @@ from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
-#: split-K ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
-#: 128 x 128 tiles); CASES adds each format's default (quant.GLUON_GEMM)
-LAUNCHES = [(8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
+#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split, wtma, rega]) the GPU
+#: tests run: the defaults' first (K split in two, the producer warp, the decoded tiles as the
+#: wgmmas' register operands: 128 x 256 tiles with the words by TMA, 128 x 128 tiles), then
+#: session 10's (the shared A buffer) and others
+LAUNCHES = [(8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1),
+            (8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
             (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
 #: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
 SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
 #: (..., split, wtma): the same with the words and scales by TMA
 WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
+#: (..., wtma, rega): register A with 6 stages, the words by TMA (Q4_0's default) or loaded by
+#: the threads (Q8_0's, Q6_K's)
+REGA = [(8, 256, 6, 2, 1, 0, 0, 0, 2, 1, 1), (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1)]
 
 
-def _weight(fmt, rng, n, edge=False, dev=DEV):
+def _weight(fmt, rng, n, edge=False, dev=DEV, k=512):
     """((fmt id, w0, w1, w2, i0) as quant.run takes them, n, k, float64 reference W [N, K]):
     random bytes (K = 512), or (edge) the 256 GGUF edge blocks as the first rows / random f16
     bit patterns as AWQ scales with group 64 (NF4: every byte value, absmax blocks of 64)."""
-    k = 512
     if fmt == "NF4":
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         if edge:
@@ -123,10 +127,10 @@ def _codes_nk(pw: "G.WgmmaWeight") -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])
 def test_h2_scales_round_once_like_float32(fmt):
-    """The h2 decode for bf16 x (`h2_scales`): t = (128 + q) + o = q - z exactly in bf16, then
-    fma(t, dh, dl t) rounded once to bf16, emulated exactly (float64 sum, one rounding),
-    equals the dequantized weight rounded to bf16, on edge bytes / scales; dh + dl = s with
-    both halves bf16 numbers, o = -(128 + z) a bf16 number."""
+    """The h2 decode for bf16 x (`h2_scales`: words (dh, dl) and, AWQ, (o, o)): t = (128 + q)
+    + o = q - z exactly in bf16, then fma(t, dh, dl t) rounded once to bf16, emulated exactly
+    (float64 sum, one rounding), equals the dequantized weight rounded to bf16, on edge bytes /
+    scales; dh + dl = s with both halves bf16 numbers, o = -(128 + z) a bf16 number."""
     args, n, k, want = _weight(fmt, np.random.default_rng(41), 64, edge=True, dev="cpu")
     pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
     hi, lo = G.h2_scales(pw)
@@ -137,8 +141,13 @@ def test_h2_scales_round_once_like_float32(fmt):
         t = bits.view(torch.float32)[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
         return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
 
-    dh, dl, o = half(hi, False), half(lo, False), half(lo, True)
-    assert torch.equal(hi.view(torch.int32) >> 16 & 0xFFFF, hi.view(torch.int32) & 0xFFFF)
+    dh, dl = half(hi, False), half(hi, True)
+    if fmt == "Q4_0":   # o = -136, a constant of the kernel
+        assert lo.numel() == 0
+        o = -136.0
+    else:               # (o, o)
+        assert torch.equal(lo.view(torch.int32) >> 16 & 0xFFFF, lo.view(torch.int32) & 0xFFFF)
+        o = half(lo, False)
     t = (128 + _codes_nk(pw)).double() + o
     assert torch.equal(t, t.float().bfloat16().double())            # q - z exact in bf16
     got = (t * dh + dl * t).float().bfloat16().float().numpy()
@@ -203,12 +212,18 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
        ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
-       # decode variants (dec): the scales by broadcast loads (1), Q6_K's code at bit 16 (2);
-       # Q4_0's / AWQ's h2 decode
-       *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K", "NF4")],
-       ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 2)),
-       *[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, d)) for f in ("Q4_0", "AWQ") for d in (0, 1)],
-       ("AWQ", (4, 256, 4, 2, 1, 1))]
+       ("Q4_0", REGA[0]), ("NF4", REGA[0]),                                     # register A
+       *[(f, REGA[1]) for f in ("Q4_0", "Q8_0", "Q6_K")]]
+#: decode variants (GluonGemmConfig.dec: 1 the scales by broadcast loads, 2 Q6_K's code at bit
+#: 16) and Q4_0's / AWQ's h2 decode with the words by TMA, on the shared A buffer and on
+#: register A
+CASES += [*[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1, 0, 1)) for f in ("Q4_0", "AWQ", "Q4_K", "NF4")],
+          ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 0, 2)),
+          *[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1, 0, d)) for f in ("Q4_0", "AWQ") for d in (0, 1)],
+          ("AWQ", (4, 256, 4, 2, 1, 1)),
+          *[(f, (8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1, 1)) for f in ("Q4_0", "AWQ", "Q4_K", "NF4")],
+          *[(f, (8, 256, 5, 2, 1, 1, 0, 0, 2, 1, 1, 1)) for f in ("Q4_0", "AWQ")],
+          ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1, 2))]
 
 
 @pytest.mark.cuda
@@ -296,3 +311,17 @@ def test_split_k_is_deterministic_and_resets_its_counters():
     check_product(outs[0], xs, want.T, torch.bfloat16)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[3])
     assert torch.equal(outs[1], outs[0][:200])
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_register_a_launch_with_odd_steps_takes_the_shared_a_buffer():
+    """K = 384 split in two: 3 steps a program, so the register-A launches take one step an
+    iteration and the shared A buffer (`quant_gluon_rega.operand_path`), with fewer stages
+    where the ring and the A buffers would not fit (`fit_stages`): the product is right."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    for fmt in ("Q4_0", "Q8_0"):
+        args, n, k, want = _weight(fmt, np.random.default_rng(4), 256, k=384)
+        x = torch.randn(256, k, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+        check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.bfloat16)
+

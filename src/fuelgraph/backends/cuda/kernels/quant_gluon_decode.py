@@ -82,21 +82,24 @@ def _pairs16(KIND: gl.constexpr, a, b):
 
 
 @gluon.constexpr_function
-def _h2_asm(m):
+def _h2_asm(m, Z):
     """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
-    128.0 x 2) + o (operands: $1 words, $2 dh x 2, $3 (dl, o) as bf16 halves, $4 magic)."""
-    return ("{ .reg .b32 v, t, c, d, n; .reg .b16 l, h; shr.b32 v, $1, %d; "
-            "lop3.b32 v, v, 983055, $4, 0xEA; mov.b32 {l, h}, $3; mov.b32 n, {h, h}; "
-            "mov.b32 d, {l, l}; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, d; "
-            "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
+    128.0 x 2) + o (operands: $1 words, $2 (dh, dl) as bf16 halves, $3 (o, o) or, Z (Q4_0),
+    o = -136 x 2, $4 magic; ptxas folds the half broadcasts into the HMUL2 / HFMA2 operands)."""
+    o = "mov.b32 n, 0xC308C308; " if Z else "mov.b32 n, $3; "
+    return ("{ .reg .b32 v, t, c, d, e, n; .reg .b16 l, h; shr.b32 v, $1, %d; "
+            "lop3.b32 v, v, 983055, $4, 0xEA; mov.b32 {l, h}, $2; mov.b32 d, {l, l}; "
+            "mov.b32 e, {h, h}; %sadd.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, e; "
+            "fma.rn.bf16x2 $0, t, d, c; }" % (4 * m, o))
 
 
 @gluon.jit
-def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
-    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
-    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v + o = q - z (o = -(128 + z)),
-    then fma(t, dh, dl t); magic = 0x43004300."""
-    r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
+def _h2_pair(w, m: gl.constexpr, s, o, magic, dtype: gl.constexpr, Z: gl.constexpr):
+    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`: s the words
+    (dh, dl), o (o, o) or, Z, o = -136): one LOP3 (the nibbles OR-ed into 128.0's mantissa:
+    128 + q), t = v + o = q - z (o = -(128 + z)), then fma(t, dh, dl t); magic =
+    0x43004300."""
+    r = gl.inline_asm_elementwise(_h2_asm(m, Z), "=r,r,r,r,r", [w, s, o, magic], dtype=gl.int32,
                                   is_pure=True, pack=1)
     lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
@@ -115,16 +118,17 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
     (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
     decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
     registers."""
-    if KIND == 5:       # Q4_0, bf16 x: bf16x2 pairs (nibbles m, m + 4) straight from the word
+    if KIND == 5:       # Q4_0 / AWQ, bf16 x: bf16x2 pairs (nibbles m, m + 4) from the word;
+        #                 a: the words (dh, dl), b: (o, o) (BFA: Q4_0, o a constant)
         w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
-        dh = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+        s5 = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
                                w5.type.layout)
-        dl = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
+        o5 = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
                                w5.type.layout)
-        q0 = _h2_pair(w5, 0, dh, dl, magic, dtype)
-        q1 = _h2_pair(w5, 1, dh, dl, magic, dtype)
-        q2 = _h2_pair(w5, 2, dh, dl, magic, dtype)
-        q3 = _h2_pair(w5, 3, dh, dl, magic, dtype)
+        q0 = _h2_pair(w5, 0, s5, o5, magic, dtype, BFA)
+        q1 = _h2_pair(w5, 1, s5, o5, magic, dtype, BFA)
+        q2 = _h2_pair(w5, 2, s5, o5, magic, dtype, BFA)
+        q3 = _h2_pair(w5, 3, s5, o5, magic, dtype, BFA)
         v = gl.join(gl.join(q0, q1), gl.join(q2, q3))     # t r p h u e s c (pair m = 2c + s)
         v = gl.permute(v, [0, 3, 1, 4, 6, 7, 2, 5])            # t h r | u s c p e
         return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout)

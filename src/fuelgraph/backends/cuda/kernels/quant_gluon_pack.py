@@ -156,11 +156,12 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 
 def h2_scales(pw: WgmmaWeight):
     """Q4_0 / AWQ for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2
-    words (dh, dh) and (dl, o) with s = dh + dl (the block's scale: Q4_0 d, AWQ s), dh = s
-    truncated to bf16's 8 significant bits and dl the rest (at most 3 bits: both exact in
-    bf16) and o = -(128 + z) (Q4_0 z = 8), as float32-typed tensors; made once. Then
-    t = (128 + q) + o = q - z (exact), dl t (at most 7 bits: exact) and fma(t, dh, dl t) =
-    RN_bf16(s (q - z)): one rounding of the exact product, as the float32 path's."""
+    words (dh, dl) with s = dh + dl (the block's scale: Q4_0 d, AWQ s), dh = s truncated to
+    bf16's 8 significant bits and dl the rest (at most 3 bits: both exact in bf16) and, AWQ,
+    (o, o) with o = -(128 + z) (Q4_0: z = 8, a constant in the kernel: no second array), as
+    float32-typed tensors; made once. Then t = (128 + q) + o = q - z (exact), dl t (at most
+    7 bits: exact) and fma(t, dh, dl t) = RN_bf16(s (q - z)): one rounding of the exact
+    product, as the float32 path's."""
     hit = pw.extra.get("h2")
     if hit is None:
         d = pw.a * 4096.0                                           # a = s 2^-12, exact
@@ -168,11 +169,12 @@ def h2_scales(pw: WgmmaWeight):
         lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
         fin = torch.isfinite(d)         # (an infinite s gives NaN, as the float32 path)
         assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
-        z = pw.extra.get("z", 8.0)
-        o = (-(128.0 + torch.as_tensor(z, dtype=torch.float32, device=d.device))
-             .expand_as(d).contiguous()).view(torch.int32)           # exact in bf16
         half = lambda v: (v >> 16) & 0xFFFF                           # noqa: E731
-        hit = pw.extra["h2"] = (((half(hi) * 65537).to(torch.int32)).view(torch.float32),
-                                ((half(lo) | (half(o) << 16)).to(torch.int32))
-                                .view(torch.float32))
+        pair = lambda a, b: (a | (b << 16)).to(torch.int32).view(torch.float32)  # noqa: E731
+        if "z" in pw.extra:
+            o = (-(128.0 + pw.extra["z"])).view(torch.int32)          # exact in bf16
+            offsets = pair(half(o), half(o))
+        else:
+            offsets = pw.b                                            # (empty: Q4_0)
+        hit = pw.extra["h2"] = (pair(half(hi), half(lo)), offsets)
     return hit
