@@ -6,8 +6,7 @@ frequent opcodes, and whether the loop has shared-memory stores (STS) or CTA bar
 beyond the one a step that frees the x buffer: the decoded tile must stay in registers.
 
     python3 bench/sass_quant_gluon.py [--fmt Q4_0,AWQ,Q4_K,Q8_0] [--cfg "4,256,4;8,128,4"]
-        (warps,block_m,stages[,sub[,ws[,h2[,rot[,late[,split[,wtma[,rega[,dec]]]]]]]]]])
-        [--ttgir]
+        (warps,block_m,stages[,sub[,ws[,h2[,rot[,late[,split[,wtma[,rega]]]]]]]]])  [--ttgir]
 """
 from __future__ import annotations
 
@@ -46,7 +45,6 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     cons = dict(KIND=5 if h2 else G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
                 SUB=cfg.sub, BFA=fmt in G._BFA, WS=bool(cfg.ws), ROT=bool(cfg.rot),
                 LATE=bool(cfg.late), SPLIT=cfg.split, WTMA=wtma, REGA=bool(cfg.rega),
-                DEC=cfg.dec,
                 num_warps=cfg.num_warps)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 9, 10, 13, 14)}
     src = GluonASTSource(G._gluon_gemm_kernel, sig, cons, attrs=attrs)

@@ -302,12 +302,17 @@ PACKED_GEMM_MAX_M = 256
 #: Q8_0 6 stages, words loaded, 0.0605-0.0608 (0.0665-0.0681; 7 stages 0.0611-0.0617, wtma
 #: 0.0621-0.0629), Q6_K 0.0638-0.0643 (0.0715; 7 stages 0.0642-0.0644); M = 128 Q4_0 0.0430
 #: (0.0490-0.0493; dense 0.0354). Register A with one step an iteration: wrong (NaN).
+#: Round 2: Q4_0 / AWQ with the bf16x2 decode (h2, bf16 x; the scales by broadcast loads)
+#: 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604; Q6_K with the code at
+#: bit 16 (no FADD) 0.0642-0.0658 against 0.0656-0.0671 (dense 0.0541-0.0570).
 _RW5 = GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1)
 _R128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2, rega=1)
 _R6 = GluonGemmConfig(8, 256, 6, 2, 1, split=2, rega=1)
 GLUON_GEMM: dict = {
-    GGUF_IDS["Q4_0"]: {128: _R128, 256: GluonGemmConfig(8, 256, 6, 2, 1, split=2, wtma=1, rega=1)},
-    **{fmt: {128: _R128, 256: _RW5} for fmt in (AWQ, GGUF_IDS["Q4_K"], NF4)},
+    GGUF_IDS["Q4_0"]: {128: _R128,
+                       256: GluonGemmConfig(8, 256, 6, 2, 1, 1, split=2, wtma=1, rega=1)},
+    AWQ: {128: _R128, 256: GluonGemmConfig(8, 256, 5, 2, 1, 1, split=2, wtma=1, rega=1)},
+    **{fmt: {128: _R128, 256: _RW5} for fmt in (GGUF_IDS["Q4_K"], NF4)},
     **{GGUF_IDS[f]: {128: _R128, 256: _R6} for f in ("Q8_0", "Q6_K")}}
 
 

@@ -2,7 +2,15 @@
 step's words and scales, one format each (KIND, `quant_gluon_pack._KIND`): the words and the
 per-block pairs (a, b) of W = fma(v, a, b) become the [16 T, 64] A tile of one step, rounded
 once to x's dtype (bit for bit the format's dequantizer, then rounded as the other GEMMs do;
-the formulas: `quant_gluon_gemm`'s docstring)."""
+the formulas: `quant_gluon_gemm`'s docstring).
+
+Session 11 (H200, N = K = 8192, M = 256, bf16; sm_90 SASS of the main loop a step of two,
+bench/sass_quant_gluon.py, register-A launches): Q4_0 / AWQ's bf16x2 decode (h2) 252 / 258
+instructions against 324 / 314 (0.0572-0.0575 / 0.0588-0.0590 ms against 0.0575-0.0578 /
+0.0601-0.0604); Q6_K's code at bit 16 (no FADD) 289 against 353 (0.0642-0.0658 against
+0.0656-0.0671). Lost: NF4's codes by PRMT from register tables instead of shuffles (46
+instructions a word; shared A buffer: all words 0.0808, half 0.0697, against 0.0691), the
+float decodes' scales by broadcast loads (see `_smem_step`)."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -33,19 +41,17 @@ def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
     one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
     (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
     SH = 8), then one FMA."""
-    if KIND == 6:       # Q6_K, SH = 16: v = 0x4Bqq0000 (q + 32 < 64: bit 23 stays 0), then
+    if KIND == 4:       # Q6_K: v = 0x4Bqq0000 (SH = 16; q + 32 < 64: bit 23 stays 0), then
         #                 fma(v, (d sc) 2^-16, -160 d sc) = (d sc) (q - 32) rounded once
         SEL16: gl.constexpr = 0x7044 + 256 * j
         f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL16};", "=r,r,r", [w, magic],
                                       dtype=gl.int32, is_pure=True, pack=1)
         return gl.fma(f.to(gl.float32, bitcast=True), a, b)
-    if KIND == 2 or KIND == 4:
+    if KIND == 2:
         SEL: gl.constexpr = 0x7504 + 16 * j
         f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
                                       dtype=gl.int32, is_pure=True, pack=1)
         f = f.to(gl.float32, bitcast=True)
-        if KIND == 4:   # Q6_K: (2^8 q) (d sc 2^-8) - 32 d sc, rounded once as gguf-py
-            return gl.fma(f - 8388608.0, a, a * -8192.0)
         return gl.fma(f, a, b)
     if KIND == 3:       # NF4: code[q] from lane q's register (low 5 bits: lanes l, l + 16
         #                 hold the same code), times absmax
@@ -113,7 +119,7 @@ B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
 
 @gluon.jit
 def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
-            a_layout: gl.constexpr, BFA: gl.constexpr = False, DEC: gl.constexpr = 0):
+            a_layout: gl.constexpr, BFA: gl.constexpr = False):
     """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
     (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
     decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
@@ -136,10 +142,7 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
         w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
         if KIND == 4:       # a scale per (u, s), no b
             a6 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2, 2]), w6.type.layout)
-            b6 = a6
-            if DEC // 2 % 2:    # SH = 16: a 2^-8 = d sc 2^-16 and -160 d sc (exact)
-                b6 = a6 * -40960.0
-                a6 = a6 * 0.00390625
+            b6 = a6 * -10485760.0   # -160 d sc (a = d sc 2^-16; exact)
         else:
             a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
                                    w6.type.layout)
@@ -148,11 +151,10 @@ def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.const
             else:
                 b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
                                        w6.type.layout)
-        K8: gl.constexpr = 6 if KIND == 4 and DEC // 2 % 2 else KIND
-        p0 = _plane(K8, w6, 0, a6, b6, magic)
-        p1 = _plane(K8, w6, 1, a6, b6, magic)
-        p2 = _plane(K8, w6, 2, a6, b6, magic)
-        p3 = _plane(K8, w6, 3, a6, b6, magic)
+        p0 = _plane(KIND, w6, 0, a6, b6, magic)
+        p1 = _plane(KIND, w6, 1, a6, b6, magic)
+        p2 = _plane(KIND, w6, 2, a6, b6, magic)
+        p3 = _plane(KIND, w6, 3, a6, b6, magic)
         v = gl.join(gl.join(p0, p1), gl.join(p2, p3))     # t r p h u s c e (byte 2e + c)
     else:
         w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
@@ -221,14 +223,18 @@ def _smem_pairs_bc(buf, T: gl.constexpr, PAIRS: gl.constexpr, s_layout: gl.const
 @gluon.jit
 def _smem_step(wt, sn, src, T: gl.constexpr, WORDS: gl.constexpr, PAIRS: gl.constexpr,
                w_layout: gl.constexpr, s_layout: gl.constexpr, WTMA: gl.constexpr,
-               DEC: gl.constexpr = 0):
+               BC: gl.constexpr = False):
     """Step's words (flat, w_layout) and pairs a, b (s_layout; WTMA 1, no b: b = a) from ring
-    buffer sn, in the registers `_load_step` gives (DEC & 1: the pairs by broadcast loads)."""
+    buffer sn, in the registers `_load_step` gives. BC: the pairs by broadcast loads (the
+    h2 decode's: with it H200 M = 256 register A Q4_0 0.0572-0.0575 ms, AWQ 0.0588-0.0590,
+    against 0.0575-0.0578 / 0.0601-0.0604; the float decodes lost with them: Q4_0 0.0583-0.0586,
+    AWQ 0.0605-0.0608; Q4_K 0.0620-0.0629 / NF4 0.0629-0.0632 against 0.0625-0.0633 /
+    0.0632-0.0656, no gain)."""
     q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring = wt
     HAS_B: gl.constexpr = WTMA == 2
     w = q_ring.index(sn).load(gl.BlockedLayout([1, WORDS], [1, 32], [T, 1], [1, 0]))
     w = gl.convert_layout(gl.reshape(w, [T * 32 * WORDS]), w_layout)
-    if DEC % 2:
+    if BC:
         a = _smem_pairs_bc(sa_ring.index(sn), T, PAIRS, s_layout)
         if HAS_B:
             b = _smem_pairs_bc(sb_ring.index(sn), T, PAIRS, s_layout)

@@ -18,8 +18,10 @@ shift a nibble pair, one LOP3 a weight) or 8 (bytes: one PRMT a weight) and OR-e
 mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH and
 b = o - s 2^(23 - SH) exact (`quant_gluon_pack.wgmma_pairs`), so the fused result is the
 exact product s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
-fma(v - 2^23, a, -8192 a) = (d sc) (q - 32) rounded once, as gguf-py; NF4: code[q] by a warp
-shuffle from the lanes' registers, times absmax.
+(SH = 16, q + 32 < 64) fma(v, a, -160 d sc) = (d sc) (q - 32) rounded once, as gguf-py; NF4:
+code[q] by a warp shuffle from the lanes' registers, times absmax; Q4_0 / AWQ with bf16 x
+(`h2`, the defaults): bf16x2 pairs, fma(q - z, dh, dl (q - z)) with s = dh + dl
+(`quant_gluon_pack.h2_scales`). The decodes: `quant_gluon_decode`.
 
 Kernel: a program owns BLOCK_N = 16 warps weight rows and BLOCK_M rows of x (acc [BLOCK_N,
 BLOCK_M] float32 in the wgmma layout, one warpgroup per 64 rows); x tiles [BLOCK_M, 64] in a
@@ -222,8 +224,7 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, REGA: gl.constexpr = False,
-              DEC: gl.constexpr = 0):
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, REGA: gl.constexpr = False):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
     64, from step k0 of the ksteps of K: loads, decode, A buffer (REGA: none), wgmma. Returns
     (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
@@ -269,7 +270,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         # split 2: Q4_0 0.0706 ms against 0.0668; loads right after each fence, held there by
         # a CTA fence, 0.0708)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
-                     BFA, DEC)
+                     BFA)
         if not LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -278,7 +279,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
                       2 - SUB, WS, rot, ROT, k0, t=t0, REGA=REGA)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
-                         a_layout, BFA, DEC)
+                         a_layout, BFA)
             if not LATE:
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -298,8 +299,7 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                   KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr, REGA: gl.constexpr = False,
-                  DEC: gl.constexpr = 0):
+                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr, REGA: gl.constexpr = False):
     """`_consumer` with the weight tile's words and scales brought by TMA into the x ring's
     buffers (WTMA): no global load in the loop, so the A fences wait for none."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -331,18 +331,18 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
         st = it * SUB
         mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
         w0, a0, b0 = _smem_step(wt, st % STAGES, src, T, WORDS, PAIRS, w_layout, s_layout,
-                                WTMA, DEC)
+                                WTMA, KIND == 5)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
-                     BFA, DEC)
+                     BFA)
         _publish(t0, st, a_smem, REGA)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
                       2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA, t0, REGA)
         if SUB == 2:
             mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
             w1, a1, b1 = _smem_step(wt, (st + 1) % STAGES, src, T, WORDS, PAIRS, w_layout,
-                                    s_layout, WTMA, DEC)
+                                    s_layout, WTMA, KIND == 5)
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
-                         a_layout, BFA, DEC)
+                         a_layout, BFA)
             _publish(t1, st + 1, a_smem, REGA)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                           STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA, t1, REGA)
@@ -356,8 +356,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
                        LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
-                       WTMA: gl.constexpr = False, REGA: gl.constexpr = False,
-                       DEC: gl.constexpr = 0):
+                       WTMA: gl.constexpr = False, REGA: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -420,27 +419,26 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
             acc = gl.warp_specialize([(_consumer_tma, (c_ptr, pid_n, magic, a_smem, x_smem,
                                                        ready, empty, x_desc, m0, steps, KIND,
                                                        BLOCK_M, STAGES, SUB, BFA, WS,
-                                                       num_warps, rot, ROT, k0, wt, WT, REGA,
-                                                       DEC)),
+                                                       num_warps, rot, ROT, k0, wt, WT, REGA)),
                                       (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                      STAGES, rot, ROT, k0, wt, tile, WT))],
                                      [1], [40])[0]
         else:
             acc = _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
                                 steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot, ROT,
-                                k0, wt, WT, REGA, DEC)[0]
+                                k0, wt, WT, REGA)[0]
     elif WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE, ksteps, k0, REGA, DEC)),
+                                               ROT, LATE, ksteps, k0, REGA)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT, k0, wt, tile, WT))],
                                  [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE, ksteps, k0, REGA, DEC)[0]
+                        ROT, LATE, ksteps, k0, REGA)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -465,7 +463,8 @@ class GluonGemmConfig:
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
     wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's / AWQ's
-    bf16x2 decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
+    bf16x2 decode for bf16 x (with wtma: the scales by broadcast loads), rot: each program
+    starts K at its own step (spreads the x reads),
     late: the next iteration's loads after the last A fence of the iteration, split: K in
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
@@ -484,7 +483,6 @@ class GluonGemmConfig:
     split: int = 1
     wtma: int = 0
     rega: int = 0
-    dec: int = 0
 
     @property
     def block_n(self) -> int:
@@ -497,8 +495,7 @@ class GluonGemmConfig:
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
                 + (",wtma" if self.wtma else "")
-                + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1")
-                + (f",dec{self.dec}" if self.dec else "") + "]")
+                + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
@@ -586,6 +583,5 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
                                          BLOCK_M=cfg.block_m, STAGES=stages, SUB=sub,
                                          BFA=fmt in _BFA, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
-                                         WTMA=wtma, REGA=rega, DEC=cfg.dec,
-                                         num_warps=cfg.num_warps)
+                                         WTMA=wtma, REGA=rega, num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)

@@ -12,7 +12,8 @@ Q6_K): 8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 1
 one thread: u is the block (Q6_K's 16-element blocks: (u, s)). Scales: per (row, block) the
 float32 pair (a, b) of W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a
 thread's four a's are one 16-byte load, shared by the 4 lanes of a row group); Q4_0 / Q8_0
-store no b (a fixed multiple of a), NF4 and Q6_K neither.
+store no b (a fixed multiple of a), NF4 and Q6_K neither (Q6_K: a = d sc 2^-16, its code at
+bit 16 of v).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from .quant_packed import _q4k_scale_min, _unpack_awq, q6k_fields
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
-#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements)
+#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements);
+#: 5 (the kernel's only): Q4_0 / AWQ's bf16x2 decode (h2)
 GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
 _KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
 _BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
@@ -122,10 +124,10 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         a = w1.reshape(n, k // i0).float().repeat_interleave(i0 // 32, dim=1)
         return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
                            _padded(_pair_tiles(torch.zeros_like(a))), n, k)
-    elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
+    elif fmt == Q6_K:   # a = (d sc) 2^-16 a 16 elements; b = -160 (d sc) in the kernel
         q, d, sc = q6k_fields(w0, n, k)                                    # q + 32, 0..63
         sc = sc.view(torch.int8).float()
-        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -8        # exact
+        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -16       # exact
         a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
         return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
     elif fmt == AWQ:
