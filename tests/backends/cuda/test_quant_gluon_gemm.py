@@ -193,7 +193,8 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
 #: register A (their defaults), and AWQ's with the words loaded by the threads
 CASES += [*[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1)) for f in ("Q4_0", "AWQ")],
           ("AWQ", (4, 256, 4, 2, 1, 1)),
-          ("Q4_0", (8, 256, 6, 2, 1, 1, 0, 0, 2, 1, 1)), ("AWQ", (8, 256, 5, 2, 1, 1, 0, 0, 2, 1, 1))]
+          ("Q4_0", (8, 256, 6, 2, 1, 1, 0, 0, 2, 1, 1)),
+          ("AWQ", (8, 256, 5, 2, 1, 1, 0, 0, 2, 1, 1))]
 
 
 @pytest.mark.cuda
