@@ -10,7 +10,8 @@ Records go to DIR/cuda_quant_gemm.jsonl (--out).
 
     python3 bench/bench_cuda_quant_gemm.py [--out DIR] [--ops Q4_0,awq,...] [--ms 256]
                                            [--compile-only] [--pick 0,2] [--no-anchor]
-                                           [--dense-each]
+                                           [--dense-each] [--gluon "8,256,6,2,1,0,0,0,2,0,1;..."]
+                                           [--rounds 2] [--skip-default]
 """
 from __future__ import annotations
 
@@ -113,6 +114,24 @@ for _op in CANDIDATES:
                         GluonGemmConfig(8, 256, 6, 2, 1, split=2)]
 
 
+#: session 10's defaults (the shared A buffer), the token "old" of --gluon. Session 11 round 1
+#: (H200, M = 256, each launch timed twice interleaved; dense 0.0526-0.0565), register A
+#: (rega: --gluon 8,256,S,2,1,0,0,0,2,W,1): Q4_0 words loaded 6 stages 0.0576 / 0.0575, wtma 5
+#: stages 0.0591 / 0.0590, wtma 6 stages 0.0576 / 0.0572 (these 0.0635 / 0.0636); Q8_0 6 stages
+#: 0.0605 / 0.0608, 7 0.0617 / 0.0611, wtma 5 0.0621 / 0.0629 (0.0665 / 0.0681); Q6_K 6 stages
+#: 0.0643 / 0.0638, 7 0.0644 / 0.0642, wtma 5 0.0638 / 0.0662 (0.0715 / 0.0715); NF4 wtma 5
+#: 0.0631 / 0.0633, 6 0.0638 / 0.0633 (0.0698 / 0.0707); AWQ wtma 5 0.0603 / 0.0595 (0.0638 /
+#: 0.0637); Q4_K wtma 5 0.0624 / 0.0617 (0.0851 / 0.0672). M = 128 Q4_0 (8,128,4,2,1,...,0,1)
+#: 0.0430 / 0.0430 (0.0493 / 0.0490; dense 0.0354). Register A with one step an iteration
+#: (rega 2): NaN.
+_OLD10_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
+OLD10 = {**{op: {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)}
+            for op in ("Q4_0", "awq", "Q4_K", "nf4")},
+         "Q8_0": {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)},
+         "Q6_K": {128: GluonGemmConfig(8, 128, 4, 2, split=2),
+                  256: GluonGemmConfig(8, 256, 6, 2, 1, split=2)}}
+
+
 def _bnb_anchor(x, n, k, g, record, m, rep):
     """bitsandbytes' NF4 matmul (its own quantization of a random dense weight, blocks of 64)
     timed as the others: the issue's NF4 anchor. Skipped where bitsandbytes is missing."""
@@ -143,6 +162,14 @@ def main():
     ap.add_argument("--no-anchor", action="store_true", help="skip the dense cuBLAS anchor")
     ap.add_argument("--dense-each", action="store_true",
                     help="time the dense cuBLAS anchor before every format, not once a size")
+    ap.add_argument("--gluon", default=None,
+                    help="GluonGemmConfig tuples (';'-separated; old: session 10's default) "
+                         "timed after the default instead of CANDIDATES, each at the M equal "
+                         "to its block_m; per op: 'Q4_0=t;t/awq=t'")
+    ap.add_argument("--skip-default", action="store_true", help="with --gluon: only those")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the default and the candidates this many times, interleaved "
+                         "(the first launch timed after the dense anchor runs slow)")
     args = ap.parse_args()
     n = k = args.size
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -185,11 +212,20 @@ def main():
                                         return_mode="median")
                 record("dense", "cublas_bf16", m, ms, 2 * n * k)
             cfgs = [None] + CANDIDATES.get(op, [])
-            if args.pick is not None:
+            if args.gluon:
+                # (per op: "Q4_0=t;t/awq=t": the tuples of that op only)
+                mine = dict(v.split("=") for v in args.gluon.split("/")).get(op, "") \
+                    if "=" in args.gluon else args.gluon
+                cfgs = [None] * (not args.skip_default) + [
+                    c for c in (OLD10[op][m] if t == "old" else
+                                GluonGemmConfig(*(int(v) for v in t.split(",")))
+                                for t in mine.split(";") if t) if c.block_m == m]
+            elif args.pick is not None:
                 pick = dict(v.split("=") for v in args.pick.split("/")) if "=" in args.pick \
                     else {op: args.pick}
                 cfgs = [cfgs[int(i)] for i in pick.get(op, "").split(",")
                         if i and int(i) < len(cfgs)]
+            usable = []
             for cfg in cfgs:
                 tag = "default" if cfg is None else cfg if isinstance(cfg, str) else cfg.tag()
                 try:
@@ -200,8 +236,10 @@ def main():
                 if not ok:
                     print(f"{op:5s} M={m:<4d} {tag:52s} WRONG max err {err:.3g}", flush=True)
                     continue
+                usable.append((cfg, tag))
                 if args.compile_only:
-                    continue
+                    print(f"{op:5s} M={m:<4d} {tag:52s} checked, max err {err:.3g}", flush=True)
+            for cfg, tag in (usable * args.rounds if not args.compile_only else []):
                 try:
                     ms = do_bench_cudagraph(lambda: fn(x, cfg), rep=args.rep,
                                             return_mode="median")

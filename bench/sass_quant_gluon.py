@@ -6,7 +6,7 @@ frequent opcodes, and whether the loop has shared-memory stores (STS) or CTA bar
 beyond the one a step that frees the x buffer: the decoded tile must stay in registers.
 
     python3 bench/sass_quant_gluon.py [--fmt Q4_0,AWQ,Q4_K,Q8_0] [--cfg "4,256,4;8,128,4"]
-        (warps,block_m,stages[,sub[,ws[,h2[,rot[,late[,split[,wtma]]]]]]]])  [--ttgir]
+        (warps,block_m,stages[,sub[,ws[,h2[,rot[,late[,split[,wtma[,rega]]]]]]]]])  [--ttgir]
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
     """The compiled kernel (bf16 x and output) for this format and launch."""
     lay = G.x_layout(cfg.block_m, G.gl.bfloat16)
     xd = f"tensordesc<bf16[{cfg.block_m}, 64],{lay!r}>"
-    wtma = bool(cfg.wtma) and not (cfg.h2 and fmt == G.Q4_0)
+    wtma = bool(cfg.wtma)
     words, pairs = 32 * (8 if G._BITS[fmt] == 8 else 4), 8 * G._PAIRS[G._KIND[fmt]]
     qd, ad = ((f"tensordesc<i32[{cfg.num_warps}, {words}],{G.PLAIN32!r}>",
                f"tensordesc<fp32[{cfg.num_warps}, {pairs}],{G.PLAIN32!r}>") if wtma else (xd, xd))
@@ -41,10 +41,10 @@ def compile_one(fmt: int, cfg: G.GluonGemmConfig):
            "a_ptr": "*fp32", "b_ptr": "*fp32", "c_ptr": "*fp32", "out_ptr": "*bf16",
            "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
            "stride_o": "i32", "magic": "i32"}
-    h2 = bool(cfg.h2) and fmt == G.Q4_0
+    h2 = bool(cfg.h2) and fmt in (G.Q4_0, G.AWQ)
     cons = dict(KIND=5 if h2 else G._KIND[fmt], BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                SUB=cfg.sub, BFA=fmt in G._BFA and not h2, WS=bool(cfg.ws), ROT=bool(cfg.rot),
-                LATE=bool(cfg.late), SPLIT=cfg.split, WTMA=wtma,
+                SUB=cfg.sub, BFA=fmt in G._BFA, WS=bool(cfg.ws), ROT=bool(cfg.rot),
+                LATE=bool(cfg.late), SPLIT=cfg.split, WTMA=wtma, REGA=bool(cfg.rega),
                 num_warps=cfg.num_warps)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 9, 10, 13, 14)}
     src = GluonASTSource(G._gluon_gemm_kernel, sig, cons, attrs=attrs)

@@ -24,22 +24,26 @@ from quant_cases import (GGUF, awq_case, gguf_bytes, gguf_edge_bytes,  # noqa: E
 FORMATS = ["Q4_0", "Q8_0", "Q4_K", "AWQ", "NF4", "Q6_K"]
 SM90 = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
 NEEDS_SM90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split]) the GPU tests run: the
-#: split-K ones first (K split in two, the producer warp: 128 x 256 tiles with the words by TMA,
-#: 128 x 128 tiles); CASES adds each format's default (quant.GLUON_GEMM)
-LAUNCHES = [(8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
+#: launches (num_warps, block_m, stages, sub, ws[, h2, rot, late, split, wtma, rega]) the GPU
+#: tests run: the defaults' first (K split in two, the producer warp, the decoded tiles as the
+#: wgmmas' register operands: 128 x 256 tiles with the words by TMA, 128 x 128 tiles), then
+#: session 10's (the shared A buffer) and others
+LAUNCHES = [(8, 256, 5, 2, 1, 0, 0, 0, 2, 1, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2, 0, 1),
+            (8, 256, 4, 1, 1, 0, 0, 0, 2, 1), (8, 128, 4, 2, 1, 0, 0, 0, 2), (4, 256, 4, 2, 0),
             (4, 256, 4, 2, 1), (4, 128, 4, 2, 0), (8, 128, 6, 2, 1)]
 #: (num_warps, block_m, stages, sub, ws, h2, rot, late, split): 128 x 256 tiles, K split in two
 SPLIT2 = (8, 256, 4, 2, 0, 0, 0, 0, 2)
 #: (..., split, wtma): the same with the words and scales by TMA
 WTMA = (8, 256, 4, 1, 0, 0, 0, 0, 2, 1)
+#: (..., wtma, rega): register A with 6 stages, the words by TMA (Q4_0's default) or loaded by
+#: the threads (Q8_0's, Q6_K's)
+REGA = [(8, 256, 6, 2, 1, 0, 0, 0, 2, 1, 1), (8, 256, 6, 2, 1, 0, 0, 0, 2, 0, 1)]
 
 
-def _weight(fmt, rng, n, edge=False, dev=DEV):
+def _weight(fmt, rng, n, edge=False, dev=DEV, k=512):
     """((fmt id, w0, w1, w2, i0) as quant.run takes them, n, k, float64 reference W [N, K]):
     random bytes (K = 512), or (edge) the 256 GGUF edge blocks as the first rows / random f16
     bit patterns as AWQ scales with group 64 (NF4: every byte value, absmax blocks of 64)."""
-    k = 512
     if fmt == "NF4":
         packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         if edge:
@@ -69,7 +73,7 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
     nibble 4 e + 2 c + s; 8-bit: word (h, u, s), byte 2 e + c; W = v a + b with
     v = 2^23 + 2^SH q (SH = 12 / 8; Q4_K: v - 2^23; Q4_0 / Q8_0 store no b: -(2^23 + 2^15) a),
     rounded once to float32; NF4
-    code[q] absmax; Q6_K 2^8 q a - 8192 a with a per 16 elements."""
+    code[q] absmax; Q6_K 2^16 q a - 2^21 a with a per 16 elements (SH = 16)."""
     n, k = pw.n, pw.k
     bits = G._BITS[pw.fmt]
     words = 4 if bits == 4 else 8
@@ -90,10 +94,10 @@ def _emulate(pw: "G.WgmmaWeight") -> np.ndarray:
 
     if pw.fmt == NF4:       # code[q] * absmax
         return (torch.tensor(NF4_CODE, dtype=torch.float64)[q.long()] * pairs(pw.a)).float().numpy()
-    if pw.fmt == GGUF_IDS["Q6_K"]:      # a per 16 elements (u, s): W = 2^8 q a - 32 2^8 a
+    if pw.fmt == GGUF_IDS["Q6_K"]:      # a per 16 elements (u, s): W = 2^16 (q - 32) a
         a = pw.a.cpu()[: n // 16 * k // 64 * 64].reshape(n // 16, k // 64, 8, 2, 2, 2)
         a = a.permute(0, 3, 2, 1, 4, 5).reshape(n, k // 16).double().repeat_interleave(16, 1)
-        return (q * 2.0 ** sh * a - 8192.0 * a).float().numpy()
+        return (q * 2.0 ** 16 * a - 2.0 ** 21 * a).float().numpy()
     v = q * 2.0 ** sh + (0 if pw.fmt == GGUF_IDS["Q4_K"] else 2.0 ** 23)
     a = pairs(pw.a)
     b = a * -(2.0 ** 23 + 2.0 ** 15) if pw.b.numel() == 0 else pairs(pw.b)   # Q4_0, Q8_0
@@ -113,25 +117,41 @@ def test_wgmma_copy_decodes_bit_exact(fmt):
     same_bits(got[fin] + 0.0, want[fin].astype(np.float32) + 0.0)
 
 
-def test_h2_scales_round_once_like_float32():
-    """Q4_0's h2 decode for bf16 x (`h2_scales`): fma(q - 8, dh, dl (q - 8)) rounded once to
-    bf16, emulated exactly (float64 sum, one rounding), equals the dequantized weight rounded
-    to bf16, on edge bytes; dh + dl = d with both halves bf16 numbers."""
-    args, n, k, want = _weight("Q4_0", np.random.default_rng(41), 64, edge=True, dev="cpu")
+def _codes_nk(pw: "G.WgmmaWeight") -> torch.Tensor:
+    """The 4-bit codes q [N, K] (int64) of a packed copy, by the documented fragment order."""
+    n, k = pw.n, pw.k
+    c = pw.codes.cpu()[: n // 16 * k // 64 * 32 * 4].to(torch.int64) & 0xFFFFFFFF
+    vals = torch.stack([(c >> (4 * j)) & 15 for j in range(8)], -1)
+    q = vals.reshape(n // 16, k // 64, 8, 4, 2, 2, 2, 2, 2).permute(0, 4, 2, 1, 5, 8, 7, 3, 6)
+    return q.reshape(n, k)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "AWQ"])
+def test_h2_scales_round_once_like_float32(fmt):
+    """The h2 decode for bf16 x (`h2_scales`: words (dh, dl) and, AWQ, (o, o)): t = (128 + q)
+    + o = q - z exactly in bf16, then fma(t, dh, dl t) rounded once to bf16, emulated exactly
+    (float64 sum, one rounding), equals the dequantized weight rounded to bf16, on edge bytes /
+    scales; dh + dl = s with both halves bf16 numbers, o = -(128 + z) a bf16 number."""
+    args, n, k, want = _weight(fmt, np.random.default_rng(41), 64, edge=True, dev="cpu")
     pw = G.pack_wgmma(args[0], *args[1:4], args[4], k, n)
     hi, lo = G.h2_scales(pw)
 
-    def half(t):         # the low bf16 of each word, as float64 [N, K] (a's layout)
-        bits = (t.view(torch.int32) & 0xFFFF) << 16
+    def half(t, top):   # bf16 half of each word, as float64 [N, K] (a's layout)
+        bits = t.view(torch.int32)
+        bits = bits & -65536 if top else (bits & 0xFFFF) << 16
         t = bits.view(torch.float32)[: n // 16 * k // 64 * 32].reshape(n // 16, k // 64, 8, 2, 2)
         return t.permute(0, 3, 2, 1, 4).reshape(n, k // 32).double().repeat_interleave(32, 1)
 
-    dh, dl = half(hi), half(lo)
-    assert torch.equal(hi.view(torch.int32) >> 16 & 0xFFFF, hi.view(torch.int32) & 0xFFFF)
-    raw = args[1].reshape(n, k // 32, 18)
-    qs = raw[..., 2:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k).double() - 8
-    got = (q * dh + dl * q).float().bfloat16().float().numpy()
+    dh, dl = half(hi, False), half(hi, True)
+    if fmt == "Q4_0":   # o = -136, a constant of the kernel
+        assert lo.numel() == 0
+        o = -136.0
+    else:               # (o, o)
+        assert torch.equal(lo.view(torch.int32) >> 16 & 0xFFFF, lo.view(torch.int32) & 0xFFFF)
+        o = half(lo, False)
+    t = (128 + _codes_nk(pw)).double() + o
+    assert torch.equal(t, t.float().bfloat16().double())            # q - z exact in bf16
+    got = (t * dh + dl * t).float().bfloat16().float().numpy()
     fin = np.isfinite(want).all(axis=1)
     same_bits(got[fin] + 0.0, _bf16(want[fin]) + 0.0)
 
@@ -167,7 +187,15 @@ CASES = [(f, c) for c in LAUNCHES[:2] for f in FORMATS] + [(f, c) for c in LAUNC
        ("Q8_0", (8, 256, 5, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 256, 5, 2, 1, 0, 0, 0, 2)),
        *[(f, (8, 256, 5, 1, 1, 0, 0, 0, 2, 1)) for f in ("AWQ", "Q4_0", "Q4_K", "NF4")],
        ("Q6_K", (8, 256, 6, 2, 1, 0, 0, 0, 2)), ("Q6_K", (8, 128, 4, 2, 0, 0, 0, 0, 2)),
-       ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1))]   # wtma
+       ("Q4_0", WTMA), ("Q6_K", WTMA), ("Q8_0", (4, 128, 4, 1, 0, 0, 0, 0, 1, 1)),   # wtma
+       ("Q4_0", REGA[0]), ("NF4", REGA[0]),                                     # register A
+       *[(f, REGA[1]) for f in ("Q4_0", "Q8_0", "Q6_K")]]
+#: Q4_0's / AWQ's h2 decode (bf16x2) with the words by TMA, on the shared A buffer and on
+#: register A (their defaults), and AWQ's with the words loaded by the threads
+CASES += [*[(f, (8, 256, 5, 1, 1, 1, 0, 0, 2, 1)) for f in ("Q4_0", "AWQ")],
+          ("AWQ", (4, 256, 4, 2, 1, 1)),
+          ("Q4_0", (8, 256, 6, 2, 1, 1, 0, 0, 2, 1, 1)),
+          ("AWQ", (8, 256, 5, 2, 1, 1, 0, 0, 2, 1, 1))]
 
 
 @pytest.mark.cuda
@@ -281,3 +309,17 @@ def test_split_k_launches_on_two_streams_at_once_keep_apart():
     for a, o in zip(alone, outs):
         assert all(torch.equal(a, got) for got in o)
     check_product(alone[0], xs[0], want.T, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@NEEDS_SM90
+def test_register_a_launch_with_odd_steps_takes_the_shared_a_buffer():
+    """K = 384 split in two: 3 steps a program, so the register-A launches take one step an
+    iteration and the shared A buffer (`quant_gluon_rega.operand_path`), with fewer stages
+    where the ring and the A buffers would not fit (`fit_stages`): the product is right."""
+    from fuelgraph.backends.cuda.kernels import quant as K
+    for fmt in ("Q4_0", "Q8_0"):
+        args, n, k, want = _weight(fmt, np.random.default_rng(4), 256, k=384)
+        x = torch.randn(256, k, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+        check_product(K.run(args[0], x, *args[1:4], args[4], k, n), x, want.T, torch.bfloat16)
+

@@ -1,6 +1,6 @@
 """Launch plumbing shared by the Triton kernel modules: row tiling (`row_config`, `row_tile`,
-`launch_rows`), `flat_rows`, `next_pow2`, `num_sms`, `arrival_counters`. Conventions of every module of this
-package: inputs arrive contiguous (the planner makes them so), compute is float32, results are
+`launch_rows`), `flat_rows`, `next_pow2`, `num_sms`, the split launches' `arrival_counters`.
+Conventions of every module of this package: inputs arrive contiguous (the planner makes them so), compute is float32, results are
 stored in the input dtype. Kernels declare the dtypes they take (float64 is never one: those
 calls lower to the op's recipe) and need CUDA tensors, or CPU tensors under the Triton CPU
 interpreter (`TRITON_INTERPRET=1`, used for development and CPU tests)."""

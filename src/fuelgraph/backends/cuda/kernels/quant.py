@@ -293,13 +293,27 @@ PACKED_GEMM_MAX_M = 256
 #: 0.0675); Q6_K without the producer warp 0.0545 (64 x 128 0.0683). The first launch timed
 #: after the dense anchor measured up to 30% slower in every run (whatever the launch): these
 #: are the later positions.
-_WTMA5 = GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)
-_WS_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
+#: Session 11: the decoded tiles as the wgmmas' register operands (`rega`, two steps an
+#: iteration; no shared A tile: a step moves 96 KB through shared memory instead of 128), one
+#: stage more where it fits. H200 round 1 (each launch timed twice, interleaved; dense
+#: 0.0526-0.0565): M = 256 Q4_0 wtma 6 stages 0.0572-0.0576 (words loaded by the threads
+#: 0.0575; session 10's default 0.0635-0.0636), AWQ wtma 5 stages 0.0595-0.0603 (0.0637-0.0638),
+#: Q4_K 0.0617-0.0624 (0.0672), NF4 0.0631-0.0633 (0.0698-0.0707; 6 stages 0.0633-0.0638),
+#: Q8_0 6 stages, words loaded, 0.0605-0.0608 (0.0665-0.0681; 7 stages 0.0611-0.0617, wtma
+#: 0.0621-0.0629), Q6_K 0.0638-0.0643 (0.0715; 7 stages 0.0642-0.0644); M = 128 Q4_0 0.0430
+#: (0.0490-0.0493; dense 0.0354). Register A with one step an iteration: wrong (NaN).
+#: Round 2: Q4_0 / AWQ with the bf16x2 decode (h2, bf16 x; the scales by broadcast loads)
+#: 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604; Q6_K with the code at
+#: bit 16 (no FADD) 0.0642-0.0658 against 0.0656-0.0671 (dense 0.0541-0.0570).
+_RW5 = GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1)
+_R128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2, rega=1)
+_R6 = GluonGemmConfig(8, 256, 6, 2, 1, split=2, rega=1)
 GLUON_GEMM: dict = {
-    **{fmt: {128: _WS_128, 256: _WTMA5} for fmt in (GGUF_IDS["Q4_0"], AWQ, GGUF_IDS["Q4_K"], NF4)},
-    GGUF_IDS["Q8_0"]: {128: _WS_128, 256: GluonGemmConfig(8, 256, 5, 2, 1, split=2)},
-    GGUF_IDS["Q6_K"]: {128: GluonGemmConfig(8, 128, 4, 2, split=2),
-                       256: GluonGemmConfig(8, 256, 6, 2, 1, split=2)}}
+    GGUF_IDS["Q4_0"]: {128: _R128,
+                       256: GluonGemmConfig(8, 256, 6, 2, 1, 1, split=2, wtma=1, rega=1)},
+    AWQ: {128: _R128, 256: GluonGemmConfig(8, 256, 5, 2, 1, 1, split=2, wtma=1, rega=1)},
+    **{fmt: {128: _R128, 256: _RW5} for fmt in (GGUF_IDS["Q4_K"], NF4)},
+    **{GGUF_IDS[f]: {128: _R128, 256: _R6} for f in ("Q8_0", "Q6_K")}}
 
 
 def _with_gemm(fmt, route):

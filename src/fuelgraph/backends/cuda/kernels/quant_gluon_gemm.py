@@ -18,8 +18,10 @@ shift a nibble pair, one LOP3 a weight) or 8 (bytes: one PRMT a weight) and OR-e
 mantissa, exact); Q4_0 / AWQ / Q8_0: W = fma(v, a, b) with a = s 2^-SH and
 b = o - s 2^(23 - SH) exact (`quant_gluon_pack.wgmma_pairs`), so the fused result is the
 exact product s (q - z); Q4_K: fma(v - 2^23, a, b) = (d sc) q - dmin m rounded once, and Q6_K
-fma(v - 2^23, a, -8192 a) = (d sc) (q - 32) rounded once, as gguf-py; NF4: code[q] by a warp
-shuffle from the lanes' registers, times absmax.
+(SH = 16, q + 32 < 64) fma(v, a, -160 d sc) = (d sc) (q - 32) rounded once, as gguf-py; NF4:
+code[q] by a warp shuffle from the lanes' registers, times absmax; Q4_0 / AWQ with bf16 x
+(`h2`, the defaults): bf16x2 pairs, fma(q - z, dh, dl (q - z)) with s = dh + dl
+(`quant_gluon_pack.h2_scales`). The decodes: `quant_gluon_decode`.
 
 Kernel: a program owns BLOCK_N = 16 warps weight rows and BLOCK_M rows of x (acc [BLOCK_N,
 BLOCK_M] float32 in the wgmma layout, one warpgroup per 64 rows); x tiles [BLOCK_M, 64] in a
@@ -28,12 +30,16 @@ scales of the next iteration are loaded into the registers just decoded. The dec
 [BLOCK_N, 64] tile is a join / permute / reshape of the word planes whose layout is the
 DotOperandLayout up to register order (`convert_layout` moves no data: checked in the SASS by
 bench/sass_quant_gluon.py). It reaches the wgmma through a shared-memory A buffer (stmatrix,
-two buffers alternating, one CTA barrier a step): as the register operand the H200
-gave wrong results, because ptxas 12.8 (Triton 3.6's for sm_90) gives an in-flight wgmma's A
-registers to the next step's decode (the SASS writes them after a `wait_group 1`; CUDA 13.3's
-ptxas fixes this). ptxas serializes the wgmmas (`DEPBAR.LE gsb0, 0x0` after each) for some
-code shapes (a layout conversion in the epilogue, one step an iteration for some formats):
-bench/sass_quant_gluon.py flags it. Runs on sm_90 only (Gluon has no interpreter).
+two buffers alternating, one CTA barrier a step), or (`rega`) as its register operand. Then
+an iteration has two steps, two distinct tiles: with one, the PTX itself rewrites the tile's
+registers (the next iteration's decode) while its wgmma is still in flight (`wait_group 1`
+retires only the one before), which no ptxas can keep apart (session 9's wrong register-A
+results on the H200, one step an iteration; CUDA 12.8's and 13.0's ptxas give the same SASS:
+bench/sass_wgmma_regs.py checks that no instruction writes an HGMMA's A registers before
+the DEPBAR that retires it; `quant_gluon_rega`). ptxas serializes the wgmmas (`DEPBAR.LE
+gsb0, 0x0` after each) for some code shapes (a layout conversion in the epilogue, a zero-trip
+path that defines the accumulator): bench/sass_quant_gluon.py flags it. Runs on sm_90 only
+(Gluon has no interpreter).
 
 H200, N = K = 8192, M = 256 (session 9; dense cuBLAS 0.0511 ms): 64 x 256 tiles Q4_0 0.0769,
 AWQ 0.0760, Q4_K 0.0786, Q8_0 0.0775, NF4 0.0821, Q6_K 0.0785 ms. They read x 128 times from
@@ -50,13 +56,18 @@ warp and the words and scales brought by TMA into the x ring (`wtma`: no global 
 A fences wait for none) and 5 stages, H200 M = 256: Q4_0 0.0639, AWQ 0.0637, Q4_K 0.0665,
 NF4 0.0698; the 8-bit formats (whose wtma rings do not fit 5 stages) with the words loaded by
 the threads, Q8_0 5 stages 0.0667, Q6_K 6 stages 0.0697 (quant.GLUON_GEMM; dense cuBLAS
-0.050-0.057 in those runs). What is left is mostly shared-memory traffic: a step
-of a 128 x 256 tile moves 128 KB through shared memory (the two warpgroups' wgmma operand
-reads, the x tile by TMA, the decoded A tile by stmatrix) for 1024 cycles of tensor-core work,
-about the 128 bytes a cycle an SM has; the register-A wgmma would save the A tile's 32 KB.
-Lost on these tiles (session 10, round 1): late loads (Q4_0 0.0706 / Q8_0 0.0761 against
-0.0668 / 0.0721), rotated K (Q4_0 0.0687), the look-ahead loads right after each A fence
-(0.0708 / 0.0747; removed)."""
+0.050-0.057 in those runs). That left mostly shared-memory traffic: a step of a 128 x 256
+tile moved 128 KB through shared memory (the two warpgroups' wgmma operand reads, the x tile
+by TMA, the decoded A tile by stmatrix and its wgmma read) for 1024 cycles of tensor-core
+work, about the 128 bytes a cycle an SM has. Lost on these tiles (session 10, round 1): late
+loads (Q4_0 0.0706 / Q8_0 0.0761 against 0.0668 / 0.0721), rotated K (Q4_0 0.0687), the
+look-ahead loads right after each A fence (0.0708 / 0.0747; removed).
+
+Register A (`rega`, session 11, the defaults): no A tile in shared memory (96 KB a step),
+no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (dense cuBLAS
+0.053-0.057): Q4_0 0.057, AWQ 0.060, Q4_K 0.062, NF4 0.063, Q8_0 0.061, Q6_K 0.064 (session
+10's 0.064-0.072 in the same runs); M = 128 Q4_0 0.043 (0.049). It needs no particular ptxas:
+the PTX no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,6 +83,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .quant_gluon_pack import (_BFA, _BITS, _KIND, _PAIRS, GLUON_FORMATS, H2_MAGIC, MAGIC,
                                STEP_K, WgmmaWeight, h2_scales, pack_wgmma)
 from .common import arrival_counters
+from .quant_gluon_decode import B_OVER_A, _decode, _load_step, _smem_step  # noqa: F401
+from .quant_gluon_rega import fit_stages, operand_path
+from .quant_gluon_split import _split_epilogue
 from .quant_packed import packed_weight
 from .quant_tiles import AWQ, NF4, Q4_0, Q6_K
 
@@ -93,73 +107,6 @@ def gluon_ok(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int, cfg: "GluonGemmCo
 
 
 # ---- kernel ---------------------------------------------------------------------------------
-@gluon.jit
-def _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, kk, q_off, s_off, WORDS: gl.constexpr,
-               PAIRS: gl.constexpr, HAS_B: gl.constexpr, rot=0, steps=1,
-               ROT: gl.constexpr = False):
-    """Step kk's words [T * 32 * WORDS] and pairs' a, b [T * 32 * PAIRS] (flat, blocked: a
-    thread's WORDS words / PAIRS values contiguous); without b (NF4, Q6_K) b = a. ROT: step
-    kk of this program is step (kk + rot) % steps of K (look-ahead past the end wraps)."""
-    if ROT:
-        kk = (kk + rot) % steps
-    w = gl.load(q_ptr + (tile_q + kk * (32 * WORDS)) + q_off)
-    a = gl.load(a_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
-    if HAS_B:
-        b = gl.load(b_ptr + (tile_s + kk * (8 * PAIRS)) + s_off)
-    else:
-        b = a
-    return w, a, b
-
-
-@gluon.jit
-def _plane(KIND: gl.constexpr, w, j: gl.constexpr, a, b, magic):
-    """Plane j of the words w (float32, w's shape). 4-bit: nibble j at bit SH = 12 (j even) or
-    16 (j odd) of a view of the word (one shift a nibble pair), masked and OR-ed into 2^23 by
-    one LOP3 (magic 2^23's bits in a register), then one FMA with the pair (a, b) of this SH
-    (Q4_K: minus 2^23 first). Q8_0: byte j and 2^23 placed by one PRMT (v = 0x4B00qq00,
-    SH = 8), then one FMA."""
-    if KIND == 2 or KIND == 4:
-        SEL: gl.constexpr = 0x7504 + 16 * j
-        f = gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [w, magic],
-                                      dtype=gl.int32, is_pure=True, pack=1)
-        f = f.to(gl.float32, bitcast=True)
-        if KIND == 4:   # Q6_K: (2^8 q) (d sc 2^-8) - 32 d sc, rounded once as gguf-py
-            return gl.fma(f - 8388608.0, a, a * -8192.0)
-        return gl.fma(f, a, b)
-    if KIND == 3:       # NF4: code[q] from lane q's register (low 5 bits: lanes l, l + 16
-        #                 hold the same code), times absmax
-        if j == 0:
-            v = w
-        else:
-            v = w >> (4 * j)
-        c = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;",
-                                      "=r,r,r", [b, v], dtype=gl.int32, is_pure=True, pack=1)
-        return c.to(gl.float32, bitcast=True) * a
-    D: gl.constexpr = 8 * (j // 2) - 12
-    if D > 0:
-        v = w >> D
-    else:
-        v = w << -D
-    M: gl.constexpr = 0xF000 << (4 * (j % 2))
-    f = gl.inline_asm_elementwise(f"lop3.b32 $0, $1, {M}, $2, 0xEA;", "=r,r,r", [v, magic],
-                                  dtype=gl.int32, is_pure=True, pack=1)
-    f = f.to(gl.float32, bitcast=True)
-    if KIND == 1:
-        f = f - 8388608.0
-    return gl.fma(f, a, b)
-
-
-@gluon.jit
-def _pairs16(KIND: gl.constexpr, a, b):
-    """The pair of SH = 16 from the pair of SH = 12 (exact): a 2^-4; Q4_0 / AWQ:
-    b + s (2^11 - 2^7) = fma(a, 2^12 (2^11 - 2^7), b), the exact value o - s 2^7 (representable,
-    `wgmma_pairs`), so the single rounding is exact; Q4_K's b has no SH in it."""
-    a16 = a * 0.0625
-    if KIND == 1:
-        return a16, b
-    return a16, gl.fma(a, 8388608.0 - 524288.0, b)
-
-
 @gluon.constexpr_function
 def _mma_layout(T, block_m):
     """The wgmma accumulator layout of a [16 T, block_m] tile, 16 rows a warp."""
@@ -171,97 +118,6 @@ def _mma_layout(T, block_m):
 def _thread_run_layout(run, T):
     """A flat layout over T warps, `run` contiguous elements a thread (its words or pairs)."""
     return gl.BlockedLayout([run], [32], [T], [0])
-
-
-@gluon.constexpr_function
-def _h2_asm(m):
-    """PTX of `_h2_pair` for pair m: $0 = fma(t, dh, dl t), t = ((w >> 4m) & 0x000F000F |
-    128.0 x 2) - 136 as bf16x2 (operands: $1 words, $2 dh, $3 dl, $4 magic)."""
-    return ("{ .reg .b32 v, t, c, n; shr.b32 v, $1, %d; lop3.b32 v, v, 983055, $4, 0xEA; "
-            "mov.b32 n, 0xC308C308; add.rn.bf16x2 t, v, n; mul.rn.bf16x2 c, t, $3; "
-            "fma.rn.bf16x2 $0, t, $2, c; }" % (4 * m))
-
-
-@gluon.jit
-def _h2_pair(w, m: gl.constexpr, dh, dl, magic, dtype: gl.constexpr):
-    """Nibbles m and m + 4 of the words w as a bf16 pair [..., 2] (`h2_scales`): one LOP3
-    (the nibbles OR-ed into 128.0's mantissa: 128 + q), t = v - 136 = q - 8, then
-    fma(t, dh, dl t); magic = 0x43004300."""
-    r = gl.inline_asm_elementwise(_h2_asm(m), "=r,r,r,r,r", [w, dh, dl, magic], dtype=gl.int32,
-                                  is_pure=True, pack=1)
-    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    return gl.join(lo, hi)
-
-
-#: Q4_0 / Q8_0 (BFA): b = a B_OVER_A exactly (b = -d (8 + 2^11), a = d 2^-12; b = -d (128 + 2^15),
-#: a = d 2^-8: both -(2^23 + 2^15) a, 20 significant bits), so b is not stored
-B_OVER_A = -(2.0 ** 23 + 2.0 ** 15)
-
-
-@gluon.jit
-def _decode(KIND: gl.constexpr, w, a, b, magic, dtype: gl.constexpr, T: gl.constexpr,
-            a_layout: gl.constexpr, BFA: gl.constexpr = False):
-    """The [16 T, 64] weight tile (dtype, a_layout) of one step from the thread's words w
-    (flat [T * 32 * WORDS]) and pairs a, b (flat [T * 32 * 4]; BFA: b = a B_OVER_A): planes
-    decoded in float32, joined, permuted to K order and rounded to dtype in the fragment's
-    registers."""
-    if KIND == 5:       # Q4_0, bf16 x: bf16x2 pairs (nibbles m, m + 4) straight from the word
-        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
-        dh = gl.convert_layout(gl.reshape(a.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
-                               w5.type.layout)
-        dl = gl.convert_layout(gl.reshape(b.to(gl.int32, bitcast=True), [T, 8, 4, 2, 2]),
-                               w5.type.layout)
-        q0 = _h2_pair(w5, 0, dh, dl, magic, dtype)
-        q1 = _h2_pair(w5, 1, dh, dl, magic, dtype)
-        q2 = _h2_pair(w5, 2, dh, dl, magic, dtype)
-        q3 = _h2_pair(w5, 3, dh, dl, magic, dtype)
-        v = gl.join(gl.join(q0, q1), gl.join(q2, q3))     # t r p h u e s c (pair m = 2c + s)
-        v = gl.permute(v, [0, 3, 1, 4, 6, 7, 2, 5])            # t h r | u s c p e
-        return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout)
-    if KIND == 2 or KIND == 4:
-        w6 = gl.reshape(w, [T, 8, 4, 2, 2, 2])                 # t r p h u s
-        if KIND == 4:       # a scale per (u, s), no b
-            a6 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2, 2]), w6.type.layout)
-            b6 = a6
-        else:
-            a6 = gl.convert_layout(gl.reshape(gl.join(a, a), [T, 8, 4, 2, 2, 2]),
-                                   w6.type.layout)
-            if BFA:
-                b6 = a6 * -8421376.0
-            else:
-                b6 = gl.convert_layout(gl.reshape(gl.join(b, b), [T, 8, 4, 2, 2, 2]),
-                                       w6.type.layout)
-        p0 = _plane(KIND, w6, 0, a6, b6, magic)
-        p1 = _plane(KIND, w6, 1, a6, b6, magic)
-        p2 = _plane(KIND, w6, 2, a6, b6, magic)
-        p3 = _plane(KIND, w6, 3, a6, b6, magic)
-        v = gl.join(gl.join(p0, p1), gl.join(p2, p3))     # t r p h u s c e (byte 2e + c)
-    else:
-        w5 = gl.reshape(w, [T, 8, 4, 2, 2])                    # t r p h u
-        a5 = gl.convert_layout(gl.reshape(a, [T, 8, 4, 2, 2]), w5.type.layout)
-        if KIND == 3:       # NF4: b the lanes' codes (already in w's layout), no SH
-            b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
-            c5 = a5
-            d5 = b5
-        else:
-            if BFA:
-                b5 = a5 * -8421376.0
-            else:
-                b5 = gl.convert_layout(gl.reshape(b, [T, 8, 4, 2, 2]), w5.type.layout)
-            c5, d5 = _pairs16(KIND, a5, b5)
-        p0 = _plane(KIND, w5, 0, a5, b5, magic)
-        p1 = _plane(KIND, w5, 1, c5, d5, magic)
-        p2 = _plane(KIND, w5, 2, a5, b5, magic)
-        p3 = _plane(KIND, w5, 3, c5, d5, magic)
-        p4 = _plane(KIND, w5, 4, a5, b5, magic)
-        p5 = _plane(KIND, w5, 5, c5, d5, magic)
-        p6 = _plane(KIND, w5, 6, a5, b5, magic)
-        p7 = _plane(KIND, w5, 7, c5, d5, magic)
-        v = gl.join(gl.join(gl.join(p0, p1), gl.join(p2, p3)),
-                    gl.join(gl.join(p4, p5), gl.join(p6, p7)))  # t r p h u s c e (4e + 2c + s)
-    v = gl.permute(v, [0, 3, 1, 4, 5, 6, 2, 7])                # t h r | u s c p e
-    return gl.convert_layout(gl.reshape(v, [16 * T, 64]), a_layout).to(dtype)
 
 
 @gluon.jit
@@ -322,26 +178,28 @@ def _x_producer(x_desc, x_smem, ready, empty, m0, steps, STAGES: gl.constexpr, r
 
 
 @gluon.jit
-def _publish(t, step, a_smem):
+def _publish(t, step, a_smem, REGA: gl.constexpr = False):
     """The decoded tile t [BLOCK_N, 64] of `step` into the A buffer step % 2 (stmatrix), then
     the proxy fence for the wgmma's reads (`_launch`). The fence (MEMBAR.ALL.CTA) also waits
-    for the thread's global loads in flight."""
-    a_smem.index(step % 2).store(t)
-    fence_async_shared()
+    for the thread's global loads in flight. REGA: nothing (t is the wgmma's register A)."""
+    if not REGA:
+        a_smem.index(step % 2).store(t)
+        fence_async_shared()
 
 
 @gluon.jit
 def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             STAGES: gl.constexpr, NREF: gl.constexpr, WS: gl.constexpr, rot,
-            ROT: gl.constexpr, k0, wt=0, tile=0, WTMA: gl.constexpr = False):
+            ROT: gl.constexpr, k0, wt=0, tile=0, WTMA: gl.constexpr = False, t=0,
+            REGA: gl.constexpr = False):
     """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
     returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
-    shared memory (no register operand in flight: see the module docstring). The barrier also
+    shared memory; REGA: the decoded tile t itself is the register operand (ptxas must keep
+    its registers until the next wait: see the module docstring). The barrier also
     tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
     steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
     steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
     mbarrier."""
-    buf = a_smem.index(step % 2)
     gl.thread_barrier()
     for r in gl.static_range(NREF):
         done = step - 1 - NREF + r
@@ -353,18 +211,24 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                     WTMA)
     if not WTMA:    # (WTMA: waited for before the decode)
         mbarrier.wait(ready.index(step % STAGES), (step // STAGES) & 1)
-    acc = warpgroup_mma(buf, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    if REGA:
+        acc = warpgroup_mma(t, x_smem.index(step % STAGES).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, t))[0]
+    else:
+        acc = warpgroup_mma(a_smem.index(step % 2), x_smem.index(step % STAGES).permute((1, 0)),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return acc
 
 
 @gluon.jit
 def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc,
               m0, steps, KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0):
+              ROT: gl.constexpr, LATE: gl.constexpr, ksteps, k0, REGA: gl.constexpr = False):
     """The main loop of a program (`_gluon_gemm_kernel`, T warps) over its `steps` steps of
-    64, from step k0 of the ksteps of K: loads, decode, A buffer, wgmma. Returns (acc
-    [16 T, BLOCK_M] float32, all wgmmas retired,)."""
+    64, from step k0 of the ksteps of K: loads, decode, A buffer (REGA: none), wgmma. Returns
+    (acc [16 T, BLOCK_M] float32, all wgmmas retired,)."""
     BLOCK_N: gl.constexpr = 16 * T
     WORDS: gl.constexpr = 8 if KIND == 2 or KIND == 4 else 4
     PAIRS: gl.constexpr = 8 if KIND == 4 else 4
@@ -411,18 +275,18 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
         if not LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-        _publish(t0, st, a_smem)
+        _publish(t0, st, a_smem, REGA)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                      2 - SUB, WS, rot, ROT, k0)
+                      2 - SUB, WS, rot, ROT, k0, t=t0, REGA=REGA)
         if SUB == 2:
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
             if not LATE:
                 w1, a1, b1 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + 3, q_off,
                                         s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
-            _publish(t1, st + 1, a_smem)
+            _publish(t1, st + 1, a_smem, REGA)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                          STAGES, 2, WS, rot, ROT, k0)
+                          STAGES, 2, WS, rot, ROT, k0, t=t1, REGA=REGA)
         if LATE:
             w0, a0, b0 = _load_step(q_ptr, a_ptr, b_ptr, tile_q, tile_s, st + SUB, q_off,
                                     s_off, WORDS, PAIRS, HAS_B, rot, steps, ROT)
@@ -433,43 +297,10 @@ def _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, e
 
 
 @gluon.jit
-def _smem_pairs(buf, src, T: gl.constexpr, PAIRS: gl.constexpr, s_layout: gl.constexpr):
-    """A step's scales [T, 8 PAIRS] (shared memory, WTMA) -> flat [T * 32 * PAIRS] in
-    s_layout (lane l: its row group's PAIRS values, shared by the 4 lanes of the group): each
-    lane reads PAIRS / 4 of them, then a shuffle a value (src: the lane holding it)."""
-    Q: gl.constexpr = PAIRS // 4
-    v = buf.load(gl.BlockedLayout([1, Q], [1, 32], [T, 1], [1, 0])).to(gl.int32, bitcast=True)
-    v = gl.reshape(v, [T, 32, Q])
-    v = gl.join(v, v)
-    v = gl.permute(gl.join(v, v), [0, 1, 3, 4, 2])            # t l | c c q: each value 4 times
-    v = gl.convert_layout(gl.reshape(v, [T * 32 * PAIRS]), s_layout)
-    r = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
-                                  [v, src], dtype=gl.int32, is_pure=True, pack=1)
-    return r.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _smem_step(wt, sn, src, T: gl.constexpr, WORDS: gl.constexpr, PAIRS: gl.constexpr,
-               w_layout: gl.constexpr, s_layout: gl.constexpr, WTMA: gl.constexpr):
-    """Step's words (flat, w_layout) and pairs a, b (s_layout; WTMA 1, no b: b = a) from ring
-    buffer sn, in the registers `_load_step` gives."""
-    q_desc, a_desc, b_desc, q_ring, sa_ring, sb_ring = wt
-    HAS_B: gl.constexpr = WTMA == 2
-    w = q_ring.index(sn).load(gl.BlockedLayout([1, WORDS], [1, 32], [T, 1], [1, 0]))
-    w = gl.convert_layout(gl.reshape(w, [T * 32 * WORDS]), w_layout)
-    a = _smem_pairs(sa_ring.index(sn), src, T, PAIRS, s_layout)
-    if HAS_B:
-        b = _smem_pairs(sb_ring.index(sn), src, T, PAIRS, s_layout)
-    else:
-        b = a
-    return w, a, b
-
-
-@gluon.jit
 def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0, steps,
                   KIND: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                   SUB: gl.constexpr, BFA: gl.constexpr, WS: gl.constexpr, T: gl.constexpr, rot,
-                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr):
+                  ROT: gl.constexpr, k0, wt, WTMA: gl.constexpr, REGA: gl.constexpr = False):
     """`_consumer` with the weight tile's words and scales brought by TMA into the x ring's
     buffers (WTMA): no global load in the loop, so the A fences wait for none."""
     BLOCK_N: gl.constexpr = 16 * T
@@ -492,88 +323,31 @@ def _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
         codes = 0
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
     # (at least one iteration: else the zero-trip path's acc, placed after the loop, makes
-    # ptxas serialize the wgmmas)
+    # ptxas serialize the wgmmas; LLVM does not infer steps // 2 >= 1 from the assume)
     gl.assume(steps >= SUB)
-    for it in range(steps // SUB):
+    iters = steps
+    if SUB == 2:
+        iters = gl.maximum(steps // 2, 1)
+    for it in range(iters):
         st = it * SUB
         mbarrier.wait(ready.index(st % STAGES), (st // STAGES) & 1)
         w0, a0, b0 = _smem_step(wt, st % STAGES, src, T, WORDS, PAIRS, w_layout, s_layout,
-                                WTMA)
+                                WTMA, KIND == 5)
         t0 = _decode(KIND, w0, a0, codes if KIND == 3 else b0, magic, dtype, T, a_layout,
                      BFA)
-        _publish(t0, st, a_smem)
+        _publish(t0, st, a_smem, REGA)
         acc = _launch(acc, st, a_smem, x_smem, ready, empty, x_desc, m0, steps, STAGES,
-                      2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA)
+                      2 - SUB, WS, rot, ROT, k0, wt, tile, WTMA, t0, REGA)
         if SUB == 2:
             mbarrier.wait(ready.index((st + 1) % STAGES), ((st + 1) // STAGES) & 1)
             w1, a1, b1 = _smem_step(wt, (st + 1) % STAGES, src, T, WORDS, PAIRS, w_layout,
-                                    s_layout, WTMA)
+                                    s_layout, WTMA, KIND == 5)
             t1 = _decode(KIND, w1, a1, codes if KIND == 3 else b1, magic, dtype, T,
                          a_layout, BFA)
-            _publish(t1, st + 1, a_smem)
+            _publish(t1, st + 1, a_smem, REGA)
             acc = _launch(acc, st + 1, a_smem, x_smem, ready, empty, x_desc, m0, steps,
-                          STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA)
+                          STAGES, 2, WS, rot, ROT, k0, wt, tile, WTMA, t1, REGA)
     return (warpgroup_mma_wait(num_outstanding=0, deps=(acc, )), )
-
-
-@gluon.jit
-def _halves(t):
-    """t [R, C] -> its column halves [R, C / 2] (register moves only: in the wgmma layout the
-    top column bit is a register bit)."""
-    R: gl.constexpr = t.shape[0]
-    C: gl.constexpr = t.shape[1]
-    return gl.split(gl.permute(gl.reshape(t, [R, 2, C // 2]), [0, 2, 1]))
-
-
-@gluon.jit
-def _add_chunk(acc, c0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, TOTAL_M: gl.constexpr):
-    """out[m0 + c0 + j, n0 + i] = acc[i, j] + the partial's (i, c0 + j) (the tile's float32
-    partial is [BLOCK_N, TOTAL_M] row-major), for a column chunk acc [BLOCK_N, C]."""
-    lay: gl.constexpr = acc.type.layout
-    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
-    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, lay))
-    pp = part_ptr + tile_id.to(gl.int64) * (acc.shape[0] * TOTAL_M) + rows[:, None] * TOTAL_M \
-        + (c0 + cols)[None, :]
-    part = gl.load(pp, cache_modifier=".cg")
-    offs_m = m0 + c0 + cols
-    ptrs = out_ptr + offs_m.to(gl.int64)[None, :] * stride_o + (n0 + rows)[:, None]
-    gl.store(ptrs, (acc + part).to(out_ptr.dtype.element_ty), mask=(offs_m < M)[None, :])
-
-
-@gluon.jit
-def _split_epilogue(acc, out_ptr, n0, m0, M, stride_o, part_ptr, cnt_ptr, tile_id,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, mma_layout: gl.constexpr):
-    """Split K in two: the two programs of a tile meet here. The first to arrive (one atomic
-    on the tile's counter, +1) writes its float32 acc to the workspace and releases the
-    counter (+2: 4 = both arrived and the partial written, in either order); the second (+1)
-    waits for it (the first is past
-    its main loop, so the wait cannot block on a program not yet started), adds the partial
-    (a + b: the same bits whichever came first) in four column chunks (the whole partial
-    next to acc would not fit the registers), stores the result, then resets the counter for
-    the next launch."""
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    cnt = cnt_ptr + tile_id
-    if gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == 0:
-        pp = part_ptr + tile_id.to(gl.int64) * (BLOCK_N * BLOCK_M) + rows[:, None] * BLOCK_M \
-            + cols[None, :]
-        gl.store(pp, acc, cache_modifier=".cg")
-        gl.thread_barrier()
-        gl.atomic_add(cnt, 2, sem="release", scope="gpu")
-    else:
-        while gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") != 4:
-            pass
-        gl.thread_barrier()
-        lo, hi = _halves(acc)
-        q0, q1 = _halves(lo)
-        q2, q3 = _halves(hi)
-        Q: gl.constexpr = BLOCK_M // 4
-        _add_chunk(q0, 0, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
-        _add_chunk(q1, Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
-        _add_chunk(q2, 2 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
-        _add_chunk(q3, 3 * Q, out_ptr, n0, m0, M, stride_o, part_ptr, tile_id, BLOCK_M)
-        gl.thread_barrier()
-        gl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -583,7 +357,7 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
                        SUB: gl.constexpr, num_warps: gl.constexpr, BFA: gl.constexpr = False,
                        WS: gl.constexpr = False, ROT: gl.constexpr = False,
                        LATE: gl.constexpr = False, SPLIT: gl.constexpr = 1,
-                       WTMA: gl.constexpr = False):
+                       WTMA: gl.constexpr = False, REGA: gl.constexpr = False):
     """out[M, N] = x[M, K] @ W.T for W's rows [pid_n * BLOCK_N, ...) (BLOCK_N = 16 num_warps)
     and x's rows [pid_m * BLOCK_M, ...); x_desc: TMA descriptor of x in [BLOCK_M, 64] blocks;
     q_ptr / a_ptr / b_ptr: the fragment-order codes and pairs (`pack_wgmma`, padded by two
@@ -598,7 +372,8 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
     `_split_epilogue` (part_ptr: float32 workspace of BLOCK_N x BLOCK_M a tile; cnt_ptr: int32
     counter a tile, zero between launches). WTMA: the words and scales come by TMA with the x
     tiles (q_desc / a_desc / b_desc: the copies as [N / 16, K / 64 * 32 * WORDS] /
-    [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks; b_desc = a_desc without b)."""
+    [N / 16, K / 64 * 8 * PAIRS] in [num_warps, ...] blocks; b_desc = a_desc without b).
+    REGA: the decoded tile is the wgmma's register operand (no A buffer; `quant_gluon_rega`)."""
     BLOCK_N: gl.constexpr = 16 * num_warps
     dtype: gl.constexpr = x_desc.dtype
     pid_n = gl.program_id(0)
@@ -609,15 +384,18 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
     m0 = pid_m * BLOCK_M
     rot = pid_n % steps
     x_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 64], x_desc.layout)
-    a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, 64],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
+    if REGA:
+        a_smem = x_smem     # (unused)
+    else:
+        a_smem = gl.allocate_shared_memory(
+            dtype, [2, BLOCK_N, 64], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     tile = pid_n * num_warps
-    HAS_B: gl.constexpr = KIND < 3 and not BFA
+    HAS_B: gl.constexpr = (KIND < 3 or KIND == 5) and not BFA
     WT: gl.constexpr = (2 if HAS_B else 1) if WTMA else 0      # (1: no b, 2: with b)
     if WTMA:
         q_ring = gl.allocate_shared_memory(gl.int32, [STAGES, num_warps,
@@ -642,26 +420,26 @@ def _gluon_gemm_kernel(x_desc, q_desc, a_desc, b_desc, q_ptr, a_ptr, b_ptr, c_pt
             acc = gl.warp_specialize([(_consumer_tma, (c_ptr, pid_n, magic, a_smem, x_smem,
                                                        ready, empty, x_desc, m0, steps, KIND,
                                                        BLOCK_M, STAGES, SUB, BFA, WS,
-                                                       num_warps, rot, ROT, k0, wt, WT)),
+                                                       num_warps, rot, ROT, k0, wt, WT, REGA)),
                                       (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                      STAGES, rot, ROT, k0, wt, tile, WT))],
                                      [1], [40])[0]
         else:
             acc = _consumer_tma(c_ptr, pid_n, magic, a_smem, x_smem, ready, empty, x_desc, m0,
                                 steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot, ROT,
-                                k0, wt, WT)[0]
+                                k0, wt, WT, REGA)[0]
     elif WS:
         acc = gl.warp_specialize([(_consumer, (q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem,
                                                x_smem, ready, empty, x_desc, m0, steps, KIND,
                                                BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                                               ROT, LATE, ksteps, k0)),
+                                               ROT, LATE, ksteps, k0, REGA)),
                                   (_x_producer, (x_desc, x_smem, ready, empty, m0, steps,
                                                  STAGES, rot, ROT, k0, wt, tile, WT))],
                                  [1], [40])[0]
     else:
         acc = _consumer(q_ptr, a_ptr, b_ptr, c_ptr, pid_n, magic, a_smem, x_smem, ready, empty,
                         x_desc, m0, steps, KIND, BLOCK_M, STAGES, SUB, BFA, WS, num_warps, rot,
-                        ROT, LATE, ksteps, k0)[0]
+                        ROT, LATE, ksteps, k0, REGA)[0]
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -685,13 +463,16 @@ class GluonGemmConfig:
     """block_n = 16 num_warps weight rows (one warpgroup a 64) x block_m rows of x a program
     (acc [block_n, block_m] float32), `stages` x tiles of [block_m, 64] in flight, `sub` steps
     of 64 an iteration (2: the x refills of both after the second; 1 lets ptxas serialize the
-    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's bf16x2
-    decode for bf16 x, rot: each program starts K at its own step (spreads the x reads),
+    wgmmas for some formats), ws: one more warp issues the x copies, h2: Q4_0's / AWQ's
+    bf16x2 decode for bf16 x (with wtma: the scales by broadcast loads), rot: each program
+    starts K at its own step (spreads the x reads),
     late: the next iteration's loads after the last A fence of the iteration, split: K in
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
     wtma: the words and scales by TMA with the x tiles (no global load in the loop; one step
-    an iteration: with two, ptxas serializes the wgmmas)."""
+    an iteration: with two, ptxas serializes the wgmmas); rega: the decoded tile as the
+    wgmma's register operand where the ptxas Triton uses keeps it (`quant_gluon_rega`), else
+    through the shared A buffer."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -702,6 +483,7 @@ class GluonGemmConfig:
     late: int = 0
     split: int = 1
     wtma: int = 0
+    rega: int = 0
 
     @property
     def block_n(self) -> int:
@@ -713,7 +495,8 @@ class GluonGemmConfig:
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
-                + (",wtma" if self.wtma else "") + "]")
+                + (",wtma" if self.wtma else "")
+                + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
@@ -757,9 +540,9 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, STEP_K], x_layout(cfg.block_m, gdt))
     grid = (n // cfg.block_n, (m + cfg.block_m - 1) // cfg.block_m)
     table = w2 if fmt == NF4 else pw.a
-    h2 = bool(cfg.h2) and fmt == Q4_0 and x.dtype == torch.bfloat16
+    h2 = bool(cfg.h2) and fmt in (Q4_0, AWQ) and x.dtype == torch.bfloat16
     sa, sb = h2_scales(pw) if h2 else (pw.a, pw.b)
-    wtma = bool(cfg.wtma) and not h2
+    wtma = bool(cfg.wtma)
     wd = weight_descs(fmt, pw, sa, sb, cfg.num_warps) if wtma else (desc, desc, desc)
     split = cfg.split if cfg.split == 2 and (k // STEP_K) % 2 == 0 else 1
     steps = k // STEP_K // split
@@ -771,14 +554,18 @@ def run_gluon_gemm(fmt: int, x, w0, w1, w2, i0: int, k: int, n: int,
     else:
         part = torch.empty(grid[0] * grid[1] * cfg.block_n * cfg.block_m, dtype=torch.float32,
                            device=x.device)
+    sub, rega = operand_path(cfg, steps, wtma)
+    # (a stage: the x tile, wtma: the words and pairs; without rega: the two A buffers)
+    words, pairs = 32 * (8 if _BITS[fmt] == 8 else 4), 8 * _PAIRS[_KIND[fmt]]
+    has_b = _KIND[fmt] < 3 and fmt not in _BFA
+    ring = 2 * cfg.block_m * STEP_K + (4 * cfg.num_warps * (words + pairs * (1 + has_b))
+                                       if wtma else 0)
+    stages = fit_stages(cfg.stages, ring, 0 if rega else 4 * cfg.block_n * STEP_K)
     _gluon_gemm_kernel[grid + (split, )](desc, *wd, pw.codes, sa, sb, table, out, part, cnt, m,
-                                         n, k,
-                                         out.stride(0), H2_MAGIC if h2 else MAGIC,
+                                         n, k, out.stride(0), H2_MAGIC if h2 else MAGIC,
                                          KIND=5 if h2 else _KIND[fmt],
-                                         BLOCK_M=cfg.block_m, STAGES=cfg.stages,
-                                         SUB=cfg.sub if steps % cfg.sub == 0 and not wtma else 1,
-                                         BFA=fmt in _BFA and not h2, WS=bool(cfg.ws),
+                                         BLOCK_M=cfg.block_m, STAGES=stages, SUB=sub,
+                                         BFA=fmt in _BFA, WS=bool(cfg.ws),
                                          ROT=bool(cfg.rot), LATE=bool(cfg.late), SPLIT=split,
-                                         WTMA=wtma,
-                                         num_warps=cfg.num_warps)
+                                         WTMA=wtma, REGA=rega, num_warps=cfg.num_warps)
     return out.reshape(*x.shape[:-1], n)

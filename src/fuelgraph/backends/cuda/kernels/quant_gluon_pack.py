@@ -12,7 +12,8 @@ Q6_K): 8 words [h, u, s], element (c, e) byte 2 e + c. So codes are int32 [N / 1
 one thread: u is the block (Q6_K's 16-element blocks: (u, s)). Scales: per (row, block) the
 float32 pair (a, b) of W = fma(v, a, b) in two arrays [N / 16, K / 64, 8 r, 2 h, 2 u] (a
 thread's four a's are one 16-byte load, shared by the 4 lanes of a row group); Q4_0 / Q8_0
-store no b (a fixed multiple of a), NF4 and Q6_K neither.
+store no b (a fixed multiple of a), NF4 and Q6_K neither (Q6_K: a = d sc 2^-16, its code at
+bit 16 of v).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from .quant_packed import _q4k_scale_min, _unpack_awq, q6k_fields
 from .quant_tiles import AWQ, NF4, Q4_0, Q4_K, Q6_K, Q8_0
 
 #: formats of this kernel; kind: 0 affine 4-bit (Q4_0, AWQ), 1 Q4_K (v - 2^23 first), 2 Q8_0,
-#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements)
+#: 3 NF4 (code by warp shuffle, times absmax), 4 Q6_K (8-bit codes, a scale a 16 elements);
+#: 5 (the kernel's only): Q4_0 / AWQ's bf16x2 decode (h2)
 GLUON_FORMATS = frozenset({Q4_0, AWQ, Q4_K, Q8_0, NF4, Q6_K})
 _KIND = {Q4_0: 0, AWQ: 0, Q4_K: 1, Q8_0: 2, NF4: 3, Q6_K: 4}
 _BITS = {Q4_0: 4, AWQ: 4, Q4_K: 4, Q8_0: 8, NF4: 4, Q6_K: 8}
@@ -122,10 +124,10 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         a = w1.reshape(n, k // i0).float().repeat_interleave(i0 // 32, dim=1)
         return WgmmaWeight(fmt, _padded(_codes(q, 4)), _padded(_pair_tiles(a)),
                            _padded(_pair_tiles(torch.zeros_like(a))), n, k)
-    elif fmt == Q6_K:   # a = (d sc) 2^-8 a 16 elements; b = -32 (d sc) = -8192 a in the kernel
+    elif fmt == Q6_K:   # a = (d sc) 2^-16 a 16 elements; b = -160 (d sc) in the kernel
         q, d, sc = q6k_fields(w0, n, k)                                    # q + 32, 0..63
         sc = sc.view(torch.int8).float()
-        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -8        # exact
+        a = d.float().repeat_interleave(16, dim=1) * sc * 2.0 ** -16       # exact
         a = a.reshape(n // 16, 2, 8, k // 64, 2, 2).permute(0, 3, 2, 1, 4, 5).contiguous()
         return WgmmaWeight(fmt, _padded(_codes(q, 8)), _padded(a), _padded(a[..., :0]), n, k)
     elif fmt == AWQ:
@@ -134,6 +136,7 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
         z = _unpack_awq(w1).t().float().repeat_interleave(rep, dim=1)
         s = w2.t().float().repeat_interleave(rep, dim=1)
         o = -(z * s)
+        extra = {"z": _padded(_pair_tiles(z))}    # (the h2 decode's offsets, `h2_scales`)
     else:
         raise ValueError(f"no wgmma layout for format {fmt}")
     a, b = wgmma_pairs(fmt, s, o)
@@ -141,7 +144,7 @@ def pack_wgmma(fmt: int, w0, w1, w2, i0: int, k: int, n: int) -> WgmmaWeight:
     if fmt in _BFA:     # b = a B_OVER_A in the kernel
         b = b[..., :0]
     return WgmmaWeight(fmt, _padded(_codes(q, _BITS[fmt])), _padded(_pair_tiles(a)), _padded(b),
-                       n, k)
+                       n, k, extra if fmt == AWQ else {})
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -154,18 +157,26 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 
 
 def h2_scales(pw: WgmmaWeight):
-    """Q4_0 for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2 words
-    (dh, dh) and (dl, dl) with d = dh + dl, dh = d truncated to bf16's 8 significant bits and
-    dl the rest (at most 3 bits: both exact in bf16), as float32-typed tensors; made once.
-    Then t = q - 8 (exact), dl t (at most 6 bits: exact) and fma(t, dh, dl t) =
-    RN_bf16(d (q - 8)): one rounding of the exact product, as the float32 path's."""
+    """Q4_0 / AWQ for bf16 x (the h2 decode): per (row, block), in a's layout, the bf16x2
+    words (dh, dl) with s = dh + dl (the block's scale: Q4_0 d, AWQ s), dh = s truncated to
+    bf16's 8 significant bits and dl the rest (at most 3 bits: both exact in bf16) and, AWQ,
+    (o, o) with o = -(128 + z) (Q4_0: z = 8, a constant in the kernel: no second array), as
+    float32-typed tensors; made once. Then t = (128 + q) + o = q - z (exact), dl t (at most
+    7 bits: exact) and fma(t, dh, dl t) = RN_bf16(s (q - z)): one rounding of the exact
+    product, as the float32 path's."""
     hit = pw.extra.get("h2")
     if hit is None:
-        d = pw.a * 4096.0                                           # a = d 2^-12, exact
+        d = pw.a * 4096.0                                           # a = s 2^-12, exact
         hi = d.view(torch.int32) & -65536                           # top 16 bits: bf16 dh
         lo = (d - hi.view(torch.float32)).view(torch.int32) & -65536
-        fin = torch.isfinite(d)         # (an infinite d gives NaN, as the float32 path)
+        fin = torch.isfinite(d)         # (an infinite s gives NaN, as the float32 path)
         assert torch.equal((hi.view(torch.float32) + lo.view(torch.float32))[fin], d[fin])
-        word = lambda v: (((v >> 16) & 0xFFFF) * 65537).to(torch.int32)      # noqa: E731
-        hit = pw.extra["h2"] = (word(hi).view(torch.float32), word(lo).view(torch.float32))
+        half = lambda v: (v >> 16) & 0xFFFF                           # noqa: E731
+        pair = lambda a, b: (a | (b << 16)).to(torch.int32).view(torch.float32)  # noqa: E731
+        if "z" in pw.extra:
+            o = (-(128.0 + pw.extra["z"])).view(torch.int32)          # exact in bf16
+            offsets = pair(half(o), half(o))
+        else:
+            offsets = pw.b                                            # (empty: Q4_0)
+        hit = pw.extra["h2"] = (pair(half(hi), half(lo)), offsets)
     return hit
