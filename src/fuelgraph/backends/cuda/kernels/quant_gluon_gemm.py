@@ -681,7 +681,7 @@ class GluonGemmConfig:
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
-                + (",wtma" if self.wtma else "") + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1") + "]")
+                + (",wtma" if self.wtma else "") + (",regA" if self.rega else "") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its
