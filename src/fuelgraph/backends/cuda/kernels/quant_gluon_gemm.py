@@ -348,8 +348,9 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             REGA: gl.constexpr = False):
     """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
     returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
-    shared memory; REGA: the decoded tile t itself is the register operand (ptxas must keep
-    its registers until the next wait: see the module docstring). The barrier also
+    shared memory; REGA: the decoded tile t itself is the register operand (read until the
+    next step's wait: the caller decodes the next step into other registers, two steps an
+    iteration; `quant_gluon_rega`). The barrier also
     tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
     steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
     steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
@@ -656,9 +657,9 @@ class GluonGemmConfig:
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
     wtma: the words and scales by TMA with the x tiles (no global load in the loop; one step
-    an iteration: with two, ptxas serializes the wgmmas); rega: the decoded tile as the
-    wgmma's register operand where the ptxas Triton uses keeps it (`quant_gluon_rega`), else
-    through the shared A buffer."""
+    an iteration, unless rega); rega: the decoded tiles as the wgmmas' register operands (no A
+    buffer) where an iteration has two steps (`quant_gluon_rega.operand_path`), else through
+    the shared A buffer."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
