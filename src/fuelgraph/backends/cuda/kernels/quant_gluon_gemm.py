@@ -62,10 +62,11 @@ loads (Q4_0 0.0706 / Q8_0 0.0761 against 0.0668 / 0.0721), rotated K (Q4_0 0.068
 look-ahead loads right after each A fence (0.0708 / 0.0747; removed).
 
 Register A (`rega`, session 11, the defaults): no A tile in shared memory (96 KB a step),
-no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (dense cuBLAS
-0.053-0.057): Q4_0 0.057, AWQ 0.060, Q4_K 0.062, NF4 0.063, Q8_0 0.061, Q6_K 0.064 (session
-10's 0.064-0.072 in the same runs); M = 128 Q4_0 0.043 (0.049). It needs no particular ptxas:
-the PTX no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
+no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (two runs;
+dense cuBLAS 0.053-0.057): Q4_0 0.057-0.058, AWQ 0.060-0.062, Q4_K 0.062-0.064, NF4
+0.063-0.065, Q8_0 0.060-0.063, Q6_K 0.063-0.064 (session 10's 0.064-0.072 in the same runs);
+M = 128 (dense 0.037-0.039) 0.043-0.050 (0.049-0.055). It needs no particular ptxas: the PTX
+no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
