@@ -145,7 +145,8 @@ def rega_hazards(sass: str) -> tuple[int, list[str]]:
             w = written_regs(ins)
             for r, k, src in s:
                 if r in w:
-                    found[(a, r)] = f"{a:#06x}: {ins} writes R{r} of the in-flight HGMMA at {src:#06x}"
+                    found[(a, r)] = (f"{a:#06x}: {ins} writes R{r} of the in-flight HGMMA at "
+                                     f"{src:#06x}")
         for j in succ[i]:
             new = frozenset(s) if state[j] is None else state[j] | s
             if new != state[j]:
