@@ -123,7 +123,7 @@ for _op in CANDIDATES:
 #: 0.0631 / 0.0633, 6 0.0638 / 0.0633 (0.0698 / 0.0707); AWQ wtma 5 0.0603 / 0.0595 (0.0638 /
 #: 0.0637); Q4_K wtma 5 0.0624 / 0.0617 (0.0851 / 0.0672). M = 128 Q4_0 (8,128,4,2,1,...,0,1)
 #: 0.0430 / 0.0430 (0.0493 / 0.0490; dense 0.0354). Register A with one step an iteration
-#: (rega 2): NaN.
+#: (forced then; no longer selectable): NaN.
 _OLD10_128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2)
 OLD10 = {**{op: {128: _OLD10_128, 256: GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1)}
             for op in ("Q4_0", "awq", "Q4_K", "nf4")},

@@ -33,9 +33,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from sass_common import BIN, dump  # noqa: E402
 
 CUDA13 = "/usr/local/cuda-13.0/bin/ptxas"
-#: register-A launches: with one step an iteration (rega 2: the PTX rewrites an in-flight
-#: operand, the hazard this finds), two with the words by TMA, two loaded by the threads
-OTHER_CFGS = "8,256,5,1,1,0,0,0,2,1,2;8,256,5,2,1,0,0,0,2,1,1;8,256,6,2,1,0,0,0,2,0,1"
+#: register-A launches (compiled as given: the run-time selection `operand_path` is not
+#: applied): one step an iteration (the PTX rewrites an in-flight operand, the hazard this
+#: finds), two with the words by TMA, two loaded by the threads
+OTHER_CFGS = "8,256,5,1,1,0,0,0,2,1,1;8,256,5,2,1,0,0,0,2,1,1;8,256,6,2,1,0,0,0,2,0,1"
 
 
 def assemble(ptx: str, ptxas: str, version: str | None = None) -> tuple[bytes, str]:
@@ -144,7 +145,8 @@ def rega_hazards(sass: str) -> tuple[int, list[str]]:
             w = written_regs(ins)
             for r, k, src in s:
                 if r in w:
-                    found[(a, r)] = f"{a:#06x}: {ins} writes R{r} of the in-flight HGMMA at {src:#06x}"
+                    found[(a, r)] = (f"{a:#06x}: {ins} writes R{r} of the in-flight HGMMA at "
+                                     f"{src:#06x}")
         for j in succ[i]:
             new = frozenset(s) if state[j] is None else state[j] | s
             if new != state[j]:

@@ -1,5 +1,5 @@
 """Which operand path a Gluon GEMM launch takes (`quant_gluon_rega`, no GPU needed): register A
-only with two steps an iteration (rega 1; rega 2 forces it), the words by TMA with two steps
+only with two steps an iteration, the words by TMA with two steps
 only with register A; how many ring stages fit in shared memory."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fuelgraph.backends.cuda.kernels.quant_gluon_gemm import GluonGemmConfig
     (GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1), 64, True, (2, True)),
     (GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1), 64, True, (1, False)),
     (GluonGemmConfig(8, 256, 5, 1, 1, split=2, rega=1), 64, False, (1, False)),
-    (GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1, rega=2), 64, True, (1, True)),
+    (GluonGemmConfig(8, 256, 5, 1, 1, split=2, wtma=1, rega=1), 64, True, (1, False)),
 ])
 def test_operand_path(cfg, steps, wtma, want):
     assert R.operand_path(cfg, steps, wtma) == want

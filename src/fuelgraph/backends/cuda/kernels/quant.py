@@ -301,9 +301,17 @@ PACKED_GEMM_MAX_M = 256
 #: Q4_K 0.0617-0.0624 (0.0672), NF4 0.0631-0.0633 (0.0698-0.0707; 6 stages 0.0633-0.0638),
 #: Q8_0 6 stages, words loaded, 0.0605-0.0608 (0.0665-0.0681; 7 stages 0.0611-0.0617, wtma
 #: 0.0621-0.0629), Q6_K 0.0638-0.0643 (0.0715; 7 stages 0.0642-0.0644); M = 128 Q4_0 0.0430
-#: (0.0490-0.0493; dense 0.0354). Register A with one step an iteration: wrong (NaN).
-#: Round 2: Q4_0 / AWQ with the bf16x2 decode (h2, bf16 x; the scales by broadcast loads)
-#: 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604; Q6_K with the code at
+#: (0.0490-0.0493; dense 0.0354). Register A with one step an iteration: wrong (NaN). Round 2
+#: (these defaults against session 10's, twice each; dense 0.0533-0.0572 / 0.0365-0.0387):
+#: M = 256 Q4_0 0.0579 / 0.0581 (0.0639 / 0.0644), AWQ 0.0617 / 0.0606 (0.0647 / 0.0653), Q4_K
+#: 0.0645 / 0.0625 (0.0687 / 0.0684), NF4 0.0645 after a first 0.0744 (0.0706 / 0.0698), Q8_0
+#: 0.0604 / 0.0634 (0.0704 / 0.0693), Q6_K 0.0632 (0.0718); words loaded by the threads, 6
+#: stages, for the 4-bit ones: 0.0582-0.0657, the same within noise. M = 128: Q4_0 0.0436 /
+#: 0.0432 (0.0490 / 0.0491), AWQ 0.0478 / 0.0466 (0.0503 / 0.0502), Q4_K 0.0493 / 0.0475
+#: (0.0517 / 0.0515), NF4 0.0482 / 0.0466 (0.0540 / 0.0536), Q8_0 0.0497 / 0.0481 (0.0516 /
+#: 0.0514), Q6_K 0.0497 / 0.0483 (0.0546 / 0.0545).
+#: Decodes, round 2 on register A: Q4_0 / AWQ with the bf16x2 decode (h2, bf16 x; the scales
+#: by broadcast loads) 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604; Q6_K with the code at
 #: bit 16 (no FADD) 0.0642-0.0658 against 0.0656-0.0671 (dense 0.0541-0.0570).
 _RW5 = GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1)
 _R128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2, rega=1)

@@ -64,10 +64,11 @@ loads (Q4_0 0.0706 / Q8_0 0.0761 against 0.0668 / 0.0721), rotated K (Q4_0 0.068
 look-ahead loads right after each A fence (0.0708 / 0.0747; removed).
 
 Register A (`rega`, session 11, the defaults): no A tile in shared memory (96 KB a step),
-no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (dense cuBLAS
-0.053-0.057): Q4_0 0.057, AWQ 0.060, Q4_K 0.062, NF4 0.063, Q8_0 0.061, Q6_K 0.064 (session
-10's 0.064-0.072 in the same runs); M = 128 Q4_0 0.043 (0.049). It needs no particular ptxas:
-the PTX no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
+no stmatrix, no proxy fence, and the freed 32 KB a sixth stage. H200 M = 256 (two runs;
+dense cuBLAS 0.053-0.057): Q4_0 0.057-0.058, AWQ 0.060-0.062, Q4_K 0.062-0.064, NF4
+0.063-0.065, Q8_0 0.060-0.063, Q6_K 0.063-0.064 (session 10's 0.064-0.072 in the same runs);
+M = 128 (dense 0.037-0.039) 0.043-0.050 (0.049-0.055). It needs no particular ptxas: the PTX
+no longer writes an in-flight operand (the SASS check above, CUDA 12.8 and 13.0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -194,8 +195,9 @@ def _launch(acc, step, a_smem, x_smem, ready, empty, x_desc, m0, steps,
             REGA: gl.constexpr = False):
     """acc += A buffer step % 2 (`_publish`ed) [BLOCK_N, 64] @ x tile of `step` (async;
     returns with one wgmma in flight): a CTA barrier, then the wgmma reads the A buffer from
-    shared memory; REGA: the decoded tile t itself is the register operand (ptxas must keep
-    its registers until the next wait: see the module docstring). The barrier also
+    shared memory; REGA: the decoded tile t itself is the register operand (read until the
+    next step's wait: the caller decodes the next step into other registers, two steps an
+    iteration; `quant_gluon_rega`). The barrier also
     tells that the steps before step - 1 are retired in every warp: the x buffers of the NREF
     steps before step - 1 are refilled (the TMA issue costs barriers of its own, so with two
     steps an iteration both at once) or, WS, handed to the producer warp by their `empty`
@@ -470,9 +472,9 @@ class GluonGemmConfig:
     that many parts (1 or 2) a program each, summed in the kernel (`_split_epilogue`): 128 x
     256 tiles with split 2 are 128 programs that read x half as often as 64 x 256 ones;
     wtma: the words and scales by TMA with the x tiles (no global load in the loop; one step
-    an iteration: with two, ptxas serializes the wgmmas); rega: the decoded tile as the
-    wgmma's register operand where the ptxas Triton uses keeps it (`quant_gluon_rega`), else
-    through the shared A buffer."""
+    an iteration, unless rega); rega: the decoded tiles as the wgmmas' register operands (no A
+    buffer) where an iteration has two steps (`quant_gluon_rega.operand_path`), else through
+    the shared A buffer."""
     num_warps: int = 4
     block_m: int = 256
     stages: int = 4
@@ -495,8 +497,7 @@ class GluonGemmConfig:
                 + (",h2" if self.h2 else "") + (",rot" if self.rot else "")
                 + (",late" if self.late else "")
                 + (f",split{self.split}" if self.split > 1 else "")
-                + (",wtma" if self.wtma else "")
-                + ("" if not self.rega else ",regA" if self.rega == 1 else ",regA1") + "]")
+                + (",wtma" if self.wtma else "") + (",regA" if self.rega else "") + "]")
 
 
 #: shared-memory layout of the WTMA word and scale tiles (no swizzle: each thread reads its

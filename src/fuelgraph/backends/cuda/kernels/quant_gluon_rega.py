@@ -22,11 +22,10 @@ def operand_path(cfg, steps: int, wtma: bool) -> tuple[int, bool]:
     """(SUB, REGA) of a launch (`GluonGemmConfig` cfg, `steps` steps of 64 a program): two
     steps an iteration where asked and they divide the steps (wtma: only with rega, as before
     session 11 wtma launches ran one); register A (rega 1) only with two, so that the two
-    steps' tiles are distinct registers; rega 2: register A whatever SUB (one tile's
-    registers rewritten each iteration while its wgmma is in flight: wrong; kept to show
-    the hazard in bench/sass_wgmma_regs.py)."""
+    steps' tiles are distinct registers (one step an iteration with register A: NaN on the
+    H200; bench/sass_wgmma_regs.py compiles it to show the hazard)."""
     sub = cfg.sub if steps % cfg.sub == 0 and (not wtma or cfg.rega) else 1
-    return sub, cfg.rega == 2 or (cfg.rega == 1 and sub == 2)
+    return sub, bool(cfg.rega) and sub == 2
 
 
 def fit_stages(stages: int, per_stage: int, fixed: int) -> int:
