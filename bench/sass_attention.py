@@ -102,11 +102,19 @@ def ws_source(case, m, n, persist=False, **extra):
     return ASTSource(W._fwd_ws_kernel.fn, sig, cons, attrs=aligned)
 
 
-def report(name, src, warps, stages):
+def _compiled(name, src, warps, stages, width):
+    """The sm_90 kernel, or None (the failure printed under the case's name)."""
     try:
-        k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+        return triton.compile(src, target=TARGET, options=dict(num_warps=warps,
+                                                                num_stages=stages))
     except Exception as exc:  # noqa: BLE001
-        print(f"{name:52s} FAILED {str(exc)[:400]!r}", flush=True)
+        print(f"{name:{width}s} FAILED {str(exc)[:400]!r}", flush=True)
+        return None
+
+
+def report(name, src, warps, stages):
+    k = _compiled(name, src, warps, stages, 52)
+    if k is None:
         return
     regs, stack, n, ops = loop_stats(k.asm["cubin"])
     top = " ".join(f"{op}:{c}" for op, c in ops.most_common(6))
@@ -186,10 +194,8 @@ def ws_paths(cubin):
 
 
 def report_ws(name, src, warps, stages):
-    try:
-        k = triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
-    except Exception as exc:  # noqa: BLE001
-        print(f"{name:58s} FAILED {str(exc)[:400]!r}", flush=True)
+    k = _compiled(name, src, warps, stages, 58)
+    if k is None:
         return
     regs, stack, _, _ = loop_stats(k.asm["cubin"])
     block, diag, far, rest = ws_paths(k.asm["cubin"])
