@@ -311,8 +311,9 @@ PACKED_GEMM_MAX_M = 256
 #: (0.0517 / 0.0515), NF4 0.0482 / 0.0466 (0.0540 / 0.0536), Q8_0 0.0497 / 0.0481 (0.0516 /
 #: 0.0514), Q6_K 0.0497 / 0.0483 (0.0546 / 0.0545).
 #: Decodes, round 2 on register A: Q4_0 / AWQ with the bf16x2 decode (h2, bf16 x; the scales
-#: by broadcast loads) 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604; Q6_K with the code at
-#: bit 16 (no FADD) 0.0642-0.0658 against 0.0656-0.0671 (dense 0.0541-0.0570).
+#: by broadcast loads) 0.0572-0.0575 / 0.0588-0.0590 against 0.0575-0.0578 / 0.0601-0.0604;
+#: Q6_K with the code at bit 16 (no FADD) 0.0642-0.0658 against 0.0656-0.0671 (dense
+#: 0.0541-0.0570).
 _RW5 = GluonGemmConfig(8, 256, 5, 2, 1, split=2, wtma=1, rega=1)
 _R128 = GluonGemmConfig(8, 128, 4, 2, 1, split=2, rega=1)
 _R6 = GluonGemmConfig(8, 256, 6, 2, 1, split=2, rega=1)
