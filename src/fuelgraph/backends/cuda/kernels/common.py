@@ -84,10 +84,11 @@ def arrival_counters(device: torch.device, n: int, capturing: bool) -> torch.Ten
         return torch.zeros(n, dtype=torch.int32, device=device)
     if key not in _GRAPH_COUNTERS:
         _GRAPH_COUNTERS[key] = [torch.zeros(GRAPH_COUNTERS, dtype=torch.int32, device=device), 0]
-    have = _EAGER_COUNTERS.get(stream_key(device))
+    skey = stream_key(device)
+    have = _EAGER_COUNTERS.get(skey)
     if have is None or have.numel() < n:
-        have = _EAGER_COUNTERS[stream_key(device)] = torch.zeros(max(n, 1 << 12),
-                                                                 dtype=torch.int32, device=device)
+        have = _EAGER_COUNTERS[skey] = torch.zeros(max(n, 1 << 12), dtype=torch.int32,
+                                                   device=device)
     return have
 
 
